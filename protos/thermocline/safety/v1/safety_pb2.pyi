@@ -1,0 +1,77 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECISION_UNSPECIFIED: _ClassVar[Decision]
+    DECISION_ALLOW: _ClassVar[Decision]
+    DECISION_BLOCK: _ClassVar[Decision]
+DECISION_UNSPECIFIED: Decision
+DECISION_ALLOW: Decision
+DECISION_BLOCK: Decision
+
+class CheckPromptRequest(_message.Message):
+    __slots__ = ("text", "tenant")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tenant: str
+    def __init__(self, text: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class CheckOutputRequest(_message.Message):
+    __slots__ = ("text", "prompt", "tenant")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    prompt: str
+    tenant: str
+    def __init__(self, text: _Optional[str] = ..., prompt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class CategoryScore(_message.Message):
+    __slots__ = ("category", "score", "threshold")
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    category: str
+    score: float
+    threshold: float
+    def __init__(self, category: _Optional[str] = ..., score: _Optional[float] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class CheckResponse(_message.Message):
+    __slots__ = ("decision", "scores", "reasons", "policy_version", "safe_message")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAFE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    decision: Decision
+    scores: _containers.RepeatedCompositeFieldContainer[CategoryScore]
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    policy_version: str
+    safe_message: str
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., scores: _Optional[_Iterable[_Union[CategoryScore, _Mapping]]] = ..., reasons: _Optional[_Iterable[str]] = ..., policy_version: _Optional[str] = ..., safe_message: _Optional[str] = ...) -> None: ...
+
+class GetGateRequest(_message.Message):
+    __slots__ = ("metadata_only",)
+    METADATA_ONLY_FIELD_NUMBER: _ClassVar[int]
+    metadata_only: bool
+    def __init__(self, metadata_only: _Optional[bool] = ...) -> None: ...
+
+class GetGateResponse(_message.Message):
+    __slots__ = ("version", "sha256", "weights", "manifest_json")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    sha256: str
+    weights: bytes
+    manifest_json: str
+    def __init__(self, version: _Optional[str] = ..., sha256: _Optional[str] = ..., weights: _Optional[bytes] = ..., manifest_json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,42 @@
+"""Client channels between services: traced, with the shared limits and keepalive."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import telemetry
+from services.common.config import channel_options
+
+
+def open_channel(target: str, max_message_bytes: int = 16 * 1024 * 1024) -> grpc.aio.Channel:
+    """An insecure aio channel to `target` whose calls carry the current trace context."""
+    return grpc.aio.insecure_channel(
+        target,
+        options=channel_options(max_message_bytes),
+        interceptors=telemetry.client_interceptors(),
+    )
+
+
+async def health_status(target: str, service: str = "", timeout_s: float = 1.0) -> int | None:
+    """The health status of `service` at `target`, or None when it does not answer."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+        return int(reply.status)
+
+
+async def wait_until_serving(target: str, timeout_s: float, service: str = "") -> None:
+    """Waits on health checks until `target` reports SERVING; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await health_status(target, service) == health_pb2.HealthCheckResponse.SERVING:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{target} did not report SERVING within {timeout_s:.0f} s")

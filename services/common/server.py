@@ -1,0 +1,120 @@
+"""The grpc.aio server runner every service uses: health, reflection, limits, telemetry, drain.
+
+A service hands `run_service` its config and a function that registers its servicers. The
+runner serves until SIGTERM or SIGINT, then drains: health turns NOT_SERVING at once, new
+calls get UNAVAILABLE, and calls in flight get `grace_s` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common import telemetry
+from services.common.config import ServerConfig, channel_options
+from services.common.interceptors import CallTracker, GuardInterceptor
+from services.common.metrics import DRAINING, start_metrics_server
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class ServiceSpec:
+    """What a service brings to the runner."""
+
+    config: ServerConfig
+    # Adds the servicers to the server; returns their full names (e.g. "thermocline.engine.v1.EngineService").
+    register: Callable[[grpc.aio.Server], list[str]]
+    # Runs after the port is bound and before health turns SERVING.
+    on_start: Hook | None = None
+    # Runs after the server has stopped.
+    on_stop: Hook | None = None
+    # Extra state the service wants reflected in its health status.
+    service_names: list[str] = field(default_factory=list)
+
+
+def setup_logging(level: str) -> None:
+    """One log format for all services: time, service logger, level, message."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+class RunningServer:
+    """A started server plus what the drain needs to reach."""
+
+    def __init__(self, spec: ServiceSpec) -> None:
+        self.spec = spec
+        self.tracker = CallTracker()
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(
+            interceptors=[telemetry.server_interceptor(), GuardInterceptor(self.tracker)],
+            options=channel_options(spec.config.max_message_bytes, spec.config.keepalive_s),
+        )
+        self.stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        """Registers everything, binds the port and turns health SERVING."""
+        config = self.spec.config
+        self.spec.service_names = self.spec.register(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflected = [*self.spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(reflected, self.server)
+        if self.server.add_insecure_port(config.address) == 0:
+            raise OSError(f"{config.service}: cannot bind {config.address}; is the port taken?")
+        await self.server.start()
+        if self.spec.on_start is not None:
+            await self.spec.on_start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s serving on %s", config.service, config.address)
+
+    async def drain(self) -> None:
+        """Stops admitting calls, lets those in flight finish within the grace period, then stops."""
+        if self.tracker.is_draining:
+            return
+        started = time.monotonic()
+        grace_s = self.spec.config.grace_s
+        self.tracker.is_draining = True
+        DRAINING.set(1)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining: %d call(s) in flight, grace %.1f s", self.tracker.num_in_flight, grace_s)
+        if not await self.tracker.wait_idle(grace_s):
+            log.warning("grace period over with %d call(s) in flight; cancelling them", self.tracker.num_in_flight)
+        await self.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
+        if self.spec.on_stop is not None:
+            await self.spec.on_stop()
+        self.stopped.set()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ["", *self.spec.service_names]:
+            await self.health.set(name, status)
+
+
+async def serve(spec: ServiceSpec) -> None:
+    """Runs the service until a signal has drained it."""
+    running = RunningServer(spec)
+    await running.start()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lambda: asyncio.ensure_future(running.drain()))
+    await running.stopped.wait()
+
+
+def run_service(spec: ServiceSpec) -> None:
+    """The entry point of a service process: logging, tracing, metrics, then serve."""
+    config = spec.config
+    setup_logging(config.log_level)
+    telemetry.setup_tracing(config.service)
+    start_metrics_server(config.host, config.metrics_port)
+    try:
+        asyncio.run(serve(spec))
+    finally:
+        telemetry.shutdown_tracing()

@@ -1,0 +1,74 @@
+"""OpenTelemetry set-up: one tracer provider per process, W3C context in gRPC metadata.
+
+Spans are exported over OTLP/gRPC whenever `OTEL_EXPORTER_OTLP_ENDPOINT` (or the traces-only
+variant) is set; otherwise they are created (so trace ids still reach the client) but dropped.
+Sampling follows the standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` variables, and
+the default parent-based sampler honours the sampled flag of an incoming `traceparent`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from services.common import env
+
+log = logging.getLogger(__name__)
+
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(service_name: str) -> TracerProvider:
+    """Installs the global tracer provider for this process, exporting over OTLP when configured."""
+    global _provider
+    if _provider is not None:
+        return _provider
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: f"thermocline-{service_name}"}))
+    endpoint = env.otlp_endpoint()
+    if endpoint is not None:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        log.info("exporting traces over OTLP to %s", endpoint)
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def shutdown_tracing() -> None:
+    """Flushes and stops the exporter; call once at process exit."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def _skip_infrastructure() -> object:
+    """Health checks and reflection make no spans: they would drown the real traffic."""
+    return negate(any_of(health_check(), service_prefix("grpc.reflection")))
+
+
+def server_interceptor() -> grpc.aio.ServerInterceptor:
+    """A server interceptor that continues the caller's trace and opens a span per RPC."""
+    return aio_server_interceptor(filter_=_skip_infrastructure())
+
+
+def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that open a span per outgoing RPC and inject `traceparent`."""
+    return aio_client_interceptors(filter_=_skip_infrastructure())
+
+
+def tracer(name: str) -> trace.Tracer:
+    """A tracer for spans inside a service."""
+    return trace.get_tracer(name)
+
+
+def current_trace_id() -> str:
+    """The trace id of the active span in hex, or '' when there is none."""
+    context = trace.get_current_span().get_span_context()
+    return format(context.trace_id, "032x") if context.is_valid else ""

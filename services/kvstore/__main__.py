@@ -1,0 +1,16 @@
+"""`python -m services.kvstore`: runs the kvstore service."""
+
+from services.common.server import ServiceSpec, run_service
+from services.kvstore.config import KVStoreConfig
+from services.kvstore.servicer import register
+
+
+def main() -> None:
+    """Starts the kvstore with settings from the environment."""
+    config = KVStoreConfig.from_env()
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    run_service(ServiceSpec(config=config.server, register=lambda server: register(server, config)))
+
+
+if __name__ == "__main__":
+    main()
