@@ -87,7 +87,9 @@ class RunningServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("draining: %d call(s) in flight, grace %.1f s", self.tracker.num_in_flight, grace_s)
         if not await self.tracker.wait_idle(grace_s):
-            log.warning("grace period over with %d call(s) in flight; cancelling them", self.tracker.num_in_flight)
+            log.warning(
+                "grace period over with %d call(s) in flight; cancelling them", self.tracker.num_in_flight
+            )
         await self.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
         if self.spec.on_stop is not None:
             await self.spec.on_stop()

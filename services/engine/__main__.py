@@ -1,0 +1,44 @@
+"""`python -m services.engine`: loads the model, then serves it."""
+
+from __future__ import annotations
+
+import logging
+
+from services.common.server import ServiceSpec, run_service, setup_logging
+from services.engine.config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.models import resolve_model
+from services.engine.servicer import register
+
+log = logging.getLogger(__name__)
+
+
+def main() -> None:
+    """Loads the configured model (health stays down until it is ready) and serves it."""
+    config = EngineConfig.from_env()
+    setup_logging(config.server.log_level)
+    path = resolve_model(config.model)
+    engine = LLMEngine.load(
+        path,
+        device=config.device,
+        dtype=config.dtype,
+        max_batch_size=config.max_batch_size,
+        max_seq_len=config.max_seq_len or None,
+    )
+    log.info("loaded %s on %s", engine.model_id, engine.device)
+    engine.start()
+
+    async def stop_engine() -> None:
+        engine.stop()
+
+    run_service(
+        ServiceSpec(
+            config=config.server,
+            register=lambda server: register(server, config, engine),
+            on_stop=stop_engine,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

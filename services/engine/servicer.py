@@ -1,0 +1,154 @@
+"""The engine's gRPC face: protobuf in, LLMEngine call, protobuf out.
+
+The LLMEngine decodes in its own thread; each request's events cross into the event loop
+through `call_soon_threadsafe`, so the loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from services.common.errors import InvalidArgument
+from services.engine.config import EngineConfig
+from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
+from thermocline.engine.v1 import engine_pb2 as pb
+from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
+
+_FINISH_TO_PB = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_pb(sampling: pb.SamplingParams, config: EngineConfig) -> SamplingParams:
+    """Validated SamplingParams; out-of-range values become INVALID_ARGUMENT."""
+    max_tokens = sampling.max_tokens or config.default_max_tokens
+    if max_tokens > config.max_tokens_limit:
+        raise InvalidArgument(
+            f"max_tokens {max_tokens} exceeds this engine's limit of {config.max_tokens_limit}"
+        )
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p or 1.0,
+            top_k=sampling.top_k,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop=tuple(sampling.stop),
+        )
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from None
+
+
+class EngineServicer(pb_grpc.EngineServiceServicer):
+    """Streams tokens from the shared LLMEngine."""
+
+    def __init__(self, config: EngineConfig, engine: LLMEngine) -> None:
+        self.config = config
+        self.engine = engine
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        prompt_ids = self._prompt_ids(request)
+        params = sampling_from_pb(request.sampling, self.config)
+        self._annotate_span(request, params, len(prompt_ids))
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            handle = self.engine.submit(
+                prompt_ids, params, lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
+            )
+        except ValueError as error:
+            raise InvalidArgument(str(error)) from None
+        is_finished = False
+        try:
+            while not is_finished:
+                event = await events.get()
+                is_finished = event.finished
+                yield self._to_pb(event)
+        finally:
+            if not is_finished:
+                # cancellation or deadline: free the request's KV at once
+                self.engine.cancel(handle)
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.GetStatsResponse:
+        stats = self.engine.stats()
+        return pb.GetStatsResponse(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            generated_tokens_total=stats.generated_tokens_total,
+            max_batch_size=self.config.max_batch_size,
+            device=str(self.engine.device),
+        )
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
+        tokenizer = self.engine.tokenizer
+        return pb.GetModelInfoResponse(
+            model=self.engine.model_id,
+            max_context_tokens=self.engine.max_seq_len,
+            has_chat_template=tokenizer.chat_template is not None,
+            vocab_size=tokenizer.vocab_size,
+        )
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """Token ids for whichever input form the request used."""
+        tokenizer = self.engine.tokenizer
+        kind = request.WhichOneof("input")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            bad = [i for i in ids if i >= tokenizer.vocab_size]
+            if bad:
+                raise InvalidArgument(
+                    f"token id {bad[0]} is outside the vocabulary of {tokenizer.vocab_size}"
+                )
+            return ids
+        if kind == "prompt":
+            return tokenizer.encode(request.prompt, add_bos=True)
+        if kind == "chat":
+            return self._chat_ids(request.chat)
+        raise InvalidArgument("request has no input: set prompt, chat or token_ids")
+
+    def _chat_ids(self, chat: pb.ChatTurns) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer.chat_template is None:
+            raise InvalidArgument(f"model {self.engine.model_id} has no chat template; send a plain prompt")
+        if not chat.messages:
+            raise InvalidArgument("chat has no messages")
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as error:
+            raise InvalidArgument(f"chat template rejected the messages: {error}") from None
+        return tokenizer.encode(text, add_bos=False)
+
+    def _annotate_span(self, request: pb.GenerateRequest, params: SamplingParams, num_prompt: int) -> None:
+        span = trace.get_current_span()
+        span.set_attribute("gen_ai.operation.name", "chat" if request.HasField("chat") else "text_completion")
+        span.set_attribute("gen_ai.request.model", self.engine.model_id)
+        span.set_attribute("gen_ai.request.max_tokens", params.max_new_tokens)
+        span.set_attribute("gen_ai.usage.input_tokens", num_prompt)
+        span.set_attribute("thermocline.intent_class", request.intent_class or "default")
+
+    def _to_pb(self, event: StreamEvent) -> pb.GenerateResponse:
+        message = pb.GenerateResponse(token_ids=event.token_ids, text=event.text_delta)
+        if event.finished:
+            assert event.finish_reason is not None
+            message.finish_reason = _FINISH_TO_PB[event.finish_reason]
+            message.usage.prompt_tokens = event.prompt_tokens
+            message.usage.completion_tokens = event.completion_tokens
+            span = trace.get_current_span()
+            span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
+            span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason.name.lower()])
+        return message
+
+
+def register(server: grpc.aio.Server, config: EngineConfig, engine: LLMEngine) -> list[str]:
+    """Adds the engine servicer; returns its full service name."""
+    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(config, engine), server)
+    return [pb.DESCRIPTOR.services_by_name["EngineService"].full_name]

@@ -1,0 +1,140 @@
+"""Relaying the engine's token stream to the client, with output held back until screened.
+
+Text is released in windows: every `check_tokens` tokens, and at the end, the text so far is
+sent to the safety service; only text that passed is forwarded. A blocked output ends the
+stream with the safe message and FINISH_REASON_SAFETY, and the engine request is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+
+from services.common.errors import Unavailable
+from services.gateway.upstream import Upstreams, upstream_error
+from thermocline.engine.v1 import engine_pb2
+from thermocline.gateway.v1 import gateway_pb2 as pb
+
+_FINISH_FROM_ENGINE = {
+    engine_pb2.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
+    engine_pb2.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH,
+    engine_pb2.FINISH_REASON_SAFETY: pb.FINISH_REASON_SAFETY,
+    engine_pb2.FINISH_REASON_CANCELLED: pb.FINISH_REASON_CANCELLED,
+    engine_pb2.FINISH_REASON_ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+@dataclass
+class HeldOutput:
+    """Generated text not yet screened, and everything generated so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    full_text: str = ""
+
+    def add(self, message: engine_pb2.GenerateResponse) -> None:
+        """Holds back one engine message."""
+        self.text += message.text
+        self.full_text += message.text
+        self.token_ids.extend(message.token_ids)
+
+    def release(self) -> pb.GenerateResponse | None:
+        """The held text as one delta, emptying the hold; None when nothing is held."""
+        if not self.text and not self.token_ids:
+            return None
+        delta = pb.GenerateResponse(delta=pb.TextDelta(text=self.text, token_ids=self.token_ids))
+        self.text, self.token_ids = "", []
+        return delta
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """What one relay needs besides the engine request."""
+
+    prompt_text: str
+    tenant: str
+    model: str
+    trace_id: str
+    check_tokens: int
+    safety_timeout_s: float
+    deadline_s: float | None
+
+
+def final_message(
+    reason: int, settings: RelaySettings, usage: engine_pb2.Usage | None = None
+) -> pb.GenerateResponse:
+    """The closing message of a stream."""
+    message = pb.GenerateResponse(
+        done=pb.Completion(finish_reason=reason, trace_id=settings.trace_id, model=settings.model)
+    )
+    if usage is not None:
+        message.done.usage.prompt_tokens = usage.prompt_tokens
+        message.done.usage.completion_tokens = usage.completion_tokens
+        message.done.usage.cached_prompt_tokens = usage.cached_prompt_tokens
+        message.done.usage.tiers.hot_tokens = usage.tiers.hot_tokens
+        message.done.usage.tiers.warm_tokens = usage.tiers.warm_tokens
+        message.done.usage.tiers.cold_tokens = usage.tiers.cold_tokens
+    return message
+
+
+def blocked_messages(
+    safe_message: str, settings: RelaySettings, usage: engine_pb2.Usage | None
+) -> list[pb.GenerateResponse]:
+    """The safe message and a SAFETY finish, which replace a blocked prompt or output."""
+    return [
+        pb.GenerateResponse(delta=pb.TextDelta(text=safe_message)),
+        final_message(pb.FINISH_REASON_SAFETY, settings, usage),
+    ]
+
+
+async def relay(
+    upstreams: Upstreams, request: engine_pb2.GenerateRequest, settings: RelaySettings
+) -> AsyncIterator[pb.GenerateResponse]:
+    """Streams the engine's answer to `request`, screened in windows."""
+    call = upstreams.engine.Generate(request, timeout=settings.deadline_s)
+    held = HeldOutput()
+    try:
+        async for message in call:
+            held.add(message)
+            is_last = message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
+            if is_last or len(held.token_ids) >= settings.check_tokens:
+                verdict = await upstreams.check_output(
+                    held.full_text, settings.prompt_text, settings.tenant, settings.safety_timeout_s
+                )
+                if verdict.decision == verdict.DECISION_BLOCK:
+                    _record_block("output", verdict.reasons)
+                    for blocked in blocked_messages(
+                        verdict.safe_message, settings, message.usage if is_last else None
+                    ):
+                        yield blocked
+                    return
+                if (delta := held.release()) is not None:
+                    yield delta
+            if is_last:
+                _record_finish(message)
+                yield final_message(_FINISH_FROM_ENGINE[message.finish_reason], settings, message.usage)
+                return
+    except grpc.aio.AioRpcError as error:
+        raise upstream_error("engine", error) from None
+    finally:
+        call.cancel()
+    raise Unavailable("engine ended the stream without a final message; retry the request")
+
+
+def _record_block(layer: str, reasons: list[str] | tuple[str, ...]) -> None:
+    span = trace.get_current_span()
+    span.add_event(
+        "safety.block", {"thermocline.safety.layer": layer, "thermocline.safety.reasons": list(reasons)}
+    )
+
+
+def _record_finish(message: engine_pb2.GenerateResponse) -> None:
+    span = trace.get_current_span()
+    span.set_attribute("gen_ai.usage.input_tokens", message.usage.prompt_tokens)
+    span.set_attribute("gen_ai.usage.output_tokens", message.usage.completion_tokens)
+    span.set_attribute(
+        "gen_ai.response.finish_reasons", [engine_pb2.FinishReason.Name(message.finish_reason).lower()[14:]]
+    )

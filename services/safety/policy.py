@@ -1,0 +1,91 @@
+"""The deny-pattern policy: an operator's list of regular expressions, applied to normalised text.
+
+It is the first, simple safety layer; the learned classifier and the in-engine gate replace it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+# Characters that render as nothing and are used to split a word past a pattern.
+_ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad\u180e"))
+_WHITESPACE = re.compile(r"\s+")
+
+
+class PolicyError(ValueError):
+    """The policy file cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class DenyRule:
+    """One line of the policy file."""
+
+    category: str
+    pattern: re.Pattern[str]
+    line_number: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of screening one text."""
+
+    is_blocked: bool
+    # The categories that matched, each as "category (line N)", for the audit log.
+    reasons: tuple[str, ...]
+    # Every category of the policy with 1.0 if it matched, else 0.0.
+    scores: dict[str, float]
+
+
+def normalize(text: str) -> str:
+    """NFKC, zero-width characters dropped, whitespace collapsed: what the patterns see."""
+    text = unicodedata.normalize("NFKC", text).translate(_ZERO_WIDTH)
+    return _WHITESPACE.sub(" ", text).strip()
+
+
+def _parse_line(line: str, line_number: int, path: Path) -> DenyRule | None:
+    stripped = line.strip()
+    if not stripped or stripped.startswith("#"):
+        return None
+    category, sep, expression = stripped.partition(":")
+    if not sep or not category.strip() or not expression.strip():
+        raise PolicyError(f"{path}:{line_number}: expected 'category: pattern', got {stripped!r}")
+    try:
+        pattern = re.compile(expression.strip(), re.IGNORECASE)
+    except re.error as error:
+        raise PolicyError(f"{path}:{line_number}: pattern does not compile: {error}") from None
+    return DenyRule(category.strip(), pattern, line_number)
+
+
+class DenyPatternPolicy:
+    """Blocks text that matches any rule of the file it was loaded from."""
+
+    def __init__(self, rules: list[DenyRule], version: str) -> None:
+        self.rules = rules
+        self.version = version
+        self.categories = sorted({rule.category for rule in rules})
+
+    @classmethod
+    def load(cls, path: Path) -> DenyPatternPolicy:
+        """Parses the policy file; its version is the start of the file's sha256."""
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise PolicyError(f"cannot read deny-pattern file {path}: {error.strerror}") from None
+        lines = data.decode("utf-8").splitlines()
+        rules = [rule for n, line in enumerate(lines, 1) if (rule := _parse_line(line, n, path))]
+        return cls(rules, version="deny-patterns-" + hashlib.sha256(data).hexdigest()[:12])
+
+    def check(self, text: str) -> Verdict:
+        """Screens `text`; blocked when any rule matches its normalised form."""
+        normalized = normalize(text)
+        matched = [rule for rule in self.rules if rule.pattern.search(normalized)]
+        hit = {rule.category for rule in matched}
+        return Verdict(
+            is_blocked=bool(matched),
+            reasons=tuple(f"{rule.category} (line {rule.line_number})" for rule in matched),
+            scores={category: float(category in hit) for category in self.categories},
+        )
