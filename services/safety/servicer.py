@@ -7,12 +7,12 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
-from thermocline.safety.v1 import safety_pb2 as pb
-from thermocline.safety.v1 import safety_pb2_grpc as pb_grpc
 
 from services.common.errors import InvalidArgument, Unimplemented
 from services.safety.config import SafetyConfig
 from services.safety.policy import DenyPatternPolicy, Verdict
+from thermocline.safety.v1 import safety_pb2 as pb
+from thermocline.safety.v1 import safety_pb2_grpc as pb_grpc
 
 CHECKS = Counter(
     "thermocline_safety_checks_total", "Safety checks by layer and decision.", ["layer", "decision"]
