@@ -1,0 +1,186 @@
+"""The `thermocline` command: run the mesh, talk to it, mint development tokens."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from services.cli.client import build_request, call_metadata, collect, stream_generate
+from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
+from services.cli.trace_collector import TraceCollector, format_trace
+from services.common import env
+from services.gateway.tokens import ensure_dev_keys, mint_token
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir or env.get_str("THERMOCLINE_STATE_DIR", "var"))
+
+
+def _dev_token(state_dir: Path, subject: str = "dev-user", tenant: str = "dev") -> str:
+    private_path, _ = ensure_dev_keys(state_dir / "keys")
+    return mint_token(private_path.read_bytes(), subject=subject, tenant=tenant)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Starts the mesh and keeps it running until Ctrl-C or SIGTERM."""
+    config = MeshConfig(model=args.model, state_dir=_state_dir(args), otlp_endpoint=env.otlp_endpoint())
+    mesh = Mesh(config)
+    print(f"starting the mesh with {args.model} (logs in {mesh.logs_dir}) ...", flush=True)
+    with mesh:
+        _print_endpoints(mesh)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+        print("\nstopping ...")
+    return 0
+
+
+def _print_endpoints(mesh: Mesh) -> None:
+    ports = mesh.config.ports
+    for service in ("gateway", "engine", "safety", "kvstore"):
+        print(
+            f"  {service:<8} grpc {mesh.target(service):<20} metrics http://127.0.0.1:{ports.metrics[service]}/metrics"
+        )
+    if "redis" in mesh.processes:
+        print(f"  redis    redis://127.0.0.1:{ports.redis}/0")
+    print(f'\ntry: thermocline generate --chat "{DEMO_QUESTION}"\nCtrl-C stops everything.', flush=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Streams one answer from the gateway to the terminal."""
+    token = args.token or env.get_optional_str("THERMOCLINE_TOKEN") or _dev_token(_state_dir(args))
+    request = build_request(
+        args.prompt,
+        chat=args.chat,
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+    )
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            result = collect(
+                stream_generate(channel, request, call_metadata(token, args.intent), args.timeout), echo=True
+            )
+        except grpc.RpcError as error:
+            print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    if result.done is not None:
+        done = result.done
+        print(
+            f"[{done.model}] finish={done.finish_reason and _finish_name(done.finish_reason)} "
+            f"prompt_tokens={done.usage.prompt_tokens} completion_tokens={done.usage.completion_tokens} "
+            f"trace_id={done.trace_id}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _finish_name(value: int) -> str:
+    from thermocline.gateway.v1 import gateway_pb2
+
+    return gateway_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Starts the mesh, asks one chat question, and prints the answer and each hop's time."""
+    collector = TraceCollector().start()
+    state_dir = _state_dir(args)
+    config = MeshConfig(
+        model=args.model, state_dir=state_dir, ports=Ports.free(), otlp_endpoint=collector.endpoint
+    )
+    print(f"starting the mesh with {args.model} (the first run downloads it) ...", flush=True)
+    try:
+        with Mesh(config) as mesh:
+            print(f"mesh is up; asking: {DEMO_QUESTION}\n", flush=True)
+            token = _dev_token(state_dir)
+            request = build_request(DEMO_QUESTION, chat=True, max_tokens=args.max_tokens)
+            with grpc.insecure_channel(mesh.target("gateway")) as channel:
+                result = collect(stream_generate(channel, request, call_metadata(token), 300), echo=True)
+            assert result.done is not None
+            trace_id = result.done.trace_id
+            wanted = {"thermocline-gateway", "thermocline-safety", "thermocline-engine"}
+            spans = collector.wait_for_services(trace_id, wanted, timeout_s=30)
+        print(f"\ntrace id {trace_id}; time at each hop:\n{format_trace(spans)}")
+        return 0
+    except ServiceFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        collector.stop()
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """Prints a development token signed with the mesh's development key."""
+    private_path, _ = ensure_dev_keys(_state_dir(args) / "keys")
+    print(mint_token(private_path.read_bytes(), subject=args.subject, tenant=args.tenant, ttl_s=args.ttl_s))
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Makes an RSA key pair for the gateway (e.g. for compose: deploy/keys)."""
+    private_path, public_path = ensure_dev_keys(Path(args.directory))
+    print(f"private key {private_path}\npublic key  {public_path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(prog="thermocline", description=__doc__)
+    parser.add_argument("--state-dir", help="keys, logs and data of the local mesh (default ./var)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start redis and the four services on loopback")
+    up.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
+    up.set_defaults(func=cmd_up)
+
+    generate = commands.add_parser("generate", help="stream an answer from the gateway")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as one user chat turn")
+    generate.add_argument("--target", default="127.0.0.1:50051")
+    generate.add_argument(
+        "--token", help="bearer JWT (default: $THERMOCLINE_TOKEN, else a development token)"
+    )
+    generate.add_argument("--model", default="")
+    generate.add_argument("--intent", default=None)
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    generate.set_defaults(func=cmd_generate)
+
+    demo = commands.add_parser("demo", help="start the mesh, ask one question, show the trace")
+    demo.add_argument("--model", default=DEFAULT_MODEL)
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.set_defaults(func=cmd_demo)
+
+    token = commands.add_parser("token", help="mint a development JWT")
+    token.add_argument("--subject", default="dev-user")
+    token.add_argument("--tenant", default="dev")
+    token.add_argument("--ttl-s", type=float, default=3600.0)
+    token.set_defaults(func=cmd_token)
+
+    keys = commands.add_parser("keys", help="make an RSA key pair for token signing")
+    keys.add_argument("directory")
+    keys.set_defaults(func=cmd_keys)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `thermocline` console script."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Starting the whole mesh on loopback: redis-server, then kvstore, safety, engine and gateway,
+each its own process, each waited on through its health check. `thermocline up`, the demo and
+the integration tests all start the mesh through this module."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.gateway.tokens import ensure_dev_keys
+
+log = logging.getLogger(__name__)
+
+SERVICES = ("kvstore", "safety", "engine", "gateway")
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Where each process listens."""
+
+    gateway: int = 50051
+    engine: int = 50052
+    safety: int = 50053
+    kvstore: int = 50054
+    redis: int = 6390
+    metrics: dict[str, int] = field(
+        default_factory=lambda: {"gateway": 9101, "engine": 9102, "safety": 9103, "kvstore": 9104}
+    )
+
+    @classmethod
+    def free(cls) -> Ports:
+        """Ports picked from what is free now, for tests that run beside other meshes."""
+        return cls(
+            gateway=free_port(),
+            engine=free_port(),
+            safety=free_port(),
+            kvstore=free_port(),
+            redis=free_port(),
+            metrics={name: free_port() for name in SERVICES},
+        )
+
+    def grpc_port(self, service: str) -> int:
+        """The gRPC port of one service."""
+        return int(getattr(self, service))
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """What the mesh runs and where it keeps its state (keys, logs, kvstore data)."""
+
+    model: str
+    state_dir: Path
+    ports: Ports = field(default_factory=Ports)
+    otlp_endpoint: str | None = None
+    start_redis: bool = True
+    # Extra THERMOCLINE_* settings passed to every service, e.g. a grace period for a test.
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+
+
+class ServiceFailed(RuntimeError):
+    """A service exited or never became healthy; the message holds the end of its log."""
+
+
+class Mesh:
+    """The processes of one mesh; use as a context manager or call start() and stop()."""
+
+    def __init__(self, config: MeshConfig) -> None:
+        self.config = config
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.keys_dir = config.state_dir / "keys"
+        self.logs_dir = config.state_dir / "logs"
+        self.private_key_path, self.public_key_path = ensure_dev_keys(self.keys_dir)
+
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def target(self, service: str) -> str:
+        """host:port of a service's gRPC endpoint."""
+        return f"127.0.0.1:{self.config.ports.grpc_port(service)}"
+
+    def start(self) -> None:
+        """Starts everything in dependency order and waits until each is healthy."""
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_redis()
+            for service in SERVICES:
+                self.start_service(service)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_service(self, service: str) -> None:
+        """Starts one service process and waits for it to report SERVING."""
+        log_file = (self.logs_dir / f"{service}.log").open("ab")
+        command = [sys.executable, "-m", f"services.{service}"]
+        self.processes[service] = subprocess.Popen(
+            command,
+            env=self._service_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._wait_healthy(service)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM to each process, front to back, then SIGKILL to any that outlive the timeout."""
+        for name in reversed(list(self.processes)):
+            process = self.processes[name]
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s ignored SIGTERM for %.0f s; killing it", name, timeout_s)
+                    process.kill()
+                    process.wait()
+        self.processes.clear()
+
+    def log_tail(self, service: str, num_lines: int = 30) -> str:
+        """The last lines a service wrote."""
+        path = self.logs_dir / f"{service}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join(lines[-num_lines:])
+
+    def _service_env(self) -> dict[str, str]:
+        config, ports = self.config, self.config.ports
+        env = {key: value for key, value in os.environ.items() if not key.startswith("THERMOCLINE_")}
+        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+        for service in SERVICES:
+            env[f"THERMOCLINE_{service.upper()}_PORT"] = str(ports.grpc_port(service))
+            env[f"THERMOCLINE_{service.upper()}_METRICS_PORT"] = str(ports.metrics[service])
+        env |= {
+            "THERMOCLINE_ENGINE_MODEL": config.model,
+            "THERMOCLINE_GATEWAY_ENGINE_TARGET": self.target("engine"),
+            "THERMOCLINE_GATEWAY_SAFETY_TARGET": self.target("safety"),
+            "THERMOCLINE_GATEWAY_JWT_KEY_FILE": str(self.public_key_path),
+            "THERMOCLINE_KVSTORE_DATA_DIR": str(config.state_dir / "kvstore"),
+            "REDIS_URL": f"redis://127.0.0.1:{ports.redis}/0",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if config.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = config.otlp_endpoint
+        return env | config.env
+
+    def _start_redis(self) -> None:
+        if not self.config.start_redis:
+            return
+        binary = shutil.which("redis-server")
+        if binary is None:
+            log.warning(
+                "redis-server is not installed; rate limits and the kvstore index will be unavailable"
+            )
+            return
+        port = self.config.ports.redis
+        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        log_file = (self.logs_dir / "redis.log").open("ab")
+        self.processes["redis"] = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+        self._wait_redis(port)
+
+    def _wait_redis(self, port: int) -> None:
+        import redis
+
+        client = redis.Redis(port=port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            self._check_alive("redis")
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise ServiceFailed(f"redis-server did not answer PING on port {port}:\n{self.log_tail('redis')}")
+
+    def _wait_healthy(self, service: str) -> None:
+        """Follows the service's health Watch stream until it says SERVING."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        request = health_pb2.HealthCheckRequest()
+        with grpc.insecure_channel(self.target(service)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                self._check_alive(service)
+                try:
+                    for reply in stub.Watch(request, timeout=1.0, wait_for_ready=True):
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            return
+                except grpc.RpcError as error:
+                    if error.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                        raise
+        raise ServiceFailed(f"{service} was not healthy after {self.config.startup_timeout_s:.0f} s")
+
+    def _check_alive(self, name: str) -> None:
+        code = self.processes[name].poll()
+        if code is not None:
+            raise ServiceFailed(f"{name} exited with code {code}:\n{self.log_tail(name)}")
