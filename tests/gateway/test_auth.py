@@ -1,0 +1,114 @@
+"""JWT verification against real signed tokens (PyJWT and real RSA keys, no fakes)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from pathlib import Path
+
+import jwt
+import pytest
+
+from services.common.errors import Unauthenticated
+from services.gateway.auth import JwtVerifier
+from services.gateway.config import JwtConfig
+from services.gateway.tokens import ensure_dev_keys, mint_token
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, Path]:
+    private_path, public_path = ensure_dev_keys(tmp_path_factory.mktemp("keys"))
+    return private_path.read_bytes(), public_path
+
+
+@pytest.fixture(scope="module")
+def verifier(keys: tuple[bytes, Path]) -> JwtVerifier:
+    return JwtVerifier(JwtConfig(key_file=keys[1], leeway_s=5))
+
+
+def _bearer(token: str) -> str:
+    return f"Bearer {token}"
+
+
+def _b64(data: dict[str, object]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+
+def test_a_minted_token_verifies(keys: tuple[bytes, Path], verifier: JwtVerifier) -> None:
+    principal = verifier.verify(_bearer(mint_token(keys[0], subject="alice", tenant="acme")))
+    assert (principal.subject, principal.tenant) == ("alice", "acme")
+
+
+@pytest.mark.parametrize(
+    ("claims", "reason"),
+    [
+        ({"aud": "someone-else"}, "audience is wrong"),
+        ({"iss": "evil"}, "issuer is wrong"),
+        ({"exp": int(time.time()) - 60}, "expired"),
+        ({"nbf": int(time.time()) + 600}, "not valid yet"),
+    ],
+)
+def test_bad_claims_are_refused(
+    keys: tuple[bytes, Path], verifier: JwtVerifier, claims: dict[str, object], reason: str
+) -> None:
+    token = mint_token(keys[0], subject="alice", extra_claims=claims)
+    with pytest.raises(Unauthenticated, match=reason):
+        verifier.verify(_bearer(token))
+
+
+def test_expiry_within_the_leeway_is_accepted(keys: tuple[bytes, Path], verifier: JwtVerifier) -> None:
+    token = mint_token(keys[0], subject="alice", extra_claims={"exp": int(time.time()) - 2})
+    assert verifier.verify(_bearer(token)).subject == "alice"
+
+
+def test_missing_exp_is_refused(keys: tuple[bytes, Path], verifier: JwtVerifier) -> None:
+    claims = {"sub": "alice", "iss": "thermocline-dev", "aud": "thermocline"}
+    token = jwt.encode(claims, keys[0], algorithm="RS256")
+    with pytest.raises(Unauthenticated, match="'exp'"):
+        verifier.verify(_bearer(token))
+
+
+def test_alg_none_is_refused(verifier: JwtVerifier) -> None:
+    claims = {"sub": "alice", "iss": "thermocline-dev", "aud": "thermocline", "exp": int(time.time()) + 60}
+    token = f"{_b64({'alg': 'none', 'typ': 'JWT'})}.{_b64(claims)}."
+    with pytest.raises(Unauthenticated, match="alg 'none'"):
+        verifier.verify(_bearer(token))
+
+
+def test_hs256_signed_with_the_public_key_is_refused(keys: tuple[bytes, Path], verifier: JwtVerifier) -> None:
+    claims = {"sub": "alice", "iss": "thermocline-dev", "aud": "thermocline", "exp": int(time.time()) + 60}
+    header = _b64({"alg": "HS256", "typ": "JWT"})
+    payload = _b64(claims)
+    signature = hmac.new(keys[1].read_bytes(), f"{header}.{payload}".encode(), hashlib.sha256).digest()
+    token = f"{header}.{payload}.{base64.urlsafe_b64encode(signature).rstrip(b'=').decode()}"
+    with pytest.raises(Unauthenticated, match="algorithm 'HS256' refused"):
+        verifier.verify(_bearer(token))
+
+
+def test_a_token_from_another_key_is_refused(tmp_path: Path, verifier: JwtVerifier) -> None:
+    other_private, _ = ensure_dev_keys(tmp_path)
+    with pytest.raises(Unauthenticated, match="signature does not verify"):
+        verifier.verify(_bearer(mint_token(other_private.read_bytes(), subject="mallory")))
+
+
+def test_jku_header_is_refused_and_not_followed(keys: tuple[bytes, Path], verifier: JwtVerifier) -> None:
+    claims = {"sub": "alice", "iss": "thermocline-dev", "aud": "thermocline", "exp": int(time.time()) + 60}
+    token = jwt.encode(claims, keys[0], algorithm="RS256", headers={"jku": "http://127.0.0.1:1/keys"})
+    with pytest.raises(Unauthenticated, match="remote or embedded key"):
+        verifier.verify(_bearer(token))
+
+
+@pytest.mark.parametrize("header", [None, "", "Basic abc", "Bearer ", "Bearer not-a-jwt"])
+def test_missing_or_malformed_credentials(verifier: JwtVerifier, header: str | None) -> None:
+    with pytest.raises(Unauthenticated):
+        verifier.verify(header)
+
+
+def test_short_hs256_secret_is_refused_at_start(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("too-short")
+    with pytest.raises(ValueError, match="at least 32"):
+        JwtVerifier(JwtConfig(key_file=secret, algorithm="HS256"))
