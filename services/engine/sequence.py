@@ -1,0 +1,131 @@
+"""One request's life in the engine: its tokens, its text stream and why it ended."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NewType
+
+import torch
+
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.sampling_params import SamplingParams
+from services.engine.stop_checker import StopChecker
+
+RequestId = NewType("RequestId", str)
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped producing tokens."""
+
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_new_tokens or max_seq_len reached
+    CANCELLED = "cancelled"  # the caller cancelled it
+    ERROR = "error"  # the engine failed while running it
+    SAFETY = "safety"  # reserved for the in-loop safety gate
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What one engine step produced for one request; the last event has `finished=True`."""
+
+    request_id: RequestId
+    token_ids: tuple[int, ...]  # new token ids (empty for CANCELLED/ERROR events)
+    text_delta: str  # new text; all deltas concatenate to the completion text
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None  # set with FinishReason.ERROR
+
+
+EventCallback = Callable[[StreamEvent], None]
+
+
+class Sequence:
+    """Mutable per-request state; touched only by the thread that runs engine steps."""
+
+    def __init__(
+        self,
+        request_id: RequestId,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_event: EventCallback,
+        detokenizer: IncrementalDetokenizer,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.on_event = on_event
+        self.completion_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.slot = -1
+        self.generator = generator
+        self.arrival_s = time.perf_counter()
+        self._detokenizer = detokenizer
+        self._stop_checker = StopChecker(params.stop)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus completion length."""
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        """The token the next decode step feeds in."""
+        return self.completion_ids[-1] if self.completion_ids else self.prompt_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_seq_len: int) -> StreamEvent:
+        """Record a sampled token, update the text stream, and decide whether the sequence is done."""
+        self.completion_ids.append(token_id)
+        is_eos = token_id in eos_token_ids and not self.params.ignore_eos
+        check = self._stop_checker.push(self._detokenizer.push(token_id))
+        text = check.text
+        reason = self._finish_reason(is_eos or check.is_stopped, max_seq_len)
+        if reason is not None and not check.is_stopped:
+            text += self._stop_checker.push(self._detokenizer.flush()).text + self._stop_checker.flush()
+        if reason is not None:
+            self.finish(reason)
+        return self.event((token_id,), text)
+
+    def _finish_reason(self, is_stopped: bool, max_seq_len: int) -> FinishReason | None:
+        if is_stopped:
+            return FinishReason.STOP
+        if len(self.completion_ids) >= self.params.max_new_tokens or self.num_tokens >= max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, reason: FinishReason) -> None:
+        """Mark the sequence done (the scheduler frees its slot)."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def event(self, token_ids: tuple[int, ...], text: str, error: str | None = None) -> StreamEvent:
+        """A StreamEvent carrying the sequence's current counts and status."""
+        return StreamEvent(
+            request_id=self.request_id,
+            token_ids=token_ids,
+            text_delta=text,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.completion_ids),
+            error=error,
+        )
