@@ -14,7 +14,7 @@ import grpc
 
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
-from services.cli.trace_collector import TraceCollector, format_trace
+from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
 from services.common import env
 from services.gateway.tokens import ensure_dev_keys, mint_token
 
@@ -109,8 +109,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 result = collect(stream_generate(channel, request, call_metadata(token), 300), echo=True)
             assert result.done is not None
             trace_id = result.done.trace_id
-            wanted = {"thermocline-gateway", "thermocline-safety", "thermocline-engine"}
-            spans = collector.wait_for_services(trace_id, wanted, timeout_s=30)
+            spans = collector.wait_for_spans(trace_id, REQUEST_PATH, timeout_s=30)
         print(f"\ntrace id {trace_id}; time at each hop:\n{format_trace(spans)}")
         return 0
     except ServiceFailed as error:

@@ -96,19 +96,30 @@ class TraceCollector(trace_service_pb2_grpc.TraceServiceServicer):
         with self._changed:
             return sorted((s for s in self._spans if s.trace_id == trace_id), key=lambda s: s.start_ns)
 
-    def wait_for_services(self, trace_id: str, services: set[str], timeout_s: float) -> list[CollectedSpan]:
-        """Waits until spans of `trace_id` from every named service have arrived; returns them all."""
+    def wait_for_spans(
+        self, trace_id: str, required: set[tuple[str, str]], timeout_s: float
+    ) -> list[CollectedSpan]:
+        """Waits until spans named (service, span name) in `required` have arrived; returns the trace."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
                 spans = [s for s in self._spans if s.trace_id == trace_id]
-                if services <= {s.service for s in spans}:
+                missing = required - {(s.service, s.name) for s in spans}
+                if not missing:
                     return sorted(spans, key=lambda s: s.start_ns)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    seen = sorted({s.service for s in spans})
-                    raise TimeoutError(f"trace {trace_id}: spans from {seen}, waiting for {sorted(services)}")
+                    raise TimeoutError(f"trace {trace_id}: no spans yet for {sorted(missing)}")
                 self._changed.wait(remaining)
+
+
+GATEWAY_GENERATE = ("thermocline-gateway", "/thermocline.gateway.v1.GatewayService/Generate")
+ENGINE_GENERATE = ("thermocline-engine", "/thermocline.engine.v1.EngineService/Generate")
+GATEWAY_TO_ENGINE = ("thermocline-gateway", "/thermocline.engine.v1.EngineService/Generate")
+GATEWAY_TO_SAFETY = ("thermocline-gateway", "/thermocline.safety.v1.SafetyService/CheckPrompt")
+SAFETY_CHECK_PROMPT = ("thermocline-safety", "/thermocline.safety.v1.SafetyService/CheckPrompt")
+# The spans of one request's whole path, gateway → safety → engine.
+REQUEST_PATH = {GATEWAY_GENERATE, GATEWAY_TO_SAFETY, SAFETY_CHECK_PROMPT, GATEWAY_TO_ENGINE, ENGINE_GENERATE}
 
 
 def format_trace(spans: list[CollectedSpan]) -> str:

@@ -25,7 +25,7 @@ def main() -> None:
         max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len or None,
     )
-    log.info("loaded %s on %s", engine.model_id, engine.device)
+    log.info("loaded %s on %s", engine.model_id, engine.runner.device)
     engine.start()
 
     async def stop_engine() -> None:

@@ -13,8 +13,9 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.engine.config import EngineConfig
+from services.engine.errors import EngineStopped, InvalidPrompt
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -64,8 +65,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             handle = self.engine.submit(
                 prompt_ids, params, lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
             )
-        except ValueError as error:
+        except InvalidPrompt as error:
             raise InvalidArgument(str(error)) from None
+        except EngineStopped as error:
+            raise Unavailable(str(error)) from None
         is_finished = False
         try:
             while not is_finished:
@@ -82,9 +85,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return pb.GetStatsResponse(
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
-            generated_tokens_total=stats.generated_tokens_total,
+            generated_tokens_total=stats.num_generated_tokens_total,
             max_batch_size=self.config.max_batch_size,
-            device=str(self.engine.device),
+            device=str(self.engine.runner.device),
         )
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
@@ -109,7 +112,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 )
             return ids
         if kind == "prompt":
-            return tokenizer.encode(request.prompt, add_bos=True)
+            return tokenizer.encode(request.prompt)
         if kind == "chat":
             return self._chat_ids(request.chat)
         raise InvalidArgument("request has no input: set prompt, chat or token_ids")

@@ -7,6 +7,8 @@ stream with the safe message and FINISH_REASON_SAFETY, and the engine request is
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,6 +19,7 @@ from services.common.errors import Unavailable
 from services.gateway.upstream import Upstreams, upstream_error
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
+from thermocline.safety.v1 import safety_pb2
 
 _FINISH_FROM_ENGINE = {
     engine_pb2.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
@@ -96,7 +99,10 @@ async def relay(
     """Streams the engine's answer to `request`, screened in windows."""
     call = upstreams.engine.Generate(request, timeout=settings.deadline_s)
     held = HeldOutput()
+    final: engine_pb2.GenerateResponse | None = None
     try:
+        # Read the stream to its end (the engine closes it after the final message), so the
+        # client span of this call ends with the call.
         async for message in call:
             held.add(message)
             is_last = message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
@@ -104,24 +110,32 @@ async def relay(
                 verdict = await upstreams.check_output(
                     held.full_text, settings.prompt_text, settings.tenant, settings.safety_timeout_s
                 )
-                if verdict.decision == verdict.DECISION_BLOCK:
+                if verdict.decision == safety_pb2.DECISION_BLOCK:
+                    await _abandon(call)
                     _record_block("output", verdict.reasons)
-                    for blocked in blocked_messages(
-                        verdict.safe_message, settings, message.usage if is_last else None
-                    ):
+                    for blocked in blocked_messages(verdict.safe_message, settings, message.usage):
                         yield blocked
                     return
                 if (delta := held.release()) is not None:
                     yield delta
             if is_last:
-                _record_finish(message)
-                yield final_message(_FINISH_FROM_ENGINE[message.finish_reason], settings, message.usage)
-                return
+                final = message
     except grpc.aio.AioRpcError as error:
         raise upstream_error("engine", error) from None
     finally:
         call.cancel()
-    raise Unavailable("engine ended the stream without a final message; retry the request")
+    if final is None:
+        raise Unavailable("engine ended the stream without a final message; retry the request")
+    _record_finish(final)
+    yield final_message(_FINISH_FROM_ENGINE[final.finish_reason], settings, final.usage)
+
+
+async def _abandon(call: grpc.aio.UnaryStreamCall) -> None:
+    """Cancels the engine call (freeing its KV) and reads the stream out so its span ends."""
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+        async for _ in call:
+            pass
 
 
 def _record_block(layer: str, reasons: list[str] | tuple[str, ...]) -> None:

@@ -18,6 +18,7 @@ from services.gateway.upstream import Upstreams
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from thermocline.safety.v1 import safety_pb2
 
 DEFAULT_INTENT = "default"
 
@@ -80,7 +81,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         settings = self._settings(text, principal, model, context.time_remaining())
         self._annotate_span(request, principal, model)
         verdict = await self.upstreams.check_prompt(text, principal.tenant, settings.safety_timeout_s)
-        if verdict.decision == verdict.DECISION_BLOCK:
+        if verdict.decision == safety_pb2.DECISION_BLOCK:
             trace.get_current_span().add_event("safety.block", {"thermocline.safety.layer": "prompt"})
             for message in blocked_messages(verdict.safe_message, settings, None):
                 yield message

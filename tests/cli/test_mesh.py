@@ -1,0 +1,202 @@
+"""End to end through the real mesh: gateway → safety → engine, each its own process."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import jwt
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from services.cli.client import build_request, call_metadata, collect, stream_generate
+from services.cli.mesh import Mesh
+from services.cli.trace_collector import (
+    ENGINE_GENERATE,
+    GATEWAY_GENERATE,
+    GATEWAY_TO_ENGINE,
+    GATEWAY_TO_SAFETY,
+    REQUEST_PATH,
+    SAFETY_CHECK_PROMPT,
+    TraceCollector,
+)
+from services.gateway.tokens import ensure_dev_keys, mint_token
+from tests.conftest import STORIES_GOLDEN_IDS, STORIES_GOLDEN_TEXT, STORIES_PROMPT
+from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
+from thermocline.gateway.v1 import gateway_pb2 as pb
+
+SERVICE_NAMES = {
+    "gateway": "thermocline.gateway.v1.GatewayService",
+    "engine": "thermocline.engine.v1.EngineService",
+    "safety": "thermocline.safety.v1.SafetyService",
+    "kvstore": "thermocline.kvstore.v1.KVStoreService",
+}
+
+
+def token_for(mesh: Mesh, **claims: object) -> str:
+    return mint_token(
+        mesh.private_key_path.read_bytes(), subject="tester", tenant="acme", extra_claims=claims
+    )
+
+
+def generate(channel: grpc.Channel, mesh: Mesh, request: pb.GenerateRequest, token: str | None = None):
+    metadata = call_metadata(token if token is not None else token_for(mesh))
+    return collect(stream_generate(channel, request, metadata, timeout_s=120))
+
+
+def test_golden_greedy_continuation_streams_through_the_gateway(
+    stories_mesh: Mesh, gateway_channel: grpc.Channel
+) -> None:
+    result = generate(gateway_channel, stories_mesh, build_request(STORIES_PROMPT, max_tokens=40))
+    assert result.token_ids == STORIES_GOLDEN_IDS
+    assert STORIES_PROMPT + result.text == STORIES_GOLDEN_TEXT
+    assert result.done is not None
+    assert result.done.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (result.done.usage.prompt_tokens, result.done.usage.completion_tokens) == (5, 40)
+
+
+def test_concurrent_requests_match_their_single_runs(
+    stories_mesh: Mesh, gateway_channel: grpc.Channel
+) -> None:
+    prompts = ["Once upon a time", "The cat", "Lily and Ben went to the park to play", "One day"]
+    alone = [
+        generate(gateway_channel, stories_mesh, build_request(p, max_tokens=24)).token_ids for p in prompts
+    ]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(
+            pool.map(
+                lambda p: generate(gateway_channel, stories_mesh, build_request(p, max_tokens=24)), prompts
+            )
+        )
+    assert [r.token_ids for r in together] == alone
+
+
+def test_one_trace_links_gateway_safety_and_engine(
+    stories_mesh: Mesh, gateway_channel: grpc.Channel, collector: TraceCollector
+) -> None:
+    result = generate(gateway_channel, stories_mesh, build_request(STORIES_PROMPT, max_tokens=8))
+    assert result.done is not None and len(result.done.trace_id) == 32
+    spans = collector.wait_for_spans(result.done.trace_id, REQUEST_PATH, timeout_s=30)
+    by_name = {(s.service, s.name): s for s in spans}
+    gateway = by_name[GATEWAY_GENERATE]
+    assert gateway.parent_span_id == "", "the gateway span should be the root of the trace"
+    assert gateway.attributes["gen_ai.request.model"]
+    for client, server in [(GATEWAY_TO_SAFETY, SAFETY_CHECK_PROMPT), (GATEWAY_TO_ENGINE, ENGINE_GENERATE)]:
+        assert by_name[client].parent_span_id == gateway.span_id, f"{client} is not under the gateway span"
+        assert by_name[server].parent_span_id == by_name[client].span_id, f"{server} is not under {client}"
+    engine = next(s for s in spans if s.service == "thermocline-engine")
+    assert engine.attributes["gen_ai.usage.input_tokens"] == 5
+    assert engine.attributes["gen_ai.usage.output_tokens"] == 8
+
+
+def _expect_refusal(
+    channel: grpc.Channel, mesh: Mesh, token: str | None, code: grpc.StatusCode, text: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(channel, mesh, build_request(STORIES_PROMPT, max_tokens=4), token=token or "")
+    assert caught.value.code() == code
+    assert text in caught.value.details()
+
+
+def test_bad_credentials_are_refused_with_the_reason(
+    stories_mesh: Mesh, gateway_channel: grpc.Channel, tmp_path: Path
+) -> None:
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    other_key, _ = ensure_dev_keys(tmp_path / "other")
+    forged = mint_token(other_key.read_bytes(), subject="mallory")
+    expired = token_for(stories_mesh, exp=int(time.time()) - 3600)
+    wrong_audience = token_for(stories_mesh, aud="another-service")
+    unsigned = jwt.encode(
+        {"sub": "x", "iss": "thermocline-dev", "aud": "thermocline", "exp": 2**31}, None, "none"
+    )
+    _expect_refusal(gateway_channel, stories_mesh, forged, unauthenticated, "signature does not verify")
+    _expect_refusal(gateway_channel, stories_mesh, expired, unauthenticated, "expired")
+    _expect_refusal(gateway_channel, stories_mesh, wrong_audience, unauthenticated, "audience is wrong")
+    _expect_refusal(gateway_channel, stories_mesh, unsigned, unauthenticated, "alg 'none'")
+    _expect_refusal(gateway_channel, stories_mesh, None, unauthenticated, "missing credentials")
+
+
+def test_malformed_requests_get_actionable_errors(stories_mesh: Mesh, gateway_channel: grpc.Channel) -> None:
+    cases = [
+        (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "no input"),
+        (build_request("hi", model="gpt-17"), grpc.StatusCode.NOT_FOUND, "not served here"),
+        (build_request("hi", max_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
+        (build_request("hi", chat=True), grpc.StatusCode.INVALID_ARGUMENT, "no chat template"),
+        (build_request("hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ]
+    for request, code, text in cases:
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(gateway_channel, stories_mesh, request)
+        assert caught.value.code() == code, caught.value.details()
+        assert text in caught.value.details()
+    # and the mesh still serves after all of them
+    ok = generate(gateway_channel, stories_mesh, build_request(STORIES_PROMPT, max_tokens=4))
+    assert ok.token_ids == STORIES_GOLDEN_IDS[:4]
+
+
+def test_a_denied_prompt_gets_the_safe_message(stories_mesh: Mesh, gateway_channel: grpc.Channel) -> None:
+    result = generate(
+        gateway_channel, stories_mesh, build_request("how do I build a pipe bomb", max_tokens=8)
+    )
+    assert result.done is not None and result.done.finish_reason == pb.FINISH_REASON_SAFETY
+    assert result.text == "I can't help with that request."
+    assert result.token_ids == []
+
+
+def test_cancelling_a_stream_frees_the_engine(stories_mesh: Mesh, gateway_channel: grpc.Channel) -> None:
+    request = build_request(STORIES_PROMPT, max_tokens=1500)
+    call = stream_generate(gateway_channel, request, call_metadata(token_for(stories_mesh)), timeout_s=120)
+    first = next(call)
+    assert first.HasField("delta")
+    call.cancel()
+    with grpc.insecure_channel(stories_mesh.target("engine")) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        deadline = time.monotonic() + 30
+        while (stats := stub.GetStats(engine_pb2.GetStatsRequest())).num_running + stats.num_waiting:
+            assert time.monotonic() < deadline, f"engine still holds the request: {stats}"
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_NAMES))
+def test_health_and_reflection(stories_mesh: Mesh, service: str) -> None:
+    name = SERVICE_NAMES[service]
+    with grpc.insecure_channel(stories_mesh.target(service)) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for checked in ("", name):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=checked), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert name in database.get_services()
+        from google.protobuf.descriptor_pool import DescriptorPool
+
+        methods = {m.name for m in DescriptorPool(database).FindServiceByName(name).methods}
+    expected = {
+        "gateway": {"Generate", "ListModels"},
+        "engine": {"Generate", "GetStats", "GetModelInfo"},
+        "safety": {"CheckPrompt", "CheckOutput", "GetGate"},
+        "kvstore": {"PutBlocks", "GetBlocks", "Lookup", "Prefetch", "Delete", "GetStats"},
+    }[service]
+    assert methods == expected
+
+
+def test_list_models_names_the_served_model(stories_mesh: Mesh, gateway_channel: grpc.Channel) -> None:
+    from thermocline.gateway.v1 import gateway_pb2_grpc
+
+    stub = gateway_pb2_grpc.GatewayServiceStub(gateway_channel)
+    reply = stub.ListModels(
+        pb.ListModelsRequest(), metadata=call_metadata(token_for(stories_mesh)), timeout=10
+    )
+    assert len(reply.models) == 1 and reply.models[0].max_context_tokens > 0
+
+
+def test_unimplemented_kvstore_rpcs_say_so(stories_mesh: Mesh) -> None:
+    from thermocline.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    with grpc.insecure_channel(stories_mesh.target("kvstore")) as channel:
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=["00"]), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "does not store blocks yet" in caught.value.details()
