@@ -1,0 +1,59 @@
+"""SIGTERM on the gateway mid-stream: the stream finishes, new calls get UNAVAILABLE, the process exits."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.cli.client import build_request, call_metadata, collect, stream_generate
+from services.cli.mesh import Mesh
+from services.cli.trace_collector import TraceCollector
+from services.gateway.tokens import mint_token
+from tests.conftest import STORIES_PROMPT, start_mesh
+from thermocline.gateway.v1 import gateway_pb2 as pb
+
+GRACE_S = 60
+
+
+@pytest.fixture
+def mesh(stories_model: Path, collector: TraceCollector, tmp_path: Path) -> Iterator[Mesh]:
+    started = start_mesh(stories_model, tmp_path, collector, THERMOCLINE_GATEWAY_GRACE_S=str(GRACE_S))
+    yield started
+    started.stop()
+
+
+def wait_not_serving(channel: grpc.Channel) -> None:
+    """Follows the gateway's health stream until it reports NOT_SERVING."""
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    for reply in watch:
+        if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            watch.cancel()
+            return
+    raise AssertionError("health stream ended without NOT_SERVING")
+
+
+def test_sigterm_drains_in_flight_streams_and_refuses_new_calls(mesh: Mesh) -> None:
+    token = mint_token(mesh.private_key_path.read_bytes(), subject="tester")
+    metadata = call_metadata(token)
+    long_request = build_request(STORIES_PROMPT, max_tokens=1500)  # about 2 s of decoding on a laptop core
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        stream = stream_generate(channel, long_request, metadata, timeout_s=120)
+        first = next(stream)
+        assert first.HasField("delta")
+
+        mesh.processes["gateway"].send_signal(signal.SIGTERM)
+        wait_not_serving(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 10))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in refused.value.details()
+
+        rest = collect(stream)
+    assert rest.done is not None and rest.done.finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(first.delta.token_ids) + len(rest.token_ids) == 1500
+    assert mesh.processes["gateway"].wait(GRACE_S) == 0
