@@ -47,7 +47,7 @@ def load_model(
     model.tie_weights()
     model.rotary.reset()
     _copy_weights(model, checkpoint, progress)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def _copy_weights(model: LlamaModel, checkpoint: Checkpoint, progress: bool) -> None:

@@ -1,0 +1,188 @@
+"""LLMEngine on a tiny random Llama: greedy parity with transformers, batching, streaming, cancel."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.errors import EmptyPrompt, InvalidPrompt, PromptTooLong
+from services.engine.generation_result import ResultCollector
+from services.engine.llm_engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+from services.engine.sequence import FinishReason, StreamEvent
+
+GREEDY_20 = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+
+def _prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_matches_transformers_single_and_batched(tiny_engine: LLMEngine, tiny_dir: Path) -> None:
+    prompts = _prompts(tiny_engine.config.vocab_size, (7, 1, 33, 12))
+    expected = [_hf_greedy(tiny_dir, p, 20) for p in prompts]
+    single = [tiny_engine.generate([p], GREEDY_20)[0].token_ids for p in prompts]
+    batched = [r.token_ids for r in tiny_engine.generate(prompts, GREEDY_20)]
+    assert [list(t) for t in single] == expected
+    assert [list(t) for t in batched] == expected
+
+
+def test_tied_sharded_checkpoint_matches_transformers(tiny_tied_sharded_dir: Path) -> None:
+    engine = LLMEngine.load(tiny_tied_sharded_dir, device="cpu", max_batch_size=2, progress=False)
+    prompts = _prompts(engine.config.vocab_size, (9, 4), seed=3)
+    results = engine.generate(prompts, GREEDY_20)
+    assert [list(r.token_ids) for r in results] == [_hf_greedy(tiny_tied_sharded_dir, p, 20) for p in prompts]
+
+
+def test_requests_joining_mid_decode_get_the_same_tokens(tiny_engine: LLMEngine) -> None:
+    first, second = _prompts(tiny_engine.config.vocab_size, (10, 25), seed=5)
+    alone = [tiny_engine.generate([p], GREEDY_20)[0].token_ids for p in (first, second)]
+    collectors = [ResultCollector(first), ResultCollector(second)]
+    tiny_engine.submit(first, GREEDY_20, collectors[0])
+    for _ in range(6):  # prefill + 5 decode steps of `first` alone
+        tiny_engine.step()
+    tiny_engine.submit(second, GREEDY_20, collectors[1])
+    while not all(c.done.is_set() for c in collectors):
+        tiny_engine.step()
+    assert [c.result().token_ids for c in collectors] == alone
+
+
+def test_more_requests_than_slots_all_finish(tiny_engine: LLMEngine) -> None:
+    prompts = _prompts(tiny_engine.config.vocab_size, (3, 5, 8, 13, 2, 21, 34), seed=7)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 9, 2, 15, 6, 1, 11)]
+    expected = [tiny_engine.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    results = tiny_engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == expected
+    assert [len(r.token_ids) for r in results] == [4, 9, 2, 15, 6, 1, 11]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+    assert tiny_engine.stats().num_free_slots == tiny_engine.max_batch_size
+
+
+def test_eos_stops_and_is_reported(tiny_engine: LLMEngine) -> None:
+    prompt = _prompts(tiny_engine.config.vocab_size, (6,), seed=11)[0]
+    free_run = tiny_engine.generate([prompt], GREEDY_20)[0].token_ids
+    eos = free_run[4]
+    engine_eos = tiny_engine._eos_token_ids
+    tiny_engine._eos_token_ids = frozenset({eos})  # pretend this token is EOS for the test
+    try:
+        result = tiny_engine.generate([prompt], SamplingParams(max_new_tokens=20))[0]
+    finally:
+        tiny_engine._eos_token_ids = engine_eos
+    assert result.finish_reason is FinishReason.STOP
+    assert result.token_ids == free_run[: free_run.index(eos) + 1]
+
+
+def test_stream_deltas_concatenate_to_the_full_decode(tiny_engine: LLMEngine) -> None:
+    tokenizer = tiny_engine.tokenizer
+    prompt = tokenizer.encode("Once upon a time")
+    events: list[StreamEvent] = []
+    tiny_engine.submit(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True), events.append)
+    while not (events and events[-1].finished):
+        tiny_engine.step()
+    completion = [t for e in events for t in e.token_ids]
+    full = tokenizer.decode(prompt + completion)
+    assert "".join(e.text_delta for e in events) == full[len(tokenizer.decode(prompt)) :]
+    assert [e.completion_tokens for e in events] == list(range(1, 41))
+    assert all(e.prompt_tokens == len(prompt) for e in events)
+    assert [e.finished for e in events].count(True) == 1
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(tiny_engine: LLMEngine) -> None:
+    prompt = _prompts(tiny_engine.config.vocab_size, (8,), seed=2)[0]
+    free = tiny_engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    stop = free.text[10:13]
+    assert len(stop) == 3
+    result = tiny_engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)))[
+        0
+    ]
+    assert result.finish_reason is FinishReason.STOP
+    assert result.text == free.text[: free.text.index(stop)]
+    assert len(result.token_ids) < 30
+
+
+def test_cancel_frees_the_slot_and_ends_the_stream(tiny_engine: LLMEngine) -> None:
+    prompt = _prompts(tiny_engine.config.vocab_size, (5,), seed=4)[0]
+    events: list[StreamEvent] = []
+    handle = tiny_engine.submit(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True), events.append)
+    for _ in range(3):
+        tiny_engine.step()
+    assert tiny_engine.stats().num_running == 1
+    tiny_engine.cancel(handle)
+    tiny_engine.step()
+    assert events[-1].finished and events[-1].finish_reason is FinishReason.CANCELLED
+    assert tiny_engine.stats().num_running == 0
+    assert tiny_engine.stats().num_free_slots == tiny_engine.max_batch_size
+    tiny_engine.cancel(handle.request_id)  # cancelling a finished request is a no-op
+    tiny_engine.step()
+    assert sum(e.finished for e in events) == 1
+
+
+def test_background_thread_serves_concurrent_submits(tiny_dir: Path) -> None:
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=4, max_seq_len=128, progress=False)
+    prompts = _prompts(engine.config.vocab_size, (4, 9, 16), seed=9)
+    expected = [engine.generate([p], GREEDY_20)[0].token_ids for p in prompts]
+    engine.start()
+    try:
+        results: dict[int, tuple[int, ...]] = {}
+
+        def run(i: int) -> None:
+            results[i] = engine.generate([prompts[i]], GREEDY_20)[0].token_ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert [results[i] for i in range(3)] == expected
+        events: list[StreamEvent] = []
+        handle = engine.submit(prompts[0], SamplingParams(max_new_tokens=200), events.append)
+        engine.cancel(handle)
+    finally:
+        engine.stop()
+    assert events[-1].finished
+    assert engine.stats().num_running == 0
+
+
+def test_sequence_length_is_capped_by_max_seq_len(tiny_dir: Path) -> None:
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=1, max_seq_len=16, progress=False)
+    result = engine.generate([list(range(2, 12))], SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
+    assert result.finish_reason is FinishReason.LENGTH
+    assert len(result.token_ids) == 6
+
+
+def test_bad_prompts_are_rejected_with_actionable_errors(tiny_engine: LLMEngine) -> None:
+    with pytest.raises(EmptyPrompt, match="no tokens"):
+        tiny_engine.submit([], GREEDY_20, lambda e: None)
+    with pytest.raises(PromptTooLong, match="prompt has 300 tokens but the limit is 255"):
+        tiny_engine.submit([5] * 300, GREEDY_20, lambda e: None)
+    with pytest.raises(InvalidPrompt, match="outside"):
+        tiny_engine.submit([5, 10**6], GREEDY_20, lambda e: None)
+
+
+def test_a_failing_callback_does_not_stop_the_engine(tiny_engine: LLMEngine) -> None:
+    def explode(event: StreamEvent) -> None:
+        raise RuntimeError("client went away")
+
+    prompt = _prompts(tiny_engine.config.vocab_size, (5,), seed=8)[0]
+    tiny_engine.submit(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True), explode)
+    result = tiny_engine.generate([prompt], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert len(result.token_ids) == 3
+    assert tiny_engine.stats().num_running == 0
