@@ -1,0 +1,30 @@
+# The everyday commands. `make demo` and `make test` each set up everything first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo up test lint typecheck gen bench
+
+setup:
+	./tools/setup.sh
+
+demo: setup  ## the whole mesh on loopback with SmolLM2, one streamed chat, the trace
+	$(PY) -m services.cli.main demo
+
+up: setup  ## the mesh on the default ports until Ctrl-C
+	$(PY) -m services.cli.main up
+
+test: setup lint  ## lint, then every test (real processes, real redis-server)
+	$(PY) -m pytest
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck:
+	$(VENV)/bin/mypy
+
+gen:  ## regenerate the gRPC stubs from protos/
+	$(PY) tools/gen_protos.py
+
+bench:  ## CPU decode benchmark; writes bench/results/
+	$(PY) bench/decode_cpu.py

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets up everything Thermocline needs on a fresh Debian-like machine, idempotently:
+#   system packages: redis-server (the mesh's Redis), docker-compose (checks compose.yaml), make
+#   a virtual environment in .venv with the project and its dev tools installed (editable).
+# Knobs: THERMOCLINE_VENV (default .venv), THERMOCLINE_TORCH_SPEC (default torch==2.13.0, the CPU build
+# this workplace keeps on disk; set e.g. "torch" for the newest build from your index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${THERMOCLINE_VENV:-.venv}"
+torch_spec="${THERMOCLINE_TORCH_SPEC:-torch==2.13.0}"
+
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+if [ ${#missing[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "installing system packages: ${missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "warning: please install ${missing[*]} (no apt-get here); the tests that need them will fail" >&2
+  fi
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q "$torch_spec"
+"$venv/bin/python" -m pip install -q -e ".[dev]"
+echo "set up: $venv ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
