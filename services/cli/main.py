@@ -16,6 +16,7 @@ from services.cli.client import build_request, call_metadata, collect, stream_ge
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
 from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
 from services.common import env
+from services.engine.models import resolve_model
 from services.gateway.tokens import ensure_dev_keys, mint_token
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -35,7 +36,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Starts the mesh and keeps it running until Ctrl-C or SIGTERM."""
     config = MeshConfig(model=args.model, state_dir=_state_dir(args), otlp_endpoint=env.otlp_endpoint())
     mesh = Mesh(config)
+    resolve_model(args.model)  # download before the mesh starts, so its progress shows here
     print(f"starting the mesh with {args.model} (logs in {mesh.logs_dir}) ...", flush=True)
+    mesh.start(progress=True)
     with mesh:
         _print_endpoints(mesh)
         stop = threading.Event()
@@ -99,9 +102,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = MeshConfig(
         model=args.model, state_dir=state_dir, ports=Ports.free(), otlp_endpoint=collector.endpoint
     )
-    print(f"starting the mesh with {args.model} (the first run downloads it) ...", flush=True)
     try:
-        with Mesh(config) as mesh:
+        print(f"fetching {args.model} (the first run downloads it) ...", flush=True)
+        resolve_model(args.model)
+        mesh = Mesh(config)
+        mesh.start(progress=True)
+        with mesh:
             print(f"mesh is up; asking: {DEMO_QUESTION}\n", flush=True)
             token = _dev_token(state_dir)
             request = build_request(DEMO_QUESTION, chat=True, max_tokens=args.max_tokens)

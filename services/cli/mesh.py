@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tqdm import tqdm
 
 from services.gateway.tokens import ensure_dev_keys
 
@@ -91,7 +92,8 @@ class Mesh:
         self.private_key_path, self.public_key_path = ensure_dev_keys(self.keys_dir)
 
     def __enter__(self) -> Mesh:
-        self.start()
+        if not self.processes:
+            self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -101,16 +103,23 @@ class Mesh:
         """host:port of a service's gRPC endpoint."""
         return f"127.0.0.1:{self.config.ports.grpc_port(service)}"
 
-    def start(self) -> None:
-        """Starts everything in dependency order and waits until each is healthy."""
+    def start(self, progress: bool = False) -> None:
+        """Starts everything in dependency order and waits until each is healthy.
+
+        With `progress`, a bar on stderr shows which process the mesh is waiting for (the engine
+        takes longest: it loads the model before it reports SERVING).
+        """
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self._start_redis()
-            for service in SERVICES:
-                self.start_service(service)
-        except BaseException:
-            self.stop()
-            raise
+        steps = ["redis", *SERVICES]
+        with tqdm(total=len(steps), desc="starting", unit="process", disable=not progress) as bar:
+            try:
+                for step in steps:
+                    bar.set_postfix_str(step)
+                    self._start_redis() if step == "redis" else self.start_service(step)
+                    bar.update()
+            except BaseException:
+                self.stop()
+                raise
 
     def start_service(self, service: str) -> None:
         """Starts one service process and waits for it to report SERVING."""
