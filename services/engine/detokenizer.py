@@ -22,8 +22,18 @@ class IncrementalDetokenizer:
     def __init__(self, decode: DecodeFn, prompt_ids: Sequence[int]) -> None:
         self._decode = decode
         self._ids = list(prompt_ids[-CONTEXT_TOKENS:])
-        self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._prefix_offset = self._clean_start()
+
+    def _clean_start(self) -> int:
+        # A window that starts mid-character decodes to U+FFFD, and byte-fallback decoders then spoil
+        # the whole byte run; start at the first token after which the context decodes cleanly.
+        start = 0
+        while start < self._read_offset and self._decode(self._ids[start : self._read_offset]).startswith(
+            REPLACEMENT_CHAR
+        ):
+            start += 1
+        return start
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new text it completes (often "", e.g. mid-character)."""

@@ -1,0 +1,52 @@
+"""stories260K (trained, tiny): HF dir and the original GGUF both give the golden greedy output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.engine.llm_engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+from services.engine.sequence import FinishReason
+
+# From shared/models/stories260K/SOURCE.md (F32, CPU, greedy).
+PROMPT = "Once upon a time"
+PROMPT_IDS = [1, 403, 407, 261, 378]
+GOLDEN_IDS = [
+    432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408, 419, 292,
+    411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426,
+]  # fmt: skip
+GOLDEN_TEXT = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+    "One day, she saw a big, red ball."
+)
+
+
+@pytest.mark.parametrize("fixture", ["stories_hf_dir", "stories_gguf"])
+def test_golden_greedy_continuation(fixture: str, request: pytest.FixtureRequest) -> None:
+    path: Path = request.getfixturevalue(fixture)
+    engine = LLMEngine.load(path, device="cpu", max_batch_size=3, progress=False)
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    assert prompt_ids == PROMPT_IDS  # BOS added by this model's convention
+    result = engine.generate([prompt_ids], SamplingParams(max_new_tokens=40))[0]
+    assert 2 not in GOLDEN_IDS  # no early EOS in the golden run, so all 40 tokens are compared
+    assert list(result.token_ids) == GOLDEN_IDS
+    assert result.finish_reason is FinishReason.LENGTH
+    assert engine.tokenizer.decode(PROMPT_IDS + GOLDEN_IDS) == GOLDEN_TEXT
+    assert PROMPT + result.text == GOLDEN_TEXT
+
+
+def test_golden_output_survives_batching(stories_gguf: Path) -> None:
+    engine = LLMEngine.load(stories_gguf, device="cpu", max_batch_size=3, progress=False)
+    others = [engine.tokenizer.encode(t) for t in ("Tom had a dog", "The sun")]
+    results = engine.generate([others[0], PROMPT_IDS, others[1]], SamplingParams(max_new_tokens=40))
+    assert list(results[1].token_ids) == GOLDEN_IDS
+
+
+def test_without_chat_template_apply_fails_clearly(stories_hf_dir: Path) -> None:
+    from services.engine.chat_template import ChatTemplateError
+
+    engine = LLMEngine.load(stories_hf_dir, device="cpu", max_batch_size=1, progress=False)
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
