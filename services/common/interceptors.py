@@ -161,5 +161,6 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, guard: _CallGuard) -> grpc.Rpc
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, guard), **codecs)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, guard), **codecs)
-    return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, guard), **codecs)
+        # grpc's stubs type these as sync iterators; on an aio server they are async generators
+        return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, guard), **codecs)  # type: ignore[arg-type]
+    return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, guard), **codecs)  # type: ignore[arg-type]

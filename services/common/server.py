@@ -54,7 +54,7 @@ class RunningServer:
     def __init__(self, spec: ServiceSpec) -> None:
         self.spec = spec
         self.tracker = CallTracker()
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.server = grpc.aio.server(
             interceptors=[telemetry.server_interceptor(), GuardInterceptor(self.tracker)],
             options=channel_options(spec.config.max_message_bytes, spec.config.keepalive_s),

@@ -61,10 +61,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self._annotate_span(request, params, len(prompt_ids))
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+
+        def on_event(event: StreamEvent) -> None:  # runs on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
         try:
-            handle = self.engine.submit(
-                prompt_ids, params, lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
-            )
+            handle = self.engine.submit(prompt_ids, params, on_event)
         except InvalidPrompt as error:
             raise InvalidArgument(str(error)) from None
         except EngineStopped as error:

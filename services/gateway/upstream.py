@@ -74,5 +74,5 @@ class Upstreams:
 
     async def close(self) -> None:
         """Closes both channels."""
-        await self._engine_channel.close()
-        await self._safety_channel.close()
+        await self._engine_channel.close(grace=None)
+        await self._safety_channel.close(grace=None)
