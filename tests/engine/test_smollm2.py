@@ -1,0 +1,75 @@
+"""SmolLM2-135M-Instruct Q4_1 GGUF (real model, ~100 MB, fetched once): parity with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.engine.llm_engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+from services.engine.sequence import FinishReason
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_gguf: Path) -> Any:
+    """transformers' own GGUF loader (it dequantizes with the same gguf package) as the reference."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm_gguf.parent, gguf_file=smollm_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_matches_transformers_single_and_batched(smollm_engine: LLMEngine, hf_model: Any) -> None:
+    prompts = [smollm_engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = [_hf_greedy(hf_model, p) for p in prompts]
+    assert [list(smollm_engine.generate([p], params)[0].token_ids) for p in prompts[:1]] == expected[:1]
+    assert [list(r.token_ids) for r in smollm_engine.generate(prompts, params)] == expected
+
+
+def test_logits_match_transformers(smollm_engine: LLMEngine, hf_model: Any) -> None:
+    from services.engine.kv_cache import ContiguousKVCache
+    from services.engine.step_context import StepContext
+
+    model = smollm_engine.runner.model
+    ids = torch.tensor([smollm_engine.tokenizer.encode(PROMPTS[0])])
+    cache = ContiguousKVCache(model.config, 1, 64, torch.device("cpu"), torch.float32)
+    ctx = StepContext.build(0, [list(range(ids.shape[1]))], torch.device("cpu"))
+    with torch.inference_mode():
+        ours = model.compute_logits(model(ids, cache, ctx))
+        theirs = hf_model(ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_chat_answer_names_paris(smollm_engine: LLMEngine) -> None:
+    tokenizer = smollm_engine.tokenizer
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert chat.endswith("<|im_start|>assistant\n")
+    prompt = tokenizer.encode(chat)
+    assert prompt[0] == tokenizer.backend.token_to_id("<|im_start|>")  # no BOS: SmolLM2 adds none
+    result = smollm_engine.generate([prompt], SamplingParams(max_new_tokens=40))[0]
+    assert "Paris" in result.text
+    assert result.finish_reason is FinishReason.STOP  # ended on <|im_end|>
+    assert result.token_ids[-1] in tokenizer.eos_token_ids
+    assert "<|im_end|>" not in result.text
