@@ -200,3 +200,21 @@ def test_unimplemented_kvstore_rpcs_say_so(stories_mesh: Mesh) -> None:
             stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=["00"]), timeout=5)
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "does not store blocks yet" in caught.value.details()
+
+
+def test_redis_server_runs_as_part_of_the_mesh(stories_mesh: Mesh) -> None:
+    import redis
+
+    assert stories_mesh.processes["redis"].poll() is None
+    assert redis.Redis(port=stories_mesh.config.ports.redis).ping()
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_NAMES))
+def test_each_service_serves_prometheus_metrics(stories_mesh: Mesh, service: str) -> None:
+    import urllib.request
+
+    url = f"http://127.0.0.1:{stories_mesh.config.ports.metrics[service]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = response.read().decode()
+    assert "thermocline_rpc_server_in_flight" in body
+    assert "thermocline_server_draining 0.0" in body
