@@ -16,7 +16,8 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,14 @@ def run_hf(model: Any, prompts: list[list[int]], new_tokens: int) -> Measurement
     return Measurement(HF_NAME, len(prompts), ttft_s * 1e3, rate, total_s, token_ids)
 
 
+def median_run(runs: list[Measurement]) -> Measurement:
+    """The run with the median decode rate (TTFT is the median too, taken separately)."""
+    by_rate = sorted(runs, key=lambda r: r.decode_tokens_per_s)
+    middle = by_rate[len(runs) // 2]
+    ttft_ms = sorted(r.ttft_ms for r in runs)[len(runs) // 2]
+    return replace(middle, ttft_ms=ttft_ms)
+
+
 def load_hf(path: Path) -> Any:
     """transformers' GGUF loader (dequantizes to fp32, like ours)."""
     from transformers import AutoModelForCausalLM
@@ -130,6 +139,7 @@ def environment(args: argparse.Namespace, model_path: Path) -> dict[str, str]:
         "new tokens": f"{args.new_tokens} (greedy, EOS ignored)",
         "batch sizes": ", ".join(map(str, args.batch_sizes)),
         "warm-up": f"one {args.warmup_tokens}-token run per engine and batch size, not timed",
+        "repeats": f"{args.repeats} timed runs per engine, interleaved; the table shows the median",
     }
 
 
@@ -185,6 +195,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--warmup-tokens", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is kept")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--extra-dtypes", nargs="*", default=["bfloat16"], help="also time our engine in these dtypes"
@@ -209,14 +220,19 @@ def main() -> None:
     rows: list[Measurement] = []
     for batch_size in args.batch_sizes:
         prompts = make_prompts(next(iter(engines.values())), batch_size, args.prompt_tokens)
-        for name, engine in engines.items():
-            run_ours(engine, prompts, args.warmup_tokens, name)
-            rows.append(run_ours(engine, prompts, args.new_tokens, name))
-        run_hf(hf, prompts, args.warmup_tokens)
-        rows.append(run_hf(hf, prompts, args.new_tokens))
-        for r in rows[-len(engines) - 1 :]:
+        runners = {name: partial(run_ours, engine, name=name) for name, engine in engines.items()}
+        runners[HF_NAME] = partial(run_hf, hf)
+        for run in runners.values():
+            run(prompts, args.warmup_tokens)
+        trials: dict[str, list[Measurement]] = {name: [] for name in runners}
+        for _ in range(args.repeats):  # interleaved, so a noisy moment hits every engine alike
+            for name, run in runners.items():
+                trials[name].append(run(prompts, args.new_tokens))
+        for name, runs in trials.items():
+            row = median_run(runs)
+            rows.append(row)
             print(
-                f"batch {batch_size}: {r.engine} {r.decode_tokens_per_s:.1f} tok/s, TTFT {r.ttft_ms:.0f} ms"
+                f"batch {batch_size}: {name} {row.decode_tokens_per_s:.1f} tok/s, TTFT {row.ttft_ms:.0f} ms"
             )
     report = markdown(environment(args, model_path), rows)
     print(report)
