@@ -33,6 +33,7 @@ class ResultCollector:
         self._text: list[str] = []
         self._start_s = time.perf_counter()
         self._first_token_s: float | None = None
+        self._end_s = 0.0
         self._last: StreamEvent | None = None
 
     def __call__(self, event: StreamEvent) -> None:

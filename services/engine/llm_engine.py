@@ -132,7 +132,7 @@ class LLMEngine:
         return RequestHandle(seq.request_id)
 
     def cancel(self, handle_or_request_id: RequestHandle | RequestId | str) -> None:
-        """Cancel a request; its slot is freed before the next step and it gets a CANCELLED event."""
+        """Cancel a request: slot freed before the next step, final CANCELLED event; unknown ids ignored."""
         request_id = getattr(handle_or_request_id, "request_id", handle_or_request_id)
         with self._lock:
             self._cancels.append(RequestId(str(request_id)))
@@ -196,7 +196,10 @@ class LLMEngine:
                     self._lock.wait()
                 if self._is_stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception:  # keep serving; step() already fails the requests it could not run
+                logger.exception("engine loop error")
 
     def step(self) -> None:
         """Take in new requests and cancels, then run one prefill or decode step and emit its events."""

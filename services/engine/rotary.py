@@ -41,6 +41,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor
 class RotaryTable(torch.nn.Module):
     """Precomputed cos/sin for every position up to `max_positions`; looked up per token."""
 
+    cos: torch.Tensor  # [P, D] fp32
+    sin: torch.Tensor  # [P, D] fp32
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.head_dim = config.head_dim
