@@ -93,8 +93,8 @@ def run_hf(model: Any, prompts: list[list[int]], new_tokens: int) -> Measurement
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0, streamer=clock,
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, streamer=clock,
         )  # fmt: skip
     total_s = time.perf_counter() - start
     assert clock.first_token_s is not None

@@ -73,3 +73,58 @@ def test_sentencepiece_tokenizer_matches_reference_json(stories_gguf: Path, stor
         ids = reference.encode(text, add_special_tokens=True).ids
         assert ours.encode(text) == ids
         assert ours.decode(ids) == reference.decode(ids)
+
+
+@pytest.fixture(scope="module", params=["tiny_dir", "tiny_tied_sharded_dir"])
+def tiny_gguf(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, dict]:
+    """A tiny HF Llama written as a llama.cpp-style GGUF; also the weights the GGUF should reproduce."""
+    from tests.engine.tiny_gguf import hf_to_gguf
+
+    hf_dir: Path = request.getfixturevalue(request.param)
+    out = tmp_path_factory.mktemp("gguf") / f"{hf_dir.name}.gguf"
+    return hf_dir, out, hf_to_gguf(hf_dir, out)
+
+
+def test_quantized_gguf_matches_transformers_on_the_same_weights(tiny_gguf: tuple[Path, Path, dict]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
+
+    hf_dir, gguf_path, expected_weights = tiny_gguf
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    reference.load_state_dict(expected_weights, strict=False)  # F16/Q8_0/Q4_1 round-tripped weights
+    engine = LLMEngine.load(gguf_path, device="cpu", max_batch_size=2, max_seq_len=128, progress=False)
+    prompts = [[0, 17, 99, 5, 240, 31], [0, 64]]
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    for prompt, result in zip(prompts, results, strict=True):
+        ids = torch.tensor([prompt])  # starts with id 0: pass the mask, or HF takes it for padding
+        out = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, eos_token_id=None
+        )
+        assert list(result.token_ids) == out[0, len(prompt) :].tolist()
+
+
+def test_byte_level_tokenizer_from_gguf_matches_tokenizer_json(tiny_gguf: tuple[Path, Path, dict]) -> None:
+    from services.engine.tokenizer import Tokenizer
+
+    hf_dir, gguf_path, _ = tiny_gguf
+    ours = open_checkpoint(gguf_path).tokenizer
+    reference = Tokenizer.from_hf_dir(hf_dir)
+    assert (ours.bos_token_id, ours.eos_token_ids) == (reference.bos_token_id, reference.eos_token_ids)
+    for text in [*TEXTS, "<|user|>hi<|assistant|>"]:
+        assert ours.encode(text) == reference.encode(text)
+        assert ours.decode(ours.encode(text)) == reference.decode(reference.encode(text))
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(messages) == reference.apply_chat_template(messages)
+
+
+def test_llama3_rope_survives_as_rope_freqs(tiny_gguf: tuple[Path, Path, dict]) -> None:
+    hf_dir, gguf_path, _ = tiny_gguf
+    from_hf = open_checkpoint(hf_dir).config
+    from_gguf = open_checkpoint(gguf_path).config
+    expected_type = "freq_factors" if from_hf.rope_scaling.rope_type == "llama3" else "default"
+    assert from_gguf.rope_scaling.rope_type == expected_type
+    assert from_gguf.tie_word_embeddings == from_hf.tie_word_embeddings

@@ -26,12 +26,10 @@ def _hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)  # explicit: HF would otherwise infer padding from the pad id
     out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
+        ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
     )
     return out[0, len(prompt) :].tolist()
 

@@ -34,8 +34,13 @@ def hf_model(smollm_gguf: Path) -> Any:
 
 
 def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
     )
     return out[0, len(prompt) :].tolist()
 
