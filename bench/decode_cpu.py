@@ -147,7 +147,11 @@ def _git_commit() -> str:
     def git(*cmd: str) -> str:
         return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
-    dirty = " (dirty tree)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    # only the code that runs here counts: other services' edits in a shared tree do not change the numbers
+    paths = ("services/engine", "bench/decode_cpu.py")
+    changed = git("diff", "--name-only", "HEAD", "--", *paths).split()
+    changed += git("ls-files", "--others", "--exclude-standard", "--", *paths).split()
+    dirty = f" (uncommitted changes: {' '.join(changed)})" if changed else ""
     return git("rev-parse", "--short", "HEAD") + dirty
 
 
