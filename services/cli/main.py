@@ -126,10 +126,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    """Prints a development token signed with the mesh's development key."""
-    private_path, _ = ensure_dev_keys(_state_dir(args) / "keys")
-    print(mint_token(private_path.read_bytes(), subject=args.subject, tenant=args.tenant, ttl_s=args.ttl_s))
+    """Prints a development token signed with the mesh's development key (or --key)."""
+    private_path = Path(args.key) if args.key else ensure_dev_keys(_state_dir(args) / "keys")[0]
+    extra: dict[str, object] = {"roles": args.role} if args.role else {}
+    token = mint_token(
+        private_path.read_bytes(),
+        subject=args.subject,
+        tenant=args.tenant,
+        ttl_s=args.ttl_s,
+        issuer=args.issuer,
+        audience=args.audience,
+        algorithm=args.algorithm,
+        extra_claims=extra,
+    )
+    print(token)
     return 0
+
+
+def cmd_audit_verify(args: argparse.Namespace) -> int:
+    """Verifies the audit log's hash chains; exit status 1 names the first broken entry."""
+    from services.gateway.audit import STREAMS
+    from services.gateway.audit_chain import verify_directory
+
+    directory = Path(args.directory or _state_dir(args) / "audit")
+    if not directory.is_dir():
+        print(f"error: {directory} is not a directory", file=sys.stderr)
+        return 2
+    report = verify_directory(directory, STREAMS)
+    counts = ", ".join(f"{stream}: {n} events" for stream, n in report.num_events.items())
+    if report.is_ok:
+        print(f"audit log {directory} verifies ({counts})")
+        return 0
+    for problem in report.problems:
+        print(f"TAMPERED: {problem}", file=sys.stderr)
+    return 1
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -172,7 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--subject", default="dev-user")
     token.add_argument("--tenant", default="dev")
     token.add_argument("--ttl-s", type=float, default=3600.0)
+    token.add_argument("--role", action="append", help="a role for the 'roles' claim (repeatable)")
+    token.add_argument("--issuer", default="thermocline-dev")
+    token.add_argument("--audience", default="thermocline")
+    token.add_argument("--algorithm", default="RS256", choices=["RS256", "ES256", "HS256"])
+    token.add_argument("--key", help="private PEM (or HS256 secret) to sign with (default: the dev key)")
     token.set_defaults(func=cmd_token)
+
+    audit = commands.add_parser("audit", help="audit log tools")
+    audit_commands = audit.add_subparsers(dest="audit_command", required=True)
+    verify = audit_commands.add_parser("verify", help="check the hash chains of an audit directory")
+    verify.add_argument("directory", nargs="?", help="default: <state dir>/audit")
+    verify.set_defaults(func=cmd_audit_verify)
 
     keys = commands.add_parser("keys", help="make an RSA key pair for token signing")
     keys.add_argument("directory")

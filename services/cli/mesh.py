@@ -75,6 +75,25 @@ class MeshConfig:
     # Extra THERMOCLINE_* settings passed to every service, e.g. a grace period for a test.
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
+    # Engine processes behind the gateway; replicas after the first are named engine-2, engine-3, ...
+    # and listen on free ports.
+    num_engines: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ValueError(f"a mesh needs at least one engine, got {self.num_engines}")
+
+
+def _local_model_path(model: str) -> Path | None:
+    """The model's files when they are on disk already (the gateway counts prompts with its tokenizer)."""
+    from services.engine.models import ModelDownloadError, UnknownModel, resolve_model
+
+    if Path(model).exists():
+        return Path(model)
+    try:
+        return resolve_model(model)
+    except (UnknownModel, ModelDownloadError, FileNotFoundError, ValueError, OSError):
+        return None
 
 
 class ServiceFailed(RuntimeError):
@@ -90,6 +109,16 @@ class Mesh:
         self.keys_dir = config.state_dir / "keys"
         self.logs_dir = config.state_dir / "logs"
         self.private_key_path, self.public_key_path = ensure_dev_keys(self.keys_dir)
+        self.audit_dir = config.state_dir / "audit"
+        # gRPC ports of the processes that Ports does not name (engine replicas, extra gateways).
+        self.extra_ports: dict[str, int] = {
+            f"engine-{n}": free_port() for n in range(2, config.num_engines + 1)
+        }
+
+    @property
+    def engine_names(self) -> list[str]:
+        """The engine replicas' process names: engine, engine-2, ..."""
+        return ["engine", *[f"engine-{n}" for n in range(2, self.config.num_engines + 1)]]
 
     def __enter__(self) -> Mesh:
         if not self.processes:
@@ -101,6 +130,8 @@ class Mesh:
 
     def target(self, service: str) -> str:
         """host:port of a service's gRPC endpoint."""
+        if service in self.extra_ports:
+            return f"127.0.0.1:{self.extra_ports[service]}"
         return f"127.0.0.1:{self.config.ports.grpc_port(service)}"
 
     def start(self, progress: bool = False) -> None:
@@ -110,7 +141,7 @@ class Mesh:
         takes longest: it loads the model before it reports SERVING).
         """
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        steps = ["redis", *SERVICES]
+        steps = ["redis", "kvstore", "safety", *self.engine_names, "gateway"]
         with tqdm(total=len(steps), desc="starting", unit="process", disable=not progress) as bar:
             try:
                 for step in steps:
@@ -122,17 +153,38 @@ class Mesh:
                 raise
 
     def start_service(self, service: str) -> None:
-        """Starts one service process and waits for it to report SERVING."""
-        log_file = (self.logs_dir / f"{service}.log").open("ab")
-        command = [sys.executable, "-m", f"services.{service}"]
-        self.processes[service] = subprocess.Popen(
-            command,
-            env=self._service_env(),
+        """Starts one service process (or engine replica, e.g. "engine-2") and waits until it serves."""
+        module = service.split("-", 1)[0]
+        env = self._service_env()
+        if service in self.extra_ports:
+            env[f"THERMOCLINE_{module.upper()}_PORT"] = str(self.extra_ports[service])
+            env[f"THERMOCLINE_{module.upper()}_METRICS_PORT"] = "0"
+        self._spawn(service, module, env)
+
+    def start_gateway_replica(self, name: str, **env: str) -> str:
+        """Starts another gateway process (sharing Redis, safety and the engines); returns its target.
+
+        `env` adds or overrides THERMOCLINE_* settings for this process only.
+        """
+        self.extra_ports[name] = free_port()
+        settings = self._service_env() | {
+            "THERMOCLINE_GATEWAY_PORT": str(self.extra_ports[name]),
+            "THERMOCLINE_GATEWAY_METRICS_PORT": "0",
+            "THERMOCLINE_GATEWAY_AUDIT_DIR": str(self.config.state_dir / f"audit-{name}"),
+        }
+        self._spawn(name, "gateway", settings | env)
+        return self.target(name)
+
+    def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
+        log_file = (self.logs_dir / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", f"services.{module}"],
+            env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self._wait_healthy(service)
+        self._wait_healthy(name)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to each process, front to back, then SIGKILL to any that outlive the timeout."""
@@ -164,6 +216,8 @@ class Mesh:
         env |= {
             "THERMOCLINE_ENGINE_MODEL": config.model,
             "THERMOCLINE_GATEWAY_ENGINE_TARGET": self.target("engine"),
+            "THERMOCLINE_GATEWAY_ENGINE_TARGETS": ",".join(self.target(n) for n in self.engine_names),
+            "THERMOCLINE_GATEWAY_AUDIT_DIR": str(self.audit_dir),
             "THERMOCLINE_GATEWAY_SAFETY_TARGET": self.target("safety"),
             "THERMOCLINE_GATEWAY_JWT_KEY_FILE": str(self.public_key_path),
             "THERMOCLINE_KVSTORE_DATA_DIR": str(config.state_dir / "kvstore"),
@@ -171,6 +225,8 @@ class Mesh:
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "PYTHONUNBUFFERED": "1",
         }
+        if (tokenizer := _local_model_path(config.model)) is not None:
+            env["THERMOCLINE_GATEWAY_TOKENIZER"] = str(tokenizer)
         if config.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = config.otlp_endpoint
         return env | config.env

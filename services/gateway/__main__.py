@@ -2,29 +2,28 @@
 
 from __future__ import annotations
 
-import grpc
-
 from services.common.server import ServiceSpec, run_service
 from services.gateway.config import GatewayConfig
-from services.gateway.servicer import register
-from services.gateway.upstream import Upstreams
+from services.gateway.servicer import Gateway
 
 
 def main() -> None:
     """Starts the gateway with settings from the environment."""
     config = GatewayConfig.from_env()
-    opened: list[Upstreams] = []
+    built: list[Gateway] = []
 
-    def register_all(server: grpc.aio.Server) -> list[str]:
-        names, upstreams = register(server, config)
-        opened.append(upstreams)
-        return names
+    def register(server: object) -> list[str]:
+        gateway = Gateway(config)  # built inside the server's event loop
+        built.append(gateway)
+        return gateway.register(server)  # type: ignore[arg-type]
 
-    async def close_upstreams() -> None:
-        for upstreams in opened:
-            await upstreams.close()
+    async def start() -> None:
+        await built[0].start()
 
-    run_service(ServiceSpec(config=config.server, register=register_all, on_stop=close_upstreams))
+    async def stop() -> None:
+        await built[0].close()
+
+    run_service(ServiceSpec(config=config.server, register=register, on_start=start, on_stop=stop))
 
 
 if __name__ == "__main__":

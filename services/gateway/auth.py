@@ -1,21 +1,25 @@
-"""Bearer-token verification: a JWT signed with the one configured key and algorithm.
+"""Bearer-token verification, following RFC 8725 (JSON Web Token Best Current Practices).
 
-Following RFC 8725: the algorithm is pinned by configuration and never taken from the token,
-`none` is refused outright, `exp`, `iss` and `aud` are required, and header fields that point
-at other keys (`jku`, `x5u`, `jwk`) are refused rather than followed.
+The key is chosen by the token's `kid` from a fixed local key set (jwks.py), and the algorithm
+is the one that key pins: the token's `alg` must equal it, so `none` and HS256-with-a-public-key
+tricks fail before any signature check. `exp`, `iss`, `aud` and `sub` are required, `nbf` is
+honoured, both with a small leeway, and `typ` must be the configured one (explicit typing).
+Header fields that point at other keys (`jku`, `x5u`, `jwk`, `x5c`) are refused, never followed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jwt
 
 from services.common.errors import Unauthenticated
 from services.gateway.config import JwtConfig
+from services.gateway.jwks import KeySet, VerificationKey
 
 _REMOTE_KEY_HEADERS = ("jku", "x5u", "jwk", "x5c")
+_MAX_TOKEN_CHARS = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -25,20 +29,13 @@ class Principal:
     subject: str
     tenant: str
     claims: dict[str, Any]
+    roles: list[str] = field(default_factory=list)
 
 
-def load_key(config: JwtConfig) -> str | bytes:
-    """Reads the verification key; an HS256 secret must be at least 32 bytes."""
-    try:
-        data = config.key_file.read_bytes()
-    except OSError as error:
-        raise ValueError(f"cannot read JWT key file {config.key_file}: {error.strerror}") from None
-    if config.algorithm == "HS256":
-        secret = data.strip()
-        if len(secret) < 32:
-            raise ValueError(f"HS256 secret in {config.key_file} is {len(secret)} bytes; use at least 32")
-        return secret
-    return data.decode("ascii")
+def _shown(value: object) -> str:
+    """A header value quoted safely for an error message (bounded, repr-escaped)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "...'"
 
 
 def bearer_token(authorization: str | None) -> str:
@@ -48,54 +45,75 @@ def bearer_token(authorization: str | None) -> str:
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthenticated("authorization metadata must read 'Bearer <JWT>'")
+    if len(token) > _MAX_TOKEN_CHARS:
+        raise Unauthenticated(f"token is longer than {_MAX_TOKEN_CHARS} characters; refused")
     return token.strip()
 
 
 class JwtVerifier:
-    """Verifies tokens against one key, one algorithm, one issuer and one audience."""
+    """Verifies tokens against a fixed key set, one issuer and one audience."""
 
     def __init__(self, config: JwtConfig) -> None:
         self.config = config
-        self._key = load_key(config)
+        self.keys = KeySet(config.key_file, config.algorithm)
 
     def verify(self, authorization: str | None) -> Principal:
         """The caller's principal; Unauthenticated with the reason when the token fails."""
         token = bearer_token(authorization)
-        self._check_header(token)
-        claims = self._decode(token)
-        subject = str(claims.get("sub") or "")
-        if not subject:
+        key = self._key_for(self._header(token))
+        claims = self._decode(token, key)
+        subject = claims.get("sub")
+        if not isinstance(subject, str) or not subject:
             raise Unauthenticated("token has no 'sub' claim naming the caller")
-        return Principal(subject=subject, tenant=str(claims.get("tenant") or subject), claims=claims)
+        tenant = claims.get("tenant", subject)
+        if not isinstance(tenant, str) or not tenant:
+            raise Unauthenticated("token's 'tenant' claim must be a non-empty string")
+        return Principal(subject=subject, tenant=tenant, claims=claims)
 
-    def _check_header(self, token: str) -> None:
+    def _header(self, token: str) -> dict[str, Any]:
         try:
             header = jwt.get_unverified_header(token)
         except jwt.DecodeError:
             raise Unauthenticated("malformed token: not a compact JWS (header.payload.signature)") from None
-        algorithm = str(header.get("alg", ""))
-        if algorithm.lower() == "none":
-            raise Unauthenticated("unsigned token (alg 'none') refused")
-        if algorithm != self.config.algorithm:
-            raise Unauthenticated(
-                f"token algorithm {algorithm!r} refused; this gateway accepts {self.config.algorithm}"
-            )
         remote = [name for name in _REMOTE_KEY_HEADERS if name in header]
         if remote:
             raise Unauthenticated(
-                f"token header names a remote or embedded key ({', '.join(remote)}); refused"
+                f"token header names a remote or embedded key ({', '.join(remote)}); refused, never fetched"
             )
+        algorithm = header.get("alg")
+        if not isinstance(algorithm, str) or algorithm.lower() == "none":
+            raise Unauthenticated("unsigned token (alg 'none') refused")
+        typ = header.get("typ")
+        if not isinstance(typ, str) or typ.lower() != self.config.typ.lower():
+            wanted = self.config.typ
+            raise Unauthenticated(f"token typ {_shown(typ)} refused; this gateway requires typ '{wanted}'")
+        return header
 
-    def _decode(self, token: str) -> dict[str, Any]:
+    def _key_for(self, header: dict[str, Any]) -> VerificationKey:
+        kid = header.get("kid")
+        if kid is not None and not isinstance(kid, str):
+            raise Unauthenticated("token kid must be a string")
+        key = self.keys.find(kid)
+        if key is None:
+            wanted = "a 'kid' header" if kid is None else f"a known kid, not {_shown(kid)}"
+            raise Unauthenticated(f"unknown signing key: the token needs {wanted}; ask for a fresh token")
+        if header["alg"] != key.algorithm:
+            raise Unauthenticated(
+                f"token algorithm {_shown(header['alg'])} refused; "
+                f"key {key.kid!r} is pinned to {key.algorithm}"
+            )
+        return key
+
+    def _decode(self, token: str, key: VerificationKey) -> dict[str, Any]:
         try:
             return jwt.decode(
                 token,
-                self._key,
-                algorithms=[self.config.algorithm],
+                key.key,
+                algorithms=[key.algorithm],
                 audience=self.config.audience,
                 issuer=self.config.issuer,
                 leeway=self.config.leeway_s,
-                options={"require": ["exp", "iss", "aud", "sub"]},
+                options={"require": ["exp", "iss", "aud", "sub"], "verify_nbf": True},
             )
         except jwt.ExpiredSignatureError:
             raise Unauthenticated("token has expired; mint a new one") from None

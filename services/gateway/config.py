@@ -1,26 +1,31 @@
-"""The gateway's settings, read from `THERMOCLINE_GATEWAY_*` variables."""
+"""The gateway's settings, read from `THERMOCLINE_GATEWAY_*` variables (and `REDIS_URL`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common import env
 from services.common.config import ServerConfig
+from services.gateway.audit import AuditConfig
 
 DEFAULT_PORT = 50051
 ALLOWED_ALGORITHMS = ("RS256", "ES256", "HS256")
+PREFIX = "THERMOCLINE_GATEWAY_"
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
 class JwtConfig:
     """How bearer tokens are verified.
 
-    `THERMOCLINE_GATEWAY_JWT_KEY_FILE`: the verification key, a PEM public key for RS256/ES256
-    or a file holding the shared secret (at least 32 bytes) for HS256.
-    `_JWT_ALGORITHM` (pinned: a token claiming any other algorithm is refused), `_JWT_ISSUER`,
-    `_JWT_AUDIENCE`, `_JWT_LEEWAY_S` (clock skew allowed on exp and nbf).
+    `THERMOCLINE_GATEWAY_JWT_KEY_FILE`: the verification keys, either a JWKS file (each key with
+    its `kid` and pinned `alg`) or one PEM public key for RS256/ES256, or a file holding a shared
+    secret (at least 32 bytes) for HS256. The file is re-read when it changes (key rotation).
+    `_JWT_ALGORITHM` (pinned for a PEM or secret; a JWKS pins per key), `_JWT_ISSUER`,
+    `_JWT_AUDIENCE`, `_JWT_LEEWAY_S` (clock skew allowed on exp and nbf), `_JWT_TYP` (the
+    required `typ` header).
     """
 
     key_file: Path
@@ -28,6 +33,7 @@ class JwtConfig:
     issuer: str = "thermocline-dev"
     audience: str = "thermocline"
     leeway_s: float = 30.0
+    typ: str = "JWT"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALLOWED_ALGORITHMS:
@@ -37,23 +43,90 @@ class JwtConfig:
             )
         if not 0 <= self.leeway_s <= 300:
             raise ValueError(f"THERMOCLINE_GATEWAY_JWT_LEEWAY_S must lie in 0..300, got {self.leeway_s}")
+        if not self.typ:
+            raise ValueError("THERMOCLINE_GATEWAY_JWT_TYP must not be empty")
+
+
+@dataclass(frozen=True)
+class PolicyFiles:
+    """The operator's policy files; a missing one means the built-in development policy.
+
+    `THERMOCLINE_GATEWAY_POLICY_FILE` (RBAC), `_INTENTS_FILE`, `_TENANTS_FILE`; formats and
+    examples in deploy/gateway/.
+    """
+
+    policy_file: Path | None = None
+    intents_file: Path | None = None
+    tenants_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Load shedding and the shared rate limiter.
+
+    `THERMOCLINE_GATEWAY_MAX_CONCURRENT_STREAMS`: Generate calls in flight beyond this get
+    RESOURCE_EXHAUSTED with `_PUSHBACK_MS` of pushback. `REDIS_URL` holds the rate-limit buckets;
+    `_REDIS_TIMEOUT_S` bounds each limiter call before the tenant's Redis-down rule applies.
+    """
+
+    max_concurrent_streams: int = 256
+    pushback_ms: int = 1000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent_streams < 1:
+            raise ValueError(f"{PREFIX}MAX_CONCURRENT_STREAMS must be >= 1: {self.max_concurrent_streams}")
+        if self.pushback_ms < 0:
+            raise ValueError(f"{PREFIX}PUSHBACK_MS must be >= 0, got {self.pushback_ms}")
+        if not 0 < self.redis_timeout_s <= 10:
+            raise ValueError(f"{PREFIX}REDIS_TIMEOUT_S must lie in (0, 10], got {self.redis_timeout_s}")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How requests are spread over engine replicas.
+
+    `THERMOCLINE_GATEWAY_ENGINE_TARGETS`: comma-separated host:port list (falls back to
+    `_ENGINE_TARGET`). `_ROUTING_PREFIX_CHARS`: how much of the prompt keys prefix affinity.
+    `_ROUTING_MAX_QUEUE_SKEW`: a replica whose queue is this much longer than the shortest loses
+    its affinity traffic. `_ENGINE_STATS_INTERVAL_S`: how often queue depths are polled.
+    """
+
+    engine_targets: tuple[str, ...] = ("127.0.0.1:50052",)
+    prefix_chars: int = 256
+    max_queue_skew: int = 4
+    stats_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.engine_targets or any(":" not in t for t in self.engine_targets):
+            raise ValueError(f"{PREFIX}ENGINE_TARGETS must list host:port entries, got {self.engine_targets}")
+        if len(set(self.engine_targets)) != len(self.engine_targets):
+            raise ValueError(f"{PREFIX}ENGINE_TARGETS lists a replica twice: {self.engine_targets}")
+        if self.prefix_chars < 1 or self.max_queue_skew < 0 or self.stats_interval_s <= 0:
+            raise ValueError("routing: prefix chars >= 1, queue skew >= 0 and stats interval > 0 required")
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     """Where the gateway forwards requests and how it screens them.
 
-    `THERMOCLINE_GATEWAY_ENGINE_TARGET` and `_SAFETY_TARGET` (host:port);
+    `THERMOCLINE_GATEWAY_SAFETY_TARGET` (host:port);
     `_OUTPUT_CHECK_TOKENS`: output is held back and screened every this many tokens (and at the end);
-    `_SAFETY_TIMEOUT_S`: the longest a safety check may take before the request fails UNAVAILABLE.
+    `_SAFETY_TIMEOUT_S`: the longest a safety check may take before the request fails UNAVAILABLE;
+    `_TOKENIZER`: the model (HF directory, tokenizer.json or .gguf) whose tokenizer counts prompts.
     """
 
     server: ServerConfig
     jwt: JwtConfig
-    engine_target: str = "127.0.0.1:50052"
+    audit: AuditConfig
+    policies: PolicyFiles = field(default_factory=PolicyFiles)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     safety_target: str = "127.0.0.1:50053"
     output_check_tokens: int = 16
     safety_timeout_s: float = 5.0
+    tokenizer: Path | None = None
 
     def __post_init__(self) -> None:
         if self.output_check_tokens < 1:
@@ -63,28 +136,79 @@ class GatewayConfig:
         if self.safety_timeout_s <= 0:
             raise ValueError(f"THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S must be > 0, got {self.safety_timeout_s}")
 
+    @property
+    def engine_target(self) -> str:
+        """The first engine replica."""
+        return self.routing.engine_targets[0]
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewayConfig:
         """Reads the gateway's settings; the JWT key file is required."""
-        prefix = "THERMOCLINE_GATEWAY_"
-        key_file = env.get_optional_str(prefix + "JWT_KEY_FILE", environ)
-        if key_file is None:
-            raise ValueError(
-                f"{prefix}JWT_KEY_FILE is not set; point it at the token verification key "
-                "(`thermocline up` makes a development key pair for you)"
-            )
-        jwt = JwtConfig(
-            key_file=Path(key_file),
-            algorithm=env.get_str(prefix + "JWT_ALGORITHM", "RS256", environ),
-            issuer=env.get_str(prefix + "JWT_ISSUER", "thermocline-dev", environ),
-            audience=env.get_str(prefix + "JWT_AUDIENCE", "thermocline", environ),
-            leeway_s=env.get_float(prefix + "JWT_LEEWAY_S", 30.0, environ),
-        )
         return cls(
             server=ServerConfig.from_env("gateway", DEFAULT_PORT, environ),
-            jwt=jwt,
-            engine_target=env.get_str(prefix + "ENGINE_TARGET", "127.0.0.1:50052", environ),
-            safety_target=env.get_str(prefix + "SAFETY_TARGET", "127.0.0.1:50053", environ),
-            output_check_tokens=env.get_int(prefix + "OUTPUT_CHECK_TOKENS", 16, environ),
-            safety_timeout_s=env.get_float(prefix + "SAFETY_TIMEOUT_S", 5.0, environ),
+            jwt=_jwt_from_env(environ),
+            audit=_audit_from_env(environ),
+            policies=PolicyFiles(
+                policy_file=_optional_path(PREFIX + "POLICY_FILE", environ),
+                intents_file=_optional_path(PREFIX + "INTENTS_FILE", environ),
+                tenants_file=_optional_path(PREFIX + "TENANTS_FILE", environ),
+            ),
+            limits=_limits_from_env(environ),
+            routing=_routing_from_env(environ),
+            safety_target=env.get_str(PREFIX + "SAFETY_TARGET", "127.0.0.1:50053", environ),
+            output_check_tokens=env.get_int(PREFIX + "OUTPUT_CHECK_TOKENS", 16, environ),
+            safety_timeout_s=env.get_float(PREFIX + "SAFETY_TIMEOUT_S", 5.0, environ),
+            tokenizer=_optional_path(PREFIX + "TOKENIZER", environ),
         )
+
+
+def _optional_path(name: str, environ: Mapping[str, str] | None) -> Path | None:
+    value = env.get_optional_str(name, environ)
+    return None if value is None else Path(value)
+
+
+def _jwt_from_env(environ: Mapping[str, str] | None) -> JwtConfig:
+    key_file = env.get_optional_str(PREFIX + "JWT_KEY_FILE", environ)
+    if key_file is None:
+        raise ValueError(
+            f"{PREFIX}JWT_KEY_FILE is not set; point it at the token verification key or JWKS "
+            "(`thermocline up` makes a development key pair for you)"
+        )
+    return JwtConfig(
+        key_file=Path(key_file),
+        algorithm=env.get_str(PREFIX + "JWT_ALGORITHM", "RS256", environ),
+        issuer=env.get_str(PREFIX + "JWT_ISSUER", "thermocline-dev", environ),
+        audience=env.get_str(PREFIX + "JWT_AUDIENCE", "thermocline", environ),
+        leeway_s=env.get_float(PREFIX + "JWT_LEEWAY_S", 30.0, environ),
+        typ=env.get_str(PREFIX + "JWT_TYP", "JWT", environ),
+    )
+
+
+def _audit_from_env(environ: Mapping[str, str] | None) -> AuditConfig:
+    state_dir = env.get_str("THERMOCLINE_STATE_DIR", "var", environ)
+    return AuditConfig(
+        directory=Path(env.get_str(PREFIX + "AUDIT_DIR", str(Path(state_dir) / "audit"), environ)),
+        retention_days=env.get_float(PREFIX + "AUDIT_RETENTION_DAYS", 90.0, environ),
+        admin_retention_days=env.get_float(PREFIX + "AUDIT_ADMIN_RETENTION_DAYS", 365.0, environ),
+        rotate_bytes=int(env.get_float(PREFIX + "AUDIT_ROTATE_MB", 64.0, environ) * MIB),
+    )
+
+
+def _limits_from_env(environ: Mapping[str, str] | None) -> LimitsConfig:
+    return LimitsConfig(
+        max_concurrent_streams=env.get_int(PREFIX + "MAX_CONCURRENT_STREAMS", 256, environ),
+        pushback_ms=env.get_int(PREFIX + "PUSHBACK_MS", 1000, environ),
+        redis_url=env.redis_url(environ),
+        redis_timeout_s=env.get_float(PREFIX + "REDIS_TIMEOUT_S", 0.25, environ),
+    )
+
+
+def _routing_from_env(environ: Mapping[str, str] | None) -> RoutingConfig:
+    single = env.get_str(PREFIX + "ENGINE_TARGET", "127.0.0.1:50052", environ)
+    targets = env.get_str(PREFIX + "ENGINE_TARGETS", single, environ)
+    return RoutingConfig(
+        engine_targets=tuple(t.strip() for t in targets.split(",") if t.strip()),
+        prefix_chars=env.get_int(PREFIX + "ROUTING_PREFIX_CHARS", 256, environ),
+        max_queue_skew=env.get_int(PREFIX + "ROUTING_MAX_QUEUE_SKEW", 4, environ),
+        stats_interval_s=env.get_float(PREFIX + "ENGINE_STATS_INTERVAL_S", 0.5, environ),
+    )

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from opentelemetry import trace
 
 from services.common.errors import Unavailable
+from services.gateway.router import Replica
 from services.gateway.upstream import Upstreams, upstream_error
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.safety.v1 import safety_pb2
+
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # the end-of-stream sentinel of call.read()
 
 _FINISH_FROM_ENGINE = {
     engine_pb2.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
@@ -93,17 +98,66 @@ def blocked_messages(
     ]
 
 
+class _Unstarted(Exception):
+    """The replica refused the call (UNAVAILABLE) before sending anything: another may take it."""
+
+
+def _remaining_s(deadline_at: float | None) -> float | None:
+    """Seconds left before the caller's deadline, passed on to the engine."""
+    return None if deadline_at is None else max(0.001, deadline_at - time.monotonic())
+
+
 async def relay(
-    upstreams: Upstreams, request: engine_pb2.GenerateRequest, settings: RelaySettings
+    upstreams: Upstreams,
+    request: engine_pb2.GenerateRequest,
+    settings: RelaySettings,
+    replicas: list[Replica],
 ) -> AsyncIterator[pb.GenerateResponse]:
-    """Streams the engine's answer to `request`, screened in windows."""
-    call = upstreams.engine.Generate(request, timeout=settings.deadline_s)
+    """Streams the engine's answer to `request`, screened in windows.
+
+    Replicas are tried in order; a replica that answers UNAVAILABLE before its first message
+    (draining, or gone) passes the request to the next one. Once a token has arrived the request
+    is never retried, so a client never sees a token twice.
+    """
+    deadline_at = None if settings.deadline_s is None else time.monotonic() + settings.deadline_s
+    last_error: grpc.aio.AioRpcError | None = None
+    for replica in replicas:
+        call = replica.stub.Generate(request, timeout=_remaining_s(deadline_at))
+        try:
+            first = await _first_message(call)
+        except _Unstarted as unstarted:
+            last_error = unstarted.args[0]
+            trace.get_current_span().add_event("engine.retry", {"thermocline.engine.replica": replica.target})
+            continue
+        trace.get_current_span().set_attribute("thermocline.engine.replica", replica.target)
+        async for message in _screened(upstreams, call, first, settings):
+            yield message
+        return
+    assert last_error is not None
+    raise upstream_error("engine", last_error)
+
+
+async def _first_message(call: grpc.aio.UnaryStreamCall) -> Any:
+    """The first message of the engine stream (or EOF); _Unstarted when retrying is safe."""
+    try:
+        return await call.read()
+    except grpc.aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            raise _Unstarted(error) from None
+        raise upstream_error("engine", error) from None
+
+
+async def _screened(
+    upstreams: Upstreams, call: grpc.aio.UnaryStreamCall, first: Any, settings: RelaySettings
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The stream after its first message, released in screened windows."""
     held = HeldOutput()
     final: engine_pb2.GenerateResponse | None = None
+    message = first
     try:
         # Read the stream to its end (the engine closes it after the final message), so the
         # client span of this call ends with the call.
-        async for message in call:
+        while message is not _EOF:
             held.add(message)
             is_last = message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
             if is_last or len(held.token_ids) >= settings.check_tokens:
@@ -120,6 +174,7 @@ async def relay(
                     yield delta
             if is_last:
                 final = message
+            message = await call.read()
     except grpc.aio.AioRpcError as error:
         raise upstream_error("engine", error) from None
     finally:
@@ -134,7 +189,7 @@ async def _abandon(call: grpc.aio.UnaryStreamCall) -> None:
     """Cancels the engine call (freeing its KV) and reads the stream out so its span ends."""
     call.cancel()
     with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-        async for _ in call:
+        while await call.read() is not _EOF:
             pass
 
 

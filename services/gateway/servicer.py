@@ -1,8 +1,9 @@
-"""The gateway's gRPC face: authenticate, screen the prompt, relay the engine's stream."""
+"""The gateway's gRPC face: shed load, run the gatekeeper, screen the prompt, relay the stream."""
 
 from __future__ import annotations
 
-import uuid
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,16 +12,25 @@ from opentelemetry import trace
 
 from services.common import telemetry
 from services.common.errors import InvalidArgument, NotFound
-from services.gateway.auth import JwtVerifier, Principal
+from services.gateway.admission import StreamSlots
+from services.gateway.audit import DENY, AuditEvent, AuditLog, prompt_sha256
+from services.gateway.auth import JwtVerifier
+from services.gateway.budget import load_counter
 from services.gateway.config import GatewayConfig
+from services.gateway.gatekeeper import Admission, Gatekeeper, Policies, require_input
+from services.gateway.intents import DEVELOPMENT_INTENTS, IntentPolicy
+from services.gateway.rate_limiter import RateLimiter
+from services.gateway.rbac import DEVELOPMENT_POLICY, Policy
 from services.gateway.relay import RelaySettings, blocked_messages, relay
+from services.gateway.router import Router, affinity_key
+from services.gateway.tenants import TenantTable
 from services.gateway.upstream import Upstreams
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from thermocline.safety.v1 import safety_pb2
 
-DEFAULT_INTENT = "default"
+log = logging.getLogger(__name__)
 
 
 def _metadata(context: Any) -> dict[str, str]:
@@ -37,22 +47,20 @@ def prompt_text(request: pb.GenerateRequest) -> str:
     raise InvalidArgument("request has no input: set either prompt or chat")
 
 
-def engine_request(
-    request: pb.GenerateRequest, principal: Principal, intent: str
-) -> engine_pb2.GenerateRequest:
-    """The engine's view of a client request."""
+def engine_request(request: pb.GenerateRequest, admission: Admission) -> engine_pb2.GenerateRequest:
+    """The engine's view of a client request: the tenant salts the prefix cache, the class schedules it."""
     sampling = request.sampling
     converted = engine_pb2.GenerateRequest(
-        request_id=uuid.uuid4().hex,
+        request_id=admission.request_id,
         sampling=engine_pb2.SamplingParams(
-            max_tokens=sampling.max_tokens,
+            max_tokens=admission.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             stop=list(sampling.stop),
         ),
-        intent_class=intent,
-        cache_salt=principal.tenant,
+        intent_class=admission.priority_class,
+        cache_salt=admission.principal.tenant,
     )
     if sampling.HasField("seed"):
         converted.sampling.seed = sampling.seed
@@ -66,33 +74,73 @@ def engine_request(
 
 
 class GatewayServicer(pb_grpc.GatewayServiceServicer):
-    """The public API."""
+    """The public API; the checks live in the gatekeeper, the streaming in the relay."""
 
-    def __init__(self, config: GatewayConfig, verifier: JwtVerifier, upstreams: Upstreams) -> None:
+    def __init__(
+        self, config: GatewayConfig, gatekeeper: Gatekeeper, upstreams: Upstreams, slots: StreamSlots
+    ) -> None:
         self.config = config
-        self.verifier = verifier
+        self.gatekeeper = gatekeeper
         self.upstreams = upstreams
+        self.slots = slots
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        with self.slots.hold():
+            async for message in self._generate(request, context):
+                yield message
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
         metadata = _metadata(context)
-        principal = self.verifier.verify(metadata.get("authorization"))
+        require_input(request)
         text = prompt_text(request)
-        model = await self._resolve_model(request.model, context.time_remaining())
-        settings = self._settings(text, principal, model, context.time_remaining())
-        self._annotate_span(request, principal, model)
-        verdict = await self.upstreams.check_prompt(text, principal.tenant, settings.safety_timeout_s)
+        resolve = lambda name: self._resolve_model(name, context.time_remaining())  # noqa: E731
+        admission = await self.gatekeeper.admit_generate(request, text, metadata, resolve)
+        settings = self._settings(text, admission, context.time_remaining())
+        self._annotate_span(request, admission)
+        tenant = admission.principal.tenant
+        verdict = await self.upstreams.check_prompt(text, tenant, settings.safety_timeout_s)
         if verdict.decision == safety_pb2.DECISION_BLOCK:
-            trace.get_current_span().add_event("safety.block", {"thermocline.safety.layer": "prompt"})
+            await self._record_prompt_block(admission, text, verdict)
             for message in blocked_messages(verdict.safe_message, settings, None):
                 yield message
             return
-        intent = metadata.get("x-intent") or DEFAULT_INTENT
-        async for message in relay(self.upstreams, engine_request(request, principal, intent), settings):
+        replicas = self.upstreams.router.candidates(
+            affinity_key(admission.principal.tenant, text, self.config.routing.prefix_chars),
+            admission.priority_class,
+        )
+        async for message in relay(self.upstreams, engine_request(request, admission), settings, replicas):
+            if message.HasField("done"):
+                await self._charge_completion(admission, message.done.usage.completion_tokens)
             yield message
 
+    async def _charge_completion(self, admission: Admission, num_tokens: int) -> None:
+        tenant = admission.principal.tenant
+        await self.gatekeeper.limiter.charge_tokens(tenant, admission.limits, num_tokens)
+
+    async def _record_prompt_block(
+        self, admission: Admission, text: str, verdict: safety_pb2.CheckResponse
+    ) -> None:
+        trace.get_current_span().add_event("safety.block", {"thermocline.safety.layer": "prompt"})
+        await self.gatekeeper.record(
+            AuditEvent(
+                actor_principal=admission.principal.subject,
+                tenant=admission.principal.tenant,
+                action="invoke",
+                resource=f"model:{admission.model}",
+                decision=DENY,
+                reason="safety: prompt blocked (" + ", ".join(verdict.reasons) + ")",
+                request_id=admission.request_id,
+                trace_id=telemetry.current_trace_id(),
+                prompt_sha256=prompt_sha256(text),
+            )
+        )
+
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
-        self.verifier.verify(_metadata(context).get("authorization"))
+        metadata = _metadata(context)
         info = await self.upstreams.model_info(context.time_remaining())
+        allowed = await self.gatekeeper.admit_list_models(metadata, [info.model])
         return pb.ListModelsResponse(
             models=[
                 pb.ModelInfo(
@@ -100,6 +148,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     max_context_tokens=info.max_context_tokens,
                     has_chat_template=info.has_chat_template,
                 )
+                for _ in allowed
             ]
         )
 
@@ -109,34 +158,70 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             raise NotFound(f"model {requested!r} is not served here; available: {info.model}")
         return info.model
 
-    def _settings(
-        self, text: str, principal: Principal, model: str, deadline_s: float | None
-    ) -> RelaySettings:
+    def _settings(self, text: str, admission: Admission, deadline_s: float | None) -> RelaySettings:
         safety_timeout_s = self.config.safety_timeout_s
         if deadline_s is not None:
             safety_timeout_s = min(safety_timeout_s, deadline_s)
         return RelaySettings(
             prompt_text=text,
-            tenant=principal.tenant,
-            model=model,
+            tenant=admission.principal.tenant,
+            model=admission.model,
             trace_id=telemetry.current_trace_id(),
             check_tokens=self.config.output_check_tokens,
             safety_timeout_s=safety_timeout_s,
             deadline_s=deadline_s,
         )
 
-    def _annotate_span(self, request: pb.GenerateRequest, principal: Principal, model: str) -> None:
+    def _annotate_span(self, request: pb.GenerateRequest, admission: Admission) -> None:
         span = trace.get_current_span()
         span.set_attribute("gen_ai.operation.name", "chat" if request.HasField("chat") else "text_completion")
-        span.set_attribute("gen_ai.request.model", model)
-        if request.sampling.max_tokens:
-            span.set_attribute("gen_ai.request.max_tokens", request.sampling.max_tokens)
-        span.set_attribute("enduser.id", principal.subject)
+        span.set_attribute("gen_ai.request.model", admission.model)
+        span.set_attribute("gen_ai.request.max_tokens", admission.max_tokens)
+        span.set_attribute("enduser.id", admission.principal.subject)
+        span.set_attribute("thermocline.tenant", admission.principal.tenant)
+        span.set_attribute("thermocline.intent", admission.intent)
+        span.set_attribute("thermocline.priority_class", admission.priority_class)
 
 
-def register(server: grpc.aio.Server, config: GatewayConfig) -> tuple[list[str], Upstreams]:
-    """Adds the gateway servicer; returns its full service name and the upstream channels."""
-    upstreams = Upstreams(config.engine_target, config.safety_target)
-    servicer = GatewayServicer(config, JwtVerifier(config.jwt), upstreams)
-    pb_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-    return [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name], upstreams
+def load_policies(config: GatewayConfig) -> Policies:
+    """The operator's policy files, or the development defaults for those not configured."""
+    files = config.policies
+    if files.policy_file is None:
+        log.warning("THERMOCLINE_GATEWAY_POLICY_FILE is unset; using the development RBAC policy")
+    policy = Policy.load(files.policy_file) if files.policy_file else Policy.from_dict(DEVELOPMENT_POLICY)
+    intents = IntentPolicy.from_dict(DEVELOPMENT_INTENTS)
+    if files.intents_file:
+        intents = IntentPolicy.load(files.intents_file)
+    tenants = TenantTable.load(files.tenants_file) if files.tenants_file else TenantTable()
+    return Policies(policy, intents, tenants)
+
+
+class Gateway:
+    """Everything the gateway process owns, built from its config, started and closed as one."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        policies = load_policies(config)
+        self.audit = AuditLog(config.audit)
+        self.limiter = RateLimiter(config.limits.redis_url, config.limits.redis_timeout_s)
+        self.upstreams = Upstreams(Router(config.routing), config.safety_target)
+        gatekeeper = Gatekeeper(
+            JwtVerifier(config.jwt), policies, load_counter(config.tokenizer), self.limiter, self.audit
+        )
+        slots = StreamSlots(config.limits.max_concurrent_streams, config.limits.pushback_ms)
+        self.servicer = GatewayServicer(config, gatekeeper, self.upstreams, slots)
+
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        """Adds the servicer; returns its full service name."""
+        pb_grpc.add_GatewayServiceServicer_to_server(self.servicer, server)
+        return [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name]
+
+    async def start(self) -> None:
+        """Starts following the engine replicas and prunes audit segments past retention."""
+        await self.upstreams.router.start()
+        await asyncio.to_thread(self.audit.prune)
+
+    async def close(self) -> None:
+        """Closes the upstream channels, the limiter and the audit files."""
+        await self.upstreams.close()
+        await self.limiter.close()
+        self.audit.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -9,6 +10,8 @@ from pathlib import Path
 import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+
+from services.gateway.jwks import public_jwk, secret_kid
 
 
 def ensure_dev_keys(directory: Path) -> tuple[Path, Path]:
@@ -40,8 +43,13 @@ def mint_token(
     ttl_s: float = 3600.0,
     algorithm: str = "RS256",
     extra_claims: dict[str, object] | None = None,
+    kid: str | None = None,
+    headers: dict[str, object] | None = None,
 ) -> str:
-    """A signed JWT for `subject`, valid from now for `ttl_s` seconds."""
+    """A signed JWT for `subject`, valid from now for `ttl_s` seconds.
+
+    `kid` defaults to the key's RFC 7638 thumbprint, which is the id the gateway gives a PEM key.
+    """
     now = int(time.time())
     claims: dict[str, object] = {
         "sub": subject,
@@ -54,4 +62,24 @@ def mint_token(
         "jti": uuid.uuid4().hex,
         **(extra_claims or {}),
     }
-    return jwt.encode(claims, private_key, algorithm=algorithm, headers={"typ": "JWT"})
+    key_bytes = private_key.encode() if isinstance(private_key, str) else private_key
+    if kid is None:
+        kid = key_id(key_bytes, algorithm)
+    header = {"typ": "JWT", "kid": kid, **(headers or {})}
+    return jwt.encode(claims, private_key, algorithm=algorithm, headers=header)
+
+
+def key_id(key: bytes, algorithm: str) -> str:
+    """The `kid` the gateway assigns a PEM key (or HS256 secret): its RFC 7638 thumbprint."""
+    if algorithm == "HS256":
+        return secret_kid(key.strip())
+    return str(public_jwk(key, algorithm)["kid"])
+
+
+def write_jwks(public_pems: list[bytes], path: Path, algorithm: str = "RS256") -> dict[str, object]:
+    """Writes a JWKS file holding the public halves of `public_pems`; returns the document."""
+    document: dict[str, object] = {"keys": [public_jwk(pem, algorithm) for pem in public_pems]}
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(document, indent=2))
+    temporary.replace(path)
+    return document

@@ -12,7 +12,8 @@ from services.common.errors import (
     ThermoclineError,
     Unavailable,
 )
-from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
+from services.gateway.router import Router
+from thermocline.engine.v1 import engine_pb2
 from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc
 
 # Statuses an upstream returns about the request itself: the caller sees them as they are.
@@ -32,12 +33,11 @@ def upstream_error(service: str, error: grpc.aio.AioRpcError) -> ThermoclineErro
 
 
 class Upstreams:
-    """Channels and stubs to the safety service and the engine."""
+    """The engine replicas (through the router) and the safety service."""
 
-    def __init__(self, engine_target: str, safety_target: str) -> None:
-        self._engine_channel = open_channel(engine_target)
+    def __init__(self, router: Router, safety_target: str) -> None:
+        self.router = router
         self._safety_channel = open_channel(safety_target)
-        self.engine = engine_pb2_grpc.EngineServiceStub(self._engine_channel)
         self.safety = safety_pb2_grpc.SafetyServiceStub(self._safety_channel)
         self._model_info: engine_pb2.GetModelInfoResponse | None = None
 
@@ -45,7 +45,7 @@ class Upstreams:
         """The engine's model description, fetched once."""
         if self._model_info is None:
             try:
-                self._model_info = await self.engine.GetModelInfo(
+                self._model_info = await self.router.any_serving().stub.GetModelInfo(
                     engine_pb2.GetModelInfoRequest(), timeout=timeout_s
                 )
             except grpc.aio.AioRpcError as error:
@@ -73,6 +73,6 @@ class Upstreams:
             raise upstream_error("safety", error) from None
 
     async def close(self) -> None:
-        """Closes both channels."""
-        await self._engine_channel.close(grace=None)
+        """Closes the channels and stops following the replicas."""
+        await self.router.close()
         await self._safety_channel.close(grace=None)

@@ -23,7 +23,7 @@ from services.cli.trace_collector import (
     SAFETY_CHECK_PROMPT,
     TraceCollector,
 )
-from services.gateway.tokens import ensure_dev_keys, mint_token
+from services.gateway.tokens import ensure_dev_keys, key_id, mint_token
 from tests.conftest import STORIES_GOLDEN_IDS, STORIES_GOLDEN_TEXT, STORIES_PROMPT
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -106,7 +106,8 @@ def test_bad_credentials_are_refused_with_the_reason(
 ) -> None:
     unauthenticated = grpc.StatusCode.UNAUTHENTICATED
     other_key, _ = ensure_dev_keys(tmp_path / "other")
-    forged = mint_token(other_key.read_bytes(), subject="mallory")
+    our_kid = key_id(stories_mesh.private_key_path.read_bytes(), "RS256")
+    forged = mint_token(other_key.read_bytes(), subject="mallory", kid=our_kid)
     expired = token_for(stories_mesh, exp=int(time.time()) - 3600)
     wrong_audience = token_for(stories_mesh, aud="another-service")
     unsigned = jwt.encode(

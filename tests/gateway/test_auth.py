@@ -15,7 +15,7 @@ import pytest
 from services.common.errors import Unauthenticated
 from services.gateway.auth import JwtVerifier
 from services.gateway.config import JwtConfig
-from services.gateway.tokens import ensure_dev_keys, mint_token
+from services.gateway.tokens import ensure_dev_keys, key_id, mint_token, write_jwks
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +88,14 @@ def test_hs256_signed_with_the_public_key_is_refused(keys: tuple[bytes, Path], v
         verifier.verify(_bearer(token))
 
 
-def test_a_token_from_another_key_is_refused(tmp_path: Path, verifier: JwtVerifier) -> None:
+def test_a_token_from_another_key_is_refused(
+    tmp_path: Path, keys: tuple[bytes, Path], verifier: JwtVerifier
+) -> None:
     other_private, _ = ensure_dev_keys(tmp_path)
+    our_kid = key_id(keys[0], "RS256")
     with pytest.raises(Unauthenticated, match="signature does not verify"):
+        verifier.verify(_bearer(mint_token(other_private.read_bytes(), subject="mallory", kid=our_kid)))
+    with pytest.raises(Unauthenticated, match="unknown signing key"):
         verifier.verify(_bearer(mint_token(other_private.read_bytes(), subject="mallory")))
 
 
@@ -112,3 +117,70 @@ def test_short_hs256_secret_is_refused_at_start(tmp_path: Path) -> None:
     secret.write_text("too-short")
     with pytest.raises(ValueError, match="at least 32"):
         JwtVerifier(JwtConfig(key_file=secret, algorithm="HS256"))
+
+
+def _es256_pem(directory: Path) -> tuple[bytes, bytes]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return private, public
+
+
+def test_jwks_rotation_adds_and_retires_keys(tmp_path: Path, keys: tuple[bytes, Path]) -> None:
+    old_private, old_public = keys[0], keys[1].read_bytes()
+    new_private, new_public = ensure_dev_keys(tmp_path / "new")
+    jwks = tmp_path / "jwks.json"
+    write_jwks([old_public], jwks)
+    verifier = JwtVerifier(JwtConfig(key_file=jwks))
+    new_token = _bearer(mint_token(new_private.read_bytes(), subject="bob"))
+    with pytest.raises(Unauthenticated, match="unknown signing key"):
+        verifier.verify(new_token)
+    write_jwks([old_public, new_public.read_bytes()], jwks)  # rotation, step 1: publish the new key
+    assert verifier.verify(new_token).subject == "bob"
+    assert verifier.verify(_bearer(mint_token(old_private, subject="alice"))).subject == "alice"
+    write_jwks([new_public.read_bytes()], jwks)  # step 2: retire the old key
+    with pytest.raises(Unauthenticated, match="unknown signing key"):
+        verifier.verify(_bearer(mint_token(old_private, subject="alice")))
+    jwks.write_text("{ not json")  # a broken edit keeps the keys in force
+    assert verifier.verify(new_token).subject == "bob"
+
+
+def test_algorithms_are_pinned_per_key(tmp_path: Path, keys: tuple[bytes, Path]) -> None:
+    es_private, es_public = _es256_pem(tmp_path)
+    jwks = tmp_path / "jwks.json"
+    document = {"keys": [*write_jwks([keys[1].read_bytes()], jwks)["keys"]]}  # type: ignore[misc]
+    from services.gateway.jwks import public_jwk
+
+    document["keys"].append(public_jwk(es_public, "ES256"))
+    jwks.write_text(json.dumps(document))
+    verifier = JwtVerifier(JwtConfig(key_file=jwks))
+    es_kid = key_id(es_private, "ES256")
+    assert verifier.verify(_bearer(mint_token(es_private, subject="eve", algorithm="ES256"))).subject == "eve"
+    # an RS256 token that names the ES256 key's kid is refused before any signature check
+    with pytest.raises(Unauthenticated, match="pinned to ES256"):
+        verifier.verify(_bearer(mint_token(keys[0], subject="eve", kid=es_kid)))
+
+
+def test_jwks_entries_must_pin_an_algorithm(tmp_path: Path, keys: tuple[bytes, Path]) -> None:
+    jwks = tmp_path / "jwks.json"
+    document = write_jwks([keys[1].read_bytes()], jwks)
+    del document["keys"][0]["alg"]  # type: ignore[index]
+    jwks.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match="'alg' must be one of"):
+        JwtVerifier(JwtConfig(key_file=jwks))
+
+
+def test_wrong_or_missing_typ_is_refused(keys: tuple[bytes, Path], verifier: JwtVerifier) -> None:
+    with pytest.raises(Unauthenticated, match="typ 'at\\+jwt' refused"):
+        verifier.verify(_bearer(mint_token(keys[0], subject="alice", headers={"typ": "at+jwt"})))
+    untyped = mint_token(keys[0], subject="alice", headers={"typ": None})
+    assert "typ" not in jwt.get_unverified_header(untyped)
+    with pytest.raises(Unauthenticated, match="typ None refused"):
+        verifier.verify(_bearer(untyped))

@@ -1,0 +1,172 @@
+"""The gateway's audit log: every allow or deny decision, durable before the caller hears of it.
+
+Events go to one of two hash-chained streams (see audit_chain.py): `decisions` (kept
+`retention_days`, 90 by default) and `admin` (admin, audit and policy actions, kept
+`admin_retention_days`, 365 by default). Writes are group-committed: concurrent calls share one
+write and one fsync, and `record` returns only after the fsync. Neither the raw prompt nor the
+token is ever logged; the prompt appears as its sha256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from services.gateway.audit_chain import ChainWriter, VerifyReport, segment_paths, verify_directory
+
+log = logging.getLogger(__name__)
+
+DECISIONS, ADMIN = "decisions", "admin"
+STREAMS = (DECISIONS, ADMIN)
+ADMIN_ACTIONS = frozenset({"admin", "read_audit", "policy.load", "audit.prune", "audit.start"})
+ALLOW, DENY = "allow", "deny"
+
+
+def prompt_sha256(text: str) -> str:
+    """The digest that stands in for a prompt in the log."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def utc_timestamp(now_s: float | None = None) -> str:
+    """ISO 8601 UTC with milliseconds and a Z, e.g. 2026-11-30T12:00:00.123Z."""
+    moment = datetime.fromtimestamp(time.time() if now_s is None else now_s, UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    """One decision, in the standard audit fields."""
+
+    actor_principal: str
+    tenant: str
+    action: str
+    resource: str
+    decision: str
+    reason: str = ""
+    request_id: str = ""
+    trace_id: str = ""
+    prompt_sha256: str = ""
+    details: Mapping[str, Any] = field(default_factory=dict)
+    event_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    timestamp_utc: str = field(default_factory=utc_timestamp)
+
+    @property
+    def stream(self) -> str:
+        """The stream, and so the retention, this event belongs to."""
+        return ADMIN if self.action in ADMIN_ACTIONS else DECISIONS
+
+    def to_record(self) -> dict[str, Any]:
+        """The event as the JSON object that is chained."""
+        record = asdict(self)
+        record["details"] = dict(self.details)
+        return record
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """Where the log lives, how long segments are kept, and when a segment is rotated."""
+
+    directory: Path
+    retention_days: float = 90.0
+    admin_retention_days: float = 365.0
+    rotate_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.retention_days <= 0 or self.admin_retention_days <= 0:
+            raise ValueError("audit retention must be > 0 days")
+        if self.rotate_bytes < 4096:
+            raise ValueError(f"audit rotation size {self.rotate_bytes} B is below 4 KiB")
+
+    def retention_s(self, stream: str) -> float:
+        """How long a closed segment of `stream` is kept."""
+        return (self.admin_retention_days if stream == ADMIN else self.retention_days) * 86400.0
+
+
+class AuditLog:
+    """Appends events durably, in order, with one fsync per batch of concurrent events."""
+
+    def __init__(self, config: AuditConfig) -> None:
+        self.config = config
+        self._writers = {s: ChainWriter(config.directory, s, config.rotate_bytes) for s in STREAMS}
+        self._pending: list[tuple[AuditEvent, asyncio.Future[None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def record(self, event: AuditEvent) -> None:
+        """Appends `event`; returns once it is on disk (fsynced)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((event, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        await asyncio.shield(future)
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                await asyncio.to_thread(self._write, [event for event, _ in batch])
+            except Exception as error:  # the callers learn of it; the log is not acknowledged
+                log.exception("audit write failed")
+                for _, future in batch:
+                    future.set_exception(error)
+                continue
+            for _, future in batch:
+                future.set_result(None)
+
+    def _write(self, events: list[AuditEvent]) -> None:
+        for stream in STREAMS:
+            records = [e.to_record() for e in events if e.stream == stream]
+            if records:
+                self._writers[stream].append(records)
+
+    def prune(self, now_s: float | None = None) -> list[AuditEvent]:
+        """Deletes closed segments past their retention and logs one `audit.prune` event each."""
+        now_s = time.time() if now_s is None else now_s
+        events = []
+        for stream in STREAMS:
+            events += self._prune_stream(stream, now_s)
+        if events:
+            self._write(events)
+        return events
+
+    def _prune_stream(self, stream: str, now_s: float) -> list[AuditEvent]:
+        writer = self._writers[stream]
+        current = writer.current_segment()
+        events = []
+        for path in segment_paths(self.config.directory, stream)[:-1]:
+            if path == current or now_s - path.stat().st_mtime < self.config.retention_s(stream):
+                continue
+            last_hash = path.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+            events.append(_prune_event(stream, path, last_hash))
+            path.unlink()
+        return events
+
+    def verify(self) -> VerifyReport:
+        """Verifies both streams as they are on disk now."""
+        return verify_directory(self.config.directory, STREAMS)
+
+    def close(self) -> None:
+        """Closes the segment files."""
+        for writer in self._writers.values():
+            writer.close()
+
+
+def _prune_event(stream: str, path: Path, last_line: bytes) -> AuditEvent:
+    last_hash = json.loads(last_line)["hash"] if last_line else ""
+    return AuditEvent(
+        actor_principal="thermocline-gateway",
+        tenant="",
+        action="audit.prune",
+        resource=f"audit:{stream}/{path.name}",
+        decision=ALLOW,
+        reason="retention period over",
+        details={"segment": path.name, "last_hash": last_hash},
+    )

@@ -1,0 +1,218 @@
+"""One hash-chained, append-only JSON-lines audit stream, split into segment files, and its verifier.
+
+Each line is the event's fields plus `prev_hash` and `hash`, where
+`hash = sha256(canonical_json(event) || prev_hash)` (the hex text of the previous hash, 64 zeros
+for the first event ever). Editing a line breaks its hash, deleting or reordering lines breaks
+the next line's `prev_hash`, and the `<stream>.head` file (count and hash of the last line
+written) catches a truncated tail. Segments are `<stream>-<seq>.jsonl`; the chain runs across
+them. When retention deletes old segments, an `audit.prune` event records each one's last hash,
+so the verifier can tell a pruned start from a cut one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+GENESIS_HASH = "0" * 64
+_CHAIN_FIELDS = ("prev_hash", "hash")
+
+
+def canonical_json(event: Mapping[str, Any]) -> bytes:
+    """The bytes that are hashed: sorted keys, no spaces, UTF-8."""
+    return json.dumps(event, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def chain_hash(event: Mapping[str, Any], prev_hash: str) -> str:
+    """h_n = sha256(e_n || h_{n-1})."""
+    return hashlib.sha256(canonical_json(event) + prev_hash.encode("ascii")).hexdigest()
+
+
+def segment_paths(directory: Path, stream: str) -> list[Path]:
+    """The stream's segment files, oldest first."""
+    return sorted(directory.glob(f"{stream}-*.jsonl"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+
+
+def _sequence(path: Path) -> int:
+    return int(path.stem.rsplit("-", 1)[1])
+
+
+def _last_line_hash(path: Path) -> tuple[str | None, bool]:
+    """The hash of the segment's last complete line, and whether a torn tail follows it."""
+    data = path.read_bytes()
+    complete, _, torn = data.rpartition(b"\n")
+    last = complete.rsplit(b"\n", 1)[-1] if complete else b""
+    return (json.loads(last)["hash"] if last else None), bool(torn)
+
+
+class ChainWriter:
+    """Appends events to one stream. Not thread-safe: one writer thread at a time."""
+
+    def __init__(self, directory: Path, stream: str, rotate_bytes: int) -> None:
+        self.directory = directory
+        self.stream = stream
+        self.rotate_bytes = rotate_bytes
+        directory.mkdir(parents=True, exist_ok=True)
+        self.last_hash, self.count = self._recover()
+        self._file: IO[bytes] | None = None
+
+    @property
+    def head_path(self) -> Path:
+        """Where the count and hash of the last written line are kept."""
+        return self.directory / f"{self.stream}.head"
+
+    def _recover(self) -> tuple[str, int]:
+        """The chain's tip after a restart; drops a torn last line (never acknowledged)."""
+        for path in reversed(segment_paths(self.directory, self.stream)):
+            last_hash, is_torn = _last_line_hash(path)
+            if is_torn:
+                self._truncate_torn_tail(path)
+            if last_hash is not None:
+                return last_hash, self._head_count()
+        return GENESIS_HASH, 0
+
+    def _head_count(self) -> int:
+        if not self.head_path.exists():
+            return 0
+        return int(json.loads(self.head_path.read_text()).get("count", 0))
+
+    def _truncate_torn_tail(self, path: Path) -> None:
+        data = path.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        log.warning("audit segment %s ends in a torn line (%d bytes); dropping it", path, len(data) - keep)
+        with path.open("r+b") as file:
+            file.truncate(keep)
+            os.fsync(file.fileno())
+
+    def _open_segment(self) -> IO[bytes]:
+        segments = segment_paths(self.directory, self.stream)
+        current = segments[-1] if segments else None
+        if current is None or current.stat().st_size >= self.rotate_bytes:
+            number = _sequence(current) + 1 if current else 1
+            current = self.directory / f"{self.stream}-{number:08d}.jsonl"
+        file = current.open("ab")
+        _fsync_directory(self.directory)
+        return file
+
+    def append(self, events: Iterable[Mapping[str, Any]]) -> None:
+        """Chains and writes `events`, then fsyncs; on return they are durable."""
+        if self._file is None or self._file.tell() >= self.rotate_bytes:
+            self.close()
+            self._file = self._open_segment()
+        lines = []
+        for event in events:
+            prev_hash, self.last_hash = self.last_hash, chain_hash(event, self.last_hash)
+            record = {**event, "prev_hash": prev_hash, "hash": self.last_hash}
+            lines.append(canonical_json(record) + b"\n")
+            self.count += 1
+        self._file.write(b"".join(lines))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._write_head()
+
+    def _write_head(self) -> None:
+        temporary = self.head_path.with_suffix(".head.tmp")
+        temporary.write_text(json.dumps({"count": self.count, "hash": self.last_hash}))
+        temporary.replace(self.head_path)
+
+    def close(self) -> None:
+        """Closes the open segment, if any."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def current_segment(self) -> Path | None:
+        """The segment being written, if one is open."""
+        return Path(self._file.name) if self._file is not None else None  # type: ignore[arg-type]
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of verifying one directory."""
+
+    num_events: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def is_ok(self) -> bool:
+        """True when every stream verified."""
+        return not self.problems
+
+
+def _lines(paths: list[Path]) -> Iterator[tuple[Path, int, bytes]]:
+    for path in paths:
+        for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+            yield path, number, line
+
+
+def _pruned_hashes(directory: Path) -> set[str]:
+    """Last hashes of segments that retention deleted, from the `audit.prune` events."""
+    hashes = set()
+    for _, _, line in _lines(sorted(directory.glob("*.jsonl"))):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("action") == "audit.prune":
+            hashes.add(str(record.get("details", {}).get("last_hash")))
+    return hashes
+
+
+def verify_stream(directory: Path, stream: str, pruned: set[str]) -> tuple[int, list[str]]:
+    """Walks one stream's chain: (events checked, problems found)."""
+    expected: str | None = None
+    count, seen = 0, set()
+    for path, number, line in _lines(segment_paths(directory, stream)):
+        where = f"{path.name}:{number}"
+        try:
+            record = json.loads(line)
+            event = {k: v for k, v in record.items() if k not in _CHAIN_FIELDS}
+            prev, stored = record["prev_hash"], record["hash"]
+        except (ValueError, KeyError, AttributeError):
+            return count, [f"{where}: not a chained JSON record"]
+        if expected is None and prev != GENESIS_HASH and prev not in pruned:
+            return count, [f"{where}: the chain starts from an unknown hash; entries before it are missing"]
+        if expected is not None and prev != expected:
+            return count, [f"{where}: prev_hash does not match the entry before; deleted or reordered"]
+        if chain_hash(event, prev) != stored:
+            return count, [f"{where}: hash does not match the content; the entry was edited"]
+        expected, count = stored, count + 1
+        seen.add(stored)
+    return count, _check_head(directory, stream, seen, count)
+
+
+def _check_head(directory: Path, stream: str, seen: set[str], count: int) -> list[str]:
+    """The head file's hash must be in the chain (it may lag the log by one crash, never lead it)."""
+    head_path = directory / f"{stream}.head"
+    if not head_path.exists():
+        return [] if count == 0 else [f"{head_path.name} is missing"]
+    if json.loads(head_path.read_text()).get("hash") in seen:
+        return []
+    return [f"{stream}: the last entry that {head_path.name} names is gone; entries were cut from the end"]
+
+
+def verify_directory(directory: Path, streams: Iterable[str]) -> VerifyReport:
+    """Verifies every stream of an audit directory."""
+    report = VerifyReport()
+    pruned = _pruned_hashes(directory)
+    for stream in streams:
+        count, problems = verify_stream(directory, stream, pruned)
+        report.num_events[stream] = count
+        report.problems.extend(problems)
+    return report

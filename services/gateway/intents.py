@@ -1,0 +1,84 @@
+"""The intent policy: which `x-intent` values exist, the default, and each one's priority class.
+
+An intent says what a request is for (`code-completion`, `medical-diagnosis`); the engine
+schedules by priority class. The mapping is tenant-aware: a tenant's own table (see tenants.py)
+overrides the intent's class. The file format (JSON) is in deploy/gateway/intents.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import InvalidArgument
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class IntentPolicy:
+    """Known intents → engine priority class; `default_intent` None makes `x-intent` required."""
+
+    priority_classes: Mapping[str, str]
+    default_intent: str | None = "default"
+
+    def __post_init__(self) -> None:
+        if not self.priority_classes:
+            raise ValueError("the intent policy must name at least one intent")
+        bad = [name for name in self.priority_classes if not _NAME.match(name)]
+        if bad:
+            raise ValueError(f"intent names must be lower-case [a-z0-9._-], at most 64 chars: {bad}")
+        if self.default_intent is not None and self.default_intent not in self.priority_classes:
+            raise ValueError(f"default intent {self.default_intent!r} is not among the known intents")
+
+    @classmethod
+    def from_dict(cls, document: Mapping[str, Any]) -> IntentPolicy:
+        """A policy from its parsed JSON."""
+        intents = dict(document["intents"])
+        classes = {name: str(entry.get("priority_class", name)) for name, entry in intents.items()}
+        return cls(priority_classes=classes, default_intent=document.get("default_intent"))
+
+    @classmethod
+    def load(cls, path: Path) -> IntentPolicy:
+        """Reads and validates an intents file."""
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"intent policy {path}: {error}") from None
+
+    @property
+    def known(self) -> list[str]:
+        """The known intents, sorted."""
+        return sorted(self.priority_classes)
+
+    def resolve(self, requested: str | None) -> str:
+        """The intent of a call; INVALID_ARGUMENT when it is missing without default, or unknown."""
+        if not requested:
+            if self.default_intent is None:
+                raise InvalidArgument(
+                    f"metadata 'x-intent' is required; known intents: {', '.join(self.known)}"
+                )
+            return self.default_intent
+        if requested not in self.priority_classes:
+            shown = requested if len(requested) <= 64 else requested[:64] + "..."
+            raise InvalidArgument(f"unknown intent {shown!r}; known intents: {', '.join(self.known)}")
+        return requested
+
+    def priority_class(self, intent: str, tenant_overrides: Mapping[str, str]) -> str:
+        """The engine priority class for `intent`, after the tenant's own overrides."""
+        return tenant_overrides.get(intent, self.priority_classes[intent])
+
+
+DEVELOPMENT_INTENTS: dict[str, Any] = {
+    "default_intent": "default",
+    "intents": {
+        "default": {"priority_class": "standard"},
+        "code-completion": {"priority_class": "interactive"},
+        "medical-diagnosis": {"priority_class": "critical"},
+        "batch": {"priority_class": "batch"},
+    },
+}
