@@ -1,0 +1,162 @@
+"""RFC 8725 through a real gateway process: every bad token is UNAUTHENTICATED with its reason."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import grpc
+import jwt
+import pytest
+
+from services.cli.mesh import Mesh
+from services.gateway.tokens import key_id
+from tests.gateway.conftest import call, refusal, token
+
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _claims(**overrides: object) -> dict[str, object]:
+    claims: dict[str, object] = {
+        "sub": "tester",
+        "tenant": "acme",
+        "iss": "thermocline-dev",
+        "aud": "thermocline",
+        "exp": int(time.time()) + 600,
+    }
+    for name, value in overrides.items():
+        if value is None:
+            claims.pop(name, None)
+        else:
+            claims[name] = value
+    return claims
+
+
+def _signed(mesh: Mesh, claims: dict[str, object], **header: object) -> str:
+    private = mesh.private_key_path.read_bytes()
+    headers = {"typ": "JWT", "kid": key_id(private, "RS256"), **header}
+    return jwt.encode(claims, private, algorithm="RS256", headers=headers)
+
+
+def _expect(mesh: Mesh, bearer: str, reason: str) -> None:
+    error = refusal(mesh.target("gateway"), bearer)
+    assert error.code() == UNAUTHENTICATED, error.details()
+    assert reason in error.details()
+
+
+def test_a_good_token_passes(stories_mesh: Mesh) -> None:
+    assert call(stories_mesh.target("gateway"), token(stories_mesh)).done is not None
+
+
+def test_alg_none_is_refused(stories_mesh: Mesh) -> None:
+    header = _b64(json.dumps({"alg": "none", "typ": "JWT"}).encode())
+    unsigned = f"{header}.{_b64(json.dumps(_claims()).encode())}."
+    _expect(stories_mesh, unsigned, "alg 'none'")
+
+
+def test_hs256_signed_with_our_rsa_public_key_is_refused(stories_mesh: Mesh) -> None:
+    public_pem = stories_mesh.public_key_path.read_bytes()
+    kid = key_id(stories_mesh.private_key_path.read_bytes(), "RS256")
+    header = _b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": kid}).encode())
+    payload = _b64(json.dumps(_claims()).encode())
+    signature = hmac.new(public_pem, f"{header}.{payload}".encode(), hashlib.sha256).digest()
+    _expect(stories_mesh, f"{header}.{payload}.{_b64(signature)}", "pinned to RS256")
+
+
+@pytest.mark.parametrize("claim", ["exp", "iss", "aud"])
+def test_a_missing_required_claim_is_refused(stories_mesh: Mesh, claim: str) -> None:
+    _expect(stories_mesh, _signed(stories_mesh, _claims(**{claim: None})), f"'{claim}'")
+
+
+@pytest.mark.parametrize(
+    ("claim", "value", "reason"),
+    [("aud", "another-service", "audience is wrong"), ("iss", "https://evil.example", "issuer is wrong")],
+)
+def test_a_wrong_audience_or_issuer_is_refused(
+    stories_mesh: Mesh, claim: str, value: str, reason: str
+) -> None:
+    _expect(stories_mesh, _signed(stories_mesh, _claims(**{claim: value})), reason)
+
+
+def test_a_wrong_typ_is_refused(stories_mesh: Mesh) -> None:
+    _expect(stories_mesh, _signed(stories_mesh, _claims(), typ="secevent+jwt"), "typ 'secevent+jwt' refused")
+
+
+def test_expiry_is_refused_beyond_the_leeway_and_accepted_within_it(stories_mesh: Mesh) -> None:
+    # the mesh runs the default 30 s leeway
+    _expect(stories_mesh, _signed(stories_mesh, _claims(exp=int(time.time()) - 120)), "expired")
+    within = _signed(stories_mesh, _claims(exp=int(time.time()) - 5))
+    assert call(stories_mesh.target("gateway"), within).done is not None
+
+
+def test_nbf_in_the_future_is_refused(stories_mesh: Mesh) -> None:
+    _expect(stories_mesh, _signed(stories_mesh, _claims(nbf=int(time.time()) + 600)), "not valid yet")
+
+
+@pytest.mark.parametrize(
+    "kid",
+    [
+        "no-such-key",
+        "../../../../../../dev/null",
+        "/proc/self/environ",
+        "' OR '1'='1' --",
+        "x'; DROP TABLE keys; --",
+    ],
+)
+def test_unknown_or_hostile_kids_are_refused(stories_mesh: Mesh, kid: str) -> None:
+    # With an empty HS256 secret a kid that was read as a path to /dev/null would verify.
+    header = _b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": kid}).encode())
+    payload = _b64(json.dumps(_claims()).encode())
+    signature = hmac.new(b"", f"{header}.{payload}".encode(), hashlib.sha256).digest()
+    forged = f"{header}.{payload}.{_b64(signature)}"
+    _expect(stories_mesh, forged, "unknown signing key")
+    signed = _signed(stories_mesh, _claims(), kid=kid)
+    _expect(stories_mesh, signed, "unknown signing key")
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    requests: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        _Recorder.requests.append(self.path)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"keys": []}')
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def key_server() -> Iterator[str]:
+    _Recorder.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/jwks.json"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("header", ["jku", "x5u"])
+def test_remote_key_headers_are_refused_and_never_fetched(
+    stories_mesh: Mesh, key_server: str, header: str
+) -> None:
+    _expect(stories_mesh, _signed(stories_mesh, _claims(), **{header: key_server}), "never fetched")
+    assert _Recorder.requests == []
+
+
+def test_an_embedded_jwk_is_refused(stories_mesh: Mesh) -> None:
+    embedded = {"kty": "oct", "k": _b64(b"k" * 32)}
+    forged = jwt.encode(_claims(), b"k" * 32, algorithm="HS256", headers={"typ": "JWT", "jwk": embedded})
+    _expect(stories_mesh, forged, "remote or embedded key")
