@@ -1,0 +1,117 @@
+"""Per-tenant rate limits in a real redis-server, shared by two real gateway processes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.cli.mesh import Mesh
+from services.cli.trace_collector import TraceCollector
+from services.gateway.audit_chain import segment_paths
+from tests.conftest import start_mesh
+from tests.gateway.conftest import call, refusal, token, write_policy_files
+
+BURST = 10
+TENANTS = {
+    "defaults": {"requests_per_s": 1000, "burst_requests": 1000, "tokens_per_min": 1_000_000},
+    "tenants": {
+        # refills one request every ~17 minutes: within a test, the bucket admits BURST and no more
+        "metered": {"requests_per_s": 0.001, "burst_requests": BURST},
+        # 30 tokens/min = 0.5 tokens/s; each call costs 5 prompt + 2 completion tokens
+        "wordy": {"tokens_per_min": 30},
+        "open-tenant": {"on_redis_down": "open"},
+        "closed-tenant": {"on_redis_down": "closed"},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    stories_model: Path, collector: TraceCollector, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    state = tmp_path_factory.mktemp("rate-mesh")
+    env = write_policy_files(state / "policy", TENANTS)
+    started = start_mesh(stories_model, state, collector, **env)
+    started.start_gateway_replica("gateway-2")
+    yield started
+    started.stop()
+
+
+def _user(mesh: Mesh, tenant: str) -> str:
+    return token(mesh, subject=f"{tenant}-user", tenant=tenant, roles=["user"])
+
+
+def _attempt(target: str, bearer: str) -> grpc.StatusCode:
+    try:
+        call(target, bearer, intent="chat", max_tokens=1)
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        retry_after = dict(error.trailing_metadata() or ())["retry-after-ms"]
+        assert int(retry_after) > 0
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+def test_two_gateways_together_admit_no_more_than_the_bucket(mesh: Mesh) -> None:
+    bearer = _user(mesh, "metered")
+    targets = [mesh.target("gateway"), mesh.target("gateway-2")] * (2 * BURST)
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(lambda target: _attempt(target, bearer), targets))
+    admitted = outcomes.count(grpc.StatusCode.OK)
+    assert BURST <= admitted <= BURST + 1, f"{admitted} of {len(targets)} admitted; the bucket holds {BURST}"
+    assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == len(targets) - admitted
+
+
+def test_a_refusal_says_when_to_retry(mesh: Mesh) -> None:
+    bearer = _user(mesh, "metered")
+    for _ in range(BURST + 1):  # drained by the test above, or drained here
+        error = None
+        try:
+            call(mesh.target("gateway"), bearer, intent="chat", max_tokens=1)
+        except grpc.RpcError as caught:
+            error = caught
+    assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "rate limit for tenant 'metered' reached" in error.details() and "retry after" in error.details()
+    metadata = dict(error.trailing_metadata() or ())
+    assert int(metadata["retry-after-ms"]) > 0
+    assert metadata["grpc-retry-pushback-ms"] == metadata["retry-after-ms"]
+
+
+def test_tokens_per_minute_count_prompt_and_completion(mesh: Mesh) -> None:
+    bearer = _user(mesh, "wordy")
+    for _ in range(4):  # 4 x (5 prompt + 2 completion) = 28 of 30 tokens
+        result = call(mesh.target("gateway"), bearer, intent="chat", max_tokens=2)
+        assert result.done is not None and result.done.usage.prompt_tokens == 5
+    error = refusal(mesh.target("gateway-2"), bearer, intent="chat", max_tokens=2)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "30 tokens/min" in error.details()
+
+
+def test_a_prompt_over_the_request_budget_gets_both_counts(mesh: Mesh) -> None:
+    bearer = _user(mesh, "wordy")
+    error = refusal(mesh.target("gateway"), bearer, intent="chat", prompt="Once upon a time " * 10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt of 42 tokens" in error.details() and "30 tokens/min" in error.details()
+
+
+def test_redis_down_fails_open_or_closed_per_tenant(mesh: Mesh) -> None:
+    mesh.processes["redis"].kill()
+    mesh.processes["redis"].wait(30)
+    open_result = call(mesh.target("gateway"), _user(mesh, "open-tenant"), intent="chat", max_tokens=1)
+    assert open_result.done is not None
+    closed = refusal(mesh.target("gateway"), _user(mesh, "closed-tenant"), intent="chat", max_tokens=1)
+    assert closed.code() == grpc.StatusCode.UNAVAILABLE
+    assert "rate limiter is unreachable" in closed.details() and "fails closed" in closed.details()
+    events = [
+        json.loads(line)
+        for path in segment_paths(mesh.audit_dir, "decisions")
+        for line in path.read_text().splitlines()
+    ]
+    opened = [e for e in events if e["tenant"] == "open-tenant"]
+    assert opened[-1]["decision"] == "allow" and "fails open" in opened[-1]["details"]["rate_limit"]
+    assert [e for e in events if e["tenant"] == "closed-tenant"][-1]["decision"] == "deny"
