@@ -1,0 +1,64 @@
+"""Load shedding and token budgets through a real gateway capped at two concurrent streams."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.cli.client import build_request, call_metadata, collect, stream_generate
+from services.cli.mesh import Mesh
+from services.cli.trace_collector import TraceCollector
+from tests.conftest import STORIES_PROMPT, start_mesh
+from tests.gateway.conftest import refusal, token
+from thermocline.gateway.v1 import gateway_pb2 as pb
+
+MAX_STREAMS = 2
+LONG_TOKENS = 1500  # about 2 s of decoding on a laptop core: the streams overlap the refused call
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    stories_model: Path, collector: TraceCollector, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    started = start_mesh(
+        stories_model,
+        tmp_path_factory.mktemp("admission-mesh"),
+        collector,
+        THERMOCLINE_GATEWAY_MAX_CONCURRENT_STREAMS=str(MAX_STREAMS),
+        THERMOCLINE_GATEWAY_PUSHBACK_MS="750",
+    )
+    yield started
+    started.stop()
+
+
+def test_streams_beyond_the_cap_are_shed_while_admitted_ones_complete(mesh: Mesh) -> None:
+    metadata = call_metadata(token(mesh))
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        streams = [
+            stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=LONG_TOKENS), metadata, 120)
+            for _ in range(MAX_STREAMS)
+        ]
+        firsts = [next(stream) for stream in streams]  # both admitted and streaming
+        with pytest.raises(grpc.RpcError) as shed:
+            collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 30))
+        rests = [collect(stream) for stream in streams]
+    assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"limit of {MAX_STREAMS} concurrent streams" in shed.value.details()
+    assert dict(shed.value.trailing_metadata() or ())["grpc-retry-pushback-ms"] == "750"
+    for first, rest in zip(firsts, rests, strict=True):
+        assert rest.done is not None and rest.done.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(first.delta.token_ids) + len(rest.token_ids) == LONG_TOKENS
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:  # the slots are free again
+        again = collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 30))
+    assert again.done is not None
+
+
+def test_a_request_over_its_token_budget_gets_both_counts(mesh: Mesh) -> None:
+    # the development tenant defaults allow 8192 tokens per request
+    error = refusal(mesh.target("gateway"), token(mesh), max_tokens=9000)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "5 prompt tokens" in error.details() and "9000 max_tokens = 9005" in error.details()
+    assert "allows 8192 per request" in error.details()
