@@ -97,13 +97,18 @@ class Sequence:
         self.completion_ids.append(token_id)
         is_eos = token_id in eos_token_ids and not self.params.ignore_eos
         check = self._stop_checker.push(self._detokenizer.push(token_id))
-        text = check.text
         reason = self._finish_reason(is_eos or check.is_stopped, max_seq_len)
-        if reason is not None and not check.is_stopped:
-            text += self._stop_checker.push(self._detokenizer.flush()).text + self._stop_checker.flush()
+        text = check.text
         if reason is not None:
+            if not check.is_stopped:
+                text += self._drain_text()
             self.finish(reason)
         return self.event((token_id,), text)
+
+    def _drain_text(self) -> str:
+        # end of stream: release text held back for an unfinished character or a partial stop string
+        tail = self._stop_checker.push(self._detokenizer.flush())
+        return tail.text + self._stop_checker.flush()
 
     def _finish_reason(self, is_stopped: bool, max_seq_len: int) -> FinishReason | None:
         if is_stopped:
