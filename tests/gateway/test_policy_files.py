@@ -1,0 +1,57 @@
+"""The example policy files in deploy/gateway load, and bad policies are refused at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InvalidArgument, PermissionDenied
+from services.gateway.intents import IntentPolicy
+from services.gateway.jwks import KeySet
+from services.gateway.rbac import Policy
+from services.gateway.tenants import TenantTable
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "gateway"
+
+
+def test_the_example_files_load() -> None:
+    policy = Policy.load(DEPLOY / "policy.json")
+    assert policy.roles_of({"sub": "x", "groups": ["ml-platform"]}) == ["admin", "user", "reader", "auditor"]
+    assert IntentPolicy.load(DEPLOY / "intents.json").default_intent == "default"
+    tenants = TenantTable.load(DEPLOY / "tenants.json")
+    assert tenants.limits("acme").on_redis_down == "open"
+    assert tenants.limits("nobody").on_redis_down == "closed"
+    assert KeySet(DEPLOY / "jwks.example.json", "RS256").kids
+
+
+def test_inheritance_cycles_and_unknown_roles_or_operations_are_refused() -> None:
+    with pytest.raises(ValueError, match="cycle"):
+        Policy.from_dict({"roles": {"a": {"inherits": ["b"]}, "b": {"inherits": ["a"]}}})
+    with pytest.raises(ValueError, match="undefined role"):
+        Policy.from_dict({"roles": {"a": {"inherits": ["ghost"]}}})
+    with pytest.raises(ValueError, match="unknown operation"):
+        Policy.from_dict({"roles": {"a": {"grants": {"*": ["delete_everything"]}}}})
+
+
+def test_model_patterns_scope_a_grant() -> None:
+    policy = Policy.from_dict({"roles": {"med": {"grants": {"medical-*": ["invoke"]}}}})
+    policy.authorize("doc", ["med"], "invoke", "medical-7b")
+    with pytest.raises(PermissionDenied, match="permission 'invoke' on model 'llama-7b' is missing"):
+        policy.authorize("doc", ["med"], "invoke", "llama-7b")
+
+
+def test_tenant_overrides_the_intent_class() -> None:
+    document = {"default_intent": "chat", "intents": {"chat": {"priority_class": "std"}}}
+    intents = IntentPolicy.from_dict(document)
+    assert intents.priority_class(intents.resolve(None), {}) == "std"
+    assert intents.priority_class("chat", {"chat": "gold"}) == "gold"
+    with pytest.raises(InvalidArgument, match="known intents: chat"):
+        intents.resolve("x" * 500)
+
+
+def test_bad_tenant_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="on_redis_down"):
+        TenantTable.from_dict({"tenants": {"a": {"on_redis_down": "maybe"}}})
+    with pytest.raises(ValueError, match="unknown tenant setting"):
+        TenantTable.from_dict({"defaults": {"requests_per_minute": 5}})
