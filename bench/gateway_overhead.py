@@ -1,0 +1,290 @@
+"""Gateway overhead on loopback: TTFT through the gateway vs straight to the engine, and relay throughput.
+
+    .venv/bin/python bench/gateway_overhead.py                      # both parts, writes bench/results/
+    .venv/bin/python bench/gateway_overhead.py --requests 50 --no-write
+
+Part 1 starts the real mesh (redis-server, safety, engine with stories260K, gateway) and times the
+first token of `--requests` sequential one-token requests, alternating direct engine calls and
+gateway calls; the gateway path includes JWT, RBAC, intent, token count, the Redis rate limit, the
+fsynced audit event, the safety prompt check and the output check. Part 2 replaces the engine with
+a fixed-rate token source (a test double, allowed only in this benchmark) and measures how many
+streams and tokens per second one gateway process relays to `--streams` concurrent clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.cli.client import build_request, call_metadata  # noqa: E402
+from services.cli.mesh import Mesh, MeshConfig, Ports, free_port  # noqa: E402
+from services.common.channels import wait_until_serving  # noqa: E402
+from services.engine.models import resolve_model  # noqa: E402
+from services.gateway.tokens import mint_token  # noqa: E402
+from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+from thermocline.gateway.v1 import gateway_pb2_grpc  # noqa: E402
+
+PROMPT = "Once upon a time"
+HIGH_LIMITS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
+
+
+class FixedRateEngine(engine_pb2_grpc.EngineServiceServicer):
+    """A token source: `max_tokens` tokens at a fixed interval, no model. Benchmark use only."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        num_tokens = request.sampling.max_tokens or 16
+        for index in range(num_tokens):
+            await asyncio.sleep(self.interval_s)
+            is_last = index == num_tokens - 1
+            message = engine_pb2.GenerateResponse(token_ids=[300 + index % 100], text=" tok")
+            if is_last:
+                message.finish_reason = engine_pb2.FINISH_REASON_LENGTH
+                message.usage.prompt_tokens, message.usage.completion_tokens = 5, num_tokens
+            yield message
+
+    async def GetStats(self, request: Any, context: Any) -> engine_pb2.GetStatsResponse:
+        return engine_pb2.GetStatsResponse(max_batch_size=1024, device="fake")
+
+    async def GetModelInfo(self, request: Any, context: Any) -> engine_pb2.GetModelInfoResponse:
+        return engine_pb2.GetModelInfoResponse(model="fixed-rate", max_context_tokens=1 << 20)
+
+
+async def serve_fake_engine(port: int, interval_s: float) -> None:
+    """Runs the fixed-rate source until killed."""
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(FixedRateEngine(interval_s), server)
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await server.wait_for_termination()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def start_mesh(state_dir: Path, model: str, **env: str) -> Mesh:
+    """A mesh with high tenant limits, so the benchmark measures work, not refusals."""
+    tenants = state_dir / "tenants.json"
+    tenants.parent.mkdir(parents=True, exist_ok=True)
+    tenants.write_text(json.dumps(HIGH_LIMITS))
+    settings = {"THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants), "THERMOCLINE_LOG_LEVEL": "WARNING", **env}
+    config = MeshConfig(model=model, state_dir=state_dir, ports=Ports.free(), env=settings)
+    mesh = Mesh(config)
+    mesh.start()
+    return mesh
+
+
+async def first_token_s(stub: Any, request: Any, metadata: list[tuple[str, str]]) -> float:
+    """Seconds from call to the first streamed message (the stream is then read to its end)."""
+    started = time.perf_counter()
+    call = stub.Generate(request, metadata=metadata, timeout=60)
+    await call.read()
+    elapsed = time.perf_counter() - started
+    while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
+        pass
+    return elapsed
+
+
+async def measure_ttft(mesh: Mesh, num_requests: int) -> dict[str, list[float]]:
+    """TTFT samples, direct and through the gateway, interleaved."""
+    token = mint_token(mesh.private_key_path.read_bytes(), subject="bench", tenant="bench")
+    engine_request = engine_pb2.GenerateRequest(
+        prompt=PROMPT, sampling=engine_pb2.SamplingParams(max_tokens=1)
+    )
+    gateway_request = build_request(PROMPT, max_tokens=1)
+    samples: dict[str, list[float]] = {"engine direct": [], "through gateway": []}
+    async with (
+        grpc.aio.insecure_channel(mesh.target("engine")) as engine_channel,
+        grpc.aio.insecure_channel(mesh.target("gateway")) as gateway_channel,
+    ):
+        engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
+        gateway = gateway_pb2_grpc.GatewayServiceStub(gateway_channel)
+        for index in range(num_requests + 10):  # the first 10 of each warm up
+            direct = await first_token_s(engine, engine_request, [])
+            relayed = await first_token_s(gateway, gateway_request, call_metadata(token))
+            if index >= 10:
+                samples["engine direct"].append(direct)
+                samples["through gateway"].append(relayed)
+    return samples
+
+
+async def measure_relay(
+    target: str, token: str, num_streams: int, tokens_per_stream: int, duration_s: float
+) -> dict[str, float]:
+    """Streams and tokens per second relayed to `num_streams` concurrent looping clients."""
+    request = build_request(PROMPT, max_tokens=tokens_per_stream)
+    metadata = call_metadata(token)
+    counts = {"streams": 0, "tokens": 0, "errors": 0}
+    stop_at = time.perf_counter() + duration_s
+
+    async def client(stub: Any) -> None:
+        while time.perf_counter() < stop_at:
+            try:
+                async for message in stub.Generate(request, metadata=metadata, timeout=60):
+                    counts["tokens"] += len(message.delta.token_ids)
+                counts["streams"] += 1
+            except grpc.aio.AioRpcError:
+                counts["errors"] += 1
+
+    started = time.perf_counter()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        await asyncio.gather(*(client(stub) for _ in range(num_streams)))
+    elapsed = time.perf_counter() - started
+    return {
+        "streams_per_s": counts["streams"] / elapsed,
+        "tokens_per_s": counts["tokens"] / elapsed,
+        "errors": counts["errors"],
+        "elapsed_s": elapsed,
+    }
+
+
+def relay_part(args: argparse.Namespace, state_dir: Path) -> list[dict[str, float]]:
+    """Part 2: one gateway in front of the fixed-rate source."""
+    port = free_port()
+    source = subprocess.Popen(
+        [sys.executable, __file__, "--fake-engine", str(port), "--interval-ms", str(args.interval_ms)]
+    )
+    try:
+        asyncio.run(wait_until_serving(f"127.0.0.1:{port}", 30))
+        mesh = start_mesh(
+            state_dir,
+            str(resolve_model("stories260k")),
+            THERMOCLINE_GATEWAY_ENGINE_TARGETS=f"127.0.0.1:{port}",
+            THERMOCLINE_GATEWAY_MAX_CONCURRENT_STREAMS="100000",
+            THERMOCLINE_GATEWAY_OUTPUT_CHECK_TOKENS=str(args.check_tokens),
+        )
+        with mesh:
+            token = mint_token(mesh.private_key_path.read_bytes(), subject="bench", tenant="bench")
+            rows = []
+            for num_streams in args.streams:
+                result = asyncio.run(
+                    measure_relay(
+                        mesh.target("gateway"), token, num_streams, args.tokens_per_stream, args.duration_s
+                    )
+                )
+                rows.append({"num_streams": num_streams, **result})
+                print(f"relay {num_streams} streams: {result}", flush=True)
+            return rows
+    finally:
+        source.kill()
+        source.wait()
+
+
+def machine() -> dict[str, str]:
+    """CPU, commit and versions for the results file."""
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        platform.processor(),
+    )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=REPO
+    ).stdout
+    return {
+        "date (UTC)": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
+        "git commit": commit + (" (dirty tree)" if dirty.strip() else ""),
+        "cpu": cpu,
+        "logical cpus": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+    }
+
+
+def report(args: argparse.Namespace, ttft: dict[str, list[float]], relay: list[dict[str, float]]) -> str:
+    """The results as markdown."""
+    lines = ["# Gateway overhead on loopback", "", "| setting | value |", "| --- | --- |"]
+    settings = machine() | {
+        "TTFT model": "stories260K (engine on CPU), prompt 'Once upon a time', max_tokens 1",
+        "TTFT requests": f"{args.requests} per path, sequential, interleaved, after 10 warm-up each",
+        "relay source": f"fixed-rate token source, one token every {args.interval_ms} ms per stream",
+        "relay stream": f"{args.tokens_per_stream} tokens, output screened every {args.check_tokens} tokens",
+        "relay duration": f"{args.duration_s} s per concurrency level, Python asyncio clients in one process",
+        "gateway path": "JWT RS256, RBAC, intent, token count, Redis Lua bucket, fsynced audit, safety",
+    }
+    lines += [f"| {k} | {v} |" for k, v in settings.items()]
+    lines += [
+        "",
+        "## Time to first token",
+        "",
+        "| path | p50 ms | p99 ms | mean ms |",
+        "| --- | --- | --- | --- |",
+    ]
+    for path, values in ttft.items():
+        ms = [v * 1000 for v in values]
+        lines.append(
+            f"| {path} | {percentile(ms, 50):.2f} | {percentile(ms, 99):.2f} | {statistics.fmean(ms):.2f} |"
+        )
+    overhead = [(g - e) * 1000 for g, e in zip(ttft["through gateway"], ttft["engine direct"], strict=True)]
+    p50, p99, mean = percentile(overhead, 50), percentile(overhead, 99), statistics.fmean(overhead)
+    lines.append(f"| gateway overhead (paired) | {p50:.2f} | {p99:.2f} | {mean:.2f} |")
+    lines += ["", "## Relay throughput of one gateway process", ""]
+    lines += ["| concurrent streams | streams/s | tokens/s | errors |", "| --- | --- | --- | --- |"]
+    for row in relay:
+        streams_per_s, tokens_per_s = row["streams_per_s"], row["tokens_per_s"]
+        lines.append(
+            f"| {row['num_streams']} | {streams_per_s:.1f} | {tokens_per_s:.0f} | {row['errors']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--tokens-per-stream", type=int, default=64)
+    parser.add_argument("--interval-ms", type=float, default=1.0)
+    parser.add_argument("--check-tokens", type=int, default=16)
+    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--fake-engine", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fake_engine:
+        asyncio.run(serve_fake_engine(args.fake_engine, args.interval_ms / 1000))
+        return
+    with tempfile.TemporaryDirectory() as state:
+        with start_mesh(Path(state) / "ttft", str(resolve_model("stories260k"))) as mesh:
+            ttft = asyncio.run(measure_ttft(mesh, args.requests))
+        relay = relay_part(args, Path(state) / "relay")
+    text = report(args, ttft, relay)
+    print(text)
+    if not args.no_write:
+        path = REPO / "bench" / "results" / f"gateway_overhead_{dt.date.today().isoformat()}.md"
+        path.write_text(text)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
