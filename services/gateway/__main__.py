@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.common.server import ServiceSpec, run_service
 from services.gateway.config import GatewayConfig
-from services.gateway.servicer import Gateway
+from services.gateway.gateway import Gateway
 
 
 def main() -> None:

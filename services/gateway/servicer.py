@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 from opentelemetry import trace
 
 from services.common import telemetry
 from services.common.errors import InvalidArgument, NotFound
 from services.gateway.admission import StreamSlots
-from services.gateway.audit import DENY, AuditEvent, AuditLog, prompt_sha256
-from services.gateway.auth import JwtVerifier
-from services.gateway.budget import load_counter
+from services.gateway.audit import DENY, AuditEvent, prompt_sha256
 from services.gateway.config import GatewayConfig
-from services.gateway.gatekeeper import Admission, Gatekeeper, Policies, require_input
-from services.gateway.intents import DEVELOPMENT_INTENTS, IntentPolicy
-from services.gateway.rate_limiter import RateLimiter
-from services.gateway.rbac import DEVELOPMENT_POLICY, Policy
+from services.gateway.gatekeeper import Admission, Gatekeeper, require_input
 from services.gateway.relay import RelaySettings, blocked_messages, relay
-from services.gateway.router import Router, affinity_key
-from services.gateway.tenants import TenantTable
+from services.gateway.router import affinity_key
 from services.gateway.upstream import Upstreams
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -181,47 +173,3 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         span.set_attribute("thermocline.tenant", admission.principal.tenant)
         span.set_attribute("thermocline.intent", admission.intent)
         span.set_attribute("thermocline.priority_class", admission.priority_class)
-
-
-def load_policies(config: GatewayConfig) -> Policies:
-    """The operator's policy files, or the development defaults for those not configured."""
-    files = config.policies
-    if files.policy_file is None:
-        log.warning("THERMOCLINE_GATEWAY_POLICY_FILE is unset; using the development RBAC policy")
-    policy = Policy.load(files.policy_file) if files.policy_file else Policy.from_dict(DEVELOPMENT_POLICY)
-    intents = IntentPolicy.from_dict(DEVELOPMENT_INTENTS)
-    if files.intents_file:
-        intents = IntentPolicy.load(files.intents_file)
-    tenants = TenantTable.load(files.tenants_file) if files.tenants_file else TenantTable()
-    return Policies(policy, intents, tenants)
-
-
-class Gateway:
-    """Everything the gateway process owns, built from its config, started and closed as one."""
-
-    def __init__(self, config: GatewayConfig) -> None:
-        policies = load_policies(config)
-        self.audit = AuditLog(config.audit)
-        self.limiter = RateLimiter(config.limits.redis_url, config.limits.redis_timeout_s)
-        self.upstreams = Upstreams(Router(config.routing), config.safety_target)
-        gatekeeper = Gatekeeper(
-            JwtVerifier(config.jwt), policies, load_counter(config.tokenizer), self.limiter, self.audit
-        )
-        slots = StreamSlots(config.limits.max_concurrent_streams, config.limits.pushback_ms)
-        self.servicer = GatewayServicer(config, gatekeeper, self.upstreams, slots)
-
-    def register(self, server: grpc.aio.Server) -> list[str]:
-        """Adds the servicer; returns its full service name."""
-        pb_grpc.add_GatewayServiceServicer_to_server(self.servicer, server)
-        return [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name]
-
-    async def start(self) -> None:
-        """Starts following the engine replicas and prunes audit segments past retention."""
-        await self.upstreams.router.start()
-        await asyncio.to_thread(self.audit.prune)
-
-    async def close(self) -> None:
-        """Closes the upstream channels, the limiter and the audit files."""
-        await self.upstreams.close()
-        await self.limiter.close()
-        self.audit.close()

@@ -1,0 +1,109 @@
+"""The gateway process's parts, built from its config: policies, audit log, limiter, router, servicer."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from pathlib import Path
+
+import grpc
+
+from services.gateway.admission import StreamSlots
+from services.gateway.audit import ALLOW, AuditEvent, AuditLog
+from services.gateway.auth import JwtVerifier
+from services.gateway.budget import load_counter
+from services.gateway.config import GatewayConfig
+from services.gateway.gatekeeper import Gatekeeper, Policies
+from services.gateway.intents import DEVELOPMENT_INTENTS, IntentPolicy
+from services.gateway.rate_limiter import RateLimiter
+from services.gateway.rbac import DEVELOPMENT_POLICY, Policy
+from services.gateway.router import Router
+from services.gateway.servicer import GatewayServicer
+from services.gateway.tenants import TenantTable
+from services.gateway.upstream import Upstreams
+from thermocline.gateway.v1 import gateway_pb2 as pb
+from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def load_policies(config: GatewayConfig) -> Policies:
+    """The operator's policy files, or the development defaults for those not configured."""
+    files = config.policies
+    if files.policy_file is None:
+        log.warning("THERMOCLINE_GATEWAY_POLICY_FILE is unset; using the development RBAC policy")
+    policy = Policy.load(files.policy_file) if files.policy_file else Policy.from_dict(DEVELOPMENT_POLICY)
+    intents = IntentPolicy.from_dict(DEVELOPMENT_INTENTS)
+    if files.intents_file:
+        intents = IntentPolicy.load(files.intents_file)
+    tenants = TenantTable.load(files.tenants_file) if files.tenants_file else TenantTable()
+    return Policies(policy, intents, tenants)
+
+
+_PRUNE_INTERVAL_S = 3600.0
+
+
+def _file_digest(path: Path | None) -> str:
+    return "built-in development default" if path is None else hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def policy_event(config: GatewayConfig) -> AuditEvent:
+    """The admin-stream record of which policy files (by sha256) this gateway process enforces."""
+    files = {
+        "jwt_key_file": config.jwt.key_file,
+        "policy_file": config.policies.policy_file,
+        "intents_file": config.policies.intents_file,
+        "tenants_file": config.policies.tenants_file,
+    }
+    return AuditEvent(
+        actor_principal="thermocline-gateway",
+        tenant="",
+        action="policy.load",
+        resource="gateway:policies",
+        decision=ALLOW,
+        reason="gateway started",
+        details={name: {"path": str(path), "sha256": _file_digest(path)} for name, path in files.items()},
+    )
+
+
+class Gateway:
+    """Everything the gateway process owns, built from its config, started and closed as one."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        policies = load_policies(config)
+        self.audit = AuditLog(config.audit)
+        self.limiter = RateLimiter(config.limits.redis_url, config.limits.redis_timeout_s)
+        self.upstreams = Upstreams(Router(config.routing), config.safety_target)
+        gatekeeper = Gatekeeper(
+            JwtVerifier(config.jwt), policies, load_counter(config.tokenizer), self.limiter, self.audit
+        )
+        slots = StreamSlots(config.limits.max_concurrent_streams, config.limits.pushback_ms)
+        self.servicer = GatewayServicer(config, gatekeeper, self.upstreams, slots)
+        self.config = config
+        self._pruner: asyncio.Task[None] | None = None
+
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        """Adds the servicer; returns its full service name."""
+        pb_grpc.add_GatewayServiceServicer_to_server(self.servicer, server)
+        return [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name]
+
+    async def start(self) -> None:
+        """Starts following the engine replicas, records the policies in force, starts pruning."""
+        await self.upstreams.router.start()
+        await self.audit.record(policy_event(self.config))
+        self._pruner = asyncio.create_task(self._prune_forever())
+
+    async def _prune_forever(self) -> None:
+        """Applies audit retention now and then every hour."""
+        while True:
+            await asyncio.to_thread(self.audit.prune)
+            await asyncio.sleep(_PRUNE_INTERVAL_S)
+
+    async def close(self) -> None:
+        """Closes the upstream channels, the limiter and the audit files."""
+        if self._pruner is not None:
+            self._pruner.cancel()
+        await self.upstreams.close()
+        await self.limiter.close()
+        self.audit.close()
