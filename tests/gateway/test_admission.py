@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
 from tests.conftest import STORIES_PROMPT, start_mesh
 from tests.gateway.conftest import refusal, token
+from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 MAX_STREAMS = 2
@@ -62,3 +64,18 @@ def test_a_request_over_its_token_budget_gets_both_counts(mesh: Mesh) -> None:
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "5 prompt tokens" in error.details() and "9000 max_tokens = 9005" in error.details()
     assert "allows 8192 per request" in error.details()
+
+
+def test_an_expired_deadline_frees_the_engine(mesh: Mesh) -> None:
+    metadata = call_metadata(token(mesh))
+    long_request = build_request(STORIES_PROMPT, max_tokens=LONG_TOKENS)
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        stream = stream_generate(channel, long_request, metadata, timeout_s=1.0)
+        with pytest.raises(grpc.RpcError) as caught:
+            collect(stream)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with grpc.insecure_channel(mesh.target("engine")) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        deadline = time.monotonic() + 30
+        while (stats := stub.GetStats(engine_pb2.GetStatsRequest())).num_running + stats.num_waiting:
+            assert time.monotonic() < deadline, f"engine still holds the expired request: {stats}"
