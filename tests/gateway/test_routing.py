@@ -34,8 +34,6 @@ def mesh(
         startup_timeout_s=300,
         num_engines=2,
         env={
-            # the gateway's health Watch streams hold a draining engine for its whole grace period
-            "THERMOCLINE_ENGINE_GRACE_S": "5",
             "THERMOCLINE_GATEWAY_ENGINE_STATS_INTERVAL_S": "0.2",
             "THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants),
         },
