@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import platform
 import subprocess
 import sys
@@ -140,6 +141,7 @@ def environment(args: argparse.Namespace, model_path: Path) -> dict[str, str]:
         "batch sizes": ", ".join(map(str, args.batch_sizes)),
         "warm-up": f"one {args.warmup_tokens}-token run per engine and batch size, not timed",
         "repeats": f"{args.repeats} timed runs per engine, interleaved; the table shows the median",
+        "load average (1 min) at start / end": f"{args.load_at_start:.2f} / {os.getloadavg()[0]:.2f}",
     }
 
 
@@ -206,6 +208,7 @@ def main() -> None:
     )
     parser.add_argument("--no-write", action="store_true", help="print only; do not write bench/results")
     args = parser.parse_args()
+    args.load_at_start = os.getloadavg()[0]  # other work on the machine skews every number
     if args.threads:
         torch.set_num_threads(args.threads)
     model_path = resolve_model(args.model)
