@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.safety.embedder import MiniLMEmbedder, default_model_dir
+from services.safety.embedder import CLS_ID, SEP_ID, MiniLMEmbedder, default_model_dir
 from services.safety.gate_file import ENGINE_HEAD, PROMPT_HEAD, HeadWeights, gate_scores, write_gate
 from services.safety.normalizer import canonical
 from tools.safety_data import (
@@ -50,9 +50,10 @@ ENGINE_MAX_TOKENS = 128
 
 
 def embed_texts(examples: list[Example]) -> torch.Tensor:
-    """MiniLM embeddings `[N, 384]` of each example's canonical text (first window)."""
+    """MiniLM embeddings `[N, 384]` of each example's canonical text, cut to one full window."""
     embedder = MiniLMEmbedder.load()
-    rows = [embedder.text_windows(canonical(e.text))[0] for e in examples]
+    body = embedder.spec.max_tokens - 2
+    rows = [[CLS_ID, *embedder.token_ids(canonical(e.text))[:body], SEP_ID] for e in examples]
     return _in_length_order(rows, lambda batch: embedder.embed_windows(batch), batch_size=32)
 
 

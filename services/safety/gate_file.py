@@ -12,6 +12,19 @@ project: only the standard library, torch and safetensors. The manifest holds:
   hidden size).
 
 Loading refuses a file whose hash differs from the manifest's, naming both hashes.
+
+For the engine (its owner wires the decode loop; this is the intended use):
+
+    gate = load_gate(path, expected_sha256=announced)   # or parse_gate(GetGate reply fields)
+    spec = gate.manifest.head(ENGINE_HEAD)              # check spec.features["model"] and
+    head = gate.head_weights(ENGINE_HEAD).to(device)    # ["hidden_size"] at start-up, once
+    ...
+    # per step, on the [B, E] hidden states the runner already returns:
+    fired = (gate_scores(hidden, head) >= head.thresholds).any(dim=-1)  # [B] bool, on device
+
+`fired` can travel to the host with the sampled token ids, so the gate adds no sync of its own.
+The engine head was trained on the last token of prompts and outputs, not on every position of
+a generation, so scores at mid-generation steps are less calibrated than at the prompt's end.
 """
 
 from __future__ import annotations

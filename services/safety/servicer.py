@@ -1,16 +1,18 @@
-"""The safety service's gRPC face: protobuf in, policy call, protobuf out."""
+"""The safety service's gRPC face: protobuf in, screen or gate, protobuf out."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
 from opentelemetry import trace
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from services.common.errors import InvalidArgument, Unimplemented
+from services.common.errors import InvalidArgument
+from services.safety.classifier import TextTooLong
 from services.safety.config import SafetyConfig
-from services.safety.policy import DenyPatternPolicy, Verdict
+from services.safety.screen import Screen, ScreenVerdict
 from thermocline.safety.v1 import safety_pb2 as pb
 from thermocline.safety.v1 import safety_pb2_grpc as pb_grpc
 
@@ -18,67 +20,89 @@ CHECKS = Counter(
     "thermocline_safety_checks_total", "Safety checks by layer and decision.", ["layer", "decision"]
 )
 TRIGGERS = Counter(
-    "thermocline_safety_triggers_total", "Blocked checks by layer and category.", ["layer", "category"]
+    "thermocline_safety_triggers_total",
+    "Checks in which a category reached its threshold, by layer and category.",
+    ["layer", "category"],
 )
 CHECK_SECONDS = Histogram(
     "thermocline_safety_check_duration_seconds",
-    "Time to screen one text.",
+    "Time to screen one text (all views and windows, classifier and deny patterns).",
     ["layer"],
-    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5),
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+GATE_INFO = Gauge(
+    "thermocline_safety_gate_info",
+    "1 for the gate this service serves and screens with.",
+    ["version", "sha256"],
 )
 # Texts longer than this are refused rather than screened slowly; the gateway never sends more.
 MAX_TEXT_CHARS = 1_000_000
 
 
 class SafetyServicer(pb_grpc.SafetyServiceServicer):
-    """Screens prompts and outputs with the configured policy."""
+    """Screens prompts and outputs, and serves the gate file."""
 
-    def __init__(self, config: SafetyConfig, policy: DenyPatternPolicy) -> None:
+    def __init__(self, config: SafetyConfig, screen: Screen) -> None:
         self.config = config
-        self.policy = policy
+        self.screen = screen
+        # One check at a time: torch already uses every core for one batch of windows.
+        self._lock = asyncio.Lock()
 
     async def CheckPrompt(self, request: pb.CheckPromptRequest, context: Any) -> pb.CheckResponse:
-        return self._check("prompt", request.text)
+        return await self._check("prompt", request.text)
 
     async def CheckOutput(self, request: pb.CheckOutputRequest, context: Any) -> pb.CheckResponse:
-        return self._check("output", request.text)
+        return await self._check("output", request.text)
 
     async def GetGate(self, request: pb.GetGateRequest, context: Any) -> pb.GetGateResponse:
-        raise Unimplemented("GetGate: this safety version screens with deny patterns and serves no gate file")
+        gate = self.screen.gate
+        return pb.GetGateResponse(
+            version=gate.version,
+            sha256=gate.sha256,
+            weights=b"" if request.metadata_only else gate.weights_bytes,
+            manifest_json=gate.manifest_json,
+        )
 
-    def _check(self, layer: str, text: str) -> pb.CheckResponse:
+    async def _check(self, layer: str, text: str) -> pb.CheckResponse:
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"text of {len(text)} characters exceeds the {MAX_TEXT_CHARS} limit")
-        with CHECK_SECONDS.labels(layer).time():
-            verdict = self.policy.check(text)
+        async with self._lock:
+            with CHECK_SECONDS.labels(layer).time():
+                try:
+                    verdict = await asyncio.to_thread(self.screen.check, text)
+                except TextTooLong as error:
+                    raise InvalidArgument(str(error)) from None
         self._record(layer, verdict)
         return self._to_pb(verdict)
 
-    def _record(self, layer: str, verdict: Verdict) -> None:
+    def _record(self, layer: str, verdict: ScreenVerdict) -> None:
         decision = "block" if verdict.is_blocked else "allow"
         CHECKS.labels(layer, decision).inc()
         span = trace.get_current_span()
         span.set_attribute("thermocline.safety.layer", layer)
         span.set_attribute("thermocline.safety.decision", decision)
+        span.set_attribute("thermocline.safety.policy_version", self.screen.version)
         for category, score in verdict.scores.items():
-            if score > 0:
+            span.set_attribute(f"thermocline.safety.score.{category}", score)
+            if score >= verdict.thresholds[category]:
                 TRIGGERS.labels(layer, category).inc()
 
-    def _to_pb(self, verdict: Verdict) -> pb.CheckResponse:
+    def _to_pb(self, verdict: ScreenVerdict) -> pb.CheckResponse:
         return pb.CheckResponse(
             decision=pb.DECISION_BLOCK if verdict.is_blocked else pb.DECISION_ALLOW,
             scores=[
-                pb.CategoryScore(category=name, score=score, threshold=1.0)
+                pb.CategoryScore(category=name, score=score, threshold=verdict.thresholds[name])
                 for name, score in verdict.scores.items()
             ],
             reasons=list(verdict.reasons),
-            policy_version=self.policy.version,
+            policy_version=self.screen.version,
             safe_message=self.config.safe_message if verdict.is_blocked else "",
         )
 
 
 def register(server: grpc.aio.Server, config: SafetyConfig) -> list[str]:
-    """Loads the policy and adds the safety servicer; returns its full service name."""
-    policy = DenyPatternPolicy.load(config.deny_patterns_path)
-    pb_grpc.add_SafetyServiceServicer_to_server(SafetyServicer(config, policy), server)
+    """Loads and verifies the gate and the deny patterns, adds the servicer; returns its service name."""
+    screen = Screen.load(config)
+    GATE_INFO.labels(screen.gate.version, screen.gate.sha256).set(1)
+    pb_grpc.add_SafetyServiceServicer_to_server(SafetyServicer(config, screen), server)
     return [pb.DESCRIPTOR.services_by_name["SafetyService"].full_name]

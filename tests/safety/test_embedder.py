@@ -26,17 +26,19 @@ def test_embeddings_match_transformers_mean_pooled(embedder: MiniLMEmbedder) -> 
     torch.testing.assert_close(embedder.embed(texts), expected, atol=1e-5, rtol=1e-4)
 
 
-def test_windows_overlap_and_cover_every_token() -> None:
-    spec = EmbedderSpec(max_tokens=10, stride_tokens=2)  # 8 body tokens, step 6
+def test_a_short_text_is_one_row_and_a_long_one_overlapping_windows() -> None:
+    spec = EmbedderSpec(max_tokens=16, long_window_tokens=10, stride_tokens=2)  # 8 body tokens, step 6
+    assert windows(list(range(14)), spec) == [[CLS_ID, *range(14), SEP_ID]]
     cut = windows(list(range(1000, 1020)), spec)
     assert all(w[0] == CLS_ID and w[-1] == SEP_ID and len(w) <= 10 for w in cut)
     bodies = [w[1:-1] for w in cut]
     assert bodies[0] == list(range(1000, 1008)) and bodies[1][:2] == list(range(1006, 1008))
     assert sorted({t for body in bodies for t in body}) == list(range(1000, 1020))
     assert windows([], spec) == [[CLS_ID, SEP_ID]]
-    assert len(windows(list(range(8)), spec)) == 1
 
 
 def test_a_bad_window_is_refused() -> None:
     with pytest.raises(ValueError, match="window overlap"):
-        EmbedderSpec(max_tokens=64, stride_tokens=40)
+        EmbedderSpec(long_window_tokens=64, stride_tokens=40)
+    with pytest.raises(ValueError, match="embedder windows"):
+        EmbedderSpec(max_tokens=32, long_window_tokens=64)

@@ -1,0 +1,95 @@
+"""The gate file: the committed gate verifies, a changed file is refused, the reference head fires."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.safety.config import DEFAULT_GATE
+from services.safety.gate_file import (
+    ENGINE_HEAD,
+    PROMPT_HEAD,
+    GateFileError,
+    GateHashMismatch,
+    HeadWeights,
+    gate_scores,
+    load_gate,
+    manifest_path_for,
+    parse_gate,
+    sha256_hex,
+    write_gate,
+)
+
+
+def test_the_committed_gate_verifies_and_names_what_each_head_reads() -> None:
+    gate = load_gate(DEFAULT_GATE)
+    assert gate.sha256 == sha256_hex(DEFAULT_GATE.read_bytes())
+    assert DEFAULT_GATE.stat().st_size < 1_000_000
+    engine = gate.manifest.head(ENGINE_HEAD)
+    assert engine.features["model"] == "smollm2-135m-instruct"
+    assert engine.features["layer"] == "final_norm"
+    weights = gate.head_weights(ENGINE_HEAD)
+    assert weights.weight.shape == (len(gate.manifest.categories) + 1, engine.features["hidden_size"])
+    assert gate.head_weights(PROMPT_HEAD).weight.shape[1] == 384
+
+
+def _copy_gate(tmp_path: Path) -> Path:
+    target = tmp_path / "gate.safetensors"
+    shutil.copy(DEFAULT_GATE, target)
+    shutil.copy(manifest_path_for(DEFAULT_GATE), manifest_path_for(target))
+    return target
+
+
+def test_a_changed_weights_file_is_refused_naming_both_hashes(tmp_path: Path) -> None:
+    path = _copy_gate(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(GateHashMismatch) as caught:
+        load_gate(path)
+    message = str(caught.value)
+    assert sha256_hex(bytes(data)) in message
+    assert load_gate(DEFAULT_GATE).sha256 in message
+
+
+def test_a_hash_announced_by_the_safety_service_must_match_too() -> None:
+    gate = load_gate(DEFAULT_GATE)
+    with pytest.raises(GateHashMismatch, match=r"announced sha256 is 0{64}"):
+        parse_gate(gate.manifest_json, gate.weights_bytes, expected_sha256="0" * 64)
+    assert parse_gate(gate.manifest_json, gate.weights_bytes, gate.sha256).version == gate.version
+
+
+def test_a_manifest_without_every_threshold_is_refused(tmp_path: Path) -> None:
+    path = _copy_gate(tmp_path)
+    manifest = json.loads(manifest_path_for(path).read_text())
+    del manifest["heads"][ENGINE_HEAD]["thresholds"]["hate"]
+    manifest_path_for(path).write_text(json.dumps(manifest))
+    with pytest.raises(GateFileError, match="thresholds must name exactly the categories"):
+        load_gate(path)
+
+
+def _one_hot_gate(tmp_path: Path, hidden_size: int = 8) -> Path:
+    """A gate whose engine head fires `violence` on exactly the hidden state e_0."""
+    categories = ["violence", "hate"]
+    weight = torch.zeros(3, hidden_size)
+    weight[1, 0] = 20.0  # violence <- dimension 0
+    weight[2, 1] = 20.0  # hate <- dimension 1
+    tensors = {f"{ENGINE_HEAD}.weight": weight, f"{ENGINE_HEAD}.bias": torch.zeros(3)}
+    features = {"model": "tiny", "layer": "final_norm", "hidden_size": hidden_size}
+    head = {"features": features, "thresholds": {"violence": 0.9, "hate": 0.9}}
+    path = tmp_path / "one_hot.safetensors"
+    write_gate(path, tensors, {"version": "test.1", "categories": categories, "heads": {ENGINE_HEAD: head}})
+    return path
+
+
+def test_gate_scores_fire_for_the_one_row_that_carries_the_known_state(tmp_path: Path) -> None:
+    weights: HeadWeights = load_gate(_one_hot_gate(tmp_path)).head_weights(ENGINE_HEAD)
+    hidden = torch.zeros(4, 8)  # [B, H]
+    hidden[2, 0] = 1.0  # row 2 carries the violence state
+    hidden[3, 2] = 1.0  # row 3 is unrelated
+    fired = gate_scores(hidden.to(torch.bfloat16), weights) >= weights.thresholds  # [B, C]
+    assert fired.tolist() == [[False, False], [False, False], [True, False], [False, False]]
