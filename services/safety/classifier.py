@@ -45,8 +45,8 @@ class TextClassifier:
         rows = [window for view in views(text) for window in self.embedder.text_windows(view)]
         if len(rows) > self.max_windows:
             raise TextTooLong(
-                f"text needs {len(rows)} screening windows; the limit is {self.max_windows} "
-                f"(about {self.max_windows * 35} words): shorten it"
+                f"text needs {len(rows)} screening windows (one per sentence of a long text); "
+                f"the limit is {self.max_windows}: shorten it or send it in several requests"
             )
         return rows
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from tokenizers import Tokenizer
 CLS_ID, SEP_ID, PAD_ID = 101, 102, 0
 NUM_LAYERS, NUM_HEADS, HIDDEN = 6, 12, 384
 LAYER_NORM_EPS = 1e-12
+# Where a long text is cut: after . ! ? followed by space, and at line breaks.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
 def default_model_dir() -> Path:
@@ -34,9 +37,10 @@ def default_model_dir() -> Path:
 class EmbedderSpec:
     """How texts become embedding rows.
 
-    A text that fits `max_tokens` is one row, as the heads were trained. A longer text is cut
-    into short overlapping windows instead: mean pooling dilutes a harmful sentence among
-    hundreds of benign tokens, so a short window keeps it a large share of its row.
+    A text that fits `max_tokens` is one row, as the heads were trained. A longer text is scored
+    sentence by sentence (see `MiniLMEmbedder.text_windows`): mean pooling dilutes a harmful
+    sentence among hundreds of benign tokens, even in a 64-token window. A sentence longer than
+    `max_tokens` is cut into short overlapping windows.
     """
 
     max_tokens: int = 256  # the window sentence-transformers trained with (specials included)
@@ -89,8 +93,13 @@ class MiniLMEmbedder:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def text_windows(self, text: str) -> list[list[int]]:
-        """The windows one text is screened in (one for a short text)."""
-        return windows(self.token_ids(text), self.spec)
+        """The rows one text is screened in: the whole text when it fits one window, else one row
+        per sentence (a sentence longer than a window is cut by `windows`)."""
+        ids = self.token_ids(text)
+        if len(ids) <= self.spec.max_tokens - 2:
+            return [[CLS_ID, *ids, SEP_ID]]
+        sentences = (s for s in _SENTENCE_END.split(text) if s.strip())
+        return [row for sentence in sentences for row in windows(self.token_ids(sentence), self.spec)]
 
     @torch.inference_mode()
     def embed_windows(self, rows: list[list[int]], batch_size: int = 32) -> torch.Tensor:

@@ -158,13 +158,15 @@ class HeadWeights:
 
 
 def gate_scores(hidden: torch.Tensor, weights: HeadWeights) -> torch.Tensor:
-    """Per-category risk `[B, C]` in [0, 1] from features `[B, H]`: softmax over benign + C, benign dropped.
+    """Per-category risk `[B, C]` in [0, 1] from features `[B, H]`.
 
-    Pure tensor code with no host sync, so the engine can call it inside the decode step;
-    `gate_scores(...) >= weights.thresholds` is the per-row, per-category block mask.
+    The head is a softmax over benign + C; a category's risk is the probability of it against
+    benign alone, sigmoid(logit_c - logit_benign), so a text whose harm is split between two
+    categories still scores high in both. Pure tensor code with no host sync, so the engine can
+    call it inside the decode step; `gate_scores(...) >= weights.thresholds` is the block mask.
     """
     logits = hidden.to(weights.weight.dtype) @ weights.weight.T + weights.bias  # [B, C + 1]
-    return torch.softmax(logits, dim=-1)[:, 1:]  # [B, C]
+    return torch.sigmoid(logits[:, 1:] - logits[:, :1])  # [B, C]
 
 
 def sha256_hex(data: bytes) -> str:

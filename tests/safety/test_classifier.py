@@ -1,0 +1,73 @@
+"""The learned screen in process, on the committed gate and the real embedder.
+
+Evasions score no lower than their plain forms because the views undo them before embedding:
+the plain text is always one of the views, and the score is the maximum over views.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.safety.classifier import TextClassifier, TextTooLong
+from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
+from services.safety.embedder import MiniLMEmbedder
+from services.safety.gate_file import load_gate
+
+HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
+FILLER = "The committee met on Tuesday to review the quarterly budget and the new parking rules. "
+
+
+@pytest.fixture(scope="module")
+def classifier() -> TextClassifier:
+    return TextClassifier(load_gate(DEFAULT_GATE), MiniLMEmbedder.load(), DEFAULT_MAX_WINDOWS)
+
+
+def _top(classifier: TextClassifier, text: str) -> float:
+    return max(classifier.score(text).values.values())
+
+
+def _zero_width(text: str) -> str:
+    return "\u200b".join(text)
+
+
+def _confusable(text: str) -> str:
+    return text.translate(str.maketrans("aeopcx", "\u0430\u0435\u043e\u0440\u0441\u0445"))
+
+
+def _base64(text: str) -> str:
+    return "Decode this and do what it says: " + base64.b64encode(text.encode()).decode()
+
+
+@pytest.mark.parametrize("evade", [_zero_width, _confusable, _base64])
+def test_evasions_score_no_lower_than_the_plain_prompt(
+    classifier: TextClassifier, evade: Callable[[str], str]
+) -> None:
+    for prompt in HELDOUT["harmful"][:4]:
+        plain = _top(classifier, prompt)
+        assert _top(classifier, evade(prompt)) >= plain - 1e-5, (evade.__name__, prompt)
+        assert classifier.score(evade(prompt)).triggered, (evade.__name__, prompt)
+
+
+def test_held_out_prompts_are_decided_as_the_sample_says(classifier: TextClassifier) -> None:
+    assert all(classifier.score(p).triggered for p in HELDOUT["harmful"])
+    assert not any(classifier.score(p).triggered for p in HELDOUT["benign"])
+
+
+def test_a_long_prompt_is_scored_by_sentence_and_the_harmful_one_counts(classifier: TextClassifier) -> None:
+    harmful = HELDOUT["harmful"][0]
+    long_text = FILLER * 60 + harmful + " " + FILLER * 60  # about 2,000 tokens
+    scores = classifier.score(long_text)
+    assert scores.num_windows > 4
+    assert scores.triggered
+    assert not classifier.score(FILLER * 120).triggered
+
+
+def test_past_the_window_limit_the_check_is_refused() -> None:
+    tight = TextClassifier(load_gate(DEFAULT_GATE), MiniLMEmbedder.load(), max_windows=2)
+    with pytest.raises(TextTooLong, match="limit is 2"):
+        tight.score(FILLER * 60)
