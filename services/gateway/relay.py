@@ -166,7 +166,7 @@ async def _screened(
                 )
                 if verdict.decision == safety_pb2.DECISION_BLOCK:
                     await _abandon(call)
-                    _record_block("output", verdict.reasons)
+                    record_verdict("output", verdict)
                     for blocked in blocked_messages(verdict.safe_message, settings, message.usage):
                         yield blocked
                     return
@@ -193,11 +193,19 @@ async def _abandon(call: grpc.aio.UnaryStreamCall) -> None:
             pass
 
 
-def _record_block(layer: str, reasons: list[str] | tuple[str, ...]) -> None:
+def record_verdict(layer: str, verdict: safety_pb2.CheckResponse) -> None:
+    """Puts a safety verdict on the current span: decision, per-category scores, and a block event."""
     span = trace.get_current_span()
-    span.add_event(
-        "safety.block", {"thermocline.safety.layer": layer, "thermocline.safety.reasons": list(reasons)}
-    )
+    is_blocked = verdict.decision == safety_pb2.DECISION_BLOCK
+    span.set_attribute(f"thermocline.safety.{layer}.decision", "block" if is_blocked else "allow")
+    span.set_attribute(f"thermocline.safety.{layer}.policy_version", verdict.policy_version)
+    for score in verdict.scores:
+        span.set_attribute(f"thermocline.safety.{layer}.score.{score.category}", score.score)
+    if is_blocked:
+        span.add_event(
+            "safety.block",
+            {"thermocline.safety.layer": layer, "thermocline.safety.reasons": list(verdict.reasons)},
+        )
 
 
 def _record_finish(message: engine_pb2.GenerateResponse) -> None:

@@ -14,7 +14,7 @@ from services.gateway.admission import StreamSlots
 from services.gateway.audit import DENY, AuditEvent, prompt_sha256
 from services.gateway.config import GatewayConfig
 from services.gateway.gatekeeper import Admission, Gatekeeper, require_input
-from services.gateway.relay import RelaySettings, blocked_messages, relay
+from services.gateway.relay import RelaySettings, blocked_messages, record_verdict, relay
 from services.gateway.router import affinity_key
 from services.gateway.upstream import Upstreams
 from thermocline.engine.v1 import engine_pb2
@@ -93,6 +93,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self._annotate_span(request, admission)
         tenant = admission.principal.tenant
         verdict = await self.upstreams.check_prompt(text, tenant, settings.safety_timeout_s)
+        record_verdict("prompt", verdict)
         if verdict.decision == safety_pb2.DECISION_BLOCK:
             await self._record_prompt_block(admission, text, verdict)
             for message in blocked_messages(verdict.safe_message, settings, None):
@@ -114,7 +115,6 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     async def _record_prompt_block(
         self, admission: Admission, text: str, verdict: safety_pb2.CheckResponse
     ) -> None:
-        trace.get_current_span().add_event("safety.block", {"thermocline.safety.layer": "prompt"})
         await self.gatekeeper.record(
             AuditEvent(
                 actor_principal=admission.principal.subject,
@@ -126,6 +126,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 request_id=admission.request_id,
                 trace_id=telemetry.current_trace_id(),
                 prompt_sha256=prompt_sha256(text),
+                details={"policy_version": verdict.policy_version},
             )
         )
 

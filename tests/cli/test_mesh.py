@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,8 @@ from services.cli.trace_collector import (
     SAFETY_CHECK_PROMPT,
     TraceCollector,
 )
+from services.gateway.audit import DECISIONS
+from services.gateway.audit_chain import segment_paths
 from services.gateway.tokens import ensure_dev_keys, key_id, mint_token
 from tests.conftest import STORIES_GOLDEN_IDS, STORIES_GOLDEN_TEXT, STORIES_PROMPT
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -219,3 +222,47 @@ def test_each_service_serves_prometheus_metrics(stories_mesh: Mesh, service: str
         body = response.read().decode()
     assert "thermocline_rpc_server_in_flight" in body
     assert "thermocline_server_draining 0.0" in body
+
+
+HELDOUT = json.loads((Path(__file__).parents[1] / "safety" / "heldout_prompts.json").read_text())
+
+
+def _audit_reasons(mesh: Mesh, request_id: str) -> list[str]:
+    events = [
+        json.loads(line)
+        for path in segment_paths(mesh.audit_dir, DECISIONS)
+        for line in path.read_text().splitlines()
+    ]
+    return [e["reason"] for e in events if e.get("request_id") == request_id]
+
+
+def test_held_out_harmful_prompts_are_blocked_before_the_engine_and_benign_ones_pass(
+    stories_mesh: Mesh, gateway_channel: grpc.Channel, collector: TraceCollector
+) -> None:
+    for prompt in HELDOUT["harmful"][:4]:
+        result = generate(gateway_channel, stories_mesh, build_request(prompt, max_tokens=4))
+        assert result.done is not None and result.done.finish_reason == pb.FINISH_REASON_SAFETY, prompt
+        assert result.text == "I can't help with that request." and result.token_ids == []
+    for prompt in HELDOUT["benign"][:4]:
+        result = generate(gateway_channel, stories_mesh, build_request(prompt, max_tokens=4))
+        assert result.done is not None and result.done.finish_reason == pb.FINISH_REASON_LENGTH, prompt
+        assert len(result.token_ids) == 4
+
+
+def test_a_blocked_prompt_leaves_scores_in_the_trace_and_an_audit_event(
+    stories_mesh: Mesh, gateway_channel: grpc.Channel, collector: TraceCollector
+) -> None:
+    request_id = "safety-audit-1"
+    metadata = [*call_metadata(token_for(stories_mesh)), ("x-request-id", request_id)]
+    request = build_request(HELDOUT["harmful"][0], max_tokens=4)
+    result = collect(stream_generate(gateway_channel, request, metadata, timeout_s=120))
+    assert result.done is not None and result.done.finish_reason == pb.FINISH_REASON_SAFETY
+    spans = collector.wait_for_spans(result.done.trace_id, {GATEWAY_GENERATE, SAFETY_CHECK_PROMPT}, 30)
+    gateway = next(s for s in spans if (s.service, s.name) == GATEWAY_GENERATE)
+    assert gateway.attributes["thermocline.safety.prompt.decision"] == "block"
+    scores = {k: v for k, v in gateway.attributes.items() if k.startswith("thermocline.safety.prompt.score.")}
+    assert {"violence", "self_harm", "sexual", "hate", "cyber", "crime"} <= {
+        k.rsplit(".", 1)[1] for k in scores
+    }
+    assert not any(s.service == "thermocline-engine" for s in spans)
+    assert any(r.startswith("safety: prompt blocked (") for r in _audit_reasons(stories_mesh, request_id))
