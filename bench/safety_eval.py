@@ -14,6 +14,7 @@ import argparse
 import datetime as dt
 import hashlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -147,6 +148,7 @@ def environment() -> dict[str, str]:
         "commit": commit.stdout.strip(),
         "cpu": f"{cpu}, {torch.get_num_threads()} torch threads",
         "torch": torch.__version__,
+        "load": f"load average {os.getloadavg()[0]:.1f} at the start",
     }
 
 
@@ -156,6 +158,7 @@ def main() -> None:
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--write-sample", action="store_true", help=f"rewrite {SAMPLE_PATH.name}")
     args = parser.parse_args()
+    env = environment()
     examples = load_examples(fetch_wheels(args.wheels))
     test = [e for e in examples if e.split == "test"]
     prompts = [e for e in test if e.kind == "prompt"]
@@ -171,8 +174,10 @@ def main() -> None:
     engine_prompt = engine_blocks(prompts, examples, args.wheels)
     engine_output = engine_blocks(outputs, examples, args.wheels)
     skipped = write_sample(prompts, prompt_blocked) if args.write_sample else None
+    end_load = os.getloadavg()[0]
+    env["load"] += f", {end_load:.1f} at the end (other work on this machine slows the latency figures)"
     report = render(
-        environment(),
+        env,
         gate.version,
         gate.sha256,
         [
@@ -211,7 +216,7 @@ def render(
         f"# Safety gate evaluation, {env['date']}",
         "",
         f"- commit: `{env['commit']}`; gate `{version}`, sha256 `{sha256[:16]}…`",
-        f"- CPU: {env['cpu']}; torch {env['torch']}",
+        f"- CPU: {env['cpu']}; torch {env['torch']}; {env['load']}",
         "- data: the held-out (test) split of tools/safety_data.py (sources and licences there)",
         "- thresholds: calibrated by tools/train_safety_gate.py to 1 % FPR on the calibration split's "
         "benign prompts",
