@@ -24,6 +24,9 @@ def main() -> None:
         dtype=config.dtype,
         max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len or None,
+        kv=config.kv,
+        classes=config.intent_classes(),
+        max_prefill_tokens=config.max_prefill_tokens,
     )
     log.info("loaded %s on %s", engine.model_id, engine.runner.device)
     engine.start()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common import env
 from services.common.config import ServerConfig
+from services.engine.intent_class import IntentClasses
+from services.engine.kv_tiers import KVCacheSpec, TierConfig, WarmFullPolicy
 
 DEFAULT_PORT = 50052
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -20,6 +22,11 @@ class EngineConfig:
     checkpoint directory or a .gguf file. `_DEVICE` (auto, cpu, cuda, cuda:N), `_DTYPE` (auto,
     float32, bfloat16, float16), `_MAX_BATCH_SIZE`, `_MAX_SEQ_LEN` (0 = the model's own limit),
     `_DEFAULT_MAX_TOKENS` (used when a request gives none) and `_MAX_TOKENS_LIMIT` (the cap).
+    KV cache: `_KV_BLOCK_SIZE`, `_KV_HOT_BLOCKS` (0 = enough for every slot at full length),
+    `_KV_TIERS` (off: every token hot), `_KV_SINK_TOKENS`, `_KV_HOT_TOKENS`, `_KV_WARM_TOKENS`,
+    `_KV_GROUP_SIZE`, `_KV_WARM_POLICY` (window or refuse), `_KV_WARM_GROUPS` (0 = derived).
+    Scheduling: `_MAX_PREFILL_TOKENS` (chunk budget per step) and `_INTENT_CLASSES` (a TOML file;
+    empty = the built-in classes).
     """
 
     server: ServerConfig
@@ -30,6 +37,15 @@ class EngineConfig:
     max_seq_len: int = 0
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
+    max_prefill_tokens: int = 4096
+    kv: KVCacheSpec = field(default_factory=KVCacheSpec)
+    intent_classes_file: str | None = None
+
+    def intent_classes(self) -> IntentClasses:
+        """The configured classes (read from the file when one is set)."""
+        if self.intent_classes_file is None:
+            return IntentClasses.builtin()
+        return IntentClasses.load(self.intent_classes_file)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -55,4 +71,28 @@ class EngineConfig:
             max_seq_len=env.get_int(prefix + "MAX_SEQ_LEN", 0, environ),
             default_max_tokens=env.get_int(prefix + "DEFAULT_MAX_TOKENS", 256, environ),
             max_tokens_limit=env.get_int(prefix + "MAX_TOKENS_LIMIT", 4096, environ),
+            max_prefill_tokens=env.get_int(prefix + "MAX_PREFILL_TOKENS", 4096, environ),
+            kv=_kv_from_env(prefix + "KV_", environ),
+            intent_classes_file=env.get_optional_str(prefix + "INTENT_CLASSES", environ),
         )
+
+
+def _kv_from_env(prefix: str, environ: Mapping[str, str] | None) -> KVCacheSpec:
+    defaults = TierConfig()
+    policy = env.get_str(prefix + "WARM_POLICY", defaults.policy.value, environ)
+    if policy not in {p.value for p in WarmFullPolicy}:
+        raise env.EnvError(f"{prefix}WARM_POLICY={policy!r} must be 'window' or 'refuse'")
+    tiers = TierConfig(
+        enabled=env.get_bool(prefix + "TIERS", False, environ),
+        sink_tokens=env.get_int(prefix + "SINK_TOKENS", defaults.sink_tokens, environ),
+        hot_tokens=env.get_int(prefix + "HOT_TOKENS", defaults.hot_tokens, environ),
+        warm_tokens=env.get_int(prefix + "WARM_TOKENS", defaults.warm_tokens, environ),
+        group_size=env.get_int(prefix + "GROUP_SIZE", defaults.group_size, environ),
+        policy=WarmFullPolicy(policy),
+    )
+    return KVCacheSpec(
+        block_size=env.get_int(prefix + "BLOCK_SIZE", 16, environ),
+        num_hot_blocks=env.get_int(prefix + "HOT_BLOCKS", 0, environ),
+        num_warm_groups=env.get_int(prefix + "WARM_GROUPS", 0, environ),
+        tiers=tiers,
+    )

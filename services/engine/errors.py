@@ -25,3 +25,23 @@ class PromptTooLong(InvalidPrompt):
 
 class EngineStopped(RuntimeError):
     """A request was submitted to an engine that has been stopped."""
+
+
+class UnknownIntentClass(InvalidPrompt):
+    """A request named an intent class this engine does not know."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown intent_class {name!r}; known classes: {', '.join(known)}")
+
+
+class KVCapacityExceeded(RuntimeError):
+    """A request that cannot fit the KV tiers under the `refuse` policy (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, num_tokens: int, max_tokens: int) -> None:
+        super().__init__(
+            f"prompt plus max_tokens is {num_tokens} tokens but this engine's KV tiers hold {max_tokens} "
+            f"tokens per request (sink + hot + warm, refuse policy); ask for at most "
+            f"{max_tokens} tokens in total, or use an intent class with a larger warm tier"
+        )
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens

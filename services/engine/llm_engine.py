@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -11,17 +12,27 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from services.engine.checkpoint import open_checkpoint
-from services.engine.errors import EmptyPrompt, EngineStopped, InvalidPrompt, PromptTooLong
+from services.engine.errors import (
+    EmptyPrompt,
+    EngineStopped,
+    InvalidPrompt,
+    KVCapacityExceeded,
+    PromptTooLong,
+)
 from services.engine.generation_result import GenerationResult, ResultCollector
-from services.engine.kv_cache import ContiguousKVCache
+from services.engine.intent_class import IntentClass, IntentClasses
+from services.engine.kv_cache import HotTier, KVCache, WarmTier
+from services.engine.kv_tiers import KVCacheSpec, TierConfig, WarmFullPolicy
 from services.engine.model_config import ModelConfig
 from services.engine.model_loader import load_model, resolve_device, resolve_dtype
 from services.engine.model_runner import ModelRunner
 from services.engine.models import resolve_model
 from services.engine.sampler import make_generator, sample
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledBatch, Scheduler, StepKind
+from services.engine.scheduler import ExpiredRequest, ScheduledBatch, Scheduler
 from services.engine.sequence import EventCallback, FinishReason, RequestId, Sequence, StreamEvent
 from services.engine.tokenizer import Tokenizer
 
@@ -62,6 +73,14 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generated_tokens_total: int
     num_requests_finished: int
+    num_preemptions: int = 0
+    num_prompt_tokens_cached: int = 0
+    num_hot_tokens: int = 0
+    num_hot_capacity_tokens: int = 0
+    hot_bytes: int = 0
+    num_warm_tokens: int = 0
+    num_warm_capacity_tokens: int = 0
+    warm_bytes: int = 0
 
 
 class LLMEngine:
@@ -75,13 +94,16 @@ class LLMEngine:
         max_batch_size: int,
         max_seq_len: int,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        tiers: TierConfig | None = None,
+        classes: IntentClasses | None = None,
     ) -> None:
         self.model_id = model_id
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.scheduler = Scheduler(runner.kv_cache, max_prefill_tokens)
+        self.tiers = tiers or TierConfig()
+        self.scheduler = Scheduler(runner.kv_cache, max_batch_size, max_prefill_tokens, classes, model_id)
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._lock = threading.Condition()
         self._step_lock = threading.Lock()
@@ -100,8 +122,12 @@ class LLMEngine:
         max_batch_size: int = 16,
         max_seq_len: int | None = None,
         progress: bool = True,
+        kv: KVCacheSpec | None = None,
+        classes: IntentClasses | None = None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> LLMEngine:
         """Load an HF directory, a `.gguf` file or a registered model name."""
+        kv = kv or KVCacheSpec()
         checkpoint = open_checkpoint(resolve_model(path))
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
@@ -109,9 +135,12 @@ class LLMEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         model = load_model(checkpoint, torch_device, torch_dtype, seq_len, progress)
-        cache = ContiguousKVCache(checkpoint.config, max_batch_size, seq_len, torch_device, torch_dtype)
+        cache = _build_kv_cache(checkpoint.config, kv, max_batch_size, seq_len, torch_device, torch_dtype)
         runner = ModelRunner(model, cache, torch_device)
-        return cls(checkpoint.model_id, runner, checkpoint.tokenizer, max_batch_size, seq_len)
+        return cls(
+            checkpoint.model_id, runner, checkpoint.tokenizer, max_batch_size, seq_len,
+            max_prefill_tokens, kv.tiers, classes,
+        )  # fmt: skip
 
     @property
     def config(self) -> ModelConfig:
@@ -120,12 +149,30 @@ class LLMEngine:
 
     # --- thread-safe API -------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: EventCallback) -> RequestHandle:
-        """Queue a request; `on_event` is then called on the engine thread for each step's output."""
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_event: EventCallback,
+        intent_class: str = "",
+        cache_salt: str = "",
+    ) -> RequestHandle:
+        """Queue a request; `on_event` is then called on the engine thread for each step's output.
+
+        `intent_class` picks the scheduling class (empty: `default`); `cache_salt` keeps this
+        tenant's prefix-cache blocks apart from everyone else's.
+        """
         if self._is_stopping:
             raise EngineStopped("the engine is stopped; it accepts no new requests")
         self._check_prompt(prompt_ids)
-        seq = self._new_sequence(list(prompt_ids), params, on_event)
+        cls = self.scheduler.classes.get(intent_class)
+        params = _capped(params, cls)
+        tiers = self._tiers_for(cls)
+        if tiers.enabled and tiers.policy is WarmFullPolicy.REFUSE:
+            total = len(prompt_ids) + params.max_new_tokens
+            if total > tiers.max_tokens:
+                raise KVCapacityExceeded(total, tiers.max_tokens)
+        seq = self._new_sequence(list(prompt_ids), params, on_event, tiers, cache_salt, cls.name)
         with self._lock:
             self._inbox.append(seq)
             self._lock.notify()
@@ -142,15 +189,30 @@ class LLMEngine:
         """Current load and lifetime counters."""
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
-            num_free_slots=self.runner.kv_cache.num_free_slots(),
+            num_waiting=self.scheduler.num_waiting + len(self._inbox),
+            num_free_slots=self.max_batch_size - len(self.scheduler.running),
             max_batch_size=self.max_batch_size,
             max_seq_len=self.max_seq_len,
             num_steps=self._counters["steps"],
             num_prompt_tokens_total=self._counters["prompt_tokens"],
             num_generated_tokens_total=self._counters["generated_tokens"],
             num_requests_finished=self._counters["finished"],
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_cached=self.scheduler.num_prompt_tokens_cached,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, int]:
+        cache = self.runner.kv_cache
+        hot, warm = cache.hot, cache.warm
+        return {
+            "num_hot_tokens": hot.num_used_tokens(),
+            "num_hot_capacity_tokens": hot.capacity_tokens(),
+            "hot_bytes": hot.used_bytes(),
+            "num_warm_tokens": warm.num_used_tokens() if warm else 0,
+            "num_warm_capacity_tokens": warm.capacity_tokens() if warm else 0,
+            "warm_bytes": warm.used_bytes() if warm else 0,
+        }
 
     def start(self) -> None:
         """Start the background step thread (idempotent)."""
@@ -205,6 +267,7 @@ class LLMEngine:
         """Take in new requests and cancels, then run one prefill or decode step and emit its events."""
         with self._step_lock:
             self._drain_inbox()
+            self._expire_waiting()
             batch = self.scheduler.schedule()
             if batch is None:
                 return
@@ -217,15 +280,46 @@ class LLMEngine:
             self._counters["steps"] += 1
             self._commit(batch, token_ids)
 
-    def _run(self, batch: ScheduledBatch) -> list[int]:
-        is_prefill = batch.kind is StepKind.PREFILL
-        output = self.runner.prefill(batch.seqs) if is_prefill else self.runner.decode(batch.seqs)
-        params = [s.params for s in batch.seqs]
-        generators = [s.generator for s in batch.seqs]
-        return sample(output.logits, params, generators).tolist()  # the step's one host sync
+    def _run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        output = self.runner.run(batch.rows)
+        self._record_attention(batch)
+        done = self.scheduler.commit_computed(batch)
+        if not done:  # a prefill chunk that ends mid-prompt samples nothing
+            return []
+        is_done = [r.seq in done for r in batch.rows]
+        logits = output.logits if all(is_done) else output.logits[[i for i, d in enumerate(is_done) if d]]
+        params = [s.params for s in done]
+        generators = [s.generator for s in done]
+        token_ids = sample(logits, params, generators).tolist()  # the step's one host sync
+        return list(zip(done, token_ids, strict=True))
 
-    def _commit(self, batch: ScheduledBatch, token_ids: list[int]) -> None:
-        for seq, token_id in zip(batch.seqs, token_ids, strict=True):
+    def _record_attention(self, batch: ScheduledBatch) -> None:
+        block_size = self.runner.kv_cache.block_size
+        for row in batch.rows:
+            table = row.seq.block_table
+            if row.num_new == 1:  # decode
+                num_hot = min(len(table.held_hot_blocks()) * block_size, row.seq.num_tokens)
+                row.seq.record_attention(num_hot, len(table.warm_groups) * table.tiers.group_size)
+
+    def _expire_waiting(self) -> None:
+        for item in self.scheduler.expire():
+            self._counters["finished"] += 1
+            item.seq.finish(FinishReason.ERROR)
+            _emit(
+                item.seq,
+                item.seq.event((), "", error=_timeout_message(item), error_status="deadline_exceeded"),
+            )
+
+    def _tiers_for(self, cls: IntentClass) -> TierConfig:
+        """The deployment's tiers with the class's hot/warm sizes, where it sets them."""
+        return dataclasses.replace(
+            self.tiers,
+            hot_tokens=self.tiers.hot_tokens if cls.hot_tokens is None else cls.hot_tokens,
+            warm_tokens=self.tiers.warm_tokens if cls.warm_tokens is None else cls.warm_tokens,
+        )
+
+    def _commit(self, batch: ScheduledBatch, sampled: list[tuple[Sequence, int]]) -> None:
+        for seq, token_id in sampled:
             event = seq.append_token(token_id, self._eos_token_ids, self.max_seq_len)
             self._counters["generated_tokens"] += 1
             if seq.is_finished:
@@ -257,7 +351,8 @@ class LLMEngine:
 
     def _cancel_everything(self) -> None:
         self._drain_inbox()
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        waiting = [s for q in self.scheduler.waiting.values() for s in q]
+        for seq in [*self.scheduler.running, *waiting]:
             self._cancel_one(seq.request_id)
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -273,7 +368,13 @@ class LLMEngine:
             raise InvalidPrompt(f"prompt has token ids outside [0, {vocab_size}): {bad[:5]}")
 
     def _new_sequence(
-        self, prompt_ids: list[int], params: SamplingParams, on_event: EventCallback
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_event: EventCallback,
+        tiers: TierConfig,
+        cache_salt: str,
+        intent_class: str,
     ) -> Sequence:
         generator = None
         if not params.is_greedy:
@@ -281,7 +382,9 @@ class LLMEngine:
             generator = make_generator(seed, self.runner.device)
         request_id = RequestId(uuid.uuid4().hex)
         detokenizer = self.tokenizer.detokenizer(prompt_ids)
-        return Sequence(request_id, prompt_ids, params, on_event, detokenizer, generator)
+        return Sequence(
+            request_id, prompt_ids, params, on_event, detokenizer, generator, tiers, cache_salt, intent_class
+        )
 
 
 def _resolve_max_seq_len(config: ModelConfig, max_seq_len: int | None) -> int:
@@ -293,6 +396,41 @@ def _resolve_max_seq_len(config: ModelConfig, max_seq_len: int | None) -> int:
             f"max_position_embeddings), got {max_seq_len}"
         )
     return max_seq_len
+
+
+def _build_kv_cache(
+    config: ModelConfig,
+    kv: KVCacheSpec,
+    max_batch_size: int,
+    max_seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> KVCache:
+    """Hot blocks enough for every slot at full length unless the spec caps them; warm only when tiered."""
+    kv.tiers.check_block_size(kv.block_size)
+    blocks_per_seq = -(-max_seq_len // kv.block_size)
+    num_hot_blocks = kv.num_hot_blocks or max_batch_size * blocks_per_seq + 1
+    hot = HotTier(config, num_hot_blocks, kv.block_size, device, dtype)
+    if not kv.tiers.enabled:
+        return KVCache(hot, None)
+    num_groups = kv.num_warm_groups or max_batch_size * -(
+        -min(kv.tiers.warm_tokens, max_seq_len) // kv.tiers.group_size
+    )
+    return KVCache(hot, WarmTier(config, max(num_groups, 1), kv.tiers.group_size, device))
+
+
+def _capped(params: SamplingParams, cls: IntentClass) -> SamplingParams:
+    if cls.max_new_tokens and params.max_new_tokens > cls.max_new_tokens:
+        return dataclasses.replace(params, max_new_tokens=cls.max_new_tokens)
+    return params
+
+
+def _timeout_message(item: ExpiredRequest) -> str:
+    return (
+        f"waited {item.waited_s:.1f} s in the queue of intent class {item.seq.intent_class!r} "
+        f"(timeout {item.timeout_s:.1f} s, {item.num_ahead} request(s) ahead of it) without being admitted; "
+        "retry later, try a less loaded replica, or raise the class's queue_timeout_s or reserved_slots"
+    )
 
 
 def _emit(seq: Sequence, event: StreamEvent) -> None:

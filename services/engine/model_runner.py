@@ -1,4 +1,4 @@
-"""Turns scheduled sequences into model inputs and runs one forward step."""
+"""Turns scheduled rows into model inputs and runs one forward step over the paged KV cache."""
 
 from __future__ import annotations
 
@@ -10,13 +10,20 @@ import torch
 from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
 from services.engine.sequence import Sequence
-from services.engine.step_context import StepContext
+from services.engine.step_context import RowInput, StepContext
 
-PAD_TOKEN_ID = 0  # any valid id: padded positions are written to the cache but never attended
+PAD_TOKEN_ID = 0  # any valid id: padded tokens write to the scratch block and are never attended
+
+
+class ScheduledRow(NamedTuple):
+    """A sequence and how many of its pending tokens this step computes."""
+
+    seq: Sequence
+    num_new: int
 
 
 class StepOutput(NamedTuple):
-    """Per-row results of a step: the next-token logits and the final normed hidden state."""
+    """Per-row results of a step: the logits and final normed hidden state at each row's last token."""
 
     logits: torch.Tensor  # [B, V] fp32
     hidden_states: torch.Tensor  # [B, E] model dtype; the in-loop safety gate reads this
@@ -31,25 +38,28 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def prefill(self, seqs: Seq[Sequence]) -> StepOutput:
-        """Run whole prompts, right-padded to the longest; rows sit in consecutive slots."""
-        lengths = [len(s.prompt_ids) for s in seqs]
-        width = max(lengths)
-        rows = [s.prompt_ids + [PAD_TOKEN_ID] * (width - len(s.prompt_ids)) for s in seqs]
-        input_ids = self._to_device(rows)  # [B, S]
-        ctx = StepContext.build(seqs[0].slot, [list(range(width))] * len(seqs), self.device)
+    def run(self, rows: Seq[ScheduledRow]) -> StepOutput:
+        """Compute each row's next `num_new` pending tokens (right-padded to the longest row)."""
+        width = max(r.num_new for r in rows)
+        inputs = [self._row_tokens(r, width) for r in rows]
+        input_ids = self._to_device(inputs)  # [B, S]
+        row_inputs = [RowInput(r.seq.block_table, r.seq.num_computed_tokens, r.num_new) for r in rows]
+        ctx = StepContext.build(row_inputs, self.kv_cache.block_size, self.device)
         hidden = self.model(input_ids, self.kv_cache, ctx)  # [B, S, E]
-        last = self._to_device([n - 1 for n in lengths])  # [B]
-        hidden_last = hidden[torch.arange(len(seqs), device=self.device), last]  # [B, E]
+        if width == 1:  # decode
+            hidden_last = hidden[:, 0]
+        else:  # prefill
+            last = self._to_device([r.num_new - 1 for r in rows])  # [B]
+            hidden_last = hidden[torch.arange(len(rows), device=self.device), last]  # [B, E]
         return StepOutput(self.model.compute_logits(hidden_last), hidden_last)
 
-    @torch.inference_mode()
-    def decode(self, seqs: Seq[Sequence]) -> StepOutput:
-        """Feed each row's last token at its own position; rows sit in consecutive slots."""
-        input_ids = self._to_device([[s.last_token_id] for s in seqs])  # [B, 1]
-        ctx = StepContext.build(seqs[0].slot, [[s.num_tokens - 1] for s in seqs], self.device)
-        hidden = self.model(input_ids, self.kv_cache, ctx)[:, -1]  # [B, E]
-        return StepOutput(self.model.compute_logits(hidden), hidden)
+    @staticmethod
+    def _row_tokens(row: ScheduledRow, width: int) -> list[int]:
+        start = row.seq.num_computed_tokens
+        if row.num_new == 1 and start == row.seq.num_tokens - 1:  # decode: no list copy
+            return [row.seq.last_token_id] + [PAD_TOKEN_ID] * (width - 1)
+        tokens = row.seq.token_ids[start : start + row.num_new]
+        return tokens + [PAD_TOKEN_ID] * (width - len(tokens))
 
     def _to_device(self, values: list[list[int]] | list[int]) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=torch.int64)

@@ -10,7 +10,9 @@ from typing import NewType
 
 import torch
 
+from services.engine.block_table import BlockTable
 from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.kv_tiers import TierConfig
 from services.engine.sampling_params import SamplingParams
 from services.engine.stop_checker import StopChecker
 
@@ -47,6 +49,17 @@ class StreamEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None  # set with FinishReason.ERROR
+    error_status: str | None = None  # "deadline_exceeded" / "resource_exhausted" for refusals in the queue
+    usage: SequenceUsage | None = None  # set on the final event
+
+
+@dataclass(frozen=True)
+class SequenceUsage:
+    """Prefix-cache reuse and tokens attended per tier (mean per decode step) for one request."""
+
+    cached_prompt_tokens: int
+    hot_tokens: int
+    warm_tokens: int
 
 
 EventCallback = Callable[[StreamEvent], None]
@@ -63,6 +76,9 @@ class Sequence:
         on_event: EventCallback,
         detokenizer: IncrementalDetokenizer,
         generator: torch.Generator | None,
+        tiers: TierConfig | None = None,
+        cache_salt: str = "",
+        intent_class: str = "default",
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -71,7 +87,13 @@ class Sequence:
         self.completion_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.slot = -1
+        self.block_table = BlockTable(tiers or TierConfig())
+        self.num_computed_tokens = 0  # positions whose K/V are in the cache
+        self.num_cached_prompt_tokens = 0  # prompt positions reused from the prefix cache
+        self.cache_salt = cache_salt
+        self.intent_class = intent_class
+        self.num_preemptions = 0
+        self._attended = [0, 0, 0]  # decode steps, hot tokens, warm tokens attended
         self.generator = generator
         self.arrival_s = time.perf_counter()
         self._detokenizer = detokenizer
@@ -81,6 +103,29 @@ class Sequence:
     def num_tokens(self) -> int:
         """Prompt plus completion length."""
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then completion."""
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose K/V are not in the cache yet: 1 when decoding, more while (re)prefilling."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def record_attention(self, hot_tokens: int, warm_tokens: int) -> None:
+        """Count one decode step's attended tokens per tier (for usage)."""
+        self._attended[0] += 1
+        self._attended[1] += hot_tokens
+        self._attended[2] += warm_tokens
+
+    def usage(self) -> SequenceUsage:
+        """Usage so far: attended tokens are means per decode step."""
+        steps = max(self._attended[0], 1)
+        return SequenceUsage(
+            self.num_cached_prompt_tokens, self._attended[1] // steps, self._attended[2] // steps
+        )
 
     @property
     def last_token_id(self) -> int:
@@ -122,7 +167,9 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
 
-    def event(self, token_ids: tuple[int, ...], text: str, error: str | None = None) -> StreamEvent:
+    def event(
+        self, token_ids: tuple[int, ...], text: str, error: str | None = None, error_status: str | None = None
+    ) -> StreamEvent:
         """A StreamEvent carrying the sequence's current counts and status."""
         return StreamEvent(
             request_id=self.request_id,
@@ -133,4 +180,6 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.completion_ids),
             error=error,
+            error_status=error_status,
+            usage=self.usage() if self.is_finished else None,
         )

@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from services.engine.config import EngineConfig
-from services.engine.errors import EngineStopped, InvalidPrompt
+from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -66,9 +66,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
-            handle = self.engine.submit(prompt_ids, params, on_event)
+            handle = self.engine.submit(
+                prompt_ids, params, on_event, intent_class=request.intent_class, cache_salt=request.cache_salt
+            )
         except InvalidPrompt as error:
             raise InvalidArgument(str(error)) from None
+        except KVCapacityExceeded as error:
+            raise ResourceExhausted(str(error)) from None
         except EngineStopped as error:
             raise Unavailable(str(error)) from None
         is_finished = False
@@ -76,6 +80,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             while not is_finished:
                 event = await events.get()
                 is_finished = event.finished
+                _raise_refusal(event)
                 yield self._to_pb(event)
         finally:
             if not is_finished:
@@ -147,10 +152,22 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             message.finish_reason = _FINISH_TO_PB[event.finish_reason]
             message.usage.prompt_tokens = event.prompt_tokens
             message.usage.completion_tokens = event.completion_tokens
+            if event.usage is not None:
+                message.usage.cached_prompt_tokens = event.usage.cached_prompt_tokens
+                message.usage.tiers.hot_tokens = event.usage.hot_tokens
+                message.usage.tiers.warm_tokens = event.usage.warm_tokens
             span = trace.get_current_span()
             span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason.name.lower()])
         return message
+
+
+def _raise_refusal(event: StreamEvent) -> None:
+    """Requests the engine gave up on in its queue end with a status, not a normal finish."""
+    if event.error_status == "deadline_exceeded":
+        raise DeadlineExceeded(event.error or "the request waited too long in the queue")
+    if event.error_status == "resource_exhausted":
+        raise ResourceExhausted(event.error or "the engine ran out of KV cache for this request")
 
 
 def register(server: grpc.aio.Server, config: EngineConfig, engine: LLMEngine) -> list[str]:

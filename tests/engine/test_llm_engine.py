@@ -120,14 +120,16 @@ def test_cancel_frees_the_slot_and_ends_the_stream(tiny_engine: LLMEngine) -> No
     prompt = _prompts(tiny_engine.config.vocab_size, (5,), seed=4)[0]
     events: list[StreamEvent] = []
     handle = tiny_engine.submit(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True), events.append)
-    for _ in range(3):
+    for _ in range(40):  # 5 prompt + 40 tokens: three 16-token blocks held mid-stream
         tiny_engine.step()
     assert tiny_engine.stats().num_running == 1
+    assert tiny_engine.runner.kv_cache.hot.pool.num_used_blocks() == 3
     tiny_engine.cancel(handle)
     tiny_engine.step()
     assert events[-1].finished and events[-1].finish_reason is FinishReason.CANCELLED
     assert tiny_engine.stats().num_running == 0
     assert tiny_engine.stats().num_free_slots == tiny_engine.max_batch_size
+    assert tiny_engine.runner.kv_cache.hot.pool.num_used_blocks() == 0  # every block back at once
     tiny_engine.cancel(handle.request_id)  # cancelling a finished request is a no-op
     tiny_engine.step()
     assert sum(e.finished for e in events) == 1
@@ -184,3 +186,45 @@ def test_a_failing_callback_does_not_stop_the_engine(tiny_engine: LLMEngine) -> 
     result = tiny_engine.generate([prompt], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
     assert len(result.token_ids) == 3
     assert tiny_engine.stats().num_running == 0
+
+
+def test_a_repeated_prompt_reuses_cached_blocks_and_gives_the_same_tokens(tiny_dir: Path) -> None:
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=128, progress=False)
+    prompt = _prompts(engine.config.vocab_size, (40,), seed=12)[0]
+    first = engine.generate([prompt], GREEDY_20)[0]
+    second = engine.generate([prompt], GREEDY_20)[0]
+    assert second.token_ids == first.token_ids
+    assert engine.stats().num_prompt_tokens_cached == 32  # two full 16-token blocks skipped
+    other_tenant = ResultCollector(prompt)
+    engine.submit(prompt, GREEDY_20, other_tenant, cache_salt="tenant-b")
+    while not other_tenant.done.is_set():
+        engine.step()
+    assert other_tenant.result().token_ids == first.token_ids
+    assert engine.stats().num_prompt_tokens_cached == 32  # another salt shares nothing
+
+
+def test_unknown_intent_class_is_refused_with_the_known_ones(tiny_engine: LLMEngine) -> None:
+    from services.engine.errors import UnknownIntentClass
+
+    with pytest.raises(UnknownIntentClass, match="known classes: batch, critical, interactive, standard"):
+        tiny_engine.submit([5, 6], GREEDY_20, lambda e: None, intent_class="nope")
+
+
+def test_refuse_policy_says_how_many_tokens_fit(tiny_dir: Path) -> None:
+    from services.engine.errors import KVCapacityExceeded
+    from services.engine.kv_tiers import KVCacheSpec, TierConfig, WarmFullPolicy
+
+    tiers = TierConfig(
+        enabled=True,
+        sink_tokens=4,
+        hot_tokens=32,
+        warm_tokens=64,
+        group_size=16,
+        policy=WarmFullPolicy.REFUSE,
+    )
+    engine = LLMEngine.load(
+        tiny_dir, device="cpu", max_batch_size=1, progress=False, kv=KVCacheSpec(tiers=tiers)
+    )
+    with pytest.raises(KVCapacityExceeded, match="hold 100 tokens per request"):
+        engine.submit([5] * 90, GREEDY_20, lambda e: None)
+    assert len(engine.generate([[5] * 70], GREEDY_20)[0].token_ids) == 20

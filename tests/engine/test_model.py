@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.block_table import BlockTable
 from services.engine.checkpoint import open_checkpoint
-from services.engine.kv_cache import ContiguousKVCache
+from services.engine.kv_tiers import TierConfig
 from services.engine.model import LlamaModel
 from services.engine.model_config import ModelConfig, RopeScaling, UnsupportedModel
 from services.engine.model_loader import load_model
 from services.engine.rotary import inverse_frequencies
-from services.engine.step_context import StepContext
+from tests.engine.paged_helpers import forward, make_cache
 
 CPU = torch.device("cpu")
 
@@ -27,11 +28,9 @@ def _load_pair(path: Path) -> tuple[LlamaModel, torch.nn.Module]:
 
 
 def _full_forward(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
-    batch, seq = ids.shape
-    cache = ContiguousKVCache(model.config, batch, 512, CPU, torch.float32)
-    ctx = StepContext.build(0, [list(range(seq))] * batch, CPU)
-    with torch.inference_mode():
-        return model(ids, cache, ctx)  # [B, S, E]
+    cache = make_cache(model.config)
+    tables = [BlockTable(TierConfig()) for _ in range(ids.shape[0])]
+    return forward(model, cache, tables, ids, 0)  # [B, S, E]
 
 
 @pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_tied_sharded_dir"])
@@ -55,10 +54,9 @@ def test_cached_decode_matches_full_forward(tiny_dir: Path) -> None:
     model = load_model(open_checkpoint(tiny_dir), CPU, torch.float32, 512, progress=False)
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     full = _full_forward(model, ids)
-    cache = ContiguousKVCache(model.config, 1, 512, CPU, torch.float32)
-    with torch.inference_mode():
-        model(ids[:, :30], cache, StepContext.build(0, [list(range(30))], CPU))
-        steps = [model(ids[:, t : t + 1], cache, StepContext.build(0, [[t]], CPU)) for t in range(30, 40)]
+    cache, tables = make_cache(model.config, block_size=4), [BlockTable(TierConfig())]
+    forward(model, cache, tables, ids[:, :30], 0)
+    steps = [forward(model, cache, tables, ids[:, t : t + 1], t) for t in range(30, 40)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 30:], atol=1e-5, rtol=1e-5)
 
 

@@ -54,15 +54,15 @@ def test_greedy_matches_transformers_single_and_batched(smollm_engine: LLMEngine
 
 
 def test_logits_match_transformers(smollm_engine: LLMEngine, hf_model: Any) -> None:
-    from services.engine.kv_cache import ContiguousKVCache
-    from services.engine.step_context import StepContext
+    from services.engine.block_table import BlockTable
+    from services.engine.kv_tiers import TierConfig
+    from tests.engine.paged_helpers import forward, make_cache
 
     model = smollm_engine.runner.model
     ids = torch.tensor([smollm_engine.tokenizer.encode(PROMPTS[0])])
-    cache = ContiguousKVCache(model.config, 1, 64, torch.device("cpu"), torch.float32)
-    ctx = StepContext.build(0, [list(range(ids.shape[1]))], torch.device("cpu"))
+    hidden = forward(model, make_cache(model.config), [BlockTable(TierConfig())], ids, 0)
     with torch.inference_mode():
-        ours = model.compute_logits(model(ids, cache, ctx))
+        ours = model.compute_logits(hidden)
         theirs = hf_model(ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.llm_engine import LLMEngine
+from services.engine.kv_tiers import KVCacheSpec, TierConfig
+from services.engine.llm_engine import LLMEngine, StreamEvent
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import FinishReason
 
@@ -50,3 +51,27 @@ def test_without_chat_template_apply_fails_clearly(stories_hf_dir: Path) -> None
     engine = LLMEngine.load(stories_hf_dir, device="cpu", max_batch_size=1, progress=False)
     with pytest.raises(ChatTemplateError, match="no chat template"):
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_golden_holds_with_tiers_on_and_hot_tokens_128(stories_hf_dir: Path) -> None:
+    """400 tokens, so positions past sink + 128 hot really are served from INT4 warm groups."""
+    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=4096, group_size=32)
+    tiered = LLMEngine.load(
+        stories_hf_dir, device="cpu", max_batch_size=2, progress=False, kv=KVCacheSpec(tiers=tiers)
+    )
+    plain = LLMEngine.load(stories_hf_dir, device="cpu", max_batch_size=2, progress=False)
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    events: list[StreamEvent] = []
+    tiered.submit(PROMPT_IDS, params, events.append)
+    peak_warm_tokens = 0
+    while not (events and events[-1].finished):
+        tiered.step()
+        peak_warm_tokens = max(peak_warm_tokens, tiered.stats().num_warm_tokens)
+    tokens = [t for e in events for t in e.token_ids]
+    assert tokens[:40] == GOLDEN_IDS
+    assert peak_warm_tokens >= 400 - 128 - 32 - 32  # all but sink, hot window and the unfilled group
+    usage = events[-1].usage
+    assert usage is not None and usage.warm_tokens > 0
+    # measured: the whole 400-token continuation equals the untiered one on this model
+    assert tokens == list(plain.generate([PROMPT_IDS], params)[0].token_ids)
+    assert tiered.stats().num_warm_tokens == 0 and tiered.stats().num_hot_tokens == 0  # all freed

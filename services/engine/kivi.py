@@ -1,0 +1,80 @@
+"""INT4 KIVI quantization of one warm group: keys per channel, values per token, FP16 scales and zeros.
+
+Reference PyTorch; a fused Triton kernel will read the same layout: codes packed two per byte
+(low nibble = even channel), one scale and zero point per group, stored in FP16.
+Shapes: G tokens in the group, KVH kv heads, D head dim, VG value-group size (channels).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+LEVELS = 15  # INT4: codes 0..15
+
+
+class QuantizedKeys(NamedTuple):
+    """Keys of one group: per-channel scale/zero shared by the group's G tokens."""
+
+    codes: torch.Tensor  # [G, KVH, D/2] uint8
+    scale: torch.Tensor  # [KVH, D] fp16
+    zero: torch.Tensor  # [KVH, D] fp16
+
+
+class QuantizedValues(NamedTuple):
+    """Values of one group: per-token scale/zero for each group of VG channels."""
+
+    codes: torch.Tensor  # [G, KVH, D/2] uint8
+    scale: torch.Tensor  # [G, KVH, D/VG] fp16
+    zero: torch.Tensor  # [G, KVH, D/VG] fp16
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """`[..., D]` codes in 0..15 -> `[..., D/2]` uint8."""
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """`[..., D/2]` uint8 -> `[..., D]` uint8 codes."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max INT4 over `dim`; scales and zeros rounded to FP16 before use."""
+    low = x.amin(dim=dim, keepdim=True).half()
+    high = x.amax(dim=dim, keepdim=True).half()
+    scale = ((high.float() - low.float()) / LEVELS).clamp_min(1e-6).half()
+    codes = ((x.float() - low.float()) / scale.float()).round().clamp(0, LEVELS)
+    return codes, scale.squeeze(dim), low.squeeze(dim)
+
+
+def quantize_keys(keys: torch.Tensor) -> QuantizedKeys:
+    """`[G, KVH, D]` -> per-channel INT4 (KIVI: key outliers live in fixed channels)."""
+    codes, scale, zero = _quantize(keys, dim=0)
+    return QuantizedKeys(pack_int4(codes), scale, zero)
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """`[N, G, KVH, D/2]` codes with `[N, KVH, D]` scale/zero -> `[N, G, KVH, D]` fp32."""
+    return unpack_int4(codes).float() * scale.float().unsqueeze(1) + zero.float().unsqueeze(1)
+
+
+def quantize_values(values: torch.Tensor, group_size: int) -> QuantizedValues:
+    """`[G, KVH, D]` -> per-token INT4 over groups of `min(group_size, D)` channels."""
+    tokens, heads, dim = values.shape
+    value_group = min(group_size, dim)
+    grouped = values.reshape(tokens, heads, dim // value_group, value_group)
+    codes, scale, zero = _quantize(grouped, dim=-1)
+    return QuantizedValues(pack_int4(codes.reshape(tokens, heads, dim)), scale, zero)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """`[N, G, KVH, D/2]` codes with `[N, G, KVH, D/VG]` scale/zero -> `[N, G, KVH, D]` fp32."""
+    unpacked = unpack_int4(codes).float()  # [N, G, KVH, D]
+    num, tokens, heads, dim = unpacked.shape
+    groups = scale.shape[-1]
+    grouped = unpacked.view(num, tokens, heads, groups, dim // groups)
+    return (grouped * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).view(num, tokens, heads, dim)

@@ -1,0 +1,61 @@
+"""How a sequence's KV cache is split between the hot (model dtype) and warm (INT4) tiers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class WarmFullPolicy(enum.Enum):
+    """What happens when a sequence's warm tier is full."""
+
+    WINDOW = "window"  # drop the oldest warm groups: sliding-window attention past the warm tier
+    REFUSE = "refuse"  # refuse requests that could outgrow sink + warm + hot at admission
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Tier sizes in tokens; `enabled=False` keeps every token hot (exactly the untiered engine)."""
+
+    enabled: bool = False
+    sink_tokens: int = 4
+    hot_tokens: int = 128
+    warm_tokens: int = 4096
+    group_size: int = 32  # INT4 group: tokens per key group, channels per value group (capped at head dim)
+    policy: WarmFullPolicy = WarmFullPolicy.WINDOW
+
+    def __post_init__(self) -> None:
+        for name in ("sink_tokens", "hot_tokens", "warm_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens a sequence may hold under the `refuse` policy."""
+        return self.sink_tokens + self.hot_tokens + self.warm_tokens
+
+    def check_block_size(self, block_size: int) -> None:
+        """Warm groups are whole blocks: the group size must be a multiple of the block size."""
+        if self.enabled and self.group_size % block_size:
+            raise ValueError(
+                f"INT4 group_size {self.group_size} must be a multiple of the KV block size {block_size}"
+            )
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Deployment-wide KV cache layout: block size, pool sizes (0 = derived) and the tiers."""
+
+    block_size: int = 16
+    num_hot_blocks: int = 0  # 0: max_batch_size * ceil(max_seq_len / block_size) + 1 (scratch)
+    num_warm_groups: int = 0  # 0: enough for every slot's warm tier
+    tiers: TierConfig = TierConfig()
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"KV block_size must be >= 1, got {self.block_size}")
+        if self.num_hot_blocks < 0 or self.num_warm_groups < 0:
+            raise ValueError("KV pool sizes must be >= 0 (0 derives them from the batch size)")
+        self.tiers.check_block_size(self.block_size)

@@ -1,0 +1,35 @@
+"""Helpers that drive the model over a paged KV cache directly, without the scheduler."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.block_table import BlockTable
+from services.engine.kv_cache import HotTier, KVCache, WarmTier
+from services.engine.kv_tiers import TierConfig
+from services.engine.model import LlamaModel
+from services.engine.model_config import ModelConfig
+from services.engine.step_context import RowInput, StepContext
+
+CPU = torch.device("cpu")
+
+
+def make_cache(
+    config: ModelConfig, num_blocks: int = 64, block_size: int = 16, tiers: TierConfig | None = None
+) -> KVCache:
+    """A fp32 CPU cache; a warm tier of 64 groups when `tiers` are enabled."""
+    hot = HotTier(config, num_blocks, block_size, CPU, torch.float32)
+    warm = WarmTier(config, 64, tiers.group_size, CPU) if tiers and tiers.enabled else None
+    return KVCache(hot, warm)
+
+
+def forward(
+    model: LlamaModel, cache: KVCache, tables: list[BlockTable], ids: torch.Tensor, start: int
+) -> torch.Tensor:
+    """Run ids `[B, S]` at positions `[start, start+S)` for every row; returns hidden `[B, S, E]`."""
+    width = ids.shape[1]
+    for table in tables:
+        cache.grow(table, start + width)
+    ctx = StepContext.build([RowInput(t, start, width) for t in tables], cache.block_size, CPU)
+    with torch.inference_mode():
+        return model(ids, cache, ctx)
