@@ -38,20 +38,25 @@ class EmbedderSpec:
     """How texts become embedding rows.
 
     A text that fits `max_tokens` is one row, as the heads were trained. A longer text is scored
-    sentence by sentence (see `MiniLMEmbedder.text_windows`): mean pooling dilutes a harmful
-    sentence among hundreds of benign tokens, even in a 64-token window. A sentence longer than
+    in short runs of sentences (see `MiniLMEmbedder.text_windows`): mean pooling dilutes a harmful
+    sentence among hundreds of benign tokens, even in a 64-token window. A run longer than
     `max_tokens` is cut into short overlapping windows.
     """
 
     max_tokens: int = 256  # the window sentence-transformers trained with (specials included)
     long_window_tokens: int = 64  # windows of a longer text (specials included)
     stride_tokens: int = 16  # overlap between consecutive long-text windows
+    # A long text's row holds whole sentences, at least this many tokens of them: alone, a short
+    # fragment of a children's story ("they bounced and showed it to the ground.") scored as harm.
+    min_row_tokens: int = 16
 
     def __post_init__(self) -> None:
         if not 8 <= self.long_window_tokens <= self.max_tokens <= 512:
             raise ValueError(
                 f"embedder windows must satisfy 8 <= {self.long_window_tokens} <= {self.max_tokens} <= 512"
             )
+        if not 1 <= self.min_row_tokens <= self.max_tokens - 2:
+            raise ValueError(f"row minimum must be 1..{self.max_tokens - 2}, got {self.min_row_tokens}")
         if not 0 <= self.stride_tokens < self.long_window_tokens // 2:
             raise ValueError(
                 f"window overlap must be 0..{self.long_window_tokens // 2 - 1}, got {self.stride_tokens}"
@@ -93,13 +98,19 @@ class MiniLMEmbedder:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def text_windows(self, text: str) -> list[list[int]]:
-        """The rows one text is screened in: the whole text when it fits one window, else one row
-        per sentence (a sentence longer than a window is cut by `windows`)."""
+        """The rows one text is screened in: the whole text when it fits one window, else runs of
+        whole sentences of at least `min_row_tokens` (a sentence past a window is cut by `windows`)."""
         ids = self.token_ids(text)
         if len(ids) <= self.spec.max_tokens - 2:
             return [[CLS_ID, *ids, SEP_ID]]
-        sentences = (s for s in _SENTENCE_END.split(text) if s.strip())
-        return [row for sentence in sentences for row in windows(self.token_ids(sentence), self.spec)]
+        rows: list[list[int]] = []
+        pending: list[int] = []
+        for sentence in (s for s in _SENTENCE_END.split(text) if s.strip()):
+            pending += self.token_ids(sentence)
+            if len(pending) >= self.spec.min_row_tokens:
+                rows += windows(pending, self.spec)
+                pending = []
+        return rows + (windows(pending, self.spec) if pending else [])
 
     @torch.inference_mode()
     def embed_windows(self, rows: list[list[int]], batch_size: int = 32) -> torch.Tensor:

@@ -65,6 +65,9 @@ def test_a_long_prompt_is_scored_by_sentence_and_the_harmful_one_counts(classifi
     assert scores.num_windows > 4
     assert scores.triggered
     assert not classifier.score(FILLER * 120).triggered
+    fragment = "They bounced and showed it to the ground. "  # scored as harm when alone
+    story = "They went to the park. " * 3 + fragment + "Lily smiled. " * 30
+    assert not classifier.score(story).triggered  # short fragments are scored in runs, not alone
 
 
 def test_past_the_window_limit_the_check_is_refused() -> None:

@@ -27,7 +27,7 @@ def test_embeddings_match_transformers_mean_pooled(embedder: MiniLMEmbedder) -> 
 
 
 def test_a_short_text_is_one_row_and_a_long_one_overlapping_windows() -> None:
-    spec = EmbedderSpec(max_tokens=16, long_window_tokens=10, stride_tokens=2)  # 8 body tokens, step 6
+    spec = EmbedderSpec(max_tokens=16, long_window_tokens=10, stride_tokens=2, min_row_tokens=4)  # step 6
     assert windows(list(range(14)), spec) == [[CLS_ID, *range(14), SEP_ID]]
     cut = windows(list(range(1000, 1020)), spec)
     assert all(w[0] == CLS_ID and w[-1] == SEP_ID and len(w) <= 10 for w in cut)
