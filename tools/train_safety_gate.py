@@ -77,11 +77,15 @@ def _in_length_order(rows: list[list[int]], run, batch_size: int) -> torch.Tenso
 def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch.Tensor:
     """SmolLM2's final normed hidden state `[N, 576]` at each text's last token (fp32, CPU).
 
-    Texts are cut to their first ENGINE_MAX_TOKENS tokens (CPU time: the engine head reads the
-    state after the cut, as the in-loop gate reads the state after each token).
+    Runs our engine's model over paged-cache block tables, one prefill per batch, as the
+    engine's runner does (this follows services/engine's internal API at 9701e1f). Texts are
+    cut to their first ENGINE_MAX_TOKENS tokens (CPU time: the engine head reads the state
+    after the cut, as the in-loop gate reads the state after each token).
     """
+    from services.engine.block_table import BlockTable
+    from services.engine.kv_tiers import TierConfig
     from services.engine.llm_engine import LLMEngine
-    from services.engine.step_context import StepContext
+    from services.engine.step_context import RowInput, StepContext
 
     engine = LLMEngine.load(ENGINE_MODEL, device="cpu", dtype="float32", max_batch_size=batch_size,
                             max_seq_len=ENGINE_MAX_TOKENS, progress=False)  # fmt: skip
@@ -90,8 +94,15 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch
     def run(batch: list[list[int]]) -> torch.Tensor:
         width = max(len(r) for r in batch)
         ids = torch.tensor([r + [0] * (width - len(r)) for r in batch])  # [B, S] right-padded
-        ctx = StepContext.build(0, [list(range(width))] * len(batch), torch.device("cpu"))
-        hidden = model(ids, cache, ctx)  # [B, S, E]
+        tables = [BlockTable(TierConfig()) for _ in batch]
+        for table, row in zip(tables, batch, strict=True):
+            cache.grow(table, len(row))
+        rows = [RowInput(table, 0, len(row)) for table, row in zip(tables, batch, strict=True)]
+        try:
+            hidden = model(ids, cache, StepContext.build(rows, cache.block_size, torch.device("cpu")))
+        finally:
+            for table in tables:
+                cache.release(table)
         return hidden[torch.arange(len(batch)), torch.tensor([len(r) - 1 for r in batch])].float()
 
     rows = [engine.tokenizer.encode(canonical(e.text))[:ENGINE_MAX_TOKENS] for e in examples]
