@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from services.engine.checkpoint import open_checkpoint
+from services.engine.engine_metrics import QUEUE_WAIT
 from services.engine.errors import (
     EmptyPrompt,
     EngineStopped,
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 2048  # cap when the caller gives none: the contiguous cache reserves it per slot
 DEFAULT_MAX_PREFILL_TOKENS = 4096  # padded prompt tokens per prefill step
+PROBE_EVERY_DECODE_STEPS = 16  # with tiers on, every 16th decode step samples the hot attention mass
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class EngineStats:
     num_warm_tokens: int = 0
     num_warm_capacity_tokens: int = 0
     warm_bytes: int = 0
+    num_dropped_tokens: int = 0
+    hot_attention_mass: float = 1.0  # last sampled share of attention mass on hot tokens
 
 
 class LLMEngine:
@@ -111,7 +115,11 @@ class LLMEngine:
         self._cancels: deque[RequestId] = deque()
         self._thread: threading.Thread | None = None
         self._is_stopping = False
-        self._counters = dict.fromkeys(("steps", "prompt_tokens", "generated_tokens", "finished"), 0)
+        self._counters = dict.fromkeys(
+            ("steps", "prompt_tokens", "generated_tokens", "finished", "dropped"), 0
+        )
+        self._num_decode_steps = 0
+        self._hot_attention_mass = 1.0
 
     @classmethod
     def load(
@@ -199,6 +207,8 @@ class LLMEngine:
             num_requests_finished=self._counters["finished"],
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_cached=self.scheduler.num_prompt_tokens_cached,
+            num_dropped_tokens=self._counters["dropped"],
+            hot_attention_mass=self._hot_attention_mass,
             **self._tier_stats(),
         )
 
@@ -269,6 +279,8 @@ class LLMEngine:
             self._drain_inbox()
             self._expire_waiting()
             batch = self.scheduler.schedule()
+            for intent_class, waited_s in self.scheduler.take_queue_waits():
+                QUEUE_WAIT.labels(intent_class).observe(waited_s)
             if batch is None:
                 return
             try:
@@ -281,9 +293,11 @@ class LLMEngine:
             self._commit(batch, token_ids)
 
     def _run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        output = self.runner.run(batch.rows)
+        probe_layer = self._probe_layer(batch)
+        output = self.runner.run(batch.rows, probe_layer)
         self._record_attention(batch)
         done = self.scheduler.commit_computed(batch)
+        self._counters["dropped"] += self.scheduler.num_dropped_tokens_last_step
         if not done:  # a prefill chunk that ends mid-prompt samples nothing
             return []
         is_done = [r.seq in done for r in batch.rows]
@@ -291,7 +305,17 @@ class LLMEngine:
         params = [s.params for s in done]
         generators = [s.generator for s in done]
         token_ids = sample(logits, params, generators).tolist()  # the step's one host sync
+        if output.hot_mass is not None:  # sampled step: the sync above already waited for it
+            self._hot_attention_mass = float(output.hot_mass.item())
         return list(zip(done, token_ids, strict=True))
+
+    def _probe_layer(self, batch: ScheduledBatch) -> int | None:
+        if batch.rows[0].num_new != 1 or not self.tiers.enabled:  # prefill, or nothing is ever warm
+            return None
+        self._num_decode_steps += 1
+        if self._num_decode_steps % PROBE_EVERY_DECODE_STEPS:
+            return None
+        return self.config.num_layers - 1
 
     def _record_attention(self, batch: ScheduledBatch) -> None:
         block_size = self.runner.kv_cache.block_size

@@ -59,6 +59,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         keys, values = kv_cache.store(self.layer, k, v, ctx)  # [B, KVH, L, D] each
+        if ctx.probe is not None and ctx.probe.layer == self.layer:  # sampled decode step
+            ctx.probe.record(q.transpose(1, 2), keys, ctx.attn_mask)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=ctx.attn_mask, enable_gqa=True
         )  # [B, H, S, D]

@@ -27,6 +27,7 @@ class StepOutput(NamedTuple):
 
     logits: torch.Tensor  # [B, V] fp32
     hidden_states: torch.Tensor  # [B, E] model dtype; the in-loop safety gate reads this
+    hot_mass: torch.Tensor | None = None  # [1] share of attention mass on hot tokens (sampled steps)
 
 
 class ModelRunner:
@@ -38,20 +39,21 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def run(self, rows: Seq[ScheduledRow]) -> StepOutput:
+    def run(self, rows: Seq[ScheduledRow], probe_layer: int | None = None) -> StepOutput:
         """Compute each row's next `num_new` pending tokens (right-padded to the longest row)."""
         width = max(r.num_new for r in rows)
         inputs = [self._row_tokens(r, width) for r in rows]
         input_ids = self._to_device(inputs)  # [B, S]
         row_inputs = [RowInput(r.seq.block_table, r.seq.num_computed_tokens, r.num_new) for r in rows]
-        ctx = StepContext.build(row_inputs, self.kv_cache.block_size, self.device)
+        ctx = StepContext.build(row_inputs, self.kv_cache.block_size, self.device, probe_layer)
         hidden = self.model(input_ids, self.kv_cache, ctx)  # [B, S, E]
         if width == 1:  # decode
             hidden_last = hidden[:, 0]
         else:  # prefill
             last = self._to_device([r.num_new - 1 for r in rows])  # [B]
             hidden_last = hidden[torch.arange(len(rows), device=self.device), last]  # [B, E]
-        return StepOutput(self.model.compute_logits(hidden_last), hidden_last)
+        hot_mass = ctx.probe.hot_mass if ctx.probe is not None else None
+        return StepOutput(self.model.compute_logits(hidden_last), hidden_last, hot_mass)
 
     @staticmethod
     def _row_tokens(row: ScheduledRow, width: int) -> list[int]:

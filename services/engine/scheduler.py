@@ -79,6 +79,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_cached = 0
         self.num_prompt_tokens_queried = 0
+        self.num_dropped_tokens_last_step = 0
+        self._queue_waits: list[tuple[str, float]] = []
 
     @property
     def num_waiting(self) -> int:
@@ -220,7 +222,9 @@ class Scheduler:
             self.num_prompt_tokens_cached += seq.num_computed_tokens
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
-        self.enqueued_s.pop(seq.request_id, None)
+        enqueued = self.enqueued_s.pop(seq.request_id, None)
+        if enqueued is not None:
+            self._queue_waits.append((seq.intent_class, self.clock() - enqueued))
         self.running.append(seq)
 
     def _decode_rows(self) -> list[ScheduledRow]:
@@ -238,14 +242,21 @@ class Scheduler:
         Returns the sequences whose pending tokens are all computed (they get a sampled token).
         """
         done: list[Sequence] = []
+        self.num_dropped_tokens_last_step = 0
         for row in batch.rows:
             seq = row.seq
             seq.num_computed_tokens += row.num_new
             self.kv_cache.register_full_blocks(seq.block_table, seq.num_computed_tokens)
-            self.kv_cache.demote(seq.block_table, seq.num_computed_tokens)
+            demoted = self.kv_cache.demote(seq.block_table, seq.num_computed_tokens)
+            self.num_dropped_tokens_last_step += demoted.num_dropped_tokens
             if seq.num_pending_tokens == 0:
                 done.append(seq)
         return done
+
+    def take_queue_waits(self) -> list[tuple[str, float]]:
+        """(intent class, seconds waited) of each sequence admitted since the last call."""
+        waits, self._queue_waits = self._queue_waits, []
+        return waits
 
     def release(self, seq: Sequence) -> None:
         """Free a finished sequence's blocks at once."""

@@ -15,6 +15,7 @@ from opentelemetry import trace
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from services.engine.config import EngineConfig
+from services.engine.engine_metrics import register_engine_metrics
 from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from thermocline.engine.v1 import engine_pb2 as pb
@@ -173,4 +174,5 @@ def _raise_refusal(event: StreamEvent) -> None:
 def register(server: grpc.aio.Server, config: EngineConfig, engine: LLMEngine) -> list[str]:
     """Adds the engine servicer; returns its full service name."""
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(config, engine), server)
+    register_engine_metrics(engine)
     return [pb.DESCRIPTOR.services_by_name["EngineService"].full_name]

@@ -34,6 +34,7 @@ class StepContext:
     warm_group_ids: torch.Tensor | None  # [n] int64: warm groups the batch reads, or None
     warm_rows: torch.Tensor | None  # [n, G] int64: batch row of each warm token
     warm_positions: torch.Tensor | None  # [n, G] int64: position of each warm token
+    probe: AttentionProbe | None = None  # set on sampled decode steps: measure mass on hot tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -41,12 +42,18 @@ class StepContext:
         return self.positions.shape[1] > 1
 
     @classmethod
-    def build(cls, rows: Seq[RowInput], block_size: int, device: torch.device) -> StepContext:
-        """Context for `rows`; each table must already hold blocks for its new positions."""
+    def build(
+        cls, rows: Seq[RowInput], block_size: int, device: torch.device, probe_layer: int | None = None
+    ) -> StepContext:
+        """Context for `rows`; each table must already hold blocks for its new positions.
+
+        With `probe_layer`, that layer also records the share of attention mass on hot tokens.
+        """
         width = max(row.num_new for row in rows)
         kv_len = max(row.start + width for row in rows)
         pos = torch.tensor([list(range(r.start, r.start + width)) for r in rows], dtype=torch.int64)  # [B, S]
         hot_slots, present = _hot_slots(rows, block_size, kv_len)  # [B, L] each
+        probe = None if probe_layer is None else AttentionProbe.build(probe_layer, present, device)
         slot_mapping = _slot_mapping(rows, hot_slots, width)  # [B, S]
         warm = _warm_index(rows, block_size, present)
         key_pos = torch.arange(kv_len, dtype=torch.int64)
@@ -60,7 +67,31 @@ class StepContext:
             warm_group_ids=None if warm is None else _to(warm[0], device),
             warm_rows=None if warm is None else _to(warm[1], device),
             warm_positions=None if warm is None else _to(warm[2], device),
+            probe=probe,
         )
+
+
+@dataclass(frozen=True)
+class AttentionProbe:
+    """Where one layer writes the batch's mean share of attention mass on hot positions."""
+
+    layer: int
+    is_hot: torch.Tensor  # [B, 1, 1, L] bool
+    hot_mass: torch.Tensor  # [1] fp32, written on the device; read (one sync) only when sampled
+
+    @classmethod
+    def build(cls, layer: int, is_hot: torch.Tensor, device: torch.device) -> AttentionProbe:
+        """A probe over a copy of the rows' hot-position mask `[B, L]`."""
+        mask = is_hot.clone().view(is_hot.shape[0], 1, 1, -1)
+        return cls(layer, _to(mask, device), torch.ones(1, device=device))
+
+    def record(self, q: torch.Tensor, keys: torch.Tensor, attn_mask: torch.Tensor) -> None:
+        """Reference softmax of `q` `[B, H, S, D]` over `keys` `[B, KVH, L, D]`; keep the hot share."""
+        groups = q.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(groups, dim=1)  # [B, H, L, D]
+        scores = (q.float() @ keys.float().transpose(-1, -2)) / q.shape[-1] ** 0.5  # [B, H, S, L]
+        weights = scores.masked_fill(~attn_mask, float("-inf")).softmax(-1)
+        self.hot_mass.copy_((weights * self.is_hot).sum(-1).mean().view(1))
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

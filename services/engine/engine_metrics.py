@@ -1,0 +1,106 @@
+"""The engine's Prometheus metrics: KV tiers, prefix cache, queues, preemptions, tokens.
+
+Gauges and counters are read from `LLMEngine.stats()` when /metrics is scraped, so the decode
+loop pays nothing for them; only the queue-wait histogram is observed as requests start.
+Labels carry the tier and the intent class, never the tenant. Tokens/s is
+`rate(thermocline_engine_generated_tokens_total[1m])`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from services.engine.llm_engine import LLMEngine
+
+QUEUE_WAIT = Histogram(
+    "thermocline_engine_queue_wait_seconds",
+    "Time from arrival to admission, by intent class.",
+    ["intent_class"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600),
+)
+
+
+class EngineCollector(Collector):
+    """Turns one `stats()` snapshot into metric families at scrape time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        """Every engine metric, from one snapshot."""
+        stats = self.engine.stats()
+        tiers = {
+            "hot": (stats.num_hot_tokens, stats.num_hot_capacity_tokens, stats.hot_bytes),
+            "warm": (stats.num_warm_tokens, stats.num_warm_capacity_tokens, stats.warm_bytes),
+        }
+        yield _per_tier("thermocline_engine_kv_tokens", "Token positions held per KV tier.", tiers, 0)
+        yield _per_tier(
+            "thermocline_engine_kv_capacity_tokens", "Token positions each tier can hold.", tiers, 1
+        )
+        yield _per_tier("thermocline_engine_kv_bytes", "Device bytes in use per KV tier.", tiers, 2)
+        occupancy = GaugeMetricFamily(
+            "thermocline_engine_kv_occupancy_ratio", "Used share of each KV tier.", labels=["tier"]
+        )
+        for tier, (used, capacity, _) in tiers.items():
+            occupancy.add_metric([tier], used / capacity if capacity else 0.0)
+        yield occupancy
+        yield _counter(
+            "thermocline_engine_prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens_total
+        )
+        yield _counter(
+            "thermocline_engine_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache (hit rate: divide by prompt tokens).",
+            stats.num_prompt_tokens_cached,
+        )
+        yield _counter(
+            "thermocline_engine_generated_tokens", "Tokens generated.", stats.num_generated_tokens_total
+        )
+        yield _counter(
+            "thermocline_engine_preemptions", "Sequences preempted (recompute).", stats.num_preemptions
+        )
+        yield _counter(
+            "thermocline_engine_warm_dropped_tokens",
+            "Warm tokens dropped by the window policy.",
+            stats.num_dropped_tokens,
+        )
+        hit = GaugeMetricFamily(
+            "thermocline_engine_hot_attention_mass_ratio",
+            "Share of attention mass on hot tokens, sampled on decode steps (1 when nothing is warm).",
+        )
+        hit.add_metric([], stats.hot_attention_mass)
+        yield hit
+        yield _gauge("thermocline_engine_running_sequences", "Sequences in the batch.", stats.num_running)
+        yield _gauge("thermocline_engine_waiting_sequences", "Sequences queued.", stats.num_waiting)
+
+
+def _per_tier(name: str, doc: str, tiers: dict[str, tuple[int, int, int]], index: int) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["tier"])
+    for tier, values in tiers.items():
+        family.add_metric([tier], values[index])
+    return family
+
+
+def _counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)  # exposed as <name>_total
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+_collector: EngineCollector | None = None
+
+
+def register_engine_metrics(engine: LLMEngine) -> None:
+    """Expose `engine`'s metrics on the process's /metrics; a second call points them at `engine`."""
+    global _collector
+    if _collector is None:
+        _collector = EngineCollector(engine)
+        REGISTRY.register(_collector)
+    _collector.engine = engine
