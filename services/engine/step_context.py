@@ -50,8 +50,8 @@ class StepContext:
         With `probe_layer`, that layer also records the share of attention mass on hot tokens.
         """
         width = max(row.num_new for row in rows)
-        kv_len = max(row.start + width for row in rows)
-        pos = torch.tensor([list(range(r.start, r.start + width)) for r in rows], dtype=torch.int64)  # [B, S]
+        kv_len = max(row.start + row.num_new for row in rows)
+        pos = torch.tensor([_row_positions(r, width) for r in rows], dtype=torch.int64)  # [B, S]
         hot_slots, present = _hot_slots(rows, block_size, kv_len)  # [B, L] each
         probe = None if probe_layer is None else AttentionProbe.build(probe_layer, present, device)
         slot_mapping = _slot_mapping(rows, hot_slots, width)  # [B, S]
@@ -94,6 +94,13 @@ class AttentionProbe:
         self.hot_mass.copy_((weights * self.is_hot).sum(-1).mean().view(1))
 
 
+def _row_positions(row: RowInput, width: int) -> list[int]:
+    """The row's new positions; padding repeats the last one, so no position passes the row's end
+    (rows resuming from a cached prefix share a step with full prompts and must stay in RoPE range)."""
+    last = row.start + row.num_new - 1
+    return list(range(row.start, last + 1)) + [last] * (width - row.num_new)
+
+
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
@@ -118,8 +125,7 @@ def _hot_slots(rows: Seq[RowInput], block_size: int, kv_len: int) -> tuple[torch
 
 def _slot_mapping(rows: Seq[RowInput], hot_slots: torch.Tensor, width: int) -> torch.Tensor:
     """Where each new token's K/V is written; padded tokens write to scratch slot 0."""
-    cols = torch.tensor([list(range(r.start, r.start + width)) for r in rows], dtype=torch.int64)
-    cols = cols.clamp_max(hot_slots.shape[1] - 1)
+    cols = torch.tensor([_row_positions(r, width) for r in rows], dtype=torch.int64)
     mapping = hot_slots.gather(1, cols)  # [B, S]
     is_real = torch.arange(width).view(1, -1) < torch.tensor([r.num_new for r in rows]).view(-1, 1)
     return torch.where(is_real, mapping, torch.zeros_like(mapping))

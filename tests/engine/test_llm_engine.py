@@ -228,3 +228,17 @@ def test_refuse_policy_says_how_many_tokens_fit(tiny_dir: Path) -> None:
     with pytest.raises(KVCapacityExceeded, match="hold 100 tokens per request"):
         engine.submit([5] * 90, GREEDY_20, lambda e: None)
     assert len(engine.generate([[5] * 70], GREEDY_20)[0].token_ids) == 20
+
+
+def test_a_cached_prefix_row_batched_with_a_full_prompt_stays_within_max_seq_len(tiny_dir: Path) -> None:
+    # the cached row starts at 32 with 8 new tokens next to a 40-token prompt: its padding must
+    # not run past position 63 (found on CUDA as an out-of-range RoPE gather)
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=64, progress=False)
+    cached, fresh = _prompts(engine.config.vocab_size, (40, 40), seed=13)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in (cached, fresh)]
+    engine2 = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=64, progress=False)
+    engine2.generate([cached], params)
+    results = engine2.generate([cached, fresh], params)
+    assert engine2.stats().num_prompt_tokens_cached == 32
+    assert [r.token_ids for r in results] == alone
