@@ -78,3 +78,27 @@ def test_chat_answer_names_paris(smollm_engine: LLMEngine) -> None:
     assert result.finish_reason is FinishReason.STOP  # ended on <|im_end|>
     assert result.token_ids[-1] in tokenizer.eos_token_ids
     assert "<|im_end|>" not in result.text
+
+
+def test_requests_joining_and_leaving_mid_decode_match_transformers(
+    smollm_engine: LLMEngine, hf_model: Any
+) -> None:
+    from services.engine.generation_result import ResultCollector
+
+    prompts = [smollm_engine.tokenizer.encode(p) for p in PROMPTS]
+    expected = [_hf_greedy(hf_model, p) for p in prompts]
+    lengths = (NEW_TOKENS, 8, 16)  # the second leaves early, the third mid-way
+    collectors = [ResultCollector(p) for p in prompts]
+    smollm_engine.submit(
+        prompts[0], SamplingParams(max_new_tokens=lengths[0], ignore_eos=True), collectors[0]
+    )
+    for _ in range(4):  # prefill + 3 decode steps of the first alone
+        smollm_engine.step()
+    for i in (1, 2):
+        smollm_engine.submit(
+            prompts[i], SamplingParams(max_new_tokens=lengths[i], ignore_eos=True), collectors[i]
+        )
+    while not all(c.done.is_set() for c in collectors):
+        smollm_engine.step()
+    got = [list(c.result().token_ids) for c in collectors]
+    assert got == [e[:n] for e, n in zip(expected, lengths, strict=True)]
