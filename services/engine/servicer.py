@@ -26,6 +26,7 @@ _FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.SAFETY: pb.FINISH_REASON_SAFETY,
 }
 
 
