@@ -18,6 +18,7 @@ from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_tr
 from services.common import env
 from services.engine.models import resolve_model
 from services.gateway.tokens import ensure_dev_keys, mint_token
+from thermocline.gateway.v1 import gateway_pb2
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEMO_QUESTION = "What is the capital of France?"
@@ -81,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if result.done is not None:
         done = result.done
         print(
-            f"[{done.model}] finish={done.finish_reason and _finish_name(done.finish_reason)} "
+            f"[{done.model}] finish={_finish_name(done.finish_reason)} "
             f"prompt_tokens={done.usage.prompt_tokens} completion_tokens={done.usage.completion_tokens} "
             f"trace_id={done.trace_id}",
             file=sys.stderr,
@@ -90,8 +91,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _finish_name(value: int) -> str:
-    from thermocline.gateway.v1 import gateway_pb2
-
     return gateway_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
