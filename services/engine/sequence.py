@@ -1,11 +1,11 @@
-"""One request's life in the engine: its tokens, its text stream and why it ended."""
+"""One request's life in the engine: its tokens, its text stream, its timeline and why it ended."""
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import NewType
 
 import torch
@@ -17,6 +17,8 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.stop_checker import StopChecker
 
 RequestId = NewType("RequestId", str)
+# What OpenTelemetry accepts as an attribute value; kept here so the engine core imports no OTel.
+AttributeValue = str | bool | int | float | tuple[str, ...] | tuple[int, ...] | tuple[float, ...]
 
 
 class FinishReason(enum.Enum):
@@ -51,6 +53,7 @@ class StreamEvent:
     error: str | None = None  # set with FinishReason.ERROR
     error_status: str | None = None  # "deadline_exceeded" / "resource_exhausted" for refusals in the queue
     usage: SequenceUsage | None = None  # set on the final event
+    timeline: Timeline | None = None  # set on the final event; the servicer turns it into spans
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,83 @@ class SequenceUsage:
     cached_prompt_tokens: int
     hot_tokens: int
     warm_tokens: int
+
+
+@dataclass(frozen=True)
+class TimedEvent:
+    """Something that happened to a request at one instant (preemption, demotion, safety gate)."""
+
+    name: str
+    time_ns: int  # wall clock, time.time_ns(): spans are exported with epoch timestamps
+    attributes: Mapping[str, AttributeValue]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A stretch of a request's life, wall clock in ns; `num_tokens` for prefill chunks."""
+
+    start_ns: int
+    end_ns: int
+    num_tokens: int = 0
+
+
+@dataclass
+class Timeline:
+    """When a request waited, prefilled, produced its first token and finished.
+
+    Written only on the engine thread; read by the servicer after the final event, which crosses
+    threads through the event loop, so no lock is needed. Recording is a `time.time_ns()` call and
+    a list append: the decode loop stays free of syncs and of tracing objects.
+    """
+
+    arrival_ns: int = field(default_factory=time.time_ns)
+    queue_waits: list[Interval] = field(default_factory=list)
+    prefill_chunks: list[Interval] = field(default_factory=list)
+    events: list[TimedEvent] = field(default_factory=list)
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+    _queued_since_ns: int | None = None
+    _chunk_start_ns: int | None = None
+
+    def __post_init__(self) -> None:
+        self._queued_since_ns = self.arrival_ns
+
+    def mark_queued(self) -> None:
+        """The request (re)enters a waiting queue: on arrival and after a preemption."""
+        self._queued_since_ns = time.time_ns()
+
+    def mark_admitted(self) -> None:
+        """The scheduler admitted the request: closes the current queue wait."""
+        if self._queued_since_ns is not None:
+            self.queue_waits.append(Interval(self._queued_since_ns, time.time_ns()))
+            self._queued_since_ns = None
+
+    def begin_prefill_chunk(self) -> None:
+        """A prefill step holding this request starts now."""
+        self._chunk_start_ns = time.time_ns()
+
+    def end_prefill_chunk(self, num_tokens: int) -> None:
+        """The prefill step that began last has computed `num_tokens` of this request."""
+        if self._chunk_start_ns is not None:
+            self.prefill_chunks.append(Interval(self._chunk_start_ns, time.time_ns(), num_tokens))
+            self._chunk_start_ns = None
+
+    def add_event(self, name: str, attributes: Mapping[str, AttributeValue] | None = None) -> None:
+        """Record an instant event, stamped now."""
+        self.events.append(TimedEvent(name, time.time_ns(), dict(attributes or {})))
+
+    def mark_token(self) -> None:
+        """A token was sampled: the first one stamps time to first token."""
+        if self.first_token_ns is None:
+            self.first_token_ns = time.time_ns()
+
+    def mark_finished(self) -> None:
+        """The request ended (any reason); the first call wins."""
+        if self.finished_ns is None:
+            self.finished_ns = time.time_ns()
+            if self._queued_since_ns is not None:  # ended while waiting: the wait ends here
+                self.queue_waits.append(Interval(self._queued_since_ns, self.finished_ns))
+                self._queued_since_ns = None
 
 
 EventCallback = Callable[[StreamEvent], None]
@@ -96,6 +176,7 @@ class Sequence:
         self._attended = [0, 0, 0]  # decode steps, hot tokens, warm tokens attended
         self.generator = generator
         self.arrival_s = time.perf_counter()
+        self.timeline = Timeline()
         self._detokenizer = detokenizer
         self._stop_checker = StopChecker(params.stop)
 
@@ -120,6 +201,13 @@ class Sequence:
         self._attended[1] += hot_tokens
         self._attended[2] += warm_tokens
 
+    def add_event(self, name: str, attributes: Mapping[str, AttributeValue] | None = None) -> None:
+        """Record an event on this request's trace (e.g. `thermocline.safety.triggered`), stamped now.
+
+        Engine thread only; the servicer puts it on the request's engine span when the request ends.
+        """
+        self.timeline.add_event(name, attributes)
+
     def usage(self) -> SequenceUsage:
         """Usage so far: attended tokens are means per decode step."""
         steps = max(self._attended[0], 1)
@@ -140,6 +228,7 @@ class Sequence:
     def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_seq_len: int) -> StreamEvent:
         """Record a sampled token, update the text stream, and decide whether the sequence is done."""
         self.completion_ids.append(token_id)
+        self.timeline.mark_token()
         is_eos = token_id in eos_token_ids and not self.params.ignore_eos
         check = self._stop_checker.push(self._detokenizer.push(token_id))
         reason = self._finish_reason(is_eos or check.is_stopped, max_seq_len)
@@ -166,6 +255,7 @@ class Sequence:
         """Mark the sequence done (the scheduler frees its slot)."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+        self.timeline.mark_finished()
 
     def event(
         self, token_ids: tuple[int, ...], text: str, error: str | None = None, error_status: str | None = None
@@ -182,4 +272,5 @@ class Sequence:
             error=error,
             error_status=error_status,
             usage=self.usage() if self.is_finished else None,
+            timeline=self.timeline if self.is_finished else None,
         )
