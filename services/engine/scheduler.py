@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from services.engine.block_pool import hash_prefix_blocks
 from services.engine.intent_class import IntentClass, IntentClasses
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import DemotionResult, KVCache
 from services.engine.model_runner import ScheduledRow
 from services.engine.sequence import FinishReason, RequestId, Sequence, SequenceStatus
 
@@ -108,6 +108,8 @@ class Scheduler:
         prefill = self._continue_prefills()
         prefill += self._admit(prefill)
         if prefill:
+            for row in prefill:
+                row.seq.timeline.begin_prefill_chunk()
             return ScheduledBatch(StepKind.PREFILL, tuple(prefill))
         decode = self._decode_rows()
         return ScheduledBatch(StepKind.DECODE, tuple(decode)) if decode else None
@@ -214,6 +216,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        seq.add_event(
+            "thermocline.preemption",
+            {"thermocline.preemption.mode": "recompute", "thermocline.preemption.count": seq.num_preemptions},
+        )
+        seq.timeline.mark_queued()
         self.waiting[seq.intent_class].appendleft(seq)
 
     def _start(self, seq: Sequence) -> None:
@@ -222,6 +229,7 @@ class Scheduler:
             self.num_prompt_tokens_cached += seq.num_computed_tokens
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
+        seq.timeline.mark_admitted()
         enqueued = self.enqueued_s.pop(seq.request_id, None)
         if enqueued is not None:
             self._queue_waits.append((seq.intent_class, self.clock() - enqueued))
@@ -246,9 +254,13 @@ class Scheduler:
         for row in batch.rows:
             seq = row.seq
             seq.num_computed_tokens += row.num_new
+            if batch.kind is StepKind.PREFILL:
+                seq.timeline.end_prefill_chunk(row.num_new)
             self.kv_cache.register_full_blocks(seq.block_table, seq.num_computed_tokens)
             demoted = self.kv_cache.demote(seq.block_table, seq.num_computed_tokens)
             self.num_dropped_tokens_last_step += demoted.num_dropped_tokens
+            if demoted.num_demoted_tokens or demoted.num_dropped_tokens:
+                _record_demotion(seq, demoted)
             if seq.num_pending_tokens == 0:
                 done.append(seq)
         return done
@@ -301,3 +313,16 @@ class Scheduler:
                 if seq.request_id == request_id:
                     return seq
         return None
+
+
+def _record_demotion(seq: Sequence, demoted: DemotionResult) -> None:
+    """A trace event per step that moved this sequence's tokens hot -> warm (or dropped warm ones)."""
+    seq.add_event(
+        "thermocline.kv.demotion",
+        {
+            "thermocline.kv.from_tier": "hot",
+            "thermocline.kv.to_tier": "warm",
+            "thermocline.kv.demoted_tokens": demoted.num_demoted_tokens,
+            "thermocline.kv.dropped_tokens": demoted.num_dropped_tokens,
+        },
+    )
