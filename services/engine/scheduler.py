@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.engine.block_pool import hash_prefix_blocks
+from services.engine.engine_metrics import BATCH_SIZE
 from services.engine.intent_class import IntentClass, IntentClasses
 from services.engine.kv_cache import DemotionResult, KVCache
 from services.engine.model_runner import ScheduledRow
@@ -110,9 +111,13 @@ class Scheduler:
         if prefill:
             for row in prefill:
                 row.seq.timeline.begin_prefill_chunk()
+            BATCH_SIZE.labels(StepKind.PREFILL.value).observe(len(prefill))
             return ScheduledBatch(StepKind.PREFILL, tuple(prefill))
         decode = self._decode_rows()
-        return ScheduledBatch(StepKind.DECODE, tuple(decode)) if decode else None
+        if not decode:
+            return None
+        BATCH_SIZE.labels(StepKind.DECODE.value).observe(len(decode))
+        return ScheduledBatch(StepKind.DECODE, tuple(decode))
 
     def _budget_allows(self, rows: list[ScheduledRow], num_new: int) -> bool:
         width = max([num_new, *(r.num_new for r in rows)])

@@ -18,6 +18,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine_metrics import register_engine_metrics
 from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
+from services.engine.request_trace import record_finished
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -82,6 +83,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             while not is_finished:
                 event = await events.get()
                 is_finished = event.finished
+                if is_finished:  # spans and latency metrics from the engine's timeline
+                    record_finished(event, request.intent_class or "default")
                 _raise_refusal(event)
                 yield self._to_pb(event)
         finally:
