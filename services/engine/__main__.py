@@ -27,8 +27,9 @@ def main() -> None:
         kv=config.kv,
         classes=config.intent_classes(),
         max_prefill_tokens=config.max_prefill_tokens,
+        tp=config.tp,
     )
-    log.info("loaded %s on %s", engine.model_id, engine.runner.device)
+    log.info("loaded %s on %s (tp=%d)", engine.model_id, engine.runner.device, config.tp)
     engine.start()
 
     async def stop_engine() -> None:

@@ -26,7 +26,8 @@ class EngineConfig:
     `_KV_TIERS` (off: every token hot), `_KV_SINK_TOKENS`, `_KV_HOT_TOKENS`, `_KV_WARM_TOKENS`,
     `_KV_GROUP_SIZE`, `_KV_WARM_POLICY` (window or refuse), `_KV_WARM_GROUPS` (0 = derived).
     Scheduling: `_MAX_PREFILL_TOKENS` (chunk budget per step) and `_INTENT_CLASSES` (a TOML file;
-    empty = the built-in classes).
+    empty = the built-in classes). `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1
+    itself (gloo on the CPU, NCCL with one GPU per rank; N must divide the KV heads).
     """
 
     server: ServerConfig
@@ -40,6 +41,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     kv: KVCacheSpec = field(default_factory=KVCacheSpec)
     intent_classes_file: str | None = None
+    tp: int = 1
 
     def intent_classes(self) -> IntentClasses:
         """The configured classes (read from the file when one is set)."""
@@ -52,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"THERMOCLINE_ENGINE_MAX_BATCH_SIZE must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len < 0:
             raise ValueError(f"THERMOCLINE_ENGINE_MAX_SEQ_LEN must be >= 0, got {self.max_seq_len}")
+        if self.tp < 1:
+            raise ValueError(f"THERMOCLINE_ENGINE_TP must be >= 1, got {self.tp}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(
                 f"THERMOCLINE_ENGINE_DEFAULT_MAX_TOKENS ({self.default_max_tokens}) must lie in "
@@ -74,6 +78,7 @@ class EngineConfig:
             max_prefill_tokens=env.get_int(prefix + "MAX_PREFILL_TOKENS", 4096, environ),
             kv=_kv_from_env(prefix + "KV_", environ),
             intent_classes_file=env.get_optional_str(prefix + "INTENT_CLASSES", environ),
+            tp=env.get_int(prefix + "TP", 1, environ),
         )
 
 

@@ -175,6 +175,14 @@ class WarmTier(KVTier):
 
 
 @dataclass(frozen=True)
+class WarmCopy:
+    """One hot -> warm demotion's device work: quantize these hot blocks into this warm group."""
+
+    block_ids: tuple[BlockId, ...]
+    group_id: WarmGroupId
+
+
+@dataclass(frozen=True)
 class DemotionResult:
     """Tokens one `demote` call moved hot -> warm and tokens it dropped from warm."""
 
@@ -188,6 +196,9 @@ class KVCache:
     def __init__(self, hot: HotTier, warm: WarmTier | None) -> None:
         self.hot = hot
         self.warm = warm
+        # Set (to a list) on rank 0 under tensor parallelism: demotions are decided there, so their
+        # device work is logged and replayed on the other ranks before their next forward step.
+        self.warm_copy_log: list[WarmCopy] | None = None
 
     @property
     def block_size(self) -> int:
@@ -262,7 +273,7 @@ class KVCache:
         block_ids = table.hot_block_ids[first : first + blocks_per_group]
         if self.warm.can_allocate() and table.tiers.warm_tokens > 0:
             group_id = self.warm.allocate()
-            self.warm.write(group_id, *self.hot.read_blocks(block_ids))
+            self.copy_to_warm(WarmCopy(tuple(block_ids), group_id))
             table.warm_groups[first] = group_id
         else:  # no warm room anywhere: the window policy drops the group, and says so in metrics
             table.num_dropped_blocks += blocks_per_group
@@ -270,6 +281,20 @@ class KVCache:
         for index in range(first, first + blocks_per_group):
             table.hot_block_ids[index] = SCRATCH_BLOCK
         return blocks_per_group * self.block_size
+
+    def copy_to_warm(self, copy: WarmCopy) -> None:
+        """Quantize hot blocks into an allocated warm group (changes state; logged for other ranks)."""
+        assert self.warm is not None
+        self.warm.write(copy.group_id, *self.hot.read_blocks(list(copy.block_ids)))
+        if self.warm_copy_log is not None:
+            self.warm_copy_log.append(copy)
+
+    def take_warm_copies(self) -> list[WarmCopy]:
+        """The logged demotions since the last call (empty when not logging)."""
+        if not self.warm_copy_log:
+            return []
+        copies, self.warm_copy_log = self.warm_copy_log, []
+        return copies
 
     def _apply_warm_limit(self, table: BlockTable, blocks_per_group: int) -> int:
         assert self.warm is not None

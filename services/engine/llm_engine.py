@@ -35,7 +35,9 @@ from services.engine.sampler import make_generator, sample
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ExpiredRequest, ScheduledBatch, Scheduler
 from services.engine.sequence import EventCallback, FinishReason, RequestId, Sequence, StreamEvent
+from services.engine.tensor_parallel import SINGLE
 from services.engine.tokenizer import Tokenizer
+from services.engine.tp_workers import CacheShape, WorkerGroup
 
 __all__ = [
     "EngineStats",
@@ -133,18 +135,39 @@ class LLMEngine:
         kv: KVCacheSpec | None = None,
         classes: IntentClasses | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        tp: int = 1,
     ) -> LLMEngine:
-        """Load an HF directory, a `.gguf` file or a registered model name."""
+        """Load an HF directory, a `.gguf` file or a registered model name.
+
+        With `tp` > 1 this process becomes rank 0 of a tensor-parallel group and starts ranks
+        1..tp-1 itself (gloo on the CPU, NCCL with one GPU per rank); `stop` ends them.
+        """
         kv = kv or KVCacheSpec()
-        checkpoint = open_checkpoint(resolve_model(path))
+        model_path = resolve_model(path)
+        checkpoint = open_checkpoint(model_path)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         seq_len = _resolve_max_seq_len(checkpoint.config, max_seq_len)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        model = load_model(checkpoint, torch_device, torch_dtype, seq_len, progress)
-        cache = _build_kv_cache(checkpoint.config, kv, max_batch_size, seq_len, torch_device, torch_dtype)
-        runner = ModelRunner(model, cache, torch_device)
+        workers = None
+        if tp > 1:
+            workers = WorkerGroup.launch(
+                str(model_path), checkpoint.config, torch_device, torch_dtype, seq_len, tp
+            )
+            torch_device = workers.spec.device(0)
+        try:
+            model = load_model(
+                checkpoint, torch_device, torch_dtype, seq_len, progress, workers.tp if workers else SINGLE
+            )
+            cache = _build_kv_cache(model.rank_config, kv, max_batch_size, seq_len, torch_device, torch_dtype)
+            if workers is not None:
+                workers.start(CacheShape.of(cache))
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+        runner = ModelRunner(model, cache, torch_device, workers)
         return cls(
             checkpoint.model_id, runner, checkpoint.tokenizer, max_batch_size, seq_len,
             max_prefill_tokens, kv.tiers, classes,
@@ -242,6 +265,7 @@ class LLMEngine:
             self._thread = None
         with self._step_lock:
             self._cancel_everything()
+            self.runner.close()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | Seq[SamplingParams]

@@ -14,6 +14,7 @@ from services.engine.kv_cache import KVCache
 from services.engine.model_config import ModelConfig
 from services.engine.rotary import RotaryTable, apply_rotary
 from services.engine.step_context import StepContext
+from services.engine.tensor_parallel import SINGLE, TensorParallel, shard_config
 
 
 class RMSNorm(nn.Module):
@@ -32,11 +33,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the KV cache."""
+    """Grouped-query self-attention over the KV cache; `config` holds this rank's share of the heads."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer = layer
+        self.tp = tp
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -64,32 +66,33 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=ctx.attn_mask, enable_gqa=True
         )  # [B, H, S, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))  # [B, S, E]
+        return self.tp.all_reduce(self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)))  # [B, S, E]
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); `config` holds this rank's share of the width."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[B, S, E]` -> `[B, S, E]`."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention block followed by a pre-norm MLP block, each with a residual."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, ctx: StepContext
@@ -100,13 +103,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The decoder stack plus the LM head; `forward` returns final normed hidden states, not logits."""
+    """The decoder stack plus the LM head; `forward` returns final normed hidden states, not logits.
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    Under tensor parallelism each rank builds the same stack over its share of the heads and MLP
+    width (`shard_config`); `config` stays the whole model's.
+    """
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int | None = None, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.rank_config = shard_config(config, tp.size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(self.rank_config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from services.engine.checkpoint import Checkpoint
 from services.engine.model import LlamaModel
+from services.engine.tensor_parallel import SINGLE, TensorParallel
 from services.engine.weights import CheckpointError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,19 +39,23 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     progress: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaModel:
-    """Allocate the model uninitialized on `device`, copy every weight in, and check none is missing."""
+    """Allocate the model uninitialized on `device`, copy every weight in, and check none is missing.
+
+    Under tensor parallelism every rank reads the whole checkpoint and keeps its own slices.
+    """
     with torch.device("meta"):
-        model = LlamaModel(checkpoint.config, max_positions=max_positions)
+        model = LlamaModel(checkpoint.config, max_positions=max_positions, tp=tp)
     model.to_empty(device=device)
     model.to(dtype)
     model.tie_weights()
     model.rotary.reset()
-    _copy_weights(model, checkpoint, progress)
+    _copy_weights(model, checkpoint, progress, tp)
     return model.eval().requires_grad_(False)
 
 
-def _copy_weights(model: LlamaModel, checkpoint: Checkpoint, progress: bool) -> None:
+def _copy_weights(model: LlamaModel, checkpoint: Checkpoint, progress: bool, tp: TensorParallel) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(params)
     if checkpoint.config.tie_word_embeddings:
@@ -59,7 +64,7 @@ def _copy_weights(model: LlamaModel, checkpoint: Checkpoint, progress: bool) -> 
     stream = tqdm(
         checkpoint.tensors(),
         total=checkpoint.num_tensors,
-        desc=f"loading {checkpoint.model_id}",
+        desc=f"loading {checkpoint.model_id}" + (f" (rank {tp.rank}/{tp.size})" if tp.is_parallel else ""),
         unit="tensor",
         disable=not progress,
     )
@@ -67,7 +72,7 @@ def _copy_weights(model: LlamaModel, checkpoint: Checkpoint, progress: bool) -> 
         for name, tensor in stream:
             if name == "lm_head.weight" and checkpoint.config.tie_word_embeddings:
                 continue
-            _copy_one(params, name, tensor)
+            _copy_one(params, name, tp.shard(name, tensor))
             loaded.add(name)
     missing = expected - loaded
     if missing:
