@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from services.cli.client import build_request, call_metadata, collect, stream_generate
+from services.cli.loadgen.command import add_loadgen_parser
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
 from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
 from services.common import env
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="make an RSA key pair for token signing")
     keys.add_argument("directory")
     keys.set_defaults(func=cmd_keys)
+
+    add_loadgen_parser(commands)
     return parser
 
 

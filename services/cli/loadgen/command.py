@@ -1,0 +1,293 @@
+"""`thermocline loadgen`: the command line of the load generator (formats in README.md beside this file)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from services.cli.loadgen.gateway_client import GatewayLoadClient
+from services.cli.loadgen.report import LevelResult, report_json, report_markdown
+from services.cli.loadgen.runner import CLOSED, OPEN, LevelSpec, warm_up
+from services.cli.loadgen.sla import Sla, parse_sla_flag
+from services.cli.loadgen.sweep import run_levels
+from services.cli.loadgen.workload import (
+    PlannedRequest,
+    Workload,
+    build_workload,
+    load_trace,
+    load_workload_file,
+    parse_mix,
+)
+
+DEFAULT_MESH_MODEL = "smollm2-135m-instruct"
+# A mesh started for load testing measures the node, not the per-tenant rate limit in front of it.
+UNLIMITED_TENANTS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
+
+
+def add_loadgen_parser(commands: Any) -> None:
+    """Adds the `loadgen` subcommand to the `thermocline` parser."""
+    p = commands.add_parser(
+        "loadgen", help="load the gateway and report latency percentiles, or sweep for the SLA knee"
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--target", default="127.0.0.1:50051", help="gateway host:port (default %(default)s)")
+    where.add_argument(
+        "--start-mesh", action="store_true", help="start a mesh on free loopback ports for the run"
+    )
+    p.add_argument("--token", help="bearer JWT (default: $THERMOCLINE_TOKEN, else a development token)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model to request; with --start-mesh, to serve (default {DEFAULT_MESH_MODEL})",
+    )
+    p.add_argument(
+        "--mesh-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --start-mesh: a THERMOCLINE_* setting for every service (repeatable)",
+    )
+    p.add_argument(
+        "--mode", choices=[OPEN, CLOSED], default=OPEN, help="open: Poisson arrivals; closed: fixed clients"
+    )
+    p.add_argument(
+        "--rate", type=float, default=1.0, help="open loop: arrivals per second (default %(default)s)"
+    )
+    p.add_argument("--concurrency", type=int, default=4, help="closed loop: clients (default %(default)s)")
+    p.add_argument("--sweep", help="comma-separated loads (rates or client counts), run in increasing order")
+    p.add_argument("--full-sweep", action="store_true", help="run every level even after all SLAs failed")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-requests", type=int, help="requests per level")
+    size.add_argument("--duration-s", type=float, help="seconds of sending per level (default 30)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--mix", help="INTENT=RATIO,... e.g. medical-diagnosis=0.7,code-completion=0.2,default=0.1"
+    )
+    source.add_argument("--trace", type=Path, help="replay a JSONL trace instead of drawing from a mix")
+    p.add_argument("--workload", type=Path, help="TOML file of [class.<intent>] lengths, weights and SLAs")
+    p.add_argument("--prompt-tokens", type=int, help="every class: this many prompt words (about tokens)")
+    p.add_argument("--output-tokens", type=int, help="every class: max_tokens of each request")
+    p.add_argument(
+        "--sla",
+        action="append",
+        default=[],
+        metavar="INTENT:KEY=MS,...",
+        help="p99 limits, e.g. default:ttft_ms=2000,e2e_ms=20000 (also tpot_ms, max_error_rate)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each request")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="uncounted requests sent one by one first (default 1)"
+    )
+    p.add_argument(
+        "--json", type=Path, help="write the JSON report here (schema: services/cli/loadgen_schema.json)"
+    )
+    p.add_argument("--markdown", type=Path, help="write the markdown tables here")
+    p.add_argument("--plots", type=Path, metavar="PREFIX", help="write PREFIX_<intent>.png for each class")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_loadgen)
+
+
+def cmd_loadgen(args: argparse.Namespace) -> int:
+    """Runs the load generator; exit status 2 on a bad setting."""
+    try:
+        workload, trace, slas = _inputs(args)
+        specs = _level_specs(args)
+        _mesh_env(args.mesh_env)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.start_mesh:
+        return _with_mesh(args, workload, trace, slas, specs)
+    token = args.token or _default_token(args)
+    return _run(args, args.target, token, args.model or "", workload, trace, slas, specs, {})
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Workload | None, list[PlannedRequest] | None, dict[str, Sla]]:
+    sla_flags = dict(parse_sla_flag(text) for text in args.sla)
+    if args.trace is not None:
+        trace = load_trace(args.trace, random.Random(args.seed))
+        return None, trace, sla_flags
+    file_classes = load_workload_file(args.workload) if args.workload else None
+    mix = parse_mix(args.mix) if args.mix else None
+    workload = build_workload(file_classes, mix, sla_flags, args.prompt_tokens, args.output_tokens)
+    return workload, None, workload.slas
+
+
+def _level_specs(args: argparse.Namespace) -> list[LevelSpec]:
+    if args.sweep:
+        try:
+            loads = [float(item) for item in args.sweep.split(",")]
+        except ValueError:
+            raise ValueError(f"--sweep {args.sweep!r} is not a comma-separated list of numbers") from None
+    else:
+        loads = [args.rate if args.mode == OPEN else float(args.concurrency)]
+    duration_s = None if args.num_requests is not None else (args.duration_s or 30.0)
+    return [LevelSpec(args.mode, load, args.num_requests, duration_s) for load in loads]
+
+
+def _default_token(args: argparse.Namespace) -> str:
+    from services.common import env
+    from services.gateway.tokens import ensure_dev_keys, mint_token
+
+    if token := env.get_optional_str("THERMOCLINE_TOKEN"):
+        return token
+    state_dir = Path(args.state_dir or env.get_str("THERMOCLINE_STATE_DIR", "var"))
+    private_path, _ = ensure_dev_keys(state_dir / "keys")
+    return mint_token(private_path.read_bytes(), subject="loadgen", tenant="loadgen")
+
+
+def _mesh_env(items: list[str]) -> dict[str, str]:
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("THERMOCLINE_"):
+            raise ValueError(f"--mesh-env {item!r} is not THERMOCLINE_NAME=VALUE")
+        settings[key] = value
+    return settings
+
+
+def _with_mesh(
+    args: argparse.Namespace,
+    workload: Workload | None,
+    trace: list[PlannedRequest] | None,
+    slas: dict[str, Sla],
+    specs: list[LevelSpec],
+) -> int:
+    from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
+    from services.common import env
+    from services.gateway.tokens import mint_token
+
+    state_dir = Path(args.state_dir or env.get_str("THERMOCLINE_STATE_DIR", "var")) / "loadgen-mesh"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tenants_path = state_dir / "tenants.json"
+    tenants_path.write_text(json.dumps(UNLIMITED_TENANTS))
+    mesh_env = _mesh_env(args.mesh_env)
+    config = MeshConfig(
+        model=args.model or DEFAULT_MESH_MODEL,
+        state_dir=state_dir,
+        ports=Ports.free(),
+        env={"THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants_path), **mesh_env},
+    )
+    mesh = Mesh(config)
+    try:
+        mesh.start(progress=not args.no_progress)
+    except ServiceFailed as error:
+        print(f"error: the mesh did not start: {error}", file=sys.stderr)
+        return 1
+    with mesh:
+        token = args.token or mint_token(
+            mesh.private_key_path.read_bytes(), subject="loadgen", tenant="loadgen"
+        )
+        mesh_settings = {"started_mesh": True, "mesh_model": config.model, "mesh_env": mesh_env}
+        return _run(args, mesh.target("gateway"), token, "", workload, trace, slas, specs, mesh_settings)
+
+
+def _run(
+    args: argparse.Namespace,
+    target: str,
+    token: str,
+    model: str,
+    workload: Workload | None,
+    trace: list[PlannedRequest] | None,
+    slas: dict[str, Sla],
+    specs: list[LevelSpec],
+    extra_settings: dict[str, Any],
+) -> int:
+    settings = _settings(args, target, model, workload, specs) | extra_settings
+    levels = asyncio.run(_drive(args, target, token, model, workload, trace, slas, specs))
+    document = report_json(settings, levels, slas)
+    markdown = report_markdown(levels, slas)
+    print(markdown)
+    _write_outputs(args, document, markdown, levels, slas)
+    return 0
+
+
+async def _drive(
+    args: argparse.Namespace,
+    target: str,
+    token: str,
+    model: str,
+    workload: Workload | None,
+    trace: list[PlannedRequest] | None,
+    slas: dict[str, Sla],
+    specs: list[LevelSpec],
+) -> list[LevelResult]:
+    client = GatewayLoadClient(target, token, model=model, timeout_s=args.timeout_s)
+    try:
+        rng = random.Random(f"{args.seed}:warmup")
+        warmups = [
+            workload.draw(rng) if workload else (trace or [])[i % len(trace or [])]
+            for i in range(args.warmup)
+        ]
+        for record in await warm_up(client, warmups):
+            if not record.is_ok:
+                print(f"warning: a warm-up request failed: {record.status}: {record.error}", file=sys.stderr)
+        return await run_levels(
+            client,
+            specs,
+            workload=workload,
+            trace=trace,
+            slas=slas,
+            seed=args.seed,
+            stop_when_all_fail=not args.full_sweep,
+            show_progress=not args.no_progress,
+        )
+    finally:
+        await client.close()
+
+
+def _settings(
+    args: argparse.Namespace, target: str, model: str, workload: Workload | None, specs: list[LevelSpec]
+) -> dict[str, Any]:
+    classes = {}
+    if workload is not None:
+        for spec in workload.classes:
+            classes[spec.intent] = {
+                "share": workload.shares[spec.intent],
+                "prompt_tokens": spec.prompt_tokens.describe(),
+                "output_tokens": spec.output_tokens.describe(),
+                "chat": spec.chat,
+            }
+    return {
+        "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "target": target,
+        "model": model,
+        "mode": args.mode,
+        "loads": [spec.load for spec in specs],
+        "num_requests_per_level": specs[0].num_requests,
+        "duration_s_per_level": specs[0].duration_s,
+        "source": "trace" if workload is None else "mix",
+        "trace": str(args.trace) if args.trace else None,
+        "workload_file": str(args.workload) if args.workload else None,
+        "classes": classes,
+        "seed": args.seed,
+        "timeout_s": args.timeout_s,
+        "warmup_requests": args.warmup,
+    }
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    document: dict[str, Any],
+    markdown: str,
+    levels: list[LevelResult],
+    slas: dict[str, Sla],
+) -> None:
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown)
+    if args.plots:
+        from services.cli.loadgen.plots import write_plots
+
+        for path in write_plots(levels, slas, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
