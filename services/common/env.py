@@ -75,3 +75,14 @@ def otlp_endpoint(environ: Mapping[str, str] | None = None) -> str | None:
 def redis_url(environ: Mapping[str, str] | None = None) -> str:
     """The Redis URL from the conventional REDIS_URL variable."""
     return get_str("REDIS_URL", "redis://127.0.0.1:6379/0", environ)
+
+
+def trace_sample_ratio(environ: Mapping[str, str] | None = None) -> float | None:
+    """`THERMOCLINE_TRACE_SAMPLE_RATIO` in [0, 1], or None to leave sampling to `OTEL_TRACES_SAMPLER`."""
+    name = "THERMOCLINE_TRACE_SAMPLE_RATIO"
+    if _raw(name, environ) is None:
+        return None
+    ratio = get_float(name, 1.0, environ)
+    if not 0.0 <= ratio <= 1.0:
+        raise EnvError(f"{name}={ratio} is outside [0, 1]")
+    return ratio

@@ -4,6 +4,10 @@ Spans are exported over OTLP/gRPC whenever `OTEL_EXPORTER_OTLP_ENDPOINT` (or the
 variant) is set; otherwise they are created (so trace ids still reach the client) but dropped.
 Sampling follows the standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` variables, and
 the default parent-based sampler honours the sampled flag of an incoming `traceparent`.
+`THERMOCLINE_TRACE_SAMPLE_RATIO` is the short form: parent-based, sampling that share of new
+traces (the gateway's roots), while every downstream hop follows its caller's decision.
+Redis commands (the gateway's rate limits, the kvstore's index) become client spans through
+opentelemetry-instrumentation-redis.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from opentelemetry.instrumentation.grpc.filters import any_of, health_check, neg
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 
 from services.common import env
 
@@ -30,7 +35,8 @@ def setup_tracing(service_name: str) -> TracerProvider:
     global _provider
     if _provider is not None:
         return _provider
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: f"thermocline-{service_name}"}))
+    resource = Resource.create({SERVICE_NAME: f"thermocline-{service_name}"})
+    provider = TracerProvider(resource=resource, sampler=_sampler())
     endpoint = env.otlp_endpoint()
     if endpoint is not None:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -38,8 +44,24 @@ def setup_tracing(service_name: str) -> TracerProvider:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         log.info("exporting traces over OTLP to %s", endpoint)
     trace.set_tracer_provider(provider)
+    _instrument_redis()
     _provider = provider
     return provider
+
+
+def _sampler() -> Sampler | None:
+    """Parent-based ratio sampling when THERMOCLINE_TRACE_SAMPLE_RATIO is set; else the SDK reads OTEL_*."""
+    ratio = env.trace_sample_ratio()
+    return None if ratio is None else ParentBased(TraceIdRatioBased(ratio))
+
+
+def _instrument_redis() -> None:
+    """Every redis-py client in the process (sync and asyncio) opens a client span per command."""
+    from opentelemetry.instrumentation.redis import RedisInstrumentor
+
+    instrumentor = RedisInstrumentor()
+    if not instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.instrument()
 
 
 def shutdown_tracing() -> None:

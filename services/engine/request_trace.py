@@ -18,32 +18,37 @@ from services.engine.sequence import Interval, StreamEvent, Timeline
 _tracer = telemetry.tracer("services.engine")
 
 
-def record_finished(event: StreamEvent, intent_class: str) -> None:
+def record_finished(event: StreamEvent, intent_class: str, tracer: trace.Tracer | None = None) -> None:
     """Spans under the current (Generate) span, its events, and the request's latency metrics."""
     timeline = event.timeline
     if timeline is None:
         return
     parent = trace.get_current_span()
-    _add_child_spans(parent, timeline, event, intent_class)
+    _add_child_spans(tracer or _tracer, parent, timeline, event, intent_class)
     for timed in timeline.events:
         parent.add_event(timed.name, dict(timed.attributes), timestamp=timed.time_ns)
     _observe_latency(timeline, event, intent_class)
 
 
-def _add_child_spans(parent: trace.Span, timeline: Timeline, event: StreamEvent, intent_class: str) -> None:
+def _add_child_spans(
+    tracer: trace.Tracer, parent: trace.Span, timeline: Timeline, event: StreamEvent, intent_class: str
+) -> None:
     context = trace.set_span_in_context(parent)
     for wait in timeline.queue_waits:
-        _span("engine.queue_wait", wait, context, {"thermocline.intent_class": intent_class})
+        _span(tracer, "engine.queue_wait", wait, context, {"thermocline.intent_class": intent_class})
     for index, chunk in enumerate(timeline.prefill_chunks):
         attributes = {"thermocline.prefill.chunk": index, "thermocline.prefill.tokens": chunk.num_tokens}
-        _span("engine.prefill", chunk, context, attributes)
+        _span(tracer, "engine.prefill", chunk, context, attributes)
     if timeline.first_token_ns is not None and timeline.finished_ns is not None:
         decode = Interval(timeline.first_token_ns, timeline.finished_ns)
-        _span("engine.decode", decode, context, {"gen_ai.usage.output_tokens": event.completion_tokens})
+        attributes = {"gen_ai.usage.output_tokens": event.completion_tokens}
+        _span(tracer, "engine.decode", decode, context, attributes)
 
 
-def _span(name: str, interval: Interval, context: Context, attributes: dict[str, str | int]) -> None:
-    span = _tracer.start_span(name, context=context, start_time=interval.start_ns, attributes=attributes)
+def _span(
+    tracer: trace.Tracer, name: str, interval: Interval, context: Context, attributes: dict[str, str | int]
+) -> None:
+    span = tracer.start_span(name, context=context, start_time=interval.start_ns, attributes=attributes)
     span.end(end_time=max(interval.end_ns, interval.start_ns))
 
 
