@@ -219,6 +219,7 @@ class Mesh:
             "THERMOCLINE_GATEWAY_ENGINE_TARGETS": ",".join(self.target(n) for n in self.engine_names),
             "THERMOCLINE_GATEWAY_AUDIT_DIR": str(self.audit_dir),
             "THERMOCLINE_GATEWAY_SAFETY_TARGET": self.target("safety"),
+            "THERMOCLINE_ENGINE_SAFETY_TARGET": self.target("safety"),
             "THERMOCLINE_GATEWAY_JWT_KEY_FILE": str(self.public_key_path),
             "THERMOCLINE_KVSTORE_DATA_DIR": str(config.state_dir / "kvstore"),
             "REDIS_URL": f"redis://127.0.0.1:{ports.redis}/0",

@@ -6,6 +6,7 @@ import logging
 
 from services.common.server import ServiceSpec, run_service, setup_logging
 from services.engine.config import EngineConfig
+from services.engine.gate_loader import open_gate, served_model
 from services.engine.llm_engine import LLMEngine
 from services.engine.models import resolve_model
 from services.engine.servicer import register
@@ -30,6 +31,8 @@ def main() -> None:
         tp=config.tp,
     )
     log.info("loaded %s on %s (tp=%d)", engine.model_id, engine.runner.device, config.tp)
+    model = served_model(config.model, path, engine.model_id, engine.config.hidden_size)
+    engine.set_safety_gate(*open_gate(config.gate, model, engine.runner.device))
     engine.start()
 
     async def stop_engine() -> None:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import TypeVar
 
 from services.common import env
 from services.common.config import ServerConfig
+from services.engine.gate_loader import DEFAULT_GATE_FILE, GateConfig, GateSource, MismatchPolicy
 from services.engine.intent_class import IntentClasses
 from services.engine.kv_tiers import KVCacheSpec, TierConfig, WarmFullPolicy
+
+_Choice = TypeVar("_Choice", bound=Enum)
 
 DEFAULT_PORT = 50052
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -25,6 +31,10 @@ class EngineConfig:
     KV cache: `_KV_BLOCK_SIZE`, `_KV_HOT_BLOCKS` (0 = enough for every slot at full length),
     `_KV_TIERS` (off: every token hot), `_KV_SINK_TOKENS`, `_KV_HOT_TOKENS`, `_KV_WARM_TOKENS`,
     `_KV_GROUP_SIZE`, `_KV_WARM_POLICY` (window or refuse), `_KV_WARM_GROUPS` (0 = derived).
+    In-loop safety gate: `_GATE_SOURCE` (file, safety or off), `_GATE_FILE` (the gate's
+    .safetensors, its .json manifest beside it), `_SAFETY_TARGET` (host:port of the safety service
+    whose GetGate announces the gate's sha256; unset: not checked), `_GATE_MISMATCH` (refuse or
+    warn), `_SAFE_MESSAGE` (what a gated sequence ends with), `_SAFETY_TIMEOUT_S` (start-up wait).
     Scheduling: `_MAX_PREFILL_TOKENS` (chunk budget per step) and `_INTENT_CLASSES` (a TOML file;
     empty = the built-in classes). `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1
     itself (gloo on the CPU, NCCL with one GPU per rank; N must divide the KV heads).
@@ -41,6 +51,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     kv: KVCacheSpec = field(default_factory=KVCacheSpec)
     intent_classes_file: str | None = None
+    gate: GateConfig = field(default_factory=GateConfig)
     tp: int = 1
 
     def intent_classes(self) -> IntentClasses:
@@ -78,6 +89,7 @@ class EngineConfig:
             max_prefill_tokens=env.get_int(prefix + "MAX_PREFILL_TOKENS", 4096, environ),
             kv=_kv_from_env(prefix + "KV_", environ),
             intent_classes_file=env.get_optional_str(prefix + "INTENT_CLASSES", environ),
+            gate=_gate_from_env(prefix, environ),
             tp=env.get_int(prefix + "TP", 1, environ),
         )
 
@@ -101,3 +113,25 @@ def _kv_from_env(prefix: str, environ: Mapping[str, str] | None) -> KVCacheSpec:
         num_warm_groups=env.get_int(prefix + "WARM_GROUPS", 0, environ),
         tiers=tiers,
     )
+
+
+def _gate_from_env(prefix: str, environ: Mapping[str, str] | None) -> GateConfig:
+    defaults = GateConfig()
+    source = _choice(prefix + "GATE_SOURCE", GateSource, defaults.source, environ)
+    mismatch = _choice(prefix + "GATE_MISMATCH", MismatchPolicy, defaults.mismatch, environ)
+    return GateConfig(
+        source=source,
+        file=Path(env.get_str(prefix + "GATE_FILE", str(DEFAULT_GATE_FILE), environ)),
+        safety_target=env.get_optional_str(prefix + "SAFETY_TARGET", environ),
+        mismatch=mismatch,
+        safe_message=env.get_str(prefix + "SAFE_MESSAGE", defaults.safe_message, environ),
+        safety_timeout_s=env.get_float(prefix + "SAFETY_TIMEOUT_S", defaults.safety_timeout_s, environ),
+    )
+
+
+def _choice(name: str, kind: type[_Choice], default: _Choice, environ: Mapping[str, str] | None) -> _Choice:
+    value = env.get_str(name, default.value, environ).lower()
+    choices = [c.value for c in kind]
+    if value not in choices:
+        raise env.EnvError(f"{name}={value!r} must be one of {', '.join(choices)}")
+    return kind(value)

@@ -15,6 +15,8 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.engine.safety_gate import GateStatus
+
 if TYPE_CHECKING:
     from services.engine.llm_engine import LLMEngine
 
@@ -107,6 +109,35 @@ class EngineCollector(Collector):
         yield hit
         yield _gauge("thermocline_engine_running_sequences", "Sequences in the batch.", stats.num_running)
         yield _gauge("thermocline_engine_waiting_sequences", "Sequences queued.", stats.num_waiting)
+        yield from _gate_families(self.engine)
+
+
+def _gate_families(engine: LLMEngine) -> Iterator[Metric]:
+    """The in-loop gate: its status (1 on the current one), its identity, and triggers per category."""
+    report = engine.gate_report
+    status = GaugeMetricFamily(
+        "thermocline_engine_safety_gate_status",
+        "1 on the in-loop gate's current status (ok, mismatch, unverified, uncovered, absent), else 0.",
+        labels=["status"],
+    )
+    for value in GateStatus:
+        status.add_metric([value.value], float(value is report.status))
+    yield status
+    info = GaugeMetricFamily(
+        "thermocline_engine_safety_gate_info",
+        "1 for the gate the engine holds; announced_sha256 is safety's (empty: not asked).",
+        labels=["version", "sha256", "announced_sha256"],
+    )
+    info.add_metric([report.version, report.sha256, report.announced_sha256], 1.0)
+    yield info
+    triggers = CounterMetricFamily(
+        "thermocline_engine_safety_triggers",
+        "Sequences the in-loop gate ended, by category (one per category over its threshold).",
+        labels=["layer", "category"],
+    )
+    for category, count in engine.safety_gate_triggers().items():
+        triggers.add_metric(["in_loop", category], count)
+    yield triggers
 
 
 def _per_tier(name: str, doc: str, tiers: dict[str, tuple[int, int, int]], index: int) -> GaugeMetricFamily:

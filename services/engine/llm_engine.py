@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,7 @@ from services.engine.model_config import ModelConfig
 from services.engine.model_loader import load_model, resolve_device, resolve_dtype
 from services.engine.model_runner import ModelRunner
 from services.engine.models import resolve_model
+from services.engine.safety_gate import GateReport, GateStatus, InLoopGate, refusal
 from services.engine.sampler import make_generator, sample
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ExpiredRequest, ScheduledBatch, Scheduler
@@ -89,6 +91,14 @@ class EngineStats:
     hot_attention_mass: float = 1.0  # last sampled share of attention mass on hot tokens
 
 
+class Sampled(NamedTuple):
+    """One sequence's outcome of a step: its sampled token and the gate categories that fired."""
+
+    seq: Sequence
+    token_id: int
+    fired: tuple[str, ...]  # empty: the in-loop gate let the token through
+
+
 class LLMEngine:
     """Continuous-batching generation over one model on one device."""
 
@@ -122,6 +132,9 @@ class LLMEngine:
         )
         self._num_decode_steps = 0
         self._hot_attention_mass = 1.0
+        self._gate: InLoopGate | None = None
+        self.gate_report = GateReport(GateStatus.ABSENT, detail="no gate installed")
+        self._gate_triggers: dict[str, int] = {}
 
     @classmethod
     def load(
@@ -178,6 +191,17 @@ class LLMEngine:
         """The model's architecture."""
         return self.runner.model.config
 
+    def set_safety_gate(self, head: InLoopGate | None, report: GateReport) -> None:
+        """Installs the in-loop gate (None: ungated) and what GetModelInfo and /metrics say about it."""
+        with self._step_lock:
+            self._gate = head
+            self.gate_report = report
+            self._gate_triggers = dict.fromkeys(head.categories if head else (), 0)
+
+    def safety_gate_triggers(self) -> dict[str, int]:
+        """Sequences the in-loop gate ended, per category (a sequence counts in each category that fired)."""
+        return dict(self._gate_triggers)
+
     # --- thread-safe API -------------------------------------------------------------------------
 
     def submit(
@@ -195,6 +219,8 @@ class LLMEngine:
         """
         if self._is_stopping:
             raise EngineStopped("the engine is stopped; it accepts no new requests")
+        if self.gate_report.is_refusing:
+            raise refusal(self.gate_report)
         self._check_prompt(prompt_ids)
         cls = self.scheduler.classes.get(intent_class)
         params = _capped(params, cls)
@@ -316,7 +342,7 @@ class LLMEngine:
             self._counters["steps"] += 1
             self._commit(batch, token_ids)
 
-    def _run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+    def _run(self, batch: ScheduledBatch) -> list[Sampled]:
         probe_layer = self._probe_layer(batch)
         output = self.runner.run(batch.rows, probe_layer)
         self._record_attention(batch)
@@ -325,13 +351,23 @@ class LLMEngine:
         if not done:  # a prefill chunk that ends mid-prompt samples nothing
             return []
         is_done = [r.seq in done for r in batch.rows]
-        logits = output.logits if all(is_done) else output.logits[[i for i, d in enumerate(is_done) if d]]
+        rows = None if all(is_done) else [i for i, d in enumerate(is_done) if d]
+        logits = output.logits if rows is None else output.logits[rows]
         params = [s.params for s in done]
         generators = [s.generator for s in done]
-        token_ids = sample(logits, params, generators).tolist()  # the step's one host sync
+        token_ids = sample(logits, params, generators)  # [B] on the device
+        flags = self._gate_flags(output.hidden_states, rows)  # [B, C] bool on the device, or None
+        token_list, flag_rows = _fetch(token_ids, flags)  # the step's one host sync
         if output.hot_mass is not None:  # sampled step: the sync above already waited for it
             self._hot_attention_mass = float(output.hot_mass.item())
-        return list(zip(done, token_ids, strict=True))
+        fired = [self._gate.fired(f) for f in flag_rows] if self._gate and flag_rows else [()] * len(done)
+        return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
+
+    def _gate_flags(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor | None:
+        """The gate on every sampling row's final normed state (prompt end and each decode step)."""
+        if self._gate is None:
+            return None
+        return self._gate.flags(hidden if rows is None else hidden[rows])  # [B, C]
 
     def _probe_layer(self, batch: ScheduledBatch) -> int | None:
         if batch.rows[0].num_new != 1 or not self.tiers.enabled:  # prefill, or nothing is ever warm
@@ -366,14 +402,29 @@ class LLMEngine:
             warm_tokens=self.tiers.warm_tokens if cls.warm_tokens is None else cls.warm_tokens,
         )
 
-    def _commit(self, batch: ScheduledBatch, sampled: list[tuple[Sequence, int]]) -> None:
-        for seq, token_id in sampled:
-            event = seq.append_token(token_id, self._eos_token_ids, self.max_seq_len)
-            self._counters["generated_tokens"] += 1
+    def _commit(self, batch: ScheduledBatch, sampled: list[Sampled]) -> None:
+        for seq, token_id, fired in sampled:
+            if fired:  # the state that chose this token is over a threshold: drop the token
+                event = self._end_for_safety(seq, fired)
+            else:
+                event = seq.append_token(token_id, self._eos_token_ids, self.max_seq_len)
+                self._counters["generated_tokens"] += 1
             if seq.is_finished:
                 self.scheduler.release(seq)
                 self._counters["finished"] += 1
             _emit(seq, event)
+
+    def _end_for_safety(self, seq: Sequence, fired: tuple[str, ...]) -> StreamEvent:
+        """Ends `seq` with the safe message and SAFETY; the rest of the batch carries on."""
+        assert self._gate is not None
+        for category in fired:
+            self._gate_triggers[category] += 1
+        seq.add_event(
+            "thermocline.safety.triggered",
+            {"thermocline.safety.layer": "in_loop", "thermocline.safety.categories": list(fired)},
+        )
+        seq.finish(FinishReason.SAFETY)
+        return seq.event((), self._gate.safe_message)
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> None:
         for seq in batch.seqs:
@@ -479,6 +530,16 @@ def _timeout_message(item: ExpiredRequest) -> str:
         f"(timeout {item.timeout_s:.1f} s, {item.num_ahead} request(s) ahead of it) without being admitted; "
         "retry later, try a less loaded replica, or raise the class's queue_timeout_s or reserved_slots"
     )
+
+
+def _fetch(token_ids: torch.Tensor, flags: torch.Tensor | None) -> tuple[list[int], list[list[int]]]:
+    """Sampled ids `[B]` and gate flags `[B, C]` cross to the host in one copy: one sync per step."""
+    if flags is None:
+        return token_ids.tolist(), []
+    num_rows, num_categories = flags.shape
+    values = torch.cat([token_ids, flags.flatten()]).tolist()  # [B + B * C]
+    ids, bits = values[:num_rows], values[num_rows:]
+    return ids, [bits[r * num_categories : (r + 1) * num_categories] for r in range(num_rows)]
 
 
 def _emit(seq: Sequence, event: StreamEvent) -> None:

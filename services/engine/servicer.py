@@ -19,6 +19,7 @@ from services.engine.engine_metrics import register_engine_metrics
 from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from services.engine.request_trace import record_finished
+from services.engine.safety_gate import GateReport, GateStatus
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -28,6 +29,13 @@ _FINISH_TO_PB = {
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
     FinishReason.SAFETY: pb.FINISH_REASON_SAFETY,
+}
+_GATE_STATUS_TO_PB = {
+    GateStatus.OK: pb.SAFETY_GATE_STATUS_OK,
+    GateStatus.MISMATCH: pb.SAFETY_GATE_STATUS_MISMATCH,
+    GateStatus.UNVERIFIED: pb.SAFETY_GATE_STATUS_UNVERIFIED,
+    GateStatus.UNCOVERED: pb.SAFETY_GATE_STATUS_UNCOVERED,
+    GateStatus.ABSENT: pb.SAFETY_GATE_STATUS_ABSENT,
 }
 
 
@@ -109,6 +117,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             max_context_tokens=self.engine.max_seq_len,
             has_chat_template=tokenizer.chat_template is not None,
             vocab_size=tokenizer.vocab_size,
+            safety_gate=gate_info_to_pb(self.engine.gate_report),
         )
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -165,6 +174,19 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason.name.lower()])
         return message
+
+
+def gate_info_to_pb(report: GateReport) -> pb.SafetyGateInfo:
+    """The in-loop gate's report as GetModelInfo carries it."""
+    return pb.SafetyGateInfo(
+        status=_GATE_STATUS_TO_PB[report.status],
+        version=report.version,
+        sha256=report.sha256,
+        announced_sha256=report.announced_sha256,
+        is_active=report.is_active,
+        is_refusing=report.is_refusing,
+        detail=report.detail,
+    )
 
 
 def _raise_refusal(event: StreamEvent) -> None:

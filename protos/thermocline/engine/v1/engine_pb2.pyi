@@ -15,12 +15,27 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_SAFETY: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class SafetyGateStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAFETY_GATE_STATUS_UNSPECIFIED: _ClassVar[SafetyGateStatus]
+    SAFETY_GATE_STATUS_OK: _ClassVar[SafetyGateStatus]
+    SAFETY_GATE_STATUS_MISMATCH: _ClassVar[SafetyGateStatus]
+    SAFETY_GATE_STATUS_UNVERIFIED: _ClassVar[SafetyGateStatus]
+    SAFETY_GATE_STATUS_UNCOVERED: _ClassVar[SafetyGateStatus]
+    SAFETY_GATE_STATUS_ABSENT: _ClassVar[SafetyGateStatus]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_SAFETY: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+SAFETY_GATE_STATUS_UNSPECIFIED: SafetyGateStatus
+SAFETY_GATE_STATUS_OK: SafetyGateStatus
+SAFETY_GATE_STATUS_MISMATCH: SafetyGateStatus
+SAFETY_GATE_STATUS_UNVERIFIED: SafetyGateStatus
+SAFETY_GATE_STATUS_UNCOVERED: SafetyGateStatus
+SAFETY_GATE_STATUS_ABSENT: SafetyGateStatus
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -133,13 +148,33 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_context_tokens", "has_chat_template", "vocab_size")
+    __slots__ = ("model", "max_context_tokens", "has_chat_template", "vocab_size", "safety_gate")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAFETY_GATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_tokens: int
     has_chat_template: bool
     vocab_size: int
-    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    safety_gate: SafetyGateInfo
+    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., safety_gate: _Optional[_Union[SafetyGateInfo, _Mapping]] = ...) -> None: ...
+
+class SafetyGateInfo(_message.Message):
+    __slots__ = ("status", "version", "sha256", "announced_sha256", "is_active", "is_refusing", "detail")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCED_SHA256_FIELD_NUMBER: _ClassVar[int]
+    IS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    IS_REFUSING_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: SafetyGateStatus
+    version: str
+    sha256: str
+    announced_sha256: str
+    is_active: bool
+    is_refusing: bool
+    detail: str
+    def __init__(self, status: _Optional[_Union[SafetyGateStatus, str]] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., announced_sha256: _Optional[str] = ..., is_active: _Optional[bool] = ..., is_refusing: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
