@@ -15,6 +15,8 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.gpu_metrics import register_gpu_metrics
+from services.engine.quant_error import QuantizationErrorEstimator
 from services.engine.safety_gate import GateStatus
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class EngineCollector(Collector):
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.quant_error = _quant_error_estimator(engine)
 
     def collect(self) -> Iterator[Metric]:
         """Every engine metric, from one snapshot."""
@@ -77,11 +80,15 @@ class EngineCollector(Collector):
         )
         yield _per_tier("thermocline_engine_kv_bytes", "Device bytes in use per KV tier.", tiers, 2)
         occupancy = GaugeMetricFamily(
-            "thermocline_engine_kv_occupancy_ratio", "Used share of each KV tier.", labels=["tier"]
+            "thermocline_engine_kv_occupancy_ratio",
+            "Used share of each KV tier; cold reads 0 until the cold (kvstore) tier holds blocks.",
+            labels=["tier"],
         )
         for tier, (used, capacity, _) in tiers.items():
             occupancy.add_metric([tier], used / capacity if capacity else 0.0)
+        occupancy.add_metric(["cold"], 0.0)
         yield occupancy
+        yield from self._quantization_error()
         yield _counter(
             "thermocline_engine_prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens_total
         )
@@ -109,7 +116,22 @@ class EngineCollector(Collector):
         yield hit
         yield _gauge("thermocline_engine_running_sequences", "Sequences in the batch.", stats.num_running)
         yield _gauge("thermocline_engine_waiting_sequences", "Sequences queued.", stats.num_waiting)
+        yield _queue_timeouts(self.engine)
         yield from _gate_families(self.engine)
+
+    def _quantization_error(self) -> Iterator[Metric]:
+        estimator = self.quant_error
+        estimate = estimator.estimate() if estimator is not None else None
+        if estimate is None:  # no warm tier, or no KV held yet
+            return
+        family = GaugeMetricFamily(
+            "thermocline_engine_kv_quantization_error_ratio",
+            "Relative L2 error of an INT4 KIVI round trip on sampled hot KV groups (last layer), by tensor.",
+            labels=["tensor"],
+        )
+        family.add_metric(["key"], estimate.key_ratio)
+        family.add_metric(["value"], estimate.value_ratio)
+        yield family
 
 
 def _gate_families(engine: LLMEngine) -> Iterator[Metric]:
@@ -140,6 +162,26 @@ def _gate_families(engine: LLMEngine) -> Iterator[Metric]:
     yield triggers
 
 
+def _queue_timeouts(engine: LLMEngine) -> GaugeMetricFamily:
+    """Each class's queue timeout: the queue-wait alert compares p99 waits against it."""
+    family = GaugeMetricFamily(
+        "thermocline_engine_queue_timeout_seconds",
+        "Longest queue wait before a request of the class is refused, by intent class (configuration).",
+        labels=["intent_class"],
+    )
+    for name, cls in engine.scheduler.classes.by_name.items():
+        family.add_metric([name], cls.queue_timeout_s)
+    return family
+
+
+def _quant_error_estimator(engine: LLMEngine) -> QuantizationErrorEstimator | None:
+    """An estimator when the engine has a warm tier to estimate for."""
+    cache = engine.runner.kv_cache
+    if cache.warm is None:
+        return None
+    return QuantizationErrorEstimator(cache.hot, engine.tiers.group_size)
+
+
 def _per_tier(name: str, doc: str, tiers: dict[str, tuple[int, int, int]], index: int) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, doc, labels=["tier"])
     for tier, values in tiers.items():
@@ -164,4 +206,6 @@ def register_engine_metrics(engine: LLMEngine) -> None:
     if _collector is None:
         _collector = EngineCollector(engine)
         REGISTRY.register(_collector)
+        register_gpu_metrics()
     _collector.engine = engine
+    _collector.quant_error = _quant_error_estimator(engine)

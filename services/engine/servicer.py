@@ -92,7 +92,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 event = await events.get()
                 is_finished = event.finished
                 if is_finished:  # spans and latency metrics from the engine's timeline
-                    record_finished(event, request.intent_class or "default")
+                    record_finished(event, self.engine.scheduler.classes.get(request.intent_class).name)
                 _raise_refusal(event)
                 yield self._to_pb(event)
         finally:
