@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from services.cli.client import build_request, call_metadata, collect, stream_generate
+from services.cli.mesh import Mesh
+from services.cli.trace_collector import TraceCollector
 from services.engine.engine_metrics import EngineCollector
 from services.engine.gate_loader import (
+    DEFAULT_GATE_FILE,
     Announcement,
     GateConfig,
     GateSource,
@@ -21,10 +26,21 @@ from services.engine.gate_loader import (
     open_gate,
 )
 from services.engine.llm_engine import LLMEngine
-from services.engine.safety_gate import GateRefused, GateStatus, InLoopGate
+from services.engine.safety_gate import DEFAULT_SAFE_MESSAGE, GateRefused, GateStatus, InLoopGate
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import FinishReason
-from services.safety.gate_file import ENGINE_HEAD, HeadWeights, gate_scores, manifest_path_for, write_gate
+from services.gateway.tokens import mint_token
+from services.safety.gate_file import (
+    ENGINE_HEAD,
+    HeadWeights,
+    gate_scores,
+    load_gate,
+    manifest_path_for,
+    write_gate,
+)
+from tests.conftest import start_mesh
+from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
+from thermocline.gateway.v1 import gateway_pb2
 
 CPU = torch.device("cpu")
 CATEGORIES = ("violence", "cyber")
@@ -241,3 +257,58 @@ def test_trigger_counter_and_gate_status_reach_the_metrics(tmp_path: Path, tiny_
     assert samples[trigger] == 1
     assert samples[("thermocline_engine_safety_gate_status", (("status", "unverified"),))] == 1
     assert samples[("thermocline_engine_safety_gate_status", (("status", "ok"),))] == 0
+
+
+# --- through the real mesh -----------------------------------------------------------------------
+
+
+def _stories_gate(path: Path) -> Path:
+    """The shipped gate's prompt head (the safety service screens with it) plus an engine head for
+    stories260K that fires on every state, so each request ends in the engine with SAFETY."""
+    shipped = load_gate(DEFAULT_GATE_FILE)
+    manifest = {k: v for k, v in shipped.manifest.raw.items() if k not in ("sha256", "format")}
+    manifest["version"] = "test-stories"
+    hidden_size, num_classes = 64, len(shipped.manifest.categories) + 1
+    manifest["heads"][ENGINE_HEAD] = {
+        "features": {"model": "stories260k", "hidden_size": hidden_size, "layer": "final_norm"},
+        "thresholds": dict.fromkeys(shipped.manifest.categories, 0.5),
+    }
+    tensors = {name: t for name, t in shipped.tensors.items() if not name.startswith(ENGINE_HEAD)}
+    tensors[f"{ENGINE_HEAD}.weight"] = torch.zeros(num_classes, hidden_size)
+    tensors[f"{ENGINE_HEAD}.bias"] = torch.tensor([0.0, 10.0] + [-10.0] * (num_classes - 2))
+    write_gate(path, tensors, manifest)
+    return path
+
+
+def _metric_lines(mesh: Mesh, service: str) -> list[str]:
+    url = f"http://127.0.0.1:{mesh.config.ports.metrics[service]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return reply.read().decode().splitlines()
+
+
+def test_engine_fetches_the_gate_from_safety_and_the_gateway_relays_a_safety_finish(
+    stories_model: Path, collector: TraceCollector, tmp_path: Path
+) -> None:
+    gate_path = _stories_gate(tmp_path / "gate.safetensors")
+    settings = {"THERMOCLINE_SAFETY_GATE_FILE": str(gate_path), "THERMOCLINE_ENGINE_GATE_SOURCE": "safety"}
+    mesh = start_mesh(stories_model, tmp_path / "mesh", collector, **settings)
+    try:
+        with grpc.insecure_channel(mesh.target("engine")) as channel:
+            info = engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest())
+        gate = info.safety_gate
+        assert gate.status == engine_pb2.SAFETY_GATE_STATUS_OK, gate.detail
+        assert gate.version == "test-stories" and gate.is_active and not gate.is_refusing
+        assert gate.sha256 == gate.announced_sha256 == load_gate(gate_path).sha256
+
+        token = mint_token(mesh.private_key_path.read_bytes(), subject="tester", tenant="acme")
+        with grpc.insecure_channel(mesh.target("gateway")) as channel:
+            request = build_request("Once upon a time", max_tokens=20)
+            result = collect(stream_generate(channel, request, call_metadata(token), timeout_s=120))
+        assert result.done is not None and result.done.finish_reason == gateway_pb2.FINISH_REASON_SAFETY
+        assert result.text == DEFAULT_SAFE_MESSAGE
+
+        lines = _metric_lines(mesh, "engine")
+        assert 'thermocline_engine_safety_gate_status{status="ok"} 1.0' in lines
+        assert 'thermocline_engine_safety_triggers_total{category="violence",layer="in_loop"} 1.0' in lines
+    finally:
+        mesh.stop()
