@@ -1,9 +1,13 @@
 """KV tier quality: perplexity and per-token KL of hot + INT4-warm attention against full attention.
 
-Runs SmolLM2-135M-Instruct (fp32, CPU) over a fixed English text, feeding it in chunks of
-`--chunk` tokens: each chunk attends to the tiered cache of everything before it (sink + hot in
-fp32, the rest INT4 KIVI) and to itself exactly, then full groups are demoted, as in decode.
+Runs SmolLM2-135M-Instruct in fp32 (on the CPU, or a CUDA device with TF32 off) over a fixed
+English text, feeding it in chunks of `--chunk` tokens: each chunk attends to the tiered cache of
+everything before it (sink + hot in fp32, the rest INT4 KIVI) and to itself exactly, then full
+groups are demoted, as in decode.
 The reference is the same chunked run with tiers off (every token hot, full precision).
+
+The text is Ambrose Bierce's _The Devil's Dictionary_ as Debian's `dict-devil` package installs it
+(`make bench` and `make test` install it; see TEXT_SOURCE).
 
     .venv/bin/python bench/kv_quality.py --contexts 512 2048 --out bench/results/kv_quality_<date>.md
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import math
 import os
 import platform
@@ -33,22 +38,61 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.model import LlamaModel
 from services.engine.step_context import RowInput, StepContext
 
-CPU = torch.device("cpu")
 MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
 SINK_TOKENS = 4
+# Debian's dict-devil 1.0-13.1 (bookworm): the dictd database of the Internet Wiretap edition (1993).
+DEVIL_DICT = Path("/usr/share/dictd/devil.dict.dz")
 TEXT_SOURCE = (
-    "the `topics` dict of `pydoc_data/topics.py` from Python {version}'s own standard library "
-    "(the Python Language Reference topics that `help()` prints; PSF License, not public domain), "
-    "entries in sorted key order joined by blank lines"
+    "Ambrose Bierce, _The Devil's Dictionary_ (written 1881-1906, copyright 1911), public domain "
+    "(copyright expired; Debian's copyright file for the package: \"The Devil's Dictionary is in the "
+    "public domain, its copyright has expired\"), the Internet Wiretap edition of 1993 as Debian's "
+    "package `dict-devil` 1.0-13.1 installs it in `/usr/share/dictd/devil.dict.dz` (a dictd "
+    "database, read with its `devil.index`): Bierce's preface, then all 999 entries in file "
+    "(alphabetical) order; stripped: the dictd headers `00-database-*` (dictfmt's name, URL and "
+    "alphabet entries, and the Wiretap edition's title and release notice before the preface)"
 )
 
 
-def load_text() -> str:
-    """English prose shipped with Python itself, so the run needs no download."""
-    from pydoc_data.topics import topics
+def load_text(path: Path = DEVIL_DICT) -> str:
+    """The preface and the entries of The Devil's Dictionary, from dict-devil's dictd database.
 
-    return "\n\n".join(topics[key] for key in sorted(topics))
+    A `.dict.dz` file is gzip (dictzip adds a seek table in the header's extra field); the
+    `.index` beside it lists `headword<TAB>offset<TAB>length`, numbers in dictd's base64 digits.
+    Several headwords can share one entry, so spans are deduplicated.
+    """
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: install Debian's dict-devil (`make bench` does), "
+            "or pass --text-file with a copy of devil.dict.dz and devil.index beside it"
+        )
+    data = gzip.decompress(path.read_bytes())
+    index = path.with_name(path.name.removesuffix(".dict.dz") + ".index")
+    entries: set[tuple[int, int]] = set()
+    info = ""
+    for line in index.read_text(encoding="utf-8").splitlines():
+        headword, offset, length = line.split("\t")
+        start, size = _dictd_number(offset), _dictd_number(length)
+        if headword == "00databaseinfo":
+            info = data[start : start + size].decode("utf-8")
+        elif not headword.startswith("00database"):
+            entries.add((start, size))
+    if "PREFACE" not in info:
+        raise ValueError(f"{index}: no 00-database-info entry holding the preface")
+    preface = info[info.index("PREFACE") :].strip()
+    body = b"".join(data[start : start + size] for start, size in sorted(entries)).decode("utf-8")
+    return preface + "\n\n" + body
+
+
+_B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def _dictd_number(digits: str) -> int:
+    """A dictd index number: base64 digits (A-Z, a-z, 0-9, +, /), most significant first."""
+    value = 0
+    for char in digits:
+        value = value * 64 + _B64.index(char)
+    return value
 
 
 @dataclass(frozen=True)
@@ -79,9 +123,10 @@ def run_chunked(
 ) -> tuple[torch.Tensor, KVCache]:
     """Log-probabilities `[N-1, V]` for each next token, and the cache in its final state."""
     config = model.config
+    device = model.embed_tokens.weight.device
     num_blocks = len(ids) // BLOCK_SIZE + 2
-    hot = HotTier(config, num_blocks, BLOCK_SIZE, CPU, torch.float32)
-    warm = WarmTier(config, len(ids) // tiers.group_size + 1, tiers.group_size, CPU) if tiers else None
+    hot = HotTier(config, num_blocks, BLOCK_SIZE, device, torch.float32)
+    warm = WarmTier(config, len(ids) // tiers.group_size + 1, tiers.group_size, device) if tiers else None
     cache = KVCache(hot, warm)
     table = BlockTable(tiers or TierConfig())
     outputs = []
@@ -89,8 +134,8 @@ def run_chunked(
         for start in range(0, len(ids) - 1, chunk):
             piece = ids[start : min(start + chunk, len(ids) - 1)]
             cache.grow(table, start + len(piece))
-            ctx = StepContext.build([RowInput(table, start, len(piece))], BLOCK_SIZE, CPU)
-            hidden = model(torch.tensor([piece]), cache, ctx)  # [1, S, E]
+            ctx = StepContext.build([RowInput(table, start, len(piece))], BLOCK_SIZE, device)
+            hidden = model(torch.tensor([piece], device=device), cache, ctx)  # [1, S, E]
             outputs.append(F.log_softmax(model.compute_logits(hidden[0]), dim=-1))
             cache.register_full_blocks(table, start + len(piece))
             cache.demote(table, start + len(piece))
@@ -111,8 +156,10 @@ def measure(
     """One setting at one context length."""
     began = time.perf_counter()
     logprobs, cache = run_chunked(model, ids, setting.tiers, chunk)
+    if logprobs.is_cuda:
+        torch.cuda.synchronize(logprobs.device)
     seconds = time.perf_counter() - began
-    targets = torch.tensor(ids[1:])
+    targets = torch.tensor(ids[1:], device=logprobs.device)
     nll = -logprobs.gather(1, targets.view(-1, 1)).squeeze(1)
     base = reference if reference is not None else logprobs
     kl = (base.exp() * (base - logprobs)).sum(-1).clamp_min(0)  # KL(full || tiered) per token
@@ -143,16 +190,21 @@ def settings(hot_sizes: list[int], group_sizes: list[int]) -> list[Setting]:
     return out
 
 
-def environment() -> dict[str, str]:
-    """Date, commit, CPU and library versions for the results header."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "services/engine", "bench/kv_quality.py"],
-        capture_output=True,
-        text=True,
-    ).stdout
+def environment(device: torch.device, commit: str | None) -> dict[str, str]:
+    """Date, commit, machine, device and library versions for the results header."""
+    if commit is None:  # a copy of the tree without git (the GPU machine) passes --commit instead
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "services/engine", "bench/kv_quality.py"],
+                capture_output=True,
+                text=True,
+            ).stdout
+            commit += " (engine or bench files modified)" if dirty else ""
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown (no git here; pass --commit)"
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -161,10 +213,18 @@ def environment() -> dict[str, str]:
                 break
     except OSError:
         pass
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where = (
+            f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, fp32 "
+            f"with TF32 off; host {cpu}, {os.cpu_count()} logical CPUs"
+        )
+    else:
+        where = f"CPU {cpu}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}"
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit + (" (engine files modified)" if dirty else ""),
-        "cpu": f"{cpu}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}",
+        "commit": commit,
+        "device": where,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -176,18 +236,18 @@ def to_markdown(rows: list[Row], env: dict[str, str], args: argparse.Namespace, 
         "# KV tier quality: SmolLM2-135M-Instruct, hot fp32 + INT4 KIVI warm vs full attention",
         "",
         f"- date: {env['date']}; commit: {env['commit']}",
-        f"- machine: {env['cpu']}; torch {env['torch']}, Python {env['python']}",
-        f"- model: `{MODEL}` (Q4_1 GGUF dequantized to fp32), CPU",
-        f"- text: {TEXT_SOURCE.format(version=env['python'])}; each context N takes its first N tokens "
-        f"(SmolLM2 tokenizer; {num_text_tokens} tokens encoded)",
+        f"- device: {env['device']}; torch {env['torch']}, Python {env['python']}",
+        f"- model: `{MODEL}` (Q4_1 GGUF dequantized to fp32, weights and KV in fp32)",
+        f"- text: {TEXT_SOURCE}; each context N takes its first N tokens "
+        f"(SmolLM2 tokenizer; {num_text_tokens} tokens encoded from the first {8 * max(args.contexts)} "
+        "characters)",
         f"- settings: block size {BLOCK_SIZE}, sink {SINK_TOKENS} tokens (one block stays hot), "
         f"chunk {args.chunk} tokens per step (a chunk sees itself exactly), warm unbounded (nothing dropped)",
         "- KL: KL(full || tiered) in nats per predicted token, over all N-1 positions (the first "
         "sink + hot + group tokens are exact by construction, so they pull the mean down)",
         "- KV bytes/token: device bytes of the cache at the end of the run divided by N; `bf16` "
-        "counts hot tokens at 2 bytes (the GPU dtype), `fp32` at 4 (this CPU run)",
-        f"- reproduce: `.venv/bin/python bench/kv_quality.py --contexts {_ints(args.contexts)} "
-        f"--hot {_ints(args.hot)} --groups {_ints(args.groups)} --chunk {args.chunk}`",
+        "counts hot tokens at 2 bytes (the GPU serving dtype), `fp32` at 4 (this run)",
+        f"- reproduce: `{_reproduce(args)}`",
         "",
         "| context | setting | perplexity | mean KL | p99 KL | max KL | KV bytes/token (bf16 hot) "
         "| KV bytes/token (fp32 hot) | seconds |",
@@ -197,9 +257,17 @@ def to_markdown(rows: list[Row], env: dict[str, str], args: argparse.Namespace, 
         lines.append(
             f"| {r.context} | {r.setting} | {r.perplexity:.3f} | {r.mean_kl:.5f} | {r.p99_kl:.4f} | "
             f"{r.max_kl:.4f} | {r.kv_bytes_per_token_bf16:,.0f} | {r.kv_bytes_per_token_fp32:,.0f} "
-            f"| {r.seconds:.0f} |"
+            f"| {r.seconds:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _reproduce(args: argparse.Namespace) -> str:
+    command = (
+        f".venv/bin/python bench/kv_quality.py --contexts {_ints(args.contexts)} --hot {_ints(args.hot)} "
+        f"--groups {_ints(args.groups)} --chunk {args.chunk}"
+    )
+    return command + (f" --device {args.device}" if args.device != "cpu" else "")
 
 
 def _ints(values: list[int]) -> str:
@@ -214,18 +282,28 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; fp32 either way")
+    parser.add_argument("--model", default=MODEL, help="registered name or a path to the same GGUF file")
+    parser.add_argument(
+        "--text-file", type=Path, default=DEVIL_DICT, help="devil.dict.dz, devil.index beside it"
+    )
+    parser.add_argument("--commit", default=None, help="commit to report where the tree has no git")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Full fp32 on CUDA too, so the figures compare with the CPU's: no TF32 in matmuls or convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     engine = LLMEngine.load(
-        MODEL,
-        device="cpu",
+        args.model,
+        device=args.device,
         dtype="float32",
         max_batch_size=1,
         max_seq_len=max(args.contexts),  # the last token is only a target, never fed
         progress=False,
     )
-    ids = engine.tokenizer.encode(load_text()[: 8 * max(args.contexts)])  # ~4 chars a token: plenty
+    device = engine.runner.model.embed_tokens.weight.device
+    ids = engine.tokenizer.encode(load_text(args.text_file)[: 8 * max(args.contexts)])  # ~4 chars a token
     rows: list[Row] = []
     for context in args.contexts:
         if context > len(ids):
@@ -237,10 +315,10 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{row.context:>6} {row.setting:<36} ppl {row.perplexity:8.3f} KL {row.mean_kl:.5f} "
-                f"p99 {row.p99_kl:.4f} {row.kv_bytes_per_token_bf16:>8,.0f} B/tok {row.seconds:5.0f} s",
+                f"p99 {row.p99_kl:.4f} {row.kv_bytes_per_token_bf16:>8,.0f} B/tok {row.seconds:6.1f} s",
                 flush=True,
             )
-    markdown = to_markdown(rows, environment(), args, len(ids))
+    markdown = to_markdown(rows, environment(device, args.commit), args, len(ids))
     if args.out:
         args.out.write_text(markdown, encoding="utf-8")
     print(markdown)
