@@ -14,6 +14,7 @@ from typing import Any
 from services.cli.loadgen.gateway_client import GatewayLoadClient
 from services.cli.loadgen.report import LevelResult, report_json, report_markdown
 from services.cli.loadgen.runner import CLOSED, OPEN, LevelSpec, warm_up
+from services.cli.loadgen.schedule import trace_rate_per_s
 from services.cli.loadgen.sla import Sla, parse_sla_flag
 from services.cli.loadgen.sweep import run_levels
 from services.cli.loadgen.workload import (
@@ -57,7 +58,9 @@ def add_loadgen_parser(commands: Any) -> None:
         "--mode", choices=[OPEN, CLOSED], default=OPEN, help="open: Poisson arrivals; closed: fixed clients"
     )
     p.add_argument(
-        "--rate", type=float, default=1.0, help="open loop: arrivals per second (default %(default)s)"
+        "--rate",
+        type=float,
+        help="open loop: arrivals per second (default 1; with --trace, the trace's own pace)",
     )
     p.add_argument("--concurrency", type=int, default=4, help="closed loop: clients (default %(default)s)")
     p.add_argument("--sweep", help="comma-separated loads (rates or client counts), run in increasing order")
@@ -98,7 +101,7 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
     """Runs the load generator; exit status 2 on a bad setting."""
     try:
         workload, trace, slas = _inputs(args)
-        specs = _level_specs(args)
+        specs = _level_specs(args, trace)
         _mesh_env(args.mesh_env)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -120,14 +123,15 @@ def _inputs(args: argparse.Namespace) -> tuple[Workload | None, list[PlannedRequ
     return workload, None, workload.slas
 
 
-def _level_specs(args: argparse.Namespace) -> list[LevelSpec]:
+def _level_specs(args: argparse.Namespace, trace: list[PlannedRequest] | None) -> list[LevelSpec]:
     if args.sweep:
         try:
             loads = [float(item) for item in args.sweep.split(",")]
         except ValueError:
             raise ValueError(f"--sweep {args.sweep!r} is not a comma-separated list of numbers") from None
     else:
-        loads = [args.rate if args.mode == OPEN else float(args.concurrency)]
+        native_rate = trace_rate_per_s(trace) if trace else None
+        loads = [(args.rate or native_rate or 1.0) if args.mode == OPEN else float(args.concurrency)]
     duration_s = None if args.num_requests is not None else (args.duration_s or 30.0)
     return [LevelSpec(args.mode, load, args.num_requests, duration_s) for load in loads]
 
