@@ -22,7 +22,7 @@ RPC_DURATION = Histogram(
     ["method"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
-RPC_IN_FLIGHT = Gauge("thermocline_rpc_server_in_flight", "RPCs being served now.")
+RPC_IN_FLIGHT = Gauge("thermocline_rpc_server_in_flight_requests", "RPCs being served now.")
 DRAINING = Gauge("thermocline_server_draining", "1 while the server drains after SIGTERM, else 0.")
 
 

@@ -1,0 +1,116 @@
+"""One request through the real mesh is one trace: every hop's span, linked parent to child, with
+the GenAI attributes, the engine's queue/prefill/decode spans, Redis spans, and the sampled flag
+of the caller's traceparent honoured."""
+
+from __future__ import annotations
+
+import secrets
+
+import grpc
+
+from services.cli.client import build_request, call_metadata, collect, stream_generate
+from services.cli.mesh import Mesh
+from services.cli.trace_collector import (
+    ENGINE_GENERATE,
+    GATEWAY_GENERATE,
+    GATEWAY_TO_ENGINE,
+    GATEWAY_TO_SAFETY,
+    REQUEST_PATH,
+    SAFETY_CHECK_PROMPT,
+    CollectedSpan,
+    TraceCollector,
+)
+from services.gateway.tokens import mint_token
+
+ENGINE_QUEUE = ("thermocline-engine", "engine.queue_wait")
+ENGINE_PREFILL = ("thermocline-engine", "engine.prefill")
+ENGINE_DECODE = ("thermocline-engine", "engine.decode")
+FULL_PATH = REQUEST_PATH | {ENGINE_QUEUE, ENGINE_PREFILL, ENGINE_DECODE}
+GEN_AI_REQUEST = ("gen_ai.operation.name", "gen_ai.request.model", "gen_ai.request.max_tokens")
+GEN_AI_RESPONSE = (
+    "gen_ai.usage.input_tokens",
+    "gen_ai.usage.output_tokens",
+    "gen_ai.response.finish_reasons",
+)
+MAX_TOKENS = 6
+
+
+def _traceparent(trace_id: str, is_sampled: bool) -> tuple[str, str]:
+    return ("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-{'01' if is_sampled else '00'}")
+
+
+def _generate(mesh: Mesh, traceparent: tuple[str, str] | None = None) -> str:
+    """Runs one request through the gateway; returns the trace id the gateway reports."""
+    token = mint_token(mesh.private_key_path.read_bytes(), subject="tracer", tenant="acme")
+    metadata = call_metadata(token) + ([traceparent] if traceparent else [])
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        request = build_request("Once upon a time", max_tokens=MAX_TOKENS)
+        result = collect(stream_generate(channel, request, metadata, timeout_s=120))
+    assert result.done is not None
+    return result.done.trace_id
+
+
+def _one(spans: list[CollectedSpan], key: tuple[str, str]) -> CollectedSpan:
+    found = [s for s in spans if (s.service, s.name) == key]
+    assert len(found) == 1, f"{key}: {len(found)} spans"
+    return found[0]
+
+
+def test_one_request_is_one_trace_with_every_hop_linked(
+    stories_mesh: Mesh, collector: TraceCollector
+) -> None:
+    trace_id = _generate(stories_mesh)
+    spans = collector.wait_for_spans(trace_id, FULL_PATH, timeout_s=30)
+    assert {s.trace_id for s in spans} == {trace_id}
+    gateway = _one(spans, GATEWAY_GENERATE)
+    assert gateway.parent_span_id == ""
+    for client, server in [(GATEWAY_TO_SAFETY, SAFETY_CHECK_PROMPT), (GATEWAY_TO_ENGINE, ENGINE_GENERATE)]:
+        assert _one(spans, client).parent_span_id == gateway.span_id, client
+        assert _one(spans, server).parent_span_id == _one(spans, client).span_id, server
+    engine = _one(spans, ENGINE_GENERATE)
+    for span in (gateway, engine):
+        for key in GEN_AI_REQUEST + GEN_AI_RESPONSE:
+            assert span.attributes.get(key) not in (None, "", []), (span.service, key)
+        assert span.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
+        assert span.attributes["gen_ai.response.finish_reasons"] == ["length"]
+        assert span.attributes["gen_ai.request.max_tokens"] == MAX_TOKENS
+    assert _one(spans, SAFETY_CHECK_PROMPT).attributes["thermocline.safety.decision"] == "allow"
+
+
+def test_engine_spans_nest_under_its_rpc_in_time_order(stories_mesh: Mesh, collector: TraceCollector) -> None:
+    trace_id = _generate(stories_mesh)
+    spans = collector.wait_for_spans(trace_id, FULL_PATH, timeout_s=30)
+    engine = _one(spans, ENGINE_GENERATE)
+    queue, decode = _one(spans, ENGINE_QUEUE), _one(spans, ENGINE_DECODE)
+    prefills = [s for s in spans if (s.service, s.name) == ENGINE_PREFILL]
+    for child in (queue, decode, *prefills):
+        assert child.parent_span_id == engine.span_id, child.name
+        assert engine.start_ns <= child.start_ns <= child.end_ns <= engine.end_ns, child.name
+    assert queue.end_ns <= min(p.start_ns for p in prefills)
+    assert max(p.end_ns for p in prefills) <= decode.start_ns
+    assert (
+        sum(p.attributes["thermocline.prefill.tokens"] for p in prefills)
+        == engine.attributes["gen_ai.usage.input_tokens"]
+    )
+
+
+def test_redis_commands_are_spans_in_the_request_trace(stories_mesh: Mesh, collector: TraceCollector) -> None:
+    trace_id = _generate(stories_mesh)
+    spans = collector.wait_for_spans(trace_id, FULL_PATH, timeout_s=30)
+    ids = {s.span_id for s in spans}
+    redis = [
+        s for s in spans if "redis" in (s.attributes.get("db.system"), s.attributes.get("db.system.name"))
+    ]
+    assert redis, f"no Redis span among {[(s.service, s.name) for s in spans]}"
+    assert all(s.service == "thermocline-gateway" and s.parent_span_id in ids for s in redis)
+
+
+def test_the_callers_sampled_flag_is_honoured(stories_mesh: Mesh, collector: TraceCollector) -> None:
+    unsampled_id, sampled_id = secrets.token_hex(16), secrets.token_hex(16)
+    assert _generate(stories_mesh, _traceparent(unsampled_id, is_sampled=False)) == unsampled_id
+    assert _generate(stories_mesh, _traceparent(sampled_id, is_sampled=True)) == sampled_id
+    # Each process exports its spans in the order they end, so once every hop's spans of the later
+    # sampled request have arrived, any span of the earlier unsampled one would have too.
+    spans = collector.wait_for_spans(sampled_id, FULL_PATH, timeout_s=30)
+    assert _one(spans, GATEWAY_GENERATE).parent_span_id != ""  # continues the caller's span
+    assert collector.spans(unsampled_id) == []
