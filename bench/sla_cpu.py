@@ -36,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--levels", default="0.1,0.2,0.3,0.45,0.6", help="open-loop arrival rates, req/s")
-    parser.add_argument("--duration-s", type=float, default=45.0, help="seconds of arrivals per level")
+    parser.add_argument("--levels", default="0.15,0.25,0.35,0.45,0.6", help="open-loop arrival rates, req/s")
+    parser.add_argument("--duration-s", type=float, default=60.0, help="seconds of arrivals per level")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print the report instead of writing it")
     return parser.parse_args()
@@ -118,7 +118,15 @@ def table(rows: list[tuple[str, str]]) -> str:
 
 
 def compose(document: dict, sweep_markdown: str, plot_names: list[str], stamp: str) -> str:
-    header = [("date (UTC)", stamp), ("git commit", git_commit()), *hardware_rows(), *settings_rows(document)]
+    before, after = (document["load_average"][k] for k in ("before", "after"))
+    load = f"{before[0]:.1f} before the sweep, {after[0]:.1f} after (15-min average after: {after[2]:.1f})"
+    header = [
+        ("date (UTC)", stamp),
+        ("git commit", git_commit()),
+        *hardware_rows(),
+        ("load average (1 min)", load),
+    ]
+    header += settings_rows(document)
     plots = "\n".join(f"![{name}]({name})" for name in plot_names)
     return (
         f"# SLA calibration on the CPU: SmolLM2-135M-Instruct through the whole mesh\n\n{table(header)}\n\n"
@@ -128,8 +136,8 @@ def compose(document: dict, sweep_markdown: str, plot_names: list[str], stamp: s
 
 NOTES = """\
 - Reproduce: `.venv/bin/python bench/sla_cpu.py` (defaults as above), or the loadgen alone:
-  `thermocline loadgen --start-mesh --workload bench/loadgen_cpu_workload.toml --sweep 0.1,0.2,0.3,0.45,0.6
-  --duration-s 45 --json out.json --markdown out.md --plots out`.
+  `thermocline loadgen --start-mesh --workload bench/loadgen_cpu_workload.toml --sweep 0.15,0.25,0.35,0.45,0.6
+  --duration-s 60 --json out.json --markdown out.md --plots out`.
 - Latencies are client-side, through the gateway (JWT, RBAC, Redis rate limit, fsynced audit, the
   safety prompt check). The gateway releases text only after the safety service screens it, every
   16 tokens and at the end, so a client's TTFT spans prefill plus the first 16 decode steps (or the
@@ -149,7 +157,9 @@ def main() -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(tmp)
+        load_before = os.getloadavg()
         document = run_sweep(args, out_dir)
+        document["load_average"] = {"before": load_before, "after": os.getloadavg()}
         date = stamp.split()[0]
         plots = sorted(out_dir.glob("plot_*.png"))
         names = [f"sla_cpu_{date}_{p.stem.removeprefix('plot_')}.png" for p in plots]
@@ -160,7 +170,9 @@ def main() -> int:
         results = REPO / "bench" / "results"
         for source, name in zip(plots, names, strict=True):
             shutil.copyfile(source, results / name)
-        (results / f"sla_cpu_{date}.json").write_text((out_dir / "sweep.json").read_text())
+        (results / f"sla_cpu_{date}.json").write_text(
+            (out_dir / "sweep.json").read_text()
+        )  # the loadgen's own
         (results / f"sla_cpu_{date}.md").write_text(report)
         print(f"wrote {results / f'sla_cpu_{date}.md'}")
     return 0

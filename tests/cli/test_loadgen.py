@@ -324,3 +324,30 @@ def test_bad_settings_exit_2_with_the_reason(capsys: pytest.CaptureFixture[str])
     assert "comma-separated list of numbers" in capsys.readouterr().err
     assert main(["loadgen", "--mode", "closed", "--sweep", "1.5"]) == 2
     assert "positive integer" in capsys.readouterr().err
+
+
+def test_a_trace_replays_at_its_own_pace_through_the_mesh(stories_mesh: Mesh, tmp_path: Path) -> None:
+    token = mint_token(stories_mesh.private_key_path.read_bytes(), subject="loadgen", tenant="loadgen-trace")
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"offset_s": 0.0, "intent": "medical-diagnosis", "prompt": "Once upon a time", "max_tokens": 5},
+        {"offset_s": 0.2, "intent": "code-completion", "prompt_tokens": 4, "max_tokens": 3},
+        {"offset_s": 0.4, "prompt": "The cat", "max_tokens": 2},
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "trace.json"
+    code = main([
+        "loadgen", "--target", stories_mesh.target("gateway"), "--token", token, "--no-progress",
+        "--trace", str(trace), "--num-requests", "3", "--warmup", "0", "--json", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    document = json.loads(out.read_text())
+    jsonschema.validate(document, SCHEMA)
+    (level,) = document["levels"]
+    assert level["load"] == pytest.approx(5.0)  # 2 gaps in 0.4 s: the trace's own rate
+    assert {intent: c["output_tokens"] for intent, c in level["classes"].items()} == {
+        "code-completion": 3,
+        "default": 2,
+        "medical-diagnosis": 5,
+    }
+    assert_counts_add_up(level["overall"])
