@@ -52,8 +52,11 @@ def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def quantize_keys(keys: torch.Tensor) -> QuantizedKeys:
-    """`[G, KVH, D]` -> per-channel INT4 (KIVI: key outliers live in fixed channels)."""
-    codes, scale, zero = _quantize(keys, dim=0)
+    """`[..., G, KVH, D]` -> per-channel INT4 (KIVI: key outliers live in fixed channels).
+
+    Leading dims (e.g. layers) are independent groups, so one call can quantize every layer.
+    """
+    codes, scale, zero = _quantize(keys, dim=-3)
     return QuantizedKeys(pack_int4(codes), scale, zero)
 
 
@@ -63,12 +66,12 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 
 def quantize_values(values: torch.Tensor, group_size: int) -> QuantizedValues:
-    """`[G, KVH, D]` -> per-token INT4 over groups of `min(group_size, D)` channels."""
-    tokens, heads, dim = values.shape
+    """`[..., G, KVH, D]` -> per-token INT4 over groups of `min(group_size, D)` channels."""
+    dim = values.shape[-1]
     value_group = min(group_size, dim)
-    grouped = values.reshape(tokens, heads, dim // value_group, value_group)
+    grouped = values.reshape(*values.shape[:-1], dim // value_group, value_group)
     codes, scale, zero = _quantize(grouped, dim=-1)
-    return QuantizedValues(pack_int4(codes.reshape(tokens, heads, dim)), scale, zero)
+    return QuantizedValues(pack_int4(codes.reshape(values.shape)), scale, zero)
 
 
 def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

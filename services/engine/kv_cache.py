@@ -150,14 +150,11 @@ class WarmTier(KVTier):
         self._free.append(group_id)
 
     def write(self, group_id: WarmGroupId, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize `[layers, G, KVH, D]` keys/values into group `group_id` (changes state)."""
-        for layer in range(keys.shape[0]):
-            qk = kivi.quantize_keys(keys[layer])
-            qv = kivi.quantize_values(values[layer], self.group_size)
-            self.key_codes[layer, group_id], self.key_scale[layer, group_id] = qk.codes, qk.scale
-            self.key_zero[layer, group_id] = qk.zero
-            self.value_codes[layer, group_id], self.value_scale[layer, group_id] = qv.codes, qv.scale
-            self.value_zero[layer, group_id] = qv.zero
+        """Quantize `[layers, G, KVH, D]` keys/values into `group_id`, all layers at once (changes state)."""
+        qk = kivi.quantize_keys(keys)  # codes [layers, G, KVH, D/2], scale/zero [layers, KVH, D]
+        qv = kivi.quantize_values(values, self.group_size)  # scale/zero [layers, G, KVH, D/VG]
+        self.key_codes[:, group_id], self.key_scale[:, group_id], self.key_zero[:, group_id] = qk
+        self.value_codes[:, group_id], self.value_scale[:, group_id], self.value_zero[:, group_id] = qv
 
     def read(self, layer: int, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized groups, 2 x `[n, G, KVH, D]` fp32 (the reference path; a kernel fuses this)."""
