@@ -8,6 +8,8 @@ again), one per prefill chunk, and one for decode, from the first token to the f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from opentelemetry import trace
 from opentelemetry.context import Context
 
@@ -46,7 +48,7 @@ def _add_child_spans(
 
 
 def _span(
-    tracer: trace.Tracer, name: str, interval: Interval, context: Context, attributes: dict[str, str | int]
+    tracer: trace.Tracer, name: str, interval: Interval, context: Context, attributes: Mapping[str, str | int]
 ) -> None:
     span = tracer.start_span(name, context=context, start_time=interval.start_ns, attributes=attributes)
     span.end(end_time=max(interval.end_ns, interval.start_ns))

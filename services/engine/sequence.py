@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -18,7 +19,7 @@ from services.engine.stop_checker import StopChecker
 
 RequestId = NewType("RequestId", str)
 # What OpenTelemetry accepts as an attribute value; kept here so the engine core imports no OTel.
-AttributeValue = str | bool | int | float | tuple[str, ...] | tuple[int, ...] | tuple[float, ...]
+AttributeValue = str | bool | int | float | Seq[str] | Seq[bool] | Seq[int] | Seq[float]
 
 
 class FinishReason(enum.Enum):
