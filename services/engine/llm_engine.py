@@ -351,7 +351,7 @@ class LLMEngine:
         if not done:  # a prefill chunk that ends mid-prompt samples nothing
             return []
         is_done = [r.seq in done for r in batch.rows]
-        rows = None if all(is_done) else [i for i, d in enumerate(is_done) if d]
+        rows = None if all(is_done) else self._row_index(is_done)
         logits = output.logits if rows is None else output.logits[rows]
         params = [s.params for s in done]
         generators = [s.generator for s in done]
@@ -363,7 +363,12 @@ class LLMEngine:
         fired = [self._gate.fired(f) for f in flag_rows] if self._gate and flag_rows else [()] * len(done)
         return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
 
-    def _gate_flags(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor | None:
+    def _row_index(self, is_done: list[bool]) -> torch.Tensor:
+        """`[B]` rows that sample this step (a batch where some rows are still mid-prompt)."""
+        rows = torch.tensor([i for i, d in enumerate(is_done) if d])
+        return rows.to(self.runner.device)  # one copy, shared by the logits and the gate
+
+    def _gate_flags(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The gate on every sampling row's final normed state (prompt end and each decode step)."""
         if self._gate is None:
             return None

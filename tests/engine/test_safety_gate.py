@@ -242,7 +242,7 @@ def test_gate_fires_mid_decode_and_ends_only_that_sequence(tmp_path: Path, tiny_
 def test_trigger_counter_and_gate_status_reach_the_metrics(tmp_path: Path, tiny_dir: Path) -> None:
     engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=64, progress=False)
     always = _write_head(
-        tmp_path / "gate.safetensors", torch.zeros(3, 64), torch.tensor([0.0, 0.0, 10.0]), "tiny"
+        tmp_path / "gate.safetensors", torch.zeros(3, 64), torch.tensor([0.0, -10.0, 10.0]), "tiny"
     )
     engine.set_safety_gate(*open_gate(_config(always), ServedModel(("tiny",), 64), CPU))
     result = engine.generate([[5, 6, 7]], GREEDY_12)[0]
@@ -257,6 +257,21 @@ def test_trigger_counter_and_gate_status_reach_the_metrics(tmp_path: Path, tiny_
     assert samples[trigger] == 1
     assert samples[("thermocline_engine_safety_gate_status", (("status", "unverified"),))] == 1
     assert samples[("thermocline_engine_safety_gate_status", (("status", "ok"),))] == 0
+
+
+def test_gate_reads_the_sampling_rows_while_another_row_is_mid_prompt(tmp_path: Path, tiny_dir: Path) -> None:
+    engine = LLMEngine.load(
+        tiny_dir, device="cpu", max_batch_size=2, max_seq_len=64, max_prefill_tokens=8, progress=False
+    )
+    short, long = [5, 6, 7], list(range(10, 40))  # the long prompt takes several 8-token chunks
+    ungated = engine.generate([short, long], GREEDY_12)
+    weight = torch.zeros(3, 64)
+    always = _write_head(tmp_path / "gate.safetensors", weight, torch.tensor([0.0, -10.0, 10.0]), "tiny")
+    engine.set_safety_gate(*open_gate(_config(always), ServedModel(("tiny",), 64), CPU))
+    gated = engine.generate([short, long], GREEDY_12)
+    assert [r.finish_reason for r in ungated] == [FinishReason.LENGTH] * 2
+    assert [(r.finish_reason, r.token_ids) for r in gated] == [(FinishReason.SAFETY, ())] * 2
+    assert engine.safety_gate_triggers() == {"violence": 0, "cyber": 2}
 
 
 # --- through the real mesh -----------------------------------------------------------------------
