@@ -179,14 +179,14 @@ def commit() -> str:
 
 
 def render(
-    args: argparse.Namespace, engine: LLMEngine, source: str, rows: dict[int, dict[str, float]]
+    args: argparse.Namespace, engine: LLMEngine, source: str, rows: dict[int, dict[str, float]], code: str
 ) -> str:
     """The results as markdown."""
     now = dt.datetime.now(dt.UTC)
     lines = [
         "# In-loop safety gate: cost per decode step",
         "",
-        f"- date: {now:%Y-%m-%d %H:%M} UTC; commit: {commit()}",
+        f"- date: {now:%Y-%m-%d %H:%M} UTC; commit at start: {code}",
         f"- hardware: {hardware(engine.runner.device)}; torch {torch.__version__}, "
         f"Python {platform.python_version()}",
         f"- model: {args.model} (hidden {engine.config.hidden_size}, {engine.config.num_layers} layers), "
@@ -234,6 +234,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Measure every batch size and write the table."""
     args = parse_args()
+    code = commit()  # the code this process imports, whatever lands while it runs
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if args.model.startswith("random:"):
@@ -248,7 +249,7 @@ def main() -> None:
     for batch in args.batch_sizes:
         rows[batch] = measure(engine, gate, args, batch)
         print(f"batch {batch}: {rows[batch]}", flush=True)
-    text = render(args, engine, source, rows)
+    text = render(args, engine, source, rows, code)
     print(text)
     if not args.no_write:
         out = args.out or REPO / "bench" / "results" / f"gate_overhead_{dt.date.today():%Y-%m-%d}.md"
