@@ -13,6 +13,7 @@ import pytest
 from services.cli.loadgen.distribution import LengthDistribution, parse_distribution
 from services.cli.loadgen.record import OK, RequestRecord
 from services.cli.loadgen.report import LevelResult, level_verdicts, report_json, report_markdown
+from services.cli.loadgen.runner import LevelSpec, RequestSource
 from services.cli.loadgen.schedule import poisson_offsets, rescale_trace
 from services.cli.loadgen.sla import FAIL, NO_DATA, PASS, Sla, find_knee, parse_sla_flag
 from services.cli.loadgen.stats import percentile, summarize_latency, summarize_level
@@ -58,6 +59,16 @@ def test_poisson_offsets_by_duration_stay_inside_it_and_repeat_with_the_seed() -
         poisson_offsets(1.0, random.Random(1))
     with pytest.raises(ValueError, match="> 0"):
         poisson_offsets(0.0, random.Random(1), num_requests=3)
+
+
+def test_levels_send_the_same_requests_faster_at_a_higher_rate() -> None:
+    workload = build_workload(None, {"medical-diagnosis": 0.7, "code-completion": 0.2, "default": 0.1})
+    slow = RequestSource(LevelSpec("open", 0.5, duration_s=60.0), workload, None, seed=9).open_loop_plan()
+    fast = RequestSource(LevelSpec("open", 2.0, duration_s=60.0), workload, None, seed=9).open_loop_plan()
+    assert len(fast) > len(slow) > 0  # more arrivals in the same minute, never fewer
+    for a, b in zip(slow, fast, strict=False):
+        assert (a.intent, a.prompt, a.max_tokens) == (b.intent, b.prompt, b.max_tokens)
+        assert b.offset_s == pytest.approx(a.offset_s / 4)
 
 
 def test_a_trace_is_rescaled_to_the_asked_rate(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,30 +98,56 @@ def add_loadgen_parser(commands: Any) -> None:
     p.set_defaults(func=cmd_loadgen)
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run sends: a workload or a trace, the classes' SLAs, and the levels."""
+
+    workload: Workload | None
+    trace: list[PlannedRequest] | None
+    slas: dict[str, Sla]
+    specs: list[LevelSpec]
+
+    def warmup_requests(self, num_requests: int, seed: int) -> list[PlannedRequest]:
+        """The uncounted requests sent before the first level."""
+        if self.trace is not None:
+            return [self.trace[i % len(self.trace)] for i in range(num_requests)]
+        assert self.workload is not None
+        rng = random.Random(f"{seed}:warmup")
+        return [self.workload.draw(rng) for _ in range(num_requests)]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the load goes and as whom."""
+
+    address: str
+    token: str
+    model: str = ""
+
+
 def cmd_loadgen(args: argparse.Namespace) -> int:
-    """Runs the load generator; exit status 2 on a bad setting."""
+    """Runs the load generator; exit status 2 on a bad setting, 1 when a started mesh fails."""
     try:
-        workload, trace, slas = _inputs(args)
-        specs = _level_specs(args, trace)
+        plan = _plan(args)
         _mesh_env(args.mesh_env)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.start_mesh:
-        return _with_mesh(args, workload, trace, slas, specs)
-    token = args.token or _default_token(args)
-    return _run(args, args.target, token, args.model or "", workload, trace, slas, specs, {})
+        return _with_mesh(args, plan)
+    target = Target(args.target, args.token or _default_token(args), args.model or "")
+    return _run(args, target, plan, {})
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Workload | None, list[PlannedRequest] | None, dict[str, Sla]]:
+def _plan(args: argparse.Namespace) -> RunPlan:
     sla_flags = dict(parse_sla_flag(text) for text in args.sla)
     if args.trace is not None:
         trace = load_trace(args.trace, random.Random(args.seed))
-        return None, trace, sla_flags
+        return RunPlan(None, trace, sla_flags, _level_specs(args, trace))
     file_classes = load_workload_file(args.workload) if args.workload else None
     mix = parse_mix(args.mix) if args.mix else None
     workload = build_workload(file_classes, mix, sla_flags, args.prompt_tokens, args.output_tokens)
-    return workload, None, workload.slas
+    return RunPlan(workload, None, workload.slas, _level_specs(args, None))
 
 
 def _level_specs(args: argparse.Namespace, trace: list[PlannedRequest] | None) -> list[LevelSpec]:
@@ -157,13 +184,7 @@ def _mesh_env(items: list[str]) -> dict[str, str]:
     return settings
 
 
-def _with_mesh(
-    args: argparse.Namespace,
-    workload: Workload | None,
-    trace: list[PlannedRequest] | None,
-    slas: dict[str, Sla],
-    specs: list[LevelSpec],
-) -> int:
+def _with_mesh(args: argparse.Namespace, plan: RunPlan) -> int:
     from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
     from services.common import env
     from services.gateway.tokens import mint_token
@@ -186,59 +207,34 @@ def _with_mesh(
         print(f"error: the mesh did not start: {error}", file=sys.stderr)
         return 1
     with mesh:
-        token = args.token or mint_token(
-            mesh.private_key_path.read_bytes(), subject="loadgen", tenant="loadgen"
-        )
+        private_key = mesh.private_key_path.read_bytes()
+        token = args.token or mint_token(private_key, subject="loadgen", tenant="loadgen")
         mesh_settings = {"started_mesh": True, "mesh_model": config.model, "mesh_env": mesh_env}
-        return _run(args, mesh.target("gateway"), token, "", workload, trace, slas, specs, mesh_settings)
+        return _run(args, Target(mesh.target("gateway"), token), plan, mesh_settings)
 
 
-def _run(
-    args: argparse.Namespace,
-    target: str,
-    token: str,
-    model: str,
-    workload: Workload | None,
-    trace: list[PlannedRequest] | None,
-    slas: dict[str, Sla],
-    specs: list[LevelSpec],
-    extra_settings: dict[str, Any],
-) -> int:
-    settings = _settings(args, target, model, workload, specs) | extra_settings
-    levels = asyncio.run(_drive(args, target, token, model, workload, trace, slas, specs))
-    document = report_json(settings, levels, slas)
-    markdown = report_markdown(levels, slas)
+def _run(args: argparse.Namespace, target: Target, plan: RunPlan, extra_settings: dict[str, Any]) -> int:
+    settings = _settings(args, target, plan) | extra_settings
+    levels = asyncio.run(_drive(args, target, plan))
+    document = report_json(settings, levels, plan.slas)
+    markdown = report_markdown(levels, plan.slas)
     print(markdown)
-    _write_outputs(args, document, markdown, levels, slas)
+    _write_outputs(args, document, markdown, levels, plan.slas)
     return 0
 
 
-async def _drive(
-    args: argparse.Namespace,
-    target: str,
-    token: str,
-    model: str,
-    workload: Workload | None,
-    trace: list[PlannedRequest] | None,
-    slas: dict[str, Sla],
-    specs: list[LevelSpec],
-) -> list[LevelResult]:
-    client = GatewayLoadClient(target, token, model=model, timeout_s=args.timeout_s)
+async def _drive(args: argparse.Namespace, target: Target, plan: RunPlan) -> list[LevelResult]:
+    client = GatewayLoadClient(target.address, target.token, model=target.model, timeout_s=args.timeout_s)
     try:
-        rng = random.Random(f"{args.seed}:warmup")
-        warmups = [
-            workload.draw(rng) if workload else (trace or [])[i % len(trace or [])]
-            for i in range(args.warmup)
-        ]
-        for record in await warm_up(client, warmups):
+        for record in await warm_up(client, plan.warmup_requests(args.warmup, args.seed)):
             if not record.is_ok:
                 print(f"warning: a warm-up request failed: {record.status}: {record.error}", file=sys.stderr)
         return await run_levels(
             client,
-            specs,
-            workload=workload,
-            trace=trace,
-            slas=slas,
+            plan.specs,
+            workload=plan.workload,
+            trace=plan.trace,
+            slas=plan.slas,
             seed=args.seed,
             stop_when_all_fail=not args.full_sweep,
             show_progress=not args.no_progress,
@@ -247,30 +243,33 @@ async def _drive(
         await client.close()
 
 
-def _settings(
-    args: argparse.Namespace, target: str, model: str, workload: Workload | None, specs: list[LevelSpec]
-) -> dict[str, Any]:
-    classes = {}
-    if workload is not None:
-        for spec in workload.classes:
-            classes[spec.intent] = {
-                "share": workload.shares[spec.intent],
-                "prompt_tokens": spec.prompt_tokens.describe(),
-                "output_tokens": spec.output_tokens.describe(),
-                "chat": spec.chat,
-            }
+def _classes_json(workload: Workload | None) -> dict[str, Any]:
+    if workload is None:
+        return {}
+    return {
+        spec.intent: {
+            "share": workload.shares[spec.intent],
+            "prompt_tokens": spec.prompt_tokens.describe(),
+            "output_tokens": spec.output_tokens.describe(),
+            "chat": spec.chat,
+        }
+        for spec in workload.classes
+    }
+
+
+def _settings(args: argparse.Namespace, target: Target, plan: RunPlan) -> dict[str, Any]:
     return {
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "target": target,
-        "model": model,
+        "target": target.address,
+        "model": target.model,
         "mode": args.mode,
-        "loads": [spec.load for spec in specs],
-        "num_requests_per_level": specs[0].num_requests,
-        "duration_s_per_level": specs[0].duration_s,
-        "source": "trace" if workload is None else "mix",
+        "loads": sorted(spec.load for spec in plan.specs),
+        "num_requests_per_level": plan.specs[0].num_requests,
+        "duration_s_per_level": plan.specs[0].duration_s,
+        "source": "trace" if plan.trace is not None else "mix",
         "trace": str(args.trace) if args.trace else None,
         "workload_file": str(args.workload) if args.workload else None,
-        "classes": classes,
+        "classes": _classes_json(plan.workload),
         "seed": args.seed,
         "timeout_s": args.timeout_s,
         "warmup_requests": args.warmup,

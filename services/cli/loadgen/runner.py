@@ -58,13 +58,16 @@ class RequestSource:
     def __init__(
         self,
         spec: LevelSpec,
-        rng: random.Random,
         workload: Workload | None,
         trace: Sequence[PlannedRequest] | None,
+        seed: int = 0,
     ) -> None:
         if (workload is None) == (trace is None):
             raise ValueError("a run needs exactly one of a workload and a trace")
-        self.spec, self.rng, self.workload = spec, rng, workload
+        self.spec, self.workload = spec, workload
+        # Seeded alike at every level of a run: each level sends the same requests (see open_loop_plan).
+        self.arrival_rng = random.Random(f"{seed}:arrivals")
+        self.request_rng = random.Random(f"{seed}:requests")
         self.trace = list(trace) if trace is not None else None
 
     def open_loop_plan(self) -> list[PlannedRequest]:
@@ -72,7 +75,12 @@ class RequestSource:
         spec = self.spec
         if self.workload is not None:
             return open_loop_plan(
-                self.workload, spec.load, self.rng, num_requests=spec.num_requests, duration_s=spec.duration_s
+                self.workload,
+                spec.load,
+                self.arrival_rng,
+                self.request_rng,
+                num_requests=spec.num_requests,
+                duration_s=spec.duration_s,
             )
         assert self.trace is not None
         plan = rescale_trace(self.trace, spec.load)
@@ -97,7 +105,7 @@ class RequestSource:
                 planned = self.trace[num_handed]
             else:
                 assert self.workload is not None
-                planned = self.workload.draw(self.rng)
+                planned = self.workload.draw(self.request_rng)
             num_handed += 1
             return planned
 

@@ -34,14 +34,20 @@ def poisson_offsets(
 def open_loop_plan(
     workload: Workload,
     rate_per_s: float,
-    rng: random.Random,
+    arrival_rng: random.Random,
+    request_rng: random.Random,
     *,
     num_requests: int | None = None,
     duration_s: float | None = None,
 ) -> list[PlannedRequest]:
-    """Requests drawn from the workload at Poisson arrival times."""
-    offsets = poisson_offsets(rate_per_s, rng, num_requests=num_requests, duration_s=duration_s)
-    return [replace(workload.draw(rng), offset_s=offset) for offset in offsets]
+    """Requests drawn from the workload at Poisson arrival times.
+
+    Arrivals and requests come from separate generators, so that two levels seeded alike send the
+    same requests in the same order, the faster level with every gap shrunk by the ratio of the
+    rates (common random numbers: the levels differ in load only, not in luck of the draw).
+    """
+    offsets = poisson_offsets(rate_per_s, arrival_rng, num_requests=num_requests, duration_s=duration_s)
+    return [replace(workload.draw(request_rng), offset_s=offset) for offset in offsets]
 
 
 def trace_rate_per_s(trace: Sequence[PlannedRequest]) -> float | None:

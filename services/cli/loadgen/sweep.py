@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from services.cli.loadgen.gateway_client import GatewayLoadClient
@@ -29,8 +28,7 @@ async def run_levels(
     intents = list(workload.shares) if workload is not None else sorted({r.intent for r in trace or []})
     results = []
     for index, spec in enumerate(sorted(specs, key=lambda s: s.load)):
-        # Each level has its own seeded stream: adding a level leaves the others' requests as they were.
-        source = RequestSource(spec, random.Random(f"{seed}:{spec.mode}:{spec.load}"), workload, trace)
+        source = RequestSource(spec, workload, trace, seed)
         run = await run_level(client, source, show_progress)
         summary = summarize_level(run.records, run.wall_s, intents)
         results.append(LevelResult(spec.mode, spec.load, summary, level_verdicts(summary, slas)))
