@@ -72,7 +72,7 @@ class CacheShape:
         """The shape of rank 0's cache."""
         warm = cache.warm
         return cls(
-            cache.hot.pool.num_blocks,
+            cache.hot.keys.shape[1],  # every block, scratch included (the pool counts only usable ones)
             cache.block_size,
             warm.num_groups if warm else 0,
             warm.group_size if warm else 0,
@@ -115,7 +115,8 @@ class WorkerGroup:
             model_path, device.type, dtype, max_positions, tp, f"tcp://127.0.0.1:{_free_port()}"
         )
         context = mp.get_context("spawn")  # CUDA cannot be forked; spawn on the CPU too, one code path
-        processes, pipes = [], []
+        processes: list[BaseProcess] = []
+        pipes: list[Connection] = []
         for rank in range(1, tp):
             parent_end, child_end = context.Pipe()
             process = context.Process(

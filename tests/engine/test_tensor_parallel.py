@@ -12,6 +12,7 @@ from services.engine.kv_tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine, SamplingParams
 from services.engine.model_config import ModelConfig
 from services.engine.tensor_parallel import TensorParallel, TensorParallelError, shard_config, sharded_dim
+from services.engine.tp_workers import CacheShape
 from tests.engine.tiny_llama import TinySpec, make_tiny_llama
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
@@ -31,7 +32,10 @@ def _load_pair(path: Path, **kwargs: object) -> tuple[LLMEngine, LLMEngine]:
 
 def test_tp2_equals_tp1_under_continuous_batching(tiny_dir: Path) -> None:
     """Six requests of different lengths through two slots: rows join and leave mid-decode."""
-    single, parallel = _load_pair(tiny_dir, max_batch_size=2, max_seq_len=256)
+    kv = KVCacheSpec(
+        block_size=16, num_hot_blocks=1 + 5
+    )  # tight: the highest block ids get used, and preemption
+    single, parallel = _load_pair(tiny_dir, max_batch_size=2, max_seq_len=256, kv=kv)
     prompts = [[5 + i, 6, 7 + 2 * i, 8] * (1 + i % 3) for i in range(6)]
     params = [SamplingParams(max_new_tokens=8 + 5 * (i % 4), temperature=0.0) for i in range(6)]
     try:
@@ -86,6 +90,14 @@ def test_tp2_equals_tp1_on_stories260k(stories_hf_dir: Path) -> None:
 def test_a_split_that_does_not_divide_the_heads_is_refused_before_any_rank_starts(tiny_dir: Path) -> None:
     with pytest.raises(TensorParallelError, match=r"tp=3 does not divide .*use one of \[1, 2\]"):
         LLMEngine.load(tiny_dir, device="cpu", progress=False, tp=3)
+
+
+def test_every_rank_builds_a_cache_of_rank_0s_shape(tiny_dir: Path) -> None:
+    engine = LLMEngine.load(tiny_dir, device="cpu", progress=False, kv=KVCacheSpec(num_hot_blocks=7))
+    cache = engine.runner.kv_cache
+    rebuilt = CacheShape.of(cache).build(engine.runner.model.rank_config, torch.device("cpu"), torch.float32)
+    assert rebuilt.hot.keys.shape == cache.hot.keys.shape
+    assert rebuilt.hot.pool.num_blocks == cache.hot.pool.num_blocks
 
 
 def test_shard_config_divides_heads_and_mlp_width_only() -> None:
