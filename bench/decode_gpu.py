@@ -44,6 +44,7 @@ from services.engine.llm_engine import LLMEngine, SamplingParams
 from services.engine.models import model_dirs
 
 TIERS_ON = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=4096, group_size=32)
+TIERS_ON_LABEL = "ours, tiers on (hot 128, INT4 g32)"
 
 
 def stories_dir() -> Path:
@@ -139,35 +140,42 @@ def bench_decode(rows: list[str], workdir: Path, args: argparse.Namespace) -> No
     rows.append("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     max_seq_len = args.prompt_len + args.new_tokens + 8
     hf_model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    theirs = {b: _guarded(_hf_run(hf_model, b, args)) for b in args.batches}
-    hf_model = None
-    torch.cuda.empty_cache()
-    results: dict[tuple[str, int], tuple[float, float] | str] = {}
-    for label, kv in (
-        ("ours, tiers off", KVCacheSpec()),
-        ("ours, tiers on (hot 128, INT4 g32)", KVCacheSpec(tiers=TIERS_ON)),
-    ):
-        engine = LLMEngine.load(
-            path, device="cuda", dtype="bfloat16", max_batch_size=max(args.batches), max_seq_len=max_seq_len,
-            progress=False, kv=kv,
-        )  # fmt: skip
-        for b in args.batches:
-            results[(label, b)] = _guarded(
-                lambda b=b, e=engine: our_decode(e, b, args.prompt_len, args.new_tokens)
-            )
-        del engine
-        torch.cuda.empty_cache()
-    for b in args.batches:
-        hf_result = theirs[b]
-        rows.append(
-            _row(
-                b, "HF generate", hf_result, hf_result, roofline_tokens_s(params, b, context, bandwidth, None)
-            )
+    configs = (("ours, tiers off", KVCacheSpec()), (TIERS_ON_LABEL, KVCacheSpec(tiers=TIERS_ON)))
+    engines = {
+        label: LLMEngine.load(
+            path,
+            device="cuda",
+            dtype="bfloat16",
+            max_batch_size=max(args.batches),
+            max_seq_len=max_seq_len,
+            progress=False,
+            kv=kv,
         )
-        for label in ("ours, tiers off", "ours, tiers on (hot 128, INT4 g32)"):
-            tiers = TIERS_ON if "tiers on" in label else None
+        for label, kv in configs
+    }
+    runs: dict[tuple[str, int], list[tuple[float, float] | str]] = {}
+    for _ in range(args.repeats):  # interleaved, so a drift in the host's speed hits every engine alike
+        for b in args.batches:
+            runs.setdefault(("HF generate", b), []).append(_guarded(_hf_run(hf_model, b, args)))
+            for label, engine in engines.items():
+                runs.setdefault((label, b), []).append(
+                    _guarded(lambda b=b, e=engine: our_decode(e, b, args.prompt_len, args.new_tokens))
+                )
+    for b in args.batches:
+        hf_result = _median(runs[("HF generate", b)])
+        for label in ("HF generate", "ours, tiers off", TIERS_ON_LABEL):
+            tiers = TIERS_ON if label == TIERS_ON_LABEL else None
             roof = roofline_tokens_s(params, b, context, bandwidth, tiers)
-            rows.append(_row(b, label, results[(label, b)], hf_result, roof))
+            rows.append(_row(b, label, _median(runs[(label, b)]), hf_result, roof))
+
+
+def _median(results: list[tuple[float, float] | str]) -> tuple[float, float] | str:
+    """The run with the median tokens/s (a failure, if any run failed)."""
+    failed = [r for r in results if isinstance(r, str)]
+    if failed:
+        return failed[0]
+    ranked = sorted(results, key=lambda r: r[0])  # type: ignore[index]
+    return ranked[len(ranked) // 2]
 
 
 def _row(
@@ -212,10 +220,12 @@ def header(args: argparse.Namespace) -> list[str]:
         f"- GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs",
         f"- torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}",
         f"- settings: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (EOS ignored), batches "
-        f"{args.batches}, bf16 weights and hot KV, greedy, random weights in the Llama-3.2-1B shape; "
+        f"{args.batches}, {args.repeats} interleaved repeats, bf16 weights and hot KV, greedy, "
+        "random weights in the Llama-3.2-1B shape; "
         "attention is the plain PyTorch reference path (paged gather + INT4 dequantize), no fused kernel yet",
         "- decode tok/s (ours) = tokens generated after every request's first token / the wall time of "
-        "those pure decode steps, stepped by hand; HF by differencing "
+        "those pure decode steps, stepped by hand; median of --repeats runs interleaved across engines; "
+        "HF by differencing "
         "1 and N new tokens; roofline = batch x copy bandwidth / (bf16 weights + the batch's KV bytes "
         "at the mean context)",
         "",
@@ -231,6 +241,9 @@ def main() -> None:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="interleaved runs per engine; the median is kept"
+    )
     parser.add_argument("--checks-only", action="store_true", help="skip the decode benchmark")
     args = parser.parse_args()
     if not torch.cuda.is_available():
