@@ -2,12 +2,13 @@
 
 Same procedure as bench/kv_quality.py: the tiered run feeds chunks of 16 tokens and demotes after
 each; the full-attention reference is one forward pass over all 1024 tokens (the same math).
-Measured on the 2-core EPYC dev box (2026-11-30): mean KL(full || tiered) over 1023 predicted
-tokens of the benchmark text, hot 128 + INT4 warm with group 32, is 0.00142 nats/token (p99
-0.015); dropping the warm tier instead (sink + hot window only) costs 0.145. The bound, 0.005,
-is 3.5x the measured value, headroom for BLAS and thread-count rounding across CPUs and for a
-group-size change, and still 29x below the window-only figure, which the second assertion
-checks, so the test can fail.
+Measured on the 2-core EPYC dev box (2026-11-30) over 1023 predicted tokens of the benchmark text
+(Bierce's The Devil's Dictionary, see bench/kv_quality.py): mean KL(full || tiered), hot 128 + INT4
+warm with group 32, is 0.00070 nats/token (p99 0.0062); with group 128, 0.00099; dropping the warm
+tier instead (sink + hot window only) costs 0.0751. The bound, 0.0025, is 3.6x the measured value,
+headroom for BLAS and thread-count rounding across CPUs and for a group-size change (2.5x the
+group-128 figure), and still 30x below the window-only figure, which the second assertion checks,
+so the test can fail.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from services.engine.llm_engine import LLMEngine
 pytestmark = pytest.mark.real_model
 
 NUM_TOKENS = 1024
-BOUND = 0.005  # nats per token; measured 0.00142, see the module docstring
+BOUND = 0.0025  # nats per token; measured 0.00070, see the module docstring
 
 
 def _mean_kl(engine: LLMEngine, ids: list[int], tiers: TierConfig, reference: torch.Tensor) -> float:
