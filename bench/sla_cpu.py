@@ -36,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--levels", default="0.15,0.25,0.35,0.45,0.6", help="open-loop arrival rates, req/s")
-    parser.add_argument("--duration-s", type=float, default=60.0, help="seconds of arrivals per level")
+    parser.add_argument("--levels", default="0.3,0.6,0.9,1.2,1.6,2.0", help="open-loop arrival rates, req/s")
+    parser.add_argument("--duration-s", type=float, default=45.0, help="seconds of arrivals per level")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print the report instead of writing it")
     return parser.parse_args()
@@ -128,16 +128,19 @@ def compose(document: dict, sweep_markdown: str, plot_names: list[str], stamp: s
     ]
     header += settings_rows(document)
     plots = "\n".join(f"![{name}]({name})" for name in plot_names)
+    settings = document["settings"]
+    levels = ",".join(f"{load:g}" for load in settings["loads"])
+    notes = NOTES.format(levels=levels, duration_s=settings["duration_s_per_level"])
     return (
         f"# SLA calibration on the CPU: SmolLM2-135M-Instruct through the whole mesh\n\n{table(header)}\n\n"
-        f"{sweep_markdown}\n## Plots\n\n{plots}\n\n## Notes\n\n{NOTES}"
+        f"{sweep_markdown}\n## Plots\n\n{plots}\n\n## Notes\n\n{notes}"
     )
 
 
 NOTES = """\
-- Reproduce: `.venv/bin/python bench/sla_cpu.py` (defaults as above), or the loadgen alone:
-  `thermocline loadgen --start-mesh --workload bench/loadgen_cpu_workload.toml --sweep 0.15,0.25,0.35,0.45,0.6
-  --duration-s 60 --json out.json --markdown out.md --plots out`.
+- Reproduce: `.venv/bin/python bench/sla_cpu.py --levels {levels} --duration-s {duration_s:g}`, or the
+  loadgen alone: `thermocline loadgen --start-mesh --workload bench/loadgen_cpu_workload.toml
+  --sweep {levels} --duration-s {duration_s:g} --timeout-s 120 --json out.json --markdown out.md --plots out`.
 - Latencies are client-side, through the gateway (JWT, RBAC, Redis rate limit, fsynced audit, the
   safety prompt check). The gateway releases text only after the safety service screens it, every
   16 tokens and at the end, so a client's TTFT spans prefill plus the first 16 decode steps (or the

@@ -26,7 +26,7 @@ class GatewayLoadClient:
 
     async def close(self) -> None:
         """Closes the channel."""
-        await self._channel.close()
+        await self._channel.close(grace=None)
 
     async def send(self, planned: PlannedRequest, run_start_s: float) -> RequestRecord:
         """Streams one request to its end and records what happened; never raises for an RPC error."""

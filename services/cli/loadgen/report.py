@@ -135,10 +135,17 @@ def knees_markdown(levels: list[LevelResult], slas: dict[str, Sla]) -> str:
     lines = [f"| class | SLA (p99 limits, max error rate) | knee ({unit}) |", "| --- | --- | --- |"]
     for intent, sla in slas.items():
         limits = ", ".join(f"{metric} ≤ {limit:g} ms" for metric, limit in sla.limits.items())
-        knee = found[intent]
-        knee_text = f"{knee:g}" if knee is not None else f"below {min(level.load for level in levels):g}"
+        knee_text = _knee_text(found[intent], [level.load for level in levels])
         lines.append(f"| {intent} | {limits}, errors ≤ {sla.max_error_rate:g} | {knee_text} |")
     return "\n".join(lines)
+
+
+def _knee_text(knee: float | None, loads: list[float]) -> str:
+    if knee is None:
+        return f"below {min(loads):g} (the lowest level failed)"
+    if knee == max(loads):
+        return f"≥ {knee:g} (the highest level run passed: raise the sweep)"
+    return f"{knee:g}"
 
 
 def report_markdown(levels: list[LevelResult], slas: dict[str, Sla]) -> str:
