@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="decode runs per setting (for the header)")
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"this benchmark needs 2 GPUs, found {torch.cuda.device_count()}")

@@ -128,6 +128,7 @@ class WorkerGroup:
             pipes.append(parent_end)
         if device.type == "cuda":
             torch.cuda.set_device(spec.device(0))
+        _share_host_threads(tp)
         _init_process_group(spec, rank=0)
         return cls(spec, processes, pipes)
 
@@ -190,13 +191,18 @@ def _load_rank(rank: int, spec: WorkerSpec, pipe: Connection) -> ModelRunner:
     device = spec.device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+    _share_host_threads(spec.world_size)
     _init_process_group(spec, rank)
     tp = TensorParallel(rank=rank, size=spec.world_size)
     model = load_model(open_checkpoint(spec.model_path), device, spec.dtype, spec.max_positions, False, tp)
     shape: CacheShape = pipe.recv()
     return ModelRunner(model, shape.build(model.rank_config, device, spec.dtype), device)
+
+
+def _share_host_threads(world_size: int) -> None:
+    """Give each rank its share of the host's cores for host-side tensor work (step inputs on GPUs,
+    everything on the CPU): N processes each spinning a thread per core slow one another down."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
 def _init_process_group(spec: WorkerSpec, rank: int) -> None:
