@@ -90,7 +90,7 @@ def test_one_trace_links_gateway_safety_and_engine(
     for client, server in [(GATEWAY_TO_SAFETY, SAFETY_CHECK_PROMPT), (GATEWAY_TO_ENGINE, ENGINE_GENERATE)]:
         assert by_name[client].parent_span_id == gateway.span_id, f"{client} is not under the gateway span"
         assert by_name[server].parent_span_id == by_name[client].span_id, f"{server} is not under {client}"
-    engine = next(s for s in spans if s.service == "thermocline-engine")
+    engine = by_name[ENGINE_GENERATE]
     assert engine.attributes["gen_ai.usage.input_tokens"] == 5
     assert engine.attributes["gen_ai.usage.output_tokens"] == 8
 
