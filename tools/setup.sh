@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything Thermocline needs on a fresh Debian-like machine, idempotently:
 #   system packages: redis-server (the mesh's Redis), docker-compose (checks compose.yaml),
-#   prometheus (its promtool checks and unit-tests deploy/prometheus/alerts.yml), make
+#   prometheus (its promtool checks and unit-tests deploy/prometheus/alerts.yml), make,
+#   dict-devil (The Devil's Dictionary, public domain: the text bench/kv_quality.py and its test read)
 #   a virtual environment in .venv with the project and its dev tools installed (editable).
 # Knobs: THERMOCLINE_VENV (default .venv), THERMOCLINE_TORCH_SPEC (default torch==2.13.0, the CPU build
 # this workplace keeps on disk; set e.g. "torch" for the newest build from your index).
@@ -15,6 +16,7 @@ missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v promtool >/dev/null || missing+=(prometheus)
+[ -f /usr/share/dictd/devil.dict.dz ] || missing+=(dict-devil)
 if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null; then
     sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
