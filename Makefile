@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo up test lint typecheck gen bench
+.PHONY: setup demo up test lint typecheck gen bench sla
 
 setup:
 	./tools/setup.sh
@@ -28,3 +28,6 @@ gen:  ## regenerate the gRPC stubs from protos/
 
 bench: setup  ## CPU decode benchmark; writes bench/results/
 	$(PY) bench/decode_cpu.py
+
+sla: setup  ## SLA calibration sweep with SmolLM2 on the CPU (a few minutes); writes bench/results/sla_cpu_*
+	$(PY) bench/sla_cpu.py
