@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.gate_file import ENGINE_HEAD, gate_scores, load_gate
 from services.safety.classifier import TextClassifier
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
-from services.safety.gate_file import ENGINE_HEAD, gate_scores, load_gate
 from tools.safety_data import BENIGN, CATEGORIES, Example, fetch_wheels, load_examples
 from tools.train_safety_gate import cached_features
 

@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.gate_file import ENGINE_HEAD, PROMPT_HEAD, HeadWeights, gate_scores, write_gate
 from services.safety.embedder import CLS_ID, SEP_ID, MiniLMEmbedder, default_model_dir
-from services.safety.gate_file import ENGINE_HEAD, PROMPT_HEAD, HeadWeights, gate_scores, write_gate
 from services.safety.normalizer import canonical
 from tools.safety_data import (
     BENIGN,

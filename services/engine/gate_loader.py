@@ -20,9 +20,7 @@ from typing import NamedTuple
 import grpc
 import torch
 
-from services.engine.models import REGISTRY, SharedModel, model_dirs
-from services.engine.safety_gate import DEFAULT_SAFE_MESSAGE, GateReport, GateStatus, InLoopGate
-from services.safety.gate_file import (
+from services.common.gate_file import (
     ENGINE_HEAD,
     GateFileError,
     GateManifest,
@@ -31,6 +29,8 @@ from services.safety.gate_file import (
     parse_gate,
     sha256_hex,
 )
+from services.engine.models import REGISTRY, SharedModel, model_dirs
+from services.engine.safety_gate import DEFAULT_SAFE_MESSAGE, GateReport, GateStatus, InLoopGate
 from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc
 
 log = logging.getLogger(__name__)

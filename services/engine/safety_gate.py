@@ -1,6 +1,6 @@
 """The in-loop safety gate: a linear head on the final normed hidden state, run inside each step.
 
-The head comes from the gate file's `engine` head (services/safety/gate_file.py), whose risk for
+The head comes from the gate file's `engine` head (services/common/gate_file.py), whose risk for
 category c is sigmoid(logit_c - logit_benign) >= threshold_c. At start-up that is folded into one
 matrix and one limit per category, so a step costs one small matmul and one compare on the
 device: `(hidden @ weight_t) >= limits`. The [B, C] bool result stays on the device until the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import FailedPrecondition
-from services.safety.gate_file import HeadWeights
+from services.common.gate_file import HeadWeights
 
 DEFAULT_SAFE_MESSAGE = "I can't help with that request."
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.embedder import MiniLMEmbedder
-from services.safety.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.normalizer import views
 
 

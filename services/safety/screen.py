@@ -10,10 +10,10 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
 from services.safety.classifier import TextClassifier
 from services.safety.config import SafetyConfig
 from services.safety.embedder import MiniLMEmbedder, default_model_dir
-from services.safety.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
 from services.safety.policy import DenyPatternPolicy
 
 DENY_PREFIX = "deny_patterns/"  # score names of the deny-pattern layer, apart from the classifier's

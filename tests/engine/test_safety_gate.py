@@ -13,6 +13,14 @@ import torch
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
+from services.common.gate_file import (
+    ENGINE_HEAD,
+    HeadWeights,
+    gate_scores,
+    load_gate,
+    manifest_path_for,
+    write_gate,
+)
 from services.engine.engine_metrics import EngineCollector
 from services.engine.gate_loader import (
     DEFAULT_GATE_FILE,
@@ -30,14 +38,6 @@ from services.engine.safety_gate import DEFAULT_SAFE_MESSAGE, GateRefused, GateS
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import FinishReason
 from services.gateway.tokens import mint_token
-from services.safety.gate_file import (
-    ENGINE_HEAD,
-    HeadWeights,
-    gate_scores,
-    load_gate,
-    manifest_path_for,
-    write_gate,
-)
 from tests.conftest import start_mesh
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 from thermocline.gateway.v1 import gateway_pb2

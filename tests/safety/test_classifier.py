@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from services.common.gate_file import load_gate
 from services.safety.classifier import TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
-from services.safety.gate_file import load_gate
 
 HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
 FILLER = "The committee met on Tuesday to review the quarterly budget and the new parking rules. "

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
+from services.common.gate_file import manifest_path_for, parse_gate, sha256_hex
 from services.safety.config import DEFAULT_GATE
-from services.safety.gate_file import manifest_path_for, parse_gate, sha256_hex
 from thermocline.safety.v1 import safety_pb2 as pb
 from thermocline.safety.v1 import safety_pb2_grpc as pb_grpc
 

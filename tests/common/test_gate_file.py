@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.safety.config import DEFAULT_GATE
-from services.safety.gate_file import (
+from services.common.gate_file import (
     ENGINE_HEAD,
     PROMPT_HEAD,
     GateFileError,
@@ -23,6 +22,7 @@ from services.safety.gate_file import (
     sha256_hex,
     write_gate,
 )
+from services.safety.config import DEFAULT_GATE
 
 
 def test_the_committed_gate_verifies_and_names_what_each_head_reads() -> None:
