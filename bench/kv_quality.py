@@ -7,7 +7,7 @@ groups are demoted, as in decode.
 The reference is the same chunked run with tiers off (every token hot, full precision).
 
 The text is Ambrose Bierce's _The Devil's Dictionary_ as Debian's `dict-devil` package installs it
-(`make bench` and `make test` install it; see TEXT_SOURCE).
+(`tools/setup.sh`, which `make test` and `make bench` run, installs it; see TEXT_SOURCE).
 
     .venv/bin/python bench/kv_quality.py --contexts 512 2048 --out bench/results/kv_quality_<date>.md
 """
@@ -63,7 +63,7 @@ def load_text(path: Path = DEVIL_DICT) -> str:
     """
     if not path.exists():
         raise FileNotFoundError(
-            f"{path} is missing: install Debian's dict-devil (`make bench` does), "
+            f"{path} is missing: install Debian's dict-devil (`tools/setup.sh` does), "
             "or pass --text-file with a copy of devil.dict.dz and devil.index beside it"
         )
     data = gzip.decompress(path.read_bytes())
