@@ -39,7 +39,7 @@ from services.engine.scheduler import ExpiredRequest, ScheduledBatch, Scheduler
 from services.engine.sequence import EventCallback, FinishReason, RequestId, Sequence, StreamEvent
 from services.engine.tensor_parallel import SINGLE
 from services.engine.tokenizer import Tokenizer
-from services.engine.tp_workers import CacheShape, WorkerGroup
+from services.engine.tp_workers import CacheShape, RankLost, WorkerGroup
 
 __all__ = [
     "EngineStats",
@@ -131,6 +131,7 @@ class LLMEngine:
             ("steps", "prompt_tokens", "generated_tokens", "finished", "dropped"), 0
         )
         self._num_decode_steps = 0
+        self._lost_rank: str | None = None  # set when a tensor-parallel rank has exited
         self._hot_attention_mass = 1.0
         self._gate: InLoopGate | None = None
         self.gate_report = GateReport(GateStatus.ABSENT, detail="no gate installed")
@@ -219,6 +220,8 @@ class LLMEngine:
         """
         if self._is_stopping:
             raise EngineStopped("the engine is stopped; it accepts no new requests")
+        if self._lost_rank is not None:
+            raise EngineStopped(f"{self._lost_rank}; send the request to another replica")
         if self.gate_report.is_refusing:
             raise refusal(self.gate_report)
         self._check_prompt(prompt_ids)
@@ -335,6 +338,11 @@ class LLMEngine:
                 return
             try:
                 token_ids = self._run(batch)
+            except RankLost as exc:  # the group is gone: fail fast now and refuse new work
+                logger.critical("%s", exc)
+                self._lost_rank = str(exc)
+                self._fail(batch, exc, error_status="unavailable")
+                return
             except Exception as exc:  # a failed step must not take the engine down
                 logger.exception("engine step failed; failing %d request(s)", len(batch.seqs))
                 self._fail(batch, exc)
@@ -431,11 +439,11 @@ class LLMEngine:
         seq.finish(FinishReason.SAFETY)
         return seq.event((), self._gate.safe_message)
 
-    def _fail(self, batch: ScheduledBatch, exc: Exception) -> None:
+    def _fail(self, batch: ScheduledBatch, exc: Exception, error_status: str | None = None) -> None:
         for seq in batch.seqs:
             if self.scheduler.remove(seq.request_id, FinishReason.ERROR) is not None:
                 self._counters["finished"] += 1
-                _emit(seq, seq.event((), "", error=f"{type(exc).__name__}: {exc}"))
+                _emit(seq, seq.event((), "", error=f"{type(exc).__name__}: {exc}", error_status=error_status))
 
     def _drain_inbox(self) -> None:
         with self._lock:

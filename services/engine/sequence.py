@@ -52,7 +52,7 @@ class StreamEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None  # set with FinishReason.ERROR
-    error_status: str | None = None  # "deadline_exceeded" / "resource_exhausted" for refusals in the queue
+    error_status: str | None = None  # deadline_exceeded / resource_exhausted (queue refusals), unavailable
     usage: SequenceUsage | None = None  # set on the final event
     timeline: Timeline | None = None  # set on the final event; the servicer turns it into spans
 

@@ -195,6 +195,8 @@ def _raise_refusal(event: StreamEvent) -> None:
         raise DeadlineExceeded(event.error or "the request waited too long in the queue")
     if event.error_status == "resource_exhausted":
         raise ResourceExhausted(event.error or "the engine ran out of KV cache for this request")
+    if event.error_status == "unavailable":
+        raise Unavailable(event.error or "the engine cannot run steps; send the request to another replica")
 
 
 def register(server: grpc.aio.Server, config: EngineConfig, engine: LLMEngine) -> list[str]:

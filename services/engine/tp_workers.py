@@ -89,6 +89,10 @@ class CacheShape:
         return KVCache(hot, warm)
 
 
+class RankLost(TensorParallelError):
+    """A tensor-parallel rank exited: the group cannot run another step until the engine restarts."""
+
+
 class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1: launch, hand them the cache shape, send steps, stop."""
 
@@ -148,9 +152,18 @@ class WorkerGroup:
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {answer}")
 
     def send(self, plan: StepPlan) -> None:
-        """Hand one step to every other rank."""
+        """Hand one step to every other rank; refused (rather than hang in a collective) if one exited."""
+        self._check_alive()
         for pipe in self.pipes:
             pipe.send(plan)
+
+    def _check_alive(self) -> None:
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise RankLost(
+                    f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); this engine "
+                    "cannot run steps until it is restarted"
+                )
 
     def close(self) -> None:
         """Stop every other rank and leave the process group."""

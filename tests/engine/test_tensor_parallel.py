@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.errors import EngineStopped
 from services.engine.generation_result import ResultCollector
 from services.engine.kv_tiers import KVCacheSpec, TierConfig
-from services.engine.llm_engine import LLMEngine, SamplingParams
+from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams
 from services.engine.model_config import ModelConfig
 from services.engine.tensor_parallel import TensorParallel, TensorParallelError, shard_config, sharded_dim
 from services.engine.tp_workers import CacheShape
@@ -124,3 +125,18 @@ def test_each_rank_keeps_its_own_slice_of_sharded_weights() -> None:
     assert torch.equal(rank1.shard("layers.0.self_attn.k_proj.weight", weight), weight[2:])
     assert torch.equal(rank1.shard("layers.0.self_attn.o_proj.weight", weight), weight[:, 3:])
     assert rank1.shard("norm.weight", weight) is weight
+
+
+def test_a_lost_rank_fails_the_step_at_once_and_new_requests_are_refused(tiny_dir: Path) -> None:
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=256, progress=False, tp=2)
+    try:
+        rank1 = engine.runner.followers.processes[0]  # type: ignore[union-attr]
+        rank1.kill()
+        rank1.join()
+        result = engine.generate([[5, 6, 7, 8]], GREEDY)[0]
+        assert result.finish_reason is FinishReason.ERROR
+        assert result.error is not None and "tensor-parallel rank 1 exited" in result.error
+        with pytest.raises(EngineStopped, match=r"rank 1 exited .* another replica"):
+            engine.submit([5, 6, 7], GREEDY, ResultCollector([5, 6, 7]))
+    finally:
+        engine.stop()
