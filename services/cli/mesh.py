@@ -24,6 +24,8 @@ from services.gateway.tokens import ensure_dev_keys
 log = logging.getLogger(__name__)
 
 SERVICES = ("kvstore", "safety", "engine", "gateway")
+# The engine's intent classes as deployed (reserved slots, per-class timeouts and tier sizes).
+ENGINE_INTENT_CLASSES = Path(__file__).resolve().parents[2] / "deploy" / "engine" / "intent_classes.toml"
 
 
 def free_port() -> int:
@@ -226,6 +228,8 @@ class Mesh:
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "PYTHONUNBUFFERED": "1",
         }
+        if ENGINE_INTENT_CLASSES.exists():  # a source checkout: the classes compose deploys too
+            env["THERMOCLINE_ENGINE_INTENT_CLASSES"] = str(ENGINE_INTENT_CLASSES)
         if (tokenizer := _local_model_path(config.model)) is not None:
             env["THERMOCLINE_GATEWAY_TOKENIZER"] = str(tokenizer)
         if config.otlp_endpoint:
