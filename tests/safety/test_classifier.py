@@ -1,7 +1,8 @@
 """The learned screen in process, on the committed gate and the real embedder.
 
 Evasions score no lower than their plain forms because the views undo them before embedding:
-the plain text is always one of the views, and the score is the maximum over views.
+the plain text is always one of the views, and the score is the maximum over views. Outputs are
+judged against the gate's output thresholds, calibrated on benign outputs.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from services.common.gate_file import load_gate
+from services.common.gate_file import PROMPT_HEAD, load_gate
 from services.safety.classifier import TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
 
 HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
+HELDOUT_OUTPUTS = json.loads((Path(__file__).parent / "heldout_outputs.json").read_text())
 FILLER = "The committee met on Tuesday to review the quarterly budget and the new parking rules. "
 
 
@@ -56,6 +58,27 @@ def test_evasions_score_no_lower_than_the_plain_prompt(
 def test_held_out_prompts_are_decided_as_the_sample_says(classifier: TextClassifier) -> None:
     assert all(classifier.score(p).triggered for p in HELDOUT["harmful"])
     assert not any(classifier.score(p).triggered for p in HELDOUT["benign"])
+
+
+def test_held_out_benign_outputs_pass_the_output_screen_at_about_the_calibrated_rate(
+    classifier: TextClassifier,
+) -> None:
+    benign = HELDOUT_OUTPUTS["benign"]  # 24 held-out benign outputs, taken as they come
+    as_outputs = [classifier.score(text, "output") for text in benign]
+    # Calibrated to 1 % false positives: 0.24 expected in 24, so one is already unlucky.
+    assert sum(bool(s.triggered) for s in as_outputs) <= 1
+    # Judged against the prompt thresholds, more of them block (5 % of held-out benign outputs).
+    prompt_thresholds = classifier.score(benign[0], "prompt").thresholds
+    as_prompts = [any(v >= prompt_thresholds[c] for c, v in s.values.items()) for s in as_outputs]
+    assert sum(as_prompts) > sum(bool(s.triggered) for s in as_outputs)
+
+
+def test_held_out_harmful_outputs_are_still_blocked_by_the_output_screen(classifier: TextClassifier) -> None:
+    for text in HELDOUT_OUTPUTS["harmful"]:
+        scores = classifier.score(text, "output")
+        assert scores.triggered, text[:80]
+        expected = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD).output_thresholds
+        assert scores.thresholds == pytest.approx(expected)
 
 
 def test_a_long_prompt_is_scored_by_sentence_and_the_harmful_one_counts(classifier: TextClassifier) -> None:
