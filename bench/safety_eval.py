@@ -73,11 +73,12 @@ class Rates:
         return cls(precision, tp / max(1, num_harmful), fp / max(1, num_benign), num_harmful, num_benign)
 
     def row(self, name: str) -> str:
-        """One markdown table row."""
-        return (
-            f"| {name} | {self.num_harmful} / {self.num_benign} | {self.precision:.3f} | "
-            f"{self.recall:.3f} | {self.fpr:.4f} |"
-        )
+        """One markdown table row (a set with no harmful text has no precision or recall)."""
+        precision, recall = f"{self.precision:.3f}", f"{self.recall:.3f}"
+        if not self.num_harmful:
+            precision = recall = "–"
+        counts = f"{self.num_harmful} / {self.num_benign}"
+        return f"| {name} | {counts} | {precision} | {recall} | {self.fpr:.4f} |"
 
 
 def per_category_recall(examples: list[Example], blocked: list[bool]) -> dict[str, str]:
