@@ -230,6 +230,12 @@ def _hash_problems(
             f"the safety service at {config.safety_target} announces gate {announced.version} with "
             f"sha256 {announced.sha256}, the engine holds {manifest.version} with {actual_sha256}"
         )
+    elif announced is not None and announced.version != manifest.version:
+        # the hash covers the weights only; thresholds live in the manifest, whose version says which
+        problems.append(
+            f"the safety service at {config.safety_target} announces gate {announced.version}, the engine "
+            f"holds {manifest.version}: the weights are the same, the manifests (thresholds) may not be"
+        )
     return problems
 
 

@@ -169,6 +169,15 @@ def test_announced_hash_that_differs_refuses_or_warns_with_the_local_gate(tmp_pa
     assert warned.report.is_active and not warned.report.is_refusing
 
 
+def test_same_weights_under_another_manifest_version_is_a_mismatch(tmp_path: Path) -> None:
+    """The hash covers the weights only, so a manifest (thresholds) change shows in the version."""
+    path = _random_gate(tmp_path / "gate.safetensors", 64)
+    announced = _announce(path)._replace(version="a-later-version")
+    checked = _check(_config(path, safety_target="127.0.0.1:1"), ServedModel(("tiny",), 64), announced)
+    assert checked.report.status is GateStatus.MISMATCH and checked.report.is_refusing
+    assert "a-later-version" in checked.report.detail and "manifests (thresholds)" in checked.report.detail
+
+
 @pytest.mark.parametrize("model", [ServedModel(("tiny",), 48), ServedModel(("other-model",), 64)])
 def test_gate_for_another_model_leaves_this_one_ungated(tmp_path: Path, model: ServedModel) -> None:
     path = _random_gate(tmp_path / "gate.safetensors", 64)
