@@ -25,6 +25,7 @@ from services.common.metrics import DRAINING, start_metrics_server
 log = logging.getLogger(__name__)
 
 Hook = Callable[[], Awaitable[None]]
+HEALTH_PROBE_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -40,6 +41,9 @@ class ServiceSpec:
     on_stop: Hook | None = None
     # Extra state the service wants reflected in its health status.
     service_names: list[str] = field(default_factory=list)
+    # Polled every HEALTH_PROBE_INTERVAL_S while serving: None when healthy, else why not. A reason
+    # turns health NOT_SERVING (so routers move traffic away) until the probe says None again.
+    health_probe: Callable[[], str | None] | None = None
 
 
 def setup_logging(level: str) -> None:
@@ -59,6 +63,7 @@ class RunningServer:
             options=channel_options(spec.config.max_message_bytes, spec.config.keepalive_s),
         )
         self.stopped = asyncio.Event()
+        self._probe_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Registers everything, binds the port and turns health SERVING."""
@@ -74,6 +79,27 @@ class RunningServer:
             await self.spec.on_start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving on %s", config.service, config.address)
+        if self.spec.health_probe is not None:
+            self._probe_task = asyncio.create_task(self._probe_health(self.spec.health_probe))
+
+    async def _probe_health(self, probe: Callable[[], str | None]) -> None:
+        """Mirror the service's own probe in its health status until the drain takes over."""
+        last: str | None = None
+        while not self.tracker.is_draining:
+            reason = probe()
+            if reason != last and not self.tracker.is_draining:
+                if reason is None:
+                    log.info("%s is healthy again", self.spec.config.service)
+                else:
+                    log.error("%s is not serving: %s", self.spec.config.service, reason)
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if reason is None
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                await self._set_health(status)
+                last = reason
+            await asyncio.sleep(HEALTH_PROBE_INTERVAL_S)
 
     async def drain(self) -> None:
         """Stops admitting calls, lets those in flight finish within the grace period, then stops."""

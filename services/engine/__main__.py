@@ -43,6 +43,7 @@ def main() -> None:
             config=config.server,
             register=lambda server: register(server, config, engine),
             on_stop=stop_engine,
+            health_probe=engine.health_problem,
         )
     )
 

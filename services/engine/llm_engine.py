@@ -245,6 +245,10 @@ class LLMEngine:
             self._cancels.append(RequestId(str(request_id)))
             self._lock.notify()
 
+    def health_problem(self) -> str | None:
+        """Why this engine cannot serve (a lost tensor-parallel rank), or None; polled for health."""
+        return self._lost_rank or self.runner.lost_rank()
+
     def stats(self) -> EngineStats:
         """Current load and lifetime counters."""
         return EngineStats(

@@ -54,6 +54,9 @@ class StepFollower(Protocol):
     def close(self) -> None:
         """Stop the other ranks."""
 
+    def lost_rank(self) -> str | None:
+        """Why the other ranks cannot run a step, or None while they can."""
+
 
 class ModelRunner:
     """Owns the model and its KV cache on one device; on rank 0 it also drives the other TP ranks."""
@@ -96,6 +99,10 @@ class ModelRunner:
         for copy in plan.warm_copies:
             self.kv_cache.copy_to_warm(copy)
         self._forward(plan)
+
+    def lost_rank(self) -> str | None:
+        """Why this runner's tensor-parallel group cannot run a step, or None (always None at TP=1)."""
+        return self.followers.lost_rank() if self.followers is not None else None
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any."""

@@ -157,13 +157,19 @@ class WorkerGroup:
         for pipe in self.pipes:
             pipe.send(plan)
 
-    def _check_alive(self) -> None:
+    def lost_rank(self) -> str | None:
+        """Why the group cannot run a step (a rank has exited), or None while every rank is alive."""
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
-                raise RankLost(
+                return (
                     f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); this engine "
                     "cannot run steps until it is restarted"
                 )
+        return None
+
+    def _check_alive(self) -> None:
+        if (reason := self.lost_rank()) is not None:
+            raise RankLost(reason)
 
     def close(self) -> None:
         """Stop every other rank and leave the process group."""
