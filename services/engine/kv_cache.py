@@ -256,7 +256,7 @@ class KVCache:
             return DemotionResult()
         blocks_per_group = tiers.group_size // self.block_size
         if table.next_demote_block < 0:
-            table.next_demote_block = -(-tiers.sink_tokens // self.block_size)
+            table.next_demote_block = self._num_sink_blocks(table)
         demoted = 0
         hot_from = num_computed_tokens - tiers.hot_tokens  # positions >= hot_from stay hot
         while (table.next_demote_block + blocks_per_group) * self.block_size <= hot_from:
@@ -264,6 +264,19 @@ class KVCache:
             table.next_demote_block += blocks_per_group
         dropped = self._apply_warm_limit(table, blocks_per_group)
         return DemotionResult(demoted, dropped)
+
+    def num_held_hot_blocks(self, table: BlockTable) -> int:
+        """`len(table.held_hot_blocks())` without scanning the table (read per row per decode step).
+
+        Demotion empties blocks in order, from the end of the sink up to `next_demote_block`
+        (to warm or dropped); every other block of the table is held.
+        """
+        if table.next_demote_block < 0:  # nothing demoted yet
+            return len(table.hot_block_ids)
+        return len(table.hot_block_ids) - (table.next_demote_block - self._num_sink_blocks(table))
+
+    def _num_sink_blocks(self, table: BlockTable) -> int:
+        return -(-table.tiers.sink_tokens // self.block_size)
 
     def _demote_group(self, table: BlockTable, first: int, blocks_per_group: int) -> int:
         assert self.warm is not None

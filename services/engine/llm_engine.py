@@ -54,7 +54,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SEQ_LEN = 2048  # cap when the caller gives none: the contiguous cache reserves it per slot
+DEFAULT_MAX_SEQ_LEN = 2048  # cap when the caller gives none: the default hot pool holds it for every slot
 DEFAULT_MAX_PREFILL_TOKENS = 4096  # padded prompt tokens per prefill step
 PROBE_EVERY_DECODE_STEPS = 16  # with tiers on, every 16th decode step samples the hot attention mass
 
@@ -395,11 +395,11 @@ class LLMEngine:
         return self.config.num_layers - 1
 
     def _record_attention(self, batch: ScheduledBatch) -> None:
-        block_size = self.runner.kv_cache.block_size
+        cache = self.runner.kv_cache
         for row in batch.rows:
             table = row.seq.block_table
             if row.num_new == 1:  # decode
-                num_hot = min(len(table.held_hot_blocks()) * block_size, row.seq.num_tokens)
+                num_hot = min(cache.num_held_hot_blocks(table) * cache.block_size, row.seq.num_tokens)
                 row.seq.record_attention(num_hot, len(table.warm_groups) * table.tiers.group_size)
 
     def _expire_waiting(self) -> None:

@@ -79,6 +79,18 @@ def test_demotion_moves_groups_out_of_the_hot_window_and_frees_their_blocks() ->
     torch.testing.assert_close(keys[0, 0, :, 0], torch.arange(15.0), atol=0.2, rtol=0)  # INT4 error
 
 
+def test_the_held_hot_block_count_matches_a_scan_through_demotions_and_drops() -> None:
+    tiers = TierConfig(enabled=True, sink_tokens=3, hot_tokens=4, warm_tokens=4, group_size=4)
+    cache = make_cache(ONE_HEAD, num_blocks=32, block_size=2, tiers=tiers)
+    table = BlockTable(tiers)
+    assert cache.num_held_hot_blocks(table) == len(table.held_hot_blocks()) == 0
+    for length in range(1, 30):
+        _store(cache, [table], [[float(length - 1)]], [length - 1], [1])
+        cache.demote(table, length)
+        assert cache.num_held_hot_blocks(table) == len(table.held_hot_blocks())
+    assert table.num_dropped_blocks > 0 and table.warm_groups  # both kinds of emptied block occurred
+
+
 def test_window_policy_drops_the_oldest_warm_group() -> None:
     tiers = TierConfig(enabled=True, sink_tokens=2, hot_tokens=4, warm_tokens=4, group_size=4)
     cache = make_cache(ONE_HEAD, num_blocks=16, block_size=2, tiers=tiers)
