@@ -176,7 +176,6 @@ class Sequence:
         self.num_preemptions = 0
         self._attended = [0, 0, 0]  # decode steps, hot tokens, warm tokens attended
         self.generator = generator
-        self.arrival_s = time.perf_counter()
         self.timeline = Timeline()
         self._detokenizer = detokenizer
         self._stop_checker = StopChecker(params.stop)
