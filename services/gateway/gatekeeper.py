@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from services.common import telemetry
-from services.common.errors import InvalidArgument, ThermoclineError, Unauthenticated
+from services.common.errors import ThermoclineError, Unauthenticated
 from services.gateway.audit import ALLOW, DENY, AuditEvent, AuditLog, prompt_sha256
 from services.gateway.auth import JwtVerifier, Principal
 from services.gateway.budget import PromptCounter, check_request_budget
@@ -166,9 +166,3 @@ class Gatekeeper:
     async def record(self, event: AuditEvent) -> None:
         """Writes an event that is not an admission decision (e.g. a safety block)."""
         await self.audit.record(event)
-
-
-def require_input(request: pb.GenerateRequest) -> None:
-    """INVALID_ARGUMENT for a request with neither prompt nor chat."""
-    if request.WhichOneof("input") is None:
-        raise InvalidArgument("request has no input: set either prompt or chat")

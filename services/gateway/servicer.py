@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +12,7 @@ from services.common.errors import InvalidArgument, NotFound
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import DENY, AuditEvent, prompt_sha256
 from services.gateway.config import GatewayConfig
-from services.gateway.gatekeeper import Admission, Gatekeeper, require_input
+from services.gateway.gatekeeper import Admission, Gatekeeper
 from services.gateway.relay import RelaySettings, blocked_messages, record_verdict, relay
 from services.gateway.router import affinity_key
 from services.gateway.upstream import Upstreams
@@ -21,8 +20,6 @@ from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from thermocline.safety.v1 import safety_pb2
-
-log = logging.getLogger(__name__)
 
 
 def _metadata(context: Any) -> dict[str, str]:
@@ -85,8 +82,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self, request: pb.GenerateRequest, context: Any
     ) -> AsyncIterator[pb.GenerateResponse]:
         metadata = _metadata(context)
-        require_input(request)
-        text = prompt_text(request)
+        text = prompt_text(request)  # INVALID_ARGUMENT when there is no input
         resolve = lambda name: self._resolve_model(name, context.time_remaining())  # noqa: E731
         admission = await self.gatekeeper.admit_generate(request, text, metadata, resolve)
         settings = self._settings(text, admission, context.time_remaining())
