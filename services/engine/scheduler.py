@@ -72,6 +72,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.classes = classes or IntentClasses.builtin()
         self.classes.check_fits(max_batch_size)
+        self._classes_by_priority = sorted(self.classes.by_name.values(), key=lambda c: -c.priority)
         self.model_id = model_id
         self.clock = clock
         self.waiting: dict[str, deque[Sequence]] = {name: deque() for name in self.classes.by_name}
@@ -137,7 +138,7 @@ class Scheduler:
 
     def _admit(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
         admitted: list[ScheduledRow] = []
-        for cls in self._classes_by_priority():
+        for cls in self._classes_by_priority:
             queue = self.waiting[cls.name]
             while queue and self._class_may_start(cls):
                 seq = queue[0]
@@ -152,9 +153,6 @@ class Scheduler:
                 self._start(seq)
                 admitted.append(ScheduledRow(seq, chunk))
         return admitted
-
-    def _classes_by_priority(self) -> list[IntentClass]:
-        return sorted(self.classes.by_name.values(), key=lambda c: -c.priority)
 
     def _class_may_start(self, cls: IntentClass) -> bool:
         """Room in the batch, in the class's share, and outside other classes' unfilled reservations."""
