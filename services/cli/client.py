@@ -49,6 +49,11 @@ def stream_generate(
     return pb_grpc.GatewayServiceStub(channel).Generate(request, metadata=metadata, timeout=timeout_s)
 
 
+def finish_name(finish_reason: int) -> str:
+    """A FinishReason as a short lower-case word: `length`, `stop`, `safety`, ..."""
+    return pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
 def collect(responses: Iterator[pb.GenerateResponse], echo: bool = False) -> StreamResult:
     """Reads a whole stream, printing the text as it comes when `echo` is set."""
     result = StreamResult()

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import grpc
 
-from services.cli.client import build_request, call_metadata, collect, stream_generate
+from services.cli.client import build_request, call_metadata, collect, finish_name, stream_generate
 from services.cli.loadgen.command import add_loadgen_parser
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
 from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
 from services.common import env
 from services.engine.models import resolve_model
 from services.gateway.tokens import ensure_dev_keys, mint_token
-from thermocline.gateway.v1 import gateway_pb2
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEMO_QUESTION = "What is the capital of France?"
@@ -83,16 +82,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if result.done is not None:
         done = result.done
         print(
-            f"[{done.model}] finish={_finish_name(done.finish_reason)} "
+            f"[{done.model}] finish={finish_name(done.finish_reason)} "
             f"prompt_tokens={done.usage.prompt_tokens} completion_tokens={done.usage.completion_tokens} "
             f"trace_id={done.trace_id}",
             file=sys.stderr,
         )
     return 0
-
-
-def _finish_name(value: int) -> str:
-    return gateway_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from services.cli.client import build_request, call_metadata
+from services.cli.client import build_request, call_metadata, finish_name
 from services.cli.loadgen.record import OK, RequestRecord
 from services.cli.loadgen.workload import PlannedRequest
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -74,9 +74,6 @@ class GatewayLoadClient:
         num_streamed_tokens: int,
     ) -> RequestRecord:
         ended_s = time.monotonic()
-        finish = (
-            pb.FinishReason.Name(done.finish_reason).removeprefix("FINISH_REASON_").lower() if done else None
-        )
         return RequestRecord(
             intent,
             OK,
@@ -86,5 +83,5 @@ class GatewayLoadClient:
             send_lag_s=lag_s,
             num_prompt_tokens=done.usage.prompt_tokens if done else 0,
             num_output_tokens=done.usage.completion_tokens if done else num_streamed_tokens,
-            finish_reason=finish,
+            finish_reason=finish_name(done.finish_reason) if done else None,
         )
