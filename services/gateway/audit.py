@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from services.gateway.audit_chain import ChainWriter, VerifyReport, segment_paths, verify_directory
+from services.gateway.audit_chain import ChainWriter, segment_paths
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +148,6 @@ class AuditLog:
             events.append(_prune_event(stream, path, last_hash))
             path.unlink()
         return events
-
-    def verify(self) -> VerifyReport:
-        """Verifies both streams as they are on disk now."""
-        return verify_directory(self.config.directory, STREAMS)
 
     def close(self) -> None:
         """Closes the segment files."""

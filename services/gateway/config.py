@@ -136,11 +136,6 @@ class GatewayConfig:
         if self.safety_timeout_s <= 0:
             raise ValueError(f"THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S must be > 0, got {self.safety_timeout_s}")
 
-    @property
-    def engine_target(self) -> str:
-        """The first engine replica."""
-        return self.routing.engine_targets[0]
-
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewayConfig:
         """Reads the gateway's settings; the JWT key file is required."""
