@@ -9,7 +9,7 @@ import torch
 
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
-from tests.engine.test_stories260k import GOLDEN_IDS, PROMPT_IDS
+from tests.conftest import STORIES_GOLDEN_IDS, STORIES_PROMPT_IDS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,8 +22,8 @@ def _no_tf32() -> None:
 @pytest.mark.parametrize("fixture", ["stories_hf_dir", "stories_gguf"])
 def test_fp32_golden_on_cuda(fixture: str, request: pytest.FixtureRequest) -> None:
     engine = LLMEngine.load(request.getfixturevalue(fixture), device="cuda", dtype="float32", progress=False)
-    results = engine.generate([[1, 450, 1], PROMPT_IDS], SamplingParams(max_new_tokens=40))
-    assert list(results[1].token_ids) == GOLDEN_IDS
+    results = engine.generate([[1, 450, 1], STORIES_PROMPT_IDS], SamplingParams(max_new_tokens=40))
+    assert list(results[1].token_ids) == STORIES_GOLDEN_IDS
 
 
 def test_auto_dtype_is_bf16_and_close_to_transformers(tiny_dir: Path) -> None:
