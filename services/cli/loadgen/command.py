@@ -26,8 +26,8 @@ from services.cli.loadgen.workload import (
     load_workload_file,
     parse_mix,
 )
+from services.engine.models import DEFAULT_MODEL
 
-DEFAULT_MESH_MODEL = "smollm2-135m-instruct"
 # A mesh started for load testing measures the node, not the per-tenant rate limit in front of it.
 UNLIMITED_TENANTS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
 
@@ -46,7 +46,7 @@ def add_loadgen_parser(commands: Any) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help=f"model to request; with --start-mesh, to serve (default {DEFAULT_MESH_MODEL})",
+        help=f"model to request; with --start-mesh, to serve (default {DEFAULT_MODEL})",
     )
     p.add_argument(
         "--mesh-env",
@@ -195,7 +195,7 @@ def _with_mesh(args: argparse.Namespace, plan: RunPlan) -> int:
     tenants_path.write_text(json.dumps(UNLIMITED_TENANTS))
     mesh_env = _mesh_env(args.mesh_env)
     config = MeshConfig(
-        model=args.model or DEFAULT_MESH_MODEL,
+        model=args.model or DEFAULT_MODEL,
         state_dir=state_dir,
         ports=Ports.free(),
         env={"THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants_path), **mesh_env},
