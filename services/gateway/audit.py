@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 import uuid
@@ -21,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from services.gateway.audit_chain import ChainWriter, segment_paths
+from services.gateway.audit_chain import ChainWriter, last_line_hash, segment_paths
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +143,8 @@ class AuditLog:
         for path in segment_paths(self.config.directory, stream)[:-1]:
             if path == current or now_s - path.stat().st_mtime < self.config.retention_s(stream):
                 continue
-            last_hash = path.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1]
-            events.append(_prune_event(stream, path, last_hash))
+            last_hash, _ = last_line_hash(path)
+            events.append(_prune_event(stream, path, last_hash or ""))
             path.unlink()
         return events
 
@@ -155,8 +154,7 @@ class AuditLog:
             writer.close()
 
 
-def _prune_event(stream: str, path: Path, last_line: bytes) -> AuditEvent:
-    last_hash = json.loads(last_line)["hash"] if last_line else ""
+def _prune_event(stream: str, path: Path, last_hash: str) -> AuditEvent:
     return AuditEvent(
         actor_principal="thermocline-gateway",
         tenant="",

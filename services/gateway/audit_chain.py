@@ -36,16 +36,16 @@ def chain_hash(event: Mapping[str, Any], prev_hash: str) -> str:
     return hashlib.sha256(canonical_json(event) + prev_hash.encode("ascii")).hexdigest()
 
 
-def segment_paths(directory: Path, stream: str) -> list[Path]:
-    """The stream's segment files, oldest first."""
-    return sorted(directory.glob(f"{stream}-*.jsonl"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-
-
 def _sequence(path: Path) -> int:
     return int(path.stem.rsplit("-", 1)[1])
 
 
-def _last_line_hash(path: Path) -> tuple[str | None, bool]:
+def segment_paths(directory: Path, stream: str) -> list[Path]:
+    """The stream's segment files, oldest first."""
+    return sorted(directory.glob(f"{stream}-*.jsonl"), key=_sequence)
+
+
+def last_line_hash(path: Path) -> tuple[str | None, bool]:
     """The hash of the segment's last complete line, and whether a torn tail follows it."""
     data = path.read_bytes()
     complete, _, torn = data.rpartition(b"\n")
@@ -72,7 +72,7 @@ class ChainWriter:
     def _recover(self) -> tuple[str, int]:
         """The chain's tip after a restart; drops a torn last line (never acknowledged)."""
         for path in reversed(segment_paths(self.directory, self.stream)):
-            last_hash, is_torn = _last_line_hash(path)
+            last_hash, is_torn = last_line_hash(path)
             if is_torn:
                 self._truncate_torn_tail(path)
             if last_hash is not None:
