@@ -16,18 +16,11 @@ project: only the standard library, torch and safetensors. The manifest holds:
 
 Loading refuses a file whose hash differs from the manifest's, naming both hashes.
 
-For the engine (its owner wires the decode loop; this is the intended use):
-
-    gate = load_gate(path, expected_sha256=announced)   # or parse_gate(GetGate reply fields)
-    spec = gate.manifest.head(ENGINE_HEAD)              # check spec.features["model"] and
-    head = gate.head_weights(ENGINE_HEAD).to(device)    # ["hidden_size"] at start-up, once
-    ...
-    # per step, on the [B, E] hidden states the runner already returns:
-    fired = (gate_scores(hidden, head) >= head.thresholds).any(dim=-1)  # [B] bool, on device
-
-`fired` can travel to the host with the sampled token ids, so the gate adds no sync of its own.
-The engine head was trained on the last token of prompts and outputs, not on every position of
-a generation, so scores at mid-generation steps are less calibrated than at the prompt's end.
+`gate_scores` is the reference form of a head. The engine does not call it per step: at
+start-up services/engine/safety_gate.py folds the engine head and its thresholds into one matrix
+and one limit per category (`InLoopGate`). The engine head was trained on the last token of
+prompts and outputs, not on every position of a generation, so scores at mid-generation steps
+are less calibrated than at the prompt's end.
 """
 
 from __future__ import annotations
@@ -166,20 +159,14 @@ class HeadWeights:
     bias: torch.Tensor  # [C + 1] fp32
     thresholds: torch.Tensor  # [C] fp32
 
-    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> HeadWeights:
-        """A copy on `device` (do this once at start-up, not per step)."""
-        return HeadWeights(
-            *(t.to(device=device, dtype=dtype) for t in (self.weight, self.bias, self.thresholds))
-        )
-
 
 def gate_scores(hidden: torch.Tensor, weights: HeadWeights) -> torch.Tensor:
     """Per-category risk `[B, C]` in [0, 1] from features `[B, H]`.
 
     The head is a softmax over benign + C; a category's risk is the probability of it against
     benign alone, sigmoid(logit_c - logit_benign), so a text whose harm is split between two
-    categories still scores high in both. Pure tensor code with no host sync, so the engine can
-    call it inside the decode step; `gate_scores(...) >= weights.thresholds` is the block mask.
+    categories still scores high in both. `gate_scores(...) >= weights.thresholds` is the block
+    mask; the engine's `InLoopGate` computes the same mask folded into one matmul and compare.
     """
     logits = hidden.to(weights.weight.dtype) @ weights.weight.T + weights.bias  # [B, C + 1]
     return torch.sigmoid(logits[:, 1:] - logits[:, :1])  # [B, C]
