@@ -41,23 +41,15 @@ from gpu_first_reading import (
 from services.engine.generation_result import ResultCollector
 from services.engine.kv_tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine, SamplingParams
-from services.engine.models import model_dirs
+from services.engine.models import resolve_model
 
 TIERS_ON = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=4096, group_size=32)
 TIERS_ON_LABEL = "ours, tiers on (hot 128, INT4 g32)"
 
 
-def stories_dir() -> Path:
-    """stories260K's HF folder under the shared directory."""
-    path = model_dirs().shared_dir / "models" / "stories260K" / "hf"
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"stories260K not found at {path}; set THERMOCLINE_SHARED_DIR")
-    return path
-
-
 def check_cuda_equals_cpu(rows: list[str]) -> None:
     """stories260K fp32: CPU vs CUDA, tiers off and on (256 tokens, so the warm tier is used)."""
-    path = stories_dir()
+    path = resolve_model("stories260k")
     for label, kv, new_tokens in (
         ("tiers off", KVCacheSpec(), 64),
         ("tiers on, hot 128", KVCacheSpec(tiers=TIERS_ON), 256),

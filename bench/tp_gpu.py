@@ -21,11 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_gpu import TIERS_ON, header, our_decode, stories_dir
+from decode_gpu import TIERS_ON, header, our_decode
 from gpu_first_reading import LLAMA_1B, STORIES_PROMPTS, _common_prefix, greedy_ids, make_dummy_1b
 
 from services.engine.kv_tiers import KVCacheSpec
 from services.engine.llm_engine import LLMEngine, SamplingParams
+from services.engine.models import resolve_model
 
 
 def _load(path: Path, tp: int, dtype: str, **kwargs: object) -> LLMEngine:
@@ -40,7 +41,7 @@ def check_stories(rows: list[str]) -> None:
     ):
         outputs = {}
         for tp in (1, 2):
-            engine = _load(stories_dir(), tp, "float32", max_batch_size=4, kv=kv)
+            engine = _load(resolve_model("stories260k"), tp, "float32", max_batch_size=4, kv=kv)
             outputs[tp] = greedy_ids(engine, STORIES_PROMPTS, new_tokens)
             engine.stop()
         agree = [_common_prefix(a, b) for a, b in zip(outputs[1], outputs[2], strict=True)]
