@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from services.common import env
 from services.common.config import ServerConfig
@@ -14,6 +16,7 @@ DEFAULT_PORT = 50051
 ALLOWED_ALGORITHMS = ("RS256", "ES256", "HS256")
 PREFIX = "THERMOCLINE_GATEWAY_"
 MIB = 1024 * 1024
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,14 @@ class PolicyFiles:
     policy_file: Path | None = None
     intents_file: Path | None = None
     tenants_file: Path | None = None
+
+
+def load_policy_file(path: Path, what: str, parse: Callable[[Any], T]) -> T:
+    """One JSON policy file parsed by `parse`; any problem is a ValueError naming `what` and the file."""
+    try:
+        return parse(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{what} {path}: {error}") from None
 
 
 @dataclass(frozen=True)

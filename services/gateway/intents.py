@@ -7,7 +7,6 @@ overrides the intent's class. The file format (JSON) is in deploy/gateway/intent
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.gateway.config import load_policy_file
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
@@ -45,10 +45,7 @@ class IntentPolicy:
     @classmethod
     def load(cls, path: Path) -> IntentPolicy:
         """Reads and validates an intents file."""
-        try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ValueError(f"intent policy {path}: {error}") from None
+        return load_policy_file(path, "intent policy", cls.from_dict)
 
     @property
     def known(self) -> list[str]:

@@ -8,13 +8,13 @@ example, in deploy/gateway/policy.json and deploy/gateway/README.md.
 from __future__ import annotations
 
 import fnmatch
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.errors import PermissionDenied
+from services.gateway.config import load_policy_file
 
 OPERATIONS = ("invoke", "list_models", "read_audit", "admin")
 
@@ -91,10 +91,7 @@ class Policy:
     @classmethod
     def load(cls, path: Path) -> Policy:
         """Reads and validates a policy file."""
-        try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"RBAC policy {path}: {error}") from None
+        return load_policy_file(path, "RBAC policy", cls.from_dict)
 
     def closure(self, names: Iterable[str]) -> list[str]:
         """`names` and every role they inherit, each once, parents after children."""

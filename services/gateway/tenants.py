@@ -6,12 +6,13 @@ is in deploy/gateway/tenants.json.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from services.gateway.config import load_policy_file
 
 FAIL_OPEN, FAIL_CLOSED = "open", "closed"
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
@@ -73,10 +74,7 @@ class TenantTable:
     @classmethod
     def load(cls, path: Path) -> TenantTable:
         """Reads and validates a tenants file."""
-        try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"tenant table {path}: {error}") from None
+        return load_policy_file(path, "tenant table", cls.from_dict)
 
     def limits(self, tenant: str) -> TenantLimits:
         """The limits that apply to `tenant`."""
