@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_gpu import TIERS_ON, header, our_decode
+from decode_gpu import TIERS_ON, _guarded, header, our_decode
 from gpu_first_reading import LLAMA_1B, STORIES_PROMPTS, _common_prefix, greedy_ids, make_dummy_1b
 
 from services.engine.kv_tiers import KVCacheSpec
@@ -65,7 +65,9 @@ def bench_1b(rows: list[str], workdir: Path, args: argparse.Namespace) -> None:
         engine = _load(path, tp, "bfloat16", max_batch_size=max(args.batches), max_seq_len=max_seq_len)
         greedy[tp] = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=32))]
         for batch in args.batches:
-            speeds[(tp, batch)] = _guarded(engine, batch, args)
+            speeds[(tp, batch)] = _guarded(
+                lambda b=batch, e=engine: our_decode(e, b, args.prompt_len, args.new_tokens)
+            )
         engine.stop()
         del engine
         torch.cuda.empty_cache()
@@ -86,14 +88,6 @@ def bench_1b(rows: list[str], workdir: Path, args: argparse.Namespace) -> None:
                 continue
             ratio = f"{result[0] / base[0]:.2f}" if not isinstance(base, str) else "n/a"
             rows.append(f"| {batch} | {tp} | {result[0]:.0f} | {ratio} | {result[1]:.1f} |")
-
-
-def _guarded(engine: LLMEngine, batch: int, args: argparse.Namespace) -> tuple[float, float] | str:
-    try:
-        return our_decode(engine, batch, args.prompt_len, args.new_tokens)
-    except Exception as error:  # report it in the table and go on
-        traceback.print_exc()
-        return f"{type(error).__name__}: {str(error)[:160]}"
 
 
 def main() -> None:
