@@ -43,6 +43,7 @@ from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from thermocline.gateway.v1 import gateway_pb2_grpc  # noqa: E402
 
 PROMPT = "Once upon a time"
+NUM_WARMUP = 10  # requests per path before the samples that count
 HIGH_LIMITS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
 
 
@@ -125,10 +126,10 @@ async def measure_ttft(mesh: Mesh, num_requests: int) -> dict[str, list[float]]:
     ):
         engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
         gateway = gateway_pb2_grpc.GatewayServiceStub(gateway_channel)
-        for index in range(num_requests + 10):  # the first 10 of each warm up
+        for index in range(NUM_WARMUP + num_requests):
             direct = await first_token_s(engine, engine_request, [])
             relayed = await first_token_s(gateway, gateway_request, call_metadata(token))
-            if index >= 10:
+            if index >= NUM_WARMUP:
                 samples["engine direct"].append(direct)
                 samples["through gateway"].append(relayed)
     return samples
@@ -227,8 +228,10 @@ def report(args: argparse.Namespace, ttft: dict[str, list[float]], relay: list[d
     """The results as markdown."""
     lines = ["# Gateway overhead on loopback", "", "| setting | value |", "| --- | --- |"]
     settings = machine() | {
-        "TTFT model": "stories260K (engine on CPU), prompt 'Once upon a time', max_tokens 1",
-        "TTFT requests": f"{args.requests} per path, sequential, interleaved, after 10 warm-up each",
+        "TTFT model": f"stories260K (engine on CPU), prompt {PROMPT!r}, max_tokens 1",
+        "TTFT requests": (
+            f"{args.requests} per path, sequential, interleaved, after {NUM_WARMUP} warm-up each"
+        ),
         "relay source": f"fixed-rate token source, one token every {args.interval_ms} ms per stream",
         "relay stream": f"{args.tokens_per_stream} tokens, output screened every {args.check_tokens} tokens",
         "relay duration": f"{args.duration_s} s per concurrency level, Python asyncio clients in one process",
