@@ -54,7 +54,7 @@ class StepContext:
         pos = torch.tensor([_row_positions(r, width) for r in rows], dtype=torch.int64)  # [B, S]
         hot_slots, present = _hot_slots(rows, block_size, kv_len)  # [B, L] each
         probe = None if probe_layer is None else AttentionProbe.build(probe_layer, present, device)
-        slot_mapping = _slot_mapping(rows, hot_slots, width)  # [B, S]
+        slot_mapping = _slot_mapping(rows, hot_slots, pos)  # [B, S]
         warm = _warm_index(rows, block_size, present)
         key_pos = torch.arange(kv_len, dtype=torch.int64)
         causal = key_pos.view(1, 1, 1, kv_len) <= pos.view(len(rows), 1, -1, 1)  # [B, 1, S, L]
@@ -123,10 +123,10 @@ def _hot_slots(rows: Seq[RowInput], block_size: int, kv_len: int) -> tuple[torch
     return slots, present
 
 
-def _slot_mapping(rows: Seq[RowInput], hot_slots: torch.Tensor, width: int) -> torch.Tensor:
-    """Where each new token's K/V is written; padded tokens write to scratch slot 0."""
-    cols = torch.tensor([_row_positions(r, width) for r in rows], dtype=torch.int64)
-    mapping = hot_slots.gather(1, cols)  # [B, S]
+def _slot_mapping(rows: Seq[RowInput], hot_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Where each new token's K/V is written (`positions` `[B, S]`); padded tokens write to scratch slot 0."""
+    mapping = hot_slots.gather(1, positions)  # [B, S]
+    width = positions.shape[1]
     is_real = torch.arange(width).view(1, -1) < torch.tensor([r.num_new for r in rows]).view(-1, 1)
     return torch.where(is_real, mapping, torch.zeros_like(mapping))
 
