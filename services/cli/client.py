@@ -1,12 +1,15 @@
-"""A gateway client for the command line, the demo and the tests."""
+"""A gateway client for the command line, the demo and the tests: credentials, requests, streams."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
+from services.common import env
+from services.gateway.tokens import ensure_dev_keys, mint_token
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -18,6 +21,22 @@ class StreamResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     done: pb.Completion | None = None
+
+
+def local_state_dir(flag: str | None) -> Path:
+    """The local mesh's keys, logs and data: `--state-dir`, else $THERMOCLINE_STATE_DIR, else ./var."""
+    return Path(flag or env.get_str("THERMOCLINE_STATE_DIR", "var"))
+
+
+def dev_token(state_dir: Path, subject: str = "dev-user", tenant: str = "dev") -> str:
+    """A token signed with the development key under `state_dir` (made on first use)."""
+    private_path, _ = ensure_dev_keys(state_dir / "keys")
+    return mint_token(private_path.read_bytes(), subject=subject, tenant=tenant)
+
+
+def bearer_token(flag: str | None, state_dir: Path, subject: str, tenant: str) -> str:
+    """`--token`, else $THERMOCLINE_TOKEN, else a development token (see dev_token)."""
+    return flag or env.get_optional_str("THERMOCLINE_TOKEN") or dev_token(state_dir, subject, tenant)
 
 
 def build_request(

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import grpc
 
-from services.cli.client import build_request, call_metadata, collect, finish_name, stream_generate
+from services.cli.client import (
+    bearer_token,
+    build_request,
+    call_metadata,
+    collect,
+    dev_token,
+    finish_name,
+    local_state_dir,
+    stream_generate,
+)
 from services.cli.loadgen.command import add_loadgen_parser
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
 from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
@@ -23,18 +32,11 @@ from services.gateway.tokens import ensure_dev_keys, mint_token
 DEMO_QUESTION = "What is the capital of France?"
 
 
-def _state_dir(args: argparse.Namespace) -> Path:
-    return Path(args.state_dir or env.get_str("THERMOCLINE_STATE_DIR", "var"))
-
-
-def _dev_token(state_dir: Path, subject: str = "dev-user", tenant: str = "dev") -> str:
-    private_path, _ = ensure_dev_keys(state_dir / "keys")
-    return mint_token(private_path.read_bytes(), subject=subject, tenant=tenant)
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     """Starts the mesh and keeps it running until Ctrl-C or SIGTERM."""
-    config = MeshConfig(model=args.model, state_dir=_state_dir(args), otlp_endpoint=env.otlp_endpoint())
+    config = MeshConfig(
+        model=args.model, state_dir=local_state_dir(args.state_dir), otlp_endpoint=env.otlp_endpoint()
+    )
     mesh = Mesh(config)
     resolve_model(args.model, progress=True)  # download before the mesh starts, so its progress shows here
     print(f"starting the mesh with {args.model} (logs in {mesh.logs_dir}) ...", flush=True)
@@ -62,7 +64,7 @@ def _print_endpoints(mesh: Mesh) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Streams one answer from the gateway to the terminal."""
-    token = args.token or env.get_optional_str("THERMOCLINE_TOKEN") or _dev_token(_state_dir(args))
+    token = bearer_token(args.token, local_state_dir(args.state_dir), "dev-user", "dev")
     request = build_request(
         args.prompt,
         chat=args.chat,
@@ -92,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Starts the mesh, asks one chat question, and prints the answer and each hop's time."""
     collector = TraceCollector().start()
-    state_dir = _state_dir(args)
+    state_dir = local_state_dir(args.state_dir)
     config = MeshConfig(
         model=args.model, state_dir=state_dir, ports=Ports.free(), otlp_endpoint=collector.endpoint
     )
@@ -103,7 +105,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         mesh.start(progress=True)
         with mesh:
             print(f"mesh is up; asking: {DEMO_QUESTION}\n", flush=True)
-            token = _dev_token(state_dir)
+            token = dev_token(state_dir)
             request = build_request(DEMO_QUESTION, chat=True, max_tokens=args.max_tokens)
             with grpc.insecure_channel(mesh.target("gateway")) as channel:
                 result = collect(stream_generate(channel, request, call_metadata(token), 300), echo=True)
@@ -121,7 +123,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_token(args: argparse.Namespace) -> int:
     """Prints a development token signed with the mesh's development key (or --key)."""
-    private_path = Path(args.key) if args.key else ensure_dev_keys(_state_dir(args) / "keys")[0]
+    private_path = (
+        Path(args.key) if args.key else ensure_dev_keys(local_state_dir(args.state_dir) / "keys")[0]
+    )
     extra: dict[str, object] = {"roles": args.role} if args.role else {}
     token = mint_token(
         private_path.read_bytes(),
@@ -142,7 +146,7 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     from services.gateway.audit import STREAMS
     from services.gateway.audit_chain import verify_directory
 
-    directory = Path(args.directory or _state_dir(args) / "audit")
+    directory = Path(args.directory or local_state_dir(args.state_dir) / "audit")
     if not directory.is_dir():
         print(f"error: {directory} is not a directory", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.cli.client import bearer_token, local_state_dir
 from services.cli.loadgen.gateway_client import GatewayLoadClient
 from services.cli.loadgen.report import LevelResult, report_json, report_markdown
 from services.cli.loadgen.runner import CLOSED, OPEN, LevelSpec, warm_up
@@ -135,7 +136,8 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
         return 2
     if args.start_mesh:
         return _with_mesh(args, plan)
-    target = Target(args.target, args.token or _default_token(args), args.model or "")
+    token = bearer_token(args.token, local_state_dir(args.state_dir), "loadgen", "loadgen")
+    target = Target(args.target, token, args.model or "")
     return _run(args, target, plan, {})
 
 
@@ -163,17 +165,6 @@ def _level_specs(args: argparse.Namespace, trace: list[PlannedRequest] | None) -
     return [LevelSpec(args.mode, load, args.num_requests, duration_s) for load in loads]
 
 
-def _default_token(args: argparse.Namespace) -> str:
-    from services.common import env
-    from services.gateway.tokens import ensure_dev_keys, mint_token
-
-    if token := env.get_optional_str("THERMOCLINE_TOKEN"):
-        return token
-    state_dir = Path(args.state_dir or env.get_str("THERMOCLINE_STATE_DIR", "var"))
-    private_path, _ = ensure_dev_keys(state_dir / "keys")
-    return mint_token(private_path.read_bytes(), subject="loadgen", tenant="loadgen")
-
-
 def _mesh_env(items: list[str]) -> dict[str, str]:
     settings = {}
     for item in items:
@@ -186,10 +177,9 @@ def _mesh_env(items: list[str]) -> dict[str, str]:
 
 def _with_mesh(args: argparse.Namespace, plan: RunPlan) -> int:
     from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
-    from services.common import env
     from services.gateway.tokens import mint_token
 
-    state_dir = Path(args.state_dir or env.get_str("THERMOCLINE_STATE_DIR", "var")) / "loadgen-mesh"
+    state_dir = local_state_dir(args.state_dir) / "loadgen-mesh"
     state_dir.mkdir(parents=True, exist_ok=True)
     tenants_path = state_dir / "tenants.json"
     tenants_path.write_text(json.dumps(UNLIMITED_TENANTS))
