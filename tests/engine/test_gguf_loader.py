@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from services.engine.checkpoint import open_checkpoint
 from services.engine.gguf_loader import GGUFMetadata, gguf_model_config, our_name, unpermute_rope
 from services.engine.model_config import UnsupportedModel
+from tests.engine.tiny_gguf import hf_to_gguf, llama_cpp_permute
 
 TEXTS = [
     "Once upon a time",
@@ -20,22 +21,12 @@ TEXTS = [
 ]
 
 
-def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # what llama.cpp's converter does to HF q/k weights (rotate-half -> interleaved pairs)
-    out_features, in_features = weight.shape
-    return (
-        weight.reshape(num_heads, 2, out_features // num_heads // 2, in_features)
-        .transpose(1, 2)
-        .reshape(out_features, in_features)
-    )
-
-
 @pytest.mark.parametrize("num_heads", [1, 3, 8])
 def test_unpermute_inverts_llama_cpp_permute(num_heads: int) -> None:
     weight = torch.randn(num_heads * 16, 24)
-    restored = unpermute_rope(_llama_cpp_permute(weight, num_heads), num_heads)
-    assert torch.equal(restored, weight)
-    assert not torch.equal(_llama_cpp_permute(weight, num_heads), weight)
+    permuted = torch.from_numpy(llama_cpp_permute(weight.numpy(), num_heads))
+    assert torch.equal(unpermute_rope(permuted, num_heads), weight)
+    assert not torch.equal(permuted, weight)
 
 
 def test_tensor_names_map_to_ours() -> None:
@@ -80,8 +71,6 @@ def tiny_gguf(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path, dict]:
     """A tiny HF Llama written as a llama.cpp-style GGUF; also the weights the GGUF should reproduce."""
-    from tests.engine.tiny_gguf import hf_to_gguf
-
     hf_dir: Path = request.getfixturevalue(request.param)
     out = tmp_path_factory.mktemp("gguf") / f"{hf_dir.name}.gguf"
     return hf_dir, out, hf_to_gguf(hf_dir, out)
