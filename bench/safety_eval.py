@@ -106,10 +106,10 @@ def screen_blocks(
 def both_kinds(classifier: TextClassifier, examples: list[Example]) -> dict[TextKind, list[bool]]:
     """Each text's decision against the output thresholds and, for comparison, the prompt ones."""
     decided: dict[TextKind, list[bool]] = {"output": [], "prompt": []}
+    prompt_thresholds = classifier.thresholds["prompt"]
     for example in examples:
         scores = classifier.score(example.text, "output")
         decided["output"].append(bool(scores.triggered))
-        prompt_thresholds = dict(zip(CATEGORIES, classifier.thresholds["prompt"], strict=True))
         decided["prompt"].append(any(v >= prompt_thresholds[c] for c, v in scores.values.items()))
     return decided
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.normalizer import views
@@ -41,14 +39,14 @@ class TextClassifier:
     """Scores texts with all-MiniLM-L6-v2 embeddings and the gate's prompt head."""
 
     def __init__(self, gate: Gate, embedder: MiniLMEmbedder, max_windows: int) -> None:
-        self.gate = gate
         self.embedder = embedder
         self.max_windows = max_windows
         self.categories = gate.manifest.categories
         self.head: HeadWeights = gate.head_weights(PROMPT_HEAD)
-        self.thresholds: dict[TextKind, list[float]] = {
-            "prompt": self.head.thresholds.tolist(),
-            "output": gate.head_weights(PROMPT_HEAD, for_outputs=True).thresholds.tolist(),
+        output_head = gate.head_weights(PROMPT_HEAD, for_outputs=True)
+        self.thresholds: dict[TextKind, dict[str, float]] = {
+            "prompt": dict(zip(self.categories, self.head.thresholds.tolist(), strict=True)),
+            "output": dict(zip(self.categories, output_head.thresholds.tolist(), strict=True)),
         }
 
     def windows_of(self, text: str) -> list[list[int]]:
@@ -69,14 +67,9 @@ class TextClassifier:
         top = per_window.max(dim=0).values.tolist()
         return Scores(
             values=dict(zip(self.categories, top, strict=True)),
-            thresholds=dict(zip(self.categories, self.thresholds[kind], strict=True)),
+            thresholds=self.thresholds[kind],
             num_windows=len(rows),
         )
-
-    @torch.inference_mode()
-    def score_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """Scores `[N, C]` of precomputed embeddings `[N, 384]` (training and evaluation)."""
-        return gate_scores(embeddings, self.head)
 
 
 def screen_rows(embedder: MiniLMEmbedder, text: str) -> list[list[int]]:
