@@ -130,12 +130,12 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
     """Runs the load generator; exit status 2 on a bad setting, 1 when a started mesh fails."""
     try:
         plan = _plan(args)
-        _mesh_env(args.mesh_env)
+        mesh_env = _mesh_env(args.mesh_env)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.start_mesh:
-        return _with_mesh(args, plan)
+        return _with_mesh(args, plan, mesh_env)
     token = bearer_token(args.token, local_state_dir(args.state_dir), "loadgen", "loadgen")
     target = Target(args.target, token, args.model or "")
     return _run(args, target, plan, {})
@@ -175,7 +175,7 @@ def _mesh_env(items: list[str]) -> dict[str, str]:
     return settings
 
 
-def _with_mesh(args: argparse.Namespace, plan: RunPlan) -> int:
+def _with_mesh(args: argparse.Namespace, plan: RunPlan, mesh_env: dict[str, str]) -> int:
     from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
     from services.gateway.tokens import mint_token
 
@@ -183,7 +183,6 @@ def _with_mesh(args: argparse.Namespace, plan: RunPlan) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     tenants_path = state_dir / "tenants.json"
     tenants_path.write_text(json.dumps(UNLIMITED_TENANTS))
-    mesh_env = _mesh_env(args.mesh_env)
     config = MeshConfig(
         model=args.model or DEFAULT_MODEL,
         state_dir=state_dir,
