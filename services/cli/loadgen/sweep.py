@@ -27,13 +27,13 @@ async def run_levels(
     every SLA'd class failed (higher loads can only be worse, and overload runs are slow)."""
     intents = list(workload.shares) if workload is not None else sorted({r.intent for r in trace or []})
     results = []
-    for index, spec in enumerate(sorted(specs, key=lambda s: s.load)):
+    for spec in sorted(specs, key=lambda s: s.load):
         source = RequestSource(spec, workload, trace, seed)
         run = await run_level(client, source, show_progress)
         summary = summarize_level(run.records, run.wall_s, intents)
         results.append(LevelResult(spec.mode, spec.load, summary, level_verdicts(summary, slas)))
         verdicts = results[-1].verdicts
         all_failed = bool(verdicts) and all(v.status == FAIL for v in verdicts.values())
-        if stop_when_all_fail and all_failed and index < len(specs) - 1:
+        if stop_when_all_fail and all_failed:
             break
     return results
