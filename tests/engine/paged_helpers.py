@@ -12,6 +12,10 @@ from services.engine.model_config import ModelConfig
 from services.engine.step_context import RowInput, StepContext
 
 CPU = torch.device("cpu")
+# 1 KV head of dim 2, 2 layers: the fake config of the cache and scheduler tests
+ONE_HEAD = ModelConfig(
+    vocab_size=4, hidden_size=2, intermediate_size=2, num_layers=2, num_heads=1, num_kv_heads=1, head_dim=2
+)
 
 
 def make_cache(

@@ -10,11 +10,7 @@ from services.engine.block_table import BlockTable
 from services.engine.kv_tiers import TierConfig
 from services.engine.model_config import ModelConfig
 from services.engine.step_context import RowInput, StepContext
-from tests.engine.paged_helpers import CPU, make_cache
-
-ONE_HEAD = ModelConfig(
-    vocab_size=4, hidden_size=2, intermediate_size=2, num_layers=2, num_heads=1, num_kv_heads=1, head_dim=2
-)
+from tests.engine.paged_helpers import CPU, ONE_HEAD, make_cache
 
 
 def _values(rows: list[list[float]]) -> torch.Tensor:

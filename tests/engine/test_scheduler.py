@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.intent_class import IntentClass, IntentClasses
-from services.engine.kv_cache import HotTier, KVCache
-from services.engine.model_config import ModelConfig
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledBatch, Scheduler, StepKind
 from services.engine.sequence import FinishReason, RequestId, Sequence, SequenceStatus
+from tests.engine.paged_helpers import ONE_HEAD, make_cache
 
-ONE_HEAD = ModelConfig(
-    vocab_size=4, hidden_size=2, intermediate_size=2, num_layers=2, num_heads=1, num_kv_heads=1, head_dim=2
-)
 BLOCK = 4
 
 
@@ -46,7 +40,7 @@ def _scheduler(
     classes: IntentClasses | None = None,
     clock: FakeClock | None = None,
 ) -> Scheduler:
-    cache = KVCache(HotTier(ONE_HEAD, num_blocks, BLOCK, torch.device("cpu"), torch.float32), None)
+    cache = make_cache(ONE_HEAD, num_blocks, BLOCK)
     return Scheduler(cache, max_batch_size, max_prefill_tokens, classes, "fake-model", clock or FakeClock())
 
 
