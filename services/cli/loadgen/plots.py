@@ -22,7 +22,7 @@ def write_plots(levels: list[LevelResult], slas: dict[str, Sla], prefix: Path) -
         ) from None
     matplotlib.use("Agg")
     intents = list(levels[0].summary.classes) if levels else []
-    found = knees(levels, slas) if slas else {}
+    found = knees(levels, slas)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     return [_plot_class(levels, intent, slas.get(intent), found.get(intent), prefix) for intent in intents]
 

@@ -85,7 +85,7 @@ def report_json(settings: dict[str, Any], levels: list[LevelResult], slas: dict[
         "settings": settings,
         "slas": {intent: sla.to_json() for intent, sla in slas.items()},
         "levels": [level_json(level) for level in levels],
-        "knees": knees(levels, slas) if slas else {},
+        "knees": knees(levels, slas),
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -25,13 +25,7 @@ class LatencySummary:
 
     def to_json(self) -> dict[str, float | int]:
         """The report's form."""
-        return {
-            "count": self.count,
-            "mean_ms": self.mean_ms,
-            "p50_ms": self.p50_ms,
-            "p90_ms": self.p90_ms,
-            "p99_ms": self.p99_ms,
-        }
+        return asdict(self)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
