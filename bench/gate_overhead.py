@@ -33,13 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from services.common.gate_file import ENGINE_HEAD, HeadWeights, load_gate  # noqa: E402
+from services.engine.gate_loader import DEFAULT_GATE_FILE  # noqa: E402
 from services.engine.llm_engine import LLMEngine, _fetch  # noqa: E402
 from services.engine.safety_gate import GateReport, GateStatus, InLoopGate  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
 from services.engine.sequence import StreamEvent  # noqa: E402
 
-SHIPPED_GATE = REPO / "services" / "safety" / "gates" / "gate.safetensors"
-NUM_CATEGORIES = 6
 RANDOM_SHAPES = {
     "smollm2": {
         "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -71,16 +70,17 @@ def random_checkpoint(shape: str, path: Path) -> Path:
 
 def never_firing_gate(hidden_size: int, device: torch.device) -> tuple[InLoopGate, str]:
     """The shipped engine head when it fits, else a random one; thresholds 1 (the limit is +inf)."""
-    if hidden_size == 576:
-        shipped = load_gate(SHIPPED_GATE).head_weights(ENGINE_HEAD)
+    shipped = load_gate(DEFAULT_GATE_FILE).head_weights(ENGINE_HEAD)
+    num_classes, shipped_hidden_size = shipped.weight.shape  # [C + 1, H]
+    if hidden_size == shipped_hidden_size:
         weight, bias, source = shipped.weight, shipped.bias, "shipped engine head (thresholds set to 1)"
     else:
         generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(NUM_CATEGORIES + 1, hidden_size, generator=generator)
-        bias, source = torch.zeros(NUM_CATEGORIES + 1), "random head of the shipped form (thresholds 1)"
-    head = HeadWeights(weight, bias, torch.ones(weight.shape[0] - 1))
-    categories = tuple(f"c{i}" for i in range(weight.shape[0] - 1))
-    return InLoopGate(head, categories, "blocked", device), source
+        weight = torch.randn(num_classes, hidden_size, generator=generator)
+        bias, source = torch.zeros(num_classes), "random head of the shipped form (thresholds 1)"
+    head = HeadWeights(weight, bias, torch.ones(num_classes - 1))
+    categories = tuple(f"c{i}" for i in range(num_classes - 1))
+    return InLoopGate(head, categories, "blocked", device), f"{source}; {len(categories)} categories"
 
 
 class TokenCounter:
@@ -191,7 +191,7 @@ def render(
         f"Python {platform.python_version()}",
         f"- model: {args.model} (hidden {engine.config.hidden_size}, {engine.config.num_layers} layers), "
         f"device {engine.runner.device}, dtype {args.dtype}",
-        f"- gate: {source}; {NUM_CATEGORIES} categories",
+        f"- gate: {source}",
         f"- settings: prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
         "(greedy, EOS ignored), "
         f"batches {args.batch_sizes}, {args.repeats} interleaved repeats per mode (+1 warm-up), "
