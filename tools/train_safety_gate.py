@@ -39,8 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.gate_file import ENGINE_HEAD, PROMPT_HEAD, HeadWeights, gate_scores, write_gate
+from services.engine.gate_loader import FINAL_NORM_LAYER
 from services.safety.classifier import screen_rows
-from services.safety.embedder import CLS_ID, SEP_ID, MiniLMEmbedder, default_model_dir
+from services.safety.config import DEFAULT_GATE
+from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedder, default_model_dir
 from services.safety.normalizer import canonical
 from tools.safety_data import (
     BENIGN,
@@ -55,7 +57,6 @@ from tools.safety_data import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "services" / "safety" / "gates" / "gate.safetensors"
 ENGINE_MODEL = "smollm2-135m-instruct"
 ENGINE_MAX_TOKENS = 128
 
@@ -276,7 +277,11 @@ class Calibration(NamedTuple):
 
 
 def manifest(
-    calibration: Calibration, decays: dict[str, float], wheels: dict[str, Path], args: argparse.Namespace
+    calibration: Calibration,
+    engine_hidden_size: int,
+    decays: dict[str, float],
+    wheels: dict[str, Path],
+    args: argparse.Namespace,
 ) -> dict:
     """Everything but the sha256 (write_gate adds it)."""
     embedder_sha = hashlib.sha256((default_model_dir() / "model.safetensors").read_bytes())
@@ -286,13 +291,13 @@ def manifest(
         "weights_sha256": embedder_sha.hexdigest(),
         "pooling": "mean, L2-normalised",
         "text": "services.safety.normalizer.canonical",
-        "max_tokens": 256,
+        "max_tokens": EmbedderSpec().max_tokens,
     }
     engine_features = {
         "model": ENGINE_MODEL,
-        "layer": "final_norm",
+        "layer": FINAL_NORM_LAYER,
         "position": "last token (trained on the last token of prompts and outputs)",
-        "hidden_size": 576,
+        "hidden_size": engine_hidden_size,
         "dtype": "float32",
     }
     return {
@@ -321,7 +326,7 @@ def parse_args() -> argparse.Namespace:
     """Command-line settings."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=DEFAULT_GATE)
     parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d"))
     parser.add_argument("--target-fpr", type=float, default=0.01)
     parser.add_argument("--weight-decays", type=float, nargs="+", default=[1e-3, 1e-2, 3e-2, 1e-1])
@@ -347,7 +352,8 @@ def main() -> None:
     outputs = calib_benign_outputs(examples, wheels)
     calibration = Calibration(thresholds, output_thresholds(fitted[PROMPT_HEAD], outputs, args), len(outputs))
     print(f"output thresholds on {len(outputs)} benign outputs: {calibration.output_thresholds}")
-    digest = write_gate(args.out, tensors, manifest(calibration, decays, wheels, args))
+    engine_hidden_size = fitted[ENGINE_HEAD].weight.shape[1]
+    digest = write_gate(args.out, tensors, manifest(calibration, engine_hidden_size, decays, wheels, args))
     print(f"wrote {args.out} (sha256 {digest}, {args.out.stat().st_size} bytes)")
     print(json.dumps(thresholds))
 
