@@ -14,9 +14,7 @@ from services.engine.model import LlamaModel
 from services.engine.model_config import ModelConfig, RopeScaling, UnsupportedModel
 from services.engine.model_loader import load_model
 from services.engine.rotary import inverse_frequencies
-from tests.engine.paged_helpers import forward, make_cache
-
-CPU = torch.device("cpu")
+from tests.engine.paged_helpers import CPU, forward, make_cache
 
 
 def _load_pair(path: Path) -> tuple[LlamaModel, torch.nn.Module]:
