@@ -214,7 +214,7 @@ class HeldOut(NamedTuple):
     prompts: list[Example]
     harmful_outputs: list[Example]
     benign_outputs: list[Example]  # ShareGPT replies, PyRIT refusals and safe answers
-    pyrit_safe_answers: list[Example]  # the 30 answers PyRIT's harm sets score 0, as before
+    pyrit_safe_answers: list[Example]  # the answers PyRIT's harm sets score 0, as before
 
     @classmethod
     def of(cls, examples: list[Example], benign_outputs: list[Example]) -> HeldOut:
@@ -263,6 +263,7 @@ def main() -> None:
     env["load"] += f", {end_load:.1f} at the end (other work on this machine slows the latency figures)"
     new_set = held.harmful_outputs + held.benign_outputs
     old_set = held.harmful_outputs + held.pyrit_safe_answers
+    safe_answers = f"PyRIT's {len(held.pyrit_safe_answers)} safe answers"
     report = render(
         env,
         gate.version,
@@ -273,16 +274,16 @@ def main() -> None:
                 "output screen, held-out benign outputs (CheckOutput)"
             ),
             Rates.of(old_set, harmful["output"] + pyrit_safe["output"]).row(
-                "output screen, PyRIT's 30 safe answers (CheckOutput)"
+                f"output screen, {safe_answers} (CheckOutput)"
             ),
             Rates.of(new_set, harmful["prompt"] + benign["prompt"]).row(
                 "before: prompt thresholds on held-out benign outputs"
             ),
             Rates.of(old_set, harmful["prompt"] + pyrit_safe["prompt"]).row(
-                "before: prompt thresholds on PyRIT's 30 safe answers"
+                f"before: prompt thresholds on {safe_answers}"
             ),
             Rates.of(held.prompts, engine_prompt).row("in-engine head, prompts (last-token hidden state)"),
-            Rates.of(old_set, engine_output).row("in-engine head, outputs with PyRIT's 30 safe answers"),
+            Rates.of(old_set, engine_output).row(f"in-engine head, outputs with {safe_answers}"),
             Rates.of(held.benign_outputs, engine_benign).row("in-engine head, held-out benign outputs"),
         ],
         {
@@ -299,6 +300,7 @@ def main() -> None:
             f"long prompt ({num_long_windows} windows) p50": percentile_ms(long_seconds, 50),
         },
         skipped,
+        notes(len(held.harmful_outputs), len(held.pyrit_safe_answers)),
     )
     out = REPO / "bench" / "results" / f"safety_eval_{dt.date.today().isoformat()}.md"
     out.write_text(report)
@@ -313,6 +315,7 @@ def render(
     recalls: dict[str, dict[str, str]],
     latency_ms: dict[str, float],
     skipped: dict[str, object] | None,
+    note_lines: list[str],
 ) -> str:
     """The results file in markdown."""
     lines = [
@@ -330,7 +333,7 @@ def render(
         "as the service scores them)",
         f"- settings: screen max windows {DEFAULT_MAX_WINDOWS}; embedder windows {EmbedderSpec()}; "
         f"in-engine features cut to {ENGINE_MAX_TOKENS} tokens, fp32, CPU",
-        "- reproduce: `.venv/bin/python tools/train_safety_gate.py --version 2026.11.30.2 && "
+        f"- reproduce: `.venv/bin/python tools/train_safety_gate.py --version {version} && "
         ".venv/bin/python bench/safety_eval.py --write-sample` (data wheels and features cached in "
         "/tmp/thermocline-safety-wheels)",
         "",
@@ -350,27 +353,31 @@ def render(
     ]
     if skipped is not None:
         lines += ["", f"tests/safety/heldout_*.json rewritten; skipped while picking them: {skipped}"]
-    return "\n".join(lines + NOTES) + "\n"
+    return "\n".join(lines + note_lines) + "\n"
 
 
-NOTES = [
-    "",
-    "Notes:",
-    "",
-    "- Precision is at each split's mix (harmful : benign); real traffic is mostly benign, so the FPR",
-    "  column is the number to watch.",
-    "- The output screen reads the same head as the prompt screen, with per-category thresholds",
-    '  calibrated on benign outputs. The "before" rows are the same scores judged against the prompt',
-    "  thresholds, as CheckOutput did until gate 2026.11.30.2: the output thresholds trade recall on",
-    "  harmful outputs for far fewer blocked benign answers. Retraining the head with the train split's",
-    "  benign outputs did not lift output recall at 1 % FPR and cost prompt recall, so the heads are",
-    "  the tensors of gate 2026.11.30 (same sha256).",
-    "- Harmful outputs are PyRIT's 80 held-out human-scored responses, few per category; the PyRIT",
-    "  safe-answer row has 30 texts, each worth 0.033 of FPR.",
-    "- The in-engine head is scored offline on the last-token final hidden state of SmolLM2-135M (fp32,",
-    "  CPU, text cut to 128 tokens), as the engine's step returns it; it has no output thresholds.",
-    "- Latency: other work on the 2 cores inflates p99; long outputs are screened in many windows.",
-]
+def notes(num_harmful_outputs: int, num_safe_answers: int) -> list[str]:
+    """The notes under the tables, with the sizes of the small output sets."""
+    return [
+        "",
+        "Notes:",
+        "",
+        "- Precision is at each split's mix (harmful : benign); real traffic is mostly benign, so the FPR",
+        "  column is the number to watch.",
+        "- The output screen reads the same head as the prompt screen, with per-category thresholds",
+        '  calibrated on benign outputs. The "before" rows are the same scores judged against the prompt',
+        "  thresholds, as CheckOutput did until gate 2026.11.30.2: the output thresholds trade recall on",
+        "  harmful outputs for far fewer blocked benign answers. Retraining the head with the train split's",
+        "  benign outputs did not lift output recall at 1 % FPR and cost prompt recall, so the heads are",
+        "  the tensors of gate 2026.11.30 (same sha256).",
+        f"- Harmful outputs are PyRIT's {num_harmful_outputs} held-out human-scored responses, few per",
+        f"  category; the PyRIT safe-answer row has {num_safe_answers} texts, each worth "
+        f"{1 / num_safe_answers:.3f} of FPR.",
+        "- The in-engine head is scored offline on the last-token final hidden state of SmolLM2-135M (fp32,",
+        f"  CPU, text cut to {ENGINE_MAX_TOKENS} tokens), as the engine's step returns it; it has no output "
+        "thresholds.",
+        "- Latency: other work on the 2 cores inflates p99; long outputs are screened in many windows.",
+    ]
 
 
 if __name__ == "__main__":
