@@ -21,6 +21,7 @@ from services.cli.trace_collector import (
     TraceCollector,
 )
 from services.gateway.tokens import mint_token
+from tests.conftest import STORIES_PROMPT, STORIES_PROMPT_IDS
 
 ENGINE_QUEUE = ("thermocline-engine", "engine.queue_wait")
 ENGINE_PREFILL = ("thermocline-engine", "engine.prefill")
@@ -44,7 +45,7 @@ def _generate(mesh: Mesh, traceparent: tuple[str, str] | None = None) -> str:
     token = mint_token(mesh.private_key_path.read_bytes(), subject="tracer", tenant="acme")
     metadata = call_metadata(token) + ([traceparent] if traceparent else [])
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
-        request = build_request("Once upon a time", max_tokens=MAX_TOKENS)
+        request = build_request(STORIES_PROMPT, max_tokens=MAX_TOKENS)
         result = collect(stream_generate(channel, request, metadata, timeout_s=120))
     assert result.done is not None
     return result.done.trace_id
@@ -60,6 +61,7 @@ def test_one_request_is_one_trace_with_every_hop_linked(
     stories_mesh: Mesh, collector: TraceCollector
 ) -> None:
     trace_id = _generate(stories_mesh)
+    assert len(trace_id) == 32
     spans = collector.wait_for_spans(trace_id, FULL_PATH, timeout_s=30)
     assert {s.trace_id for s in spans} == {trace_id}
     gateway = _one(spans, GATEWAY_GENERATE)
@@ -68,6 +70,7 @@ def test_one_request_is_one_trace_with_every_hop_linked(
         assert _one(spans, client).parent_span_id == gateway.span_id, client
         assert _one(spans, server).parent_span_id == _one(spans, client).span_id, server
     engine = _one(spans, ENGINE_GENERATE)
+    assert engine.attributes["gen_ai.usage.input_tokens"] == len(STORIES_PROMPT_IDS)
     for span in (gateway, engine):
         for key in GEN_AI_REQUEST + GEN_AI_RESPONSE:
             assert span.attributes.get(key) not in (None, "", []), (span.service, key)
