@@ -328,6 +328,15 @@ def test_closed_loop_sweep_writes_json_markdown_and_plots(stories_mesh: Mesh, tm
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_sla_for_a_class_the_trace_lacks_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"offset_s": 0, "intent": "default", "prompt": "hi", "max_tokens": 2}) + "\n")
+    assert main(["loadgen", "--trace", str(trace), "--sla", "medical-diagnosis:e2e_ms=100"]) == 2
+    assert "not in the trace: ['medical-diagnosis']" in capsys.readouterr().err
+
+
 def test_bad_settings_exit_2_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["loadgen", "--mix", "default=lots"]) == 2
     assert "not a number" in capsys.readouterr().err

@@ -145,6 +145,8 @@ def _plan(args: argparse.Namespace) -> RunPlan:
     sla_flags = dict(parse_sla_flag(text) for text in args.sla)
     if args.trace is not None:
         trace = load_trace(args.trace, random.Random(args.seed))
+        if stray := set(sla_flags) - {request.intent for request in trace}:
+            raise ValueError(f"--sla names classes that are not in the trace: {sorted(stray)}")
         return RunPlan(None, trace, sla_flags, _level_specs(args, trace))
     file_classes = load_workload_file(args.workload) if args.workload else None
     mix = parse_mix(args.mix) if args.mix else None
