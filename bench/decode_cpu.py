@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.models import resolve_model  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from services.engine.model.registry import resolve_model  # noqa: E402
+from services.engine.scheduling.sampling_params import SamplingParams  # noqa: E402
 
 SEED_TEXT = (
     "The history of lighthouses begins with fires lit on hilltops to guide ships home. Over centuries, "

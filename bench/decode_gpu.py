@@ -38,10 +38,10 @@ from gpu_first_reading import (
     make_dummy_1b,
 )
 
-from services.engine.generation_result import ResultCollector
-from services.engine.kv_tiers import KVCacheSpec, TierConfig
+from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine, SamplingParams
-from services.engine.models import resolve_model
+from services.engine.model.registry import resolve_model
+from services.engine.serving.generation_result import ResultCollector
 
 TIERS_ON = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=4096, group_size=32)
 TIERS_ON_LABEL = "ours, tiers on (hot 128, INT4 g32)"

@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from services.common.gate_file import ENGINE_HEAD, HeadWeights, load_gate  # noqa: E402
-from services.engine.gate_loader import DEFAULT_GATE_FILE  # noqa: E402
+from services.engine.gate.gate_loader import DEFAULT_GATE_FILE  # noqa: E402
+from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate  # noqa: E402
 from services.engine.llm_engine import LLMEngine, _fetch  # noqa: E402
-from services.engine.safety_gate import GateReport, GateStatus, InLoopGate  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
-from services.engine.sequence import StreamEvent  # noqa: E402
+from services.engine.scheduling.sampling_params import SamplingParams  # noqa: E402
+from services.engine.scheduling.sequence import StreamEvent  # noqa: E402
 
 RANDOM_SHAPES = {
     "smollm2": {

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from services.cli.client import build_request, call_metadata  # noqa: E402
 from services.cli.mesh import Mesh, MeshConfig, Ports, free_port  # noqa: E402
 from services.common.channels import wait_until_serving  # noqa: E402
-from services.engine.models import resolve_model  # noqa: E402
+from services.engine.model.registry import resolve_model  # noqa: E402
 from services.gateway.tokens import mint_token  # noqa: E402
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from thermocline.gateway.v1 import gateway_pb2_grpc  # noqa: E402

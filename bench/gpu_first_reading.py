@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.engine.llm_engine import LLMEngine, SamplingParams
-from services.engine.models import resolve_model
+from services.engine.model.registry import resolve_model
 
 STORIES_PROMPTS = ["Once upon a time", "The cat sat", "Lily and Ben went to the park to play", "One day"]
 

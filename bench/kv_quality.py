@@ -31,12 +31,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.engine.block_table import BlockTable
-from services.engine.kv_cache import HotTier, KVCache, WarmTier
-from services.engine.kv_tiers import TierConfig
+from services.engine.execution.step_context import RowInput, StepContext
+from services.engine.kv.block_table import BlockTable
+from services.engine.kv.cache import HotTier, KVCache, WarmTier
+from services.engine.kv.tiers import TierConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.model import LlamaModel
-from services.engine.step_context import RowInput, StepContext
+from services.engine.model.llama import LlamaModel
 
 MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_gpu import TIERS_ON, _guarded, header, our_decode
 from gpu_first_reading import LLAMA_1B, STORIES_PROMPTS, _common_prefix, greedy_ids, make_dummy_1b
 
-from services.engine.kv_tiers import KVCacheSpec
+from services.engine.kv.tiers import KVCacheSpec
 from services.engine.llm_engine import LLMEngine, SamplingParams
-from services.engine.models import resolve_model
+from services.engine.model.registry import resolve_model
 
 
 def _load(path: Path, tp: int, dtype: str, **kwargs: object) -> LLMEngine:

@@ -10,7 +10,7 @@ import pytest
 
 from services.cli.mesh import Mesh, MeshConfig, Ports
 from services.cli.trace_collector import TraceCollector
-from services.engine.models import resolve_model
+from services.engine.model.registry import resolve_model
 
 # Golden greedy continuation of "Once upon a time" (with BOS) from stories260K's SOURCE.md.
 STORIES_PROMPT = "Once upon a time"

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.gate_file import ENGINE_HEAD, PROMPT_HEAD, HeadWeights, gate_scores, write_gate
-from services.engine.gate_loader import FINAL_NORM_LAYER
+from services.engine.gate.gate_loader import FINAL_NORM_LAYER
 from services.safety.classifier import screen_rows
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedder, default_model_dir
@@ -90,10 +90,10 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch
     cut to their first ENGINE_MAX_TOKENS tokens (CPU time: the engine head reads the state
     after the cut, as the in-loop gate reads the state after each token).
     """
-    from services.engine.block_table import BlockTable
-    from services.engine.kv_tiers import TierConfig
+    from services.engine.execution.step_context import RowInput, StepContext
+    from services.engine.kv.block_table import BlockTable
+    from services.engine.kv.tiers import TierConfig
     from services.engine.llm_engine import LLMEngine
-    from services.engine.step_context import RowInput, StepContext
 
     engine = LLMEngine.load(ENGINE_MODEL, device="cpu", dtype="float32", max_batch_size=batch_size,
                             max_seq_len=ENGINE_MAX_TOKENS, progress=False)  # fmt: skip

@@ -26,7 +26,7 @@ from services.cli.loadgen.command import add_loadgen_parser
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
 from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
 from services.common import env
-from services.engine.models import DEFAULT_MODEL, resolve_model
+from services.engine.model.registry import DEFAULT_MODEL, resolve_model
 from services.gateway.tokens import ensure_dev_keys, mint_token
 
 DEMO_QUESTION = "What is the capital of France?"

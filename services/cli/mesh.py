@@ -88,7 +88,7 @@ class MeshConfig:
 
 def _local_model_path(model: str) -> Path | None:
     """The model's files when they are on disk already (the gateway counts prompts with its tokenizer)."""
-    from services.engine.models import ModelDownloadError, UnknownModel, resolve_model
+    from services.engine.model.registry import ModelDownloadError, UnknownModel, resolve_model
 
     if Path(model).exists():
         return Path(model)

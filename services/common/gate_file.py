@@ -17,7 +17,7 @@ project: only the standard library, torch and safetensors. The manifest holds:
 Loading refuses a file whose hash differs from the manifest's, naming both hashes.
 
 `gate_scores` is the reference form of a head. The engine does not call it per step: at
-start-up services/engine/safety_gate.py folds the engine head and its thresholds into one matrix
+start-up services/engine/gate/safety_gate.py folds the engine head and its thresholds into one matrix
 and one limit per category (`InLoopGate`). The engine head was trained on the last token of
 prompts and outputs, not on every position of a generation, so scores at mid-generation steps
 are less calibrated than at the prompt's end.

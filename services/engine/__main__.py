@@ -6,10 +6,10 @@ import logging
 
 from services.common.server import ServiceSpec, run_service, setup_logging
 from services.engine.config import EngineConfig
-from services.engine.gate_loader import open_gate, served_model
+from services.engine.gate.gate_loader import open_gate, served_model
 from services.engine.llm_engine import LLMEngine
-from services.engine.models import resolve_model
-from services.engine.servicer import register
+from services.engine.model.registry import resolve_model
+from services.engine.serving.servicer import register
 
 log = logging.getLogger(__name__)
 

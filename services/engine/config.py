@@ -10,9 +10,9 @@ from typing import TypeVar
 
 from services.common import env
 from services.common.config import ServerConfig
-from services.engine.gate_loader import DEFAULT_GATE_FILE, GateConfig, GateSource, MismatchPolicy
-from services.engine.intent_class import IntentClasses
-from services.engine.kv_tiers import KVCacheSpec, TierConfig, WarmFullPolicy
+from services.engine.gate.gate_loader import DEFAULT_GATE_FILE, GateConfig, GateSource, MismatchPolicy
+from services.engine.kv.tiers import KVCacheSpec, TierConfig, WarmFullPolicy
+from services.engine.scheduling.intent_class import IntentClasses
 
 _Choice = TypeVar("_Choice", bound=Enum)
 
@@ -24,7 +24,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 class EngineConfig:
     """Which model the engine serves, where, and how many requests it decodes at once.
 
-    `THERMOCLINE_ENGINE_MODEL`: a known model name (see services/engine/models.py), a Hugging Face
+    `THERMOCLINE_ENGINE_MODEL`: a known model name (see services/engine/model/registry.py), a Hugging Face
     checkpoint directory or a .gguf file. `_DEVICE` (auto, cpu, cuda, cuda:N), `_DTYPE` (auto,
     float32, bfloat16, float16), `_MAX_BATCH_SIZE`, `_MAX_SEQ_LEN` (0 = the model's own limit),
     `_DEFAULT_MAX_TOKENS` (used when a request gives none) and `_MAX_TOKENS_LIMIT` (the cap).

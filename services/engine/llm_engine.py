@@ -15,8 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-from services.engine.checkpoint import open_checkpoint
-from services.engine.engine_metrics import QUEUE_WAIT
 from services.engine.errors import (
     EmptyPrompt,
     EngineStopped,
@@ -24,22 +22,23 @@ from services.engine.errors import (
     KVCapacityExceeded,
     PromptTooLong,
 )
-from services.engine.generation_result import GenerationResult, ResultCollector
-from services.engine.intent_class import IntentClass, IntentClasses
-from services.engine.kv_cache import HotTier, KVCache, WarmTier
-from services.engine.kv_tiers import KVCacheSpec, TierConfig, WarmFullPolicy
-from services.engine.model_config import ModelConfig
-from services.engine.model_loader import load_model, resolve_device, resolve_dtype
-from services.engine.model_runner import ModelRunner
-from services.engine.models import resolve_model
-from services.engine.safety_gate import GateReport, GateStatus, InLoopGate, refusal
-from services.engine.sampler import make_generator, sample
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ExpiredRequest, ScheduledBatch, Scheduler
-from services.engine.sequence import EventCallback, FinishReason, RequestId, Sequence, StreamEvent
-from services.engine.tensor_parallel import SINGLE
-from services.engine.tokenizer import Tokenizer
-from services.engine.tp_workers import CacheShape, RankLost, WorkerGroup
+from services.engine.execution.model_runner import ModelRunner
+from services.engine.execution.sampler import make_generator, sample
+from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
+from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate, refusal
+from services.engine.kv.cache import HotTier, KVCache, WarmTier
+from services.engine.kv.tiers import KVCacheSpec, TierConfig, WarmFullPolicy
+from services.engine.metrics import QUEUE_WAIT
+from services.engine.model.config import ModelConfig
+from services.engine.model.loader import load_model, open_checkpoint, resolve_device, resolve_dtype
+from services.engine.model.registry import resolve_model
+from services.engine.model.tensor_parallel import SINGLE
+from services.engine.scheduling.intent_class import IntentClass, IntentClasses
+from services.engine.scheduling.sampling_params import SamplingParams
+from services.engine.scheduling.scheduler import ExpiredRequest, ScheduledBatch, Scheduler
+from services.engine.scheduling.sequence import EventCallback, FinishReason, RequestId, Sequence, StreamEvent
+from services.engine.serving.generation_result import GenerationResult, ResultCollector
+from services.engine.text.tokenizer import Tokenizer
 
 __all__ = [
     "EngineStats",

@@ -85,10 +85,10 @@ class TokenizerCounter:
 
 
 def _load(path: Path) -> Any:
-    from services.engine.tokenizer import Tokenizer
+    from services.engine.text.tokenizer import Tokenizer
 
     if path.suffix == ".gguf":
-        from services.engine.gguf_tokenizer import build_gguf_tokenizer
+        from services.engine.model.gguf.tokenizer import build_gguf_tokenizer
 
         return build_gguf_tokenizer(_GGUFFields(path))  # type: ignore[arg-type]
     directory = path.parent if path.name == "tokenizer.json" else path

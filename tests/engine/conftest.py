@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.engine.llm_engine import LLMEngine
-from services.engine.models import DEFAULT_MODEL, model_dirs, resolve_model
+from services.engine.model.registry import DEFAULT_MODEL, model_dirs, resolve_model
 from tests.engine.tiny_llama import TinySpec, make_tiny_llama
 
 STORIES_DIR = model_dirs().shared_dir / "models" / "stories260K"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.block_table import BlockTable
-from services.engine.kv_cache import HotTier, KVCache, WarmTier
-from services.engine.kv_tiers import TierConfig
-from services.engine.model import LlamaModel
-from services.engine.model_config import ModelConfig
-from services.engine.step_context import RowInput, StepContext
+from services.engine.execution.step_context import RowInput, StepContext
+from services.engine.kv.block_table import BlockTable
+from services.engine.kv.cache import HotTier, KVCache, WarmTier
+from services.engine.kv.tiers import TierConfig
+from services.engine.model.config import ModelConfig
+from services.engine.model.llama import LlamaModel
 
 CPU = torch.device("cpu")
 # 1 KV head of dim 2, 2 layers: the fake config of the cache and scheduler tests

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from services.engine.scheduling.sampling_params import SamplingParams
 from tests.conftest import STORIES_GOLDEN_IDS, STORIES_PROMPT_IDS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

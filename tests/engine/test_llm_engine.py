@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from services.engine.errors import EmptyPrompt, InvalidPrompt, PromptTooLong
-from services.engine.generation_result import ResultCollector
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import FinishReason, StreamEvent
+from services.engine.scheduling.sampling_params import SamplingParams
+from services.engine.scheduling.sequence import FinishReason, StreamEvent
+from services.engine.serving.generation_result import ResultCollector
 
 GREEDY_20 = SamplingParams(max_new_tokens=20, ignore_eos=True)
 
@@ -212,7 +212,7 @@ def test_unknown_intent_class_is_refused_with_the_known_ones(tiny_engine: LLMEng
 
 def test_refuse_policy_says_how_many_tokens_fit(tiny_dir: Path) -> None:
     from services.engine.errors import KVCapacityExceeded
-    from services.engine.kv_tiers import KVCacheSpec, TierConfig, WarmFullPolicy
+    from services.engine.kv.tiers import KVCacheSpec, TierConfig, WarmFullPolicy
 
     tiers = TierConfig(
         enabled=True,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import FinishReason
+from services.engine.scheduling.sampling_params import SamplingParams
+from services.engine.scheduling.sequence import FinishReason
 
 pytestmark = pytest.mark.real_model
 
@@ -54,8 +54,8 @@ def test_greedy_matches_transformers_single_and_batched(smollm_engine: LLMEngine
 
 
 def test_logits_match_transformers(smollm_engine: LLMEngine, hf_model: Any) -> None:
-    from services.engine.block_table import BlockTable
-    from services.engine.kv_tiers import TierConfig
+    from services.engine.kv.block_table import BlockTable
+    from services.engine.kv.tiers import TierConfig
     from tests.engine.paged_helpers import forward, make_cache
 
     model = smollm_engine.runner.model
@@ -83,7 +83,7 @@ def test_chat_answer_names_paris(smollm_engine: LLMEngine) -> None:
 def test_requests_joining_and_leaving_mid_decode_match_transformers(
     smollm_engine: LLMEngine, hf_model: Any
 ) -> None:
-    from services.engine.generation_result import ResultCollector
+    from services.engine.serving.generation_result import ResultCollector
 
     prompts = [smollm_engine.tokenizer.encode(p) for p in PROMPTS]
     expected = [_hf_greedy(hf_model, p) for p in prompts]

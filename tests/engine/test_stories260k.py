@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.kv_tiers import KVCacheSpec, TierConfig
+from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine, StreamEvent
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import FinishReason
+from services.engine.scheduling.sampling_params import SamplingParams
+from services.engine.scheduling.sequence import FinishReason
 from tests.conftest import STORIES_GOLDEN_IDS, STORIES_GOLDEN_TEXT, STORIES_PROMPT, STORIES_PROMPT_IDS
 
 
@@ -35,7 +35,7 @@ def test_golden_output_survives_batching(stories_gguf: Path) -> None:
 
 
 def test_without_chat_template_apply_fails_clearly(stories_hf_dir: Path) -> None:
-    from services.engine.chat_template import ChatTemplateError
+    from services.engine.text.chat_template import ChatTemplateError
 
     engine = LLMEngine.load(stories_hf_dir, device="cpu", max_batch_size=1, progress=False)
     with pytest.raises(ChatTemplateError, match="no chat template"):

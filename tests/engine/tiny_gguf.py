@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
-from services.engine.model_config import ModelConfig
-from services.engine.rotary import inverse_frequencies
-from services.engine.weights import read_hf_config, safetensors_files
+from services.engine.model.config import ModelConfig
+from services.engine.model.rotary import inverse_frequencies
+from services.engine.model.weights import read_hf_config, safetensors_files
 
 Q = GGMLQuantizationType
 # which GGML type each kind of tensor gets, to cover several dequantizers in one file
@@ -90,7 +90,7 @@ def _add_tensor(writer: GGUFWriter, name: str, weight: np.ndarray, qtype: GGMLQu
 
 
 def _llama3_freq_factors(config: ModelConfig) -> np.ndarray:
-    from services.engine.model_config import RopeScaling
+    from services.engine.model.config import RopeScaling
 
     plain = inverse_frequencies(config.head_dim, config.rope_theta, RopeScaling())
     scaled = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)

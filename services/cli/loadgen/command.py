@@ -27,7 +27,7 @@ from services.cli.loadgen.workload import (
     load_workload_file,
     parse_mix,
 )
-from services.engine.models import DEFAULT_MODEL
+from services.engine.model.registry import DEFAULT_MODEL
 
 # A mesh started for load testing measures the node, not the per-tenant rate limit in front of it.
 UNLIMITED_TENANTS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}

@@ -1,0 +1,1 @@
+"""The in-loop safety gate: the classifier head on hidden states and loading and verifying its file."""

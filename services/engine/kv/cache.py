@@ -1,0 +1,317 @@
+"""KV cache storage in device memory: a paged hot tier and an INT4 warm tier, plus the cache over both.
+
+Shapes: N blocks, BS tokens per block, W warm groups, G tokens per warm group, KVH kv heads,
+D head dim, B batch rows, S new tokens per row, L visible positions.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.execution.step_context import StepContext
+from services.engine.kv import kivi
+from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId, BlockPool
+from services.engine.kv.block_table import BlockTable, WarmGroupId
+from services.engine.model.config import ModelConfig
+
+
+class KVTier(ABC):
+    """One tier's storage and its accounting. Only `write`/`allocate`/`free` calls change state."""
+
+    @property
+    @abstractmethod
+    def bytes_per_token(self) -> int:
+        """Device bytes one token position costs in this tier, all layers."""
+
+    @abstractmethod
+    def num_used_tokens(self) -> int:
+        """Token positions currently held (reads only)."""
+
+    @abstractmethod
+    def capacity_tokens(self) -> int:
+        """Token positions this tier can hold at most (reads only)."""
+
+    def used_bytes(self) -> int:
+        """Device bytes in use (reads only)."""
+        return self.num_used_tokens() * self.bytes_per_token
+
+
+class HotTier(KVTier):
+    """Paged keys and values in the model dtype; `pool` hands out its blocks (block 0 is scratch).
+
+    Layout `[layers, N, BS, KVH, D]`: flattening `N*BS` gives one slot per token position, so
+    writes are a single scatter by slot and a paged kernel reads a block as one contiguous tile.
+    """
+
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [layers, N, BS, KVH, D]
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # [layers, N, BS, KVH, D]
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self._bytes_per_token = 2 * config.num_layers * config.kv_size * self.keys.element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values, all layers, model dtype."""
+        return self._bytes_per_token
+
+    def num_used_tokens(self) -> int:
+        """Referenced blocks times the block size."""
+        return self.pool.num_used_blocks() * self.block_size
+
+    def capacity_tokens(self) -> int:
+        """All blocks but the scratch one."""
+        return self.pool.num_blocks * self.block_size
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, ctx: StepContext) -> None:
+        """Scatter new `[B, S, KVH, D]` keys/values to their slots (changes state)."""
+        num_kv_heads, head_dim = keys.shape[-2:]
+        slots = ctx.slot_mapping.flatten()  # [B*S]
+        self.keys[layer].view(-1, num_kv_heads, head_dim)[slots] = keys.reshape(-1, num_kv_heads, head_dim)
+        self.values[layer].view(-1, num_kv_heads, head_dim)[slots] = values.reshape(
+            -1, num_kv_heads, head_dim
+        )
+
+    def gather(self, layer: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's visible hot positions, dense: 2 x `[B, L, KVH, D]` (non-hot slots read scratch)."""
+        num_kv_heads, head_dim = self.keys.shape[-2:]
+        flat_keys = self.keys[layer].view(-1, num_kv_heads, head_dim)
+        flat_values = self.values[layer].view(-1, num_kv_heads, head_dim)
+        return flat_keys[ctx.gather_slots], flat_values[ctx.gather_slots]
+
+    def read_blocks(self, block_ids: list[BlockId]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of consecutive blocks, 2 x `[layers, len*BS, KVH, D]`."""
+        index = torch.tensor(block_ids, device=self.keys.device)
+        keys, values = self.keys[:, index], self.values[:, index]  # [layers, n, BS, KVH, D]
+        return keys.flatten(1, 2), values.flatten(1, 2)
+
+
+class WarmTier(KVTier):
+    """INT4 KIVI groups of G tokens: codes packed two per byte, FP16 scales and zero points."""
+
+    def __init__(self, config: ModelConfig, num_groups: int, group_size: int, device: torch.device) -> None:
+        layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
+        value_groups = dim // min(group_size, dim)
+        self.key_codes = torch.zeros(
+            layers, num_groups, group_size, heads, dim // 2, dtype=torch.uint8, device=device
+        )
+        self.key_scale = torch.zeros(layers, num_groups, heads, dim, dtype=torch.float16, device=device)
+        self.key_zero = torch.zeros_like(self.key_scale)  # [layers, W, KVH, D]
+        self.value_codes = torch.zeros_like(self.key_codes)  # [layers, W, G, KVH, D/2]
+        self.value_scale = torch.zeros(
+            layers, num_groups, group_size, heads, value_groups, dtype=torch.float16, device=device
+        )
+        self.value_zero = torch.zeros_like(self.value_scale)  # [layers, W, G, KVH, D/VG]
+        self.group_size = group_size
+        self.num_groups = num_groups
+        self._free: list[WarmGroupId] = [WarmGroupId(i) for i in range(num_groups - 1, -1, -1)]
+        group_bytes = sum(
+            t[:, 0].numel() * t.element_size()
+            for t in (
+                self.key_codes,
+                self.key_scale,
+                self.key_zero,
+                self.value_codes,
+                self.value_scale,
+                self.value_zero,
+            )
+        )
+        self._bytes_per_token = group_bytes // max(group_size, 1)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Packed codes plus amortized scales and zeros, all layers."""
+        return self._bytes_per_token
+
+    def num_used_tokens(self) -> int:
+        """Held groups times the group size."""
+        return (self.num_groups - len(self._free)) * self.group_size
+
+    def capacity_tokens(self) -> int:
+        """Every group."""
+        return self.num_groups * self.group_size
+
+    def can_allocate(self) -> bool:
+        """True when a group is free."""
+        return bool(self._free)
+
+    def allocate(self) -> WarmGroupId:
+        """Take a free group (changes state)."""
+        return self._free.pop()
+
+    def free(self, group_id: WarmGroupId) -> None:
+        """Return a group (changes state)."""
+        self._free.append(group_id)
+
+    def write(self, group_id: WarmGroupId, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize `[layers, G, KVH, D]` keys/values into `group_id`, all layers at once (changes state)."""
+        qk = kivi.quantize_keys(keys)  # codes [layers, G, KVH, D/2], scale/zero [layers, KVH, D]
+        qv = kivi.quantize_values(values, self.group_size)  # scale/zero [layers, G, KVH, D/VG]
+        self.key_codes[:, group_id], self.key_scale[:, group_id], self.key_zero[:, group_id] = qk
+        self.value_codes[:, group_id], self.value_scale[:, group_id], self.value_zero[:, group_id] = qv
+
+    def read(self, layer: int, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized groups, 2 x `[n, G, KVH, D]` fp32 (the reference path; a kernel fuses this)."""
+        keys = kivi.dequantize_keys(
+            self.key_codes[layer, group_ids],
+            self.key_scale[layer, group_ids],
+            self.key_zero[layer, group_ids],
+        )
+        values = kivi.dequantize_values(
+            self.value_codes[layer, group_ids],
+            self.value_scale[layer, group_ids],
+            self.value_zero[layer, group_ids],
+        )
+        return keys, values
+
+
+@dataclass(frozen=True)
+class WarmCopy:
+    """One hot -> warm demotion's device work: quantize these hot blocks into this warm group."""
+
+    block_ids: tuple[BlockId, ...]
+    group_id: WarmGroupId
+
+
+@dataclass(frozen=True)
+class DemotionResult:
+    """Tokens one `demote` call moved hot -> warm and tokens it dropped from warm."""
+
+    num_demoted_tokens: int = 0
+    num_dropped_tokens: int = 0
+
+
+class KVCache:
+    """The hot and warm tiers of every layer; `store` is what attention calls."""
+
+    def __init__(self, hot: HotTier, warm: WarmTier | None) -> None:
+        self.hot = hot
+        self.warm = warm
+        # Set (to a list) on rank 0 under tensor parallelism: demotions are decided there, so their
+        # device work is logged and replayed on the other ranks before their next forward step.
+        self.warm_copy_log: list[WarmCopy] | None = None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per hot block."""
+        return self.hot.block_size
+
+    def store(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new `[B, S, KVH, D]` keys/values; return all visible ones, each `[B, KVH, L, D]`."""
+        self.hot.write(layer, keys, values, ctx)
+        all_keys, all_values = self.hot.gather(layer, ctx)  # [B, L, KVH, D]
+        if ctx.warm_group_ids is not None and self.warm is not None:
+            warm_keys, warm_values = self.warm.read(layer, ctx.warm_group_ids)  # [n, G, KVH, D]
+            all_keys[ctx.warm_rows, ctx.warm_positions] = warm_keys.to(all_keys.dtype)
+            all_values[ctx.warm_rows, ctx.warm_positions] = warm_values.to(all_values.dtype)
+        return all_keys.transpose(1, 2), all_values.transpose(1, 2)
+
+    # --- per-sequence block management ---------------------------------------------------------
+
+    def num_blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        """New hot blocks a table needs to hold positions `[0, num_tokens)`."""
+        return max(0, -(-num_tokens // self.block_size) - len(table.hot_block_ids))
+
+    def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
+        """True when `grow(table, num_tokens)` would succeed."""
+        return self.hot.pool.can_allocate(self.num_blocks_needed(table, num_tokens))
+
+    def grow(self, table: BlockTable, num_tokens: int) -> None:
+        """Allocate hot blocks so the table covers `[0, num_tokens)` (changes state)."""
+        table.hot_block_ids.extend(self.hot.pool.allocate(self.num_blocks_needed(table, num_tokens)))
+
+    def release(self, table: BlockTable) -> None:
+        """Give back every block and warm group of a table at once (finish, cancel, preempt)."""
+        self.hot.pool.free(table.held_hot_blocks())
+        if self.warm is not None:
+            for group_id in table.warm_groups.values():
+                self.warm.free(group_id)
+        table.hot_block_ids.clear()
+        table.warm_groups.clear()
+        table.num_registered_blocks = 0
+        table.next_demote_block = -1
+        table.num_dropped_blocks = 0
+
+    def register_full_blocks(self, table: BlockTable, num_computed_tokens: int) -> None:
+        """Publish the prompt's blocks that are now computed to the prefix cache."""
+        num_full = min(num_computed_tokens // self.block_size, len(table.prefix_hashes))
+        for index in range(table.num_registered_blocks, num_full):
+            block_id = table.hot_block_ids[index]
+            if block_id != SCRATCH_BLOCK:
+                self.hot.pool.register(block_id, table.prefix_hashes[index])
+        table.num_registered_blocks = max(table.num_registered_blocks, num_full)
+
+    def demote(self, table: BlockTable, num_computed_tokens: int) -> DemotionResult:
+        """Move whole groups that left the hot window to warm, then apply the warm limit."""
+        tiers = table.tiers
+        if not tiers.enabled or self.warm is None:
+            return DemotionResult()
+        blocks_per_group = tiers.group_size // self.block_size
+        if table.next_demote_block < 0:
+            table.next_demote_block = self._num_sink_blocks(table)
+        demoted = 0
+        hot_from = num_computed_tokens - tiers.hot_tokens  # positions >= hot_from stay hot
+        while (table.next_demote_block + blocks_per_group) * self.block_size <= hot_from:
+            demoted += self._demote_group(table, table.next_demote_block, blocks_per_group)
+            table.next_demote_block += blocks_per_group
+        dropped = self._apply_warm_limit(table, blocks_per_group)
+        return DemotionResult(demoted, dropped)
+
+    def num_held_hot_blocks(self, table: BlockTable) -> int:
+        """`len(table.held_hot_blocks())` without scanning the table (read per row per decode step).
+
+        Demotion empties blocks in order, from the end of the sink up to `next_demote_block`
+        (to warm or dropped); every other block of the table is held.
+        """
+        if table.next_demote_block < 0:  # nothing demoted yet
+            return len(table.hot_block_ids)
+        return len(table.hot_block_ids) - (table.next_demote_block - self._num_sink_blocks(table))
+
+    def _num_sink_blocks(self, table: BlockTable) -> int:
+        return -(-table.tiers.sink_tokens // self.block_size)
+
+    def _demote_group(self, table: BlockTable, first: int, blocks_per_group: int) -> int:
+        assert self.warm is not None
+        block_ids = table.hot_block_ids[first : first + blocks_per_group]
+        if self.warm.can_allocate() and table.tiers.warm_tokens > 0:
+            group_id = self.warm.allocate()
+            self.copy_to_warm(WarmCopy(tuple(block_ids), group_id))
+            table.warm_groups[first] = group_id
+        else:  # no warm room anywhere: the window policy drops the group, and says so in metrics
+            table.num_dropped_blocks += blocks_per_group
+        self.hot.pool.free(block_ids)
+        for index in range(first, first + blocks_per_group):
+            table.hot_block_ids[index] = SCRATCH_BLOCK
+        return blocks_per_group * self.block_size
+
+    def copy_to_warm(self, copy: WarmCopy) -> None:
+        """Quantize hot blocks into an allocated warm group (changes state; logged for other ranks)."""
+        assert self.warm is not None
+        self.warm.write(copy.group_id, *self.hot.read_blocks(list(copy.block_ids)))
+        if self.warm_copy_log is not None:
+            self.warm_copy_log.append(copy)
+
+    def take_warm_copies(self) -> list[WarmCopy]:
+        """The logged demotions since the last call (empty when not logging)."""
+        if not self.warm_copy_log:
+            return []
+        copies, self.warm_copy_log = self.warm_copy_log, []
+        return copies
+
+    def _apply_warm_limit(self, table: BlockTable, blocks_per_group: int) -> int:
+        assert self.warm is not None
+        dropped = 0
+        while len(table.warm_groups) * table.tiers.group_size > table.tiers.warm_tokens:
+            oldest = min(table.warm_groups)
+            self.warm.free(table.warm_groups.pop(oldest))
+            table.num_dropped_blocks += blocks_per_group
+            dropped += table.tiers.group_size
+        return dropped

@@ -1,0 +1,1 @@
+"""llama.cpp GGUF files: metadata parsing, the embedded tokenizer, and dequantized weights."""

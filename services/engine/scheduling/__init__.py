@@ -1,0 +1,1 @@
+"""What runs when: sequences, sampling parameters, intent classes and the batch scheduler."""

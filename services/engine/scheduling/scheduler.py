@@ -1,0 +1,331 @@
+"""Continuous batching with chunked prefill, intent classes, prefix reuse and preemption by recompute."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.engine.execution.model_runner import ScheduledRow
+from services.engine.kv.block_pool import hash_prefix_blocks
+from services.engine.kv.cache import DemotionResult, KVCache
+from services.engine.metrics import BATCH_SIZE
+from services.engine.scheduling.intent_class import IntentClass, IntentClasses
+from services.engine.scheduling.sequence import FinishReason, RequestId, Sequence, SequenceStatus
+
+Clock = Callable[[], float]
+
+
+class StepKind(enum.Enum):
+    """What a scheduled step runs."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """Rows for one forward step."""
+
+    kind: StepKind
+    rows: tuple[ScheduledRow, ...]
+
+    @property
+    def seqs(self) -> tuple[Sequence, ...]:
+        """The rows' sequences."""
+        return tuple(r.seq for r in self.rows)
+
+
+@dataclass(frozen=True)
+class ExpiredRequest:
+    """A request that waited past its class's queue timeout."""
+
+    seq: Sequence
+    waited_s: float
+    timeout_s: float
+    num_ahead: int
+
+
+class Scheduler:
+    """Owns one waiting queue per intent class and the running list.
+
+    Prefill comes first (chunks of long prompts continue, then new requests join by class
+    priority, within batch shares and other classes' reserved slots); otherwise every running
+    sequence decodes one token together. When hot blocks run out, the lowest-priority running
+    sequence is preempted by recompute: its blocks are freed and it waits again at the head of its
+    queue (counted in `num_preemptions`; its stream continues once it is re-run).
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        classes: IntentClasses | None = None,
+        model_id: str = "",
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.classes = classes or IntentClasses.builtin()
+        self.classes.check_fits(max_batch_size)
+        self._classes_by_priority = sorted(self.classes.by_name.values(), key=lambda c: -c.priority)
+        self.model_id = model_id
+        self.clock = clock
+        self.waiting: dict[str, deque[Sequence]] = {name: deque() for name in self.classes.by_name}
+        self.running: list[Sequence] = []
+        self.enqueued_s: dict[RequestId, float] = {}
+        self.num_preemptions = 0
+        self.num_prompt_tokens_cached = 0
+        self.num_prompt_tokens_queried = 0
+        self.num_dropped_tokens_last_step = 0
+        self._queue_waits: list[tuple[str, float]] = []
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences in all queues."""
+        return sum(len(q) for q in self.waiting.values())
+
+    @property
+    def has_work(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.running) or self.num_waiting > 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (its class must be known)."""
+        self.classes.get(seq.intent_class)
+        self.waiting[seq.intent_class].append(seq)
+        self.enqueued_s[seq.request_id] = self.clock()
+        seq.block_table.prefix_hashes = hash_prefix_blocks(
+            seq.prompt_ids, self.kv_cache.block_size, self.model_id, seq.cache_salt
+        )
+
+    # --- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's rows, or None when idle."""
+        prefill = self._continue_prefills()
+        prefill += self._admit(prefill)
+        if prefill:
+            for row in prefill:
+                row.seq.timeline.begin_prefill_chunk()
+            BATCH_SIZE.labels(StepKind.PREFILL.value).observe(len(prefill))
+            return ScheduledBatch(StepKind.PREFILL, tuple(prefill))
+        decode = self._decode_rows()
+        if not decode:
+            return None
+        BATCH_SIZE.labels(StepKind.DECODE.value).observe(len(decode))
+        return ScheduledBatch(StepKind.DECODE, tuple(decode))
+
+    def _budget_allows(self, rows: list[ScheduledRow], num_new: int) -> bool:
+        width = max([num_new, *(r.num_new for r in rows)])
+        return not rows or width * (len(rows) + 1) <= self.max_prefill_tokens
+
+    def _chunk(self, seq: Sequence) -> int:
+        return min(seq.num_pending_tokens, self.max_prefill_tokens)
+
+    def _continue_prefills(self) -> list[ScheduledRow]:
+        rows: list[ScheduledRow] = []
+        for seq in list(self.running):
+            if seq.num_pending_tokens > 1 and seq.status is SequenceStatus.RUNNING:
+                chunk = self._chunk(seq)
+                if self._budget_allows(rows, chunk) and self._reserve(seq, chunk):
+                    rows.append(ScheduledRow(seq, chunk))
+        return rows
+
+    def _admit(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        admitted: list[ScheduledRow] = []
+        for cls in self._classes_by_priority:
+            queue = self.waiting[cls.name]
+            while queue and self._class_may_start(cls):
+                seq = queue[0]
+                self._apply_prefix_cache(seq)
+                chunk = self._chunk(seq)
+                if not self._budget_allows(rows + admitted, chunk) or not self._reserve(
+                    seq, chunk, is_admission=True
+                ):
+                    self._undo_prefix_cache(seq)
+                    return admitted
+                queue.popleft()
+                self._start(seq)
+                admitted.append(ScheduledRow(seq, chunk))
+        return admitted
+
+    def _class_may_start(self, cls: IntentClass) -> bool:
+        """Room in the batch, in the class's share, and outside other classes' unfilled reservations."""
+        if len(self.running) >= self.max_batch_size:
+            return False
+        if self._num_running(cls.name) >= cls.max_running(self.max_batch_size):
+            return False
+        held_for_others = sum(
+            max(0, c.reserved_slots - self._num_running(c.name))
+            for c in self.classes.by_name.values()
+            if c.name != cls.name
+        )
+        return self.max_batch_size - len(self.running) - 1 >= held_for_others
+
+    def _num_running(self, name: str) -> int:
+        return sum(1 for s in self.running if s.intent_class == name)
+
+    def _apply_prefix_cache(self, seq: Sequence) -> None:
+        """Reuse cached blocks of the prompt; the last prompt token is always recomputed for its logits."""
+        if seq.num_computed_tokens or seq.completion_ids:
+            return
+        pool = self.kv_cache.hot.pool
+        max_blocks = (len(seq.prompt_ids) - 1) // self.kv_cache.block_size
+        hits = pool.lookup(seq.block_table.prefix_hashes[:max_blocks])
+        pool.share(hits)
+        seq.block_table.hot_block_ids = list(hits)
+        seq.block_table.num_registered_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.kv_cache.block_size
+
+    def _undo_prefix_cache(self, seq: Sequence) -> None:
+        self.kv_cache.release(seq.block_table)
+        seq.num_computed_tokens = 0
+
+    def _reserve(self, seq: Sequence, num_new: int, is_admission: bool = False) -> bool:
+        """Make the table cover the step's tokens, preempting lower-priority sequences if needed.
+
+        A new request may only preempt strictly lower classes; running work may also preempt the
+        latest-started sequence of its own class (so the batch shrinks instead of failing).
+        """
+        num_tokens = seq.num_computed_tokens + num_new
+        table = seq.block_table
+        while not self.kv_cache.can_grow(table, num_tokens):
+            own = self.classes.get(seq.intent_class).priority - (1 if is_admission else 0)
+            victim = self._preemption_victim(own, exclude=seq)
+            if victim is None:
+                return False
+            self.preempt(victim)
+        self.kv_cache.grow(table, num_tokens)
+        return True
+
+    def _preemption_victim(self, priority: int, exclude: Sequence) -> Sequence | None:
+        """The lowest-priority, latest-started running sequence at or below `priority`."""
+        candidates = [s for s in self.running if s is not exclude]
+        candidates = [s for s in candidates if self.classes.get(s.intent_class).priority <= priority]
+        if not candidates:
+            return None
+        return min(reversed(candidates), key=lambda s: self.classes.get(s.intent_class).priority)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free all of a running sequence's blocks; it recomputes its tokens when re-admitted."""
+        self.kv_cache.release(seq.block_table)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.add_event(
+            "thermocline.preemption",
+            {"thermocline.preemption.mode": "recompute", "thermocline.preemption.count": seq.num_preemptions},
+        )
+        seq.timeline.mark_queued()
+        self.waiting[seq.intent_class].appendleft(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        if seq.num_preemptions == 0:
+            self.num_prompt_tokens_queried += len(seq.prompt_ids)
+            self.num_prompt_tokens_cached += seq.num_computed_tokens
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        seq.timeline.mark_admitted()
+        enqueued = self.enqueued_s.pop(seq.request_id, None)
+        if enqueued is not None:
+            self._queue_waits.append((seq.intent_class, self.clock() - enqueued))
+        self.running.append(seq)
+
+    def _decode_rows(self) -> list[ScheduledRow]:
+        rows: list[ScheduledRow] = []
+        for seq in sorted(self.running, key=lambda s: -self.classes.get(s.intent_class).priority):
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
+                rows.append(ScheduledRow(seq, 1))
+        return [r for r in rows if r.seq.status is SequenceStatus.RUNNING]
+
+    # --- after a step --------------------------------------------------------------------------
+
+    def commit_computed(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance each row past its computed tokens, publish full prompt blocks, demote to warm.
+
+        Returns the sequences whose pending tokens are all computed (they get a sampled token).
+        """
+        done: list[Sequence] = []
+        self.num_dropped_tokens_last_step = 0
+        for row in batch.rows:
+            seq = row.seq
+            seq.num_computed_tokens += row.num_new
+            if batch.kind is StepKind.PREFILL:
+                seq.timeline.end_prefill_chunk(row.num_new)
+            self.kv_cache.register_full_blocks(seq.block_table, seq.num_computed_tokens)
+            demoted = self.kv_cache.demote(seq.block_table, seq.num_computed_tokens)
+            self.num_dropped_tokens_last_step += demoted.num_dropped_tokens
+            if demoted.num_demoted_tokens or demoted.num_dropped_tokens:
+                _record_demotion(seq, demoted)
+            if seq.num_pending_tokens == 0:
+                done.append(seq)
+        return done
+
+    def take_queue_waits(self) -> list[tuple[str, float]]:
+        """(intent class, seconds waited) of each sequence admitted since the last call."""
+        waits, self._queue_waits = self._queue_waits, []
+        return waits
+
+    def release(self, seq: Sequence) -> None:
+        """Free a finished sequence's blocks at once."""
+        self.kv_cache.release(seq.block_table)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def remove(self, request_id: RequestId, reason: FinishReason) -> Sequence | None:
+        """Finish and drop a request wherever it is (cancel); None when it is unknown or done."""
+        seq = self._find(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting[seq.intent_class].remove(seq)
+            self.enqueued_s.pop(seq.request_id, None)
+        seq.finish(reason)
+        self.release(seq)
+        return seq
+
+    def expire(self) -> list[ExpiredRequest]:
+        """Take out waiting requests past their class's queue timeout (never preempted ones)."""
+        now = self.clock()
+        expired: list[ExpiredRequest] = []
+        for name, queue in self.waiting.items():
+            timeout = self.classes.get(name).queue_timeout_s
+            for position, seq in enumerate(list(queue)):
+                waited = now - self.enqueued_s.get(seq.request_id, now)
+                if seq.num_preemptions == 0 and waited > timeout:
+                    expired.append(ExpiredRequest(seq, waited, timeout, position))
+            for item in expired:
+                if item.seq in queue:
+                    queue.remove(item.seq)
+                    self.enqueued_s.pop(item.seq.request_id, None)
+        return expired
+
+    def _find(self, request_id: RequestId) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for queue in self.waiting.values():
+            for seq in queue:
+                if seq.request_id == request_id:
+                    return seq
+        return None
+
+
+def _record_demotion(seq: Sequence, demoted: DemotionResult) -> None:
+    """A trace event per step that moved this sequence's tokens hot -> warm (or dropped warm ones)."""
+    seq.add_event(
+        "thermocline.kv.demotion",
+        {
+            "thermocline.kv.from_tier": "hot",
+            "thermocline.kv.to_tier": "warm",
+            "thermocline.kv.demoted_tokens": demoted.num_demoted_tokens,
+            "thermocline.kv.dropped_tokens": demoted.num_dropped_tokens,
+        },
+    )

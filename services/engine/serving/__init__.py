@@ -1,0 +1,1 @@
+"""The engine as a service: the gRPC servicer, results, request traces and the Prometheus collectors."""

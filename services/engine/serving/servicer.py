@@ -1,0 +1,206 @@
+"""The engine's gRPC face: protobuf in, LLMEngine call, protobuf out.
+
+The LLMEngine decodes in its own thread; each request's events cross into the event loop
+through `call_soon_threadsafe`, so the loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from services.engine.config import EngineConfig
+from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
+from services.engine.gate.safety_gate import GateReport, GateStatus
+from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
+from services.engine.serving.engine_metrics import register_engine_metrics
+from services.engine.serving.request_trace import record_finished
+from thermocline.engine.v1 import engine_pb2 as pb
+from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
+
+_FINISH_TO_PB = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.SAFETY: pb.FINISH_REASON_SAFETY,
+}
+_GATE_STATUS_TO_PB = {
+    GateStatus.OK: pb.SAFETY_GATE_STATUS_OK,
+    GateStatus.MISMATCH: pb.SAFETY_GATE_STATUS_MISMATCH,
+    GateStatus.UNVERIFIED: pb.SAFETY_GATE_STATUS_UNVERIFIED,
+    GateStatus.UNCOVERED: pb.SAFETY_GATE_STATUS_UNCOVERED,
+    GateStatus.ABSENT: pb.SAFETY_GATE_STATUS_ABSENT,
+}
+
+
+def sampling_from_pb(sampling: pb.SamplingParams, config: EngineConfig) -> SamplingParams:
+    """Validated SamplingParams; out-of-range values become INVALID_ARGUMENT."""
+    max_tokens = sampling.max_tokens or config.default_max_tokens
+    if max_tokens > config.max_tokens_limit:
+        raise InvalidArgument(
+            f"max_tokens {max_tokens} exceeds this engine's limit of {config.max_tokens_limit}"
+        )
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p or 1.0,
+            top_k=sampling.top_k,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop=tuple(sampling.stop),
+        )
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from None
+
+
+class EngineServicer(pb_grpc.EngineServiceServicer):
+    """Streams tokens from the shared LLMEngine."""
+
+    def __init__(self, config: EngineConfig, engine: LLMEngine) -> None:
+        self.config = config
+        self.engine = engine
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        prompt_ids = self._prompt_ids(request)
+        params = sampling_from_pb(request.sampling, self.config)
+        self._annotate_span(request, params, len(prompt_ids))
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def on_event(event: StreamEvent) -> None:  # runs on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            handle = self.engine.submit(
+                prompt_ids, params, on_event, intent_class=request.intent_class, cache_salt=request.cache_salt
+            )
+        except InvalidPrompt as error:
+            raise InvalidArgument(str(error)) from None
+        except KVCapacityExceeded as error:
+            raise ResourceExhausted(str(error)) from None
+        except EngineStopped as error:
+            raise Unavailable(str(error)) from None
+        is_finished = False
+        try:
+            while not is_finished:
+                event = await events.get()
+                is_finished = event.finished
+                if is_finished:  # spans and latency metrics from the engine's timeline
+                    record_finished(event, self.engine.scheduler.classes.get(request.intent_class).name)
+                _raise_refusal(event)
+                yield self._to_pb(event)
+        finally:
+            if not is_finished:
+                # cancellation or deadline: free the request's KV at once
+                self.engine.cancel(handle)
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.GetStatsResponse:
+        stats = self.engine.stats()
+        return pb.GetStatsResponse(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            generated_tokens_total=stats.num_generated_tokens_total,
+            max_batch_size=self.config.max_batch_size,
+            device=str(self.engine.runner.device),
+        )
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
+        tokenizer = self.engine.tokenizer
+        return pb.GetModelInfoResponse(
+            model=self.engine.model_id,
+            max_context_tokens=self.engine.max_seq_len,
+            has_chat_template=tokenizer.chat_template is not None,
+            vocab_size=tokenizer.vocab_size,
+            safety_gate=gate_info_to_pb(self.engine.gate_report),
+        )
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """Token ids for whichever input form the request used."""
+        tokenizer = self.engine.tokenizer
+        kind = request.WhichOneof("input")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            bad = [i for i in ids if i >= tokenizer.vocab_size]
+            if bad:
+                raise InvalidArgument(
+                    f"token id {bad[0]} is outside the vocabulary of {tokenizer.vocab_size}"
+                )
+            return ids
+        if kind == "prompt":
+            return tokenizer.encode(request.prompt)
+        if kind == "chat":
+            return self._chat_ids(request.chat)
+        raise InvalidArgument("request has no input: set prompt, chat or token_ids")
+
+    def _chat_ids(self, chat: pb.ChatTurns) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer.chat_template is None:
+            raise InvalidArgument(f"model {self.engine.model_id} has no chat template; send a plain prompt")
+        if not chat.messages:
+            raise InvalidArgument("chat has no messages")
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as error:
+            raise InvalidArgument(f"chat template rejected the messages: {error}") from None
+        return tokenizer.encode(text, add_bos=False)
+
+    def _annotate_span(self, request: pb.GenerateRequest, params: SamplingParams, num_prompt: int) -> None:
+        span = trace.get_current_span()
+        span.set_attribute("gen_ai.operation.name", "chat" if request.HasField("chat") else "text_completion")
+        span.set_attribute("gen_ai.request.model", self.engine.model_id)
+        span.set_attribute("gen_ai.request.max_tokens", params.max_new_tokens)
+        span.set_attribute("gen_ai.usage.input_tokens", num_prompt)
+        span.set_attribute("thermocline.intent_class", request.intent_class or "default")
+
+    def _to_pb(self, event: StreamEvent) -> pb.GenerateResponse:
+        message = pb.GenerateResponse(token_ids=event.token_ids, text=event.text_delta)
+        if event.finished:
+            assert event.finish_reason is not None
+            message.finish_reason = _FINISH_TO_PB[event.finish_reason]
+            message.usage.prompt_tokens = event.prompt_tokens
+            message.usage.completion_tokens = event.completion_tokens
+            if event.usage is not None:
+                message.usage.cached_prompt_tokens = event.usage.cached_prompt_tokens
+                message.usage.tiers.hot_tokens = event.usage.hot_tokens
+                message.usage.tiers.warm_tokens = event.usage.warm_tokens
+            span = trace.get_current_span()
+            span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
+            span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason.name.lower()])
+        return message
+
+
+def gate_info_to_pb(report: GateReport) -> pb.SafetyGateInfo:
+    """The in-loop gate's report as GetModelInfo carries it."""
+    return pb.SafetyGateInfo(
+        status=_GATE_STATUS_TO_PB[report.status],
+        version=report.version,
+        sha256=report.sha256,
+        announced_sha256=report.announced_sha256,
+        is_active=report.is_active,
+        is_refusing=report.is_refusing,
+        detail=report.detail,
+    )
+
+
+def _raise_refusal(event: StreamEvent) -> None:
+    """Requests the engine gave up on in its queue end with a status, not a normal finish."""
+    if event.error_status == "deadline_exceeded":
+        raise DeadlineExceeded(event.error or "the request waited too long in the queue")
+    if event.error_status == "resource_exhausted":
+        raise ResourceExhausted(event.error or "the engine ran out of KV cache for this request")
+    if event.error_status == "unavailable":
+        raise Unavailable(event.error or "the engine cannot run steps; send the request to another replica")
+
+
+def register(server: grpc.aio.Server, config: EngineConfig, engine: LLMEngine) -> list[str]:
+    """Adds the engine servicer; returns its full service name."""
+    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(config, engine), server)
+    register_engine_metrics(engine)
+    return [pb.DESCRIPTOR.services_by_name["EngineService"].full_name]

@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer, chat templates, incremental detokenization and stop strings."""

@@ -1,0 +1,130 @@
+"""KVCache on a 1-head fake config: paged scatter/gather, masks, demotion to INT4, window and drops."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.execution.step_context import RowInput, StepContext
+from services.engine.kv import kivi
+from services.engine.kv.block_pool import SCRATCH_BLOCK
+from services.engine.kv.block_table import BlockTable
+from services.engine.kv.tiers import TierConfig
+from services.engine.model.config import ModelConfig
+from tests.engine.paged_helpers import CPU, ONE_HEAD, make_cache
+
+
+def _values(rows: list[list[float]]) -> torch.Tensor:
+    return (
+        torch.tensor(rows, dtype=torch.float32).view(len(rows), len(rows[0]), 1, 1).expand(-1, -1, 1, 2)
+    )  # [B, S, 1, D]
+
+
+def _store(cache, tables, rows: list[list[float]], starts: list[int], lengths: list[int]):  # type: ignore[no-untyped-def]
+    for table, start, n in zip(tables, starts, lengths, strict=True):
+        cache.grow(table, start + n)
+    ctx = StepContext.build(
+        [RowInput(t, s, n) for t, s, n in zip(tables, starts, lengths, strict=True)], 2, CPU
+    )
+    keys, _ = cache.store(0, _values(rows), _values(rows), ctx)
+    return keys, ctx
+
+
+def test_store_scatters_into_blocks_and_gathers_each_row_densely() -> None:
+    cache = make_cache(ONE_HEAD, num_blocks=8, block_size=2)
+    tables = [BlockTable(TierConfig()), BlockTable(TierConfig())]
+    keys, ctx = _store(cache, tables, [[1, 2, 3], [4, 5, 0]], [0, 0], [3, 2])  # row 1 padded
+    assert keys.shape == (2, 1, 3, 2)  # [B, KVH, L, D]
+    assert keys[0, 0, :, 0].tolist() == [1, 2, 3]
+    assert ctx.attn_mask[1, 0, 1].tolist() == [True, True, False]  # padding never visible
+    assert tables[0].hot_block_ids != tables[1].hot_block_ids
+    keys, ctx = _store(cache, tables, [[7], [8]], [3, 2], [1, 1])  # rows at different lengths
+    assert keys[0, 0, :, 0].tolist() == [1, 2, 3, 7]
+    assert keys[1, 0, :3, 0].tolist() == [4, 5, 8]
+    assert ctx.attn_mask[1, 0, 0].tolist() == [True, True, True, False]
+
+
+def test_kivi_round_trip_error_is_within_half_a_step() -> None:
+    x = torch.randn(32, 3, 8, generator=torch.Generator().manual_seed(0))  # [G, KVH, D]
+    qk = kivi.quantize_keys(x)
+    assert qk.codes.dtype == torch.uint8 and qk.codes.shape == (32, 3, 4) and qk.scale.dtype == torch.float16
+    keys = kivi.dequantize_keys(qk.codes[None], qk.scale[None], qk.zero[None])[0]
+    assert ((keys - x).abs() <= qk.scale.float() / 2 + 1e-2).all()  # per channel
+    qv = kivi.quantize_values(x, group_size=4)
+    assert qv.scale.shape == (32, 3, 2)  # per token, two groups of 4 channels
+    values = kivi.dequantize_values(qv.codes[None], qv.scale[None], qv.zero[None])[0]
+    step = qv.scale.float().repeat_interleave(4, dim=-1)
+    assert ((values - x).abs() <= step / 2 + 1e-2).all()
+    assert (kivi.unpack_int4(kivi.pack_int4(torch.arange(16).view(1, 16))) == torch.arange(16)).all()
+
+
+def test_demotion_moves_groups_out_of_the_hot_window_and_frees_their_blocks() -> None:
+    tiers = TierConfig(enabled=True, sink_tokens=2, hot_tokens=4, warm_tokens=8, group_size=4)
+    cache = make_cache(ONE_HEAD, num_blocks=16, block_size=2, tiers=tiers)
+    table = BlockTable(tiers)
+    rows = [[float(i) for i in range(14)]]
+    _store(cache, [table], rows, [0], [14])
+    assert cache.hot.pool.num_used_blocks() == 7
+    result = cache.demote(table, 14)
+    # sink block 0 stays; groups [2,6) and [6,10) go warm; [10,14) is the hot window
+    assert result.num_demoted_tokens == 8 and sorted(table.warm_groups) == [1, 3]
+    assert table.hot_block_ids[1:5] == [SCRATCH_BLOCK] * 4
+    assert cache.hot.pool.num_used_blocks() == 3
+    assert cache.warm is not None and cache.warm.num_used_tokens() == 8
+    keys, ctx = _store(cache, [table], [[14.0]], [14], [1])
+    assert ctx.attn_mask[0, 0, 0].all()  # every position is visible: sink, warm, hot
+    torch.testing.assert_close(keys[0, 0, :, 0], torch.arange(15.0), atol=0.2, rtol=0)  # INT4 error
+
+
+def test_the_held_hot_block_count_matches_a_scan_through_demotions_and_drops() -> None:
+    tiers = TierConfig(enabled=True, sink_tokens=3, hot_tokens=4, warm_tokens=4, group_size=4)
+    cache = make_cache(ONE_HEAD, num_blocks=32, block_size=2, tiers=tiers)
+    table = BlockTable(tiers)
+    assert cache.num_held_hot_blocks(table) == len(table.held_hot_blocks()) == 0
+    for length in range(1, 30):
+        _store(cache, [table], [[float(length - 1)]], [length - 1], [1])
+        cache.demote(table, length)
+        assert cache.num_held_hot_blocks(table) == len(table.held_hot_blocks())
+    assert table.num_dropped_blocks > 0 and table.warm_groups  # both kinds of emptied block occurred
+
+
+def test_window_policy_drops_the_oldest_warm_group() -> None:
+    tiers = TierConfig(enabled=True, sink_tokens=2, hot_tokens=4, warm_tokens=4, group_size=4)
+    cache = make_cache(ONE_HEAD, num_blocks=16, block_size=2, tiers=tiers)
+    table = BlockTable(tiers)
+    _store(cache, [table], [[float(i) for i in range(14)]], [0], [14])
+    result = cache.demote(table, 14)
+    assert result.num_dropped_tokens == 4 and list(table.warm_groups) == [3]
+    _, ctx = _store(cache, [table], [[14.0]], [14], [1])
+    visible = ctx.attn_mask[0, 0, 0].tolist()
+    assert visible == [True] * 2 + [False] * 4 + [True] * 9  # positions 2..5 dropped, sink kept
+
+
+def test_release_returns_hot_blocks_and_warm_groups() -> None:
+    tiers = TierConfig(enabled=True, sink_tokens=0, hot_tokens=2, warm_tokens=8, group_size=4)
+    cache = make_cache(ONE_HEAD, num_blocks=16, block_size=2, tiers=tiers)
+    table = BlockTable(tiers)
+    _store(cache, [table], [[float(i) for i in range(10)]], [0], [10])
+    cache.demote(table, 10)
+    assert cache.warm is not None and cache.warm.num_used_tokens() == 8
+    cache.release(table)
+    assert cache.hot.pool.num_used_blocks() == 0 and cache.warm.num_used_tokens() == 0
+
+
+def test_tier_bytes_per_token() -> None:
+    config = ModelConfig(
+        vocab_size=4,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=64,
+    )
+    tiers = TierConfig(enabled=True, group_size=32)
+    cache = make_cache(config, tiers=tiers)
+    assert cache.hot.bytes_per_token == 2 * 2 * 2 * 64 * 4  # K+V, layers, heads, dim, fp32
+    assert cache.warm is not None
+    # codes: 2 x 64/2 bytes per head; key scale+zero: 2 x 2 x 64 bytes per head per 32 tokens;
+    # value scale+zero: 2 x 2 bytes per head per token (one 32-channel... two groups of 32)
+    per_head = 2 * 32 + (2 * 2 * 64) / 32 + 2 * 2 * 2
+    assert cache.warm.bytes_per_token == int(2 * 2 * per_head)

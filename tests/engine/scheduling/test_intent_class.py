@@ -1,0 +1,56 @@
+"""Intent classes: the example file under deploy/engine loads, bad files and names are refused clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.engine.config import EngineConfig
+from services.engine.errors import UnknownIntentClass
+from services.engine.scheduling.intent_class import IntentClass, IntentClasses
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "deploy" / "engine" / "intent_classes.toml"
+
+
+def test_the_example_file_names_the_gateways_priority_classes() -> None:
+    import json
+
+    classes = IntentClasses.load(EXAMPLE)
+    intents = json.loads((EXAMPLE.parents[1] / "gateway" / "intents.json").read_text())["intents"]
+    assert {i["priority_class"] for i in intents.values()} == set(classes.by_name)
+    assert set(IntentClasses.builtin().by_name) == set(classes.by_name)
+    assert classes.get("critical").reserved_slots == 2 and classes.get("critical").hot_tokens == 512
+    assert classes.get("").name == "standard"  # a request that names no class
+    classes.check_fits(16)
+    with pytest.raises(ValueError, match="reserve 4 slots but max_batch_size is 3"):
+        classes.check_fits(3)
+
+
+def test_unknown_names_and_keys_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(
+        UnknownIntentClass, match="unknown intent_class 'vip'; known classes: batch, critical"
+    ):
+        IntentClasses.builtin().get("vip")
+    bad = tmp_path / "classes.toml"
+    bad.write_text("[class.standard]\npriorty = 3\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['priorty'\]"):
+        IntentClasses.load(bad)
+    with pytest.raises(ValueError, match="max_batch_share must be in"):
+        IntentClass("x", max_batch_share=0.0)
+
+
+def test_engine_config_reads_the_kv_and_class_settings() -> None:
+    environ = {
+        "THERMOCLINE_ENGINE_KV_TIERS": "true",
+        "THERMOCLINE_ENGINE_KV_HOT_TOKENS": "256",
+        "THERMOCLINE_ENGINE_KV_GROUP_SIZE": "128",
+        "THERMOCLINE_ENGINE_KV_WARM_POLICY": "refuse",
+        "THERMOCLINE_ENGINE_INTENT_CLASSES": str(EXAMPLE),
+    }
+    config = EngineConfig.from_env(environ)
+    assert config.kv.tiers.enabled and config.kv.tiers.hot_tokens == 256 and config.kv.tiers.group_size == 128
+    assert config.kv.tiers.policy.value == "refuse"
+    assert config.intent_classes().get("batch").max_batch_share == 0.5
+    with pytest.raises(ValueError, match="multiple of the KV block size 16"):
+        EngineConfig.from_env({**environ, "THERMOCLINE_ENGINE_KV_GROUP_SIZE": "24"})
