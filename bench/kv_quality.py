@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.engine.execution.step_context import RowInput, StepContext
+from services.engine.attention.metadata import AttentionMetadata, RowInput
+from services.engine.attention.reference import ReferenceBackend
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.tiers import TierConfig
@@ -134,9 +135,14 @@ def run_chunked(
         for start in range(0, len(ids) - 1, chunk):
             piece = ids[start : min(start + chunk, len(ids) - 1)]
             cache.grow(table, start + len(piece))
-            ctx = StepContext.build([RowInput(table, start, len(piece))], BLOCK_SIZE, device)
-            hidden = model(torch.tensor([piece], device=device), cache, ctx)  # [1, S, E]
-            outputs.append(F.log_softmax(model.compute_logits(hidden[0]), dim=-1))
+            for copy in cache.take_warm_copies():  # the demotions of the last chunk, as the runner does
+                cache.copy_to_warm(copy)
+            rows = [RowInput(table, start, len(piece))]
+            metadata = AttentionMetadata.for_rows(rows, BLOCK_SIZE, cache.blocks_per_group, device)
+            hidden = model(
+                torch.tensor(piece, device=device), cache, ReferenceBackend(cache), metadata
+            )  # [S, E]
+            outputs.append(F.log_softmax(model.compute_logits(hidden), dim=-1))
             cache.register_full_blocks(table, start + len(piece))
             cache.demote(table, start + len(piece))
     return torch.cat(outputs), cache

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# With no GPU, Triton kernels run in its CPU interpreter; it reads this when a kernel is defined,
+# so it must be set before anything imports services.engine.attention.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -90,7 +90,8 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch
     cut to their first ENGINE_MAX_TOKENS tokens (CPU time: the engine head reads the state
     after the cut, as the in-loop gate reads the state after each token).
     """
-    from services.engine.execution.step_context import RowInput, StepContext
+    from services.engine.attention.metadata import AttentionMetadata, RowInput
+    from services.engine.attention.reference import ReferenceBackend
     from services.engine.kv.block_table import BlockTable
     from services.engine.kv.tiers import TierConfig
     from services.engine.llm_engine import LLMEngine
@@ -100,18 +101,18 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch
     model, cache = engine.runner.model, engine.runner.kv_cache
 
     def run(batch: list[list[int]]) -> torch.Tensor:
-        width = max(len(r) for r in batch)
-        ids = torch.tensor([r + [0] * (width - len(r)) for r in batch])  # [B, S] right-padded
+        ids = torch.tensor([token for row in batch for token in row])  # [T] packed
         tables = [BlockTable(TierConfig()) for _ in batch]
         for table, row in zip(tables, batch, strict=True):
             cache.grow(table, len(row))
         rows = [RowInput(table, 0, len(row)) for table, row in zip(tables, batch, strict=True)]
         try:
-            hidden = model(ids, cache, StepContext.build(rows, cache.block_size, torch.device("cpu")))
+            metadata = AttentionMetadata.for_rows(rows, cache.block_size, 1, torch.device("cpu"))
+            hidden = model(ids, cache, ReferenceBackend(cache), metadata)  # [T, E]
         finally:
             for table in tables:
                 cache.release(table)
-        return hidden[torch.arange(len(batch)), torch.tensor([len(r) - 1 for r in batch])].float()
+        return hidden[torch.tensor([len(r) for r in batch]).cumsum(0) - 1].float()
 
     rows = [engine.tokenizer.encode(canonical(e.text))[:ENGINE_MAX_TOKENS] for e in examples]
     return _in_length_order(rows, run, batch_size)

@@ -29,6 +29,8 @@ def main() -> None:
         classes=config.intent_classes(),
         max_prefill_tokens=config.max_prefill_tokens,
         tp=config.tp,
+        attention=config.attention,
+        cuda_graphs=config.cuda_graphs,
     )
     log.info("loaded %s on %s (tp=%d)", engine.model_id, engine.runner.device, config.tp)
     model = served_model(config.model, path, engine.model_id, engine.config.hidden_size)

@@ -53,6 +53,8 @@ class EngineConfig:
     intent_classes_file: str | None = None
     gate: GateConfig = field(default_factory=GateConfig)
     tp: int = 1
+    attention: str = "auto"  # attention backend: auto (Triton on CUDA, reference on CPU), reference, triton
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
 
     def intent_classes(self) -> IntentClasses:
         """The configured classes (read from the file when one is set)."""
@@ -91,6 +93,8 @@ class EngineConfig:
             intent_classes_file=env.get_optional_str(prefix + "INTENT_CLASSES", environ),
             gate=_gate_from_env(prefix, environ),
             tp=env.get_int(prefix + "TP", 1, environ),
+            attention=env.get_str(prefix + "ATTENTION", "auto", environ),
+            cuda_graphs=env.get_bool(prefix + "CUDA_GRAPHS", True, environ),
         )
 
 

@@ -22,7 +22,7 @@ from services.engine.errors import (
     KVCapacityExceeded,
     PromptTooLong,
 )
-from services.engine.execution.model_runner import ModelRunner
+from services.engine.execution.model_runner import ModelRunner, RunnerOptions
 from services.engine.execution.sampler import make_generator, sample
 from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
 from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate, refusal
@@ -149,11 +149,15 @@ class LLMEngine:
         classes: IntentClasses | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         tp: int = 1,
+        attention: str = "auto",
+        cuda_graphs: bool = True,
     ) -> LLMEngine:
         """Load an HF directory, a `.gguf` file or a registered model name.
 
         With `tp` > 1 this process becomes rank 0 of a tensor-parallel group and starts ranks
         1..tp-1 itself (gloo on the CPU, NCCL with one GPU per rank); `stop` ends them.
+        `attention` picks the backend ("auto": fused Triton on CUDA, the reference elsewhere) and
+        `cuda_graphs` whether decode steps are captured (CUDA only).
         """
         kv = kv or KVCacheSpec()
         model_path = resolve_model(path)
@@ -174,13 +178,15 @@ class LLMEngine:
                 checkpoint, torch_device, torch_dtype, seq_len, progress, workers.tp if workers else SINGLE
             )
             cache = _build_kv_cache(model.rank_config, kv, max_batch_size, seq_len, torch_device, torch_dtype)
+            options = RunnerOptions(attention, cuda_graphs, max_batch_size, seq_len)
             if workers is not None:
-                workers.start(CacheShape.of(cache))
+                workers.start(CacheShape.of(cache), options)
         except BaseException:
             if workers is not None:
                 workers.close()
             raise
-        runner = ModelRunner(model, cache, torch_device, workers)
+        runner = ModelRunner(model, cache, torch_device, workers, options)
+        runner.capture_graphs()
         return cls(
             checkpoint.model_id, runner, checkpoint.tokenizer, max_batch_size, seq_len,
             max_prefill_tokens, kv.tiers, classes,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.execution.step_context import RowInput, StepContext
+from services.engine.attention.metadata import AttentionMetadata, RowInput
+from services.engine.attention.reference import ReferenceBackend
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.tiers import TierConfig
@@ -34,6 +35,8 @@ def forward(
     width = ids.shape[1]
     for table in tables:
         cache.grow(table, start + width)
-    ctx = StepContext.build([RowInput(t, start, width) for t in tables], cache.block_size, CPU)
+    rows = [RowInput(t, start, width) for t in tables]
+    metadata = AttentionMetadata.for_rows(rows, cache.block_size, cache.blocks_per_group, CPU)
     with torch.inference_mode():
-        return model(ids, cache, ctx)
+        hidden = model(ids.flatten(), cache, ReferenceBackend(cache), metadata)  # [B*S, E]
+    return hidden.view(*ids.shape, -1)

@@ -2,18 +2,43 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
-from services.engine.execution.step_context import RowInput, StepContext
+from services.engine.attention.backend import AttentionBackend
+from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
+from services.engine.attention.probe import AttentionProbe
+from services.engine.attention.reference import ReferenceBackend
+from services.engine.execution.cuda_graphs import DecodeGraphs
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cache import KVCache, WarmCopy
 from services.engine.model.llama import LlamaModel
 from services.engine.scheduling.sequence import Sequence
 
-PAD_TOKEN_ID = 0  # any valid id: padded tokens write to the scratch block and are never attended
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "reference", "triton")
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How a runner executes steps; every tensor-parallel rank gets the same."""
+
+    attention: str = "auto"  # "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton"
+    cuda_graphs: bool = True  # capture decode steps (CUDA with a graph-capable backend only)
+    max_decode_rows: int = 1  # the largest decode batch: sizes the graphs and flash-decoding workspace
+    max_seq_len: int = 0  # longest sequence (0: the model's rotary table): sizes the graphs' block tables
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention backend {self.attention!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
 
 
 class ScheduledRow(NamedTuple):
@@ -32,12 +57,16 @@ class StepOutput(NamedTuple):
 
 
 class StepPlan(NamedTuple):
-    """Everything a rank needs to run one step: built on rank 0, sent to the others under TP."""
+    """Everything a rank needs to run one step: built on rank 0, sent to the others under TP.
 
-    input_ids: list[list[int]]  # [B][S] right-padded
+    Tier moves travel here too: the demotions the scheduler decided since the last step, which
+    every rank carries out on its own share of the cache before the forward.
+    """
+
+    input_ids: list[int]  # [T] the rows' new tokens, packed
     rows: list[RowInput]
     probe_layer: int | None
-    warm_copies: list[WarmCopy]  # demotions rank 0 made since the last step (TP only)
+    warm_copies: list[WarmCopy]
 
     def portable(self) -> StepPlan:
         """A copy whose block tables hold only what attention reads (cheap to pickle)."""
@@ -54,12 +83,16 @@ class StepFollower(Protocol):
     def close(self) -> None:
         """Stop the other ranks."""
 
+    def capture_graphs(self) -> None:
+        """Have every other rank capture its decode graphs, alongside rank 0."""
+
     def lost_rank(self) -> str | None:
         """Why the other ranks cannot run a step, or None while they can."""
 
 
 class ModelRunner:
-    """Owns the model and its KV cache on one device; on rank 0 it also drives the other TP ranks."""
+    """Owns the model, its KV cache and attention backend on one device; on rank 0 it also drives the
+    other TP ranks. Every rank runs the same backend and captures the same graphs."""
 
     def __init__(
         self,
@@ -67,37 +100,46 @@ class ModelRunner:
         kv_cache: KVCache,
         device: torch.device,
         followers: StepFollower | None = None,
+        options: RunnerOptions = RunnerOptions(),
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.followers = followers
-        if followers is not None:
-            kv_cache.warm_copy_log = []
+        self.attention = make_attention_backend(options.attention, kv_cache, model, options.max_decode_rows)
+        self.graphs: DecodeGraphs | None = None
+        if options.cuda_graphs and device.type == "cuda" and self.attention.supports_graphs:
+            self.graphs = DecodeGraphs(
+                model, kv_cache, self.attention, options.max_decode_rows,
+                options.max_seq_len or model.rotary.max_positions, compute_logits=model.tp.rank == 0,
+            )  # fmt: skip
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs; under TP every rank captures at once (the graphs hold collectives)."""
+        if self.followers is not None:
+            self.followers.capture_graphs()
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, rows: Seq[ScheduledRow], probe_layer: int | None = None) -> StepOutput:
-        """Compute each row's next `num_new` pending tokens (right-padded to the longest row)."""
+        """Compute each row's next `num_new` pending tokens (packed, no padding)."""
         if self.model.tp.is_parallel and self.followers is None:
             raise RuntimeError("the other tensor-parallel ranks are stopped; load the engine again")
-        width = max(r.num_new for r in rows)
         plan = StepPlan(
-            input_ids=[self._row_tokens(r, width) for r in rows],
+            input_ids=[token for r in rows for token in _row_tokens(r)],
             rows=[RowInput(r.seq.block_table, r.seq.num_computed_tokens, r.num_new) for r in rows],
             probe_layer=probe_layer,
             warm_copies=self.kv_cache.take_warm_copies(),
         )
         if self.followers is not None:
             self.followers.send(plan.portable())
-        hidden_last, ctx = self._forward(plan)
-        hot_mass = ctx.probe.hot_mass if ctx.probe is not None else None
-        return StepOutput(self.model.compute_logits(hidden_last), hidden_last, hot_mass)
+        return self._forward(plan)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
-        """Run rank 0's step on this rank: replay its demotions, then the forward (its all-reduces)."""
-        for copy in plan.warm_copies:
-            self.kv_cache.copy_to_warm(copy)
+        """Run rank 0's step on this rank (its demotions, then the forward with its all-reduces)."""
         self._forward(plan)
 
     def lost_rank(self) -> str | None:
@@ -110,31 +152,55 @@ class ModelRunner:
             self.followers.close()
             self.followers = None
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, StepContext]:
-        """The final normed hidden state at each row's last new token, `[B, E]`, and the step's context."""
-        input_ids = self._to_device(plan.input_ids)  # [B, S]
-        ctx = StepContext.build(plan.rows, self.kv_cache.block_size, self.device, plan.probe_layer)
-        hidden = self.model(input_ids, self.kv_cache, ctx)  # [B, S, E]
-        if input_ids.shape[1] == 1:  # decode
-            return hidden[:, 0], ctx
-        last = self._to_device([r.num_new - 1 for r in plan.rows])  # prefill: [B]
-        return hidden[torch.arange(len(plan.rows), device=self.device), last], ctx
+    def _forward(self, plan: StepPlan) -> StepOutput:
+        """Carry out the plan's tier moves, then the forward; outputs at each row's last new token."""
+        for copy in plan.warm_copies:
+            self.kv_cache.copy_to_warm(copy)
+        host = HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group())
+        if self.graphs is not None and plan.probe_layer is None and self.graphs.can_replay(host):  # decode
+            hidden, logits = self.graphs.replay(plan.input_ids, host)
+            return StepOutput(logits if logits is not None else hidden, hidden)
+        probe = None if plan.probe_layer is None else AttentionProbe.build(plan.probe_layer, self.device)
+        segments = self.attention.num_segments(host.num_rows, host.max_seq_len) if host.is_decode else 1
+        metadata = AttentionMetadata.to_device(host, self.device, segments, probe)
+        input_ids = _to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
+        hidden = self.model(input_ids, self.kv_cache, self.attention, metadata)  # [T, E]
+        if not host.is_decode:  # prefill: each row's last new token
+            hidden = hidden[_to_device(host.last_token_index(), self.device)]
+        logits = self.model.compute_logits(hidden) if self.model.tp.rank == 0 else hidden
+        return StepOutput(logits, hidden, None if probe is None else probe.hot_mass)
 
-    @staticmethod
-    def _row_tokens(row: ScheduledRow, width: int) -> list[int]:
-        start = row.seq.num_computed_tokens
-        if row.num_new == 1 and start == row.seq.num_tokens - 1:  # decode: no list copy
-            return [row.seq.last_token_id] + [PAD_TOKEN_ID] * (width - 1)
-        tokens = row.seq.token_ids[start : start + row.num_new]
-        return tokens + [PAD_TOKEN_ID] * (width - len(tokens))
+    def _blocks_per_group(self) -> int:
+        warm = self.kv_cache.warm
+        return 1 if warm is None else warm.group_size // self.kv_cache.block_size
 
-    def _to_device(self, values: list[list[int]] | list[int]) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+
+def make_attention_backend(
+    name: str, kv_cache: KVCache, model: LlamaModel, max_decode_rows: int
+) -> AttentionBackend:
+    """`auto`: the fused Triton path on CUDA, the reference elsewhere (Triton compiles for GPUs only)."""
+    device = kv_cache.hot.keys.device
+    if name == "reference" or (name == "auto" and device.type != "cuda"):
+        return ReferenceBackend(kv_cache)
+    from services.engine.attention.triton_backend import TritonBackend  # imports Triton
+
+    return TritonBackend(kv_cache, model.rank_config.num_heads, max_decode_rows)
+
+
+def _row_tokens(row: ScheduledRow) -> list[int]:
+    start = row.seq.num_computed_tokens
+    if row.num_new == 1 and start == row.seq.num_tokens - 1:  # decode: no list copy
+        return [row.seq.last_token_id]
+    return row.seq.token_ids[start : start + row.num_new]
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
 
 
 def _attention_view(table: BlockTable) -> BlockTable:
-    """The parts of a block table that `StepContext.build` reads."""
+    """The parts of a block table that `HostMetadata.build` reads."""
     return BlockTable(table.tiers, list(table.hot_block_ids), dict(table.warm_groups))

@@ -23,7 +23,7 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.distributed as dist
 
-from services.engine.execution.model_runner import ModelRunner, StepPlan
+from services.engine.execution.model_runner import ModelRunner, RunnerOptions, StepPlan
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.model.config import ModelConfig
 from services.engine.model.loader import load_model, open_checkpoint
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 INIT_TIMEOUT_S = 120  # every rank must join the process group within this (before model loading)
 READY_TIMEOUT_S = 600  # every rank must have loaded its shard and built its cache within this
 READY = "ready"
+CAPTURE_GRAPHS = "capture-graphs"  # rank 0 -> followers: capture decode graphs now, alongside me
 
 
 @dataclass(frozen=True)
@@ -135,10 +136,10 @@ class WorkerGroup:
         _init_process_group(spec, rank=0)
         return cls(spec, processes, pipes)
 
-    def start(self, shape: CacheShape) -> None:
-        """Give every rank the cache shape and wait until each has its shard loaded and cache built."""
+    def start(self, shape: CacheShape, options: RunnerOptions) -> None:
+        """Give every rank the cache shape and runner options; wait until each has loaded and built."""
         for pipe in self.pipes:
-            pipe.send(shape)
+            pipe.send((shape, options))
         for rank, pipe in enumerate(self.pipes, start=1):
             if not pipe.poll(READY_TIMEOUT_S):
                 self.close()
@@ -149,6 +150,12 @@ class WorkerGroup:
             if answer != READY:
                 self.close()
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {answer}")
+
+    def capture_graphs(self) -> None:
+        """Tell every other rank to capture its decode graphs (rank 0 captures right after)."""
+        self._check_alive()
+        for pipe in self.pipes:
+            pipe.send(CAPTURE_GRAPHS)
 
     def send(self, plan: StepPlan) -> None:
         """Hand one step to every other rank; refused (rather than hang in a collective) if one exited."""
@@ -201,6 +208,9 @@ def worker_main(rank: int, spec: WorkerSpec, pipe: Connection) -> None:
             break
         if plan is None:
             break
+        if plan == CAPTURE_GRAPHS:
+            runner.capture_graphs()
+            continue
         runner.follow(plan)
     dist.destroy_process_group()
 
@@ -213,8 +223,8 @@ def _load_rank(rank: int, spec: WorkerSpec, pipe: Connection) -> ModelRunner:
     _init_process_group(spec, rank)
     tp = TensorParallel(rank=rank, size=spec.world_size)
     model = load_model(open_checkpoint(spec.model_path), device, spec.dtype, spec.max_positions, False, tp)
-    shape: CacheShape = pipe.recv()
-    return ModelRunner(model, shape.build(model.rank_config, device, spec.dtype), device)
+    shape, options = pipe.recv()
+    return ModelRunner(model, shape.build(model.rank_config, device, spec.dtype), device, options=options)
 
 
 def _share_host_threads(world_size: int) -> None:

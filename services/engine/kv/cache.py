@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.execution.step_context import StepContext
+from services.engine.attention.paged_kernels import WarmLayer
 from services.engine.kv import kivi
 from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId, BlockPool
 from services.engine.kv.block_table import BlockTable, WarmGroupId
@@ -69,21 +69,11 @@ class HotTier(KVTier):
         """All blocks but the scratch one."""
         return self.pool.num_blocks * self.block_size
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, ctx: StepContext) -> None:
-        """Scatter new `[B, S, KVH, D]` keys/values to their slots (changes state)."""
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatter new `[T, KVH, D]` keys/values to their slots `[T]` (changes state)."""
         num_kv_heads, head_dim = keys.shape[-2:]
-        slots = ctx.slot_mapping.flatten()  # [B*S]
-        self.keys[layer].view(-1, num_kv_heads, head_dim)[slots] = keys.reshape(-1, num_kv_heads, head_dim)
-        self.values[layer].view(-1, num_kv_heads, head_dim)[slots] = values.reshape(
-            -1, num_kv_heads, head_dim
-        )
-
-    def gather(self, layer: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's visible hot positions, dense: 2 x `[B, L, KVH, D]` (non-hot slots read scratch)."""
-        num_kv_heads, head_dim = self.keys.shape[-2:]
-        flat_keys = self.keys[layer].view(-1, num_kv_heads, head_dim)
-        flat_values = self.values[layer].view(-1, num_kv_heads, head_dim)
-        return flat_keys[ctx.gather_slots], flat_values[ctx.gather_slots]
+        self.keys[layer].view(-1, num_kv_heads, head_dim)[slot_mapping] = keys
+        self.values[layer].view(-1, num_kv_heads, head_dim)[slot_mapping] = values
 
     def read_blocks(self, block_ids: list[BlockId]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of consecutive blocks, 2 x `[layers, len*BS, KVH, D]`."""
@@ -156,19 +146,17 @@ class WarmTier(KVTier):
         self.key_codes[:, group_id], self.key_scale[:, group_id], self.key_zero[:, group_id] = qk
         self.value_codes[:, group_id], self.value_scale[:, group_id], self.value_zero[:, group_id] = qv
 
-    def read(self, layer: int, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized groups, 2 x `[n, G, KVH, D]` fp32 (the reference path; a kernel fuses this)."""
-        keys = kivi.dequantize_keys(
-            self.key_codes[layer, group_ids],
-            self.key_scale[layer, group_ids],
-            self.key_zero[layer, group_ids],
-        )
-        values = kivi.dequantize_values(
-            self.value_codes[layer, group_ids],
-            self.value_scale[layer, group_ids],
-            self.value_zero[layer, group_ids],
-        )
-        return keys, values
+    def layer_views(self, layer: int, block_size: int) -> WarmLayer:
+        """One layer's tensors with each group of G tokens seen as G/BS warm blocks of BS (no copy)."""
+        blocks = self.num_groups * (self.group_size // block_size)
+
+        def by_block(t: torch.Tensor) -> torch.Tensor:
+            return t[layer].view(blocks, block_size, *t.shape[3:])
+
+        return WarmLayer(
+            by_block(self.key_codes), self.key_scale[layer], self.key_zero[layer],
+            by_block(self.value_codes), by_block(self.value_scale), by_block(self.value_zero),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -188,31 +176,28 @@ class DemotionResult:
 
 
 class KVCache:
-    """The hot and warm tiers of every layer; `store` is what attention calls."""
+    """The hot and warm tiers of every layer: `store` writes new keys/values, the block calls plan."""
 
     def __init__(self, hot: HotTier, warm: WarmTier | None) -> None:
         self.hot = hot
         self.warm = warm
-        # Set (to a list) on rank 0 under tensor parallelism: demotions are decided there, so their
-        # device work is logged and replayed on the other ranks before their next forward step.
-        self.warm_copy_log: list[WarmCopy] | None = None
+        # Demotions the scheduler decided, not yet carried out: the scheduler never touches the
+        # device; the runner takes these into the next step's plan and every rank performs them.
+        self.pending_warm_copies: list[WarmCopy] = []
 
     @property
     def block_size(self) -> int:
         """Tokens per hot block."""
         return self.hot.block_size
 
-    def store(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, ctx: StepContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new `[B, S, KVH, D]` keys/values; return all visible ones, each `[B, KVH, L, D]`."""
-        self.hot.write(layer, keys, values, ctx)
-        all_keys, all_values = self.hot.gather(layer, ctx)  # [B, L, KVH, D]
-        if ctx.warm_group_ids is not None and self.warm is not None:
-            warm_keys, warm_values = self.warm.read(layer, ctx.warm_group_ids)  # [n, G, KVH, D]
-            all_keys[ctx.warm_rows, ctx.warm_positions] = warm_keys.to(all_keys.dtype)
-            all_values[ctx.warm_rows, ctx.warm_positions] = warm_values.to(all_values.dtype)
-        return all_keys.transpose(1, 2), all_values.transpose(1, 2)
+    @property
+    def blocks_per_group(self) -> int:
+        """Hot blocks one warm group spans (1 with no warm tier)."""
+        return 1 if self.warm is None else self.warm.group_size // self.block_size
+
+    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write new `[T, KVH, D]` keys/values to their hot slots `[T]`; attention reads them in place."""
+        self.hot.write(layer, keys, values, slot_mapping)
 
     # --- per-sequence block management ---------------------------------------------------------
 
@@ -283,7 +268,7 @@ class KVCache:
         block_ids = table.hot_block_ids[first : first + blocks_per_group]
         if self.warm.can_allocate() and table.tiers.warm_tokens > 0:
             group_id = self.warm.allocate()
-            self.copy_to_warm(WarmCopy(tuple(block_ids), group_id))
+            self.pending_warm_copies.append(WarmCopy(tuple(block_ids), group_id))
             table.warm_groups[first] = group_id
         else:  # no warm room anywhere: the window policy drops the group, and says so in metrics
             table.num_dropped_blocks += blocks_per_group
@@ -293,17 +278,13 @@ class KVCache:
         return blocks_per_group * self.block_size
 
     def copy_to_warm(self, copy: WarmCopy) -> None:
-        """Quantize hot blocks into an allocated warm group (changes state; logged for other ranks)."""
+        """Quantize hot blocks into an allocated warm group: the device work of a demotion (changes state)."""
         assert self.warm is not None
         self.warm.write(copy.group_id, *self.hot.read_blocks(list(copy.block_ids)))
-        if self.warm_copy_log is not None:
-            self.warm_copy_log.append(copy)
 
     def take_warm_copies(self) -> list[WarmCopy]:
-        """The logged demotions since the last call (empty when not logging)."""
-        if not self.warm_copy_log:
-            return []
-        copies, self.warm_copy_log = self.warm_copy_log, []
+        """The demotions decided since the last call; the runner carries them out on every rank."""
+        copies, self.pending_warm_copies = self.pending_warm_copies, []
         return copies
 
     def _apply_warm_limit(self, table: BlockTable, blocks_per_group: int) -> int:

@@ -1,7 +1,11 @@
 """Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU. One code path for CPU and CUDA.
 
-Module names follow Hugging Face's `LlamaForCausalLM` (minus the `model.` prefix) so checkpoints map 1:1.
-Shapes: B batch rows, S new tokens per row, L visible cache positions, E hidden, H/KVH heads, D head dim.
+Tokens are packed: a step's new tokens from every row form one `[T, E]` batch with no padding, and
+attention (a pluggable backend) knows from the step's metadata which row each token belongs to.
+Q, K and V are one projection, as are the MLP's gate and up; checkpoints still name them apart
+(Hugging Face's `LlamaForCausalLM` names, minus `model.`), and `weight_slot` maps each name to
+its rows of the merged weight.
+Shapes: T packed tokens, E hidden, H/KVH heads (this rank's share), D head dim, I MLP width.
 """
 
 from __future__ import annotations
@@ -10,11 +14,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.execution.step_context import StepContext
+from services.engine.attention.backend import AttentionBackend
+from services.engine.attention.metadata import AttentionMetadata
 from services.engine.kv.cache import KVCache
 from services.engine.model.config import ModelConfig
 from services.engine.model.rotary import RotaryTable, apply_rotary
 from services.engine.model.tensor_parallel import SINGLE, TensorParallel, shard_config
+
+# checkpoint projection -> (merged module, index of its part)
+MERGED_PROJECTIONS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
 
 
 class RMSNorm(nn.Module):
@@ -31,6 +45,11 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual + x` (the new residual stream) and its norm."""
+        stream = residual + x
+        return self(stream), stream
+
 
 class Attention(nn.Module):
     """Grouped-query self-attention over the KV cache; `config` holds this rank's share of the heads."""
@@ -42,9 +61,8 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=False)
+        self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
 
     def forward(
@@ -52,21 +70,20 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
-        ctx: StepContext,
+        attention: AttentionBackend,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Attend `x` `[B, S, E]` to itself and the cached past; returns `[B, S, E]`."""
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)  # [B, S, H, D]
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)  # [B, S, KVH, D]
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        keys, values = kv_cache.store(self.layer, k, v, ctx)  # [B, KVH, L, D] each
-        if ctx.probe is not None and ctx.probe.layer == self.layer:  # sampled decode step
-            ctx.probe.record(q.transpose(1, 2), keys, ctx.attn_mask)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=ctx.attn_mask, enable_gqa=True
-        )  # [B, H, S, D]
-        return self.tp.all_reduce(self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)))  # [B, S, E]
+        """Attend `x` `[T, E]` to itself and the cached past; returns `[T, E]`."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)  # [T, H, D]
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        kv_cache.store(self.layer, k, v, metadata.slot_mapping)
+        if metadata.probe is not None and metadata.probe.layer == self.layer:  # sampled decode step
+            metadata.probe.record(kv_cache, q, metadata)
+        out = attention.forward(q, k, v, self.layer, metadata)  # [T, H, D]
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))  # [T, E]
 
 
 class MLP(nn.Module):
@@ -75,13 +92,14 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.tp = tp
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.split_sizes = [config.intermediate_size, config.intermediate_size]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`[B, S, E]` -> `[B, S, E]`."""
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        """`[T, E]` -> `[T, E]`."""
+        gate, up = self.gate_up_proj(x).split(self.split_sizes, dim=-1)  # [T, I] each
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -95,11 +113,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, ctx: StepContext
-    ) -> torch.Tensor:
-        """`[B, S, E]` -> `[B, S, E]`."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's MLP output `[T, E]` and the residual stream before it; the next norm adds them."""
+        normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(normed, rope, kv_cache, attention, metadata)
+        normed, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -128,14 +154,44 @@ class LlamaModel(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        """Token ids `[B, S]` -> final normed hidden states `[B, S, E]` (the safety gate reads these)."""
-        x = self.embed_tokens(input_ids)  # [B, S, E]
-        rope = self.rotary(ctx.positions, x.dtype)  # 2 x [B, S, 1, D]
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Packed token ids `[T]` -> final normed hidden states `[T, E]` (the safety gate reads these)."""
+        x = self.embed_tokens(input_ids)  # [T, E]
+        rope = self.rotary(metadata.positions, x.dtype)  # 2 x [T, 1, D]
+        residual = torch.zeros_like(x)
         for layer in self.layers:
-            x = layer(x, rope, kv_cache, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, attention, metadata)
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states `[..., E]` -> fp32 logits `[..., V]`."""
         return self.lm_head(hidden).float()
+
+    def weight_slot(self, name: str) -> torch.Tensor:
+        """The parameter, or rows of a merged one, that checkpoint tensor `name` fills."""
+        prefix, _, leaf = name.rpartition(".")  # "layers.3.self_attn.q_proj", "weight"
+        for part, (merged, index) in MERGED_PROJECTIONS.items():
+            if prefix.endswith(part):
+                owner = prefix.removesuffix(part)  # "layers.3."
+                sizes = self.get_submodule(owner + merged.split(".")[0]).split_sizes
+                start = sum(sizes[:index])
+                return self.get_parameter(f"{owner}{merged}.{leaf}")[start : start + sizes[index]]
+        return self.get_parameter(name)
+
+    def checkpoint_names(self) -> set[str]:
+        """Every tensor name a checkpoint must provide (merged projections by their parts' names)."""
+        names = set()
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            prefix, _, leaf = name.rpartition(".")
+            parts = [p for p, (merged, _) in MERGED_PROJECTIONS.items() if prefix.endswith(merged)]
+            owner = prefix.rsplit(".", 2)[0] + "." if parts else ""
+            names.update(f"{owner}{p}.{leaf}" for p in parts)
+            if not parts:
+                names.add(name)
+        return names

@@ -63,8 +63,7 @@ def load_model(
 
 
 def _copy_weights(model: LlamaModel, checkpoint: Checkpoint, progress: bool, tp: TensorParallel) -> None:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    expected = set(params)
+    expected = model.checkpoint_names()
     if checkpoint.config.tie_word_embeddings:
         expected.discard("lm_head.weight")  # shares embed_tokens.weight
     loaded: set[str] = set()
@@ -79,17 +78,18 @@ def _copy_weights(model: LlamaModel, checkpoint: Checkpoint, progress: bool, tp:
         for name, tensor in stream:
             if name == "lm_head.weight" and checkpoint.config.tie_word_embeddings:
                 continue
-            _copy_one(params, name, tp.shard(name, tensor))
+            _copy_one(model, name, tp.shard(name, tensor))
             loaded.add(name)
     missing = expected - loaded
     if missing:
         raise CheckpointError(f"checkpoint {checkpoint.model_id} lacks weights: {sorted(missing)[:8]}")
 
 
-def _copy_one(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor) -> None:
-    if name not in params:
-        raise CheckpointError(f"unexpected weight {name!r} in checkpoint")
-    target = params[name]
+def _copy_one(model: LlamaModel, name: str, tensor: torch.Tensor) -> None:
+    try:
+        target = model.weight_slot(name)
+    except AttributeError:  # torch's get_parameter/get_submodule raise AttributeError for unknown names
+        raise CheckpointError(f"unexpected weight {name!r} in checkpoint") from None
     if tuple(target.shape) != tuple(tensor.shape):
         raise CheckpointError(
             f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

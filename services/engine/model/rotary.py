@@ -66,14 +66,14 @@ class RotaryTable(torch.nn.Module):
         self.sin = angles.sin()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` `[B, S]`, each `[B, S, 1, D]` in `dtype`."""
-        cos = self.cos[positions].to(dtype).unsqueeze(2)  # [B, S, 1, D]
-        sin = self.sin[positions].to(dtype).unsqueeze(2)  # [B, S, 1, D]
+        """cos, sin for `positions` `[T]`, each `[T, 1, D]` in `dtype` (one angle for every head)."""
+        cos = self.cos[positions].to(dtype).unsqueeze(-2)  # [T, 1, D]
+        sin = self.sin[positions].to(dtype).unsqueeze(-2)  # [T, 1, D]
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[B, S, H, D]` by the angles in cos/sin `[B, S, 1, D]` (rotate-half layout)."""
+    """Rotate `x` `[T, H, D]` by the angles in cos/sin `[T, 1, D]` (rotate-half layout)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [B, S, H, D]
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [T, H, D]
     return x * cos + rotated * sin

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.execution.step_context import RowInput, StepContext
+from services.engine.attention.metadata import AttentionMetadata, RowInput
+from services.engine.attention.reference import dense_context
 from services.engine.kv import kivi
 from services.engine.kv.block_pool import SCRATCH_BLOCK
 from services.engine.kv.block_table import BlockTable
@@ -13,34 +14,35 @@ from services.engine.model.config import ModelConfig
 from tests.engine.paged_helpers import CPU, ONE_HEAD, make_cache
 
 
-def _values(rows: list[list[float]]) -> torch.Tensor:
-    return (
-        torch.tensor(rows, dtype=torch.float32).view(len(rows), len(rows[0]), 1, 1).expand(-1, -1, 1, 2)
-    )  # [B, S, 1, D]
+def _packed(rows: list[list[float]], lengths: list[int]) -> torch.Tensor:
+    values = [v for row, n in zip(rows, lengths, strict=True) for v in row[:n]]
+    return torch.tensor(values, dtype=torch.float32).view(-1, 1, 1).expand(-1, 1, 2)  # [T, 1, D]
 
 
 def _store(cache, tables, rows: list[list[float]], starts: list[int], lengths: list[int]):  # type: ignore[no-untyped-def]
+    """Write each row's new values as keys and values; return the reference's dense view of layer 0."""
+    for copy in cache.take_warm_copies():  # the demotions decided since the last step, as the runner does
+        cache.copy_to_warm(copy)
     for table, start, n in zip(tables, starts, lengths, strict=True):
         cache.grow(table, start + n)
-    ctx = StepContext.build(
-        [RowInput(t, s, n) for t, s, n in zip(tables, starts, lengths, strict=True)], 2, CPU
-    )
-    keys, _ = cache.store(0, _values(rows), _values(rows), ctx)
-    return keys, ctx
+    inputs = [RowInput(t, s, n) for t, s, n in zip(tables, starts, lengths, strict=True)]
+    metadata = AttentionMetadata.for_rows(inputs, cache.block_size, cache.blocks_per_group, CPU)
+    cache.store(0, _packed(rows, lengths), _packed(rows, lengths), metadata.slot_mapping)
+    return dense_context(cache, 0, metadata)
 
 
-def test_store_scatters_into_blocks_and_gathers_each_row_densely() -> None:
+def test_store_scatters_into_blocks_and_the_reference_gathers_each_row_densely() -> None:
     cache = make_cache(ONE_HEAD, num_blocks=8, block_size=2)
     tables = [BlockTable(TierConfig()), BlockTable(TierConfig())]
-    keys, ctx = _store(cache, tables, [[1, 2, 3], [4, 5, 0]], [0, 0], [3, 2])  # row 1 padded
-    assert keys.shape == (2, 1, 3, 2)  # [B, KVH, L, D]
-    assert keys[0, 0, :, 0].tolist() == [1, 2, 3]
-    assert ctx.attn_mask[1, 0, 1].tolist() == [True, True, False]  # padding never visible
+    context = _store(cache, tables, [[1, 2, 3], [4, 5, 0]], [0, 0], [3, 2])  # row 1 is shorter
+    assert context.keys.shape == (2, 1, 3, 2)  # [B, KVH, L, D]
+    assert context.keys[0, 0, :, 0].tolist() == [1, 2, 3]
+    assert context.visible[1, 0, 1].tolist() == [True, True, False]  # past the row's end: never visible
     assert tables[0].hot_block_ids != tables[1].hot_block_ids
-    keys, ctx = _store(cache, tables, [[7], [8]], [3, 2], [1, 1])  # rows at different lengths
-    assert keys[0, 0, :, 0].tolist() == [1, 2, 3, 7]
-    assert keys[1, 0, :3, 0].tolist() == [4, 5, 8]
-    assert ctx.attn_mask[1, 0, 0].tolist() == [True, True, True, False]
+    context = _store(cache, tables, [[7], [8]], [3, 2], [1, 1])  # rows at different lengths
+    assert context.keys[0, 0, :, 0].tolist() == [1, 2, 3, 7]
+    assert context.keys[1, 0, :3, 0].tolist() == [4, 5, 8]
+    assert context.visible[1, 0, 0].tolist() == [True, True, True, False]
 
 
 def test_kivi_round_trip_error_is_within_half_a_step() -> None:
@@ -70,9 +72,25 @@ def test_demotion_moves_groups_out_of_the_hot_window_and_frees_their_blocks() ->
     assert table.hot_block_ids[1:5] == [SCRATCH_BLOCK] * 4
     assert cache.hot.pool.num_used_blocks() == 3
     assert cache.warm is not None and cache.warm.num_used_tokens() == 8
-    keys, ctx = _store(cache, [table], [[14.0]], [14], [1])
-    assert ctx.attn_mask[0, 0, 0].all()  # every position is visible: sink, warm, hot
-    torch.testing.assert_close(keys[0, 0, :, 0], torch.arange(15.0), atol=0.2, rtol=0)  # INT4 error
+    context = _store(cache, [table], [[14.0]], [14], [1])
+    assert context.visible[0, 0, 0].all()  # every position is visible: sink, warm, hot
+    torch.testing.assert_close(context.keys[0, 0, :, 0], torch.arange(15.0), atol=0.2, rtol=0)  # INT4 error
+
+
+def test_demote_only_plans_and_the_copy_happens_when_taken() -> None:
+    """The scheduler's demote never touches the device: the quantize runs when the runner takes the copy."""
+    tiers = TierConfig(enabled=True, sink_tokens=2, hot_tokens=4, warm_tokens=8, group_size=4)
+    cache = make_cache(ONE_HEAD, num_blocks=16, block_size=2, tiers=tiers)
+    table = BlockTable(tiers)
+    _store(cache, [table], [[float(i + 1) for i in range(14)]], [0], [14])
+    cache.demote(table, 14)
+    assert cache.warm is not None and not cache.warm.key_scale.any()  # nothing written yet
+    copies = cache.take_warm_copies()
+    assert [c.group_id for c in copies] == sorted(table.warm_groups.values())
+    assert cache.take_warm_copies() == []
+    for copy in copies:
+        cache.copy_to_warm(copy)
+    assert cache.warm.key_scale.any()
 
 
 def test_the_held_hot_block_count_matches_a_scan_through_demotions_and_drops() -> None:
@@ -94,8 +112,7 @@ def test_window_policy_drops_the_oldest_warm_group() -> None:
     _store(cache, [table], [[float(i) for i in range(14)]], [0], [14])
     result = cache.demote(table, 14)
     assert result.num_dropped_tokens == 4 and list(table.warm_groups) == [3]
-    _, ctx = _store(cache, [table], [[14.0]], [14], [1])
-    visible = ctx.attn_mask[0, 0, 0].tolist()
+    visible = _store(cache, [table], [[14.0]], [14], [1]).visible[0, 0, 0].tolist()
     assert visible == [True] * 2 + [False] * 4 + [True] * 9  # positions 2..5 dropped, sink kept
 
 

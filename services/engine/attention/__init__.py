@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache: the backend contract, its metadata, the reference and Triton paths."""

@@ -1,0 +1,217 @@
+"""The per-step attention metadata: fixed-dtype int tensors built once per step from the rows' block tables.
+
+Built on the host with NumPy (no device sync), then copied to the device in one pinned, non-blocking
+transfer per tensor. A captured CUDA graph reads the same tensors from static buffers sized for its
+largest batch (`StaticMetadata`), refilled before each replay.
+Shapes: B rows, T packed new tokens (no padding), MB logical blocks per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+from services.engine.attention.paged_kernels import PagedAttentionPlan
+from services.engine.kv.block_pool import SCRATCH_BLOCK
+from services.engine.kv.block_table import BlockTable
+
+if TYPE_CHECKING:
+    from services.engine.attention.probe import AttentionProbe
+
+
+class RowInput(NamedTuple):
+    """One batch row: its block table and the new tokens' positions `[start, start + num_new)`."""
+
+    table: BlockTable
+    start: int
+    num_new: int
+
+
+@dataclass(frozen=True)
+class HostMetadata:
+    """One step's metadata as host arrays; `to_device` or `StaticMetadata.fill` moves it."""
+
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: hot slot (block * BS + offset) each new K/V goes to
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32: visible positions per row, new tokens included
+    block_tables: np.ndarray  # [B, MB] int32: hot block per logical block, SCRATCH_BLOCK when not hot
+    warm_block_tables: np.ndarray  # [B, MB] int32: warm block per logical block, -1 when not warm
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_rows(self) -> int:
+        """Rows B in the step."""
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed new tokens T."""
+        return len(self.positions)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row computes exactly one new token."""
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(cls, rows: Seq[RowInput], block_size: int, blocks_per_group: int) -> HostMetadata:
+        """Metadata for `rows`; each table must already hold hot blocks for its new positions."""
+        num_new = np.array([r.num_new for r in rows], dtype=np.int64)
+        starts = np.array([r.start for r in rows], dtype=np.int64)
+        seq_lens = starts + num_new
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        width = int(-(-seq_lens.max() // block_size))
+        block_tables = np.full((len(rows), width), SCRATCH_BLOCK, dtype=np.int32)
+        warm_tables = np.full((len(rows), width), -1, dtype=np.int32)
+        for i, row in enumerate(rows):
+            _fill_tables(row.table, block_tables[i], warm_tables[i], blocks_per_group)
+        row_of_token = np.repeat(np.arange(len(rows)), num_new)  # [T]
+        positions = np.arange(len(row_of_token)) - query_start_loc[row_of_token] + starts[row_of_token]
+        block_of_token = block_tables[row_of_token, positions // block_size].astype(np.int64)
+        slot_mapping = block_of_token * block_size + positions % block_size
+        return cls(
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=block_tables,
+            warm_block_tables=warm_tables,
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+
+    def last_token_index(self) -> np.ndarray:
+        """`[B]` index of each row's last new token in the packed layout."""
+        return self.query_start_loc[1:].astype(np.int64) - 1
+
+
+def _fill_tables(table: BlockTable, hot_row: np.ndarray, warm_row: np.ndarray, blocks_per_group: int) -> None:
+    """One row's hot and warm block tables (a warm group spans `blocks_per_group` logical blocks)."""
+    hot_ids = table.hot_block_ids[: len(hot_row)]
+    hot_row[: len(hot_ids)] = hot_ids
+    if not table.warm_groups:
+        return
+    firsts = np.fromiter(table.warm_groups.keys(), dtype=np.int64, count=len(table.warm_groups))
+    groups = np.fromiter(table.warm_groups.values(), dtype=np.int64, count=len(table.warm_groups))
+    within = np.arange(blocks_per_group)
+    logical = (firsts[:, None] + within).ravel()
+    keep = logical < len(warm_row)
+    warm_row[logical[keep]] = (groups[:, None] * blocks_per_group + within).ravel()[keep]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's metadata on the device; every layer's attention reads it."""
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    paged: PagedAttentionPlan  # query_start_loc, seq_lens, block tables (int32) for the kernel
+    max_seq_len: int  # host int: the reference path's dense width
+    num_segments: int = 1  # flash-decoding split of each row's context
+    probe: AttentionProbe | None = None  # set on sampled decode steps
+
+    @property
+    def max_query_len(self) -> int:
+        """Most new tokens in one row."""
+        return self.paged.max_query_len
+
+    @classmethod
+    def for_rows(
+        cls, rows: Seq[RowInput], block_size: int, blocks_per_group: int, device: torch.device
+    ) -> AttentionMetadata:
+        """Build and copy in one call (tests, tools and benches that drive the model directly)."""
+        return cls.to_device(HostMetadata.build(rows, block_size, blocks_per_group), device)
+
+    @classmethod
+    def to_device(
+        cls,
+        host: HostMetadata,
+        device: torch.device,
+        num_segments: int = 1,
+        probe: AttentionProbe | None = None,
+    ) -> AttentionMetadata:
+        """Copy `host` to `device` (pinned, non-blocking on CUDA)."""
+        paged = PagedAttentionPlan(
+            query_start_loc=_to(host.query_start_loc, device),
+            seq_lens=_to(host.seq_lens, device),
+            block_tables=_to(host.block_tables, device),
+            warm_block_tables=_to(host.warm_block_tables, device),
+            max_query_len=host.max_query_len,
+        )
+        return cls(
+            _to(host.positions, device),
+            _to(host.slot_mapping, device),
+            paged,
+            host.max_seq_len,
+            num_segments,
+            probe,
+        )
+
+
+class StaticMetadata:
+    """Device buffers a captured decode graph reads, sized for `max_rows` rows of up to `max_blocks` blocks.
+
+    `view(num_rows)` is what capture sees; `fill` writes a smaller batch in place and pads the rest
+    with empty rows (no context, K/V written to the scratch slot), so a replay computes nothing for them.
+    """
+
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        self.warm_block_tables = torch.full((max_rows, max_blocks), -1, dtype=torch.int32, device=device)
+        self._staging = torch.zeros(3 * max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+
+    def view(self, num_rows: int, num_segments: int) -> AttentionMetadata:
+        """Metadata over the first `num_rows` rows of the buffers (one decode token per row)."""
+        paged = PagedAttentionPlan(
+            self.query_start_loc[: num_rows + 1],
+            self.seq_lens[:num_rows],
+            self.block_tables[:num_rows],
+            self.warm_block_tables[:num_rows],
+            max_query_len=1,
+        )
+        return AttentionMetadata(
+            self.positions[:num_rows],
+            self.slot_mapping[:num_rows],
+            paged,
+            self.max_blocks * self.block_size,
+            num_segments,
+        )
+
+    def fill(self, host: HostMetadata, num_rows: int) -> None:
+        """Write a decode step of `host.num_rows <= num_rows` rows; rows past it become padding."""
+        rows = host.num_rows
+        staging = self._staging
+        staging[:num_rows].zero_()
+        staging[:rows] = torch.from_numpy(host.positions)
+        staging[num_rows : num_rows + rows] = torch.from_numpy(host.slot_mapping)
+        staging[num_rows + rows : 2 * num_rows] = 0
+        staging[2 * num_rows : 2 * num_rows + rows] = torch.from_numpy(host.seq_lens.astype(np.int64))
+        staging[2 * num_rows + rows : 3 * num_rows] = 0
+        device_copy = staging[: 3 * num_rows].to(self.positions.device, non_blocking=True)
+        self.positions[:num_rows].copy_(device_copy[:num_rows])
+        self.slot_mapping[:num_rows].copy_(device_copy[num_rows : 2 * num_rows])
+        self.seq_lens[:num_rows].copy_(device_copy[2 * num_rows :])
+        width = host.block_tables.shape[1]
+        self.block_tables[:rows, :width].copy_(_to(host.block_tables, self.block_tables.device))
+        self.warm_block_tables[:rows, :width].copy_(_to(host.warm_block_tables, self.block_tables.device))
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
