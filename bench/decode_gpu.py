@@ -1,26 +1,31 @@
-"""GPU reading of the paged, tiered engine: greedy CUDA == CPU, and decode tokens/s of the
-Llama-3.2-1B shape (random bf16 weights) at batch 1, 16 and 64, tiers off and on, against Hugging
-Face `generate` in the same run and the memory-bandwidth roofline. Writes one markdown table.
+# ruff: noqa: E501  (markdown table rows and their f-strings read better unwrapped)
+"""GPU benchmark of the fast path: decode tok/s, TTFT, share of the bandwidth roofline and peak memory
+of the Llama-3.2-1B and Llama-3.1-8B shapes (random bf16 weights, EOS ignored, greedy), tiers off and
+on, against Hugging Face `generate` in the same run; greedy CUDA (Triton + CUDA graphs) == CPU
+(reference) on stories260K; and the capacity line at 32K context. Writes one markdown file.
 
-    python bench/decode_gpu.py --out $OUT/decode_gpu.md
+    python bench/decode_gpu.py --out $OUT/decode_gpu.md            # everything (about 8 minutes)
+    python bench/decode_gpu.py --parts long --out long.md          # only the 8B 32K-context part
 
-Needs a CUDA GPU, torch and transformers; no network and no `gguf` package: stories260K is read
-in HF format from $THERMOCLINE_SHARED_DIR/models/stories260K/hf (or ../shared). Each part runs on
-its own: a failing check is written into the table and the run goes on.
+Needs a CUDA GPU, torch and transformers; no network. Each part runs on its own: a failure is
+written into the table and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,169 +39,342 @@ from gpu_first_reading import (
     _common_prefix,
     copy_bandwidth_gbs,
     greedy_ids,
-    hf_decode,
-    make_dummy_1b,
 )
 
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine, SamplingParams
+from services.engine.model.checkpoint import Checkpoint
+from services.engine.model.config import ModelConfig
 from services.engine.model.registry import resolve_model
 from services.engine.serving.generation_result import ResultCollector
+from services.engine.text.tokenizer import Tokenizer
 
-TIERS_ON = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=4096, group_size=32)
-TIERS_ON_LABEL = "ours, tiers on (hot 128, INT4 g32)"
-
-
-def check_cuda_equals_cpu(rows: list[str]) -> None:
-    """stories260K fp32: CPU vs CUDA, tiers off and on (256 tokens, so the warm tier is used)."""
-    path = resolve_model("stories260k")
-    for label, kv, new_tokens in (
-        ("tiers off", KVCacheSpec(), 64),
-        ("tiers on, hot 128", KVCacheSpec(tiers=TIERS_ON), 256),
-    ):
-        outputs = {}
-        for device in ("cpu", "cuda"):
-            engine = LLMEngine.load(
-                path, device=device, dtype="float32", max_batch_size=4, progress=False, kv=kv
-            )
-            outputs[device] = greedy_ids(engine, STORIES_PROMPTS, new_tokens)
-        same = outputs["cpu"] == outputs["cuda"]
-        agree = [_common_prefix(a, b) for a, b in zip(outputs["cpu"], outputs["cuda"], strict=True)]
-        rows.append(
-            f"| stories260K fp32, batch {len(STORIES_PROMPTS)}, {new_tokens} greedy tokens, {label} "
-            f"| CPU vs CUDA | {'identical' if same else 'differs'} | tokens agreeing per prompt: {agree} |"
-        )
+LLAMA_8B = {
+    **LLAMA_1B,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+    "rope_parameters": {**LLAMA_1B["rope_parameters"], "factor": 8.0},
+}
+SHAPES = {"1B": LLAMA_1B, "8B": LLAMA_8B}
+TIERS_ON = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=40_000, group_size=32)
+OFF, ON = "ours, tiers off", "ours, tiers on (hot 128, INT4 g32)"
 
 
-def our_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
-    """(decode tokens/s over the batch, median TTFT ms) for our engine, timed over decode steps only.
+def random_checkpoint(shape: dict, tokenizer_dir: Path) -> Checkpoint:
+    """A checkpoint whose weights are drawn on the GPU as they are loaded (no file of 16 GB)."""
+    config = ModelConfig.from_hf_config(shape)
+    e, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    names = {"embed_tokens.weight": (config.vocab_size, e), "norm.weight": (e,)}
+    if not config.tie_word_embeddings:
+        names["lm_head.weight"] = (config.vocab_size, e)
+    for layer in range(config.num_layers):
+        for name, size in {
+            "input_layernorm": (e,), "post_attention_layernorm": (e,), "self_attn.q_proj": (q, e),
+            "self_attn.k_proj": (kv, e), "self_attn.v_proj": (kv, e), "self_attn.o_proj": (e, q),
+            "mlp.gate_proj": (i, e), "mlp.up_proj": (i, e), "mlp.down_proj": (e, i),
+        }.items():  # fmt: skip
+            names[f"layers.{layer}.{name}.weight"] = size
 
-    The prompts are submitted together and stepped by hand: once every request has its first
-    token, each further step is a pure decode step of the whole batch, and only those are timed
-    (every step ends in the host read of the sampled ids, so the wall clock covers the GPU work).
-    """
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        for name, size in names.items():
+            scale = 1.0 if len(size) == 1 else 0.02
+            yield name, torch.randn(size, device="cuda", generator=generator, dtype=torch.bfloat16) * scale
+
+    return Checkpoint("random", config, Tokenizer.from_hf_dir(tokenizer_dir), tensors, len(names))
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the ids (the benchmark submits ids; detokenizing must not fail)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    HFTokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t0", "eos_token": "t1"}))
+
+
+def params_count(shape: dict) -> int:
+    config = ModelConfig.from_hf_config(shape)
+    e, i = config.hidden_size, config.intermediate_size
+    per_layer = e * (config.q_size * 2 + config.kv_size * 2) + 3 * e * i + 2 * e
+    embed = config.vocab_size * e * (1 if config.tie_word_embeddings else 2)
+    return config.num_layers * per_layer + embed + e
+
+
+def kv_bytes_per_token(shape: dict, tiers: TierConfig | None) -> float:
+    """bf16 hot bytes per token, or the INT4 warm bytes when `tiers` is given (codes + scales + zeros)."""
+    config = ModelConfig.from_hf_config(shape)
+    layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
+    if tiers is None:
+        return layers * 2 * heads * dim * 2
+    group = tiers.group_size
+    per_head = 2 * dim / 2 + 2 * 2 * dim / group + 2 * 2 * (dim // min(group, dim))
+    return layers * heads * per_head
+
+
+def roofline(shape: dict, batch: int, context: int, bandwidth_gbs: float, tiers: TierConfig | None) -> float:
+    """Decode tok/s if a step read the bf16 weights and the batch's KV (each tier's bytes) once."""
+    hot = context if tiers is None else min(context, tiers.sink_tokens + tiers.hot_tokens + tiers.group_size)
+    kv = hot * kv_bytes_per_token(shape, None) + (context - hot) * kv_bytes_per_token(shape, tiers)
+    return batch / ((params_count(shape) * 2 + batch * kv) / (bandwidth_gbs * 1e9))
+
+
+def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_tokens: int) -> tuple:
+    """(decode tok/s, median TTFT ms, peak GiB): decode timed over pure decode steps, stepped by hand."""
     generator = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(2, LLAMA_1B["vocab_size"], (batch, prompt_len), generator=generator).tolist()
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    prompts = torch.randint(2, vocab, (batch, prompt_len), generator=generator).tolist()
+    engine.generate([p[:64] for p in prompts[:2]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     collectors = [ResultCollector(p) for p in prompts]
     for prompt, collector in zip(prompts, collectors, strict=True):
         engine.submit(prompt, params, collector)
     first = engine.stats().num_generated_tokens_total
-    while engine.stats().num_generated_tokens_total < first + batch:  # prefill, first tokens
+    while engine.stats().num_generated_tokens_total < first + batch:  # prefill: every first token
         engine.step()
     torch.cuda.synchronize()
     start_tokens, started = engine.stats().num_generated_tokens_total, time.perf_counter()
     while not all(c.done.is_set() for c in collectors):
         engine.step()
     elapsed_s = time.perf_counter() - started
-    ttfts = sorted(c.result().ttft_ms for c in collectors)
-    return (engine.stats().num_generated_tokens_total - start_tokens) / elapsed_s, ttfts[len(ttfts) // 2]
+    ttft = statistics.median(c.result().ttft_ms for c in collectors)
+    tokens = engine.stats().num_generated_tokens_total - start_tokens
+    return tokens / elapsed_s, ttft, torch.cuda.max_memory_allocated() / 2**30
 
 
-def kv_bytes_per_token(tiers: TierConfig | None) -> float:
-    """bf16 hot bytes per token of the 1B shape, or the INT4 warm bytes when `tiers` is given."""
-    layers, heads, dim = LLAMA_1B["num_hidden_layers"], LLAMA_1B["num_key_value_heads"], 64
-    if tiers is None:
-        return layers * 2 * heads * dim * 2
-    group = tiers.group_size
-    per_head = (
-        2 * dim / 2 + 2 * 2 * dim / group + 2 * 2 * (dim // min(group, dim))
-    )  # codes, key s/z, value s/z
-    return layers * heads * per_head
+def hf_decode(model: torch.nn.Module, vocab: int, batch: int, prompt_len: int, new_tokens: int) -> tuple:
+    """(decode tok/s, TTFT ms, peak GiB) for transformers `generate`, by differencing 1 and N tokens."""
+    generator = torch.Generator().manual_seed(batch)
+    ids = torch.randint(2, vocab, (batch, prompt_len), generator=generator).cuda()
 
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)  # fmt: skip
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
 
-def roofline_tokens_s(
-    params: int, batch: int, context: int, bandwidth_gbs: float, tiers: TierConfig | None
-) -> float:
-    """Decode tokens/s if each step read the bf16 weights and the batch's KV (hot + warm) once."""
-    hot = context if tiers is None else min(context, tiers.sink_tokens + tiers.hot_tokens + tiers.group_size)
-    warm = context - hot
-    kv = hot * kv_bytes_per_token(None) + warm * kv_bytes_per_token(tiers if tiers else None)
-    return batch / ((params * 2 + batch * kv) / (bandwidth_gbs * 1e9))
-
-
-def bench_decode(rows: list[str], workdir: Path, args: argparse.Namespace) -> None:
-    """Decode throughput of the 1B shape: ours (tiers off / on) vs transformers vs the roofline."""
-    from transformers import LlamaForCausalLM
-
-    path = workdir / "llama-3.2-1b-shape"
-    params = make_dummy_1b(path)
-    bandwidth = copy_bandwidth_gbs()
-    context = args.prompt_len + args.new_tokens // 2
-    rows.append(
-        f"\nmeasured copy bandwidth: {bandwidth:.0f} GB/s; parameters: {params / 1e9:.3f} B; "
-        f"mean context {context}\n"
+    run(2)
+    torch.cuda.reset_peak_memory_stats()
+    first_s, total_s = run(1), run(new_tokens)
+    return (
+        batch * (new_tokens - 1) / (total_s - first_s),
+        first_s * 1e3,
+        torch.cuda.max_memory_allocated() / 2**30,
     )
-    rows.append("| batch | engine | decode tok/s | vs HF | roofline tok/s | vs roofline | median TTFT ms |")
-    rows.append("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-    max_seq_len = args.prompt_len + args.new_tokens + 8
-    hf_model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    configs = (("ours, tiers off", KVCacheSpec()), (TIERS_ON_LABEL, KVCacheSpec(tiers=TIERS_ON)))
-    engines = {
-        label: LLMEngine.load(
-            path,
-            device="cuda",
-            dtype="bfloat16",
-            max_batch_size=max(args.batches),
-            max_seq_len=max_seq_len,
-            progress=False,
-            kv=kv,
-        )
-        for label, kv in configs
-    }
-    runs: dict[tuple[str, int], list[tuple[float, float] | str]] = {}
-    for _ in range(args.repeats):  # interleaved, so a drift in the host's speed hits every engine alike
-        for b in args.batches:
-            runs.setdefault(("HF generate", b), []).append(_guarded(_hf_run(hf_model, b, args)))
-            for label, engine in engines.items():
-                runs.setdefault((label, b), []).append(
-                    _guarded(lambda b=b, e=engine: our_decode(e, b, args.prompt_len, args.new_tokens))
-                )
-    for b in args.batches:
-        hf_result = _median(runs[("HF generate", b)])
-        for label in ("HF generate", "ours, tiers off", TIERS_ON_LABEL):
-            tiers = TIERS_ON if label == TIERS_ON_LABEL else None
-            roof = roofline_tokens_s(params, b, context, bandwidth, tiers)
-            rows.append(_row(b, label, _median(runs[(label, b)]), hf_result, roof))
 
 
-def _median(results: list[tuple[float, float] | str]) -> tuple[float, float] | str:
-    """The run with the median tokens/s (a failure, if any run failed)."""
-    failed = [r for r in results if isinstance(r, str)]
-    if failed:
-        return failed[0]
-    ranked = sorted(results, key=lambda r: r[0])  # type: ignore[index]
-    return ranked[len(ranked) // 2]
-
-
-def _row(
-    batch: int, label: str, result: tuple[float, float] | str, hf: tuple[float, float] | str, roof: float
-) -> str:
-    if isinstance(result, str):
-        return f"| {batch} | {label} | failed: {result} | | {roof:.0f} | | |"
-    vs_hf = f"{result[0] / hf[0]:.2f}" if not isinstance(hf, str) else "n/a"
-    share = f"{result[0] / roof:.1%}"
-    return f"| {batch} | {label} | {result[0]:.0f} | {vs_hf} | {roof:.0f} | {share} | {result[1]:.1f} |"
-
-
-def _hf_run(
-    model: torch.nn.Module, batch: int, args: argparse.Namespace
-) -> Callable[[], tuple[float, float]]:
-    return lambda: hf_decode(model, batch, args.prompt_len, args.new_tokens)
-
-
-def _guarded(run: Callable[[], tuple[float, float]]) -> tuple[float, float] | str:
-    """Run one measurement; an exception becomes the table's text instead of ending the run."""
+def guarded(run: Callable[[], tuple]) -> tuple | str:
     try:
         return run()
-    except Exception as error:  # the reading should still report everything else
+    except Exception as error:
         traceback.print_exc()
         return f"{type(error).__name__}: {str(error)[:160]}"
 
 
-def header(args: argparse.Namespace) -> list[str]:
-    """Date, commit, hardware and settings."""
+def median_run(results: list) -> tuple | str:
+    failed = [r for r in results if isinstance(r, str)]
+    if failed:
+        return failed[0]
+    return sorted(results, key=lambda r: r[0])[len(results) // 2]
+
+
+def table_row(shape: str, context: int, batch: int, label: str, result, hf, roof: float) -> str:
+    if isinstance(result, str):
+        return f"| {shape} | {context} | {batch} | {label} | failed: {result} | | | | | |"
+    vs_hf = f"{result[0] / hf[0]:.2f}" if hf is not None and not isinstance(hf, str) else ""
+    return (
+        f"| {shape} | {context} | {batch} | {label} | {result[0]:.0f} | {vs_hf} | {roof:.0f} | "
+        f"{result[0] / roof:.0%} | {result[1]:.0f} | {result[2]:.1f} |"
+    )
+
+
+def load(checkpoint: Checkpoint, tokdir: Path, batch: int, seq_len: int, kv: KVCacheSpec, prefill: int):
+    return LLMEngine.load(tokdir, device="cuda", dtype="bfloat16", max_batch_size=batch, max_seq_len=seq_len,
+                          progress=False, kv=kv, checkpoint=checkpoint, max_prefill_tokens=prefill)  # fmt: skip
+
+
+def bench_short(rows: list[str], tokdir: Path, args, bandwidth: float) -> None:
+    """1,024-token prompts: 1B and 8B, tiers off and on, against HF, interleaved, median of repeats."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        batches = args.batches
+        seq_len = args.prompt_len + args.new_tokens + 16
+        checkpoint = random_checkpoint(shape, tokdir)
+        engines = {
+            OFF: load(checkpoint, tokdir, max(batches), seq_len, KVCacheSpec(), 8192),
+            ON: load(checkpoint, tokdir, max(batches), seq_len, KVCacheSpec(tiers=TIERS_ON), 8192),
+        }
+        with torch.device("cuda"):
+            hf_model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16).eval()
+        runs: dict = {}
+        for _ in range(args.repeats):
+            for b in batches:
+                if b <= args.hf_max_batch:
+                    runs.setdefault(("HF", b), []).append(
+                        guarded(
+                            lambda b=b, m=hf_model, v=shape["vocab_size"]: hf_decode(
+                                m, v, b, args.prompt_len, args.new_tokens
+                            )
+                        )
+                    )
+                for label, engine in engines.items():
+                    runs.setdefault((label, b), []).append(
+                        guarded(
+                            lambda b=b, e=engine, v=shape["vocab_size"]: our_decode(
+                                e, v, b, args.prompt_len, args.new_tokens
+                            )
+                        )
+                    )
+        context = args.prompt_len + args.new_tokens // 2
+        for b in batches:
+            hf = median_run(runs[("HF", b)]) if ("HF", b) in runs else None
+            if hf is not None:
+                rows.append(
+                    table_row(
+                        shape_name,
+                        args.prompt_len,
+                        b,
+                        "HF generate",
+                        hf,
+                        hf,
+                        roofline(shape, b, context, bandwidth, None),
+                    )
+                )
+            for label in (OFF, ON):
+                tiers = TIERS_ON if label == ON else None
+                rows.append(table_row(shape_name, args.prompt_len, b, label, median_run(runs[(label, b)]), hf,
+                                      roofline(shape, b, context, bandwidth, tiers)))  # fmt: skip
+        for engine in engines.values():
+            engine.stop()
+        del engines, hf_model, checkpoint
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def bench_long(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth: float) -> None:
+    """8B at a 32,768-token prompt, tiers off then on (one engine at a time: each needs the memory)."""
+    shape = LLAMA_8B
+    prompt = args.long_prompt
+    seq_len = prompt + args.new_tokens + 16
+    batches = args.long_batches
+    checkpoint = random_checkpoint(shape, tokdir)
+    hot_blocks_on = max(batches) * 16 + args.long_prefill // 16 + 256
+    specs = {
+        OFF: KVCacheSpec(),
+        ON: KVCacheSpec(num_hot_blocks=hot_blocks_on, tiers=TIERS_ON),
+    }
+    for label, kv in specs.items():
+        engine = guarded(
+            lambda kv=kv: (load(checkpoint, tokdir, max(batches), seq_len, kv, args.long_prefill),)
+        )
+        if isinstance(engine, str):
+            rows.append(f"| 8B | {prompt} | | {label} | failed: {engine} | | | | | |")
+            continue
+        engine = engine[0]
+        tiers = TIERS_ON if label == ON else None
+        for b in batches:
+            result = guarded(
+                lambda b=b, e=engine: our_decode(e, shape["vocab_size"], b, prompt, args.new_tokens)
+            )
+            rows.append(
+                table_row(
+                    "8B",
+                    prompt,
+                    b,
+                    label,
+                    result,
+                    None,
+                    roofline(shape, b, prompt + args.new_tokens // 2, bandwidth, tiers),
+                )
+            )
+        if label == ON and args.profile:
+            notes.append(profile_decode(engine, shape, max(batches), prompt))
+        engine.stop()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int) -> str:
+    """torch.profiler over 8 decode steps of a running batch: where a step's GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = torch.randint(2, shape["vocab_size"], (batch, prompt)).tolist()
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    collectors = [ResultCollector(p) for p in prompts]
+    for p, c in zip(prompts, collectors, strict=True):
+        engine.submit(p, params, c)
+    while engine.stats().num_running < batch or engine.stats().num_waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.step()
+        torch.cuda.synchronize()
+    while not all(c.done.is_set() for c in collectors):
+        engine.step()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    return f"\n### Profile: 8B, {prompt}-token context, batch {batch}, tiers on, 8 decode steps\n\n```\n{table}\n```\n"
+
+
+def capacity(rows: list[str], bandwidth: float, args) -> None:
+    """How many 32K-token sequences fit at utilization 0.90, from each tier's bytes per token."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = 0.90 * total - params_count(LLAMA_8B) * 2 - 4 * 2**30  # weights, 4 GiB activations and graphs
+    seq = 32_768 + 128
+    off = seq * kv_bytes_per_token(LLAMA_8B, None)
+    hot = (TIERS_ON.sink_tokens + TIERS_ON.hot_tokens + TIERS_ON.group_size + 16) * kv_bytes_per_token(
+        LLAMA_8B, None
+    )
+    on = hot + (seq - 180) * kv_bytes_per_token(LLAMA_8B, TIERS_ON)
+    rows.append(
+        f"\nCapacity at 0.90 of {total / 2**30:.0f} GiB, 8B bf16 weights, 4 GiB set aside for activations and graphs: "
+        f"{budget / 2**30:.0f} GiB for KV. A 32K-token sequence costs {off / 2**30:.2f} GiB with the tiers off "
+        f"and {on / 2**30:.2f} GiB on: **{int(budget // off)} sequences off, {int(budget // on)} on** "
+        f"({off / on:.2f}x). Computed from the tiers' bytes per token, not yet from a sized pool.\n"
+    )
+
+
+def check_cuda_equals_cpu(rows: list[str]) -> None:
+    """stories260K fp32: greedy on CUDA (Triton, graphs on and off) equals the CPU reference."""
+    path = resolve_model("stories260K")
+    for label, kv, new_tokens in (
+        ("tiers off", KVCacheSpec(), 64),
+        (
+            "tiers on, hot 128",
+            KVCacheSpec(tiers=TierConfig(enabled=True, hot_tokens=128, warm_tokens=4096)),
+            200,
+        ),
+    ):
+        outputs = {}
+        for name, device, graphs in (
+            ("cpu", "cpu", False),
+            ("cuda eager", "cuda", False),
+            ("cuda graphs", "cuda", True),
+        ):
+            engine = LLMEngine.load(path, device=device, dtype="float32", max_batch_size=4, progress=False,
+                                    kv=kv, cuda_graphs=graphs)  # fmt: skip
+            outputs[name] = greedy_ids(engine, STORIES_PROMPTS, new_tokens)
+            engine.stop()
+        for name in ("cuda eager", "cuda graphs"):
+            agree = [_common_prefix(a, b) for a, b in zip(outputs["cpu"], outputs[name], strict=True)]
+            same = outputs["cpu"] == outputs[name]
+            rows.append(f"| stories260K fp32, batch 4, {new_tokens} greedy tokens, {label} | CPU reference vs {name} "
+                        f"(Triton) | {'identical' if same else 'differs'} | tokens agreeing: {agree} |")  # fmt: skip
+
+
+def header(args) -> list[str]:
     props = torch.cuda.get_device_properties(0)
     commit = (
         os.environ.get("THERMOCLINE_COMMIT")
@@ -206,20 +384,16 @@ def header(args: argparse.Namespace) -> list[str]:
         or "unknown"
     )
     return [
-        "# GPU reading: paged, tiered engine",
+        "# GPU fast path: fused Triton attention, CUDA-graph decode",
         "",
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; commit: {commit}",
-        f"- GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs",
-        f"- torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}",
-        f"- settings: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (EOS ignored), batches "
-        f"{args.batches}, {args.repeats} interleaved repeats, bf16 weights and hot KV, greedy, "
-        "random weights in the Llama-3.2-1B shape; "
-        "attention is the plain PyTorch reference path (paged gather + INT4 dequantize), no fused kernel yet",
-        "- decode tok/s (ours) = tokens generated after every request's first token / the wall time of "
-        "those pure decode steps, stepped by hand; median of --repeats runs interleaved across engines; "
-        "HF by differencing "
-        "1 and N new tokens; roofline = batch x copy bandwidth / (bf16 weights + the batch's KV bytes "
-        "at the mean context)",
+        f"- GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs; "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}",
+        f"- settings: {vars(args)}",
+        f"- tiers on: {TIERS_ON}",
+        "- decode tok/s (ours) = tokens generated after every request's first token / wall time of those "
+        "pure decode steps; HF by differencing 1 and N new tokens; roofline = batch x measured copy bandwidth / "
+        "(bf16 weights + the batch's KV bytes per tier at the mean context); peak = torch max allocated",
         "",
         "| check | compared | result | detail |",
         "| --- | --- | --- | --- |",
@@ -227,33 +401,50 @@ def header(args: argparse.Namespace) -> list[str]:
 
 
 def main() -> None:
-    """Runs the checks and the benchmark; prints the table and writes it to --out."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
-    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--parts", default="checks,short,long,capacity")
+    parser.add_argument("--shapes", default="1B,8B", type=lambda s: s.split(","))
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
+    parser.add_argument("--hf-max-batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="interleaved runs per engine; the median is kept"
-    )
-    parser.add_argument("--checks-only", action="store_true", help="skip the decode benchmark")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long-prompt", type=int, default=32_768)
+    parser.add_argument("--long-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
+    parser.add_argument("--long-prefill", type=int, default=16_384, help="max prefill tokens per step")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this benchmark needs a GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    rows = header(args)
-    try:
-        check_cuda_equals_cpu(rows)
-    except Exception as error:
-        traceback.print_exc()
-        rows.append(f"| CUDA vs CPU | | failed | {type(error).__name__}: {str(error)[:200]} |")
-    if not args.checks_only:
-        with tempfile.TemporaryDirectory() as tmp:
-            bench_decode(rows, Path(tmp), args)
-    text = "\n".join(rows) + "\n"
-    print(text)
+    parts = args.parts.split(",")
+    rows, notes = header(args), []
+    text = lambda: "\n".join(rows + notes) + "\n"  # noqa: E731
+    if "checks" in parts:
+        try:
+            check_cuda_equals_cpu(rows)
+        except Exception as error:
+            traceback.print_exc()
+            rows.append(f"| CUDA vs CPU | | failed | {type(error).__name__}: {str(error)[:200]} |")
     if args.out is not None:
-        args.out.write_text(text)
+        args.out.write_text(text())
+    bandwidth = copy_bandwidth_gbs()
+    rows += ["", f"measured copy bandwidth: {bandwidth:.0f} GB/s", "",
+             "| shape | prompt | batch | engine | decode tok/s | vs HF | roofline tok/s | of roofline | median TTFT ms | peak GiB |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        tokdir = Path(tmp) / "tokenizer"
+        write_tokenizer(tokdir, LLAMA_1B["vocab_size"])
+        runs = {"short": lambda: bench_short(rows, tokdir, args, bandwidth),
+                "long": lambda: bench_long(rows, notes, tokdir, args, bandwidth)}  # fmt: skip
+        for run in (runs[p] for p in parts if p in runs):
+            guarded(lambda run=run: (run(),))
+            if args.out is not None:
+                args.out.write_text(text())  # partial results survive a later timeout
+    if "capacity" in parts:
+        capacity(rows, bandwidth, args)
+    print(text())
+    if args.out is not None:
+        args.out.write_text(text())
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate,
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.tiers import KVCacheSpec, TierConfig, WarmFullPolicy
 from services.engine.metrics import QUEUE_WAIT
+from services.engine.model.checkpoint import Checkpoint
 from services.engine.model.config import ModelConfig
 from services.engine.model.loader import load_model, open_checkpoint, resolve_device, resolve_dtype
 from services.engine.model.registry import resolve_model
@@ -151,17 +152,19 @@ class LLMEngine:
         tp: int = 1,
         attention: str = "auto",
         cuda_graphs: bool = True,
+        checkpoint: Checkpoint | None = None,
     ) -> LLMEngine:
         """Load an HF directory, a `.gguf` file or a registered model name.
 
         With `tp` > 1 this process becomes rank 0 of a tensor-parallel group and starts ranks
         1..tp-1 itself (gloo on the CPU, NCCL with one GPU per rank); `stop` ends them.
         `attention` picks the backend ("auto": fused Triton on CUDA, the reference elsewhere) and
-        `cuda_graphs` whether decode steps are captured (CUDA only).
+        `cuda_graphs` whether decode steps are captured (CUDA only). A `checkpoint` already opened
+        (benchmarks pass random weights this way) is used instead of reading `path` (TP=1 only).
         """
         kv = kv or KVCacheSpec()
-        model_path = resolve_model(path)
-        checkpoint = open_checkpoint(model_path)
+        model_path = resolve_model(path) if checkpoint is None else Path(path)
+        checkpoint = checkpoint or open_checkpoint(model_path)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         seq_len = _resolve_max_seq_len(checkpoint.config, max_seq_len)
