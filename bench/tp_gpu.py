@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_gpu import TIERS_ON, _guarded, header, our_decode
+from decode_gpu import TIERS_ON, guarded, header, our_decode
 from gpu_first_reading import LLAMA_1B, STORIES_PROMPTS, _common_prefix, greedy_ids, make_dummy_1b
 
 from services.engine.kv.tiers import KVCacheSpec
@@ -65,8 +65,10 @@ def bench_1b(rows: list[str], workdir: Path, args: argparse.Namespace) -> None:
         engine = _load(path, tp, "bfloat16", max_batch_size=max(args.batches), max_seq_len=max_seq_len)
         greedy[tp] = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=32))]
         for batch in args.batches:
-            speeds[(tp, batch)] = _guarded(
-                lambda b=batch, e=engine: our_decode(e, b, args.prompt_len, args.new_tokens)
+            speeds[(tp, batch)] = guarded(
+                lambda b=batch, e=engine: our_decode(
+                    e, LLAMA_1B["vocab_size"], b, args.prompt_len, args.new_tokens
+                )
             )
         engine.stop()
         del engine

@@ -195,12 +195,10 @@ class StaticMetadata:
         """Write a decode step of `host.num_rows <= num_rows` rows; rows past it become padding."""
         rows = host.num_rows
         staging = self._staging
-        staging[:num_rows].zero_()
+        staging[: 3 * num_rows].zero_()  # padding rows: position 0, scratch slot 0, no context
         staging[:rows] = torch.from_numpy(host.positions)
         staging[num_rows : num_rows + rows] = torch.from_numpy(host.slot_mapping)
-        staging[num_rows + rows : 2 * num_rows] = 0
         staging[2 * num_rows : 2 * num_rows + rows] = torch.from_numpy(host.seq_lens.astype(np.int64))
-        staging[2 * num_rows + rows : 3 * num_rows] = 0
         device_copy = staging[: 3 * num_rows].to(self.positions.device, non_blocking=True)
         self.positions[:num_rows].copy_(device_copy[:num_rows])
         self.slot_mapping[:num_rows].copy_(device_copy[num_rows : 2 * num_rows])

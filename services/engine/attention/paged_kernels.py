@@ -326,8 +326,8 @@ def paged_attention(
     _check_inputs(q, layer, plan, out)
     queries_per_kv = num_heads // num_kv_heads
     is_decode = plan.max_query_len == 1
-    block_m = max(16, triton.next_power_of_2(queries_per_kv)) if is_decode else 64
-    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    # decode: one query token, so M is just the group's heads; prefill: 64 rows of (token, head)
+    block_m = max(16 if is_decode else 64, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     padded = head_dim_padded(head_dim)
     warm = layer.warm

@@ -46,8 +46,7 @@ class DecodeGraphs:
         self.compute_logits = compute_logits
         device = kv_cache.hot.keys.device
         max_blocks = -(-max_seq_len // kv_cache.block_size)
-        self.sizes = [s for s in CAPTURE_SIZES if s < max_rows] + [max_rows]
-        self.sizes = sorted(set(s for s in self.sizes if s <= max_rows))
+        self.sizes = sorted({s for s in CAPTURE_SIZES if s < max_rows} | {max_rows})
         self.static = StaticMetadata(self.sizes[-1], max_blocks, kv_cache.block_size, device)
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
         self._staging_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=True)
