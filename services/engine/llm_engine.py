@@ -23,7 +23,7 @@ from services.engine.errors import (
     PromptTooLong,
 )
 from services.engine.execution.model_runner import ModelRunner, RunnerOptions
-from services.engine.execution.sampler import make_generator, sample
+from services.engine.execution.sampler import FAULT, make_generator, sample
 from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
 from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate, refusal
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
@@ -128,7 +128,7 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._is_stopping = False
         self._counters = dict.fromkeys(
-            ("steps", "prompt_tokens", "generated_tokens", "finished", "dropped"), 0
+            ("steps", "prompt_tokens", "generated_tokens", "finished", "dropped", "row_faults"), 0
         )
         self._num_decode_steps = 0
         self._lost_rank: str | None = None  # set when a tensor-parallel rank has exited
@@ -429,7 +429,9 @@ class LLMEngine:
 
     def _commit(self, batch: ScheduledBatch, sampled: list[Sampled]) -> None:
         for seq, token_id, fired in sampled:
-            if fired:  # the state that chose this token is over a threshold: drop the token
+            if token_id == FAULT:  # this row's numbers went bad; its batch neighbours are unaffected
+                event = self._end_for_fault(seq)
+            elif fired:  # the state that chose this token is over a threshold: drop the token
                 event = self._end_for_safety(seq, fired)
             else:
                 event = seq.append_token(token_id, self._eos_token_ids, self.max_seq_len)
@@ -438,6 +440,12 @@ class LLMEngine:
                 self.scheduler.release(seq)
                 self._counters["finished"] += 1
             _emit(seq, event)
+
+    def _end_for_fault(self, seq: Sequence) -> StreamEvent:
+        logger.error("request %s: non-finite logits or probabilities; failing that row alone", seq.request_id)
+        self._counters["row_faults"] += 1
+        seq.finish(FinishReason.ERROR)
+        return seq.event((), "", error="numerical fault in sampling (non-finite logits); the request ended")
 
     def _end_for_safety(self, seq: Sequence, fired: tuple[str, ...]) -> StreamEvent:
         """Ends `seq` with the safe message and SAFETY; the rest of the batch carries on."""

@@ -242,3 +242,38 @@ def test_a_cached_prefix_row_batched_with_a_full_prompt_stays_within_max_seq_len
     results = engine2.generate([cached, fresh], params)
     assert engine2.stats().num_prompt_tokens_cached == 32
     assert [r.token_ids for r in results] == alone
+
+
+def test_a_poisoned_row_fails_alone_and_its_batch_neighbours_are_unchanged(tiny_dir: Path) -> None:
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=8, max_seq_len=256, progress=False)
+    prompts = _prompts(engine.config.vocab_size, (5, 9, 3, 17, 8, 12, 6, 10), seed=11)
+    sampled = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=s, ignore_eos=True) for s in range(4)]
+    params = [GREEDY_20, *sampled, GREEDY_20, GREEDY_20, GREEDY_20]
+    # Row 3 divides its logits by 1e-40: the validation that refuses this sits above the engine, so
+    # the value is planted past it, as a numerical fault from any other cause would arrive.
+    poisoned = SamplingParams(max_new_tokens=12, temperature=0.5, seed=3, ignore_eos=True)
+    object.__setattr__(poisoned, "temperature", 1e-40)
+    params[3] = poisoned
+    alone = [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    together = engine.generate(prompts, params)
+    assert together[3].finish_reason is FinishReason.ERROR and alone[3].finish_reason is FinishReason.ERROR
+    assert "numerical fault" in (together[3].error or "")
+    for i in (0, 1, 2, 4, 5, 6, 7):
+        assert together[i].error is None
+        assert together[i].token_ids == alone[i].token_ids, f"row {i} changed beside the poisoned row"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("temperature", 1e-40, "temperature must be 0"),
+        ("temperature", float("nan"), "temperature"),
+        ("temperature", 1e6, "temperature"),
+        ("top_p", float("nan"), "top_p"),
+        ("top_k", 1 << 40, "top_k"),
+        ("stop", ("x" * 10_000,), "at most 256 characters"),
+    ],
+)
+def test_sampling_parameters_outside_their_ranges_are_refused(field: str, value: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**{field: value})

@@ -14,11 +14,20 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+FAULT = -1  # the token id of a row whose logits or probabilities are not finite
+
+
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
-    """Pick one token per row of fp32 `logits` `[B, V]`; returns `[B]` int64 on the logits' device."""
+    """Pick one token per row of fp32 `logits` `[B, V]`; returns `[B]` int64 on the logits' device.
+
+    A row whose numbers went bad (NaN or inf logits, or probabilities that do not form a distribution)
+    gets FAULT instead of a token, so that the caller fails that row alone and the batch carries on.
+    Nothing here synchronizes with the host.
+    """
     token_ids = logits.argmax(dim=-1)  # [B] greedy for everyone, overwritten for sampled rows
+    token_ids.masked_fill_(~torch.isfinite(logits).all(dim=-1), FAULT)
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.is_greedy:
             token_ids[row] = _sample_row(logits[row], p, generator)
@@ -32,7 +41,11 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
     if p.top_p < 1.0:
         scaled = _keep_top_p(scaled, p.top_p)
     probs = torch.softmax(scaled, dim=-1)  # [V]
-    return torch.multinomial(probs, num_samples=1, generator=generator)[0]
+    # multinomial rejects NaN or inf (a device-side assert on CUDA): draw from a harmless stand-in
+    # instead, and report the row as a fault.
+    ok = torch.isfinite(probs).all() & (probs.sum() > 0)
+    drawn = torch.multinomial(torch.where(ok, probs, 1.0), num_samples=1, generator=generator)[0]
+    return torch.where(ok, drawn, FAULT)
 
 
 def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

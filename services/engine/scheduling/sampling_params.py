@@ -7,6 +7,12 @@ from dataclasses import dataclass
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# A temperature divides the logits: below MIN_TEMPERATURE the quotient can overflow fp32 to inf and the
+# softmax turns NaN; above MAX_TEMPERATURE the distribution is uniform noise. 0 means greedy.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20  # larger than any vocabulary; 0 disables top-k
 
 
 @dataclass(frozen=True)
@@ -25,11 +31,14 @@ class SamplingParams:
         if isinstance(self.stop, str | list):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         _check_range("max_new_tokens", self.max_new_tokens, 1, None, "ask for at least one new token")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        t = self.temperature
+        if not (t == 0.0 or (math.isfinite(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t}"
+            )
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
-        _check_range("top_k", self.top_k, 0, None, "use 0 to disable top-k")
+        _check_range("top_k", self.top_k, 0, MAX_TOP_K, "use 0 to disable top-k")
         if self.seed is not None:
             _check_range("seed", self.seed, 0, MAX_SEED, "or leave it unset for a random seed")
         self._check_stop()
@@ -39,7 +48,10 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r:.64}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                limit = MAX_STOP_STRING_CHARS
+                raise ValueError(f"a stop string may be at most {limit} characters, got {len(s)}")
 
     @property
     def is_greedy(self) -> bool:
