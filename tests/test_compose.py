@@ -22,6 +22,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tests.conftest import skip_unless_ci
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 PROMETHEUS_FILE = REPO_ROOT / "deploy" / "prometheus.yml"
@@ -37,7 +39,7 @@ def compose() -> dict[str, Any]:
     """compose.yaml as `docker-compose config` normalises it."""
     tool = shutil.which("docker-compose")
     if tool is None:
-        pytest.skip("docker-compose is not installed (Debian/Ubuntu: apt-get install docker-compose)")
+        skip_unless_ci("docker-compose is not installed (Debian/Ubuntu: apt-get install docker-compose)")
     result = subprocess.run(
         [tool, "-f", str(COMPOSE_FILE), "config"],
         cwd=REPO_ROOT,
