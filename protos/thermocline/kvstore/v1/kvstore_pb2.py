@@ -24,41 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$thermocline/kvstore/v1/kvstore.proto\x12\x16thermocline.kvstore.v1\"x\n\x05\x42lock\x12\x12\n\nblock_hash\x18\x01 \x01(\t\x12,\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x1d.thermocline.kvstore.v1.Codec\x12\r\n\x05shape\x18\x03 \x03(\r\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\r\n\x05model\x18\x05 \x01(\t\"@\n\x10PutBlocksRequest\x12,\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x1d.thermocline.kvstore.v1.Block\"D\n\x11PutBlocksResponse\x12\x15\n\rstored_hashes\x18\x01 \x03(\t\x12\x18\n\x10\x64uplicate_hashes\x18\x02 \x03(\t\"(\n\x10GetBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\t\"W\n\x11GetBlocksResponse\x12,\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x1d.thermocline.kvstore.v1.Block\x12\x14\n\x0cmissing_hash\x18\x02 \x01(\t\"%\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\t\"(\n\x0eLookupResponse\x12\x16\n\x0epresent_hashes\x18\x01 \x03(\t\"\'\n\x0fPrefetchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\t\"\"\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"%\n\rDeleteRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"i\n\x10GetStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x15\n\rstaged_blocks\x18\x04 \x01(\x04*D\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\r\n\tCODEC_RAW\x10\x01\x12\x15\n\x11\x43ODEC_INT2_SPARSE\x10\x02\x32\xc8\x04\n\x0eKVStoreService\x12\x62\n\tPutBlocks\x12(.thermocline.kvstore.v1.PutBlocksRequest\x1a).thermocline.kvstore.v1.PutBlocksResponse(\x01\x12\x62\n\tGetBlocks\x12(.thermocline.kvstore.v1.GetBlocksRequest\x1a).thermocline.kvstore.v1.GetBlocksResponse0\x01\x12W\n\x06Lookup\x12%.thermocline.kvstore.v1.LookupRequest\x1a&.thermocline.kvstore.v1.LookupResponse\x12]\n\x08Prefetch\x12\'.thermocline.kvstore.v1.PrefetchRequest\x1a(.thermocline.kvstore.v1.PrefetchResponse\x12W\n\x06\x44\x65lete\x12%.thermocline.kvstore.v1.DeleteRequest\x1a&.thermocline.kvstore.v1.DeleteResponse\x12]\n\x08GetStats\x12\'.thermocline.kvstore.v1.GetStatsRequest\x1a(.thermocline.kvstore.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$thermocline/kvstore/v1/kvstore.proto\x12\x16thermocline.kvstore.v1\"*\n\tNamespace\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"u\n\x0b\x42lockHeader\x12\x12\n\nblock_hash\x18\x01 \x01(\t\x12,\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x1d.thermocline.kvstore.v1.Codec\x12\r\n\x05shape\x18\x03 \x03(\r\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\"\x8b\x01\n\x10PutBlocksRequest\x12\x34\n\tnamespace\x18\x01 \x01(\x0b\x32!.thermocline.kvstore.v1.Namespace\x12\x33\n\x06header\x18\x02 \x01(\x0b\x32#.thermocline.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"D\n\x11PutBlocksResponse\x12\x15\n\rstored_hashes\x18\x01 \x03(\t\x12\x18\n\x10\x64uplicate_hashes\x18\x02 \x03(\t\"^\n\x10GetBlocksRequest\x12\x34\n\tnamespace\x18\x01 \x01(\x0b\x32!.thermocline.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\t\"\xda\x01\n\x11GetBlocksResponse\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32#.thermocline.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x14\n\x0cmissing_hash\x18\x03 \x01(\t\x12\x37\n\x0bmiss_reason\x18\x04 \x01(\x0e\x32\".thermocline.kvstore.v1.MissReason\x12\x33\n\x06source\x18\x05 \x01(\x0e\x32#.thermocline.kvstore.v1.BlockSource\"[\n\rLookupRequest\x12\x34\n\tnamespace\x18\x01 \x01(\x0b\x32!.thermocline.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\t\"(\n\x0eLookupResponse\x12\x16\n\x0epresent_hashes\x18\x01 \x03(\t\"]\n\x0fPrefetchRequest\x12\x34\n\tnamespace\x18\x01 \x01(\x0b\x32!.thermocline.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\t\":\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x16\n\x0e\x61lready_staged\x18\x02 \x01(\r\"[\n\rDeleteRequest\x12\x34\n\tnamespace\x18\x01 \x01(\x0b\x32!.thermocline.kvstore.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xd0\x02\n\x10GetStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x15\n\rstaged_blocks\x18\x04 \x01(\x04\x12\x14\n\x0cstaged_bytes\x18\x05 \x01(\x04\x12\x12\n\ndisk_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x07 \x01(\r\x12\x16\n\x0e\x65victed_blocks\x18\x08 \x01(\x04\x12\x16\n\x0e\x65xpired_blocks\x18\t \x01(\x04\x12\x17\n\x0f\x63orrupt_records\x18\n \x01(\x04\x12\x1a\n\x12\x63ompacted_segments\x18\x0b \x01(\x04\x12\x14\n\x0cstaging_hits\x18\x0c \x01(\x04\x12\x12\n\ndisk_reads\x18\r \x01(\x04\x12\x16\n\x0eindex_rebuilds\x18\x0e \x01(\x04*D\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\r\n\tCODEC_RAW\x10\x01\x12\x15\n\x11\x43ODEC_INT2_SPARSE\x10\x02*\\\n\x0b\x42lockSource\x12\x1c\n\x18\x42LOCK_SOURCE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42LOCK_SOURCE_STAGING\x10\x01\x12\x15\n\x11\x42LOCK_SOURCE_DISK\x10\x02*Z\n\nMissReason\x12\x1b\n\x17MISS_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12MISS_REASON_ABSENT\x10\x01\x12\x17\n\x13MISS_REASON_CORRUPT\x10\x02\x32\xc8\x04\n\x0eKVStoreService\x12\x62\n\tPutBlocks\x12(.thermocline.kvstore.v1.PutBlocksRequest\x1a).thermocline.kvstore.v1.PutBlocksResponse(\x01\x12\x62\n\tGetBlocks\x12(.thermocline.kvstore.v1.GetBlocksRequest\x1a).thermocline.kvstore.v1.GetBlocksResponse0\x01\x12W\n\x06Lookup\x12%.thermocline.kvstore.v1.LookupRequest\x1a&.thermocline.kvstore.v1.LookupResponse\x12]\n\x08Prefetch\x12\'.thermocline.kvstore.v1.PrefetchRequest\x1a(.thermocline.kvstore.v1.PrefetchResponse\x12W\n\x06\x44\x65lete\x12%.thermocline.kvstore.v1.DeleteRequest\x1a&.thermocline.kvstore.v1.DeleteResponse\x12]\n\x08GetStats\x12\'.thermocline.kvstore.v1.GetStatsRequest\x1a(.thermocline.kvstore.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'thermocline.kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=811
-  _globals['_CODEC']._serialized_end=879
-  _globals['_BLOCK']._serialized_start=64
-  _globals['_BLOCK']._serialized_end=184
-  _globals['_PUTBLOCKSREQUEST']._serialized_start=186
-  _globals['_PUTBLOCKSREQUEST']._serialized_end=250
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=252
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=320
-  _globals['_GETBLOCKSREQUEST']._serialized_start=322
-  _globals['_GETBLOCKSREQUEST']._serialized_end=362
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=364
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=451
-  _globals['_LOOKUPREQUEST']._serialized_start=453
-  _globals['_LOOKUPREQUEST']._serialized_end=490
-  _globals['_LOOKUPRESPONSE']._serialized_start=492
-  _globals['_LOOKUPRESPONSE']._serialized_end=532
-  _globals['_PREFETCHREQUEST']._serialized_start=534
-  _globals['_PREFETCHREQUEST']._serialized_end=573
-  _globals['_PREFETCHRESPONSE']._serialized_start=575
-  _globals['_PREFETCHRESPONSE']._serialized_end=609
-  _globals['_DELETEREQUEST']._serialized_start=611
-  _globals['_DELETEREQUEST']._serialized_end=648
-  _globals['_DELETERESPONSE']._serialized_start=650
-  _globals['_DELETERESPONSE']._serialized_end=683
-  _globals['_GETSTATSREQUEST']._serialized_start=685
-  _globals['_GETSTATSREQUEST']._serialized_end=702
-  _globals['_GETSTATSRESPONSE']._serialized_start=704
-  _globals['_GETSTATSRESPONSE']._serialized_end=809
-  _globals['_KVSTORESERVICE']._serialized_start=882
-  _globals['_KVSTORESERVICE']._serialized_end=1466
+  _globals['_CODEC']._serialized_start=1532
+  _globals['_CODEC']._serialized_end=1600
+  _globals['_BLOCKSOURCE']._serialized_start=1602
+  _globals['_BLOCKSOURCE']._serialized_end=1694
+  _globals['_MISSREASON']._serialized_start=1696
+  _globals['_MISSREASON']._serialized_end=1786
+  _globals['_NAMESPACE']._serialized_start=64
+  _globals['_NAMESPACE']._serialized_end=106
+  _globals['_BLOCKHEADER']._serialized_start=108
+  _globals['_BLOCKHEADER']._serialized_end=225
+  _globals['_PUTBLOCKSREQUEST']._serialized_start=228
+  _globals['_PUTBLOCKSREQUEST']._serialized_end=367
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=369
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=437
+  _globals['_GETBLOCKSREQUEST']._serialized_start=439
+  _globals['_GETBLOCKSREQUEST']._serialized_end=533
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=536
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=754
+  _globals['_LOOKUPREQUEST']._serialized_start=756
+  _globals['_LOOKUPREQUEST']._serialized_end=847
+  _globals['_LOOKUPRESPONSE']._serialized_start=849
+  _globals['_LOOKUPRESPONSE']._serialized_end=889
+  _globals['_PREFETCHREQUEST']._serialized_start=891
+  _globals['_PREFETCHREQUEST']._serialized_end=984
+  _globals['_PREFETCHRESPONSE']._serialized_start=986
+  _globals['_PREFETCHRESPONSE']._serialized_end=1044
+  _globals['_DELETEREQUEST']._serialized_start=1046
+  _globals['_DELETEREQUEST']._serialized_end=1137
+  _globals['_DELETERESPONSE']._serialized_start=1139
+  _globals['_DELETERESPONSE']._serialized_end=1172
+  _globals['_GETSTATSREQUEST']._serialized_start=1174
+  _globals['_GETSTATSREQUEST']._serialized_end=1191
+  _globals['_GETSTATSRESPONSE']._serialized_start=1194
+  _globals['_GETSTATSRESPONSE']._serialized_end=1530
+  _globals['_KVSTORESERVICE']._serialized_start=1789
+  _globals['_KVSTORESERVICE']._serialized_end=2373
 # @@protoc_insertion_point(module_scope)

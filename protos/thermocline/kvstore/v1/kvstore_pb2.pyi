@@ -12,29 +12,57 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_UNSPECIFIED: _ClassVar[Codec]
     CODEC_RAW: _ClassVar[Codec]
     CODEC_INT2_SPARSE: _ClassVar[Codec]
+
+class BlockSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_SOURCE_UNSPECIFIED: _ClassVar[BlockSource]
+    BLOCK_SOURCE_STAGING: _ClassVar[BlockSource]
+    BLOCK_SOURCE_DISK: _ClassVar[BlockSource]
+
+class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MISS_REASON_UNSPECIFIED: _ClassVar[MissReason]
+    MISS_REASON_ABSENT: _ClassVar[MissReason]
+    MISS_REASON_CORRUPT: _ClassVar[MissReason]
 CODEC_UNSPECIFIED: Codec
 CODEC_RAW: Codec
 CODEC_INT2_SPARSE: Codec
+BLOCK_SOURCE_UNSPECIFIED: BlockSource
+BLOCK_SOURCE_STAGING: BlockSource
+BLOCK_SOURCE_DISK: BlockSource
+MISS_REASON_UNSPECIFIED: MissReason
+MISS_REASON_ABSENT: MissReason
+MISS_REASON_CORRUPT: MissReason
 
-class Block(_message.Message):
-    __slots__ = ("block_hash", "codec", "shape", "payload", "model")
+class Namespace(_message.Message):
+    __slots__ = ("tenant", "model")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model: str
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class BlockHeader(_message.Message):
+    __slots__ = ("block_hash", "codec", "shape", "payload_bytes")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     block_hash: str
     codec: Codec
     shape: _containers.RepeatedScalarFieldContainer[int]
-    payload: bytes
-    model: str
-    def __init__(self, block_hash: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., model: _Optional[str] = ...) -> None: ...
+    payload_bytes: int
+    def __init__(self, block_hash: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
-    __slots__ = ("block",)
-    BLOCK_FIELD_NUMBER: _ClassVar[int]
-    block: Block
-    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ...) -> None: ...
+    __slots__ = ("namespace", "header", "data")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    header: BlockHeader
+    data: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("stored_hashes", "duplicate_hashes")
@@ -45,24 +73,34 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored_hashes: _Optional[_Iterable[str]] = ..., duplicate_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
-    __slots__ = ("block", "missing_hash")
-    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("header", "data", "missing_hash", "miss_reason", "source")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     MISSING_HASH_FIELD_NUMBER: _ClassVar[int]
-    block: Block
+    MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    header: BlockHeader
+    data: bytes
     missing_hash: str
-    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., missing_hash: _Optional[str] = ...) -> None: ...
+    miss_reason: MissReason
+    source: BlockSource
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., missing_hash: _Optional[str] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., source: _Optional[_Union[BlockSource, str]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("present_hashes",)
@@ -71,22 +109,28 @@ class LookupResponse(_message.Message):
     def __init__(self, present_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
-    __slots__ = ("queued",)
+    __slots__ = ("queued", "already_staged")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STAGED_FIELD_NUMBER: _ClassVar[int]
     queued: int
-    def __init__(self, queued: _Optional[int] = ...) -> None: ...
+    already_staged: int
+    def __init__(self, queued: _Optional[int] = ..., already_staged: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted",)
@@ -99,13 +143,33 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "staged_blocks")
+    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "staged_blocks", "staged_bytes", "disk_bytes", "num_segments", "evicted_blocks", "expired_blocks", "corrupt_records", "compacted_segments", "staging_hits", "disk_reads", "index_rebuilds")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     STAGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    COMPACTED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_REBUILDS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     used_bytes: int
     capacity_bytes: int
     staged_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., staged_blocks: _Optional[int] = ...) -> None: ...
+    staged_bytes: int
+    disk_bytes: int
+    num_segments: int
+    evicted_blocks: int
+    expired_blocks: int
+    corrupt_records: int
+    compacted_segments: int
+    staging_hits: int
+    disk_reads: int
+    index_rebuilds: int
+    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., staged_blocks: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., num_segments: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., compacted_segments: _Optional[int] = ..., staging_hits: _Optional[int] = ..., disk_reads: _Optional[int] = ..., index_rebuilds: _Optional[int] = ...) -> None: ...

@@ -72,14 +72,14 @@ class KVStoreServiceServicer:
     """
 
     def PutBlocks(self, request_iterator, context):
-        """Stores blocks; a block is acknowledged only after it is fsynced.
+        """Stores blocks; the reply comes only after every stored block is durable under the fsync policy.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetBlocks(self, request, context):
-        """Streams the requested blocks that are present; misses are reported.
+        """Streams the requested blocks that are present (RAM staging first, then disk); misses are reported.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,14 +93,14 @@ class KVStoreServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Hints that blocks will be read soon, so they are staged in RAM.
+        """Hints that blocks will be read soon, so they are staged in RAM; returns before they are.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Deletes blocks.
+        """Deletes blocks; a deleted block stays deleted after a restart or an index rebuild.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
