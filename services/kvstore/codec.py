@@ -1,120 +1,55 @@
 """The cold tier's block codec: INT2 asymmetric group quantization of the tokens that attention uses.
 
 One block holds the keys and values of T consecutive tokens for every layer. Encoding:
-1. Token sparsity. The share of attention mass each token received picks the tokens kept; the
-   entropy of that distribution (normalised to [0, 1]) picks how many (`SparsityRule`).
+1. Token sparsity (sparsity.py): the attention mass each token received picks the tokens kept;
+   the entropy of that distribution picks how many.
 2. INT2 quantization of the kept tokens, KIVI style: keys per channel (min/max over groups of
    `group_size` tokens, since key outliers sit in fixed channels), values per token (min/max over
-   groups of `group_size` channels). Codes 0..3, four to a byte.
+   groups of `group_size` channels). Codes 0..3, four to a byte; the payload layout is in
+   codec_format.py.
 
-This module is a contract as much as code: the payload layout below is what `CODEC_INT2_SPARSE`
-means on the wire and on disk, so it imports nothing from the rest of the service. Two
-implementations produce identical bytes: `encode_block`/`decode_block` (vectorised torch, runs on
-the device that holds the tensors) and `encode_block_reference`/`decode_block_reference` (numpy,
-one group at a time, the oracle).
-
-Payload, little-endian (L layers, T tokens, K kept, H kv heads, D head dim, G group size):
-    header          20 B   `HEADER` below
-    token mask      ceil(T/8) B, bit t (LSB first) set when token t is kept
-    key codes       L*K*H*D/4 B    [L, K, H, D] INT2, four codes per byte, low bits first
-    key scales      [L, ceil(K/G), H, D]    scale dtype
-    key zeros       [L, ceil(K/G), H, D]    scale dtype
-    value codes     L*K*H*D/4 B    [L, K, H, D]
-    value scales    [L, K, H, D/VG]  scale dtype, VG = min(G, D)
-    value zeros     [L, K, H, D/VG]  scale dtype
+Two implementations produce identical bytes: `encode_block`/`decode_block` (vectorised torch, runs
+on the device that holds the tensors) and `encode_block_reference`/`decode_block_reference` (numpy,
+one group at a time, the oracle). Nothing here imports the rest of the service, so the engine can
+use this module as it is.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-MAGIC = b"TKI2"
-VERSION = 1
+from services.kvstore.codec_format import (
+    CODES_PER_BYTE,
+    HEADER,
+    BlockLayout,
+    CodecError,
+    ScaleDtype,
+    SparsityTier,
+    bf16_bytes,
+    pack_header,
+    read_layout,
+)
+from services.kvstore.sparsity import (
+    DEFAULT_SPARSITY,
+    KEEP_ALL,
+    SparsityRule,
+    attention_entropy,
+    choose_kept_tokens,
+)
+
+SCALE_TORCH_DTYPES = {
+    ScaleDtype.FLOAT16: torch.float16,
+    ScaleDtype.BFLOAT16: torch.bfloat16,
+    ScaleDtype.FLOAT32: torch.float32,
+}
+
 LEVELS = 3  # INT2: codes 0..3
-CODES_PER_BYTE = 4
-# magic, version, scale dtype, sparsity tier, reserved, group size, L, T, H, D, K
-HEADER = struct.Struct("<4sBBBBHHHHHH")
 MIN_SCALE = 1e-5  # a constant group still gets a scale fp16 can hold, so decoding never divides by 0
-
-
-class CodecError(ValueError):
-    """A payload that is not a well-formed INT2-sparse block, or tensors the codec cannot encode."""
-
-
-class ScaleDtype(IntEnum):
-    """The dtype of scales and zero points, as recorded in the header."""
-
-    FLOAT16 = 1
-    BFLOAT16 = 2
-    FLOAT32 = 3
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The matching torch dtype."""
-        return {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}[self.value]
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes per scale or zero."""
-        return 4 if self is ScaleDtype.FLOAT32 else 2
-
-
-class SparsityTier(IntEnum):
-    """Which branch of the entropy rule chose the kept tokens."""
-
-    KEEP_ALL = 0
-    TOP_K = 1
-    PRUNE = 2
-
-
-@dataclass(frozen=True)
-class SparsityRule:
-    """How the attention entropy of a block sets the share of its tokens kept.
-
-    Entropy at or above `high_entropy` (attention spread evenly): keep every token. At or above
-    `low_entropy`: keep the `mid_keep_ratio` share with the most mass. Below (attention on a few
-    tokens): keep `low_keep_ratio`. Defaults are measured by bench/kvstore_codec.py.
-    """
-
-    low_entropy: float = 0.6
-    high_entropy: float = 0.85
-    mid_keep_ratio: float = 0.5
-    low_keep_ratio: float = 0.25
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.low_entropy <= self.high_entropy <= 1.0:
-            raise ValueError(
-                f"entropy thresholds need 0 <= low <= high <= 1, got low={self.low_entropy}, "
-                f"high={self.high_entropy}"
-            )
-        for name in ("mid_keep_ratio", "low_keep_ratio"):
-            if not 0.0 < getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-
-    def tier(self, entropy: float) -> SparsityTier:
-        """The branch a block of this normalised entropy falls in."""
-        if entropy >= self.high_entropy:
-            return SparsityTier.KEEP_ALL
-        return SparsityTier.TOP_K if entropy >= self.low_entropy else SparsityTier.PRUNE
-
-    def num_kept(self, entropy: float, num_tokens: int) -> int:
-        """How many of `num_tokens` tokens to keep (at least one)."""
-        ratio = {
-            SparsityTier.KEEP_ALL: 1.0,
-            SparsityTier.TOP_K: self.mid_keep_ratio,
-            SparsityTier.PRUNE: self.low_keep_ratio,
-        }[self.tier(entropy)]
-        return max(1, math.ceil(ratio * num_tokens))
-
-
-KEEP_ALL = SparsityRule(low_entropy=0.0, high_entropy=0.0)
 
 
 @dataclass(frozen=True)
@@ -123,66 +58,11 @@ class CodecSettings:
 
     group_size: int = 32
     scale_dtype: ScaleDtype = ScaleDtype.FLOAT16
-    sparsity: SparsityRule = SparsityRule()
+    sparsity: SparsityRule = DEFAULT_SPARSITY
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.group_size > 65535:
             raise ValueError(f"group size must be in 1..65535, got {self.group_size}")
-
-
-class BlockLayout(NamedTuple):
-    """The dimensions a payload header declares."""
-
-    num_layers: int
-    num_tokens: int
-    num_kv_heads: int
-    head_dim: int
-    num_kept: int
-    group_size: int
-    scale_dtype: ScaleDtype
-    tier: SparsityTier
-
-    @property
-    def value_group(self) -> int:
-        """Channels per value scale."""
-        return min(self.group_size, self.head_dim)
-
-    @property
-    def num_key_groups(self) -> int:
-        """Token groups per key channel."""
-        return math.ceil(self.num_kept / self.group_size)
-
-    @property
-    def code_bytes(self) -> int:
-        """Bytes of one tensor's INT2 codes."""
-        return self.num_layers * self.num_kept * self.num_kv_heads * self.head_dim // CODES_PER_BYTE
-
-    @property
-    def key_scale_count(self) -> int:
-        """Key scales (and as many zeros)."""
-        return self.num_layers * self.num_key_groups * self.num_kv_heads * self.head_dim
-
-    @property
-    def value_scale_count(self) -> int:
-        """Value scales (and as many zeros)."""
-        heads = self.num_layers * self.num_kept * self.num_kv_heads
-        return heads * (self.head_dim // self.value_group)
-
-    @property
-    def mask_bytes(self) -> int:
-        """Bytes of the kept-token bitmask."""
-        return (self.num_tokens + 7) // 8
-
-    @property
-    def payload_bytes(self) -> int:
-        """The whole payload's length."""
-        scales = 2 * (self.key_scale_count + self.value_scale_count) * self.scale_dtype.num_bytes
-        return HEADER.size + self.mask_bytes + 2 * self.code_bytes + scales
-
-    @property
-    def dense_shape(self) -> list[int]:
-        """The block's shape as the wire names it: [layers, 2, tokens, kv_heads, head_dim]."""
-        return [self.num_layers, 2, self.num_tokens, self.num_kv_heads, self.head_dim]
 
 
 class DecodedBlock(NamedTuple):
@@ -200,44 +80,6 @@ class DecodedBlock(NamedTuple):
         keys[:, self.token_mask] = self.keys
         values[:, self.token_mask] = self.values
         return keys, values
-
-
-def attention_entropy(token_mass: torch.Tensor) -> float:
-    """Entropy of the block's attention-mass distribution over its tokens, divided by ln(T).
-
-    1.0 means every token drew the same mass; 0.0 means one token drew all of it. A block that
-    drew no mass at all (or has one token) counts as even: nothing tells its tokens apart.
-    """
-    mass = token_mass.double().clamp_min(0)
-    total = float(mass.sum())
-    if mass.numel() < 2 or total <= 0.0:
-        return 1.0
-    share = mass / total
-    entropy = -float(torch.where(share > 0, share * share.log(), torch.zeros_like(share)).sum())
-    return min(1.0, entropy / math.log(mass.numel()))
-
-
-def choose_kept_tokens(token_mass: torch.Tensor, rule: SparsityRule) -> tuple[torch.Tensor, SparsityTier]:
-    """`[T]` attention mass -> `[T]` bool mask of the tokens to keep, and the branch that chose it.
-
-    Ties in mass go to the earlier token, so both codec implementations keep the same set.
-    """
-    check_token_mass(token_mass)
-    entropy = attention_entropy(token_mass)
-    num_tokens = token_mass.numel()
-    num_kept = rule.num_kept(entropy, num_tokens)
-    order = torch.sort(token_mass.detach().double().cpu(), descending=True, stable=True).indices
-    mask = torch.zeros(num_tokens, dtype=torch.bool)
-    mask[order[:num_kept]] = True
-    return mask, rule.tier(entropy)
-
-
-def check_token_mass(token_mass: torch.Tensor) -> None:
-    """Attention mass must be one finite, non-negative value per token."""
-    if token_mass.dim() != 1:
-        raise CodecError(f"token mass must be [tokens], got shape {list(token_mass.shape)}")
-    if not bool(torch.isfinite(token_mass).all()) or bool((token_mass < 0).any()):
-        raise CodecError("token mass must be finite and non-negative (attention probabilities summed)")
 
 
 def check_block(keys: torch.Tensor, values: torch.Tensor, token_mass: torch.Tensor) -> None:
@@ -277,48 +119,6 @@ def layout_for(keys: torch.Tensor, num_kept: int, settings: CodecSettings, tier:
     )
     if head_dim % layout.value_group:
         raise CodecError(f"head_dim {head_dim} is not a multiple of the value group {layout.value_group}")
-    return layout
-
-
-def pack_header(layout: BlockLayout, token_mask: torch.Tensor) -> bytes:
-    """Header and token bitmask."""
-    header = HEADER.pack(
-        MAGIC,
-        VERSION,
-        layout.scale_dtype,
-        layout.tier,
-        0,
-        layout.group_size,
-        layout.num_layers,
-        layout.num_tokens,
-        layout.num_kv_heads,
-        layout.head_dim,
-        layout.num_kept,
-    )
-    bits = np.packbits(token_mask.cpu().numpy().astype(np.uint8), bitorder="little")
-    return header + bits.tobytes()
-
-
-def read_layout(payload: bytes | memoryview) -> BlockLayout:
-    """The layout a payload declares; a CodecError when the header or the length is wrong."""
-    if len(payload) < HEADER.size:
-        raise CodecError(
-            f"INT2-sparse payload of {len(payload)} B is shorter than its {HEADER.size} B header"
-        )
-    magic, version, scale_dtype, tier, _, group, layers, tokens, heads, dim, kept = HEADER.unpack_from(
-        payload
-    )
-    if magic != MAGIC or version != VERSION:
-        raise CodecError(f"not an INT2-sparse v{VERSION} payload (magic {magic!r}, version {version})")
-    if scale_dtype not in ScaleDtype._value2member_map_ or tier not in SparsityTier._value2member_map_:
-        raise CodecError(f"unknown scale dtype {scale_dtype} or sparsity tier {tier} in the payload header")
-    layout = BlockLayout(layers, tokens, heads, dim, kept, group, ScaleDtype(scale_dtype), SparsityTier(tier))
-    if min(layers, tokens, heads, dim, kept, group) < 1 or kept > tokens or dim % CODES_PER_BYTE:
-        raise CodecError(f"inconsistent INT2-sparse header: {layout}")
-    if dim % layout.value_group or len(payload) != layout.payload_bytes:
-        raise CodecError(
-            f"INT2-sparse payload is {len(payload)} B; its header {layout} needs {layout.payload_bytes} B"
-        )
     return layout
 
 
@@ -390,13 +190,13 @@ def encode_block(
     token_mask, tier = choose_kept_tokens(token_mass, settings.sparsity)
     layout = layout_for(keys, int(token_mask.sum()), settings, tier)
     kept = token_mask.to(keys.device)
-    dtype = settings.scale_dtype.torch_dtype
+    dtype = SCALE_TORCH_DTYPES[settings.scale_dtype]
     key_parts = _quantize_keys(keys[:, kept].float(), min(settings.group_size, layout.num_kept), dtype)
     value_parts = _quantize_values(values[:, kept].float(), layout.value_group, dtype)
     key_codes, key_scale, key_zero = key_parts
     value_codes, value_scale, value_zero = value_parts
     pieces = [pack_int2(key_codes), key_scale, key_zero, pack_int2(value_codes), value_scale, value_zero]
-    return pack_header(layout, token_mask) + b"".join(_as_bytes(p) for p in pieces)
+    return pack_header(layout, token_mask.cpu().numpy()) + b"".join(_as_bytes(p) for p in pieces)
 
 
 def _read_tensor(payload: bytes | memoryview, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -416,7 +216,7 @@ class _Sections(NamedTuple):
 
 def _split(payload: bytes | memoryview, layout: BlockLayout) -> _Sections:
     """The six tensors of a payload, flat, in payload order."""
-    dtype = layout.scale_dtype.torch_dtype
+    dtype = SCALE_TORCH_DTYPES[layout.scale_dtype]
     sizes = [
         (layout.code_bytes, torch.uint8),
         (layout.key_scale_count, dtype),
@@ -464,7 +264,7 @@ def decode_block(payload: bytes | memoryview, device: torch.device | str = "cpu"
 
 def _round_to(x: np.ndarray | np.floating, dtype: ScaleDtype) -> np.ndarray:
     """Round fp32 values to the scale dtype and back, as the stored scales are."""
-    return torch.from_numpy(np.asarray(x, np.float32)).to(dtype.torch_dtype).float().numpy()
+    return torch.from_numpy(np.asarray(x, np.float32)).to(SCALE_TORCH_DTYPES[dtype]).float().numpy()
 
 
 def _reference_group(x: np.ndarray, dtype: ScaleDtype) -> tuple[np.ndarray, np.float32, np.float32]:
@@ -482,7 +282,7 @@ def _reference_pack(codes: np.ndarray) -> bytes:
 
 
 def _scale_bytes(values: np.ndarray, dtype: ScaleDtype) -> bytes:
-    return _as_bytes(torch.from_numpy(values.astype(np.float32)).to(dtype.torch_dtype))
+    return _as_bytes(torch.from_numpy(values.astype(np.float32)).to(SCALE_TORCH_DTYPES[dtype]))
 
 
 def encode_block_reference(
@@ -524,7 +324,7 @@ def encode_block_reference(
         value_scale[index], value_zero[index] = scale, zero
     dtype = settings.scale_dtype
     return (
-        pack_header(layout, token_mask)
+        pack_header(layout, token_mask.cpu().numpy())
         + _reference_pack(key_codes)
         + _scale_bytes(key_scale, dtype)
         + _scale_bytes(key_zero, dtype)
@@ -563,6 +363,22 @@ def decode_block_reference(payload: bytes | memoryview) -> DecodedBlock:
     return DecodedBlock(torch.from_numpy(keys), torch.from_numpy(values), mask)
 
 
-def bf16_bytes(layout: BlockLayout) -> int:
-    """What the same block takes in BF16, every token kept: the ratio's denominator."""
-    return 2 * layout.num_layers * layout.num_tokens * layout.num_kv_heads * layout.head_dim * 2
+__all__ = [
+    "HEADER",
+    "KEEP_ALL",
+    "BlockLayout",
+    "CodecError",
+    "CodecSettings",
+    "DecodedBlock",
+    "ScaleDtype",
+    "SparsityRule",
+    "SparsityTier",
+    "attention_entropy",
+    "bf16_bytes",
+    "choose_kept_tokens",
+    "decode_block",
+    "decode_block_reference",
+    "encode_block",
+    "encode_block_reference",
+    "read_layout",
+]
