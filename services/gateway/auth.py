@@ -19,7 +19,10 @@ from services.gateway.config import JwtConfig
 from services.gateway.jwks import KeySet, VerificationKey
 
 _REMOTE_KEY_HEADERS = ("jku", "x5u", "jwk", "x5c")
-_MAX_TOKEN_CHARS = 16 * 1024
+MAX_TOKEN_CHARS = 16 * 1024
+MAX_SUBJECT_CHARS = 256
+# RFC 7519 §2 NumericDate: these claims must be JSON numbers; PyJWT would also take "1796145153".
+_NUMERIC_DATE_CLAIMS = ("exp", "nbf", "iat")
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,8 @@ def bearer_token(authorization: str | None) -> str:
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthenticated("authorization metadata must read 'Bearer <JWT>'")
-    if len(token) > _MAX_TOKEN_CHARS:
-        raise Unauthenticated(f"token is longer than {_MAX_TOKEN_CHARS} characters; refused")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise Unauthenticated(f"token is {len(token)} characters, longer than the {MAX_TOKEN_CHARS} allowed")
     return token.strip()
 
 
@@ -62,9 +65,12 @@ class JwtVerifier:
         token = bearer_token(authorization)
         key = self._key_for(self._header(token))
         claims = self._decode(token, key)
+        _check_numeric_dates(claims)
         subject = claims.get("sub")
         if not isinstance(subject, str) or not subject:
             raise Unauthenticated("token has no 'sub' claim naming the caller")
+        if len(subject) > MAX_SUBJECT_CHARS or not subject.isprintable():
+            raise Unauthenticated(f"token's 'sub' claim must be 1-{MAX_SUBJECT_CHARS} printable characters")
         tenant = claims.get("tenant", subject)
         if not isinstance(tenant, str) or not tenant:
             raise Unauthenticated("token's 'tenant' claim must be a non-empty string")
@@ -75,6 +81,8 @@ class JwtVerifier:
             header = jwt.get_unverified_header(token)
         except jwt.DecodeError:
             raise Unauthenticated("malformed token: not a compact JWS (header.payload.signature)") from None
+        except jwt.InvalidTokenError as error:  # e.g. a `crit` we do not support, a `kid` that is no string
+            raise Unauthenticated(f"malformed token header: {_bounded(str(error))}") from None
         remote = [name for name in _REMOTE_KEY_HEADERS if name in header]
         if remote:
             raise Unauthenticated(
@@ -132,4 +140,20 @@ class JwtVerifier:
         except jwt.InvalidSignatureError:
             raise Unauthenticated("token signature does not verify against the gateway's key") from None
         except jwt.InvalidTokenError as error:
-            raise Unauthenticated(f"invalid token: {error}") from None
+            raise Unauthenticated(f"invalid token: {_bounded(str(error))}") from None
+
+
+def _bounded(text: str, max_chars: int = 200) -> str:
+    """A library's error text, which may quote the token, cut to a size fit for a status message."""
+    return text if len(text) <= max_chars else text[:max_chars] + "..."
+
+
+def _check_numeric_dates(claims: dict[str, Any]) -> None:
+    """Refuses `exp`, `nbf` or `iat` given as anything but a JSON number."""
+    for name in _NUMERIC_DATE_CLAIMS:
+        value = claims.get(name)
+        if name in claims and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise Unauthenticated(
+                f"token claim '{name}' must be a JSON number (seconds since the epoch), "
+                f"not {type(value).__name__}"
+            )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jwt
 import pytest
+from jwt.algorithms import RSAAlgorithm
 
 from services.common.errors import Unauthenticated
 from services.gateway.auth import JwtVerifier
@@ -184,3 +185,72 @@ def test_wrong_or_missing_typ_is_refused(keys: tuple[bytes, Path], verifier: Jwt
     assert "typ" not in jwt.get_unverified_header(untyped)
     with pytest.raises(Unauthenticated, match="typ None refused"):
         verifier.verify(_bearer(untyped))
+
+
+def _forged(keys: tuple[bytes, Path], header: dict[str, object], claims: dict[str, object]) -> str:
+    """A token signed with our key whose header holds whatever the test says (PyJWT would refuse to)."""
+    signing_input = f"{_b64({'alg': 'RS256', **header})}.{_b64(claims)}"
+    codec = RSAAlgorithm(RSAAlgorithm.SHA256)
+    signature = codec.sign(signing_input.encode(), codec.prepare_key(keys[0]))
+    return f"{signing_input}.{base64.urlsafe_b64encode(signature).rstrip(b'=').decode()}"
+
+
+def _claims(**overrides: object) -> dict[str, object]:
+    claims: dict[str, object] = {
+        "sub": "alice",
+        "iss": "thermocline-dev",
+        "aud": "thermocline",
+        "exp": int(time.time()) + 60,
+    }
+    claims.update(overrides)
+    return {name: value for name, value in claims.items() if value is not None}
+
+
+@pytest.mark.parametrize(
+    ("header", "reason"),
+    [
+        ({"crit": ["x-unknown"], "x-unknown": 1}, "Unsupported critical extension"),
+        ({"crit": "b64"}, "must be a non-empty list"),
+        ({"kid": None}, "Key ID header parameter must be a string"),
+        ({"kid": 7}, "Key ID header parameter must be a string"),
+    ],
+)
+def test_malformed_headers_are_unauthenticated_with_a_reason(
+    keys: tuple[bytes, Path], verifier: JwtVerifier, header: dict[str, object], reason: str
+) -> None:
+    token = _forged(keys, {"typ": "JWT", "kid": key_id(keys[0], "RS256"), **header}, _claims())
+    with pytest.raises(Unauthenticated, match=f"malformed token header: .*{reason}"):
+        verifier.verify(_bearer(token))
+
+
+@pytest.mark.parametrize("claim", ["exp", "nbf", "iat"])
+def test_dates_must_be_json_numbers(keys: tuple[bytes, Path], verifier: JwtVerifier, claim: str) -> None:
+    as_text = str(int(time.time()) + (60 if claim == "exp" else -60))
+    token = mint_token(keys[0], subject="alice", extra_claims={claim: as_text})
+    with pytest.raises(Unauthenticated, match=f"'{claim}' must be a JSON number"):
+        verifier.verify(_bearer(token))
+
+
+def test_a_token_without_sub_is_refused(keys: tuple[bytes, Path], verifier: JwtVerifier) -> None:
+    token = jwt.encode(
+        _claims(sub=None), keys[0], algorithm="RS256", headers={"kid": key_id(keys[0], "RS256")}
+    )
+    with pytest.raises(Unauthenticated, match="lacks the required 'sub' claim"):
+        verifier.verify(_bearer(token))
+
+
+@pytest.mark.parametrize("subject", ["", "a" * 257, "alice\nbob"])
+def test_an_empty_long_or_unprintable_sub_is_refused(
+    keys: tuple[bytes, Path], verifier: JwtVerifier, subject: str
+) -> None:
+    with pytest.raises(Unauthenticated, match="'sub'"):
+        verifier.verify(_bearer(mint_token(keys[0], subject=subject, tenant="acme")))
+
+
+def test_an_oversize_token_is_refused_and_the_limit_stated(
+    keys: tuple[bytes, Path], verifier: JwtVerifier
+) -> None:
+    token = mint_token(keys[0], subject="alice", extra_claims={"pad": "x" * 13_000})
+    assert len(token) > 16 * 1024
+    with pytest.raises(Unauthenticated, match=f"token is {len(token)} characters, longer than the 16384"):
+        verifier.verify(_bearer(token))
