@@ -1,50 +1,220 @@
-"""The kvstore's gRPC face. The cold tier's storage arrives in its own change; until then every
-block RPC answers UNIMPLEMENTED, so no caller mistakes it for a store that holds data."""
+"""The kvstore's gRPC face: protobuf in, a BlockStore call, protobuf out.
+
+Errors are raised as `services.common.errors` types; the shared interceptor turns them into
+status codes (INVALID_ARGUMENT for a malformed call, UNAVAILABLE while Redis is unreachable).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from opentelemetry import trace
 
-from services.common.errors import Unimplemented
+from services.common.errors import InvalidArgument, Unavailable
+from services.kvstore import kvstore_metrics as metrics
+from services.kvstore.blocks import BlockFound, BlockIn, Codec
+from services.kvstore.compactor import Compactor
 from services.kvstore.config import KVStoreConfig
-from services.kvstore.kvstore_metrics import init_kvstore_metrics
+from services.kvstore.keys import Namespace, check_hash
+from services.kvstore.store import BlockStore, PendingWrite, StoreStats
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-_NOT_YET = "this kvstore version does not store blocks yet; the engine keeps its KV cache in device memory"
+
+def namespace_from_pb(namespace: pb.Namespace) -> Namespace:
+    """The call's namespace, checked."""
+    return Namespace(namespace.tenant, namespace.model)
+
+
+class BlockAssembler:
+    """Reassembles a PutBlocks stream's chunks into blocks, refusing streams that break the framing."""
+
+    def __init__(self, max_block_bytes: int) -> None:
+        self.max_block_bytes = max_block_bytes
+        self.namespace: Namespace | None = None
+        self._header: pb.BlockHeader | None = None
+        self._parts: list[bytes] = []
+        self._num_bytes = 0
+
+    def feed(self, request: pb.PutBlocksRequest) -> BlockIn | None:
+        """Takes one message; returns a block when this message completed one."""
+        self._take_namespace(request)
+        if request.HasField("header"):
+            self._start(request.header)
+        if request.data:
+            if self._header is None:
+                raise InvalidArgument(
+                    "PutBlocks: payload bytes arrived before any BlockHeader; send a header first"
+                )
+            self._parts.append(request.data)
+            self._num_bytes += len(request.data)
+        return self._complete()
+
+    def _take_namespace(self, request: pb.PutBlocksRequest) -> None:
+        if request.HasField("namespace"):
+            namespace = namespace_from_pb(request.namespace)
+            if self.namespace is not None and namespace != self.namespace:
+                raise InvalidArgument("PutBlocks: one stream holds one namespace; open another stream for it")
+            self.namespace = namespace
+        elif self.namespace is None:
+            raise InvalidArgument("PutBlocks: the first message must carry the namespace (tenant and model)")
+
+    def _start(self, header: pb.BlockHeader) -> None:
+        if self._header is not None:
+            raise InvalidArgument(
+                f"PutBlocks: block {self._header.block_hash} got only {self._num_bytes} of its "
+                f"{self._header.payload_bytes} payload bytes before the next header"
+            )
+        check_hash(header.block_hash)
+        if header.payload_bytes > self.max_block_bytes:
+            raise InvalidArgument(
+                f"PutBlocks: block {header.block_hash} declares {header.payload_bytes} B; the limit is "
+                f"{self.max_block_bytes} B (THERMOCLINE_KVSTORE_MAX_BLOCK_MB)"
+            )
+        self._header, self._parts, self._num_bytes = header, [], 0
+
+    def _complete(self) -> BlockIn | None:
+        header = self._header
+        if header is None or self._num_bytes < header.payload_bytes:
+            return None
+        if self._num_bytes > header.payload_bytes:
+            raise InvalidArgument(
+                f"PutBlocks: block {header.block_hash} got {self._num_bytes} B; its header says "
+                f"{header.payload_bytes} B"
+            )
+        self._header = None
+        payload = b"".join(self._parts)
+        return BlockIn(check_hash(header.block_hash), Codec(header.codec or 0), tuple(header.shape), payload)
+
+    def finish(self) -> None:
+        """The stream ended: a block cut short is an error, and so is a stream without a namespace."""
+        if self._header is not None:
+            raise InvalidArgument(
+                f"PutBlocks: the stream ended after {self._num_bytes} of block {self._header.block_hash}'s "
+                f"{self._header.payload_bytes} payload bytes"
+            )
+
+
+def block_chunks(found: BlockFound, chunk_bytes: int) -> list[pb.GetBlocksResponse]:
+    """One served block as reply messages: the header with the first chunk, then the rest."""
+    record = found.record
+    header = pb.BlockHeader(
+        block_hash=found.block_hash, codec=record.codec, shape=record.shape, payload_bytes=len(record.payload)
+    )
+    payload = memoryview(record.payload)
+    replies = [pb.GetBlocksResponse(header=header, data=bytes(payload[:chunk_bytes]), source=found.source)]
+    for start in range(chunk_bytes, len(payload), chunk_bytes):
+        replies.append(pb.GetBlocksResponse(data=bytes(payload[start : start + chunk_bytes])))
+    return replies
+
+
+def stats_to_pb(stats: StoreStats) -> pb.GetStatsResponse:
+    """Stats as the wire carries them."""
+    c = stats.counters
+    return pb.GetStatsResponse(
+        num_blocks=stats.num_blocks,
+        used_bytes=stats.used_bytes,
+        capacity_bytes=stats.capacity_bytes,
+        staged_blocks=stats.staged_blocks,
+        staged_bytes=stats.staged_bytes,
+        disk_bytes=stats.disk_bytes,
+        num_segments=stats.num_segments,
+        evicted_blocks=c.evicted_blocks,
+        expired_blocks=c.expired_blocks,
+        corrupt_records=c.corrupt_records,
+        compacted_segments=c.compacted_segments,
+        staging_hits=c.staging_hits,
+        disk_reads=c.disk_reads,
+        index_rebuilds=c.index_rebuilds,
+    )
 
 
 class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
-    """Answers the block RPCs honestly until the segment store exists."""
+    """The six block RPCs over one BlockStore."""
 
     def __init__(self, config: KVStoreConfig) -> None:
         self.config = config
+        self._store: BlockStore | None = None
+        self.compactor: Compactor | None = None
+
+    async def start(self) -> None:
+        """Opens the store (rebuilding the index if Redis lost it) and starts its maintenance."""
+        self._store = await BlockStore.open(self.config.store)
+        self.compactor = Compactor(self._store)
+        self.compactor.start()
+
+    async def stop(self) -> None:
+        """Stops maintenance and closes the store."""
+        if self.compactor is not None:
+            await self.compactor.stop()
+        if self._store is not None:
+            await self._store.close()
+
+    @property
+    def store(self) -> BlockStore:
+        """The open store; UNAVAILABLE until it is."""
+        if self._store is None:
+            raise Unavailable("the kvstore is still opening its segments; retry shortly")
+        return self._store
 
     async def PutBlocks(self, request_iterator: AsyncIterator[pb.PutBlocksRequest], context: Any) -> Any:
-        raise Unimplemented(f"PutBlocks: {_NOT_YET}")
+        started, store = time.perf_counter(), self.store
+        assembler = BlockAssembler(self.config.store.max_block_bytes)
+        pending: list[PendingWrite] = []
+        duplicates: list[str] = []
+        async for request in request_iterator:
+            block = assembler.feed(request)
+            if block is not None:
+                assert assembler.namespace is not None
+                write = await store.append(assembler.namespace, block)
+                pending.append(write) if write else duplicates.append(block.block_hash)
+        assembler.finish()
+        result = await store.commit(pending)
+        _annotate(len(pending) + len(duplicates))
+        metrics.OPERATION_DURATION.labels("put").observe(time.perf_counter() - started)
+        return pb.PutBlocksResponse(
+            stored_hashes=result.stored, duplicate_hashes=duplicates + result.duplicates
+        )
 
     async def GetBlocks(self, request: pb.GetBlocksRequest, context: Any) -> AsyncIterator[Any]:
         _annotate(len(request.block_hashes))
-        raise Unimplemented(f"GetBlocks: {_NOT_YET}")
-        yield  # pragma: no cover - makes this an async generator, as a streaming RPC must be
+        namespace = namespace_from_pb(request.namespace)
+        async for outcome in self.store.get(namespace, list(request.block_hashes)):
+            if isinstance(outcome, BlockFound):
+                for reply in block_chunks(outcome, self.config.store.chunk_bytes):
+                    yield reply
+            else:
+                yield pb.GetBlocksResponse(missing_hash=outcome.block_hash, miss_reason=outcome.reason)
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> Any:
         _annotate(len(request.block_hashes))
-        raise Unimplemented(f"Lookup: {_NOT_YET}")
+        with metrics.OPERATION_DURATION.labels("lookup").time():
+            present = await self.store.lookup(
+                namespace_from_pb(request.namespace), list(request.block_hashes)
+            )
+        return pb.LookupResponse(present_hashes=present)
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:
         _annotate(len(request.block_hashes))
-        raise Unimplemented(f"Prefetch: {_NOT_YET}")
+        with metrics.OPERATION_DURATION.labels("prefetch").time():
+            result = await self.store.prefetch(
+                namespace_from_pb(request.namespace), list(request.block_hashes)
+            )
+        return pb.PrefetchResponse(queued=result.queued, already_staged=result.already_staged)
 
     async def Delete(self, request: pb.DeleteRequest, context: Any) -> Any:
-        raise Unimplemented(f"Delete: {_NOT_YET}")
+        _annotate(len(request.block_hashes))
+        with metrics.OPERATION_DURATION.labels("delete").time():
+            deleted = await self.store.delete(
+                namespace_from_pb(request.namespace), list(request.block_hashes)
+            )
+        return pb.DeleteResponse(deleted=deleted)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> Any:
-        raise Unimplemented(f"GetStats: {_NOT_YET}")
+        return stats_to_pb(await self.store.stats())
 
 
 def _annotate(num_blocks: int) -> None:
@@ -52,8 +222,8 @@ def _annotate(num_blocks: int) -> None:
     trace.get_current_span().set_attribute("thermocline.kvstore.num_blocks", num_blocks)
 
 
-def register(server: grpc.aio.Server, config: KVStoreConfig) -> list[str]:
+def register(server: grpc.aio.Server, servicer: KVStoreServicer) -> list[str]:
     """Adds the kvstore servicer; returns its full service name."""
-    pb_grpc.add_KVStoreServiceServicer_to_server(KVStoreServicer(config), server)
-    init_kvstore_metrics(config.capacity_bytes)
+    pb_grpc.add_KVStoreServiceServicer_to_server(servicer, server)
+    metrics.init_kvstore_metrics(servicer.config.capacity_bytes)
     return [pb.DESCRIPTOR.services_by_name["KVStoreService"].full_name]

@@ -1,0 +1,95 @@
+"""The block types the store takes and gives back, and the checks a block passes before it is written."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+from services.common.errors import InvalidArgument
+from services.kvstore import codec_format as codec
+from services.kvstore.keys import BlockHash
+from services.kvstore.record import MAX_DIMS, Record
+
+RAW_BYTES_PER_VALUE = 2  # CODEC_RAW is BF16
+
+
+class Codec(IntEnum):
+    """Payload encodings; the numbers are the proto's `Codec` values."""
+
+    RAW = 1
+    INT2_SPARSE = 2
+
+
+class BlockSource(IntEnum):
+    """Where a served block came from; the proto's `BlockSource` values."""
+
+    STAGING = 1
+    DISK = 2
+
+
+class MissReason(IntEnum):
+    """Why a block was not served; the proto's `MissReason` values."""
+
+    ABSENT = 1
+    CORRUPT = 2
+
+
+@dataclass(frozen=True)
+class BlockIn:
+    """A block to store."""
+
+    block_hash: BlockHash
+    codec: Codec
+    shape: tuple[int, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class BlockFound:
+    """A block served."""
+
+    block_hash: BlockHash
+    record: Record
+    source: BlockSource
+
+
+@dataclass(frozen=True)
+class BlockMissing:
+    """A block not served, and why."""
+
+    block_hash: BlockHash
+    reason: MissReason
+
+
+def check_block(block: BlockIn, max_block_bytes: int) -> None:
+    """Refuses, with a message the caller can act on, a block whose payload does not match its header."""
+    where = f"block {block.block_hash}"
+    if block.codec not in Codec._value2member_map_:
+        raise InvalidArgument(f"{where}: codec {int(block.codec)} is not CODEC_RAW or CODEC_INT2_SPARSE")
+    if not 1 <= len(block.shape) <= MAX_DIMS or min(block.shape) < 1:
+        raise InvalidArgument(
+            f"{where}: shape {list(block.shape)} must have 1..{MAX_DIMS} positive dimensions"
+        )
+    if len(block.payload) > max_block_bytes:
+        raise InvalidArgument(
+            f"{where}: payload of {len(block.payload)} B exceeds the store's limit of {max_block_bytes} B "
+            "(THERMOCLINE_KVSTORE_MAX_BLOCK_MB); store smaller blocks"
+        )
+    if block.codec == Codec.RAW:
+        expected = math.prod(block.shape) * RAW_BYTES_PER_VALUE
+        if len(block.payload) != expected:
+            raise InvalidArgument(
+                f"{where}: a CODEC_RAW payload of shape {list(block.shape)} is {expected} B of BF16, "
+                f"got {len(block.payload)} B"
+            )
+        return
+    try:
+        layout = codec.read_layout(block.payload)
+    except codec.CodecError as error:
+        raise InvalidArgument(f"{where}: {error}") from None
+    if list(block.shape) != layout.dense_shape:
+        raise InvalidArgument(
+            f"{where}: shape {list(block.shape)} disagrees with its INT2-sparse payload's "
+            f"{layout.dense_shape}"
+        )

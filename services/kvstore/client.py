@@ -1,0 +1,128 @@
+"""A blocking client of the kvstore's gRPC API: chunking on the way in, reassembly on the way out.
+
+This is the reference caller of the contract in protos/thermocline/kvstore/v1/kvstore.proto;
+docs/kvstore.md shows how the engine's cold tier uses it with the codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.config import MIB, channel_options
+from services.kvstore.blocks import BlockIn, BlockSource, Codec, MissReason
+from services.kvstore.keys import Namespace
+from services.kvstore.store import PrefetchResult, PutResult
+from thermocline.kvstore.v1 import kvstore_pb2 as pb
+from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class FetchedBlock:
+    """A block as GetBlocks served it."""
+
+    block_hash: str
+    codec: Codec
+    shape: tuple[int, ...]
+    payload: bytes
+    source: BlockSource
+
+
+class KVStoreClient:
+    """Calls one kvstore for one namespace (tenant and model)."""
+
+    def __init__(
+        self,
+        target: str,
+        namespace: Namespace,
+        *,
+        chunk_bytes: int = 1 * MIB,
+        timeout_s: float = 30.0,
+        max_message_bytes: int = 16 * MIB,
+    ) -> None:
+        self.namespace = namespace
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self.stub = pb_grpc.KVStoreServiceStub(self.channel)
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self.channel.close()
+
+    @property
+    def _namespace_pb(self) -> pb.Namespace:
+        return pb.Namespace(tenant=self.namespace.tenant, model=self.namespace.model)
+
+    def put_requests(self, blocks: Iterable[BlockIn]) -> Iterator[pb.PutBlocksRequest]:
+        """The PutBlocks stream for `blocks`: each payload in chunks of at most `chunk_bytes`."""
+        first = True
+        for block in blocks:
+            header = pb.BlockHeader(
+                block_hash=block.block_hash,
+                codec=block.codec,
+                shape=block.shape,
+                payload_bytes=len(block.payload),
+            )
+            payload = memoryview(block.payload)
+            for start in range(0, max(len(payload), 1), self.chunk_bytes):
+                yield pb.PutBlocksRequest(
+                    namespace=self._namespace_pb if first else None,
+                    header=header if start == 0 else None,
+                    data=bytes(payload[start : start + self.chunk_bytes]),
+                )
+                first = False
+
+    def put(self, blocks: Iterable[BlockIn]) -> PutResult:
+        """Stores blocks; returns once the store says they are durable."""
+        reply = self.stub.PutBlocks(self.put_requests(blocks), timeout=self.timeout_s)
+        return PutResult(list(reply.stored_hashes), list(reply.duplicate_hashes))
+
+    def get(self, block_hashes: list[str]) -> dict[str, FetchedBlock | MissReason]:
+        """Each hash's block, or why it was not served."""
+        request = pb.GetBlocksRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
+        results: dict[str, FetchedBlock | MissReason] = {}
+        header: pb.BlockHeader | None = None
+        source, parts = BlockSource.DISK, []
+        for reply in self.stub.GetBlocks(request, timeout=self.timeout_s):
+            if reply.missing_hash:
+                results[reply.missing_hash] = MissReason(reply.miss_reason)
+                continue
+            if reply.HasField("header"):
+                header, source, parts = reply.header, BlockSource(reply.source), []
+            parts.append(reply.data)
+            assert header is not None, "GetBlocks sent payload bytes before a header"
+            if sum(map(len, parts)) == header.payload_bytes:
+                payload = b"".join(parts)
+                results[header.block_hash] = FetchedBlock(
+                    header.block_hash, Codec(header.codec), tuple(header.shape), payload, source
+                )
+        return results
+
+    def lookup(self, block_hashes: list[str]) -> list[str]:
+        """The hashes that are stored."""
+        request = pb.LookupRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
+        return list(self.stub.Lookup(request, timeout=self.timeout_s).present_hashes)
+
+    def prefetch(self, block_hashes: list[str]) -> PrefetchResult:
+        """Asks the store to stage blocks in RAM; returns before they are."""
+        request = pb.PrefetchRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
+        reply = self.stub.Prefetch(request, timeout=self.timeout_s)
+        return PrefetchResult(reply.queued, reply.already_staged)
+
+    def delete(self, block_hashes: list[str]) -> int:
+        """Deletes blocks; returns how many were present."""
+        request = pb.DeleteRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
+        return int(self.stub.Delete(request, timeout=self.timeout_s).deleted)
+
+    def stats(self) -> pb.GetStatsResponse:
+        """The store's occupancy and counters."""
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)

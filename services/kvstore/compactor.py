@@ -1,0 +1,150 @@
+"""What keeps the store within its bounds: LRU eviction over capacity, TTL expiry, and compaction.
+
+Eviction and expiry only drop index entries; the bytes stay in their segments until the compactor
+copies a mostly dead segment's live records to the active segment and deletes the file. Reads are
+never blocked: an index entry is switched to its copy by compare-and-set once the copy is durable,
+and a reader that still holds the old place finds the file gone and looks the key up again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from services.kvstore import kvstore_metrics as metrics
+from services.kvstore.index import IndexLost
+from services.kvstore.keys import StoreKey
+from services.kvstore.segments import list_segments, scan_segment, segment_path
+from services.kvstore.store import BlockStore, now_ms
+
+log = logging.getLogger(__name__)
+EVICTION_BATCH = 256
+
+
+@dataclass(frozen=True)
+class CompactionResult:
+    """What one compaction pass did."""
+
+    num_segments: int
+    num_moved_blocks: int
+    reclaimed_bytes: int
+
+
+class Compactor:
+    """Eviction, expiry and compaction for one store; `start` runs them in the background."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        store.on_commit = self.evict_to_capacity
+        self._evict_lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Runs expiry and compaction every maintenance interval until `stop`."""
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stops the background pass (a pass in flight is cancelled between records)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.store.config.maintenance_interval_s)
+            try:
+                await self.expire_idle()
+                await self.compact()
+            except Exception:  # the loop outlives one failed pass; the next interval tries again
+                log.exception("maintenance pass failed")
+                metrics.ERRORS.labels("compact").inc()
+
+    async def evict_to_capacity(self) -> int:
+        """Drops least recently used blocks until live bytes are under the low watermark."""
+        store, index = self.store, self.store.index
+        if (await store.guarded(index.totals)).live_bytes <= store.config.capacity_bytes:
+            return 0
+        async with self._evict_lock:
+            live_bytes, evicted = (await store.guarded(index.totals)).live_bytes, 0
+            while live_bytes > store.config.low_watermark_bytes:
+                victims = await store.guarded(lambda: index.least_recent(EVICTION_BATCH))
+                if not victims:
+                    break
+                for key in victims:
+                    removed = await self._drop(key)
+                    live_bytes, evicted = live_bytes - removed, evicted + (removed > 0)
+                    if live_bytes <= store.config.low_watermark_bytes:
+                        break
+            store.counters.evicted_blocks += evicted
+            log.info("evicted %d blocks to stay under %d B", evicted, store.config.capacity_bytes)
+            return evicted
+
+    async def _drop(self, key: StoreKey) -> int:
+        self.store.staging.drop(key)
+        return await self.store.guarded(lambda: self.store.index.remove(key))
+
+    async def expire_idle(self) -> int:
+        """Drops blocks not read or written for the TTL."""
+        if not self.store.config.ttl_s:
+            return 0
+        cutoff = now_ms() - int(self.store.config.ttl_s * 1000)
+        expired = 0
+        while keys := await self.store.guarded(lambda: self.store.index.idle_since(cutoff, EVICTION_BATCH)):
+            for key in keys:
+                expired += await self._drop(key) > 0
+        self.store.counters.expired_blocks += expired
+        return expired
+
+    async def compact(self) -> CompactionResult:
+        """Rewrites every sealed segment whose live share is under the threshold; returns what it did."""
+        store = self.store
+        moved = reclaimed = done = 0
+        async with store.maintenance_lock:
+            try:
+                live = await store.index.live_bytes_by_segment()
+                for segment_id in list_segments(store.config.segments_dir):
+                    if not self._is_candidate(segment_id, live.get(segment_id, 0)):
+                        continue
+                    size = segment_path(store.config.segments_dir, segment_id).stat().st_size
+                    moved += await self._compact_segment(segment_id)
+                    reclaimed, done = reclaimed + size, done + 1
+            except IndexLost:
+                log.warning(
+                    "the index was lost during compaction; it stops here and resumes after the rebuild"
+                )
+        store.counters.compacted_segments += done
+        return CompactionResult(done, moved, reclaimed)
+
+    def _is_candidate(self, segment_id: int, live_bytes: int) -> bool:
+        if segment_id >= self.store.writer.segment_id:
+            return False  # the active segment (and any opened during this pass)
+        size = segment_path(self.store.config.segments_dir, segment_id).stat().st_size
+        return live_bytes < self.store.config.compact_live_ratio * size
+
+    async def _compact_segment(self, segment_id: int) -> int:
+        """Copies the segment's live records (and the tombstones still needed), then deletes it."""
+        store, directory = self.store, self.store.config.segments_dir
+        is_oldest = list_segments(directory)[0] == segment_id
+        scan = await asyncio.to_thread(scan_segment, directory, segment_id)
+        copies, last_seq = [], 0
+        for found in scan.records:
+            record = found.record
+            async with store.relocation_lock:  # a Delete's tombstone cannot slip in between
+                (entry,) = await store.index.get_many([record.key])
+                if record.is_tombstone:
+                    # needed while older segments may hold the key's records, unless a later put superseded it
+                    if not is_oldest and entry is None:
+                        _, last_seq = await store.writer.append(record)
+                    continue
+                if entry is None or entry.location != found.location:
+                    continue  # dead: deleted, evicted, expired or superseded
+                location, last_seq = await store.writer.append(record)
+            copies.append((record.key, found.location, location))
+        await store.writer.wait_durable(last_seq)
+        for key, old, new in copies:
+            await store.index.move(key, old, new)
+        await store.index.forget_segment(segment_id)
+        segment_path(directory, segment_id).unlink()
+        log.info("compacted segment %d: %d live blocks moved", segment_id, len(copies))
+        return len(copies)

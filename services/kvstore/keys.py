@@ -1,0 +1,94 @@
+"""Block keys: a caller's hash, salted with its tenant's secret and scoped to its model.
+
+The engine names a block by its content hash. Two tenants with the same prompt prefix produce the
+same hash, so the hash alone must never find a block: the store keys each record by
+`sha256(tenant salt | model | hash)`, where the tenant salt is an HMAC of the tenant name under a
+secret that only the store holds. A tenant that knows another's hashes still derives a different
+key, and nothing in the index or on disk lets it go the other way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NewType
+
+from services.common.errors import InvalidArgument
+
+BlockHash = NewType("BlockHash", str)  # the caller's content hash, lowercase hex
+StoreKey = NewType("StoreKey", bytes)  # 32 bytes: what the index and the records are keyed by
+
+MAX_HASH_CHARS = 128
+MAX_NAME_BYTES = 255  # tenant and model names; the record header holds their lengths in a byte
+SECRET_BYTES = 32
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Whose blocks: a tenant and a model."""
+
+    tenant: str
+    model: str
+
+    def __post_init__(self) -> None:
+        for field, value in (("tenant", self.tenant), ("model", self.model)):
+            if not value:
+                raise InvalidArgument(
+                    f"namespace.{field} is required: blocks are stored per tenant and model"
+                )
+            if len(value.encode()) > MAX_NAME_BYTES or not value.isprintable():
+                raise InvalidArgument(
+                    f"namespace.{field} must be printable and at most {MAX_NAME_BYTES} bytes, "
+                    f"got {value[:40]!r}"
+                )
+
+
+def check_hash(block_hash: str) -> BlockHash:
+    """A caller's hash, checked: 8 to 128 lowercase hex characters."""
+    if not 8 <= len(block_hash) <= MAX_HASH_CHARS or not _HEX.fullmatch(block_hash):
+        raise InvalidArgument(
+            f"block hash {block_hash[:40]!r} is not 8..{MAX_HASH_CHARS} lowercase hex characters"
+        )
+    return BlockHash(block_hash)
+
+
+class TenantSalts:
+    """Derives each tenant's salt from the store's secret, and keys from salts."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError(f"the tenant secret must be at least 16 bytes, got {len(secret)}")
+        self._secret = secret
+        self._salts: dict[str, bytes] = {}
+
+    @classmethod
+    def load_or_create(cls, path: Path) -> TenantSalts:
+        """The secret in `path`, created (mode 0600) on first start; keep it with the segments."""
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(secrets.token_bytes(SECRET_BYTES))
+                file.flush()
+                os.fsync(file.fileno())
+        return cls(path.read_bytes())
+
+    def salt(self, tenant: str) -> bytes:
+        """HMAC-SHA256 of the tenant name under the secret."""
+        if tenant not in self._salts:
+            self._salts[tenant] = hmac.new(self._secret, tenant.encode(), hashlib.sha256).digest()
+        return self._salts[tenant]
+
+    def key(self, namespace: Namespace, block_hash: BlockHash) -> StoreKey:
+        """The store key of one block."""
+        digest = hashlib.sha256(self.salt(namespace.tenant))
+        model = namespace.model.encode()
+        digest.update(len(model).to_bytes(2, "little") + model)
+        digest.update(block_hash.encode())
+        return StoreKey(digest.digest())

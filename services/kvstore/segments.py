@@ -1,0 +1,233 @@
+"""Append-only segment files: the writer (aiofiles, rotation, group-committed fsync), reads, scans.
+
+A segment is `<data dir>/segments/<id, 12 digits>.seg`: a 16-byte header (magic, segment id), then
+records back to back. Only the active segment grows; a restarted store opens a new one, so a
+record torn by a crash stays at the end of a sealed segment, where scans skip it.
+
+Durability is a sequence number: `append` returns the record's, and `wait_durable` returns once an
+fsync has covered it. Under `batch` (the default) the first waiter opens a window of
+`batch_window_s` for other writers before one fsync covers them all; under `always` it fsyncs at
+once (writers that arrive during an fsync still share the next one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import aiofiles
+from aiofiles.threadpool.binary import AsyncFileIO
+
+from services.kvstore import record as records
+from services.kvstore.record import Record, RecordError
+
+log = logging.getLogger(__name__)
+
+SEGMENT_MAGIC = b"TKVSEG01"
+SEGMENT_HEADER = struct.Struct("<8sQ")
+SUFFIX = ".seg"
+
+
+class FsyncPolicy(StrEnum):
+    """When a write counts as durable."""
+
+    ALWAYS = "always"
+    BATCH = "batch"
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a record sits."""
+
+    segment_id: int
+    offset: int
+    length: int
+
+
+def segment_path(directory: Path, segment_id: int) -> Path:
+    """The file of one segment."""
+    return directory / f"{segment_id:012d}{SUFFIX}"
+
+
+def list_segments(directory: Path) -> list[int]:
+    """Ids of the segments on disk, oldest first."""
+    return sorted(int(p.stem) for p in directory.glob(f"*{SUFFIX}") if p.stem.isdigit())
+
+
+def segment_bytes(directory: Path) -> int:
+    """Bytes of every segment file together."""
+    return sum(p.stat().st_size for p in directory.glob(f"*{SUFFIX}"))
+
+
+class SegmentWriter:
+    """Appends records to the active segment, rotates it, and fsyncs for durability.
+
+    State changes: `append` (the file grows, maybe a new segment), `wait_durable` (an fsync).
+    """
+
+    def __init__(
+        self, directory: Path, max_segment_bytes: int, policy: FsyncPolicy, batch_window_s: float
+    ) -> None:
+        self.directory = directory
+        self.max_segment_bytes = max_segment_bytes
+        self.policy = policy
+        self.batch_window_s = batch_window_s if policy is FsyncPolicy.BATCH else 0.0
+        self.segment_id = 0
+        self._file: AsyncFileIO | None = None
+        self._size = 0
+        self._written_seq = 0
+        self._durable_seq = 0
+        self._append_lock = asyncio.Lock()
+        self._sync_lock = asyncio.Lock()
+        self._flush: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        """Starts a new active segment after the newest on disk."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        existing = list_segments(self.directory)
+        await self._start_segment((existing[-1] if existing else 0) + 1)
+
+    async def _start_segment(self, segment_id: int) -> None:
+        path = segment_path(self.directory, segment_id)
+        self._file = await aiofiles.open(path, "xb", buffering=0)
+        await self._write_all(SEGMENT_HEADER.pack(SEGMENT_MAGIC, segment_id))
+        await asyncio.to_thread(_fsync_file_and_directory, self._file.fileno(), self.directory)
+        self.segment_id, self._size = segment_id, SEGMENT_HEADER.size
+
+    async def _write_all(self, data: bytes) -> None:
+        assert self._file is not None
+        view = memoryview(data)
+        while view:
+            written = await self._file.write(view)
+            view = view[written:]
+
+    async def append(self, record: Record) -> tuple[Location, int]:
+        """Writes a record (not yet durable); returns where it went and its sequence number."""
+        async with self._append_lock:
+            if self._size >= self.max_segment_bytes:
+                await self._rotate()
+            offset = self._size
+            data = record.encode(self.segment_id, offset)
+            await self._write_all(data)
+            self._size += len(data)
+            self._written_seq += 1
+            return Location(self.segment_id, offset, len(data)), self._written_seq
+
+    async def _rotate(self) -> None:
+        """Seals the active segment (fsynced, closed) and starts the next; under the append lock."""
+        async with self._sync_lock:
+            assert self._file is not None
+            await asyncio.to_thread(os.fsync, self._file.fileno())
+            await self._file.close()
+            self._durable_seq = self._written_seq
+        await self._start_segment(self.segment_id + 1)
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """No appends while inside (an index rebuild scans the active segment too)."""
+        async with self._append_lock:
+            yield
+
+    async def wait_durable(self, seq: int) -> None:
+        """Returns once an fsync has covered the write with sequence number `seq`."""
+        while self._durable_seq < seq:
+            if self._flush is None:
+                self._flush = asyncio.create_task(self._fsync_after_window())
+            await asyncio.shield(self._flush)
+
+    async def _fsync_after_window(self) -> None:
+        try:
+            if self.batch_window_s > 0:
+                await asyncio.sleep(self.batch_window_s)  # let other writers join this fsync
+            async with self._sync_lock:
+                target = self._written_seq
+                assert self._file is not None
+                await asyncio.to_thread(os.fsync, self._file.fileno())
+                self._durable_seq = max(self._durable_seq, target)
+        finally:
+            self._flush = None
+
+    async def close(self) -> None:
+        """Fsyncs and closes the active segment."""
+        async with self._append_lock, self._sync_lock:
+            if self._file is not None:
+                await asyncio.to_thread(os.fsync, self._file.fileno())
+                await self._file.close()
+                self._file = None
+                self._durable_seq = self._written_seq
+
+
+def _fsync_file_and_directory(descriptor: int, directory: Path) -> None:
+    """A new segment's header and its directory entry both survive a crash."""
+    os.fsync(descriptor)
+    directory_descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_descriptor)
+    finally:
+        os.close(directory_descriptor)
+
+
+def _pread(path: Path, location: Location) -> bytes:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(descriptor, location.length, location.offset)
+    finally:
+        os.close(descriptor)
+
+
+async def read_record(directory: Path, location: Location) -> Record:
+    """The record at `location`, checked; RecordError when corrupt or short, FileNotFoundError when
+    its segment has been compacted away (the caller looks the key up again)."""
+    data = await asyncio.to_thread(_pread, segment_path(directory, location.segment_id), location)
+    return records.decode(data, location.segment_id, location.offset)
+
+
+@dataclass(frozen=True)
+class ScannedRecord:
+    """A record found by a scan, with its place."""
+
+    location: Location
+    record: Record
+
+
+@dataclass(frozen=True)
+class SegmentScan:
+    """Every intact record of one segment, and how many stretches of bytes were not records."""
+
+    segment_id: int
+    records: list[ScannedRecord]
+    num_corrupt: int
+    file_bytes: int
+
+
+def scan_segment(directory: Path, segment_id: int) -> SegmentScan:
+    """Reads a whole segment (blocking). After a bad record it resumes at the next record magic."""
+    data = segment_path(directory, segment_id).read_bytes()
+    found: list[ScannedRecord] = []
+    num_corrupt = 0
+    position = SEGMENT_HEADER.size
+    if data[:8] != SEGMENT_MAGIC:
+        log.error("segment %d has no segment header; scanning it for records anyway", segment_id)
+        first_magic = data.find(records.MAGIC)
+        num_corrupt, position = 1, first_magic if first_magic >= 0 else len(data)
+    while position < len(data):
+        try:
+            extent = records.read_extent(data[position : position + records.FIXED.size])
+            end = position + extent.total_bytes
+            item = records.decode(data[position:end], segment_id, position)
+        except RecordError as error:
+            num_corrupt += 1
+            log.warning("segment %d: skipping bad bytes at %d: %s", segment_id, position, error)
+            next_magic = data.find(records.MAGIC, position + 1)
+            position = next_magic if next_magic >= 0 else len(data)
+            continue
+        found.append(ScannedRecord(Location(segment_id, position, end - position), item))
+        position = end
+    return SegmentScan(segment_id, found, num_corrupt, len(data))

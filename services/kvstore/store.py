@@ -1,0 +1,424 @@
+"""The block store: segment files for the bytes, Redis for the index, RAM staging for prefetches.
+
+A put is `append` (the record is written) then `commit` (an fsync covers it, then the index
+entry is added): a block is acknowledged only once it is durable, and is never visible before.
+A read goes staging -> index -> segment and checks the record's checksum, key and place, so a
+corrupt or torn record is a miss, never a served block. When the index is gone (Redis restarted
+empty, FLUSHALL), the next call that notices rebuilds it from the segments.
+
+The engine reaches this class through the gRPC service; `services/kvstore/client.py` is its
+client. State changes: append, commit, put, delete, prefetch (staging), get and lookup (last
+access; a corrupt record's entry is dropped), rebuild_index; eviction and compaction live in
+compactor.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.common.errors import InvalidArgument, Unavailable
+from services.kvstore import kvstore_metrics as metrics
+from services.kvstore.blocks import BlockFound, BlockIn, BlockMissing, BlockSource, MissReason, check_block
+from services.kvstore.config import StoreConfig
+from services.kvstore.index import IndexEntry, IndexLost, RedisIndex
+from services.kvstore.keys import BlockHash, Namespace, StoreKey, TenantSalts, check_hash
+from services.kvstore.record import Record, RecordError
+from services.kvstore.segments import SegmentWriter, list_segments, read_record, scan_segment, segment_bytes
+from services.kvstore.staging import StagingCache
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds: creation and last-access times survive restarts."""
+    return int(time.time() * 1000)
+
+
+@dataclass
+class StoreCounters:
+    """Events since start, for GetStats."""
+
+    evicted_blocks: int = 0
+    expired_blocks: int = 0
+    corrupt_records: int = 0
+    compacted_segments: int = 0
+    staging_hits: int = 0
+    disk_reads: int = 0
+    index_rebuilds: int = 0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Occupancy and counters."""
+
+    num_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    staged_blocks: int
+    staged_bytes: int
+    disk_bytes: int
+    num_segments: int
+    counters: StoreCounters
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A record written to its segment, waiting for its fsync and its index entry."""
+
+    block_hash: BlockHash
+    key: StoreKey
+    entry: IndexEntry
+    seq: int
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Which blocks a put stored and which it found present already."""
+
+    stored: list[BlockHash] = field(default_factory=list)
+    duplicates: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """How a prefetch hint was taken."""
+
+    queued: int
+    already_staged: int
+
+
+class BlockStore:
+    """One store: its segments, its index, its staging cache and its background workers."""
+
+    def __init__(
+        self, config: StoreConfig, index: RedisIndex, salts: TenantSalts, writer: SegmentWriter
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.salts = salts
+        self.writer = writer
+        self.staging = StagingCache(config.staging_bytes)
+        self.counters = StoreCounters()
+        self.maintenance_lock = asyncio.Lock()  # rebuild and compaction never overlap
+        self.relocation_lock = asyncio.Lock()  # a compactor's copy and a delete's tombstone keep their order
+        self._prefetch_queue: asyncio.Queue[tuple[StoreKey, IndexEntry]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        # set by the compactor: eviction after each commit
+        self.on_commit: Callable[[], Awaitable[object]] | None = None
+
+    @classmethod
+    async def open(cls, config: StoreConfig) -> BlockStore:
+        """Opens the segments and the index (rebuilding it when Redis lost it) and starts the workers."""
+        client = aioredis.from_url(config.redis_url, socket_timeout=10, socket_connect_timeout=5)
+        writer = SegmentWriter(
+            config.segments_dir, config.max_segment_bytes, config.fsync_policy, config.fsync_batch_window_s
+        )
+        await writer.open()
+        store = cls(
+            config,
+            RedisIndex(client, config.index_prefix),
+            TenantSalts.load_or_create(config.secret_path),
+            writer,
+        )
+        await store.guarded(store.ensure_index)
+        for _ in range(config.num_prefetch_workers):
+            store._tasks.append(asyncio.create_task(store._prefetch_worker()))
+        return store
+
+    async def close(self) -> None:
+        """Stops the workers, then fsyncs and closes the active segment."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.writer.close()
+        await self.index.client.aclose()
+
+    def key(self, namespace: Namespace, block_hash: str) -> StoreKey:
+        """The salted store key of a caller's hash (the hash is checked first)."""
+        return self.salts.key(namespace, check_hash(block_hash))
+
+    def check_hashes(self, block_hashes: list[str]) -> list[BlockHash]:
+        """A call's hashes, checked, and not more than a call may name."""
+        if len(block_hashes) > self.config.max_hashes_per_call:
+            raise InvalidArgument(
+                f"{len(block_hashes)} hashes in one call; the limit is {self.config.max_hashes_per_call} "
+                "(THERMOCLINE_KVSTORE_MAX_HASHES): split the call"
+            )
+        return [check_hash(h) for h in block_hashes]
+
+    # --- the index, guarded -------------------------------------------------------------------
+
+    async def guarded(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Runs an index call: a lost index is rebuilt and the call retried; Redis down is UNAVAILABLE."""
+        try:
+            try:
+                return await call()
+            except IndexLost:
+                await self.rebuild_index()
+                return await call()
+        except (RedisConnectionError, RedisTimeoutError) as error:
+            raise Unavailable(
+                f"the kvstore's index (Redis) is unreachable: {error}; the cold tier is down, so callers "
+                "should fall back to their hot and warm tiers"
+            ) from error
+
+    async def ensure_index(self) -> None:
+        """Rebuilds the index from the segments unless Redis holds it."""
+        if not await self.index.is_built():
+            await self.rebuild_index()
+
+    async def rebuild_index(self) -> None:
+        """Scans every segment (writes paused) and replaces the index with what it finds."""
+        async with self.maintenance_lock, self.writer.paused():
+            if await self.index.is_built():
+                return  # another call rebuilt it while this one waited
+            started = time.perf_counter()
+            entries = await asyncio.to_thread(self._scan_all)
+            await self.index.rebuild(entries)
+            self.counters.index_rebuilds += 1
+            log.warning(
+                "index rebuilt from %d segments: %d blocks in %.2f s",
+                len(list_segments(self.config.segments_dir)),
+                len(entries),
+                time.perf_counter() - started,
+            )
+
+    def _scan_all(self) -> dict[StoreKey, IndexEntry]:
+        """The live entry of every key: the newest record wins; a tombstone deletes; TTL applies."""
+        entries: dict[StoreKey, IndexEntry] = {}
+        expired_before = now_ms() - int(self.config.ttl_s * 1000) if self.config.ttl_s else 0
+        for segment_id in list_segments(self.config.segments_dir):
+            scan = scan_segment(self.config.segments_dir, segment_id)
+            self.counters.corrupt_records += scan.num_corrupt
+            for found in scan.records:
+                record = found.record
+                if record.is_tombstone or record.created_ms < expired_before:
+                    entries.pop(record.key, None)
+                    continue
+                entries[record.key] = IndexEntry(
+                    found.location, record.codec, record.tenant, record.created_ms
+                )
+        return entries
+
+    # --- writes -------------------------------------------------------------------------------
+
+    async def append(self, namespace: Namespace, block: BlockIn) -> PendingWrite | None:
+        """Writes one block's record; None when the block is stored already (nothing is written)."""
+        check_block(block, self.config.max_block_bytes)
+        key = self.key(namespace, block.block_hash)
+        (existing,) = await self.guarded(lambda: self.index.get_many([key]))
+        if existing is not None:
+            return None
+        created = now_ms()
+        record = Record(
+            key,
+            namespace.tenant,
+            namespace.model,
+            block.block_hash,
+            block.codec,
+            block.shape,
+            block.payload,
+            created,
+        )
+        location, seq = await self.writer.append(record)
+        return PendingWrite(
+            block.block_hash, key, IndexEntry(location, block.codec, namespace.tenant, created), seq
+        )
+
+    async def commit(self, pending: list[PendingWrite]) -> PutResult:
+        """Waits until every pending write is durable, then indexes them; returns what was stored."""
+        if not pending:
+            return PutResult()
+        await self.writer.wait_durable(max(p.seq for p in pending))
+        result = PutResult()
+        for write in pending:
+            is_new = await self.guarded(lambda write=write: self.index.add(write.key, write.entry))  # type: ignore[misc]
+            (result.stored if is_new or await self._is_ours(write) else result.duplicates).append(
+                write.block_hash
+            )
+            metrics.WRITTEN_BYTES.inc(write.entry.location.length if is_new else 0)
+        await self.after_commit()
+        return result
+
+    async def _is_ours(self, write: PendingWrite) -> bool:
+        """After a rebuild the index may already hold this very record: then it is stored, not a duplicate."""
+        (entry,) = await self.guarded(lambda: self.index.get_many([write.key]))
+        return entry is not None and entry.location == write.entry.location
+
+    async def after_commit(self) -> None:
+        """Runs the compactor's eviction, so a put returns with the store under its capacity."""
+        if self.on_commit is not None:
+            await self.on_commit()
+
+    async def put(self, namespace: Namespace, blocks: list[BlockIn]) -> PutResult:
+        """Stores blocks; returns once the stored ones are durable."""
+        pending, duplicates = [], []
+        for block in blocks:
+            write = await self.append(namespace, block)
+            (pending.append(write) if write else duplicates.append(block.block_hash))  # type: ignore[func-returns-value]
+        result = await self.commit([w for w in pending if w is not None])
+        return PutResult(result.stored, duplicates + result.duplicates)
+
+    async def delete(self, namespace: Namespace, block_hashes: list[str]) -> int:
+        """Deletes blocks; returns how many were present. Each gets a tombstone, so a rebuild
+        cannot bring it back; the reply waits until the tombstones are durable."""
+        hashes = self.check_hashes(block_hashes)
+        keys = [self.key(namespace, h) for h in hashes]
+        return await self.guarded(lambda: self._delete(namespace, hashes, keys))
+
+    async def _delete(self, namespace: Namespace, hashes: list[BlockHash], keys: list[StoreKey]) -> int:
+        entries = await self.index.get_many(keys)
+        seq = deleted = 0
+        for key, block_hash, entry in zip(keys, hashes, entries, strict=True):
+            if entry is None:
+                continue
+            tombstone = Record(
+                key, namespace.tenant, namespace.model, block_hash, entry.codec, (), b"", now_ms()
+            )
+            async with self.relocation_lock:  # the compactor cannot copy the record past its tombstone
+                _, seq = await self.writer.append(tombstone.tombstone(now_ms()))
+                self.staging.drop(key)
+                deleted += await self.index.remove(key) > 0
+        await self.writer.wait_durable(seq)
+        return deleted
+
+    # --- reads --------------------------------------------------------------------------------
+
+    async def live_entries(self, keys: list[StoreKey]) -> list[IndexEntry | None]:
+        """Index entries, with entries idle past the TTL dropped (and counted as expired)."""
+        entries = await self.guarded(lambda: self.index.get_many(keys))
+        if not self.config.ttl_s:
+            return entries
+        cutoff = now_ms() - int(self.config.ttl_s * 1000)
+        for position, (key, entry) in enumerate(zip(keys, entries, strict=True)):
+            if entry is not None and entry.access_ms < cutoff:
+                entries[position] = None
+                await self.drop_entry(key, entry)
+                self.counters.expired_blocks += 1
+        return entries
+
+    async def drop_entry(self, key: StoreKey, entry: IndexEntry) -> int:
+        """Removes an entry if it still points where `entry` says; unstages the key."""
+        self.staging.drop(key)
+        return await self.guarded(lambda: self.index.remove(key, expected=entry.location))
+
+    async def lookup(self, namespace: Namespace, block_hashes: list[str]) -> list[BlockHash]:
+        """The hashes that are stored, in request order, without reading them."""
+        hashes = self.check_hashes(block_hashes)
+        entries = await self.live_entries([self.key(namespace, h) for h in hashes])
+        present = [h for h, e in zip(hashes, entries, strict=True) if e is not None]
+        metrics.BLOCK_LOOKUPS.labels("hit").inc(len(present))
+        metrics.BLOCK_LOOKUPS.labels("miss").inc(len(hashes) - len(present))
+        return present
+
+    async def get(
+        self, namespace: Namespace, block_hashes: list[str]
+    ) -> AsyncIterator[BlockFound | BlockMissing]:
+        """Each requested block in order: from staging when there, else from disk; misses say why."""
+        hashes = self.check_hashes(block_hashes)
+        keys = [self.key(namespace, h) for h in hashes]
+        unstaged = [k for k in keys if k not in self.staging and k not in self.staging.loading]
+        entries = dict(zip(unstaged, await self.live_entries(unstaged), strict=True)) if unstaged else {}
+        served: list[StoreKey] = []
+        for block_hash, key in zip(hashes, keys, strict=True):
+            outcome = await self._get_one(block_hash, key, entries.get(key))
+            metrics.BLOCK_LOOKUPS.labels("hit" if isinstance(outcome, BlockFound) else "miss").inc()
+            if isinstance(outcome, BlockFound):
+                served.append(key)
+            yield outcome
+        await self.guarded(lambda: self.index.touch(served, now_ms()))
+
+    async def _get_one(
+        self, block_hash: BlockHash, key: StoreKey, entry: IndexEntry | None
+    ) -> BlockFound | BlockMissing:
+        staged = self.staging.get(key)
+        if staged is None and key in self.staging.loading:
+            staged = await asyncio.shield(self.staging.loading[key])  # its prefetch is in flight
+        if staged is not None:
+            self.counters.staging_hits += 1
+            return BlockFound(block_hash, staged, BlockSource.STAGING)
+        if entry is None:
+            return BlockMissing(block_hash, MissReason.ABSENT)
+        outcome = await self.read(key, entry)
+        if isinstance(outcome, Record):
+            self.counters.disk_reads += 1
+            return BlockFound(block_hash, outcome, BlockSource.DISK)
+        return BlockMissing(block_hash, outcome)
+
+    async def read(self, key: StoreKey, entry: IndexEntry) -> Record | MissReason:
+        """The record an entry points at, checked; a corrupt one is dropped from the index."""
+        started = time.perf_counter()
+        try:
+            record = await read_record(self.config.segments_dir, entry.location)
+        except FileNotFoundError:  # compacted away since the lookup: its entry has moved
+            (moved,) = await self.guarded(lambda: self.index.get_many([key]))
+            return MissReason.ABSENT if moved is None or moved == entry else await self.read(key, moved)
+        except (RecordError, OSError) as error:
+            return await self._corrupt(key, entry, str(error))
+        if record.key != key or record.is_tombstone:
+            return await self._corrupt(key, entry, "the index points at another block's record")
+        metrics.READ_BYTES.inc(entry.location.length)
+        metrics.OPERATION_DURATION.labels("get").observe(time.perf_counter() - started)
+        return record
+
+    async def _corrupt(self, key: StoreKey, entry: IndexEntry, reason: str) -> MissReason:
+        log.error(
+            "block %s… at %s is unreadable, served as a miss: %s", key.hex()[:12], entry.location, reason
+        )
+        metrics.ERRORS.labels("get").inc()
+        self.counters.corrupt_records += 1
+        await self.drop_entry(key, entry)
+        return MissReason.CORRUPT
+
+    # --- prefetch -----------------------------------------------------------------------------
+
+    async def prefetch(self, namespace: Namespace, block_hashes: list[str]) -> PrefetchResult:
+        """Queues the present, unstaged blocks for loading into RAM; returns at once."""
+        keys = [self.key(namespace, h) for h in self.check_hashes(block_hashes)]
+        already = sum(1 for k in keys if k in self.staging or k in self.staging.loading)
+        wanted = [k for k in dict.fromkeys(keys) if k not in self.staging and k not in self.staging.loading]
+        queued = 0
+        for key, entry in zip(wanted, await self.live_entries(wanted) if wanted else [], strict=True):
+            if entry is not None and self.staging.begin_load(key):
+                self._prefetch_queue.put_nowait((key, entry))
+                queued += 1
+        return PrefetchResult(queued, already)
+
+    async def _prefetch_worker(self) -> None:
+        while True:
+            key, entry = await self._prefetch_queue.get()
+            try:
+                outcome = await self.read(key, entry)
+                self.staging.end_load(key, outcome if isinstance(outcome, Record) else None)
+            except Exception:  # a worker outlives any one failed load
+                log.exception("prefetch of %s… failed", key.hex()[:12])
+                self.staging.end_load(key, None)
+
+    # --- stats --------------------------------------------------------------------------------
+
+    async def stats(self) -> StoreStats:
+        """Occupancy from the index and the disk, and the counters."""
+        totals = await self.guarded(self.index.totals)
+        segments_dir = self.config.segments_dir
+        disk_bytes = await asyncio.to_thread(segment_bytes, segments_dir)
+        metrics.STORED_BYTES.set(totals.live_bytes)
+        return StoreStats(
+            num_blocks=totals.num_blocks,
+            used_bytes=totals.live_bytes,
+            capacity_bytes=self.config.capacity_bytes,
+            staged_blocks=len(self.staging),
+            staged_bytes=self.staging.num_bytes,
+            disk_bytes=disk_bytes,
+            num_segments=len(list_segments(segments_dir)),
+            counters=self.counters,
+        )

@@ -1,0 +1,204 @@
+"""Real parts for the kvstore's tests: a redis-server, kvstore processes, and blocks to store."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.cli.mesh import free_port
+from services.kvstore.blocks import BlockIn, Codec
+from services.kvstore.client import KVStoreClient
+from services.kvstore.keys import BlockHash, Namespace
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class RedisServer:
+    """A redis-server on a free loopback port, with no persistence (a restart loses everything)."""
+
+    directory: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """REDIS_URL for a service."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        """A client for the test's own checks and faults."""
+        return redis.Redis(port=self.port, socket_connect_timeout=1)
+
+    def start(self) -> RedisServer:
+        """Starts the server and waits until it answers PING."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        command = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        log = (self.directory / "redis.log").open("ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.directory)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, (self.directory / "redis.log").read_text()
+            try:
+                if self.client().ping():
+                    return self
+            except redis.ConnectionError:
+                time.sleep(0.02)  # back off between PINGs while it binds its port
+        raise TimeoutError(f"redis-server did not answer PING on {self.port}")
+
+    def stop(self) -> None:
+        """Stops the server."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+
+
+@dataclass
+class KVStoreProcess:
+    """`python -m services.kvstore` on free loopback ports, over one data dir and one Redis."""
+
+    data_dir: Path
+    redis_url: str
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        """host:port of its gRPC endpoint."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        """Where its output goes (appended across restarts)."""
+        return self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    def start(self) -> KVStoreProcess:
+        """Starts the process and waits until its health check says SERVING."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("THERMOCLINE_", "OTEL_"))}
+        env |= {
+            "THERMOCLINE_KVSTORE_PORT": str(self.port),
+            "THERMOCLINE_KVSTORE_METRICS_PORT": "0",
+            "THERMOCLINE_KVSTORE_DATA_DIR": str(self.data_dir),
+            "THERMOCLINE_KVSTORE_GRACE_S": "2",
+            "REDIS_URL": self.redis_url,
+            "PYTHONUNBUFFERED": "1",
+        } | self.env
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.kvstore"],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self._wait_serving()
+        return self
+
+    def _wait_serving(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                assert self.process is not None and self.process.poll() is None, self.log_tail()
+                try:
+                    for reply in stub.Watch(
+                        health_pb2.HealthCheckRequest(), timeout=1.0, wait_for_ready=True
+                    ):
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            return
+                except grpc.RpcError as error:
+                    if error.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                        raise
+        raise TimeoutError(f"kvstore was not serving after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no fsync on the way out."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self) -> None:
+        """SIGTERM, then a wait for the drain."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        """The end of its log."""
+        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        return "\n".join(lines[-num_lines:])
+
+    def client(self, tenant: str = "tenant-a", model: str = "tiny-llama") -> KVStoreClient:
+        """A client for one namespace."""
+        return KVStoreClient(self.target, Namespace(tenant, model), chunk_bytes=4096, timeout_s=30)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh redis-server for one test."""
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+SMALL_SEGMENTS = {
+    "THERMOCLINE_KVSTORE_SEGMENT_MB": "0.01"
+}  # 10 KiB: a few blocks fill one, so rotation happens
+
+
+@pytest.fixture
+def kvstore(tmp_path: Path, redis_server: RedisServer) -> Iterator[KVStoreProcess]:
+    """A kvstore process of its own, for a test that breaks things (files, Redis, the process)."""
+    process = KVStoreProcess(tmp_path / "kvstore", redis_server.url, SMALL_SEGMENTS)
+    yield process.start()
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_kvstore(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVStoreProcess]:
+    """One kvstore and Redis for a module's tests that only call it; they use distinct hashes or tenants."""
+    directory = tmp_path_factory.mktemp("shared-kvstore")
+    server = RedisServer(directory).start()
+    process = KVStoreProcess(directory / "kvstore", server.url, SMALL_SEGMENTS)
+    yield process.start()
+    process.stop()
+    server.stop()
+
+
+def block_hash(name: str) -> BlockHash:
+    """A content hash for a test block."""
+    return BlockHash(hashlib.sha256(name.encode()).hexdigest())
+
+
+def raw_block(name: str, num_values: int = 3000) -> BlockIn:
+    """A CODEC_RAW block whose bytes are derived from its name (so a mix-up is visible)."""
+    seed = hashlib.sha256(name.encode()).digest()
+    payload = (seed * (2 * num_values // len(seed) + 1))[: 2 * num_values]
+    return BlockIn(block_hash(name), Codec.RAW, (1, 2, num_values // 2, 1, 1), payload)
