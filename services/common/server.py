@@ -21,6 +21,7 @@ from services.common import telemetry
 from services.common.config import ServerConfig, channel_options
 from services.common.interceptors import CallTracker, GuardInterceptor
 from services.common.metrics import DRAINING, start_metrics_server
+from services.common.redaction import RedactingFormatter
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,11 @@ class ServiceSpec:
 
 
 def setup_logging(level: str) -> None:
-    """One log format for all services: time, service logger, level, message."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    """One log format for all services: time, service logger, level, message; credentials redacted."""
+    logging.basicConfig(level=level.upper())
+    formatter = RedactingFormatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
 
 
 class RunningServer:
