@@ -16,7 +16,7 @@ from services.kvstore import kvstore_metrics as metrics
 from services.kvstore.index import IndexLost
 from services.kvstore.keys import StoreKey
 from services.kvstore.segments import list_segments, scan_segment, segment_path
-from services.kvstore.store import BlockStore, now_ms
+from services.kvstore.store import BlockStore, now_us
 
 log = logging.getLogger(__name__)
 EVICTION_BATCH = 256
@@ -88,7 +88,7 @@ class Compactor:
         """Drops blocks not read or written for the TTL."""
         if not self.store.config.ttl_s:
             return 0
-        cutoff = now_ms() - int(self.store.config.ttl_s * 1000)
+        cutoff = now_us() - int(self.store.config.ttl_s * 1_000_000)
         expired = 0
         while keys := await self.store.guarded(lambda: self.store.index.idle_since(cutoff, EVICTION_BATCH)):
             for key in keys:

@@ -1,8 +1,8 @@
 """The block index in Redis: store key -> segment, offset, length, codec, tenant, last access.
 
 Keys, under the configured prefix `P`:
-    P b:<key hex>   hash: seg, off, len, codec, tenant, access_ms
-    P lru           sorted set: key hex scored by last access (ms); LRU eviction and TTL read it
+    P b:<key hex>   hash: seg, off, len, codec, tenant, access_us
+    P lru           sorted set: key hex scored by last access (µs); LRU eviction and TTL read it
     P seglive       hash: segment id -> live bytes in it; the compactor picks segments by it
     P meta          hash: num_blocks, live_bytes; its absence means the index is empty or lost
 
@@ -26,7 +26,7 @@ _ADD = """
 if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'seg', ARGV[2], 'off', ARGV[3], 'len', ARGV[4], 'codec', ARGV[5],
-           'tenant', ARGV[6], 'access_ms', ARGV[7])
+           'tenant', ARGV[6], 'access_us', ARGV[7])
 redis.call('ZADD', KEYS[2], ARGV[7], ARGV[1])
 redis.call('HINCRBY', KEYS[3], ARGV[2], ARGV[4])
 redis.call('HINCRBY', KEYS[4], 'live_bytes', ARGV[4])
@@ -54,7 +54,7 @@ redis.call('HINCRBY', KEYS[2], ARGV[3], tonumber(ARGV[5]))
 redis.call('HINCRBY', KEYS[3], 'live_bytes', tonumber(ARGV[5]) - tonumber(entry[3]))
 return 1
 """
-_FIELDS = ("seg", "off", "len", "codec", "tenant", "access_ms")
+_FIELDS = ("seg", "off", "len", "codec", "tenant", "access_us")
 REBUILD_BATCH = 1000
 
 
@@ -69,7 +69,7 @@ class IndexEntry:
     location: Location
     codec: int
     tenant: str
-    access_ms: int
+    access_us: int
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class RedisIndex:
             loc.length,
             int(entry.codec),
             entry.tenant,
-            entry.access_ms,
+            entry.access_us,
         ]
         result = await self._add(keys=[self._entry_key(key), self._lru, self._seglive, self._meta], args=args)
         if result == -1:
@@ -140,12 +140,12 @@ class RedisIndex:
             raise IndexLost("the index marker is missing")
         return [_entry(reply) for reply in replies[1:]]
 
-    async def touch(self, keys: Iterable[StoreKey], now_ms: int) -> None:
+    async def touch(self, keys: Iterable[StoreKey], now_us: int) -> None:
         """Marks entries as just used (LRU order and TTL)."""
         async with self.client.pipeline(transaction=False) as pipe:
             for key in keys:
-                pipe.hset(self._entry_key(key), "access_ms", now_ms)
-                pipe.zadd(self._lru, {key.hex(): now_ms}, xx=True)
+                pipe.hset(self._entry_key(key), "access_us", now_us)
+                pipe.zadd(self._lru, {key.hex(): now_us}, xx=True)
             await pipe.execute()
 
     async def least_recent(self, count: int) -> list[StoreKey]:
@@ -153,9 +153,9 @@ class RedisIndex:
         members = await self.client.zrange(self._lru, 0, count - 1)
         return [StoreKey(bytes.fromhex(_text(m))) for m in members]
 
-    async def idle_since(self, cutoff_ms: int, count: int) -> list[StoreKey]:
-        """Up to `count` keys last used before `cutoff_ms`."""
-        members = await self.client.zrangebyscore(self._lru, "-inf", f"({cutoff_ms}", start=0, num=count)
+    async def idle_since(self, cutoff_us: int, count: int) -> list[StoreKey]:
+        """Up to `count` keys last used before `cutoff_us`."""
+        members = await self.client.zrangebyscore(self._lru, "-inf", f"({cutoff_us}", start=0, num=count)
         return [StoreKey(bytes.fromhex(_text(m))) for m in members]
 
     async def totals(self) -> IndexTotals:
@@ -192,9 +192,9 @@ def _write_entry(pipe: Any, entry_key: str, key: StoreKey, entry: IndexEntry, lr
     fields = {"seg": loc.segment_id, "off": loc.offset, "len": loc.length}
     pipe.hset(
         entry_key,
-        mapping=fields | {"codec": int(entry.codec), "tenant": entry.tenant, "access_ms": entry.access_ms},
+        mapping=fields | {"codec": int(entry.codec), "tenant": entry.tenant, "access_us": entry.access_us},
     )
-    pipe.zadd(lru, {key.hex(): entry.access_ms})
+    pipe.zadd(lru, {key.hex(): entry.access_us})
     pipe.hincrby(seglive, str(loc.segment_id), loc.length)
 
 
@@ -205,5 +205,5 @@ def _text(value: bytes | str) -> str:
 def _entry(reply: list[Any]) -> IndexEntry | None:
     if reply[0] is None:
         return None
-    seg, off, length, codec, tenant, access_ms = reply
-    return IndexEntry(Location(int(seg), int(off), int(length)), int(codec), _text(tenant), int(access_ms))
+    seg, off, length, codec, tenant, access_us = reply
+    return IndexEntry(Location(int(seg), int(off), int(length)), int(codec), _text(tenant), int(access_us))

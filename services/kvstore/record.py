@@ -51,7 +51,7 @@ class Record:
     codec: int
     shape: tuple[int, ...]
     payload: bytes
-    created_ms: int
+    created_us: int
     flags: RecordFlags = RecordFlags.NONE
 
     @property
@@ -78,12 +78,12 @@ class Record:
             len(self.model.encode()),
             len(self.block_hash),
             self.key,
-            self.created_ms,
+            self.created_us,
             len(self.payload),
             checksum,
         )
 
-    def tombstone(self, created_ms: int) -> Record:
+    def tombstone(self, created_us: int) -> Record:
         """A deletion marker for this record's key."""
         return Record(
             self.key,
@@ -93,7 +93,7 @@ class Record:
             self.codec,
             (),
             b"",
-            created_ms,
+            created_us,
             RecordFlags.TOMBSTONE,
         )
 
@@ -134,7 +134,7 @@ def decode(data: bytes | memoryview, segment_id: int, offset: int) -> Record:
             f"record at {segment_id}:{offset} is {len(data)} B; its header says {extent.total_bytes} B"
         )
     fields = FIXED.unpack_from(data)
-    _, _, codec, flags, ndim, tenant_len, model_len, hash_len, key, created_ms, _, checksum = fields
+    _, _, codec, flags, ndim, tenant_len, model_len, hash_len, key, created_us, _, checksum = fields
     zeroed = FIXED.pack(*fields[:-1], 0)
     variable = bytes(data[FIXED.size : extent.header_bytes])
     payload = bytes(data[extent.header_bytes :])
@@ -146,5 +146,5 @@ def decode(data: bytes | memoryview, segment_id: int, offset: int) -> Record:
     model = names[tenant_len : tenant_len + model_len].decode()
     block_hash = BlockHash(names[tenant_len + model_len : tenant_len + model_len + hash_len].decode())
     return Record(
-        StoreKey(key), tenant, model, block_hash, codec, shape, payload, created_ms, RecordFlags(flags)
+        StoreKey(key), tenant, model, block_hash, codec, shape, payload, created_us, RecordFlags(flags)
     )

@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def now_ms() -> int:
-    """Wall-clock milliseconds: creation and last-access times survive restarts."""
-    return int(time.time() * 1000)
+def now_us() -> int:
+    """Wall-clock microseconds: creation and last-access times survive restarts, and LRU order
+    separates a read from the write just before it."""
+    return time.time_ns() // 1000
 
 
 @dataclass
@@ -196,17 +197,17 @@ class BlockStore:
     def _scan_all(self) -> dict[StoreKey, IndexEntry]:
         """The live entry of every key: the newest record wins; a tombstone deletes; TTL applies."""
         entries: dict[StoreKey, IndexEntry] = {}
-        expired_before = now_ms() - int(self.config.ttl_s * 1000) if self.config.ttl_s else 0
+        expired_before = now_us() - int(self.config.ttl_s * 1_000_000) if self.config.ttl_s else 0
         for segment_id in list_segments(self.config.segments_dir):
             scan = scan_segment(self.config.segments_dir, segment_id)
             self.counters.corrupt_records += scan.num_corrupt
             for found in scan.records:
                 record = found.record
-                if record.is_tombstone or record.created_ms < expired_before:
+                if record.is_tombstone or record.created_us < expired_before:
                     entries.pop(record.key, None)
                     continue
                 entries[record.key] = IndexEntry(
-                    found.location, record.codec, record.tenant, record.created_ms
+                    found.location, record.codec, record.tenant, record.created_us
                 )
         return entries
 
@@ -219,7 +220,7 @@ class BlockStore:
         (existing,) = await self.guarded(lambda: self.index.get_many([key]))
         if existing is not None:
             return None
-        created = now_ms()
+        created = now_us()
         record = Record(
             key,
             namespace.tenant,
@@ -283,10 +284,10 @@ class BlockStore:
             if entry is None:
                 continue
             tombstone = Record(
-                key, namespace.tenant, namespace.model, block_hash, entry.codec, (), b"", now_ms()
+                key, namespace.tenant, namespace.model, block_hash, entry.codec, (), b"", now_us()
             )
             async with self.relocation_lock:  # the compactor cannot copy the record past its tombstone
-                _, seq = await self.writer.append(tombstone.tombstone(now_ms()))
+                _, seq = await self.writer.append(tombstone.tombstone(now_us()))
                 self.staging.drop(key)
                 deleted += await self.index.remove(key) > 0
         await self.writer.wait_durable(seq)
@@ -299,9 +300,9 @@ class BlockStore:
         entries = await self.guarded(lambda: self.index.get_many(keys))
         if not self.config.ttl_s:
             return entries
-        cutoff = now_ms() - int(self.config.ttl_s * 1000)
+        cutoff = now_us() - int(self.config.ttl_s * 1_000_000)
         for position, (key, entry) in enumerate(zip(keys, entries, strict=True)):
-            if entry is not None and entry.access_ms < cutoff:
+            if entry is not None and entry.access_us < cutoff:
                 entries[position] = None
                 await self.drop_entry(key, entry)
                 self.counters.expired_blocks += 1
@@ -336,7 +337,7 @@ class BlockStore:
             if isinstance(outcome, BlockFound):
                 served.append(key)
             yield outcome
-        await self.guarded(lambda: self.index.touch(served, now_ms()))
+        await self.guarded(lambda: self.index.touch(served, now_us()))
 
     async def _get_one(
         self, block_hash: BlockHash, key: StoreKey, entry: IndexEntry | None
