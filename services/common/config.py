@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from services.common import env
 
 MIB = 1024 * 1024
+# Metadata a call may carry: a bearer token of up to 16 KiB (the gateway's limit) plus the rest.
+# Soft and hard limits are equal: between them gRPC refuses calls at random.
+MAX_METADATA_BYTES = 32 * 1024
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,12 @@ class ServerConfig:
 
 
 def channel_options(max_message_bytes: int = 16 * MIB, keepalive_s: float = 30.0) -> list[tuple[str, int]]:
-    """gRPC options shared by servers and client channels: message limits and keepalive."""
+    """gRPC options shared by servers and client channels: message and metadata limits, keepalive."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),

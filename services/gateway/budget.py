@@ -114,8 +114,8 @@ def check_request_budget(
             f"{max_tokens} max_tokens = {asked}, but tenant {tenant!r} allows {limits.max_request_tokens} "
             "per request; shorten the prompt or lower max_tokens"
         )
-    if prompt_tokens > limits.tokens_per_min:
+    if prompt_tokens > limits.token_capacity:
         raise InvalidArgument(
-            f"prompt of {prompt_tokens} tokens exceeds tenant {tenant!r}'s whole budget of "
-            f"{limits.tokens_per_min} tokens/min; it can never be admitted"
+            f"prompt of {prompt_tokens} tokens exceeds tenant {tenant!r}'s token bucket of "
+            f"{limits.token_capacity} tokens ({limits.tokens_per_min} tokens/min); it can never be admitted"
         )

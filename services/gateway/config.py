@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from services.common import env
 from services.common.config import ServerConfig
 from services.gateway.audit import AuditConfig
+from services.gateway.request_bounds import RequestBounds
 
 DEFAULT_PORT = 50051
 ALLOWED_ALGORITHMS = ("RS256", "ES256", "HS256")
@@ -126,6 +127,7 @@ class GatewayConfig:
     `_OUTPUT_CHECK_TOKENS`: output is held back and screened every this many tokens (and at the end);
     `_SAFETY_TIMEOUT_S`: the longest a safety check may take before the request fails UNAVAILABLE;
     `_TOKENIZER`: the model (HF directory, tokenizer.json or .gguf) whose tokenizer counts prompts.
+    The gRPC server's message limit is the smaller of `_MAX_MESSAGE_MB` and what `bounds` needs.
     """
 
     server: ServerConfig
@@ -134,6 +136,7 @@ class GatewayConfig:
     policies: PolicyFiles = field(default_factory=PolicyFiles)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    bounds: RequestBounds = field(default_factory=RequestBounds)
     safety_target: str = "127.0.0.1:50053"
     output_check_tokens: int = 16
     safety_timeout_s: float = 5.0
@@ -150,8 +153,13 @@ class GatewayConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewayConfig:
         """Reads the gateway's settings; the JWT key file is required."""
+        bounds = RequestBounds(
+            max_prompt_bytes=env.get_int(PREFIX + "MAX_PROMPT_BYTES", RequestBounds.max_prompt_bytes, environ)
+        )
+        server = ServerConfig.from_env("gateway", DEFAULT_PORT, environ)
         return cls(
-            server=ServerConfig.from_env("gateway", DEFAULT_PORT, environ),
+            server=replace(server, max_message_bytes=min(server.max_message_bytes, bounds.max_message_bytes)),
+            bounds=bounds,
             jwt=_jwt_from_env(environ),
             audit=_audit_from_env(environ),
             policies=PolicyFiles(

@@ -1,29 +1,41 @@
 """The ordered checks a call passes before it reaches the engine, each decision audited.
 
-Order: the JWT, then RBAC (role → model → operation), then the intent, then the token budget,
-then the tenant's rate limit. The first refusal ends the call with its status; allow or deny,
-the decision is in the audit log (fsynced) before the caller hears of it.
+Order: the JWT, then one request from the tenant's rate limit, then the size of every
+caller-supplied field, then RBAC (role → model → operation), then the request's content (the
+model exists, the intent, sampling ranges, the token budget), then the prompt's tokens from the
+rate limit. Authentication and the rate limit come before any other work, so every later
+refusal has cost the caller budget; sizes are checked before any field reaches a message or the
+tokenizer; RBAC comes before NOT_FOUND, so a caller without a role learns nothing about which
+models are served. The first refusal ends the call with its status; allow or deny, the decision
+is in the audit log (fsynced) before the caller hears of it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from services.common import telemetry
-from services.common.errors import ThermoclineError, Unauthenticated
+from services.common.errors import InvalidArgument, ThermoclineError, Unauthenticated
 from services.gateway.audit import ALLOW, DENY, AuditEvent, AuditLog, prompt_sha256
 from services.gateway.auth import JwtVerifier, Principal
 from services.gateway.budget import PromptCounter, check_request_budget
+from services.gateway.call_metadata import CallMetadata
 from services.gateway.intents import IntentPolicy
-from services.gateway.rate_limiter import RateLimiter, refuse
+from services.gateway.rate_limiter import RateDecision, RateLimiter, refuse
 from services.gateway.rbac import Policy
+from services.gateway.request_bounds import RequestBounds, check_metadata, check_sampling, check_sizes
 from services.gateway.tenants import TenantLimits, TenantTable, is_valid_tenant
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 ModelResolver = Callable[[str], Awaitable[str]]
+ModelLister = Callable[[], Awaitable[list[str]]]
 DEFAULT_MAX_TOKENS = 256  # what the engine uses for max_tokens 0; the gateway sends it explicitly
 _MAX_REQUEST_ID_CHARS = 128
 
@@ -42,6 +54,7 @@ class Admission:
 
     principal: Principal
     model: str
+    prompt_text: str
     intent: str
     priority_class: str
     prompt_tokens: int
@@ -79,8 +92,28 @@ class _Facts:
 
 def request_id_of(metadata: Mapping[str, str]) -> str:
     """The caller's `x-request-id` (bounded), or a fresh one."""
-    given = metadata.get("x-request-id", "")
-    return given[:_MAX_REQUEST_ID_CHARS] if given.isprintable() and given else uuid.uuid4().hex
+    given = metadata.get("x-request-id", "")[:_MAX_REQUEST_ID_CHARS]
+    return given if given.isprintable() and given else uuid.uuid4().hex
+
+
+def prompt_text(request: pb.GenerateRequest) -> str:
+    """The text the safety service screens: the prompt, or every turn of the chat."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return request.prompt
+    if kind == "chat":
+        if not request.chat.messages:
+            raise InvalidArgument("chat has no messages; send at least one turn")
+        return "\n".join(f"{m.role}: {m.content}" for m in request.chat.messages)
+    raise InvalidArgument("request has no input: set either prompt or chat")
+
+
+def _check_rate(tenant: str, limits: TenantLimits, decision: RateDecision, facts: _Facts) -> None:
+    """Notes a fail-open limiter in the audit details; raises the refusal of a refused call."""
+    if decision.is_degraded:
+        facts.details["rate_limit"] = "redis unreachable; tenant fails open"
+    if not decision.is_admitted:
+        raise refuse(tenant, limits, decision)
 
 
 class Gatekeeper:
@@ -93,74 +126,119 @@ class Gatekeeper:
         counter: PromptCounter,
         limiter: RateLimiter,
         audit: AuditLog,
+        bounds: RequestBounds,
     ) -> None:
         self.verifier = verifier
         self.policy, self.intents, self.tenants = policies
         self.counter = counter
         self.limiter = limiter
         self.audit = audit
+        self.bounds = bounds
 
-    def authenticate(self, metadata: Mapping[str, str]) -> Principal:
+    def authenticate(self, metadata: CallMetadata) -> Principal:
         """The verified caller with its roles."""
-        principal = self.verifier.verify(metadata.get("authorization"))
+        credentials = metadata.get_all("authorization")
+        if len(credentials) > 1:
+            raise Unauthenticated(
+                f"{len(credentials)} 'authorization' metadata entries sent; send exactly one bearer token"
+            )
+        principal = self.verifier.verify(credentials[0] if credentials else None)
         if not is_valid_tenant(principal.tenant):
-            raise Unauthenticated("token's tenant claim must be 1-128 characters of [A-Za-z0-9._@-]")
+            raise Unauthenticated("token's 'tenant' claim must be 1-128 characters of [A-Za-z0-9._@-]")
         return replace(principal, roles=self.policy.roles_of(principal.claims))
 
     async def admit_generate(
-        self, request: pb.GenerateRequest, text: str, metadata: Mapping[str, str], resolve: ModelResolver
+        self, request: pb.GenerateRequest, metadata: CallMetadata, resolve: ModelResolver
     ) -> Admission:
         """Every check for one Generate call; the decision is durable when this returns or raises."""
-        facts = _Facts("invoke", "model:?", request_id_of(metadata), prompt_sha256(text))
-        try:
-            admission = await self._check_generate(request, metadata, resolve, facts)
-        except ThermoclineError as error:
-            await self.audit.record(facts.event(DENY, error.message))
-            raise
+        facts = _Facts("invoke", "model:?", request_id_of(metadata))
+        admission = await self._audited(facts, self._check_generate(request, metadata, resolve, facts))
         await self.audit.record(facts.event(ALLOW, "all checks passed"))
         return admission
 
-    async def _check_generate(
-        self, request: pb.GenerateRequest, metadata: Mapping[str, str], resolve: ModelResolver, facts: _Facts
-    ) -> Admission:
-        principal = self.authenticate(metadata)
-        facts.actor_principal, facts.tenant = principal.subject, principal.tenant
-        model = await resolve(request.model)
-        facts.resource = f"model:{model}"
-        self.policy.authorize(principal.subject, principal.roles, "invoke", model)
-        limits = self.tenants.limits(principal.tenant)
-        intent = self.intents.resolve(metadata.get("x-intent"))
-        priority_class = self.intents.priority_class(intent, limits.intent_classes)
-        facts.details |= {"intent": intent, "priority_class": priority_class}
-        max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
-        prompt_tokens = self.counter.count(request)
-        facts.details |= {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
-        check_request_budget(principal.tenant, limits, prompt_tokens, max_tokens, self.counter.name)
-        await self._take_rate(principal.tenant, limits, prompt_tokens, facts)
-        return Admission(
-            principal, model, intent, priority_class, prompt_tokens, max_tokens, limits, facts.request_id
-        )
-
-    async def _take_rate(self, tenant: str, limits: TenantLimits, prompt_tokens: int, facts: _Facts) -> None:
-        decision = await self.limiter.take(tenant, limits, prompt_tokens)
-        if decision.is_degraded:
-            facts.details["rate_limit"] = "redis unreachable; tenant fails open"
-        if not decision.is_admitted:
-            raise refuse(tenant, limits, decision)
-
-    async def admit_list_models(self, metadata: Mapping[str, str], models: list[str]) -> list[str]:
-        """The models the caller may list; PERMISSION_DENIED when it may list none."""
-        facts = _Facts("list_models", "model:*", request_id_of(metadata))
+    async def _audited(self, facts: _Facts, checks: Awaitable[Any]) -> Any:
+        """Runs `checks`; any refusal, expected or not, is in the audit log before it propagates."""
         try:
-            principal = self.authenticate(metadata)
-            facts.actor_principal, facts.tenant = principal.subject, principal.tenant
-            allowed = [m for m in models if self.policy.is_allowed(principal.roles, "list_models", m)]
-            if not allowed:
-                self.policy.authorize(principal.subject, principal.roles, "list_models", models[0])
+            return await checks
         except ThermoclineError as error:
             await self.audit.record(facts.event(DENY, error.message))
             raise
+        except Exception:
+            log.exception("admission check failed unexpectedly")
+            await self.audit.record(facts.event(DENY, "internal error in the gateway's checks"))
+            raise
+
+    async def _check_generate(
+        self, request: pb.GenerateRequest, metadata: CallMetadata, resolve: ModelResolver, facts: _Facts
+    ) -> Admission:
+        principal, limits = await self._identify(metadata, facts)
+        check_sizes(request, self.bounds)
+        text = prompt_text(request)
+        facts.prompt_sha256 = prompt_sha256(text)
+        model = await self._authorize_model(principal, request.model, resolve, facts)
+        intent = self.intents.resolve(metadata.get("x-intent"))
+        priority_class = self.intents.priority_class(intent, limits.intent_classes)
+        facts.details |= {"intent": intent, "priority_class": priority_class}
+        check_sampling(request.sampling)
+        max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
+        prompt_tokens = await self._take_prompt(request, principal.tenant, limits, max_tokens, facts)
+        return Admission(
+            principal,
+            model,
+            text,
+            intent,
+            priority_class,
+            prompt_tokens,
+            max_tokens,
+            limits,
+            facts.request_id,
+        )
+
+    async def _authorize_model(
+        self, principal: Principal, requested: str, resolve: ModelResolver, facts: _Facts
+    ) -> str:
+        """RBAC on the model asked for (the default when none), then whether it is served."""
+        model = requested or await resolve("")
+        facts.resource = f"model:{model}"
+        self.policy.authorize(principal.subject, principal.roles, "invoke", model)
+        return await resolve(requested)
+
+    async def _take_prompt(
+        self, request: pb.GenerateRequest, tenant: str, limits: TenantLimits, max_tokens: int, facts: _Facts
+    ) -> int:
+        """Counts the prompt (off the event loop: tokenizing is CPU-bound), checks and charges it."""
+        prompt_tokens = await asyncio.to_thread(self.counter.count, request)
+        facts.details |= {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
+        check_request_budget(tenant, limits, prompt_tokens, max_tokens, self.counter.name)
+        _check_rate(tenant, limits, await self.limiter.take_tokens(tenant, limits, prompt_tokens), facts)
+        return prompt_tokens
+
+    async def _identify(self, metadata: CallMetadata, facts: _Facts) -> tuple[Principal, TenantLimits]:
+        """Authenticates the caller and takes one request from its tenant's bucket."""
+        check_metadata(metadata)
+        principal = self.authenticate(metadata)
+        facts.actor_principal, facts.tenant = principal.subject, principal.tenant
+        limits = self.tenants.limits(principal.tenant)
+        _check_rate(
+            principal.tenant, limits, await self.limiter.take_request(principal.tenant, limits), facts
+        )
+        return principal, limits
+
+    async def admit_list_models(self, metadata: CallMetadata, list_models: ModelLister) -> list[str]:
+        """The models the caller may list; PERMISSION_DENIED when it may list none."""
+        facts = _Facts("list_models", "model:*", request_id_of(metadata))
+        allowed = await self._audited(facts, self._check_list_models(metadata, list_models, facts))
         await self.audit.record(facts.event(ALLOW, f"{len(allowed)} model(s) listed"))
+        return allowed
+
+    async def _check_list_models(
+        self, metadata: CallMetadata, list_models: ModelLister, facts: _Facts
+    ) -> list[str]:
+        principal, _ = await self._identify(metadata, facts)
+        models = await list_models()
+        allowed = [m for m in models if self.policy.is_allowed(principal.roles, "list_models", m)]
+        if not allowed:
+            self.policy.authorize(principal.subject, principal.roles, "list_models", "*")
         return allowed
 
     async def record(self, event: AuditEvent) -> None:

@@ -76,7 +76,12 @@ class Gateway:
         self.limiter = RateLimiter(config.limits.redis_url, config.limits.redis_timeout_s)
         self.upstreams = Upstreams(Router(config.routing), config.safety_target)
         gatekeeper = Gatekeeper(
-            JwtVerifier(config.jwt), policies, load_counter(config.tokenizer), self.limiter, self.audit
+            JwtVerifier(config.jwt),
+            policies,
+            load_counter(config.tokenizer),
+            self.limiter,
+            self.audit,
+            config.bounds,
         )
         slots = StreamSlots(config.limits.max_concurrent_streams, config.limits.pushback_ms)
         self.servicer = GatewayServicer(config, gatekeeper, self.upstreams, slots)

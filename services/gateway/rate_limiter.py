@@ -1,11 +1,13 @@
 """Per-tenant rate limits shared by every gateway replica: two token buckets in Redis.
 
-One Lua script takes both buckets of a tenant (requests, refilled at `requests_per_s` up to
-`burst_requests`; tokens, refilled at `tokens_per_min / 60` up to `tokens_per_min`), refills
-them from Redis's own clock, and charges both or neither. Because Redis runs a script
-atomically, any number of gateways share the buckets without races. The completion's tokens are
-charged after the stream ends (`charge_tokens`) and may push the token bucket below zero; the
-tenant then waits until it refills.
+One Lua script takes from both buckets of a tenant (requests, refilled at `requests_per_s` up to
+`burst_requests`; tokens, refilled at `tokens_per_min / 60` up to `burst_tokens`), refills them
+from Redis's own clock, and charges both or neither. Because Redis runs a script atomically, any
+number of gateways share the buckets without races. A call is charged in two steps: one request
+right after authentication (`take_request`), before any other work, so that every later refusal
+has cost the caller; then its prompt tokens once they are counted (`take_tokens`). The
+completion's tokens are charged after the stream ends (`charge_tokens`) and may push the token
+bucket below zero; the tenant then waits until it refills.
 
 When Redis cannot be reached within the timeout, the tenant's `on_redis_down` rule decides:
 "open" lets the call through (and says so in the audit log), "closed" refuses it UNAVAILABLE.
@@ -26,7 +28,7 @@ from services.gateway.tenants import FAIL_OPEN, TenantLimits
 log = logging.getLogger(__name__)
 
 # KEYS: requests bucket, tokens bucket. ARGV: request rate/s, request burst, token rate/s,
-# token capacity, tokens to charge now. Each bucket is a hash {level, at_us}.
+# token capacity, requests to charge, tokens to charge. Each bucket is a hash {level, at_us}.
 # Returns {admitted (1/0), retry_after_ms, request level after, token level after}.
 TAKE_SCRIPT = """
 local now = redis.call('TIME')
@@ -38,12 +40,13 @@ local function level(key, rate, capacity)
   return math.min(capacity, value + math.max(0, now_us - at) * rate / 1000000)
 end
 local req_rate, req_cap = tonumber(ARGV[1]), tonumber(ARGV[2])
-local tok_rate, tok_cap, cost = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local tok_rate, tok_cap = tonumber(ARGV[3]), tonumber(ARGV[4])
+local req_cost, cost = tonumber(ARGV[5]), tonumber(ARGV[6])
 local requests = level(KEYS[1], req_rate, req_cap)
 local tokens = level(KEYS[2], tok_rate, tok_cap)
 local wait_ms = 0
-if requests < 1 then
-  wait_ms = req_rate > 0 and math.ceil((1 - requests) * 1000 / req_rate) or -1
+if requests < req_cost then
+  wait_ms = req_rate > 0 and math.ceil((req_cost - requests) * 1000 / req_rate) or -1
 end
 if tokens < cost then
   local tok_wait = tok_rate > 0 and math.ceil((cost - tokens) * 1000 / tok_rate) or -1
@@ -51,7 +54,7 @@ if tokens < cost then
 end
 local admitted = 0
 if wait_ms == 0 then
-  requests = requests - 1
+  requests = requests - req_cost
   tokens = tokens - cost
   admitted = 1
 end
@@ -110,10 +113,20 @@ class RateLimiter:
         self._take = self._client.register_script(TAKE_SCRIPT)
         self._charge = self._client.register_script(CHARGE_SCRIPT)
 
-    async def take(self, tenant: str, limits: TenantLimits, prompt_tokens: int) -> RateDecision:
-        """One request and `prompt_tokens` tokens from the tenant's buckets, or a refusal."""
+    async def take_request(self, tenant: str, limits: TenantLimits) -> RateDecision:
+        """One request from the tenant's bucket; refused too while its token bucket is in debt."""
+        return await self.take(tenant, limits, num_requests=1, num_tokens=0)
+
+    async def take_tokens(self, tenant: str, limits: TenantLimits, num_tokens: int) -> RateDecision:
+        """`num_tokens` from the tenant's token bucket, or a refusal."""
+        return await self.take(tenant, limits, num_requests=0, num_tokens=num_tokens)
+
+    async def take(
+        self, tenant: str, limits: TenantLimits, num_requests: int, num_tokens: int
+    ) -> RateDecision:
+        """`num_requests` and `num_tokens` from the tenant's buckets, both or neither, or a refusal."""
         args = [limits.requests_per_s, limits.burst_requests, limits.tokens_per_s]
-        args += [limits.tokens_per_min, prompt_tokens]
+        args += [limits.token_capacity, num_requests, num_tokens]
         try:
             admitted, wait_ms, *_ = await self._take(keys=list(bucket_keys(tenant)), args=args)
         except (RedisError, OSError) as error:
@@ -135,7 +148,7 @@ class RateLimiter:
             return
         try:
             await self._charge(
-                keys=[bucket_keys(tenant)[1]], args=[limits.tokens_per_s, limits.tokens_per_min, num_tokens]
+                keys=[bucket_keys(tenant)[1]], args=[limits.tokens_per_s, limits.token_capacity, num_tokens]
             )
         except (RedisError, OSError) as error:
             log.warning("could not charge %d tokens to %s: %s", num_tokens, tenant, error)
@@ -153,7 +166,8 @@ def refuse(tenant: str, limits: TenantLimits, decision: RateDecision) -> Resourc
         )
     seconds = math.ceil(decision.retry_after_ms / 100) / 10
     return ResourceExhausted(
-        f"rate limit for tenant {tenant!r} reached ({limits.requests_per_s:g} requests/s, "
-        f"{limits.tokens_per_min} tokens/min); retry after {seconds:g} s",
+        f"rate limit for tenant {tenant!r} reached ({limits.requests_per_s:g} requests/s in bursts of "
+        f"{limits.burst_requests}, {limits.tokens_per_min} tokens/min in bursts of {limits.token_capacity}); "
+        f"retry after {seconds:g} s",
         trailing_metadata=retry_metadata(decision.retry_after_ms),
     )

@@ -8,9 +8,10 @@ from typing import Any
 from opentelemetry import trace
 
 from services.common import telemetry
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import NotFound
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import DENY, AuditEvent, prompt_sha256
+from services.gateway.call_metadata import CallMetadata
 from services.gateway.config import GatewayConfig
 from services.gateway.gatekeeper import Admission, Gatekeeper
 from services.gateway.relay import RelaySettings, blocked_messages, record_verdict, relay
@@ -20,20 +21,6 @@ from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from thermocline.safety.v1 import safety_pb2
-
-
-def _metadata(context: Any) -> dict[str, str]:
-    return {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
-
-
-def prompt_text(request: pb.GenerateRequest) -> str:
-    """The text the safety service screens: the prompt, or every turn of the chat."""
-    kind = request.WhichOneof("input")
-    if kind == "prompt":
-        return request.prompt
-    if kind == "chat":
-        return "\n".join(f"{m.role}: {m.content}" for m in request.chat.messages)
-    raise InvalidArgument("request has no input: set either prompt or chat")
 
 
 def engine_request(request: pb.GenerateRequest, admission: Admission) -> engine_pb2.GenerateRequest:
@@ -81,10 +68,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     async def _generate(
         self, request: pb.GenerateRequest, context: Any
     ) -> AsyncIterator[pb.GenerateResponse]:
-        metadata = _metadata(context)
-        text = prompt_text(request)  # INVALID_ARGUMENT when there is no input
         resolve = lambda name: self._resolve_model(name, context.time_remaining())  # noqa: E731
-        admission = await self.gatekeeper.admit_generate(request, text, metadata, resolve)
+        admission = await self.gatekeeper.admit_generate(request, CallMetadata.of(context), resolve)
+        text = admission.prompt_text
         settings = self._settings(text, admission, context.time_remaining())
         self._annotate_span(request, admission)
         tenant = admission.principal.tenant
@@ -127,9 +113,13 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         )
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
-        metadata = _metadata(context)
-        info = await self.upstreams.model_info(context.time_remaining())
-        allowed = await self.gatekeeper.admit_list_models(metadata, [info.model])
+        timeout_s = context.time_remaining()
+
+        async def served() -> list[str]:
+            return [(await self.upstreams.model_info(timeout_s)).model]
+
+        allowed = await self.gatekeeper.admit_list_models(CallMetadata.of(context), served)
+        info = await self.upstreams.model_info(timeout_s)
         return pb.ListModelsResponse(
             models=[
                 pb.ModelInfo(
@@ -143,7 +133,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
 
     async def _resolve_model(self, requested: str, timeout_s: float | None) -> str:
         info = await self.upstreams.model_info(timeout_s)
-        if requested and requested != info.model:
+        if requested and requested != info.model:  # `requested` is bounded (request_bounds.py)
             raise NotFound(f"model {requested!r} is not served here; available: {info.model}")
         return info.model
 

@@ -15,15 +15,16 @@ from typing import Any
 from services.gateway.config import load_policy_file
 
 FAIL_OPEN, FAIL_CLOSED = "open", "closed"
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
 
 @dataclass(frozen=True)
 class TenantLimits:
     """What one tenant may use.
 
-    `requests_per_s` refills a bucket of `burst_requests`; `tokens_per_min` refills a bucket of the
-    same size, charged the prompt at admission and the completion at the end. `max_request_tokens`
+    `requests_per_s` refills a bucket of `burst_requests`; `tokens_per_min` refills a bucket of
+    `burst_tokens` (default: `tokens_per_min`), charged the prompt at admission and the completion
+    at the end. `max_request_tokens`
     caps prompt plus max_tokens of one request. `on_redis_down` says whether calls pass ("open")
     or are refused ("closed") while the shared limiter cannot be reached.
     """
@@ -31,6 +32,7 @@ class TenantLimits:
     requests_per_s: float = 10.0
     burst_requests: int = 20
     tokens_per_min: int = 100_000
+    burst_tokens: int | None = None
     max_request_tokens: int = 8192
     on_redis_down: str = FAIL_CLOSED
     intent_classes: Mapping[str, str] = field(default_factory=dict)
@@ -40,6 +42,10 @@ class TenantLimits:
             raise ValueError("requests_per_s must be >= 0 and burst_requests >= 1")
         if self.tokens_per_min < 1 or self.max_request_tokens < 1:
             raise ValueError("tokens_per_min and max_request_tokens must be >= 1")
+        if self.burst_tokens is not None and self.burst_tokens < 1:
+            raise ValueError(
+                f"burst_tokens must be >= 1 (or absent: tokens_per_min), got {self.burst_tokens}"
+            )
         if self.on_redis_down not in (FAIL_OPEN, FAIL_CLOSED):
             raise ValueError(f"on_redis_down must be 'open' or 'closed', got {self.on_redis_down!r}")
 
@@ -47,6 +53,11 @@ class TenantLimits:
     def tokens_per_s(self) -> float:
         """The token bucket's refill rate."""
         return self.tokens_per_min / 60.0
+
+    @property
+    def token_capacity(self) -> int:
+        """The most tokens the bucket holds: what a tenant may spend at once after idling."""
+        return self.tokens_per_min if self.burst_tokens is None else self.burst_tokens
 
 
 def _limits(base: TenantLimits, entry: Mapping[str, Any]) -> TenantLimits:
@@ -83,4 +94,4 @@ class TenantTable:
 
 def is_valid_tenant(tenant: str) -> bool:
     """Whether a tenant id is safe to use as a Redis key part, cache salt and log field."""
-    return bool(_TENANT.match(tenant))
+    return _TENANT.fullmatch(tenant) is not None  # fullmatch: `$` would let a trailing newline in

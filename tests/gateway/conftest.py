@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
+import redis
 
 from services.cli.client import StreamResult, build_request, call_metadata, collect, stream_generate
-from services.cli.mesh import Mesh
+from services.cli.mesh import Mesh, free_port
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_PROMPT
+from thermocline.gateway.v1 import gateway_pb2 as pb
+from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 
 def write_policy_files(directory: Path, tenants: dict[str, Any] | None = None) -> dict[str, str]:
@@ -70,3 +79,89 @@ def refusal(target: str, bearer: str | None, **kwargs: Any) -> grpc.RpcError:
     except grpc.RpcError as error:
         return error
     raise AssertionError("the call was expected to fail, and it succeeded")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server of the module's own, on a free loopback port."""
+    binary = shutil.which("redis-server")
+    assert binary is not None, "redis-server is not installed (apt-get install redis-server)"
+    port = free_port()
+    log = (tmp_path_factory.mktemp("redis") / "redis.log").open("wb")
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + 30
+    while True:  # PING is the server's health check
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert process.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(30)
+
+
+def send(target: str, request: pb.GenerateRequest, metadata: list[tuple[str, Any]]) -> grpc.RpcError | None:
+    """One Generate with any request and metadata; its error, or None when it succeeded."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            collect(pb_grpc.GatewayServiceStub(channel).Generate(request, metadata=metadata, timeout=60))
+        except grpc.RpcError as error:
+            return error
+    return None
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    """One header as an HPACK literal without indexing, new name, no Huffman (RFC 7541 §6.2.2)."""
+
+    def length(n: int) -> bytes:  # a 7-bit-prefix integer (RFC 7541 §5.1)
+        if n < 127:
+            return bytes([n])
+        out, n = bytearray([127]), n - 127
+        while n >= 128:
+            out.append(n % 128 + 128)
+            n //= 128
+        return bytes([*out, n])
+
+    return b"\x00" + length(len(name)) + name + length(len(value)) + value
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + payload
+
+
+def raw_grpc_call(target: str, path: str, headers: list[tuple[bytes, bytes]], message: bytes) -> bytes:
+    """One gRPC call over a hand-written HTTP/2 connection, for what grpc's client refuses to send
+    (a header value that is not UTF-8); returns every byte the server answered until it closed."""
+    host, port = target.rsplit(":", 1)
+    block = b"".join(
+        _hpack_literal(name, value)
+        for name, value in [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", path.encode()),
+            (b":authority", target.encode()),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+            *headers,
+        ]
+    )
+    body = b"\x00" + len(message).to_bytes(4, "big") + message
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+            + _frame(4, 0, 0, b"")  # SETTINGS
+            + _frame(1, 4, 1, block)  # HEADERS, END_HEADERS
+            + _frame(0, 1, 1, body)  # DATA, END_STREAM
+        )
+        answer = b""
+        while b"grpc-status" not in answer and b"\x00\x00\x00\x00\x07" not in answer[-64:]:
+            chunk = connection.recv(65536)  # until the status trailer (or a GOAWAY, or EOF)
+            if not chunk:
+                break
+            answer += chunk
+            if len(answer) > 1 << 20:
+                break
+    return answer

@@ -6,8 +6,10 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
@@ -15,10 +17,14 @@ from typing import ClassVar
 import grpc
 import jwt
 import pytest
+from jwt.algorithms import RSAAlgorithm
 
+from services.cli.client import build_request, call_metadata
 from services.cli.mesh import Mesh
+from services.gateway.audit_chain import segment_paths
 from services.gateway.tokens import key_id
-from tests.gateway.conftest import call, refusal, token
+from tests.conftest import STORIES_PROMPT
+from tests.gateway.conftest import call, raw_grpc_call, refusal, send, token
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
@@ -160,3 +166,74 @@ def test_an_embedded_jwk_is_refused(stories_mesh: Mesh) -> None:
     embedded = {"kty": "oct", "k": _b64(b"k" * 32)}
     forged = jwt.encode(_claims(), b"k" * 32, algorithm="HS256", headers={"typ": "JWT", "jwk": embedded})
     _expect(stories_mesh, forged, "remote or embedded key")
+
+
+def _forged(mesh: Mesh, header: dict[str, object]) -> str:
+    """A token signed with the mesh's key whose header holds what PyJWT would refuse to write."""
+    private = mesh.private_key_path.read_bytes()
+    full = {"alg": "RS256", "typ": "JWT", "kid": key_id(private, "RS256"), **header}
+    signing_input = f"{_b64(json.dumps(full).encode())}.{_b64(json.dumps(_claims()).encode())}"
+    codec = RSAAlgorithm(RSAAlgorithm.SHA256)
+    return f"{signing_input}.{_b64(codec.sign(signing_input.encode(), codec.prepare_key(private)))}"
+
+
+@pytest.mark.parametrize(
+    "header", [{"crit": ["x-unknown"], "x-unknown": 1}, {"crit": "b64"}, {"kid": None}, {"kid": 7}]
+)
+def test_a_malformed_header_is_unauthenticated_and_audited(
+    stories_mesh: Mesh, header: dict[str, object]
+) -> None:
+    request_id = f"bad-header-{uuid.uuid4().hex[:8]}"
+    metadata = [*call_metadata(_forged(stories_mesh, header)), ("x-request-id", request_id)]
+    error = send(stories_mesh.target("gateway"), build_request(STORIES_PROMPT, max_tokens=1), metadata)
+    assert error is not None and error.code() == UNAUTHENTICATED, error
+    assert "malformed token header" in error.details()
+    events = [
+        json.loads(line)
+        for path in segment_paths(stories_mesh.audit_dir, "decisions")
+        for line in path.read_text().splitlines()
+        if request_id in line
+    ]
+    assert [(e["decision"], e["reason"]) for e in events] == [("deny", error.details())]
+
+
+@pytest.mark.parametrize("tenant", ["acme\n", 123, "", "a" * 129, "acme/../x"])
+def test_an_invalid_tenant_claim_is_refused(stories_mesh: Mesh, tenant: object) -> None:
+    _expect(stories_mesh, _signed(stories_mesh, _claims(tenant=tenant)), "tenant' claim")
+
+
+def _token_of_length(mesh: Mesh, length: int) -> str:
+    """A valid token padded with a filler claim to exactly `length` characters."""
+    pad = length - len(_signed(mesh, _claims(pad="")))
+    for extra in range(pad * 3 // 4 - 8, pad * 3 // 4 + 8):
+        bearer = _signed(mesh, _claims(pad="x" * extra))
+        if len(bearer) == length:
+            return bearer
+    raise AssertionError(f"no padding gives a token of {length} characters")
+
+
+def test_tokens_up_to_16_kib_always_pass_and_longer_ones_are_refused_with_the_limit(
+    stories_mesh: Mesh,
+) -> None:
+    longest = _token_of_length(stories_mesh, 16 * 1024)
+    for _ in range(10):  # between gRPC's soft and hard metadata limits, calls were refused at random
+        assert call(stories_mesh.target("gateway"), longest, max_tokens=1).done is not None
+    too_long = _token_of_length(stories_mesh, 16 * 1024 + 1)
+    _expect(stories_mesh, too_long, "token is 16385 characters, longer than the 16384 allowed")
+
+
+def test_no_log_line_carries_a_credential(stories_mesh: Mesh) -> None:
+    secret = token(stories_mesh, subject="leaky")
+    # a value that is not UTF-8 made grpc log the whole entry, token included, at ERROR
+    headers = [(b"authorization", b"Bearer " + secret.encode() + b"\xff")]
+    request = build_request(STORIES_PROMPT, max_tokens=1).SerializeToString()
+    raw_grpc_call(
+        stories_mesh.target("gateway"), "/thermocline.gateway.v1.GatewayService/Generate", headers, request
+    )
+    call(stories_mesh.target("gateway"), secret, max_tokens=1)
+    # every log the shared mesh has written so far: this test's calls and every earlier test's
+    logs = {path.name: path.read_text(errors="replace") for path in stories_mesh.logs_dir.glob("*.log")}
+    assert "Invalid encoding" in logs["gateway.log"]  # grpc did log the entry, redacted
+    for name, text in logs.items():
+        assert secret.split(".")[2] not in text, f"{name} holds the token's signature"
+        assert not re.search(r"eyJ[A-Za-z0-9_-]{8,}\.eyJ", text), f"{name} holds a JWT"

@@ -18,9 +18,11 @@ from services.cli.trace_collector import TraceCollector
 from services.gateway.audit import prompt_sha256
 from services.gateway.audit_chain import segment_paths
 from tests.conftest import STORIES_PROMPT, start_mesh
-from tests.gateway.conftest import call, refusal, token, write_policy_files
+from tests.gateway.conftest import call, refusal, send, token, write_policy_files
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+STINGY_BURST = 3
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,9 @@ def mesh(
     stories_model: Path, collector: TraceCollector, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
     state = tmp_path_factory.mktemp("policy-mesh")
-    started = start_mesh(stories_model, state, collector, **write_policy_files(state / "policy"))
+    # "stingy" refills one request every ~17 minutes: within a test, it gets STINGY_BURST calls
+    tenants = {"tenants": {"stingy": {"requests_per_s": 0.001, "burst_requests": STINGY_BURST}}}
+    started = start_mesh(stories_model, state, collector, **write_policy_files(state / "policy", tenants))
     yield started
     started.stop()
 
@@ -89,6 +93,97 @@ def test_tenant_and_intent_map_to_the_priority_class_in_the_audit(mesh: Mesh) ->
     event = next(e for e in _decisions(mesh) if e["request_id"] == "class-check")
     assert event["details"]["priority_class"] == "batch"  # type: ignore[index]
     assert event["tenant"] == "globex" and event["decision"] == "allow"
+
+
+def _metadata(bearer: str, request_id: str, intent: str = "chat") -> list[tuple[str, str]]:
+    return [*call_metadata(bearer, intent), ("x-request-id", request_id)]
+
+
+def test_a_huge_model_name_is_refused_by_size_and_its_audit_record_stays_small(mesh: Mesh) -> None:
+    no_roles = token(mesh, subject="filler")
+    request = pb.GenerateRequest(model="m" * 100_000, prompt=STORIES_PROMPT)
+    error = send(mesh.target("gateway"), request, _metadata(no_roles, "huge-model"))
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model name is 100000 characters; at most 128 are allowed" in error.details()
+    lines = [
+        line
+        for path in segment_paths(mesh.audit_dir, "decisions")
+        for line in path.read_text().splitlines()
+        if '"request_id":"huge-model"' in line
+    ]
+    assert len(lines) == 1 and len(lines[0]) < 4096, [len(line) for line in lines]
+
+
+def test_a_caller_without_a_role_learns_nothing_about_served_models(mesh: Mesh) -> None:
+    request = pb.GenerateRequest(model="secret-model", prompt=STORIES_PROMPT)
+    no_roles = send(mesh.target("gateway"), request, _metadata(token(mesh, subject="nobody"), "probe"))
+    assert no_roles is not None and no_roles.code() == grpc.StatusCode.PERMISSION_DENIED
+    user = token(mesh, subject="user", roles=["user"])
+    missing = send(mesh.target("gateway"), request, _metadata(user, "probe-2"))
+    assert missing is not None and missing.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_every_refusal_after_authentication_costs_the_tenant_budget(mesh: Mesh) -> None:
+    stingy = token(mesh, subject="stingy-user", tenant="stingy", roles=["user"])
+    bad_sampling = pb.GenerateRequest(prompt=STORIES_PROMPT, sampling=pb.SamplingOptions(temperature=1e-40))
+    for n in range(STINGY_BURST):  # three refusals of three kinds, each costing one request
+        kinds = [("nobody-knows", bad_sampling), ("chat", bad_sampling), ("chat", pb.GenerateRequest())]
+        intent, request = kinds[n]
+        error = send(mesh.target("gateway"), request, _metadata(stingy, f"stingy-{n}", intent))
+        assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    good = pb.GenerateRequest(prompt=STORIES_PROMPT, sampling=pb.SamplingOptions(max_tokens=1))
+    error = send(mesh.target("gateway"), good, _metadata(stingy, "stingy-good"))
+    assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "rate limit for tenant 'stingy' reached" in error.details()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "reason"),
+    [
+        (pb.SamplingOptions(temperature=1e-40), "temperature must be 0 (greedy) or in [0.001, 100]"),
+        (pb.SamplingOptions(temperature=float("nan")), "temperature must be 0"),
+        (pb.SamplingOptions(top_p=float("inf")), "top_p must be in (0, 1]"),
+        (pb.SamplingOptions(top_k=1 << 30), "top_k must be at most 1048576"),
+        (pb.SamplingOptions(stop=["x"] * 17), "17 stop strings sent; at most 16"),
+        (pb.SamplingOptions(stop=["x" * 300]), "a stop string must be 1-256 characters, got 300"),
+    ],
+)
+def test_sampling_values_outside_their_range_are_refused(
+    mesh: Mesh, sampling: pb.SamplingOptions, reason: str
+) -> None:
+    user = token(mesh, subject="sampler", tenant="samplers", roles=["user"])
+    request = pb.GenerateRequest(prompt=STORIES_PROMPT, sampling=sampling)
+    error = send(mesh.target("gateway"), request, _metadata(user, "sampling"))
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason in error.details()
+
+
+def test_an_oversized_prompt_is_refused_with_its_limit_before_it_is_tokenized(mesh: Mesh) -> None:
+    user = token(mesh, subject="verbose", tenant="verbose", roles=["user"])
+    over = pb.GenerateRequest(prompt="a" * (512 * 1024 + 1))
+    error = send(mesh.target("gateway"), over, _metadata(user, "big-prompt"))
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt is 524289 bytes (UTF-8); this gateway accepts at most 524288" in error.details()
+    # far beyond the limit, the gRPC server refuses the message before parsing it
+    flood = pb.GenerateRequest(prompt="a" * (4 * 1024 * 1024))
+    error = send(mesh.target("gateway"), flood, _metadata(user, "huge-prompt"))
+    assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in error.details()
+
+
+def test_oversized_metadata_and_two_credentials_are_refused(mesh: Mesh) -> None:
+    user = token(mesh, subject="meta", tenant="meta", roles=["user"])
+    request = pb.GenerateRequest(prompt=STORIES_PROMPT)
+    long_intent = send(mesh.target("gateway"), request, _metadata(user, "meta", intent="c" * 1000))
+    assert long_intent is not None and long_intent.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "metadata 'x-intent' is 1000 characters; at most 256" in long_intent.details()
+    other = token(mesh, subject="someone-else", tenant="meta", roles=["user"])
+    two = [*_metadata(user, "two-tokens"), ("authorization", f"Bearer {other}")]
+    error = send(mesh.target("gateway"), request, two)
+    assert error is not None and error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "2 'authorization' metadata entries sent" in error.details()
+    denied = [e for e in _decisions(mesh) if e["request_id"] == "two-tokens"]
+    assert [e["decision"] for e in denied] == ["deny"]
 
 
 def test_sigkill_after_acknowledged_requests_loses_no_audit_event(mesh: Mesh) -> None:

@@ -10,7 +10,7 @@ from services.common.errors import InvalidArgument, PermissionDenied
 from services.gateway.intents import IntentPolicy
 from services.gateway.jwks import KeySet
 from services.gateway.rbac import Policy
-from services.gateway.tenants import TenantTable
+from services.gateway.tenants import TenantTable, is_valid_tenant
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "gateway"
 
@@ -55,3 +55,9 @@ def test_bad_tenant_settings_are_refused() -> None:
         TenantTable.from_dict({"tenants": {"a": {"on_redis_down": "maybe"}}})
     with pytest.raises(ValueError, match="unknown tenant setting"):
         TenantTable.from_dict({"defaults": {"requests_per_minute": 5}})
+
+
+@pytest.mark.parametrize("tenant", ["acme\n", "", "-acme", "a" * 129, "acme/../x", "acme corp"])
+def test_tenant_ids_must_match_the_pattern_to_their_last_character(tenant: str) -> None:
+    assert not is_valid_tenant(tenant)
+    assert is_valid_tenant("acme.eu-1@prod")

@@ -22,8 +22,9 @@ TENANTS = {
     "tenants": {
         # refills one request every ~17 minutes: within a test, the bucket admits BURST and no more
         "metered": {"requests_per_s": 0.001, "burst_requests": BURST},
-        # 30 tokens/min = 0.5 tokens/s; each call costs 5 prompt + 2 completion tokens
-        "wordy": {"tokens_per_min": 30},
+        # a bucket of 30 tokens refilled at 1 token/min: within a test it admits 30 tokens and no more;
+        # each call costs 5 prompt + 2 completion tokens
+        "wordy": {"tokens_per_min": 1, "burst_tokens": 30},
         "open-tenant": {"on_redis_down": "open"},
         "closed-tenant": {"on_redis_down": "closed"},
     },
@@ -89,14 +90,14 @@ def test_tokens_per_minute_count_prompt_and_completion(mesh: Mesh) -> None:
         assert result.done is not None and result.done.usage.prompt_tokens == 5
     error = refusal(mesh.target("gateway-2"), bearer, intent="chat", max_tokens=2)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "30 tokens/min" in error.details()
+    assert "1 tokens/min in bursts of 30" in error.details()
 
 
 def test_a_prompt_over_the_request_budget_gets_both_counts(mesh: Mesh) -> None:
     bearer = _user(mesh, "wordy")
     error = refusal(mesh.target("gateway"), bearer, intent="chat", prompt="Once upon a time " * 10)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "prompt of 42 tokens" in error.details() and "30 tokens/min" in error.details()
+    assert "prompt of 42 tokens" in error.details() and "token bucket of 30 tokens" in error.details()
 
 
 def test_redis_down_fails_open_or_closed_per_tenant(mesh: Mesh) -> None:

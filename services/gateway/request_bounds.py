@@ -1,0 +1,130 @@
+"""Size and range limits on every caller-supplied field, checked before the field is used.
+
+A field's size is checked before it reaches a message, a log line, the audit log, the tokenizer
+or the engine; each refusal is INVALID_ARGUMENT and states the limit. Sampling ranges follow the
+engine's documented ones (services/engine/scheduling/sampling_params.py), so a request the engine
+would refuse is refused here, before it spends a safety check or an engine slot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgument
+from thermocline.gateway.v1 import gateway_pb2 as pb
+
+MAX_MODEL_CHARS = 128
+MAX_CHAT_MESSAGES = 1024
+MAX_ROLE_CHARS = 32
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_METADATA_VALUE_CHARS = 256  # x-intent, x-request-id; the token has its own limit (auth.py)
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+MAX_TOP_K = 1 << 20
+MAX_SEED = 2**63 - 1
+# The safety service refuses texts over 1,000,000 characters; a prompt never gets that far.
+MAX_PROMPT_BYTES_CEILING = 1_000_000
+# What a request may carry besides its prompt: chat roles and framing, stop strings, the model name.
+_ENVELOPE_BYTES = 128 * 1024
+_CHECKED_METADATA = ("x-intent", "x-request-id")
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """`THERMOCLINE_GATEWAY_MAX_PROMPT_BYTES`: the largest prompt (or sum of chat turns) in UTF-8 bytes.
+
+    The gateway's gRPC server refuses any message larger than `max_message_bytes` before parsing
+    it, so an oversized prompt costs neither a parse nor the event loop's time.
+    """
+
+    max_prompt_bytes: int = 512 * 1024
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_prompt_bytes <= MAX_PROMPT_BYTES_CEILING:
+            raise ValueError(
+                f"THERMOCLINE_GATEWAY_MAX_PROMPT_BYTES must lie in 1..{MAX_PROMPT_BYTES_CEILING} "
+                f"(the safety service's limit), got {self.max_prompt_bytes}"
+            )
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest GenerateRequest the gRPC server accepts: the prompt plus its envelope."""
+        return self.max_prompt_bytes + _ENVELOPE_BYTES
+
+
+def prompt_bytes(request: pb.GenerateRequest) -> int:
+    """The prompt's size in UTF-8 bytes (every chat turn's role and content)."""
+    if request.WhichOneof("input") == "chat":
+        return sum(len(m.role.encode()) + len(m.content.encode()) for m in request.chat.messages)
+    return len(request.prompt.encode())
+
+
+def check_metadata(metadata: Mapping[str, str]) -> None:
+    """INVALID_ARGUMENT when a metadata value the gateway reads is oversized."""
+    for key in _CHECKED_METADATA:
+        value = metadata.get(key, "")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidArgument(
+                f"metadata '{key}' is {len(value)} characters; at most {MAX_METADATA_VALUE_CHARS} are allowed"
+            )
+
+
+def check_sizes(request: pb.GenerateRequest, bounds: RequestBounds) -> None:
+    """INVALID_ARGUMENT, naming the limit, when any string or list of the request is oversized."""
+    if len(request.model) > MAX_MODEL_CHARS:
+        raise InvalidArgument(
+            f"model name is {len(request.model)} characters; at most {MAX_MODEL_CHARS} are allowed"
+        )
+    _check_chat(request)
+    size = prompt_bytes(request)
+    if size > bounds.max_prompt_bytes:
+        raise InvalidArgument(
+            f"prompt is {size} bytes (UTF-8); this gateway accepts at most {bounds.max_prompt_bytes}; "
+            "shorten it or split the work"
+        )
+    _check_stop(request.sampling.stop)
+
+
+def _check_chat(request: pb.GenerateRequest) -> None:
+    if request.WhichOneof("input") != "chat":
+        return
+    messages = request.chat.messages
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgument(f"chat has {len(messages)} messages; at most {MAX_CHAT_MESSAGES} are allowed")
+    for number, message in enumerate(messages):
+        if len(message.role) > MAX_ROLE_CHARS:
+            raise InvalidArgument(
+                f"chat message {number}: role is {len(message.role)} characters; at most {MAX_ROLE_CHARS}"
+            )
+
+
+def _check_stop(stop: list[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"{len(stop)} stop strings sent; at most {MAX_STOP_STRINGS} are allowed")
+    for text in stop:
+        if not text or len(text) > MAX_STOP_STRING_CHARS:
+            raise InvalidArgument(
+                f"a stop string must be 1-{MAX_STOP_STRING_CHARS} characters, got {len(text)}"
+            )
+
+
+def check_sampling(sampling: pb.SamplingOptions) -> None:
+    """INVALID_ARGUMENT, naming the range, when a sampling value lies outside its documented range."""
+    t = sampling.temperature
+    if not (t == 0.0 or (math.isfinite(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)):
+        raise InvalidArgument(
+            f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+            f"got {t:g}"
+        )
+    if not (math.isfinite(sampling.top_p) and 0.0 <= sampling.top_p <= 1.0):
+        raise InvalidArgument(
+            f"sampling.top_p must be in (0, 1] (0 or 1 turn it off), got {sampling.top_p:g}"
+        )
+    if sampling.top_k > MAX_TOP_K:
+        raise InvalidArgument(
+            f"sampling.top_k must be at most {MAX_TOP_K} (0 turns it off), got {sampling.top_k}"
+        )
+    if sampling.HasField("seed") and sampling.seed > MAX_SEED:
+        raise InvalidArgument(f"sampling.seed must be at most {MAX_SEED}, got {sampling.seed}")
