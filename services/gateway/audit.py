@@ -5,6 +5,11 @@ Events go to one of two hash-chained streams (see audit_chain.py): `decisions` (
 `admin_retention_days`, 365 by default). Writes are group-committed: concurrent calls share one
 write and one fsync, and `record` returns only after the fsync. Neither the raw prompt nor the
 token is ever logged; the prompt appears as its sha256.
+
+When a write fails (a full disk, an I/O error), `record` raises UNAVAILABLE, so the call it
+audits is refused rather than served unaudited; the failed batch is cut from the segment, the
+`thermocline_gateway_audit_writable` gauge drops to 0, and the next write tries again. An event
+is acknowledged only after its fsync, so a failure loses nothing that was acknowledged.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from services.common.errors import Unavailable
 from services.gateway.audit_chain import ChainWriter, last_line_hash, segment_paths
+from services.gateway.metrics import AUDIT_WRITABLE, AUDIT_WRITE_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +35,10 @@ DECISIONS, ADMIN = "decisions", "admin"
 STREAMS = (DECISIONS, ADMIN)
 ADMIN_ACTIONS = frozenset({"admin", "read_audit", "policy.load", "audit.prune", "audit.start"})
 ALLOW, DENY = "allow", "deny"
+# Every string in a record is cut to this many characters, so no caller can make a record large:
+# a record stays under about 8 KiB whatever the request held.
+MAX_FIELD_CHARS = 512
+_MAX_DETAILS = 16
 
 
 def prompt_sha256(text: str) -> str:
@@ -64,10 +75,30 @@ class AuditEvent:
         return ADMIN if self.action in ADMIN_ACTIONS else DECISIONS
 
     def to_record(self) -> dict[str, Any]:
-        """The event as the JSON object that is chained."""
-        record = asdict(self)
-        record["details"] = dict(self.details)
+        """The event as the JSON object that is chained, every string bounded."""
+        record = {name: bounded(value) for name, value in asdict(self).items() if name != "details"}
+        details = list(self.details.items())[:_MAX_DETAILS]
+        record["details"] = {bounded(str(name)): _bounded_value(value) for name, value in details}
         return record
+
+
+def bounded(text: str) -> str:
+    """`text` cut to MAX_FIELD_CHARS, saying how much was cut."""
+    if len(text) <= MAX_FIELD_CHARS:
+        return text
+    return f"{text[:MAX_FIELD_CHARS]}...[{len(text) - MAX_FIELD_CHARS} more characters cut]"
+
+
+def _bounded_value(value: Any) -> Any:
+    """A details value with its strings bounded (details are one level of scalars or flat dicts)."""
+    if isinstance(value, str):
+        return bounded(value)
+    if isinstance(value, Mapping):
+        return {
+            bounded(str(k)): bounded(v) if isinstance(v, str) else v
+            for k, v in list(value.items())[:_MAX_DETAILS]
+        }
+    return value
 
 
 @dataclass(frozen=True)
@@ -112,11 +143,15 @@ class AuditLog:
             batch, self._pending = self._pending, []
             try:
                 await asyncio.to_thread(self._write, [event for event, _ in batch])
-            except Exception as error:  # the callers learn of it; the log is not acknowledged
+            except OSError as error:  # the callers learn of it; nothing in the batch is acknowledged
+                _fail(batch, error)
+                continue
+            except Exception as error:
                 log.exception("audit write failed")
                 for _, future in batch:
                     future.set_exception(error)
                 continue
+            AUDIT_WRITABLE.set(1)
             for _, future in batch:
                 future.set_result(None)
 
@@ -152,6 +187,19 @@ class AuditLog:
         """Closes the segment files."""
         for writer in self._writers.values():
             writer.close()
+
+
+def _fail(batch: list[tuple[AuditEvent, asyncio.Future[None]]], error: OSError) -> None:
+    """Refuses every call of a batch that could not be written, and raises the alert metric."""
+    log.error("audit write failed (%s); refusing the %d call(s) it would have recorded", error, len(batch))
+    AUDIT_WRITE_FAILURES.inc()
+    AUDIT_WRITABLE.set(0)
+    message = (
+        f"the audit log cannot be written ({error.strerror or error}); no call is served unaudited, "
+        "retry later or on another gateway"
+    )
+    for _, future in batch:
+        future.set_exception(Unavailable(message))
 
 
 def _prune_event(stream: str, path: Path, last_hash: str) -> AuditEvent:

@@ -98,30 +98,63 @@ class ChainWriter:
         if current is None or current.stat().st_size >= self.rotate_bytes:
             number = _sequence(current) + 1 if current else 1
             current = self.directory / f"{self.stream}-{number:08d}.jsonl"
-        file = current.open("ab")
+        file = current.open("ab", buffering=0)  # unbuffered: a failed write leaves nothing queued
         _fsync_directory(self.directory)
         return file
 
     def append(self, events: Iterable[Mapping[str, Any]]) -> None:
-        """Chains and writes `events`, then fsyncs; on return they are durable."""
+        """Chains and writes `events`, then fsyncs; on return they are durable.
+
+        When the write or the fsync fails (a full disk), the segment is cut back to where it was
+        and the chain's tip is restored, so the next append continues a chain that is on disk.
+        """
         if self._file is None or self._file.tell() >= self.rotate_bytes:
             self.close()
             self._file = self._open_segment()
+        tip, start = (self.last_hash, self.count), self._file.tell()
+        try:
+            self._write_all(self._chained_lines(events))
+            os.fsync(self._file.fileno())
+        except OSError:
+            self._roll_back(tip, start)
+            raise
+        self._write_head()
+
+    def _chained_lines(self, events: Iterable[Mapping[str, Any]]) -> bytes:
         lines = []
         for event in events:
             prev_hash, self.last_hash = self.last_hash, chain_hash(event, self.last_hash)
             record = {**event, "prev_hash": prev_hash, "hash": self.last_hash}
             lines.append(canonical_json(record) + b"\n")
             self.count += 1
-        self._file.write(b"".join(lines))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._write_head()
+        return b"".join(lines)
+
+    def _write_all(self, data: bytes) -> None:
+        assert self._file is not None
+        view = memoryview(data)
+        while view:
+            written = self._file.write(view)
+            view = view[written or 0 :]
+
+    def _roll_back(self, tip: tuple[str, int], start: int) -> None:
+        """Forgets a batch that did not reach the disk: the tip in memory and any bytes written."""
+        self.last_hash, self.count = tip
+        assert self._file is not None
+        try:
+            self._file.truncate(start)
+        except OSError:  # the next start-up drops a torn tail the same way
+            log.exception("could not cut the failed audit batch from %s", self._file.name)
+        self.close()
 
     def _write_head(self) -> None:
+        """Records the tip; the events are durable already, so a failure here only lags the head."""
         temporary = self.head_path.with_suffix(".head.tmp")
-        temporary.write_text(json.dumps({"count": self.count, "hash": self.last_hash}))
-        temporary.replace(self.head_path)
+        try:
+            temporary.write_text(json.dumps({"count": self.count, "hash": self.last_hash}))
+            temporary.replace(self.head_path)
+        except OSError:
+            log.exception("could not update %s; it lags the log until the next write", self.head_path.name)
+            temporary.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Closes the open segment, if any."""

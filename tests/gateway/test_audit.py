@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from services.common.errors import Unavailable
 from services.gateway.audit import ADMIN, DECISIONS, STREAMS, AuditConfig, AuditEvent, AuditLog
 from services.gateway.audit_chain import segment_paths, verify_directory
+from services.gateway.metrics import AUDIT_WRITABLE, AUDIT_WRITE_FAILURES
 
 
 def _event(n: int, action: str = "invoke") -> AuditEvent:
@@ -143,3 +147,73 @@ def test_a_torn_last_line_is_dropped_on_restart_and_the_chain_continues(tmp_path
     _write(tmp_path, 5).close()
     assert len(_lines(path)) == 10
     assert _problems(tmp_path) == ""
+
+
+def test_a_record_stays_small_whatever_the_caller_sent(tmp_path: Path) -> None:
+    log = AuditLog(AuditConfig(directory=tmp_path))
+    huge = "m" * (4 * 1024 * 1024)
+    event = AuditEvent(
+        actor_principal=huge, tenant="acme", action="invoke", resource=f"model:{huge}", decision="deny",
+        reason=f"model {huge!r} is not served here", details={"intent": huge, huge: 1},
+    )  # fmt: skip
+    asyncio.run(log.record(event))
+    log.close()
+    line = _lines(segment_paths(tmp_path, DECISIONS)[0])[0]
+    assert len(line) < 8192 and "more characters cut" in line
+    assert _problems(tmp_path) == ""
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a real file system that really fills up (mounting needs root, as in CI)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], check=False
+    )
+    if mounted.returncode != 0:
+        assert os.environ.get("CI") != "true", "CI runs as root and must be able to mount a tmpfs"
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def _fill(directory: Path) -> Path:
+    """Writes a filler file until the file system is full; returns it."""
+    filler = directory / "filler"
+    with filler.open("wb", buffering=0) as file:
+        for size in (65536, 4096, 1):  # down to the last byte
+            with contextlib.suppress(OSError):
+                while file.write(b"\0" * size):
+                    pass
+    return filler
+
+
+def test_a_full_disk_refuses_with_unavailable_raises_the_alert_and_loses_nothing_acknowledged(
+    small_disk: Path,
+) -> None:
+    log = AuditLog(AuditConfig(directory=small_disk / "audit"))
+
+    async def scenario() -> tuple[list[str], float, float]:
+        acknowledged = []
+        for n in range(5):
+            await log.record(_event(n))
+            acknowledged.append(f"req-{n}")
+        filler = _fill(small_disk)
+        with pytest.raises(Unavailable, match="audit log cannot be written"):
+            await asyncio.gather(*(log.record(_event(n)) for n in range(100, 110)))
+        writable_when_full = AUDIT_WRITABLE._value.get()
+        filler.unlink()  # space again: the next write succeeds and continues the chain on disk
+        for n in range(5, 8):
+            await log.record(_event(n))
+            acknowledged.append(f"req-{n}")
+        return acknowledged, writable_when_full, AUDIT_WRITABLE._value.get()
+
+    failures_before = AUDIT_WRITE_FAILURES._value.get()
+    acknowledged, writable_when_full, writable_after = asyncio.run(scenario())
+    log.close()
+    assert (writable_when_full, writable_after) == (0, 1)
+    assert AUDIT_WRITE_FAILURES._value.get() > failures_before
+    records = [json.loads(line) for line in _lines(segment_paths(small_disk / "audit", DECISIONS)[0])]
+    assert [r["request_id"] for r in records] == acknowledged  # all of them, and no refused one
+    assert _problems(small_disk / "audit") == ""
