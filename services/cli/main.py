@@ -23,7 +23,7 @@ from services.cli.client import (
     stream_generate,
 )
 from services.cli.loadgen.command import add_loadgen_parser
-from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
+from services.cli.mesh import AUDIT_KEY_NAME, Mesh, MeshConfig, Ports, ServiceFailed
 from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
 from services.common import env
 from services.engine.model.registry import DEFAULT_MODEL, resolve_model
@@ -141,16 +141,40 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit_key_file(args: argparse.Namespace) -> Path | None:
+    """--key-file, else THERMOCLINE_GATEWAY_AUDIT_KEY_FILE, else the local mesh's key if there is one."""
+    if args.key_file:
+        return Path(args.key_file)
+    configured = env.get_optional_str("THERMOCLINE_GATEWAY_AUDIT_KEY_FILE")
+    if configured:
+        return Path(configured)
+    local = local_state_dir(args.state_dir) / "keys" / AUDIT_KEY_NAME
+    return local if local.exists() else None
+
+
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    """Verifies the audit log's hash chains; exit status 1 names the first broken entry."""
+    """Verifies the audit log's hash chains and signed checkpoints; exit status 1 names where trust ends."""
     from services.gateway.audit import STREAMS
     from services.gateway.audit_chain import verify_directory
+    from services.gateway.audit_checkpoint import Signer, load_key
 
     directory = Path(args.directory or local_state_dir(args.state_dir) / "audit")
     if not directory.is_dir():
         print(f"error: {directory} is not a directory", file=sys.stderr)
         return 2
-    report = verify_directory(directory, STREAMS)
+    key_file = _audit_key_file(args)
+    try:
+        signer = None if key_file is None else Signer(load_key(key_file))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if signer is None:
+        print(
+            "warning: no signing key (--key-file): only the hash chain is checked, and a chain "
+            "rewritten from some event on would still verify",
+            file=sys.stderr,
+        )
+    report = verify_directory(directory, STREAMS, signer)
     counts = ", ".join(f"{stream}: {n} events" for stream, n in report.num_events.items())
     if report.is_ok:
         print(f"audit log {directory} verifies ({counts})")
@@ -211,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     audit_commands = audit.add_subparsers(dest="audit_command", required=True)
     verify = audit_commands.add_parser("verify", help="check the hash chains of an audit directory")
     verify.add_argument("directory", nargs="?", help="default: <state dir>/audit")
+    verify.add_argument(
+        "--key-file",
+        help="the gateway's audit signing key (default: $THERMOCLINE_GATEWAY_AUDIT_KEY_FILE, "
+        "else <state dir>/keys/audit.key)",
+    )
     verify.set_defaults(func=cmd_audit_verify)
 
     keys = commands.add_parser("keys", help="make an RSA key pair for token signing")

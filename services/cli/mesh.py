@@ -19,11 +19,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
+from services.gateway.audit_checkpoint import ensure_key
 from services.gateway.tokens import ensure_dev_keys
 
 log = logging.getLogger(__name__)
 
 SERVICES = ("kvstore", "safety", "engine", "gateway")
+AUDIT_KEY_NAME = "audit.key"  # the audit signing key, in the keys directory
 # The engine's intent classes as deployed (reserved slots, per-class timeouts and tier sizes).
 ENGINE_INTENT_CLASSES = Path(__file__).resolve().parents[2] / "deploy" / "engine" / "intent_classes.toml"
 
@@ -111,6 +113,7 @@ class Mesh:
         self.keys_dir = config.state_dir / "keys"
         self.logs_dir = config.state_dir / "logs"
         self.private_key_path, self.public_key_path = ensure_dev_keys(self.keys_dir)
+        self.audit_key_path = ensure_key(self.keys_dir / AUDIT_KEY_NAME)  # outside the audit directory
         self.audit_dir = config.state_dir / "audit"
         # gRPC ports of the processes that Ports does not name (engine replicas, extra gateways).
         self.extra_ports: dict[str, int] = {
@@ -223,6 +226,7 @@ class Mesh:
             "THERMOCLINE_GATEWAY_SAFETY_TARGET": self.target("safety"),
             "THERMOCLINE_ENGINE_SAFETY_TARGET": self.target("safety"),
             "THERMOCLINE_GATEWAY_JWT_KEY_FILE": str(self.public_key_path),
+            "THERMOCLINE_GATEWAY_AUDIT_KEY_FILE": str(self.audit_key_path),
             "THERMOCLINE_KVSTORE_DATA_DIR": str(config.state_dir / "kvstore"),
             "REDIS_URL": f"redis://127.0.0.1:{ports.redis}/0",
             "OTEL_BSP_SCHEDULE_DELAY": "200",

@@ -27,6 +27,7 @@ from typing import Any
 
 from services.common.errors import Unavailable
 from services.gateway.audit_chain import ChainWriter, last_line_hash, segment_paths
+from services.gateway.audit_checkpoint import Signer, check_key_outside, load_key
 from services.gateway.metrics import AUDIT_WRITABLE, AUDIT_WRITE_FAILURES
 
 log = logging.getLogger(__name__)
@@ -103,14 +104,24 @@ def _bounded_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """Where the log lives, how long segments are kept, and when a segment is rotated."""
+    """Where the log lives, how long segments are kept, when a segment is rotated, and how it is signed.
+
+    `key_file` holds the checkpoint signing key (see audit_checkpoint.py); it must lie outside
+    `directory`. Without it the chain still shows careless edits, but not a rewritten chain.
+    """
 
     directory: Path
     retention_days: float = 90.0
     admin_retention_days: float = 365.0
     rotate_bytes: int = 64 * 1024 * 1024
+    key_file: Path | None = None
+    checkpoint_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.key_file is not None:
+            check_key_outside(self.key_file, self.directory)
+        if self.checkpoint_interval_s < 0:
+            raise ValueError(f"audit checkpoint interval must be >= 0 s, got {self.checkpoint_interval_s}")
         if self.retention_days <= 0 or self.admin_retention_days <= 0:
             raise ValueError("audit retention must be > 0 days")
         if self.rotate_bytes < 4096:
@@ -126,7 +137,15 @@ class AuditLog:
 
     def __init__(self, config: AuditConfig) -> None:
         self.config = config
-        self._writers = {s: ChainWriter(config.directory, s, config.rotate_bytes) for s in STREAMS}
+        signer = None
+        if config.key_file is None:
+            log.warning("no audit signing key configured: a rewritten audit chain would go unnoticed")
+        else:
+            signer = Signer(load_key(config.key_file))
+        self._writers = {
+            s: ChainWriter(config.directory, s, config.rotate_bytes, signer, config.checkpoint_interval_s)
+            for s in STREAMS
+        }
         self._pending: list[tuple[AuditEvent, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
 

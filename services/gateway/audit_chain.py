@@ -15,10 +15,13 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from services.gateway.audit_checkpoint import ChainEntry, Signer, checkpoints_path, trust_problems
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +59,23 @@ def last_line_hash(path: Path) -> tuple[str | None, bool]:
 class ChainWriter:
     """Appends events to one stream. Not thread-safe: one writer thread at a time."""
 
-    def __init__(self, directory: Path, stream: str, rotate_bytes: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        stream: str,
+        rotate_bytes: int,
+        signer: Signer | None = None,
+        checkpoint_interval_s: float = 60.0,
+    ) -> None:
         self.directory = directory
         self.stream = stream
         self.rotate_bytes = rotate_bytes
+        self.signer = signer
+        self.checkpoint_interval_s = checkpoint_interval_s
         directory.mkdir(parents=True, exist_ok=True)
         self.last_hash, self.count = self._recover()
         self._file: IO[bytes] | None = None
+        self._last_checkpoint_at: float | None = None
 
     @property
     def head_path(self) -> Path:
@@ -76,7 +89,7 @@ class ChainWriter:
             if is_torn:
                 self._truncate_torn_tail(path)
             if last_hash is not None:
-                return last_hash, self._head_count()
+                return last_hash, _last_seq(path) or self._head_count()
         return GENESIS_HASH, 0
 
     def _head_count(self) -> int:
@@ -119,14 +132,16 @@ class ChainWriter:
             self._roll_back(tip, start)
             raise
         self._write_head()
+        self._maybe_checkpoint()
 
     def _chained_lines(self, events: Iterable[Mapping[str, Any]]) -> bytes:
         lines = []
         for event in events:
-            prev_hash, self.last_hash = self.last_hash, chain_hash(event, self.last_hash)
-            record = {**event, "prev_hash": prev_hash, "hash": self.last_hash}
-            lines.append(canonical_json(record) + b"\n")
             self.count += 1
+            numbered = {**event, "seq": self.count}  # inside the hash: checkpoints name events by seq
+            prev_hash, self.last_hash = self.last_hash, chain_hash(numbered, self.last_hash)
+            record = {**numbered, "prev_hash": prev_hash, "hash": self.last_hash}
+            lines.append(canonical_json(record) + b"\n")
         return b"".join(lines)
 
     def _write_all(self, data: bytes) -> None:
@@ -149,12 +164,34 @@ class ChainWriter:
     def _write_head(self) -> None:
         """Records the tip; the events are durable already, so a failure here only lags the head."""
         temporary = self.head_path.with_suffix(".head.tmp")
+        head: dict[str, Any] = {"count": self.count, "hash": self.last_hash}
         try:
-            temporary.write_text(json.dumps({"count": self.count, "hash": self.last_hash}))
+            temporary.write_text(json.dumps(self.signer.sign(head) if self.signer else head))
             temporary.replace(self.head_path)
         except OSError:
             log.exception("could not update %s; it lags the log until the next write", self.head_path.name)
             temporary.unlink(missing_ok=True)
+
+    def _maybe_checkpoint(self) -> None:
+        """Appends a signed checkpoint of the tip when the last one is older than the interval."""
+        now = time.monotonic()
+        if self.signer is None or (
+            self._last_checkpoint_at is not None
+            and now - self._last_checkpoint_at < self.checkpoint_interval_s
+        ):
+            return
+        record = self.signer.sign(
+            {"count": self.count, "hash": self.last_hash, "timestamp_unix_s": time.time()}
+        )
+        try:
+            with checkpoints_path(self.directory, self.stream).open("ab") as file:
+                file.write(canonical_json(record) + b"\n")
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError:
+            log.exception("could not append an audit checkpoint; the next batch tries again")
+            return
+        self._last_checkpoint_at = now
 
     def close(self) -> None:
         """Closes the open segment, if any."""
@@ -165,6 +202,13 @@ class ChainWriter:
     def current_segment(self) -> Path | None:
         """The segment being written, if one is open."""
         return Path(self._file.name) if self._file is not None else None  # type: ignore[arg-type]
+
+
+def _last_seq(path: Path) -> int:
+    """The `seq` of the segment's last complete line (0 for lines written before events had one)."""
+    complete = path.read_bytes().rpartition(b"\n")[0]
+    last = complete.rsplit(b"\n", 1)[-1]
+    return int(json.loads(last).get("seq", 0)) if last else 0
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -207,10 +251,13 @@ def _pruned_hashes(directory: Path) -> set[str]:
     return hashes
 
 
-def verify_stream(directory: Path, stream: str, pruned: set[str]) -> tuple[int, list[str]]:
-    """Walks one stream's chain: (events checked, problems found)."""
+def verify_stream(
+    directory: Path, stream: str, pruned: set[str], entries: list[ChainEntry] | None = None
+) -> tuple[int, list[str]]:
+    """Walks one stream's chain: (events checked, problems found); fills `entries` when given."""
     expected: str | None = None
     count, seen = 0, set()
+    entries = [] if entries is None else entries
     for path, number, line in _lines(segment_paths(directory, stream)):
         where = f"{path.name}:{number}"
         try:
@@ -227,6 +274,7 @@ def verify_stream(directory: Path, stream: str, pruned: set[str]) -> tuple[int, 
             return count, [f"{where}: hash does not match the content; the entry was edited"]
         expected, count = stored, count + 1
         seen.add(stored)
+        entries.append(ChainEntry(int(record.get("seq", 0)), stored, where, str(record.get("event_id", ""))))
     return count, _check_head(directory, stream, seen, count)
 
 
@@ -240,12 +288,15 @@ def _check_head(directory: Path, stream: str, seen: set[str], count: int) -> lis
     return [f"{stream}: the last entry that {head_path.name} names is gone; entries were cut from the end"]
 
 
-def verify_directory(directory: Path, streams: Iterable[str]) -> VerifyReport:
-    """Verifies every stream of an audit directory."""
+def verify_directory(directory: Path, streams: Iterable[str], signer: Signer | None = None) -> VerifyReport:
+    """Verifies every stream of an audit directory; with the signing key, its signed checkpoints too."""
     report = VerifyReport()
     pruned = _pruned_hashes(directory)
     for stream in streams:
-        count, problems = verify_stream(directory, stream, pruned)
+        entries: list[ChainEntry] = []
+        count, problems = verify_stream(directory, stream, pruned, entries)
+        if signer is not None and not problems:
+            problems = trust_problems(directory, stream, entries, signer)
         report.num_events[stream] = count
         report.problems.extend(problems)
     return report

@@ -205,6 +205,8 @@ def _audit_from_env(environ: Mapping[str, str] | None) -> AuditConfig:
         retention_days=env.get_float(PREFIX + "AUDIT_RETENTION_DAYS", 90.0, environ),
         admin_retention_days=env.get_float(PREFIX + "AUDIT_ADMIN_RETENTION_DAYS", 365.0, environ),
         rotate_bytes=int(env.get_float(PREFIX + "AUDIT_ROTATE_MB", 64.0, environ) * MIB),
+        key_file=_optional_path(PREFIX + "AUDIT_KEY_FILE", environ),
+        checkpoint_interval_s=env.get_float(PREFIX + "AUDIT_CHECKPOINT_S", 60.0, environ),
     )
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from services.common.errors import Unavailable
 from services.gateway.audit import ADMIN, DECISIONS, STREAMS, AuditConfig, AuditEvent, AuditLog
-from services.gateway.audit_chain import segment_paths, verify_directory
+from services.gateway.audit_chain import canonical_json, chain_hash, segment_paths, verify_directory
+from services.gateway.audit_checkpoint import Signer, load_key
 from services.gateway.metrics import AUDIT_WRITABLE, AUDIT_WRITE_FAILURES
 
 
@@ -217,3 +218,73 @@ def test_a_full_disk_refuses_with_unavailable_raises_the_alert_and_loses_nothing
     records = [json.loads(line) for line in _lines(segment_paths(small_disk / "audit", DECISIONS)[0])]
     assert [r["request_id"] for r in records] == acknowledged  # all of them, and no refused one
     assert _problems(small_disk / "audit") == ""
+
+
+def _signed_log(directory: Path, key_file: Path, num_events: int) -> None:
+    """num_events in batches of ten, a signed checkpoint after every batch."""
+    key_file.write_text("k" * 64)
+    config = AuditConfig(directory=directory, key_file=key_file, checkpoint_interval_s=0)
+    log = AuditLog(config)
+
+    async def write_all() -> None:
+        for start in range(0, num_events, 10):
+            await asyncio.gather(*(log.record(_event(n)) for n in range(start, start + 10)))
+
+    asyncio.run(write_all())
+    log.close()
+
+
+def _rewrite_from(path: Path, line_number: int) -> None:
+    """What an attacker with write access but no key can do: edit one event, then recompute every
+    later hash and the head file, so that the chain alone verifies."""
+    records = [json.loads(line) for line in _lines(path)]
+    records[line_number - 1]["decision"] = (
+        "allow" if records[line_number - 1]["decision"] == "deny" else "deny"
+    )
+    prev = records[line_number - 1]["prev_hash"]
+    for record in records[line_number - 1 :]:
+        event = {k: v for k, v in record.items() if k not in ("prev_hash", "hash")}
+        record["prev_hash"], record["hash"] = prev, chain_hash(event, prev)
+        prev = record["hash"]
+    path.write_bytes(b"".join(canonical_json(r) + b"\n" for r in records))
+    head = path.parent / f"{DECISIONS}.head"
+    head.write_text(json.dumps({**json.loads(head.read_text()), "count": len(records), "hash": prev}))
+
+
+def test_a_rewritten_chain_is_caught_by_the_signed_checkpoints(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys" / "audit.key"
+    key_file.parent.mkdir()
+    _signed_log(tmp_path / "audit", key_file, 30)
+    path = segment_paths(tmp_path / "audit", DECISIONS)[0]
+    _rewrite_from(path, 15)
+    assert verify_directory(tmp_path / "audit", STREAMS).is_ok  # the chain alone cannot tell
+    report = verify_directory(tmp_path / "audit", STREAMS, Signer(load_key(key_file)))
+    event_id = json.loads(_lines(path)[10])["event_id"]
+    assert report.problems == [
+        "decisions: the chain was rewritten: the signed checkpoint at event #20 does not match it; "
+        f"the log can no longer be trusted from event #11 ({path.name}:11, event id {event_id}) on "
+        "(signed checkpoints match up to #10)",
+        "decisions.head: signature does not verify with this key (forged, edited, or another key)",
+    ]
+
+
+def test_verify_with_the_key_passes_an_untouched_log_and_refuses_forged_checkpoints(tmp_path: Path) -> None:
+    key_file = tmp_path / "audit.key"
+    _signed_log(tmp_path / "audit", key_file, 20)
+    signer = Signer(load_key(key_file))
+    assert verify_directory(tmp_path / "audit", STREAMS, signer).problems == []
+    checkpoints = tmp_path / "audit" / f"{DECISIONS}.checkpoints"
+    forged = {**json.loads(checkpoints.read_text().splitlines()[0]), "hash": "0" * 64}
+    checkpoints.write_text(json.dumps(forged) + "\n")
+    problems = verify_directory(tmp_path / "audit", STREAMS, signer).problems
+    assert problems == [
+        f"{checkpoints.name}:1: signature does not verify with this key (forged, edited, or another key)"
+    ]
+    command = [sys.executable, "-m", "services.cli.main", "audit", "verify", str(tmp_path / "audit")]
+    done = subprocess.run([*command, "--key-file", str(key_file)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "signature does not verify" in done.stderr
+
+
+def test_the_signing_key_may_not_live_in_the_audit_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="inside the audit directory"):
+        AuditConfig(directory=tmp_path, key_file=tmp_path / "audit.key")

@@ -206,6 +206,7 @@ def test_sigkill_after_acknowledged_requests_loses_no_audit_event(mesh: Mesh) ->
     raw = "".join(p.read_text() for p in mesh.audit_dir.glob("*.jsonl"))
     assert "PLUGH" not in raw and user not in raw and user.split(".")[1] not in raw
     verify = [sys.executable, "-m", "services.cli.main", "audit", "verify", str(mesh.audit_dir)]
+    verify += ["--key-file", str(mesh.audit_key_path)]  # the chain and its signed checkpoints
     done = subprocess.run(verify, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
