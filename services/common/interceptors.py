@@ -1,4 +1,8 @@
-"""The server interceptor every service runs: drain gate, error mapping and RPC metrics."""
+"""The server interceptor every service runs: drain gate, error mapping and RPC metrics.
+
+A request message that does not parse (bad protobuf, invalid UTF-8 in a string) is answered
+INVALID_ARGUMENT on every RPC, rather than grpc's UNKNOWN "Unexpected <class ...>".
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Any
 import grpc
 
 from services.common import telemetry
-from services.common.errors import ThermoclineError
+from services.common.errors import InvalidArgument, ThermoclineError
 from services.common.metrics import RPC_DURATION, RPC_HANDLED, RPC_IN_FLIGHT
 
 log = logging.getLogger(__name__)
@@ -119,11 +123,53 @@ def _code_of(context: grpc.aio.ServicerContext, guard: _CallGuard) -> grpc.Statu
     return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
 
 
-def _wrap_unary(behavior: Callable[..., Any], guard: _CallGuard) -> Callable[..., Any]:
+class _Undecodable:
+    """Stands in for a request message that did not parse, so the call can answer INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def refusal(self) -> InvalidArgument:
+        """The status the caller gets."""
+        return InvalidArgument(
+            f"the request is not a valid protobuf message of this RPC's type ({self.error}); "
+            "check the message type and that every string field is UTF-8"
+        )
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that hands back an _Undecodable instead of raising (grpc would answer UNKNOWN)."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as error:  # DecodeError, and invalid UTF-8 in a string field
+            return _Undecodable(error)
+
+    return deserialize
+
+
+def _checked(request: Any, is_stream: bool) -> Any:
+    """The request, or for a client stream an iterator over it, refusing any message that did not parse."""
+    if is_stream:
+        return _checked_stream(request)
+    if isinstance(request, _Undecodable):
+        raise request.refusal()
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _checked(request, is_stream=False)
+
+
+def _wrap_unary(behavior: Callable[..., Any], guard: _CallGuard, is_stream: bool) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = await guard.admit(context)
         try:
-            return await behavior(request, context)
+            return await behavior(_checked(request, is_stream), context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as error:
@@ -134,11 +180,13 @@ def _wrap_unary(behavior: Callable[..., Any], guard: _CallGuard) -> Callable[...
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], guard: _CallGuard) -> Callable[..., Any]:
+def _wrap_stream(
+    behavior: Callable[..., AsyncIterator[Any]], guard: _CallGuard, is_stream: bool
+) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         started = await guard.admit(context)
         try:
-            async for response in behavior(request, context):
+            async for response in behavior(_checked(request, is_stream), context):
                 yield response
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
@@ -153,14 +201,16 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], guard: _CallGuard)
 def _wrap_handler(handler: grpc.RpcMethodHandler, guard: _CallGuard) -> grpc.RpcMethodHandler:
     """Rebuilds `handler` with its behaviour wrapped by `guard`, keeping the serializers."""
     codecs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": _tolerant(handler.request_deserializer),
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, guard), **codecs)
+        return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, guard, False), **codecs)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, guard), **codecs)
+        return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, guard, True), **codecs)
     if handler.unary_stream:
         # grpc's stubs type these as sync iterators; on an aio server they are async generators
-        return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, guard), **codecs)  # type: ignore[arg-type]
-    return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, guard), **codecs)  # type: ignore[arg-type]
+        return grpc.unary_stream_rpc_method_handler(
+            _wrap_stream(handler.unary_stream, guard, False), **codecs
+        )  # type: ignore[arg-type]
+    return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, guard, True), **codecs)  # type: ignore[arg-type]
