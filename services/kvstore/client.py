@@ -91,7 +91,7 @@ class KVStoreClient:
         request = pb.GetBlocksRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
         results: dict[str, FetchedBlock | MissReason] = {}
         header: pb.BlockHeader | None = None
-        source, parts = BlockSource.DISK, []
+        source, parts = BlockSource.DISK, list[bytes]()
         for reply in self.stub.GetBlocks(request, timeout=self.timeout_s):
             if reply.missing_hash:
                 results[reply.missing_hash] = MissReason(reply.miss_reason)

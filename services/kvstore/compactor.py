@@ -63,7 +63,9 @@ class Compactor:
     async def evict_to_capacity(self) -> int:
         """Drops least recently used blocks until live bytes are under the low watermark."""
         store, index = self.store, self.store.index
-        if (await store.guarded(index.totals)).live_bytes <= store.config.capacity_bytes:
+        live_bytes = (await store.guarded(index.totals)).live_bytes
+        metrics.STORED_BYTES.set(live_bytes)
+        if live_bytes <= store.config.capacity_bytes:
             return 0
         async with self._evict_lock:
             live_bytes, evicted = (await store.guarded(index.totals)).live_bytes, 0

@@ -101,7 +101,7 @@ class RedisIndex:
     async def add(self, key: StoreKey, entry: IndexEntry) -> bool:
         """Adds an entry; False when the key is present already."""
         loc = entry.location
-        args = [
+        args: list[str | int] = [
             key.hex(),
             loc.segment_id,
             loc.offset,
@@ -198,7 +198,7 @@ def _write_entry(pipe: Any, entry_key: str, key: StoreKey, entry: IndexEntry, lr
     pipe.hincrby(seglive, str(loc.segment_id), loc.length)
 
 
-def _text(value: bytes | str) -> str:
+def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 

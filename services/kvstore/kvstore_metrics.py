@@ -1,10 +1,7 @@
 """The kvstore's Prometheus metrics: the cold tier's traffic, latency, errors and occupancy.
 
-The segment store does not exist yet, so only the capacity gauge carries a real value; the rest
-are defined now (and exported at zero) so dashboards and the alert rules in
-deploy/prometheus/alerts.yml can be written against them. The store fills them as it lands:
-bytes after each fsynced write or checksummed read, one latency sample per operation, and an
-error for each corrupt record, I/O failure or index inconsistency.
+The store fills them: bytes after each fsynced write or checksummed read, one latency sample per
+operation, and an error for each corrupt record or failed maintenance pass.
 """
 
 from __future__ import annotations

@@ -143,7 +143,12 @@ def test_compression_against_bf16() -> None:
     layout = read_layout(keep_all)
     # 2 bits a value, plus an fp16 scale and zero per 32 values: 2 / (0.25 + 0.125) = 5.33x
     assert bf16_bytes(layout) / len(keep_all) == pytest.approx(16 / 3, rel=0.01)
-    halved = encode_block(keys, values, concentrated_mass(64, hot=32), CodecSettings(group_size=32))
+    half = SparsityRule(
+        low_entropy=0.5, high_entropy=0.9, mid_keep_ratio=0.5
+    )  # mass on 32 of 64: entropy 0.83
+    halved = encode_block(
+        keys, values, concentrated_mass(64, hot=32), CodecSettings(group_size=32, sparsity=half)
+    )
     assert read_layout(halved).num_kept == 32
     assert bf16_bytes(layout) / len(halved) == pytest.approx(32 / 3, rel=0.01)
 
