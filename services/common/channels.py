@@ -11,12 +11,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import telemetry
 from services.common.config import channel_options
 
+# gRPC's default reconnect backoff grows to 120 s (1 s, 1.6 s, 2.6 s, ...): a service restarted after a
+# few seconds' absence would sit unreachable for up to 15 s after it reports SERVING. Between our
+# own services on a LAN, retrying a connection twice a second costs nothing.
+RECONNECT_BACKOFF_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
 
 def open_channel(target: str, max_message_bytes: int = 16 * 1024 * 1024) -> grpc.aio.Channel:
     """An insecure aio channel to `target` whose calls carry the current trace context."""
     return grpc.aio.insecure_channel(
         target,
-        options=channel_options(max_message_bytes),
+        options=channel_options(max_message_bytes) + RECONNECT_BACKOFF_OPTIONS,
         interceptors=telemetry.client_interceptors(),
     )
 

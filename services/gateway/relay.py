@@ -24,6 +24,8 @@ from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.safety.v1 import safety_pb2
 
+# How long a request waits for a replica that is not (yet) serving before trying it anyway.
+RECONNECT_WAIT_S = 2.0
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # the end-of-stream sentinel of call.read()
 
 _FINISH_FROM_ENGINE = {
@@ -122,6 +124,8 @@ async def relay(
     deadline_at = None if settings.deadline_s is None else time.monotonic() + settings.deadline_s
     last_error: grpc.aio.AioRpcError | None = None
     for replica in replicas:
+        if not replica.is_serving:  # e.g. restarting: its Watch says SERVING once it is back
+            await replica.wait_serving(min(_remaining_s(deadline_at) or RECONNECT_WAIT_S, RECONNECT_WAIT_S))
         call = replica.stub.Generate(request, timeout=_remaining_s(deadline_at))
         try:
             first = await _first_message(call)

@@ -4,8 +4,10 @@ Affinity is rendezvous (highest-random-weight) hashing of the tenant and the pro
 `prefix_chars` characters over the replicas that are serving: the same prefix lands on the same
 replica, where its KV blocks are likely still cached, and when a replica leaves only its own
 prefixes move. Each replica's health is followed through its Watch stream, so a replica that
-starts draining (NOT_SERVING) stops receiving new requests at once; its queue depth (running
-plus waiting, from GetStats) is polled. Balancing is intent-aware: when the affinity replica's
+starts draining (NOT_SERVING) stops receiving new requests at once, and one that comes back is
+used as soon as its Watch says SERVING (the Watch waits for the connection, whose reconnect
+backoff is capped at 0.5 s in services/common/channels.py); its queue depth (running plus
+waiting, from GetStats) is polled. Balancing is intent-aware: when the affinity replica's
 queue is more than `max_queue_skew` longer than the shortest, latency-sensitive classes go to
 the shortest queue, while the `batch` class tolerates four times the skew to keep its prefix.
 """
@@ -40,6 +42,7 @@ class Replica:
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.is_serving = False
         self.queue_depth = 0
+        self._serving = asyncio.Event()
 
     def affinity(self, key: bytes) -> int:
         """This replica's rendezvous weight for `key`."""
@@ -51,7 +54,9 @@ class Replica:
         stub = health_pb2_grpc.HealthStub(self.channel)
         while True:
             try:
-                async for reply in stub.Watch(health_pb2.HealthCheckRequest()):
+                # wait_for_ready: while the replica is away the Watch waits for the connection
+                # instead of failing, and its first reply arrives as soon as the replica is back
+                async for reply in stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True):
                     self._set_serving(reply.status == health_pb2.HealthCheckResponse.SERVING)
             except grpc.aio.AioRpcError:
                 pass
@@ -62,6 +67,18 @@ class Replica:
         if is_serving != self.is_serving:
             log.info("engine %s is %s", self.target, "SERVING" if is_serving else "NOT_SERVING")
         self.is_serving = is_serving
+        if is_serving:
+            self._serving.set()
+        else:
+            self._serving.clear()
+
+    async def wait_serving(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for the health Watch to report SERVING; whether it did."""
+        try:
+            await asyncio.wait_for(self._serving.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def poll_stats(self, timeout_s: float) -> None:
         """Refreshes the queue depth; keeps the old value when the replica does not answer."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -165,3 +167,29 @@ def raw_grpc_call(target: str, path: str, headers: list[tuple[bytes, bytes]], me
             if len(answer) > 1 << 20:
                 break
     return answer
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a real file system that really fills up (mounting needs root, as in CI)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], check=False
+    )
+    if mounted.returncode != 0:
+        assert os.environ.get("CI") != "true", "CI runs as root and must be able to mount a tmpfs"
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def fill(directory: Path) -> Path:
+    """Writes a filler file until the file system is full; returns it."""
+    filler = directory / "filler"
+    with filler.open("wb", buffering=0) as file:
+        for size in (65536, 4096, 1):  # down to the last byte
+            with contextlib.suppress(OSError):
+                while file.write(b"\0" * size):
+                    pass
+    return filler

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from services.gateway.audit import ADMIN, DECISIONS, STREAMS, AuditConfig, Audit
 from services.gateway.audit_chain import canonical_json, chain_hash, segment_paths, verify_directory
 from services.gateway.audit_checkpoint import Signer, load_key
 from services.gateway.metrics import AUDIT_WRITABLE, AUDIT_WRITE_FAILURES
+from tests.gateway.conftest import fill
 
 
 def _event(n: int, action: str = "invoke") -> AuditEvent:
@@ -164,32 +163,6 @@ def test_a_record_stays_small_whatever_the_caller_sent(tmp_path: Path) -> None:
     assert _problems(tmp_path) == ""
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs: a real file system that really fills up (mounting needs root, as in CI)."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], check=False
-    )
-    if mounted.returncode != 0:
-        assert os.environ.get("CI") != "true", "CI runs as root and must be able to mount a tmpfs"
-        pytest.skip("cannot mount a tmpfs here (not root?)")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
-
-
-def _fill(directory: Path) -> Path:
-    """Writes a filler file until the file system is full; returns it."""
-    filler = directory / "filler"
-    with filler.open("wb", buffering=0) as file:
-        for size in (65536, 4096, 1):  # down to the last byte
-            with contextlib.suppress(OSError):
-                while file.write(b"\0" * size):
-                    pass
-    return filler
-
-
 def test_a_full_disk_refuses_with_unavailable_raises_the_alert_and_loses_nothing_acknowledged(
     small_disk: Path,
 ) -> None:
@@ -200,7 +173,7 @@ def test_a_full_disk_refuses_with_unavailable_raises_the_alert_and_loses_nothing
         for n in range(5):
             await log.record(_event(n))
             acknowledged.append(f"req-{n}")
-        filler = _fill(small_disk)
+        filler = fill(small_disk)
         with pytest.raises(Unavailable, match="audit log cannot be written"):
             await asyncio.gather(*(log.record(_event(n)) for n in range(100, 110)))
         writable_when_full = AUDIT_WRITABLE._value.get()

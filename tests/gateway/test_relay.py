@@ -47,6 +47,7 @@ class _Replica:
     ) -> None:
         self.target, self.num_calls = target, 0
         self.stub = self
+        self.is_serving = True
         self._script = (messages, error)
 
     def Generate(self, request: Any, timeout: float | None = None) -> _Call:
