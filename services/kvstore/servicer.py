@@ -170,7 +170,10 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
             if block is not None:
                 assert assembler.namespace is not None
                 write = await store.append(assembler.namespace, block)
-                pending.append(write) if write else duplicates.append(block.block_hash)
+                if write is None:
+                    duplicates.append(block.block_hash)
+                else:
+                    pending.append(write)
         assembler.finish()
         result = await store.commit(pending)
         _annotate(len(pending) + len(duplicates))

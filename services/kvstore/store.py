@@ -131,7 +131,10 @@ class BlockStore:
             TenantSalts.load_or_create(config.secret_path),
             writer,
         )
-        await store.guarded(store.ensure_index)
+        try:
+            await store.guarded(store.ensure_index)
+        except Unavailable as error:  # serve anyway: calls say UNAVAILABLE, and rebuild once Redis is back
+            log.error("starting without the index: %s", error.message)
         for _ in range(config.num_prefetch_workers):
             store._tasks.append(asyncio.create_task(store._prefetch_worker()))
         return store
@@ -263,11 +266,15 @@ class BlockStore:
 
     async def put(self, namespace: Namespace, blocks: list[BlockIn]) -> PutResult:
         """Stores blocks; returns once the stored ones are durable."""
-        pending, duplicates = [], []
+        pending: list[PendingWrite] = []
+        duplicates: list[BlockHash] = []
         for block in blocks:
             write = await self.append(namespace, block)
-            (pending.append(write) if write else duplicates.append(block.block_hash))  # type: ignore[func-returns-value]
-        result = await self.commit([w for w in pending if w is not None])
+            if write is None:
+                duplicates.append(block.block_hash)
+            else:
+                pending.append(write)
+        result = await self.commit(pending)
         return PutResult(result.stored, duplicates + result.duplicates)
 
     async def delete(self, namespace: Namespace, block_hashes: list[str]) -> int:
@@ -329,10 +336,12 @@ class BlockStore:
         hashes = self.check_hashes(block_hashes)
         keys = [self.key(namespace, h) for h in hashes]
         unstaged = [k for k in keys if k not in self.staging and k not in self.staging.loading]
-        entries = dict(zip(unstaged, await self.live_entries(unstaged), strict=True)) if unstaged else {}
+        entries: dict[StoreKey, IndexEntry | None] = {}
+        if unstaged:
+            entries = dict(zip(unstaged, await self.live_entries(unstaged), strict=True))
         served: list[StoreKey] = []
         for block_hash, key in zip(hashes, keys, strict=True):
-            outcome = await self._get_one(block_hash, key, entries.get(key))
+            outcome = await self._get_one(block_hash, key, entries)
             metrics.BLOCK_LOOKUPS.labels("hit" if isinstance(outcome, BlockFound) else "miss").inc()
             if isinstance(outcome, BlockFound):
                 served.append(key)
@@ -340,7 +349,7 @@ class BlockStore:
         await self.guarded(lambda: self.index.touch(served, now_us()))
 
     async def _get_one(
-        self, block_hash: BlockHash, key: StoreKey, entry: IndexEntry | None
+        self, block_hash: BlockHash, key: StoreKey, entries: dict[StoreKey, IndexEntry | None]
     ) -> BlockFound | BlockMissing:
         staged = self.staging.get(key)
         if staged is None and key in self.staging.loading:
@@ -348,6 +357,9 @@ class BlockStore:
         if staged is not None:
             self.counters.staging_hits += 1
             return BlockFound(block_hash, staged, BlockSource.STAGING)
+        if key not in entries:  # it was staged when the call began, and has left staging since
+            (entries[key],) = await self.live_entries([key])
+        entry = entries[key]
         if entry is None:
             return BlockMissing(block_hash, MissReason.ABSENT)
         outcome = await self.read(key, entry)

@@ -244,3 +244,18 @@ def test_codec_of_a_stored_block_is_kept(shared_kvstore: KVStoreProcess) -> None
         got = client.get([block.block_hash])[block.block_hash]
     assert isinstance(got, FetchedBlock) and got.codec is Codec.INT2_SPARSE and got.shape == (2, 2, 16, 2, 8)
     assert torch.equal(decode_block(got.payload).keys, decode_block(payload).keys)
+
+
+def test_a_kvstore_started_before_redis_serves_once_redis_is_up(tmp_path) -> None:
+    redis_server = RedisServer(tmp_path)  # its port is chosen, nothing listens on it yet
+    process = KVStoreProcess(tmp_path / "kv", redis_server.url).start()
+    try:
+        with process.client() as client:
+            with pytest.raises(grpc.RpcError) as caught:
+                client.lookup([block_hash("early")])
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            redis_server.start()
+            assert client.put([raw_block("early")]).stored == [block_hash("early")]
+    finally:
+        process.stop()
+        redis_server.stop()
