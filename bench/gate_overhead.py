@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -161,7 +163,8 @@ def hardware(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
     threads = torch.get_num_threads()
-    return f"{platform.processor() or platform.machine()}, torch threads {threads} (shared machine)"
+    load = os.getloadavg()[0]
+    return f"{platform.processor() or platform.machine()}, torch threads {threads}, 1-min load {load:.1f}"
 
 
 def commit() -> str:
@@ -208,7 +211,46 @@ def render(
             f"{r['spread_off']:.1f}% / {r['spread_on']:.1f}% | {r['fetch_off_us']:.1f} | "
             f"{r['fetch_on_us']:.1f} | {r['fetch_pct']:.3f}% |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *reading(rows)]) + "\n"
+
+
+GOAL_PCT = 1.0  # the design's budget for the gate, as a share of a decode step
+
+
+def reading(rows: dict[int, dict[str, float]]) -> list[str]:
+    """What the table says, computed from it: the gate's added time, against the goal and the noise."""
+    added = {batch: r["fetch_on_us"] - r["fetch_off_us"] for batch, r in rows.items()}
+    shares = [r["fetch_pct"] for r in rows.values()]
+    verdict = "under" if max(shares) < GOAL_PCT else "over"
+    noisy = [b for b, r in rows.items() if abs(r["delta_pct"]) <= max(r["spread_off"], r["spread_on"])]
+    resolved = [b for b in rows if b not in noisy]
+    lines = [
+        "## Reading it (computed from the table)",
+        "",
+        f"- The gate's added work per step (`fetch us` on minus off) is {_span(added.values(), 'us', 1)} "
+        f"across batches {', '.join(str(b) for b in rows)}: {_span(shares, '%', 3)} of a decode step, "
+        f"{verdict} the {GOAL_PCT:g} % goal.",
+    ]
+    if noisy:
+        lines.append(
+            f"- End to end, `on vs off` at batch {', '.join(str(b) for b in noisy)} lies within the spread "
+            "between repeats of one mode, so it neither confirms nor contradicts the isolated figure."
+        )
+    if resolved:
+        lines.append(
+            f"- End to end, `on vs off` at batch {', '.join(str(b) for b in resolved)} exceeds the spread "
+            "between repeats: "
+            + "; ".join(f"batch {b}: {rows[b]['delta_pct']:+.2f}%" for b in resolved)
+            + "."
+        )
+    return lines
+
+
+def _span(values: Iterable[float], unit: str, digits: int) -> str:
+    """`low-high unit`, or one value when they are equal at the shown precision."""
+    values = list(values)
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return f"{low} {unit}" if low == high else f"{low}-{high} {unit}"
 
 
 def parse_args() -> argparse.Namespace:

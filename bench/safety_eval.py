@@ -264,21 +264,19 @@ def main() -> None:
     new_set = held.harmful_outputs + held.benign_outputs
     old_set = held.harmful_outputs + held.pyrit_safe_answers
     safe_answers = f"PyRIT's {len(held.pyrit_safe_answers)} safe answers"
+    output_rates = Rates.of(new_set, harmful["output"] + benign["output"])
+    before_rates = Rates.of(new_set, harmful["prompt"] + benign["prompt"])
     report = render(
         env,
         gate.version,
         gate.sha256,
         [
             Rates.of(held.prompts, prompt_blocked).row("prompt screen, prompts (CheckPrompt)"),
-            Rates.of(new_set, harmful["output"] + benign["output"]).row(
-                "output screen, held-out benign outputs (CheckOutput)"
-            ),
+            output_rates.row("output screen, held-out benign outputs (CheckOutput)"),
             Rates.of(old_set, harmful["output"] + pyrit_safe["output"]).row(
                 f"output screen, {safe_answers} (CheckOutput)"
             ),
-            Rates.of(new_set, harmful["prompt"] + benign["prompt"]).row(
-                "before: prompt thresholds on held-out benign outputs"
-            ),
+            before_rates.row("before: prompt thresholds on held-out benign outputs"),
             Rates.of(old_set, harmful["prompt"] + pyrit_safe["prompt"]).row(
                 f"before: prompt thresholds on {safe_answers}"
             ),
@@ -300,7 +298,7 @@ def main() -> None:
             f"long prompt ({num_long_windows} windows) p50": percentile_ms(long_seconds, 50),
         },
         skipped,
-        notes(len(held.harmful_outputs), len(held.pyrit_safe_answers)),
+        notes(len(held.harmful_outputs), len(held.pyrit_safe_answers), output_rates, before_rates),
     )
     out = REPO / "bench" / "results" / f"safety_eval_{dt.date.today().isoformat()}.md"
     out.write_text(report)
@@ -356,8 +354,8 @@ def render(
     return "\n".join(lines + note_lines) + "\n"
 
 
-def notes(num_harmful_outputs: int, num_safe_answers: int) -> list[str]:
-    """The notes under the tables, with the sizes of the small output sets."""
+def notes(num_harmful_outputs: int, num_safe_answers: int, output: Rates, before: Rates) -> list[str]:
+    """The notes under the tables: sizes and the output-versus-prompt-threshold comparison, from this run."""
     return [
         "",
         "Notes:",
@@ -366,18 +364,29 @@ def notes(num_harmful_outputs: int, num_safe_answers: int) -> list[str]:
         "  column is the number to watch.",
         "- The output screen reads the same head as the prompt screen, with per-category thresholds",
         '  calibrated on benign outputs. The "before" rows are the same scores judged against the prompt',
-        "  thresholds, as CheckOutput did until gate 2026.11.30.2: the output thresholds trade recall on",
-        "  harmful outputs for far fewer blocked benign answers. Retraining the head with the train split's",
-        "  benign outputs did not lift output recall at 1 % FPR and cost prompt recall, so the heads are",
-        "  the tensors of gate 2026.11.30 (same sha256).",
+        "  thresholds. In this run, on the held-out outputs, the output thresholds",
+        f"  {compare(output, before)}.",
         f"- Harmful outputs are PyRIT's {num_harmful_outputs} held-out human-scored responses, few per",
         f"  category; the PyRIT safe-answer row has {num_safe_answers} texts, each worth "
         f"{1 / num_safe_answers:.3f} of FPR.",
         "- The in-engine head is scored offline on the last-token final hidden state of SmolLM2-135M (fp32,",
         f"  CPU, text cut to {ENGINE_MAX_TOKENS} tokens), as the engine's step returns it; it has no output "
         "thresholds.",
-        "- Latency: other work on the 2 cores inflates p99; long outputs are screened in many windows.",
+        "- Latency is measured on this machine under the load average in the header; long texts are",
+        "  screened in many windows.",
     ]
+
+
+def compare(output: Rates, before: Rates) -> str:
+    """How the output thresholds move recall on harmful outputs and FPR on benign ones, in words."""
+
+    def move(name: str, new: float, old: float) -> str:
+        verb = "raise" if new > old else "lower" if new < old else "leave"
+        return f"{verb} {name} {'at' if new == old else 'from'} {old:.3f}" + (
+            "" if new == old else f" to {new:.3f}"
+        )
+
+    return f"{move('recall', output.recall, before.recall)} and {move('FPR', output.fpr, before.fpr)}"
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def hardware_rows() -> list[tuple[str, str]]:
 
     return [
         ("cpu", cpu_name()),
-        ("logical cpus", f"{os.cpu_count()}, shared with other agents' test runs during the sweep"),
+        ("logical cpus", str(os.cpu_count())),
         ("python", platform.python_version()),
         ("torch", torch.__version__),
         ("grpcio", grpc.__version__),
@@ -130,10 +130,27 @@ def compose(document: dict, sweep_markdown: str, plot_names: list[str], stamp: s
     plots = "\n".join(f"![{name}]({name})" for name in plot_names)
     settings = document["settings"]
     levels = ",".join(f"{load:g}" for load in settings["loads"])
-    notes = NOTES.format(levels=levels, duration_s=settings["duration_s_per_level"])
+    notes = NOTES.format(
+        levels=levels, duration_s=settings["duration_s_per_level"], machine=machine_note(before[0], after[2])
+    )
     return (
         f"# SLA calibration on the CPU: SmolLM2-135M-Instruct through the whole mesh\n\n{table(header)}\n\n"
         f"{sweep_markdown}\n## Plots\n\n{plots}\n\n## Notes\n\n{notes}"
+    )
+
+
+def machine_note(load_before: float, load_after_15min: float) -> str:
+    """What the load averages say about the machine the knee was measured on."""
+    cpus = os.cpu_count() or 1
+    shared = (
+        f"the 1-min load average was {load_before:.1f} before the sweep began, so other work shared the "
+        "machine and the knee measures this machine as it was, not a dedicated node"
+        if load_before >= 0.5
+        else f"the 1-min load average was {load_before:.1f} before the sweep began (a quiet machine)"
+    )
+    return (
+        f"The machine has {cpus} logical CPUs, shared by the load generator and all five mesh processes;\n"
+        f"  {shared}. The 15-min average after the sweep was {load_after_15min:.1f}."
     )
 
 
@@ -146,8 +163,7 @@ NOTES = """\
   16 tokens and at the end, so a client's TTFT spans prefill plus the first 16 decode steps (or the
   whole answer when it is shorter) plus one output check, and tokens arrive in bursts of 16; TPOT is
   (E2E - TTFT) / (tokens - 1) per request.
-- The machine has 2 logical CPUs, shared by the load generator, all five mesh processes and other
-  agents' test runs; the knee measures this crowded box, not a dedicated node.
+- {machine}
 - Each level lasts seconds, not minutes, so a class gets a handful to a few dozen requests per
   level: p99 is close to the maximum, and one slow request moves it. The knee is the highest level
   that passed before the first level that failed (`services/cli/loadgen/sla.py`).
