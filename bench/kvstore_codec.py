@@ -366,6 +366,9 @@ def to_markdown(
         "",
         "## Speed and size (random BF16 blocks, every token kept unless noted)",
         "",
+        "Times are the best of 10 calls after a warm-up, on the CPU of a 2-core machine that other "
+        "jobs share: read them as orders of magnitude. The engine encodes and decodes on its GPU.",
+        "",
         "| shape (layers, kv heads, head dim) | block tokens | encode ms | decode ms | reference encode ms "
         "| reference decode ms | vs BF16, all kept | vs BF16, half kept |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

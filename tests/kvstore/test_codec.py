@@ -100,7 +100,8 @@ def test_dense_view_puts_kept_tokens_back_in_place() -> None:
     keys, values, _ = make_block(tokens=16)
     mass = concentrated_mass(16, hot=3)
     mass[10] = 2.0  # the heaviest token is not at the front
-    decoded = decode_block(encode_block(keys, values, mass, CodecSettings(group_size=8)))
+    quarter = SparsityRule(low_entropy=0.6, high_entropy=0.9, low_keep_ratio=0.25)  # peaked: keeps 4 of 16
+    decoded = decode_block(encode_block(keys, values, mass, CodecSettings(group_size=8, sparsity=quarter)))
     dense_keys, dense_values = decoded.to_dense()
     assert dense_keys.shape == keys.shape
     kept = decoded.token_mask
