@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -193,3 +194,13 @@ def fill(directory: Path) -> Path:
                 while file.write(b"\0" * size):
                     pass
     return filler
+
+
+@contextlib.contextmanager
+def stopped(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Holds a process stopped (SIGSTOP) for the body, whatever the machine's speed; resumes it after."""
+    process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)

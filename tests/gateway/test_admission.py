@@ -13,12 +13,13 @@ from services.cli.client import build_request, call_metadata, collect, stream_ge
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
 from tests.conftest import STORIES_PROMPT, start_mesh
-from tests.gateway.conftest import refusal, token
+from tests.gateway.conftest import refusal, stopped, token
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 MAX_STREAMS = 2
-LONG_TOKENS = 1500  # about 2 s of decoding on a laptop core: the streams overlap the refused call
+LONG_TOKENS = 1500  # about 2 s of decoding on a laptop core
+STREAM_TOKENS = 64  # more than one screening window: a stream waits on the safety service to finish
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,7 @@ def mesh(
         collector,
         THERMOCLINE_GATEWAY_MAX_CONCURRENT_STREAMS=str(MAX_STREAMS),
         THERMOCLINE_GATEWAY_PUSHBACK_MS="750",
+        THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S="300",  # the tests below hold the safety service stopped
     )
     yield started
     started.stop()
@@ -40,11 +42,12 @@ def test_streams_beyond_the_cap_are_shed_while_admitted_ones_complete(mesh: Mesh
     metadata = call_metadata(token(mesh))
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
         streams = [
-            stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=LONG_TOKENS), metadata, 120)
+            stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=STREAM_TOKENS), metadata, 300)
             for _ in range(MAX_STREAMS)
         ]
         firsts = [next(stream) for stream in streams]  # both admitted and streaming
-        with pytest.raises(grpc.RpcError) as shed:
+        # each stream's next window waits on the stopped safety service: both slots stay taken
+        with stopped(mesh.processes["safety"]), pytest.raises(grpc.RpcError) as shed:
             collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 30))
         rests = [collect(stream) for stream in streams]
     assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -52,7 +55,7 @@ def test_streams_beyond_the_cap_are_shed_while_admitted_ones_complete(mesh: Mesh
     assert dict(shed.value.trailing_metadata() or ())["grpc-retry-pushback-ms"] == "750"
     for first, rest in zip(firsts, rests, strict=True):
         assert rest.done is not None and rest.done.finish_reason == pb.FINISH_REASON_LENGTH
-        assert len(first.delta.token_ids) + len(rest.token_ids) == LONG_TOKENS
+        assert len(first.delta.token_ids) + len(rest.token_ids) == STREAM_TOKENS
     with grpc.insecure_channel(mesh.target("gateway")) as channel:  # the slots are free again
         again = collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 30))
     assert again.done is not None

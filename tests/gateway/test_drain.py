@@ -15,14 +15,22 @@ from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_PROMPT, start_mesh
+from tests.gateway.conftest import stopped
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 GRACE_S = 60
+STREAM_TOKENS = 64  # more than one screening window: the stream waits on the safety service to finish
 
 
 @pytest.fixture
 def mesh(stories_model: Path, collector: TraceCollector, tmp_path: Path) -> Iterator[Mesh]:
-    started = start_mesh(stories_model, tmp_path, collector, THERMOCLINE_GATEWAY_GRACE_S=str(GRACE_S))
+    started = start_mesh(
+        stories_model,
+        tmp_path,
+        collector,
+        THERMOCLINE_GATEWAY_GRACE_S=str(GRACE_S),
+        THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S="300",  # the test holds the safety service stopped
+    )
     yield started
     started.stop()
 
@@ -40,20 +48,20 @@ def wait_not_serving(channel: grpc.Channel) -> None:
 def test_sigterm_drains_in_flight_streams_and_refuses_new_calls(mesh: Mesh) -> None:
     token = mint_token(mesh.private_key_path.read_bytes(), subject="tester")
     metadata = call_metadata(token)
-    long_request = build_request(STORIES_PROMPT, max_tokens=1500)  # about 2 s of decoding on a laptop core
+    long_request = build_request(STORIES_PROMPT, max_tokens=STREAM_TOKENS)
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
-        stream = stream_generate(channel, long_request, metadata, timeout_s=120)
+        stream = stream_generate(channel, long_request, metadata, timeout_s=300)
         first = next(stream)
         assert first.HasField("delta")
-
-        mesh.processes["gateway"].send_signal(signal.SIGTERM)
-        wait_not_serving(channel)
-        with pytest.raises(grpc.RpcError) as refused:
-            collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 10))
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "shutting down" in refused.value.details()
-
+        # the stream's next window waits on the stopped safety service: it is in flight for sure
+        with stopped(mesh.processes["safety"]):
+            mesh.processes["gateway"].send_signal(signal.SIGTERM)
+            wait_not_serving(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 10))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in refused.value.details()
         rest = collect(stream)
     assert rest.done is not None and rest.done.finish_reason == pb.FINISH_REASON_LENGTH
-    assert len(first.delta.token_ids) + len(rest.token_ids) == 1500
+    assert len(first.delta.token_ids) + len(rest.token_ids) == STREAM_TOKENS
     assert mesh.processes["gateway"].wait(GRACE_S) == 0

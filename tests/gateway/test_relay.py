@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.errors import ResourceExhausted, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.gateway.relay import RelaySettings, relay
 from thermocline.engine.v1 import engine_pb2
 from thermocline.safety.v1 import safety_pb2
@@ -89,5 +89,13 @@ def test_other_errors_are_not_retried() -> None:
     refusing = _Replica("a", [], grpc.StatusCode.RESOURCE_EXHAUSTED)
     spare = _Replica("b", [TOKEN, FINAL], None)
     with pytest.raises(ResourceExhausted, match="engine"):
+        asyncio.run(_collect([refusing, spare]))
+    assert spare.num_calls == 0
+
+
+def test_the_engines_invalid_argument_reaches_the_client_with_its_message() -> None:
+    refusing = _Replica("a", [], grpc.StatusCode.INVALID_ARGUMENT)
+    spare = _Replica("b", [TOKEN, FINAL], None)
+    with pytest.raises(InvalidArgument, match="engine: INVALID_ARGUMENT"):  # the fake's details
         asyncio.run(_collect([refusing, spare]))
     assert spare.num_calls == 0
