@@ -89,7 +89,7 @@ def timed_calls(kvstore: KVStoreProcess, work: list, call, clients: int) -> tupl
     latencies: list[float] = []
 
     def worker(items: list) -> None:  # type: ignore[type-arg]
-        with kvstore.client() as client:
+        with kvstore.client(chunk_bytes=MIB) as client:
             for item in items:
                 started = time.perf_counter()
                 call(client, item)

@@ -155,9 +155,11 @@ class KVStoreProcess:
         lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
         return "\n".join(lines[-num_lines:])
 
-    def client(self, tenant: str = "tenant-a", model: str = "tiny-llama") -> KVStoreClient:
-        """A client for one namespace."""
-        return KVStoreClient(self.target, Namespace(tenant, model), chunk_bytes=4096, timeout_s=30)
+    def client(
+        self, tenant: str = "tenant-a", model: str = "tiny-llama", chunk_bytes: int = 4096
+    ) -> KVStoreClient:
+        """A client for one namespace; small chunks by default, so test blocks span several."""
+        return KVStoreClient(self.target, Namespace(tenant, model), chunk_bytes=chunk_bytes, timeout_s=60)
 
 
 @pytest.fixture
