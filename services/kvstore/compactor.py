@@ -94,7 +94,7 @@ class Compactor:
         expired = 0
         while keys := await self.store.guarded(lambda: self.store.index.idle_since(cutoff, EVICTION_BATCH)):
             for key in keys:
-                expired += await self._drop(key) > 0
+                expired += await self._drop(key) > 0  # _drop also clears an LRU member with no entry
         self.store.counters.expired_blocks += expired
         return expired
 

@@ -36,7 +36,10 @@ return 1
 _REMOVE = """
 if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 local entry = redis.call('HMGET', KEYS[1], 'seg', 'off', 'len')
-if not entry[1] then return 0 end
+if not entry[1] then
+  redis.call('ZREM', KEYS[2], ARGV[1])  -- an LRU member without an entry must not stall eviction
+  return 0
+end
 if ARGV[2] ~= '' and (entry[1] ~= ARGV[2] or entry[2] ~= ARGV[3]) then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
