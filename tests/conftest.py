@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -21,6 +22,7 @@ import pytest
 from services.cli.mesh import Mesh, MeshConfig, Ports
 from services.cli.trace_collector import TraceCollector
 from services.engine.model.registry import resolve_model
+from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 
 # Golden greedy continuation of "Once upon a time" (with BOS) from stories260K's SOURCE.md.
 STORIES_PROMPT = "Once upon a time"
@@ -106,6 +108,22 @@ def stories_mesh(
     mesh = start_mesh(stories_model, tmp_path_factory.mktemp("stories-mesh"), collector)
     yield mesh
     mesh.stop()
+
+
+def engine_stats(mesh: Mesh, engine: str = "engine") -> engine_pb2.GetStatsResponse:
+    """The engine's GetStats: its queue now and the tokens it has generated in its lifetime."""
+    with grpc.insecure_channel(mesh.target(engine)) as channel:
+        return engine_pb2_grpc.EngineServiceStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=10)
+
+
+def wait_for_engine_idle(
+    mesh: Mesh, timeout_s: float = 60, engine: str = "engine"
+) -> engine_pb2.GetStatsResponse:
+    """Waits until the engine runs and queues nothing; returns its stats then."""
+    deadline = time.monotonic() + timeout_s
+    while (stats := engine_stats(mesh, engine)).num_running + stats.num_waiting:
+        assert time.monotonic() < deadline, f"the engine still holds requests after {timeout_s} s: {stats}"
+    return stats
 
 
 @pytest.fixture

@@ -1,0 +1,292 @@
+"""Chaos under load: SIGKILL and restart the gateway, the engine and Redis in turn, N cycles.
+
+    .venv/bin/python bench/chaos.py                  # 12 cycles; writes bench/results/chaos_<date>.md
+    .venv/bin/python bench/chaos.py --cycles 3 --no-write
+
+A mesh serving stories260K (tenant limits lifted) takes steady Generate traffic from `--clients`
+threads, each request carrying its own x-request-id. Each cycle SIGKILLs one process (gateway,
+engine, Redis, in turn), starts it again, waits for its health check, then for the first Generate
+that succeeds through the gateway. At the end the report gives:
+
+- acknowledged against found: every request the client saw complete (status OK with its final
+  message) must have its audit event in the gateway's log;
+- `thermocline audit verify` over the log (hash chains and signed checkpoints);
+- requests sent and failed, by status (calls in flight when a process dies fail; that is expected);
+- per cycle, seconds from the kill until the process served again and until a request succeeded.
+
+tests/cli/test_chaos.py runs three cycles of the same code in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.cli.client import build_request, call_metadata, collect, stream_generate  # noqa: E402
+from services.cli.mesh import Mesh, MeshConfig, Ports  # noqa: E402
+from services.engine.model.registry import resolve_model  # noqa: E402
+from services.gateway.audit import DECISIONS  # noqa: E402
+from services.gateway.audit_chain import segment_paths  # noqa: E402
+from services.gateway.tokens import mint_token  # noqa: E402
+
+VICTIMS = ("gateway", "engine", "redis")
+UNLIMITED_TENANT = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
+PROMPT = "Once upon a time"
+REQUEST_TIMEOUT_S = 30.0
+RECOVERY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One request of the load and how it ended."""
+
+    request_id: str
+    status: str
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """One kill and what it took to come back."""
+
+    victim: str
+    serving_s: float  # from SIGKILL until the restarted process passed its health check
+    recovered_s: float  # from SIGKILL until a Generate succeeded through the gateway again
+
+
+@dataclass
+class Load:
+    """Client threads that send Generate calls until stopped, recording every outcome."""
+
+    target: str
+    token: str
+    num_clients: int
+    sent: list[Sent] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Load:
+        """Starts the client threads."""
+        for client in range(self.num_clients):
+            thread = threading.Thread(target=self._client, args=(client,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        return self
+
+    def finish(self) -> list[Sent]:
+        """Stops sending, waits for the calls in flight, and returns every outcome."""
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+        return self.sent
+
+    def _client(self, client: int) -> None:
+        with grpc.insecure_channel(self.target) as channel:
+            number = 0
+            while not self.stop.is_set():
+                request_id = f"chaos-{client}-{number}"
+                self.sent.append(Sent(request_id, generate(channel, self.token, request_id)))
+                number += 1
+
+
+def generate(channel: grpc.Channel, token: str, request_id: str) -> str:
+    """One short Generate; its status name (OK only when the stream ended with its final message)."""
+    metadata = [*call_metadata(token), ("x-request-id", request_id)]
+    try:
+        request = build_request(PROMPT, max_tokens=8)
+        result = collect(stream_generate(channel, request, metadata, REQUEST_TIMEOUT_S))
+    except grpc.RpcError as error:
+        return error.code().name
+    return "OK" if result.done is not None else "NO_FINAL_MESSAGE"
+
+
+def kill(mesh: Mesh, victim: str) -> None:
+    """SIGKILL, and reap the process."""
+    process = mesh.processes[victim]
+    process.kill()
+    process.wait()
+
+
+def restart(mesh: Mesh, victim: str) -> None:
+    """Starts the process again on its old port and waits until it answers its health check."""
+    if victim == "redis":
+        mesh._start_redis()  # Mesh has no public restart for Redis; this is its own start path
+    else:
+        mesh.start_service(victim)
+
+
+def wait_for_success(mesh: Mesh, token: str, since: float) -> float:
+    """Seconds from `since` until a Generate succeeds through the gateway."""
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        number = 0
+        while generate(channel, token, f"chaos-probe-{since:.3f}-{number}") != "OK":
+            number += 1
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no request succeeded within {RECOVERY_TIMEOUT_S:g} s of the kill")
+    return time.monotonic() - since
+
+
+def run_cycle(mesh: Mesh, token: str, victim: str) -> Cycle:
+    """One kill, restart and recovery."""
+    killed_at = time.monotonic()
+    kill(mesh, victim)
+    restart(mesh, victim)
+    serving_s = time.monotonic() - killed_at
+    return Cycle(victim, serving_s, wait_for_success(mesh, token, killed_at))
+
+
+def audited_request_ids(mesh: Mesh) -> set[str]:
+    """The request ids of every decision in the gateway's audit log."""
+    found = set()
+    for path in segment_paths(mesh.audit_dir, DECISIONS):
+        for line in path.read_text().splitlines():
+            try:
+                found.add(json.loads(line).get("request_id", ""))
+            except json.JSONDecodeError:  # a torn last line; `audit verify` judges it
+                continue
+    return found
+
+
+def audit_verify(mesh: Mesh) -> tuple[int, str]:
+    """`thermocline audit verify` over the mesh's audit log: exit status and its last line."""
+    command = [sys.executable, "-m", "services.cli.main", "--state-dir", str(mesh.config.state_dir)]
+    command += ["audit", "verify"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    return result.returncode, lines[-1] if lines else ""
+
+
+@dataclass(frozen=True)
+class ChaosResult:
+    """What a chaos run found."""
+
+    cycles: list[Cycle]
+    sent: list[Sent]
+    acknowledged: set[str]
+    lost: set[str]
+    verify_status: int
+    verify_line: str
+
+    @property
+    def failed_by_status(self) -> Counter[str]:
+        """Requests that did not end OK, by status."""
+        return Counter(s.status for s in self.sent if s.status != "OK")
+
+
+def chaos(state_dir: Path, num_cycles: int, num_clients: int) -> ChaosResult:
+    """Starts a mesh, runs the cycles under load, stops the mesh, and checks the audit log."""
+    tenants = state_dir / "tenants.json"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tenants.write_text(json.dumps(UNLIMITED_TENANT))
+    config = MeshConfig(
+        model=str(resolve_model("stories260k")),
+        state_dir=state_dir,
+        ports=Ports.free(),
+        env={"THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants)},
+        startup_timeout_s=RECOVERY_TIMEOUT_S,
+    )
+    with Mesh(config) as mesh:
+        token = mint_token(mesh.private_key_path.read_bytes(), subject="chaos", tenant="chaos")
+        load = Load(mesh.target("gateway"), token, num_clients).start()
+        try:
+            cycles = [run_cycle(mesh, token, VICTIMS[i % len(VICTIMS)]) for i in range(num_cycles)]
+        finally:
+            sent = load.finish()
+    acknowledged = {s.request_id for s in sent if s.status == "OK"}
+    lost = acknowledged - audited_request_ids(mesh)
+    verify_status, verify_line = audit_verify(mesh)
+    return ChaosResult(cycles, sent, acknowledged, lost, verify_status, verify_line)
+
+
+def report(result: ChaosResult, args: argparse.Namespace, wall_s: float) -> str:
+    """The markdown report."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    failed = ", ".join(f"{status} {n}" for status, n in result.failed_by_status.most_common()) or "none"
+    num_failed = sum(result.failed_by_status.values())
+    cycles = [
+        "| cycle | killed | serving again after (s) | a request succeeded after (s) |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {i + 1} | {c.victim} | {c.serving_s:.1f} | {c.recovered_s:.1f} |"
+            for i, c in enumerate(result.cycles)
+        ),
+    ]
+    by_victim = []
+    for victim in VICTIMS:
+        times = sorted(c.recovered_s for c in result.cycles if c.victim == victim)
+        if times:
+            by_victim.append(f"{victim}: median {times[len(times) // 2]:.1f} s, worst {times[-1]:.1f} s")
+    return "\n".join(
+        [
+            "# Chaos: SIGKILL and restart under load",
+            "",
+            "| setting | value |",
+            "| --- | --- |",
+            f"| date (UTC) | {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} |",
+            f"| git commit | {commit.stdout.strip()} |",
+            f"| machine | {os.cpu_count()} logical cpus, shared with other test runs |",
+            "| mesh | redis-server, kvstore, safety, engine (stories260K), gateway; no tenant limits |",
+            f"| load | {args.clients} client threads, back to back, 8-token Generate calls, "
+            f"{REQUEST_TIMEOUT_S:g} s deadline |",
+            f"| cycles | {len(result.cycles)} (SIGKILL of {', '.join(VICTIMS)} in turn, then restart) |",
+            f"| wall time | {wall_s:.0f} s |",
+            "",
+            "## Findings",
+            "",
+            f"- acknowledged requests (OK with a final message): {len(result.acknowledged)}; "
+            f"their audit events found: {len(result.acknowledged) - len(result.lost)}; "
+            f"lost: {len(result.lost)} {sorted(result.lost)[:10] if result.lost else ''}",
+            f"- `thermocline audit verify`: exit {result.verify_status}: {result.verify_line}",
+            f"- requests sent: {len(result.sent)}; failed: {num_failed} ({failed})",
+            f"- time to recover (kill to first success): {'; '.join(by_victim)}",
+            "",
+            *cycles,
+            "",
+            f"Reproduce: `.venv/bin/python bench/chaos.py --cycles {args.cycles} --clients {args.clients}`",
+            "",
+        ]
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cycles", type=int, default=12, help="kills, rotating over gateway, engine, Redis")
+    parser.add_argument("--clients", type=int, default=2, help="client threads sending back to back")
+    parser.add_argument("--no-write", action="store_true", help="print the report instead of writing it")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = chaos(Path(tmp) / "chaos", args.cycles, args.clients)
+    text = report(result, args, time.monotonic() - started)
+    if args.no_write:
+        print(text)
+    else:
+        path = REPO / "bench" / "results" / f"chaos_{dt.datetime.now(dt.UTC):%Y-%m-%d}.md"
+        path.write_text(text)
+        print(f"wrote {path}")
+    return 0 if not result.lost and result.verify_status == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
