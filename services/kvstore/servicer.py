@@ -69,6 +69,11 @@ class BlockAssembler:
                 f"{self._header.payload_bytes} payload bytes before the next header"
             )
         check_hash(header.block_hash)
+        if header.codec not in Codec._value2member_map_:
+            raise InvalidArgument(
+                f"PutBlocks: block {header.block_hash} has codec {header.codec}; use CODEC_RAW (1) or "
+                "CODEC_INT2_SPARSE (2)"
+            )
         if header.payload_bytes > self.max_block_bytes:
             raise InvalidArgument(
                 f"PutBlocks: block {header.block_hash} declares {header.payload_bytes} B; the limit is "
@@ -87,7 +92,7 @@ class BlockAssembler:
             )
         self._header = None
         payload = b"".join(self._parts)
-        return BlockIn(check_hash(header.block_hash), Codec(header.codec or 0), tuple(header.shape), payload)
+        return BlockIn(check_hash(header.block_hash), Codec(header.codec), tuple(header.shape), payload)
 
     def finish(self) -> None:
         """The stream ended: a block cut short is an error, and so is a stream without a namespace."""
