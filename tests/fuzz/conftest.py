@@ -27,6 +27,7 @@ settings.register_profile(
     max_examples=int(os.environ.get("THERMOCLINE_FUZZ_EXAMPLES", "20")),
     deadline=None,  # a call's time depends on the machine; a hang is caught by the call's own timeout
     derandomize=os.environ.get("THERMOCLINE_FUZZ_RANDOM") != "1",
+    database=None,  # a failure prints its reproducing blob; nothing is written into the checkout
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     print_blob=True,
     # No shrinking: each shrink step is a real call through the mesh, and a failing example (or an
