@@ -188,8 +188,26 @@ def test_redis_down_is_unavailable_and_a_fresh_redis_is_rebuilt(
             ],
             "the limit is",
         ),
+        (
+            [
+                pb.PutBlocksRequest(
+                    namespace=pb.Namespace(tenant="t", model="m"),
+                    header=pb.BlockHeader(block_hash="ab" * 8, codec=3, shape=[1], payload_bytes=2),
+                )
+            ],
+            "use CODEC_RAW (1) or CODEC_INT2_SPARSE (2)",
+        ),
     ],
-    ids=["no-namespace", "data-first", "bad-hash", "raw-size", "int2-garbage", "cut-short", "too-big"],
+    ids=[
+        "no-namespace",
+        "data-first",
+        "bad-hash",
+        "raw-size",
+        "int2-garbage",
+        "cut-short",
+        "too-big",
+        "codec",
+    ],
 )
 def test_malformed_puts_are_invalid_argument_and_harmless(
     shared_kvstore: KVStoreProcess, requests: list[pb.PutBlocksRequest], message: str
