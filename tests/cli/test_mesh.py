@@ -181,15 +181,26 @@ def test_list_models_names_the_served_model(stories_mesh: Mesh, gateway_channel:
     assert len(reply.models) == 1 and reply.models[0].max_context_tokens > 0
 
 
-def test_unimplemented_kvstore_rpcs_say_so(stories_mesh: Mesh) -> None:
+def test_the_meshs_kvstore_stores_a_block_and_finds_it_for_its_tenant_only(stories_mesh: Mesh) -> None:
     from thermocline.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
+    ours = kvstore_pb2.Namespace(tenant="acme", model="stories260k")
+    theirs = kvstore_pb2.Namespace(tenant="other", model="stories260k")
+    block_hash = "ab" * 32
+    header = kvstore_pb2.BlockHeader(
+        block_hash=block_hash, codec=kvstore_pb2.CODEC_RAW, shape=[1, 2, 1, 1, 4], payload_bytes=16
+    )
+    put = kvstore_pb2.PutBlocksRequest(namespace=ours, header=header, data=bytes(range(16)))
     with grpc.insecure_channel(stories_mesh.target("kvstore")) as channel:
         stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
-        with pytest.raises(grpc.RpcError) as caught:
-            stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=["00"]), timeout=5)
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "does not store blocks yet" in caught.value.details()
+        stored = stub.PutBlocks(iter([put]), timeout=30)
+        found = stub.Lookup(kvstore_pb2.LookupRequest(namespace=ours, block_hashes=[block_hash]), timeout=10)
+        other = stub.Lookup(
+            kvstore_pb2.LookupRequest(namespace=theirs, block_hashes=[block_hash]), timeout=10
+        )
+    assert list(stored.stored_hashes) + list(stored.duplicate_hashes) == [block_hash]
+    assert list(found.present_hashes) == [block_hash]
+    assert list(other.present_hashes) == []
 
 
 def test_redis_server_runs_as_part_of_the_mesh(stories_mesh: Mesh) -> None:
