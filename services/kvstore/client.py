@@ -14,7 +14,7 @@ import grpc
 from services.common.config import MIB, channel_options
 from services.kvstore.blocks import BlockIn, BlockSource, Codec, MissReason
 from services.kvstore.keys import Namespace
-from services.kvstore.store import PrefetchResult, PutResult
+from services.kvstore.results import PrefetchResult, PutResult
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

@@ -19,7 +19,8 @@ from services.kvstore.blocks import BlockFound, BlockIn, Codec
 from services.kvstore.compactor import Compactor
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.keys import Namespace, check_hash
-from services.kvstore.store import BlockStore, PendingWrite, StoreStats
+from services.kvstore.results import PendingWrite, StoreStats
+from services.kvstore.store import BlockStore
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

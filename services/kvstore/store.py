@@ -15,87 +15,54 @@ compactor.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.kvstore import kvstore_metrics as metrics
 from services.kvstore.blocks import BlockFound, BlockIn, BlockMissing, BlockSource, MissReason, check_block
 from services.kvstore.config import StoreConfig
 from services.kvstore.index import IndexEntry, IndexLost, RedisIndex
 from services.kvstore.keys import BlockHash, Namespace, StoreKey, TenantSalts, check_hash
 from services.kvstore.record import Record, RecordError
-from services.kvstore.segments import SegmentWriter, list_segments, read_record, scan_segment, segment_bytes
+from services.kvstore.recovery import scan_live_entries
+from services.kvstore.results import PendingWrite, PrefetchResult, PutResult, StoreCounters, StoreStats
+from services.kvstore.segments import SegmentWriter, list_segments, read_record, segment_bytes
 from services.kvstore.staging import StagingCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@contextlib.contextmanager
+def disk_errors(operation: str) -> Iterator[None]:
+    """A failed segment write or fsync is the store's fault, not the caller's: nothing was acknowledged."""
+    try:
+        yield
+    except OSError as error:
+        metrics.ERRORS.labels(operation).inc()
+        log.error("segment %s failed: %s", operation, error)
+        if error.errno == errno.ENOSPC:
+            raise ResourceExhausted(
+                "the kvstore's disk is full; nothing was stored, retry after eviction"
+            ) from error
+        raise Unavailable(
+            f"the kvstore cannot write its segments ({error.strerror}); nothing was stored"
+        ) from error
+
+
 def now_us() -> int:
     """Wall-clock microseconds: creation and last-access times survive restarts, and LRU order
     separates a read from the write just before it."""
     return time.time_ns() // 1000
-
-
-@dataclass
-class StoreCounters:
-    """Events since start, for GetStats."""
-
-    evicted_blocks: int = 0
-    expired_blocks: int = 0
-    corrupt_records: int = 0
-    compacted_segments: int = 0
-    staging_hits: int = 0
-    disk_reads: int = 0
-    index_rebuilds: int = 0
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Occupancy and counters."""
-
-    num_blocks: int
-    used_bytes: int
-    capacity_bytes: int
-    staged_blocks: int
-    staged_bytes: int
-    disk_bytes: int
-    num_segments: int
-    counters: StoreCounters
-
-
-@dataclass(frozen=True)
-class PendingWrite:
-    """A record written to its segment, waiting for its fsync and its index entry."""
-
-    block_hash: BlockHash
-    key: StoreKey
-    entry: IndexEntry
-    seq: int
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """Which blocks a put stored and which it found present already."""
-
-    stored: list[BlockHash] = field(default_factory=list)
-    duplicates: list[BlockHash] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class PrefetchResult:
-    """How a prefetch hint was taken."""
-
-    queued: int
-    already_staged: int
 
 
 class BlockStore:
@@ -187,7 +154,10 @@ class BlockStore:
             if await self.index.is_built():
                 return  # another call rebuilt it while this one waited
             started = time.perf_counter()
-            entries = await asyncio.to_thread(self._scan_all)
+            entries, num_corrupt = await asyncio.to_thread(
+                scan_live_entries, self.config.segments_dir, self.config.ttl_s, now_us()
+            )
+            self.counters.corrupt_records += num_corrupt
             await self.index.rebuild(entries)
             self.counters.index_rebuilds += 1
             log.warning(
@@ -196,23 +166,6 @@ class BlockStore:
                 len(entries),
                 time.perf_counter() - started,
             )
-
-    def _scan_all(self) -> dict[StoreKey, IndexEntry]:
-        """The live entry of every key: the newest record wins; a tombstone deletes; TTL applies."""
-        entries: dict[StoreKey, IndexEntry] = {}
-        expired_before = now_us() - int(self.config.ttl_s * 1_000_000) if self.config.ttl_s else 0
-        for segment_id in list_segments(self.config.segments_dir):
-            scan = scan_segment(self.config.segments_dir, segment_id)
-            self.counters.corrupt_records += scan.num_corrupt
-            for found in scan.records:
-                record = found.record
-                if record.is_tombstone or record.created_us < expired_before:
-                    entries.pop(record.key, None)
-                    continue
-                entries[record.key] = IndexEntry(
-                    found.location, record.codec, record.tenant, record.created_us
-                )
-        return entries
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -234,7 +187,8 @@ class BlockStore:
             block.payload,
             created,
         )
-        location, seq = await self.writer.append(record)
+        with disk_errors("put"):
+            location, seq = await self.writer.append(record)
         return PendingWrite(
             block.block_hash, key, IndexEntry(location, block.codec, namespace.tenant, created), seq
         )
@@ -243,7 +197,8 @@ class BlockStore:
         """Waits until every pending write is durable, then indexes them; returns what was stored."""
         if not pending:
             return PutResult()
-        await self.writer.wait_durable(max(p.seq for p in pending))
+        with disk_errors("put"):
+            await self.writer.wait_durable(max(p.seq for p in pending))
         result = PutResult()
         for write in pending:
             is_new = await self.guarded(lambda write=write: self.index.add(write.key, write.entry))  # type: ignore[misc]
@@ -294,10 +249,12 @@ class BlockStore:
                 key, namespace.tenant, namespace.model, block_hash, entry.codec, (), b"", now_us()
             )
             async with self.relocation_lock:  # the compactor cannot copy the record past its tombstone
-                _, seq = await self.writer.append(tombstone.tombstone(now_us()))
+                with disk_errors("delete"):
+                    _, seq = await self.writer.append(tombstone.tombstone(now_us()))
                 self.staging.drop(key)
                 deleted += await self.index.remove(key) > 0
-        await self.writer.wait_durable(seq)
+        with disk_errors("delete"):
+            await self.writer.wait_durable(seq)
         return deleted
 
     # --- reads --------------------------------------------------------------------------------

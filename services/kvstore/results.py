@@ -1,0 +1,61 @@
+"""What the store's calls return: put and prefetch results, a write awaiting its fsync, and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.kvstore.index import IndexEntry
+from services.kvstore.keys import BlockHash, StoreKey
+
+
+@dataclass
+class StoreCounters:
+    """Events since start, for GetStats."""
+
+    evicted_blocks: int = 0
+    expired_blocks: int = 0
+    corrupt_records: int = 0
+    compacted_segments: int = 0
+    staging_hits: int = 0
+    disk_reads: int = 0
+    index_rebuilds: int = 0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Occupancy and counters."""
+
+    num_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    staged_blocks: int
+    staged_bytes: int
+    disk_bytes: int
+    num_segments: int
+    counters: StoreCounters
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A record written to its segment, waiting for its fsync and its index entry."""
+
+    block_hash: BlockHash
+    key: StoreKey
+    entry: IndexEntry
+    seq: int
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Which blocks a put stored and which it found present already."""
+
+    stored: list[BlockHash] = field(default_factory=list)
+    duplicates: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """How a prefetch hint was taken."""
+
+    queued: int
+    already_staged: int
