@@ -211,8 +211,18 @@ def bench_short(rows: list[str], tokdir: Path, args, bandwidth: float) -> None:
         seq_len = args.prompt_len + args.new_tokens + 16
         checkpoint = random_checkpoint(shape, tokdir)
         engines = {
-            OFF: load(checkpoint, tokdir, max(batches), seq_len, KVCacheSpec(), 8192),
-            ON: load(checkpoint, tokdir, max(batches), seq_len, KVCacheSpec(tiers=TIERS_ON), 8192),
+            # two engines share the GPU: each takes its share of memory (the second's budget counts the first)
+            OFF: load(
+                checkpoint, tokdir, max(batches), seq_len, KVCacheSpec(gpu_memory_utilization=0.3), 8192
+            ),
+            ON: load(
+                checkpoint,
+                tokdir,
+                max(batches),
+                seq_len,
+                KVCacheSpec(tiers=TIERS_ON, gpu_memory_utilization=0.6),
+                8192,
+            ),
         }
         with torch.device("cuda"):
             hf_model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16).eval()
@@ -261,44 +271,41 @@ def bench_short(rows: list[str], tokdir: Path, args, bandwidth: float) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_long(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth: float) -> None:
-    """8B at a 32,768-token prompt, tiers off then on (one engine at a time: each needs the memory)."""
+def bench_long(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth: float, decode: bool,
+               flush: Callable[[], None]) -> None:  # fmt: skip
+    """8B at a 32,768-token prompt, tiers on then off, one engine at a time, each sized from GPU memory at
+    utilization 0.90: the capacity line is the pools each engine planned; `decode` adds the timed runs."""
     shape = LLAMA_8B
     prompt = args.long_prompt
     seq_len = prompt + args.new_tokens + 16
-    batches = args.long_batches
+    batches = args.long_batches if decode else []
     checkpoint = random_checkpoint(shape, tokdir)
-    hot_blocks_on = max(batches) * 16 + args.long_prefill // 16 + 256
-    specs = {
-        OFF: KVCacheSpec(),
-        ON: KVCacheSpec(num_hot_blocks=hot_blocks_on, tiers=TIERS_ON),
-    }
-    for label, kv in specs.items():
-        engine = guarded(
-            lambda kv=kv: (load(checkpoint, tokdir, max(batches), seq_len, kv, args.long_prefill),)
-        )
+    for label, kv in ((ON, KVCacheSpec(tiers=TIERS_ON)), (OFF, KVCacheSpec())):
+        engine = guarded(lambda kv=kv: (load(checkpoint, tokdir, max(args.long_batches), seq_len, kv,
+                                              args.long_prefill),))  # fmt: skip
         if isinstance(engine, str):
             rows.append(f"| 8B | {prompt} | | {label} | failed: {engine} | | | | | |")
             continue
         engine = engine[0]
+        free, total = torch.cuda.mem_get_info()
+        plan = engine.capacity
+        notes.append(
+            f"- capacity, {label}, max_seq_len {seq_len:,}: {plan.describe()}. Device memory in use after "
+            f"load and graph capture: {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB "
+            f"({(total - free) / total:.1%}; the setting is {kv.gpu_memory_utilization:.0%})."
+        )
+        flush()
         tiers = TIERS_ON if label == ON else None
         for b in batches:
             result = guarded(
                 lambda b=b, e=engine: our_decode(e, shape["vocab_size"], b, prompt, args.new_tokens)
             )
-            rows.append(
-                table_row(
-                    "8B",
-                    prompt,
-                    b,
-                    label,
-                    result,
-                    None,
-                    roofline(shape, b, prompt + args.new_tokens // 2, bandwidth, tiers),
-                )
-            )
-        if label == ON and args.profile:
+            rows.append(table_row("8B", prompt, b, label, result, None,
+                                  roofline(shape, b, prompt + args.new_tokens // 2, bandwidth, tiers)))  # fmt: skip
+            flush()
+        if label == ON and args.profile and decode:
             notes.append(profile_decode(engine, shape, max(batches), prompt))
+            flush()
         engine.stop()
         del engine
         gc.collect()
@@ -326,24 +333,6 @@ def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int) -> s
         engine.step()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
     return f"\n### Profile: 8B, {prompt}-token context, batch {batch}, tiers on, 8 decode steps\n\n```\n{table}\n```\n"
-
-
-def capacity(rows: list[str], bandwidth: float, args) -> None:
-    """How many 32K-token sequences fit at utilization 0.90, from each tier's bytes per token."""
-    total = torch.cuda.get_device_properties(0).total_memory
-    budget = 0.90 * total - params_count(LLAMA_8B) * 2 - 4 * 2**30  # weights, 4 GiB activations and graphs
-    seq = 32_768 + 128
-    off = seq * kv_bytes_per_token(LLAMA_8B, None)
-    hot = (TIERS_ON.sink_tokens + TIERS_ON.hot_tokens + TIERS_ON.group_size + 16) * kv_bytes_per_token(
-        LLAMA_8B, None
-    )
-    on = hot + (seq - 180) * kv_bytes_per_token(LLAMA_8B, TIERS_ON)
-    rows.append(
-        f"\nCapacity at 0.90 of {total / 2**30:.0f} GiB, 8B bf16 weights, 4 GiB set aside for activations and graphs: "
-        f"{budget / 2**30:.0f} GiB for KV. A 32K-token sequence costs {off / 2**30:.2f} GiB with the tiers off "
-        f"and {on / 2**30:.2f} GiB on: **{int(budget // off)} sequences off, {int(budget // on)} on** "
-        f"({off / on:.2f}x). Computed from the tiers' bytes per token, not yet from a sized pool.\n"
-    )
 
 
 def check_cuda_equals_cpu(rows: list[str]) -> None:
@@ -434,14 +423,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokdir = Path(tmp) / "tokenizer"
         write_tokenizer(tokdir, LLAMA_1B["vocab_size"])
+        flush = lambda: args.out.write_text(text()) if args.out is not None else None  # noqa: E731
         runs = {"short": lambda: bench_short(rows, tokdir, args, bandwidth),
-                "long": lambda: bench_long(rows, notes, tokdir, args, bandwidth)}  # fmt: skip
+                "long": lambda: bench_long(rows, notes, tokdir, args, bandwidth, True, flush),
+                "capacity": lambda: bench_long(rows, notes, tokdir, args, bandwidth, False, flush)}  # fmt: skip
+        if "long" in parts and "capacity" in parts:
+            parts.remove("capacity")  # the long part reports the capacity of the engines it loads
         for run in (runs[p] for p in parts if p in runs):
             guarded(lambda run=run: (run(),))
             if args.out is not None:
                 args.out.write_text(text())  # partial results survive a later timeout
-    if "capacity" in parts:
-        capacity(rows, bandwidth, args)
     print(text())
     if args.out is not None:
         args.out.write_text(text())

@@ -135,8 +135,7 @@ def run_chunked(
         for start in range(0, len(ids) - 1, chunk):
             piece = ids[start : min(start + chunk, len(ids) - 1)]
             cache.grow(table, start + len(piece))
-            for copy in cache.take_warm_copies():  # the demotions of the last chunk, as the runner does
-                cache.copy_to_warm(copy)
+            cache.copy_to_warm(cache.take_warm_copies())  # the last chunk's demotions, as the runner does
             rows = [RowInput(table, start, len(piece))]
             metadata = AttentionMetadata.for_rows(rows, BLOCK_SIZE, cache.blocks_per_group, device)
             hidden = model(

@@ -28,7 +28,10 @@ class EngineConfig:
     checkpoint directory or a .gguf file. `_DEVICE` (auto, cpu, cuda, cuda:N), `_DTYPE` (auto,
     float32, bfloat16, float16), `_MAX_BATCH_SIZE`, `_MAX_SEQ_LEN` (0 = the model's own limit),
     `_DEFAULT_MAX_TOKENS` (used when a request gives none) and `_MAX_TOKENS_LIMIT` (the cap).
-    KV cache: `_KV_BLOCK_SIZE`, `_KV_HOT_BLOCKS` (0 = enough for every slot at full length),
+    KV cache: `_GPU_MEMORY_UTILIZATION` (CUDA: the share of device memory for weights, activations
+    and KV pools together, default 0.90; the pools get what a profiling step leaves),
+    `_CPU_KV_CACHE_MB` (CPU: the pools' budget, default 512), `_KV_BLOCK_SIZE`, `_KV_HOT_BLOCKS`
+    (0 = sized from the budget),
     `_KV_TIERS` (off: every token hot), `_KV_SINK_TOKENS`, `_KV_HOT_TOKENS`, `_KV_WARM_TOKENS`,
     `_KV_GROUP_SIZE`, `_KV_WARM_POLICY` (window or refuse), `_KV_WARM_GROUPS` (0 = derived).
     In-loop safety gate: `_GATE_SOURCE` (file, safety or off), `_GATE_FILE` (the gate's
@@ -111,7 +114,10 @@ def _kv_from_env(prefix: str, environ: Mapping[str, str] | None) -> KVCacheSpec:
         group_size=env.get_int(prefix + "GROUP_SIZE", defaults.group_size, environ),
         policy=WarmFullPolicy(policy),
     )
+    engine = prefix.removesuffix("KV_")
     return KVCacheSpec(
+        gpu_memory_utilization=env.get_float(engine + "GPU_MEMORY_UTILIZATION", 0.90, environ),
+        cpu_cache_mb=env.get_int(engine + "CPU_KV_CACHE_MB", 512, environ),
         block_size=env.get_int(prefix + "BLOCK_SIZE", 16, environ),
         num_hot_blocks=env.get_int(prefix + "HOT_BLOCKS", 0, environ),
         num_warm_groups=env.get_int(prefix + "WARM_GROUPS", 0, environ),

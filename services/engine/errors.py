@@ -45,3 +45,17 @@ class KVCapacityExceeded(RuntimeError):
         )
         self.num_tokens = num_tokens
         self.max_tokens = max_tokens
+
+
+class KVPoolTooSmall(KVCapacityExceeded):
+    """A request whose tokens need more hot KV than the whole pool holds (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, num_tokens: int, pool_tokens: int) -> None:
+        RuntimeError.__init__(
+            self,
+            f"prompt plus max_tokens is {num_tokens} tokens but this engine's hot KV pool holds "
+            f"{pool_tokens} tokens in all, so the request could never run; ask for at most {pool_tokens} "
+            "tokens in total, or send it to a replica with a larger KV cache",
+        )
+        self.num_tokens = num_tokens
+        self.max_tokens = pool_tokens

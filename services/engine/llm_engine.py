@@ -20,17 +20,31 @@ from services.engine.errors import (
     EngineStopped,
     InvalidPrompt,
     KVCapacityExceeded,
+    KVPoolTooSmall,
     PromptTooLong,
 )
+from services.engine.execution.memory_profile import GRAPH_AND_WORKSPACE_RESERVE_BYTES, profile_memory
 from services.engine.execution.model_runner import ModelRunner, RunnerOptions
 from services.engine.execution.sampler import FAULT, make_generator, sample
 from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
 from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate, refusal
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
+from services.engine.kv.capacity import (
+    GIB,
+    KVBudgetTooSmall,
+    PoolPlan,
+    budget_from_device_memory,
+    format_bytes,
+    hot_block_bytes,
+    longest_fitting_seq_len,
+    plan_pools,
+    warm_group_bytes,
+)
 from services.engine.kv.tiers import KVCacheSpec, TierConfig, WarmFullPolicy
 from services.engine.metrics import QUEUE_WAIT
 from services.engine.model.checkpoint import Checkpoint
 from services.engine.model.config import ModelConfig
+from services.engine.model.llama import LlamaModel
 from services.engine.model.loader import load_model, open_checkpoint, resolve_device, resolve_dtype
 from services.engine.model.registry import resolve_model
 from services.engine.model.tensor_parallel import SINGLE
@@ -54,9 +68,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SEQ_LEN = 2048  # cap when the caller gives none: the default hot pool holds it for every slot
 DEFAULT_MAX_PREFILL_TOKENS = 4096  # padded prompt tokens per prefill step
-PROBE_EVERY_DECODE_STEPS = 16  # with tiers on, every 16th decode step samples the hot attention mass
+# With tiers on, every 64th decode step samples the hot attention mass of one row. That step runs eagerly
+# (outside the decode graphs), so the period keeps its cost near 1% of decode time.
+PROBE_EVERY_DECODE_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,7 @@ class LLMEngine:
         self._gate: InLoopGate | None = None
         self.gate_report = GateReport(GateStatus.ABSENT, detail="no gate installed")
         self._gate_triggers: dict[str, int] = {}
+        self.capacity: PoolPlan | None = None  # the KV pools `load` planned (None for a hand-built engine)
 
     @classmethod
     def load(
@@ -163,25 +179,30 @@ class LLMEngine:
         (benchmarks pass random weights this way) is used instead of reading `path` (TP=1 only).
         """
         kv = kv or KVCacheSpec()
+        classes = classes or IntentClasses.builtin()
         model_path = resolve_model(path) if checkpoint is None else Path(path)
         checkpoint = checkpoint or open_checkpoint(model_path)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
-        seq_len = _resolve_max_seq_len(checkpoint.config, max_seq_len)
+        positions = _check_max_seq_len(checkpoint.config, max_seq_len)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         workers = None
         if tp > 1:
             workers = WorkerGroup.launch(
-                str(model_path), checkpoint.config, torch_device, torch_dtype, seq_len, tp
+                str(model_path), checkpoint.config, torch_device, torch_dtype, positions, tp
             )
             torch_device = workers.spec.device(0)
         try:
             model = load_model(
-                checkpoint, torch_device, torch_dtype, seq_len, progress, workers.tp if workers else SINGLE
+                checkpoint, torch_device, torch_dtype, positions, progress, workers.tp if workers else SINGLE
             )
-            cache = _build_kv_cache(model.rank_config, kv, max_batch_size, seq_len, torch_device, torch_dtype)
-            options = RunnerOptions(attention, cuda_graphs, max_batch_size, seq_len)
+            plan = _plan_kv_pools(
+                model, kv, classes, torch_device, torch_dtype, attention, max_batch_size, max_seq_len,
+                max_prefill_tokens,
+            )  # fmt: skip
+            cache = _build_kv_cache(model.rank_config, kv, plan, torch_device, torch_dtype)
+            options = RunnerOptions(attention, cuda_graphs, max_batch_size, plan.max_seq_len)
             if workers is not None:
                 workers.start(CacheShape.of(cache), options)
         except BaseException:
@@ -190,10 +211,13 @@ class LLMEngine:
             raise
         runner = ModelRunner(model, cache, torch_device, workers, options)
         runner.capture_graphs()
-        return cls(
-            checkpoint.model_id, runner, checkpoint.tokenizer, max_batch_size, seq_len,
+        logger.info("%s", plan.describe())
+        engine = cls(
+            checkpoint.model_id, runner, checkpoint.tokenizer, max_batch_size, plan.max_seq_len,
             max_prefill_tokens, kv.tiers, classes,
         )  # fmt: skip
+        engine.capacity = plan
+        return engine
 
     @property
     def config(self) -> ModelConfig:
@@ -236,10 +260,12 @@ class LLMEngine:
         cls = self.scheduler.classes.get(intent_class)
         params = _capped(params, cls)
         tiers = self._tiers_for(cls)
-        if tiers.enabled and tiers.policy is WarmFullPolicy.REFUSE:
-            total = len(prompt_ids) + params.max_new_tokens
-            if total > tiers.max_tokens:
-                raise KVCapacityExceeded(total, tiers.max_tokens)
+        total = len(prompt_ids) + params.max_new_tokens
+        if tiers.enabled and tiers.policy is WarmFullPolicy.REFUSE and total > tiers.max_tokens:
+            raise KVCapacityExceeded(total, tiers.max_tokens)
+        pool_tokens = self.runner.kv_cache.hot.capacity_tokens()
+        if not tiers.enabled and min(total, self.max_seq_len) > pool_tokens:
+            raise KVPoolTooSmall(min(total, self.max_seq_len), pool_tokens)
         seq = self._new_sequence(list(prompt_ids), params, on_event, tiers, cache_salt, cls.name)
         with self._lock:
             self._inbox.append(seq)
@@ -519,36 +545,123 @@ class LLMEngine:
         )
 
 
-def _resolve_max_seq_len(config: ModelConfig, max_seq_len: int | None) -> int:
+def _check_max_seq_len(config: ModelConfig, max_seq_len: int | None) -> int:
+    """The positions the model is built for: the requested length, or the model's own limit."""
+    limit = config.max_position_embeddings
     if max_seq_len is None:
-        return min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    if not 2 <= max_seq_len <= config.max_position_embeddings:
+        return limit
+    if not 2 <= max_seq_len <= limit:
         raise ValueError(
-            f"max_seq_len must be in [2, {config.max_position_embeddings}] (the model's "
-            f"max_position_embeddings), got {max_seq_len}"
+            f"max_seq_len must be in [2, {limit}] (the model's max_position_embeddings), got {max_seq_len}"
         )
     return max_seq_len
 
 
-def _build_kv_cache(
-    config: ModelConfig,
+def _plan_kv_pools(
+    model: LlamaModel,
     kv: KVCacheSpec,
-    max_batch_size: int,
-    max_seq_len: int,
+    classes: IntentClasses,
     device: torch.device,
     dtype: torch.dtype,
+    attention: str,
+    max_batch_size: int,
+    max_seq_len: int | None,
+    max_prefill_tokens: int,
+) -> PoolPlan:
+    """Size the pools from the device's memory (CUDA) or the CPU setting, and settle max_seq_len.
+
+    An unset max_seq_len becomes the model's own limit when one such sequence fits the budget, and
+    the longest that fits otherwise; a set one that does not fit is refused with the numbers.
+    """
+    config = model.rank_config
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    explicit = kv.num_hot_blocks and (kv.num_warm_groups or not kv.tiers.enabled)
+    if explicit:  # the deployment set both pools: they are the budget, and nothing is profiled
+        budget = kv.num_hot_blocks * hot_block_bytes(config, kv.block_size, dtype_bytes)
+        if kv.tiers.enabled:
+            budget += kv.num_warm_groups * warm_group_bytes(config, kv.tiers.group_size)
+        where = "THERMOCLINE_ENGINE_KV_HOT_BLOCKS / _KV_WARM_GROUPS"
+    elif device.type == "cuda":
+        budget = _gpu_kv_budget(model, kv, device, dtype, attention, max_batch_size, max_prefill_tokens)
+        where = f"THERMOCLINE_ENGINE_GPU_MEMORY_UTILIZATION ({kv.gpu_memory_utilization})"
+    else:
+        budget = kv.cpu_cache_mb << 20
+        where = f"THERMOCLINE_ENGINE_CPU_KV_CACHE_MB ({kv.cpu_cache_mb})"
+    limit = config.max_position_embeddings
+    fits = longest_fitting_seq_len(config, kv, budget, dtype_bytes, limit)
+    if max_seq_len is not None and fits < max_seq_len and not explicit:
+        per_token = hot_block_bytes(config, kv.block_size, dtype_bytes) / kv.block_size
+        raise KVBudgetTooSmall(
+            f"max_seq_len {max_seq_len} needs {format_bytes(max_seq_len * per_token)} of KV cache for one "
+            f"sequence, but the KV budget is {format_bytes(max(budget, 0))} (longest that fits: {fits} "
+            f"tokens); lower THERMOCLINE_ENGINE_MAX_SEQ_LEN, raise {where}, or turn the KV tiers on"
+        )
+    if fits < 2:
+        raise KVBudgetTooSmall(
+            f"the KV budget of {format_bytes(budget)} holds no sequence at all; raise {where}, "
+            "or free device memory (a smaller model, a lower dtype, more tensor-parallel ranks)"
+        )
+    seq_len = max_seq_len if max_seq_len is not None else fits
+    if seq_len < limit and max_seq_len is None:
+        logger.warning("max_seq_len is %d, below the model's %d: the KV budget holds no more", fits, limit)
+    class_tiers = [
+        dataclasses.replace(
+            kv.tiers,
+            hot_tokens=kv.tiers.hot_tokens if c.hot_tokens is None else c.hot_tokens,
+            warm_tokens=kv.tiers.warm_tokens if c.warm_tokens is None else c.warm_tokens,
+        )
+        for c in classes.by_name.values()
+    ]
+    return plan_pools(
+        config, kv, class_tiers, budget, dtype_bytes, seq_len, max_batch_size, max_prefill_tokens,
+        cap_at_need=device.type != "cuda" and not explicit,
+    )  # fmt: skip
+
+
+def _gpu_kv_budget(
+    model: LlamaModel,
+    kv: KVCacheSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: str,
+    max_batch_size: int,
+    max_prefill_tokens: int,
+) -> int:
+    """`utilization * total` less what the weights, the CUDA context and the profiled activations use.
+
+    Under tensor parallelism the profile would need every rank's collectives, so rank 0 estimates
+    the activations instead: the largest prefill's MLP and attention buffers and the decode logits.
+    """
+    if not model.tp.is_parallel:
+        profile = profile_memory(
+            model, device, dtype, attention, kv.block_size, kv.tiers, max_prefill_tokens, max_batch_size
+        )
+        total, used, activation = profile.total_bytes, profile.used_bytes, profile.activation_peak_bytes
+    else:
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        config, size = model.rank_config, torch.empty((), dtype=dtype).element_size()
+        per_token = (2 * config.intermediate_size + 4 * config.hidden_size + 2 * config.q_size) * size
+        activation = 2 * max_prefill_tokens * per_token + max_batch_size * config.vocab_size * 4
+    budget = budget_from_device_memory(
+        total, used, activation, kv.gpu_memory_utilization, GRAPH_AND_WORKSPACE_RESERVE_BYTES
+    )
+    logger.info(
+        "KV budget %.2f GiB: %.0f%% of %.1f GiB, less %.2f GiB in use and a %.2f GiB activation peak",
+        budget / GIB, 100 * kv.gpu_memory_utilization, total / GIB, used / GIB, activation / GIB,
+    )  # fmt: skip
+    return budget
+
+
+def _build_kv_cache(
+    config: ModelConfig, kv: KVCacheSpec, plan: PoolPlan, device: torch.device, dtype: torch.dtype
 ) -> KVCache:
-    """Hot blocks enough for every slot at full length unless the spec caps them; warm only when tiered."""
+    """The pools of `plan`; a warm tier only when the tiers are on."""
     kv.tiers.check_block_size(kv.block_size)
-    blocks_per_seq = -(-max_seq_len // kv.block_size)
-    num_hot_blocks = kv.num_hot_blocks or max_batch_size * blocks_per_seq + 1
-    hot = HotTier(config, num_hot_blocks, kv.block_size, device, dtype)
+    hot = HotTier(config, plan.num_hot_blocks, kv.block_size, device, dtype)
     if not kv.tiers.enabled:
         return KVCache(hot, None)
-    num_groups = kv.num_warm_groups or max_batch_size * -(
-        -min(kv.tiers.warm_tokens, max_seq_len) // kv.tiers.group_size
-    )
-    return KVCache(hot, WarmTier(config, max(num_groups, 1), kv.tiers.group_size, device))
+    return KVCache(hot, WarmTier(config, plan.num_warm_groups, kv.tiers.group_size, device))
 
 
 def _capped(params: SamplingParams, cls: IntentClass) -> SamplingParams:

@@ -8,11 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.errors import EmptyPrompt, InvalidPrompt, PromptTooLong
+from services.engine.errors import EmptyPrompt, InvalidPrompt, KVCapacityExceeded, PromptTooLong
+from services.engine.kv.capacity import KVBudgetTooSmall
+from services.engine.kv.tiers import KVCacheSpec
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.sequence import FinishReason, StreamEvent
 from services.engine.serving.generation_result import ResultCollector
+from tests.engine.tiny_llama import TinySpec, make_tiny_llama
 
 GREEDY_20 = SamplingParams(max_new_tokens=20, ignore_eos=True)
 
@@ -211,8 +214,7 @@ def test_unknown_intent_class_is_refused_with_the_known_ones(tiny_engine: LLMEng
 
 
 def test_refuse_policy_says_how_many_tokens_fit(tiny_dir: Path) -> None:
-    from services.engine.errors import KVCapacityExceeded
-    from services.engine.kv.tiers import KVCacheSpec, TierConfig, WarmFullPolicy
+    from services.engine.kv.tiers import TierConfig, WarmFullPolicy
 
     tiers = TierConfig(
         enabled=True,
@@ -277,3 +279,30 @@ def test_a_poisoned_row_fails_alone_and_its_batch_neighbours_are_unchanged(tiny_
 def test_sampling_parameters_outside_their_ranges_are_refused(field: str, value: object, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**{field: value})
+
+
+def test_max_seq_len_defaults_to_the_model_limit_and_the_pools_report_their_capacity(tiny_dir: Path) -> None:
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=3, progress=False)
+    assert engine.max_seq_len == engine.config.max_position_embeddings
+    plan = engine.capacity
+    assert plan is not None and plan.concurrent_sequences == 3  # the CPU stops at what the batch needs
+    assert plan.hot_tokens >= 3 * engine.max_seq_len and plan.kv_bytes <= plan.budget_bytes
+
+
+def test_a_kv_budget_below_one_sequence_caps_max_seq_len_or_refuses_with_the_numbers(tmp_path: Path) -> None:
+    # 4 layers x 4 KV heads x dim 64 x K and V x fp32 = 8 KiB per token: 1 MiB is 8 blocks of 16 tokens,
+    # 7 past the scratch block, so 112 tokens; the model's own limit is 512
+    wide = make_tiny_llama(tmp_path / "wide", TinySpec(hidden_size=256, num_layers=4, num_kv_heads=4))
+    one_mib = KVCacheSpec(block_size=16, cpu_cache_mb=1)
+    engine = LLMEngine.load(wide, device="cpu", max_batch_size=2, kv=one_mib, progress=False)
+    assert engine.max_seq_len == 112
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].error is None
+    with pytest.raises(KVBudgetTooSmall, match=r"max_seq_len 512 needs 4.00 MiB .* 1.00 MiB .* 112 tokens"):
+        LLMEngine.load(wide, device="cpu", max_seq_len=512, kv=one_mib, progress=False)
+
+
+def test_a_request_larger_than_the_whole_hot_pool_is_refused_with_the_numbers(tiny_dir: Path) -> None:
+    tight = KVCacheSpec(block_size=16, num_hot_blocks=9)  # set by hand: 8 usable blocks, 128 tokens
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=256, kv=tight)
+    with pytest.raises(KVCapacityExceeded, match="hot KV pool holds 128 tokens in all"):
+        engine.submit(list(range(2, 100)), SamplingParams(max_new_tokens=64), lambda e: None)

@@ -51,6 +51,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
         self._staging_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
+        self.num_replays = 0  # decode steps served by a graph (tests and stats read it)
 
     def capture(self) -> None:
         """Capture every size, largest first (the smaller ones reuse its memory pool)."""
@@ -84,6 +85,7 @@ class DecodeGraphs:
         self._staging_ids[:num_rows] = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
         self.input_ids[:num_rows].copy_(self._staging_ids[:num_rows], non_blocking=True)
         graph.replay()
+        self.num_replays += 1
         logits = None if output.logits is None else output.logits[:num_rows]
         return GraphOutput(output.hidden[:num_rows], logits)
 

@@ -108,6 +108,7 @@ class ModelRunner:
         self.followers = followers
         self.attention = make_attention_backend(options.attention, kv_cache, model, options.max_decode_rows)
         self.graphs: DecodeGraphs | None = None
+        self._num_probes = 0
         if options.cuda_graphs and device.type == "cuda" and self.attention.supports_graphs:
             self.graphs = DecodeGraphs(
                 model, kv_cache, self.attention, options.max_decode_rows,
@@ -154,13 +155,15 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> StepOutput:
         """Carry out the plan's tier moves, then the forward; outputs at each row's last new token."""
-        for copy in plan.warm_copies:
-            self.kv_cache.copy_to_warm(copy)
+        self.kv_cache.copy_to_warm(plan.warm_copies)
         host = HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group())
         if self.graphs is not None and plan.probe_layer is None and self.graphs.can_replay(host):  # decode
             hidden, logits = self.graphs.replay(plan.input_ids, host)
             return StepOutput(logits if logits is not None else hidden, hidden)
-        probe = None if plan.probe_layer is None else AttentionProbe.build(plan.probe_layer, self.device)
+        probe = None
+        if plan.probe_layer is not None:
+            self._num_probes += 1  # rotate the measured row through the batch
+            probe = AttentionProbe.build(plan.probe_layer, self.device, row=self._num_probes)
         segments = self.attention.num_segments(host.num_rows, host.max_seq_len) if host.is_decode else 1
         metadata = AttentionMetadata.to_device(host, self.device, segments, probe)
         input_ids = _to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]

@@ -17,6 +17,10 @@ from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId, BlockPool
 from services.engine.kv.block_table import BlockTable, WarmGroupId
 from services.engine.model.config import ModelConfig
 
+# Bytes of model-dtype keys read per batched demotion chunk (the quantizer's fp32 temporaries are a
+# few times this); the engine's memory profile runs one full chunk, so the KV budget accounts for it.
+WARM_COPY_CHUNK_BYTES = 64 << 20
+
 
 class KVTier(ABC):
     """One tier's storage and its accounting. Only `write`/`allocate`/`free` calls change state."""
@@ -139,12 +143,13 @@ class WarmTier(KVTier):
         """Return a group (changes state)."""
         self._free.append(group_id)
 
-    def write(self, group_id: WarmGroupId, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize `[layers, G, KVH, D]` keys/values into `group_id`, all layers at once (changes state)."""
-        qk = kivi.quantize_keys(keys)  # codes [layers, G, KVH, D/2], scale/zero [layers, KVH, D]
-        qv = kivi.quantize_values(values, self.group_size)  # scale/zero [layers, G, KVH, D/VG]
-        self.key_codes[:, group_id], self.key_scale[:, group_id], self.key_zero[:, group_id] = qk
-        self.value_codes[:, group_id], self.value_scale[:, group_id], self.value_zero[:, group_id] = qv
+    def write(self, group_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize `[layers, n, G, KVH, D]` keys/values into the `[n]` groups `group_ids`, all layers and
+        groups in one set of launches (changes state)."""
+        qk = kivi.quantize_keys(keys)  # codes [layers, n, G, KVH, D/2], scale/zero [layers, n, KVH, D]
+        qv = kivi.quantize_values(values, self.group_size)  # scale/zero [layers, n, G, KVH, D/VG]
+        self.key_codes[:, group_ids], self.key_scale[:, group_ids], self.key_zero[:, group_ids] = qk
+        self.value_codes[:, group_ids], self.value_scale[:, group_ids], self.value_zero[:, group_ids] = qv
 
     def layer_views(self, layer: int, block_size: int) -> WarmLayer:
         """One layer's tensors with each group of G tokens seen as G/BS warm blocks of BS (no copy)."""
@@ -277,10 +282,28 @@ class KVCache:
             table.hot_block_ids[index] = SCRATCH_BLOCK
         return blocks_per_group * self.block_size
 
-    def copy_to_warm(self, copy: WarmCopy) -> None:
-        """Quantize hot blocks into an allocated warm group: the device work of a demotion (changes state)."""
+    def copy_to_warm(self, copies: list[WarmCopy]) -> None:
+        """Quantize hot blocks into their allocated warm groups: the device work of a step's demotions.
+
+        Batched: a chunk of groups costs the same few launches as one group, so a long prompt's
+        prefill (hundreds of demotions in one step) does not become a launch storm. Chunks keep the
+        float temporaries near WARM_COPY_CHUNK_BYTES (changes state).
+        """
+        assert self.warm is not None or not copies
+        if not copies:
+            return
         assert self.warm is not None
-        self.warm.write(copy.group_id, *self.hot.read_blocks(list(copy.block_ids)))
+        keys = self.hot.keys
+        group_bytes = keys[:, 0].numel() * keys.element_size() * (self.warm.group_size // self.block_size)
+        chunk = max(1, WARM_COPY_CHUNK_BYTES // group_bytes)
+        device = keys.device
+        for start in range(0, len(copies), chunk):
+            part = copies[start : start + chunk]
+            block_ids = [b for copy in part for b in copy.block_ids]
+            group_ids = torch.tensor([copy.group_id for copy in part], device=device)
+            k, v = self.hot.read_blocks(block_ids)  # [layers, n*G, KVH, D]
+            shape = (k.shape[0], len(part), self.warm.group_size, *k.shape[2:])
+            self.warm.write(group_ids, k.view(shape), v.view(shape))
 
     def take_warm_copies(self) -> list[WarmCopy]:
         """The demotions decided since the last call; the runner carries them out on every rank."""

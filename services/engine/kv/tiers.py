@@ -50,12 +50,20 @@ class KVCacheSpec:
 
     block_size: int = 16
     num_hot_blocks: int = 0  # 0: max_batch_size * ceil(max_seq_len / block_size) + 1 (scratch)
-    num_warm_groups: int = 0  # 0: enough for every slot's warm tier
+    num_warm_groups: int = 0  # 0: derived from the budget
     tiers: TierConfig = TierConfig()
+    # CUDA: the share of device memory the engine may use in all (weights, activations, KV pools)
+    gpu_memory_utilization: float = 0.90
+    # CPU: the KV pools' byte budget; they stop at what max_batch_size sequences of max_seq_len need
+    cpu_cache_mb: int = 512
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"KV block_size must be >= 1, got {self.block_size}")
         if self.num_hot_blocks < 0 or self.num_warm_groups < 0:
-            raise ValueError("KV pool sizes must be >= 0 (0 derives them from the batch size)")
+            raise ValueError("KV pool sizes must be >= 0 (0 derives them from the memory budget)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"GPU memory utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_cache_mb < 1:
+            raise ValueError(f"the CPU KV cache budget must be >= 1 MB, got {self.cpu_cache_mb}")
         self.tiers.check_block_size(self.block_size)

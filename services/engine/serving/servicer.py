@@ -17,6 +17,7 @@ from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceEx
 from services.engine.config import EngineConfig
 from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
 from services.engine.gate.safety_gate import GateReport, GateStatus
+from services.engine.kv.capacity import PoolPlan
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from services.engine.serving.engine_metrics import register_engine_metrics
 from services.engine.serving.request_trace import record_finished
@@ -118,6 +119,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             has_chat_template=tokenizer.chat_template is not None,
             vocab_size=tokenizer.vocab_size,
             safety_gate=gate_info_to_pb(self.engine.gate_report),
+            kv_capacity=_capacity_to_pb(self.engine.capacity),
         )
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -204,3 +206,15 @@ def register(server: grpc.aio.Server, config: EngineConfig, engine: LLMEngine) -
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(config, engine), server)
     register_engine_metrics(engine)
     return [pb.DESCRIPTOR.services_by_name["EngineService"].full_name]
+
+
+def _capacity_to_pb(plan: PoolPlan | None) -> pb.KVCapacity | None:
+    if plan is None:
+        return None
+    return pb.KVCapacity(
+        hot_tokens=plan.hot_tokens,
+        warm_tokens=plan.warm_tokens,
+        concurrent_sequences=plan.concurrent_sequences,
+        kv_cache_bytes=plan.kv_bytes,
+        budget_bytes=max(plan.budget_bytes, 0),
+    )

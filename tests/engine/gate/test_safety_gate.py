@@ -323,6 +323,9 @@ def test_engine_fetches_the_gate_from_safety_and_the_gateway_relays_a_safety_fin
         assert gate.status == engine_pb2.SAFETY_GATE_STATUS_OK, gate.detail
         assert gate.version == "test-stories" and gate.is_active and not gate.is_refusing
         assert gate.sha256 == gate.announced_sha256 == load_gate(gate_path).sha256
+        capacity = info.kv_capacity  # sized at start-up and reported
+        assert capacity.concurrent_sequences >= 1 and capacity.hot_tokens >= info.max_context_tokens
+        assert 0 < capacity.kv_cache_bytes <= capacity.budget_bytes
 
         token = mint_token(mesh.private_key_path.read_bytes(), subject="tester", tenant="acme")
         with grpc.insecure_channel(mesh.target("gateway")) as channel:

@@ -21,8 +21,7 @@ def _packed(rows: list[list[float]], lengths: list[int]) -> torch.Tensor:
 
 def _store(cache, tables, rows: list[list[float]], starts: list[int], lengths: list[int]):  # type: ignore[no-untyped-def]
     """Write each row's new values as keys and values; return the reference's dense view of layer 0."""
-    for copy in cache.take_warm_copies():  # the demotions decided since the last step, as the runner does
-        cache.copy_to_warm(copy)
+    cache.copy_to_warm(cache.take_warm_copies())  # the demotions decided since the last step, as the runner does
     for table, start, n in zip(tables, starts, lengths, strict=True):
         cache.grow(table, start + n)
     inputs = [RowInput(t, s, n) for t, s, n in zip(tables, starts, lengths, strict=True)]
@@ -88,9 +87,28 @@ def test_demote_only_plans_and_the_copy_happens_when_taken() -> None:
     copies = cache.take_warm_copies()
     assert [c.group_id for c in copies] == sorted(table.warm_groups.values())
     assert cache.take_warm_copies() == []
-    for copy in copies:
-        cache.copy_to_warm(copy)
+    cache.copy_to_warm(copies)
     assert cache.warm.key_scale.any()
+
+
+def test_a_batched_demotion_writes_what_one_group_at_a_time_writes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Many groups quantized in one call (and split into chunks) equal the same groups done singly."""
+    tiers = TierConfig(enabled=True, sink_tokens=0, hot_tokens=2, warm_tokens=64, group_size=4)
+    values = torch.randn(42, generator=torch.Generator().manual_seed(0)).tolist()
+    written = []
+    for chunk_bytes in (1 << 30, 1):  # one chunk for all groups, then one group per chunk
+        monkeypatch.setattr("services.engine.kv.cache.WARM_COPY_CHUNK_BYTES", chunk_bytes)
+        cache = make_cache(ONE_HEAD, num_blocks=32, block_size=2, tiers=tiers)
+        table = BlockTable(tiers)
+        _store(cache, [table], [values], [0], [42])
+        cache.demote(table, 42)
+        assert len(cache.pending_warm_copies) == 10
+        cache.copy_to_warm(cache.take_warm_copies())
+        assert cache.warm is not None
+        written.append([t.clone() for t in (cache.warm.key_codes, cache.warm.key_scale, cache.warm.value_zero)])
+    for batched, single in zip(*written, strict=True):
+        assert torch.equal(batched, single)
+    assert written[0][1].any()
 
 
 def test_the_held_hot_block_count_matches_a_scan_through_demotions_and_drops() -> None:

@@ -148,18 +148,34 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_context_tokens", "has_chat_template", "vocab_size", "safety_gate")
+    __slots__ = ("model", "max_context_tokens", "has_chat_template", "vocab_size", "safety_gate", "kv_capacity")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAFETY_GATE_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_tokens: int
     has_chat_template: bool
     vocab_size: int
     safety_gate: SafetyGateInfo
-    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., safety_gate: _Optional[_Union[SafetyGateInfo, _Mapping]] = ...) -> None: ...
+    kv_capacity: KVCapacity
+    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., safety_gate: _Optional[_Union[SafetyGateInfo, _Mapping]] = ..., kv_capacity: _Optional[_Union[KVCapacity, _Mapping]] = ...) -> None: ...
+
+class KVCapacity(_message.Message):
+    __slots__ = ("hot_tokens", "warm_tokens", "concurrent_sequences", "kv_cache_bytes", "budget_bytes")
+    HOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENT_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    hot_tokens: int
+    warm_tokens: int
+    concurrent_sequences: int
+    kv_cache_bytes: int
+    budget_bytes: int
+    def __init__(self, hot_tokens: _Optional[int] = ..., warm_tokens: _Optional[int] = ..., concurrent_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
 
 class SafetyGateInfo(_message.Message):
     __slots__ = ("status", "version", "sha256", "announced_sha256", "is_active", "is_refusing", "detail")
