@@ -21,7 +21,7 @@ def _packed(rows: list[list[float]], lengths: list[int]) -> torch.Tensor:
 
 def _store(cache, tables, rows: list[list[float]], starts: list[int], lengths: list[int]):  # type: ignore[no-untyped-def]
     """Write each row's new values as keys and values; return the reference's dense view of layer 0."""
-    cache.copy_to_warm(cache.take_warm_copies())  # the demotions decided since the last step, as the runner does
+    cache.copy_to_warm(cache.take_warm_copies())  # the demotions since the last step, as in the runner
     for table, start, n in zip(tables, starts, lengths, strict=True):
         cache.grow(table, start + n)
     inputs = [RowInput(t, s, n) for t, s, n in zip(tables, starts, lengths, strict=True)]
@@ -105,7 +105,8 @@ def test_a_batched_demotion_writes_what_one_group_at_a_time_writes(monkeypatch) 
         assert len(cache.pending_warm_copies) == 10
         cache.copy_to_warm(cache.take_warm_copies())
         assert cache.warm is not None
-        written.append([t.clone() for t in (cache.warm.key_codes, cache.warm.key_scale, cache.warm.value_zero)])
+        warm = cache.warm
+        written.append([t.clone() for t in (warm.key_codes, warm.key_scale, warm.value_zero)])
     for batched, single in zip(*written, strict=True):
         assert torch.equal(batched, single)
     assert written[0][1].any()
