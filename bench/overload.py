@@ -98,16 +98,23 @@ class Knee:
 
 
 def read_knee(args: argparse.Namespace, sweep_dir: Path) -> Knee:
-    """The lowest class knee of a sweep report, and the mean concurrency at that level."""
+    """The lowest class knee of a sweep (run now with --sweep, else --knee-from), and the mean
+    concurrency at that level. When the fresh sweep finds no level inside the SLA, the knee of
+    --knee-from is used instead, and the report says so."""
     if args.knee is not None:
         return Knee(args.knee, args.max_streams or 4, "--knee")
+    sweep_markdown, fallback = "", ""
     if args.sweep:
         sweep = argparse.Namespace(levels=args.sweep, duration_s=args.sweep_duration_s, seed=args.seed)
         document = run_sweep(sweep, sweep_dir)
+        sweep_markdown = (sweep_dir / "sweep.md").read_text()
         source = f"a sweep run just before ({args.sweep} req/s, {args.sweep_duration_s:g} s per level)"
-    else:
+        if not any(k is not None for k in document["knees"].values()):
+            fallback = f"{source} found no level inside the SLA; "
+            document = json.loads(args.knee_from.read_text())
+    if not args.sweep or fallback:
+        source = fallback + str(args.knee_from.relative_to(REPO))
         document = json.loads(args.knee_from.read_text())
-        source = str(args.knee_from.relative_to(REPO))
     knees = [k for k in document["knees"].values() if k is not None]
     if not knees:
         raise SystemExit(f"{source} names no knee: every level failed its SLA")
@@ -115,8 +122,7 @@ def read_knee(args: argparse.Namespace, sweep_dir: Path) -> Knee:
     level = next(level for level in document["levels"] if level["load"] == rate)
     mean_e2e_s = level["overall"]["e2e_ms"]["mean_ms"] / 1000
     streams = args.max_streams or max(1, math.floor(rate * mean_e2e_s))
-    sweep_md = sweep_dir / "sweep.md"
-    return Knee(rate, streams, source, sweep_md.read_text() if args.sweep and sweep_md.exists() else "")
+    return Knee(rate, streams, source, sweep_markdown)
 
 
 async def send(
@@ -151,6 +157,21 @@ async def send(
         num_output_tokens=num_output,
     )
     return record, None
+
+
+async def one_at_a_time(mesh: Mesh, token: str, workload: Workload, args: argparse.Namespace) -> str:
+    """E2E of a few requests sent alone: what the machine gives one request right now, for the SLA."""
+    rng = random.Random(args.seed + 2)
+    async with grpc.aio.insecure_channel(mesh.target("gateway")) as channel:
+        stub = pb_grpc.GatewayServiceStub(channel)
+        start_s = time.monotonic()
+        records = [
+            (await send(stub, token, workload.draw(rng), start_s, args.timeout_s))[0] for _ in range(3)
+        ]
+    times = ", ".join(
+        f"{r.intent} {r.e2e_s * 1000:.0f} ms" if r.is_ok else f"{r.intent} {r.status}" for r in records
+    )
+    return f"E2E {times}"
 
 
 def rss_bytes(pid: int) -> int:
@@ -316,9 +337,10 @@ def run(args: argparse.Namespace, knee: Knee, workload: Workload, state_dir: Pat
     with Mesh(config) as mesh:
         token = mint_token(mesh.private_key_path.read_bytes(), subject="overload", tenant="overload")
         load_before = os.getloadavg()
+        alone = asyncio.run(one_at_a_time(mesh, token, workload, args))
         results, samples, wall_s = asyncio.run(drive(mesh, token, plan, args))
         facts = findings(mesh, workload, results, samples, wall_s, args)
-    context = {"rate": rate, "num_planned": len(plan), "wall_s": wall_s, "env": env}
+    context = {"rate": rate, "num_planned": len(plan), "wall_s": wall_s, "env": env, "alone": alone}
     context["load"] = (load_before, os.getloadavg())
     return facts, context
 
@@ -341,6 +363,7 @@ def report(args: argparse.Namespace, knee: Knee, facts: Findings, context: dict,
         ("request deadline", f"{args.timeout_s:g} s"),
         ("memory baseline", f"the first sample {args.warmup_s:g} s in; sampled every {args.sample_s:g} s"),
         ("seed", str(args.seed)),
+        ("one request at a time, just before", context["alone"]),
     ]
     classes = "\n".join(
         [
@@ -358,6 +381,8 @@ def report(args: argparse.Namespace, knee: Knee, facts: Findings, context: dict,
         ]
     )
     sweep = f"--sweep {args.sweep} --sweep-duration-s {args.sweep_duration_s:g} " if args.sweep else ""
+    sweep += f"--knee {args.knee:g} " if args.knee is not None else ""
+    sweep += f"--max-streams {args.max_streams} " if args.max_streams is not None else ""
     reproduce = (
         f".venv/bin/python bench/overload.py {sweep}--duration-s {args.duration_s:g} "
         f"--factor {args.factor:g} --seed {args.seed}"
@@ -369,7 +394,7 @@ def report(args: argparse.Namespace, knee: Knee, facts: Findings, context: dict,
         f"## Memory (max growth {args.max_rss_growth:.0%})\n\n{memory}\n\n"
         f"## Verdict\n\n{'pass' if facts.passed else 'fail'}: see the rows above.\n\n"
         f"Reproduce: `{reproduce}`\n"
-        + (f"\n## The sweep that found the knee\n\n{knee.sweep_markdown}" if knee.sweep_markdown else "")
+        + (f"\n## The sweep run before the overload\n\n{knee.sweep_markdown}" if knee.sweep_markdown else "")
     )
 
 
