@@ -43,6 +43,7 @@ def check_completed_stream(rpc: Rpc, outcome: Outcome) -> None:
     """A gateway stream that ended OK ended with its completion, and not with an engine error."""
     if rpc.name != "gateway.Generate" or outcome.code != grpc.StatusCode.OK:
         return
+    assert outcome.responses, "an OK stream must send its Completion"
     last = gateway_pb2.GenerateResponse.FromString(outcome.responses[-1])
     assert last.HasField("done"), "an OK stream must end with its Completion"
     assert last.done.finish_reason != gateway_pb2.FINISH_REASON_ERROR, (
