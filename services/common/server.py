@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 Hook = Callable[[], Awaitable[None]]
 HEALTH_PROBE_INTERVAL_S = 1.0
+CUT_WAIT_S = 5.0  # how long calls ended by on_grace_over get to send their status
 
 
 @dataclass
@@ -40,6 +41,9 @@ class ServiceSpec:
     on_start: Hook | None = None
     # Runs after the server has stopped.
     on_stop: Hook | None = None
+    # Runs when the drain's grace period ends with calls in flight: a chance to end them with a
+    # status that says so (and report which) before the server cancels what is left.
+    on_grace_over: Hook | None = None
     # Extra state the service wants reflected in its health status.
     service_names: list[str] = field(default_factory=list)
     # Polled every HEALTH_PROBE_INTERVAL_S while serving: None when healthy, else why not. A reason
@@ -118,6 +122,9 @@ class RunningServer:
             log.warning(
                 "grace period over with %d call(s) in flight; cancelling them", self.tracker.num_in_flight
             )
+            if self.spec.on_grace_over is not None:
+                await self.spec.on_grace_over()
+                await self.tracker.wait_idle(CUT_WAIT_S)
         # Only infrastructure calls (health Watch streams, reflection) can be left now: no new
         # application call was admitted while draining, so stop at once rather than wait them out.
         await self.server.stop(0)

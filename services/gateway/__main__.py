@@ -23,7 +23,13 @@ def main() -> None:
     async def stop() -> None:
         await built[0].close()
 
-    run_service(ServiceSpec(config=config.server, register=register, on_start=start, on_stop=stop))
+    async def cut_streams() -> None:
+        built[0].servicer.in_flight.cut_all()
+
+    spec = ServiceSpec(
+        config=config.server, register=register, on_start=start, on_stop=stop, on_grace_over=cut_streams
+    )
+    run_service(spec)
 
 
 if __name__ == "__main__":

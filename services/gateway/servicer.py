@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from opentelemetry import trace
 
 from services.common import telemetry
-from services.common.errors import NotFound
+from services.common.errors import NotFound, Unavailable
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import DENY, AuditEvent, prompt_sha256
 from services.gateway.call_metadata import CallMetadata
 from services.gateway.config import GatewayConfig
 from services.gateway.gatekeeper import Admission, Gatekeeper
+from services.gateway.in_flight import InFlightStream, InFlightStreams
 from services.gateway.relay import RelaySettings, blocked_messages, record_verdict, relay
 from services.gateway.router import affinity_key
 from services.gateway.upstream import Upstreams
@@ -59,6 +61,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.gatekeeper = gatekeeper
         self.upstreams = upstreams
         self.slots = slots
+        self.in_flight = InFlightStreams()
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         with self.slots.hold():
@@ -85,10 +88,23 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             affinity_key(admission.principal.tenant, text, self.config.routing.prefix_chars),
             admission.priority_class,
         )
-        async for message in relay(self.upstreams, engine_request(request, admission), settings, replicas):
-            if message.HasField("done"):
-                await self._charge_completion(admission, message.done.usage.completion_tokens)
-            yield message
+        with self.in_flight.track(admission.request_id, tenant) as stream:
+            try:
+                async for message in relay(
+                    self.upstreams, engine_request(request, admission), settings, replicas
+                ):
+                    if message.HasField("done"):
+                        await self._charge_completion(admission, message.done.usage.completion_tokens)
+                    stream.num_tokens += len(message.delta.token_ids)
+                    yield message
+            except asyncio.CancelledError:
+                if not stream.is_cut:
+                    raise
+                await self._record_cut(admission, stream)
+                raise Unavailable(
+                    f"the gateway shut down and its {self.config.server.grace_s:g} s grace period ran out; "
+                    f"this stream was cut after {stream.num_tokens} tokens: retry on another replica"
+                ) from None
 
     async def _charge_completion(self, admission: Admission, num_tokens: int) -> None:
         tenant = admission.principal.tenant
@@ -109,6 +125,20 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 trace_id=telemetry.current_trace_id(),
                 prompt_sha256=prompt_sha256(text),
                 details={"policy_version": verdict.policy_version},
+            )
+        )
+
+    async def _record_cut(self, admission: Admission, stream: InFlightStream) -> None:
+        await self.gatekeeper.record(
+            AuditEvent(
+                actor_principal=admission.principal.subject,
+                tenant=admission.principal.tenant,
+                action="stream.cut",
+                resource=f"model:{admission.model}",
+                decision=DENY,
+                reason=f"gateway shut down; grace period over after {stream.num_tokens} tokens sent",
+                request_id=admission.request_id,
+                trace_id=telemetry.current_trace_id(),
             )
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
+from services.gateway.audit_chain import segment_paths
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_PROMPT, start_mesh
 from tests.gateway.conftest import stopped
@@ -22,11 +24,13 @@ GRACE_S = 60
 STREAM_TOKENS = 64  # more than one screening window: the stream waits on the safety service to finish
 
 
-@pytest.fixture
-def mesh(stories_model: Path, collector: TraceCollector, tmp_path: Path) -> Iterator[Mesh]:
+@pytest.fixture(scope="module")
+def mesh(
+    stories_model: Path, collector: TraceCollector, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
     started = start_mesh(
         stories_model,
-        tmp_path,
+        tmp_path_factory.mktemp("drain-mesh"),
         collector,
         THERMOCLINE_GATEWAY_GRACE_S=str(GRACE_S),
         THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S="300",  # the test holds the safety service stopped
@@ -65,3 +69,33 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_calls(mesh: Mesh) -> N
     assert rest.done is not None and rest.done.finish_reason == pb.FINISH_REASON_LENGTH
     assert len(first.delta.token_ids) + len(rest.token_ids) == STREAM_TOKENS
     assert mesh.processes["gateway"].wait(GRACE_S) == 0
+
+
+def test_a_stream_still_running_when_the_grace_period_ends_is_cut_reported_and_audited(mesh: Mesh) -> None:
+    name = "gateway-short-grace"
+    target = mesh.start_gateway_replica(name, THERMOCLINE_GATEWAY_GRACE_S="1")
+    token = mint_token(mesh.private_key_path.read_bytes(), subject="tester")
+    metadata = [*call_metadata(token), ("x-request-id", "cut-me")]
+    with grpc.insecure_channel(target) as channel:
+        stream = stream_generate(
+            channel, build_request(STORIES_PROMPT, max_tokens=STREAM_TOKENS), metadata, 300
+        )
+        first = next(stream)
+        with stopped(mesh.processes["safety"]):  # the stream cannot finish within the grace period
+            mesh.processes[name].send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as cut:
+                collect(stream)
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+    sent = len(first.delta.token_ids)
+    assert f"1 s grace period ran out; this stream was cut after {sent} tokens" in cut.value.details()
+    assert mesh.processes[name].wait(60) == 0
+    assert "cutting 1 stream(s): cut-me (tenant tester" in mesh.log_tail(name, 200)
+    events = [
+        json.loads(line)
+        for path in segment_paths(mesh.config.state_dir / f"audit-{name}", "decisions")
+        for line in path.read_text().splitlines()
+    ]
+    assert [(e["action"], e["decision"]) for e in events if e["request_id"] == "cut-me"] == [
+        ("invoke", "allow"),
+        ("stream.cut", "deny"),
+    ]
