@@ -1,5 +1,6 @@
-"""Preemption across three running classes: out of blocks, the scheduler takes the lowest eligible class
-first, then the next lowest, and never the highest while a lower one runs."""
+"""Preemption across classes: out of blocks, the scheduler takes the lowest eligible class first, then
+the next lowest, never the highest while a lower one runs, and a new request never preempts its own
+class."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from tests.engine.scheduling.test_scheduler import _names, _run, _scheduler, _se
 def test_running_out_of_blocks_preempts_the_lowest_class_first_then_the_next() -> None:
     # 6 usable blocks of 4 tokens; each 7-token prompt takes 2, so three prompts fill the pool.
     scheduler = _scheduler(num_blocks=1 + 6, max_batch_size=4)
-    # Started lowest first, so "the latest-started sequence" alone would name another victim.
     low = _seq("low", 7, "batch", first=1)
     mid = _seq("mid", 7, "standard", first=20)
     high = _seq("high", 7, "interactive", first=40)
-    for seq in (low, mid, high):
-        scheduler.add(seq)
-    assert sorted(_names(_run(scheduler))) == ["high", "low", "mid"]  # prefill: all 6 blocks in use
+    scheduler.add(low)
+    assert _names(_run(scheduler)) == ["low"]
+    # The batch sequence starts first, so "the latest-started sequence" alone would name another victim.
+    scheduler.add(mid)
+    scheduler.add(high)
+    assert sorted(_names(_run(scheduler))) == ["high", "mid"]  # prefill: all 6 blocks in use
     assert len(_run(scheduler).rows) == 3  # position 7 still fits each second block
 
     third_blocks = _run(scheduler)  # position 8 needs a third block each; one sequence must yield
@@ -27,4 +30,15 @@ def test_running_out_of_blocks_preempts_the_lowest_class_first_then_the_next() -
     while mid.num_preemptions == 0 and high.num_preemptions == 0:  # until the pool runs out again
         _run(scheduler)
     assert (mid.num_preemptions, high.num_preemptions) == (1, 0), "standard yields before interactive"
-    assert high.status is SequenceStatus.RUNNING and scheduler.num_preemptions == 2
+    assert high.status is SequenceStatus.RUNNING
+
+
+def test_a_new_request_waits_rather_than_preempt_its_own_class() -> None:
+    scheduler = _scheduler(num_blocks=1 + 4, max_batch_size=2)  # 4 usable blocks of 4 tokens
+    running = _seq("running", 14, "standard", first=1)  # 4 blocks: the pool is full
+    scheduler.add(running)
+    _run(scheduler)
+    arriving = _seq("arriving", 7, "standard", first=40)
+    scheduler.add(arriving)
+    assert _names(_run(scheduler)) == ["running"]  # position 14 still fits its fourth block
+    assert running.num_preemptions == 0 and arriving.status is SequenceStatus.WAITING
