@@ -210,7 +210,6 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, guard: _CallGuard) -> grpc.Rpc
         return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, guard, True), **codecs)
     if handler.unary_stream:
         # grpc's stubs type these as sync iterators; on an aio server they are async generators
-        return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream(handler.unary_stream, guard, False), **codecs
-        )  # type: ignore[arg-type]
+        wrapped = _wrap_stream(handler.unary_stream, guard, False)  # type: ignore[arg-type]
+        return grpc.unary_stream_rpc_method_handler(wrapped, **codecs)
     return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, guard, True), **codecs)  # type: ignore[arg-type]

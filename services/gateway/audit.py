@@ -77,7 +77,7 @@ class AuditEvent:
 
     def to_record(self) -> dict[str, Any]:
         """The event as the JSON object that is chained, every string bounded."""
-        record = {name: bounded(value) for name, value in asdict(self).items() if name != "details"}
+        record: dict[str, Any] = {k: bounded(v) for k, v in asdict(self).items() if k != "details"}
         details = list(self.details.items())[:_MAX_DETAILS]
         record["details"] = {bounded(str(name)): _bounded_value(value) for name, value in details}
         return record

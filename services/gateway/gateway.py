@@ -102,7 +102,10 @@ class Gateway:
     async def _prune_forever(self) -> None:
         """Applies audit retention now and then every hour."""
         while True:
-            await asyncio.to_thread(self.audit.prune)
+            try:
+                await asyncio.to_thread(self.audit.prune)
+            except OSError:  # e.g. a full disk: the next round tries again; calls are refused meanwhile
+                log.exception("audit retention could not run")
             await asyncio.sleep(_PRUNE_INTERVAL_S)
 
     async def close(self) -> None:

@@ -80,7 +80,7 @@ def test_hs256_signed_with_our_rsa_public_key_is_refused(stories_mesh: Mesh) -> 
     _expect(stories_mesh, f"{header}.{payload}.{_b64(signature)}", "pinned to RS256")
 
 
-@pytest.mark.parametrize("claim", ["exp", "iss", "aud"])
+@pytest.mark.parametrize("claim", ["exp", "iss", "aud", "sub"])
 def test_a_missing_required_claim_is_refused(stories_mesh: Mesh, claim: str) -> None:
     _expect(stories_mesh, _signed(stories_mesh, _claims(**{claim: None})), f"'{claim}'")
 
