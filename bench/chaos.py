@@ -4,9 +4,9 @@
     .venv/bin/python bench/chaos.py --cycles 3 --no-write
 
 A mesh serving stories260K (tenant limits lifted) takes steady Generate traffic from `--clients`
-threads, each request carrying its own x-request-id. Each cycle SIGKILLs one process (gateway,
-engine, Redis, in turn), starts it again, waits for its health check, then for the first Generate
-that succeeds through the gateway. At the end the report gives:
+threads, each sending up to `--rate` requests/s, each request carrying its own x-request-id. Each
+cycle SIGKILLs one process (gateway, engine, Redis, in turn), starts it again, waits for its health
+check, then for the first Generate that succeeds through the gateway. At the end the report gives:
 
 - acknowledged against found: every request the client saw complete (status OK with its final
   message) must have its audit event in the gateway's log;
@@ -57,6 +57,8 @@ class Sent:
 
     request_id: str
     status: str
+    started_s: float  # monotonic clock
+    ended_s: float
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,13 @@ class Cycle:
     """One kill and what it took to come back."""
 
     victim: str
+    killed_at_s: float  # monotonic clock
     serving_s: float  # from SIGKILL until the restarted process passed its health check
     recovered_s: float  # from SIGKILL until a Generate succeeded through the gateway again
+
+    def overlaps(self, sent: Sent) -> bool:
+        """Whether a request was in flight at some moment between the kill and the recovery."""
+        return sent.started_s <= self.killed_at_s + self.recovered_s and sent.ended_s >= self.killed_at_s
 
 
 @dataclass
@@ -75,6 +82,7 @@ class Load:
     target: str
     token: str
     num_clients: int
+    interval_s: float  # each client sends on this beat (or at once when a call ran longer)
     sent: list[Sent] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -96,10 +104,13 @@ class Load:
 
     def _client(self, client: int) -> None:
         with grpc.insecure_channel(self.target) as channel:
-            number = 0
-            while not self.stop.is_set():
+            number, next_s = 0, time.monotonic()
+            while not self.stop.wait(max(0.0, next_s - time.monotonic())):  # pacing, not synchronisation
+                next_s += self.interval_s
                 request_id = f"chaos-{client}-{number}"
-                self.sent.append(Sent(request_id, generate(channel, self.token, request_id)))
+                started_s = time.monotonic()
+                status = generate(channel, self.token, request_id)
+                self.sent.append(Sent(request_id, status, started_s, time.monotonic()))
                 number += 1
 
 
@@ -147,7 +158,7 @@ def run_cycle(mesh: Mesh, token: str, victim: str) -> Cycle:
     kill(mesh, victim)
     restart(mesh, victim)
     serving_s = time.monotonic() - killed_at
-    return Cycle(victim, serving_s, wait_for_success(mesh, token, killed_at))
+    return Cycle(victim, killed_at, serving_s, wait_for_success(mesh, token, killed_at))
 
 
 def audited_request_ids(mesh: Mesh) -> set[str]:
@@ -185,10 +196,24 @@ class ChaosResult:
     @property
     def failed_by_status(self) -> Counter[str]:
         """Requests that did not end OK, by status."""
-        return Counter(s.status for s in self.sent if s.status != "OK")
+        return Counter(s.status for s in self.failed)
+
+    @property
+    def failed(self) -> list[Sent]:
+        """Requests that did not end OK."""
+        return [s for s in self.sent if s.status != "OK"]
+
+    def failed_during(self, cycle: Cycle) -> int:
+        """Failed requests that were in flight during this cycle's outage."""
+        return sum(1 for s in self.failed if cycle.overlaps(s))
+
+    @property
+    def failed_outside_outages(self) -> list[Sent]:
+        """Failed requests that overlapped no outage: nothing was down, and still they failed."""
+        return [s for s in self.failed if not any(c.overlaps(s) for c in self.cycles)]
 
 
-def chaos(state_dir: Path, num_cycles: int, num_clients: int) -> ChaosResult:
+def chaos(state_dir: Path, num_cycles: int, num_clients: int, rate_per_client: float = 4.0) -> ChaosResult:
     """Starts a mesh, runs the cycles under load, stops the mesh, and checks the audit log."""
     tenants = state_dir / "tenants.json"
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -202,7 +227,7 @@ def chaos(state_dir: Path, num_cycles: int, num_clients: int) -> ChaosResult:
     )
     with Mesh(config) as mesh:
         token = mint_token(mesh.private_key_path.read_bytes(), subject="chaos", tenant="chaos")
-        load = Load(mesh.target("gateway"), token, num_clients).start()
+        load = Load(mesh.target("gateway"), token, num_clients, 1.0 / rate_per_client).start()
         try:
             cycles = [run_cycle(mesh, token, VICTIMS[i % len(VICTIMS)]) for i in range(num_cycles)]
         finally:
@@ -219,10 +244,10 @@ def report(result: ChaosResult, args: argparse.Namespace, wall_s: float) -> str:
     failed = ", ".join(f"{status} {n}" for status, n in result.failed_by_status.most_common()) or "none"
     num_failed = sum(result.failed_by_status.values())
     cycles = [
-        "| cycle | killed | serving again after (s) | a request succeeded after (s) |",
-        "| --- | --- | --- | --- |",
+        "| cycle | killed | serving again after (s) | a request succeeded after (s) | requests failed |",
+        "| --- | --- | --- | --- | --- |",
         *(
-            f"| {i + 1} | {c.victim} | {c.serving_s:.1f} | {c.recovered_s:.1f} |"
+            f"| {i + 1} | {c.victim} | {c.serving_s:.1f} | {c.recovered_s:.1f} | {result.failed_during(c)} |"
             for i, c in enumerate(result.cycles)
         ),
     ]
@@ -239,10 +264,10 @@ def report(result: ChaosResult, args: argparse.Namespace, wall_s: float) -> str:
             "| --- | --- |",
             f"| date (UTC) | {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} |",
             f"| git commit | {commit.stdout.strip()} |",
-            f"| machine | {os.cpu_count()} logical cpus, shared with other test runs |",
+            f"| machine | {os.cpu_count()} logical cpus; 1-min load {os.getloadavg()[0]:.1f} at the end |",
             "| mesh | redis-server, kvstore, safety, engine (stories260K), gateway; no tenant limits |",
-            f"| load | {args.clients} client threads, back to back, 8-token Generate calls, "
-            f"{REQUEST_TIMEOUT_S:g} s deadline |",
+            f"| load | {args.clients} client threads, each up to {args.rate:g} req/s (a call waits for the "
+            f"last), 8-token Generate calls, {REQUEST_TIMEOUT_S:g} s deadline |",
             f"| cycles | {len(result.cycles)} (SIGKILL of {', '.join(VICTIMS)} in turn, then restart) |",
             f"| wall time | {wall_s:.0f} s |",
             "",
@@ -252,12 +277,15 @@ def report(result: ChaosResult, args: argparse.Namespace, wall_s: float) -> str:
             f"their audit events found: {len(result.acknowledged) - len(result.lost)}; "
             f"lost: {len(result.lost)} {sorted(result.lost)[:10] if result.lost else ''}",
             f"- `thermocline audit verify`: exit {result.verify_status}: {result.verify_line}",
-            f"- requests sent: {len(result.sent)}; failed: {num_failed} ({failed})",
+            f"- requests sent: {len(result.sent)}; failed: {num_failed} ({failed}); of those, "
+            f"{len(result.failed_outside_outages)} overlapped no outage (after a restart, a client's channel "
+            "may still be in its reconnect backoff)",
             f"- time to recover (kill to first success): {'; '.join(by_victim)}",
             "",
             *cycles,
             "",
-            f"Reproduce: `.venv/bin/python bench/chaos.py --cycles {args.cycles} --clients {args.clients}`",
+            f"Reproduce: `.venv/bin/python bench/chaos.py --cycles {args.cycles} --clients {args.clients} "
+            f"--rate {args.rate:g}`",
             "",
         ]
     )
@@ -268,7 +296,8 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cycles", type=int, default=12, help="kills, rotating over gateway, engine, Redis")
-    parser.add_argument("--clients", type=int, default=2, help="client threads sending back to back")
+    parser.add_argument("--clients", type=int, default=2, help="client threads")
+    parser.add_argument("--rate", type=float, default=4.0, help="requests/s each client sends, when it can")
     parser.add_argument("--no-write", action="store_true", help="print the report instead of writing it")
     return parser.parse_args()
 
@@ -277,7 +306,7 @@ def main() -> int:
     args = parse_args()
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        result = chaos(Path(tmp) / "chaos", args.cycles, args.clients)
+        result = chaos(Path(tmp) / "chaos", args.cycles, args.clients, args.rate)
     text = report(result, args, time.monotonic() - started)
     if args.no_write:
         print(text)
