@@ -8,8 +8,8 @@ token is ever logged; the prompt appears as its sha256.
 
 When a write fails (a full disk, an I/O error), `record` raises UNAVAILABLE, so the call it
 audits is refused rather than served unaudited; the failed batch is cut from the segment, the
-`thermocline_gateway_audit_writable` gauge drops to 0, and the next write tries again. An event
-is acknowledged only after its fsync, so a failure loses nothing that was acknowledged.
+`thermocline_gateway_audit_unwritable_seconds` gauge counts up from 0, and the next write tries
+again. An event is acknowledged only after its fsync, so a failure loses nothing acknowledged.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from services.common.errors import Unavailable
 from services.gateway.audit_chain import ChainWriter, last_line_hash, segment_paths
 from services.gateway.audit_checkpoint import Signer, check_key_outside, load_key
-from services.gateway.metrics import AUDIT_WRITABLE, AUDIT_WRITE_FAILURES
+from services.gateway.metrics import AuditHealth
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class AuditLog:
             s: ChainWriter(config.directory, s, config.rotate_bytes, signer, config.checkpoint_interval_s)
             for s in STREAMS
         }
+        self.health = AuditHealth()
         self._pending: list[tuple[AuditEvent, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -163,6 +164,7 @@ class AuditLog:
             try:
                 await asyncio.to_thread(self._write, [event for event, _ in batch])
             except OSError as error:  # the callers learn of it; nothing in the batch is acknowledged
+                self.health.record_failure()
                 _fail(batch, error)
                 continue
             except Exception as error:
@@ -170,7 +172,7 @@ class AuditLog:
                 for _, future in batch:
                     future.set_exception(error)
                 continue
-            AUDIT_WRITABLE.set(1)
+            self.health.record_success()
             for _, future in batch:
                 future.set_result(None)
 
@@ -211,8 +213,6 @@ class AuditLog:
 def _fail(batch: list[tuple[AuditEvent, asyncio.Future[None]]], error: OSError) -> None:
     """Refuses every call of a batch that could not be written, and raises the alert metric."""
     log.error("audit write failed (%s); refusing the %d call(s) it would have recorded", error, len(batch))
-    AUDIT_WRITE_FAILURES.inc()
-    AUDIT_WRITABLE.set(0)
     message = (
         f"the audit log cannot be written ({error.strerror or error}); no call is served unaudited, "
         "retry later or on another gateway"

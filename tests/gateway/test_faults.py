@@ -27,10 +27,11 @@ def mesh(
     started.stop()
 
 
-def _writable_gauge(metrics_port: int) -> float:
+def _unwritable_s(metrics_port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    line = next(line for line in text.splitlines() if line.startswith("thermocline_gateway_audit_writable "))
+    name = "thermocline_gateway_audit_unwritable_seconds "
+    line = next(line for line in text.splitlines() if line.startswith(name))
     return float(line.split()[1])
 
 
@@ -63,10 +64,10 @@ def test_a_full_audit_disk_refuses_calls_and_loses_no_acknowledged_event(
         error = refusal(target, bearer, max_tokens=1)
         assert error.code() == grpc.StatusCode.UNAVAILABLE
         assert "audit log cannot be written (No space left on device)" in error.details()
-        assert _writable_gauge(metrics_port) == 0
+        assert _unwritable_s(metrics_port) > 0
         filler.unlink()
         assert call(target, bearer, max_tokens=1).done is not None
-        assert _writable_gauge(metrics_port) == 1
+        assert _unwritable_s(metrics_port) == 0
     finally:
         process = mesh.processes.pop("gateway-small-disk")
         process.send_signal(signal.SIGTERM)
