@@ -10,9 +10,11 @@ from services.engine.attention.metadata import AttentionMetadata
 from services.engine.attention.paged_kernels import PagedLayer, Partials, head_dim_padded, paged_attention
 from services.engine.kv.cache import KVCache
 
-MAX_SEGMENTS = 16  # flash-decoding split cap (the merge kernel reads them all)
+MAX_SEGMENTS = 32  # flash-decoding split cap (the merge kernel reads them all)
 MIN_TOKENS_PER_SEGMENT = 256  # below this a split costs more in merging than it gains
-TARGET_PROGRAMS = 2 * 132  # about two waves on an H100/H200 (132 SMs)
+# Enough programs to keep ~8 resident per SM of an H100/H200 (132 SMs): a decode program's loop is
+# latency-bound (block-table load, then the tile's loads), so occupancy is what hides memory latency.
+TARGET_PROGRAMS = 8 * 132
 
 
 class TritonBackend(AttentionBackend):

@@ -107,6 +107,8 @@ class ModelRunner:
         self.device = device
         self.followers = followers
         self.attention = make_attention_backend(options.attention, kv_cache, model, options.max_decode_rows)
+        # on CUDA the small ops run as fused Triton kernels too, unless the reference path was asked for
+        model.use_fused_ops(device.type == "cuda" and options.attention != "reference")
         self.graphs: DecodeGraphs | None = None
         self._num_probes = 0
         if options.cuda_graphs and device.type == "cuda" and self.attention.supports_graphs:

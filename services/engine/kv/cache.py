@@ -200,6 +200,10 @@ class KVCache:
         """Hot blocks one warm group spans (1 with no warm tier)."""
         return 1 if self.warm is None else self.warm.group_size // self.block_size
 
+    def hot_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's hot keys and values `[N, BS, KVH, D]`, for a kernel that writes them itself."""
+        return self.hot.keys[layer], self.hot.values[layer]
+
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write new `[T, KVH, D]` keys/values to their hot slots `[T]`; attention reads them in place."""
         self.hot.write(layer, keys, values, slot_mapping)

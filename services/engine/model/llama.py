@@ -11,12 +11,12 @@ Shapes: T packed tokens, E hidden, H/KVH heads (this rank's share), D head dim, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention.backend import AttentionBackend
 from services.engine.attention.metadata import AttentionMetadata
 from services.engine.kv.cache import KVCache
+from services.engine.model import fused_ops
 from services.engine.model.config import ModelConfig
 from services.engine.model.rotary import RotaryTable, apply_rotary
 from services.engine.model.tensor_parallel import SINGLE, TensorParallel, shard_config
@@ -38,6 +38,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # one Triton kernel for add_and_norm (CUDA; see LlamaModel.use_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dim of `x` `[..., E]`."""
@@ -46,9 +47,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`residual + x` (the new residual stream) and its norm."""
-        stream = residual + x
-        return self(stream), stream
+        """The norm of `residual + x`, and `residual + x` (the new residual stream)."""
+        if self.fused:
+            return fused_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+        return fused_ops.add_rmsnorm_reference(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -64,6 +66,7 @@ class Attention(nn.Module):
         self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.fused = False  # RoPE and the K/V write in one Triton kernel (CUDA)
 
     def forward(
         self,
@@ -73,13 +76,25 @@ class Attention(nn.Module):
         attention: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Attend `x` `[T, E]` to itself and the cached past; returns `[T, E]`."""
+        """Attend `x` `[T, E]` to itself and the cached past; returns `[T, E]`.
+
+        `rope` is cos/sin at the tokens' positions `[T, 1, D]`, or with `fused` the whole fp32 tables
+        `[P, D]` (the kernel looks up `metadata.positions` itself).
+        """
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)  # [T, H, D]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        kv_cache.store(self.layer, k, v, metadata.slot_mapping)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        if self.fused:
+            keys, values = kv_cache.hot_layer(self.layer)
+            q, k, v = fused_ops.rotary_and_store(
+                qkv, self.num_heads, self.num_kv_heads, *rope, metadata.positions, keys, values,
+                metadata.slot_mapping,
+            )  # fmt: skip
+        else:
+            q, k, v = qkv.split(self.split_sizes, dim=-1)
+            q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)  # [T, H, D]
+            k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)  # [T, KVH, D]
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+            kv_cache.store(self.layer, k, v, metadata.slot_mapping)
         if metadata.probe is not None and metadata.probe.layer == self.layer:  # sampled decode step
             metadata.probe.record(kv_cache, q, metadata)
         out = attention.forward(q, k, v, self.layer, metadata)  # [T, H, D]
@@ -95,11 +110,13 @@ class MLP(nn.Module):
         self.split_sizes = [config.intermediate_size, config.intermediate_size]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused = False  # SiLU(gate) * up in one Triton kernel (CUDA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, E]` -> `[T, E]`."""
-        gate, up = self.gate_up_proj(x).split(self.split_sizes, dim=-1)  # [T, I] each
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate then up
+        hidden = fused_ops.silu_mul(gate_up) if self.fused else fused_ops.silu_mul_reference(gate_up)
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):
@@ -148,6 +165,14 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = RotaryTable(config, max_positions or config.max_position_embeddings)
+        self.fused_ops = False
+
+    def use_fused_ops(self, enabled: bool) -> None:
+        """Run the small ops (add + RMSNorm, RoPE + K/V write, SiLU·mul) as fused Triton kernels (CUDA)."""
+        self.fused_ops = enabled
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.fused = enabled
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config says so (redo after `to_empty`)."""
@@ -163,7 +188,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Packed token ids `[T]` -> final normed hidden states `[T, E]` (the safety gate reads these)."""
         x = self.embed_tokens(input_ids)  # [T, E]
-        rope = self.rotary(metadata.positions, x.dtype)  # 2 x [T, 1, D]
+        if self.fused_ops:  # the fused kernel reads the tables at the positions itself
+            rope = (self.rotary.cos, self.rotary.sin)  # 2 x [P, D] fp32
+        else:
+            rope = self.rotary(metadata.positions, x.dtype)  # 2 x [T, 1, D]
         residual = torch.zeros_like(x)
         for layer in self.layers:
             x, residual = layer(x, residual, rope, kv_cache, attention, metadata)
