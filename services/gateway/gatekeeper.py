@@ -172,6 +172,7 @@ class Gatekeeper:
         self, request: pb.GenerateRequest, metadata: CallMetadata, resolve: ModelResolver, facts: _Facts
     ) -> Admission:
         principal, limits = await self._identify(metadata, facts)
+        check_metadata(metadata)
         check_sizes(request, self.bounds)
         text = prompt_text(request)
         facts.prompt_sha256 = prompt_sha256(text)
@@ -215,7 +216,6 @@ class Gatekeeper:
 
     async def _identify(self, metadata: CallMetadata, facts: _Facts) -> tuple[Principal, TenantLimits]:
         """Authenticates the caller and takes one request from its tenant's bucket."""
-        check_metadata(metadata)
         principal = self.authenticate(metadata)
         facts.actor_principal, facts.tenant = principal.subject, principal.tenant
         limits = self.tenants.limits(principal.tenant)
