@@ -7,8 +7,9 @@ Each mutation is a named, hand-written change to one line of a committed file: t
 bug a review could miss (a dropped check, a flipped comparison, min for max). For each, the script
 exports the commit under test (`git archive`, so the working tree and other people's edits are never
 touched) into a scratch copy, applies the one change, and runs the test files that should notice it
-there. A mutation is *killed* when those tests fail, and *survives* when they pass. Each test set is
-also run once without any mutation, so that a set that fails on its own cannot count as a kill.
+there. Each test set also runs once without any mutation; a mutation is *killed* when a test that
+passed in that clean run fails, and *survives* otherwise, so a test that fails on its own can
+neither count as a kill nor hide one.
 The four mutations issue 11 names are marked; each must be killed.
 """
 
@@ -162,16 +163,23 @@ MUTATIONS = (
 
 @dataclass(frozen=True)
 class Run:
-    """How one pytest run over a copy ended."""
+    """How one pytest run over a copy ended: its exit status and the tests that failed."""
 
     return_code: int
     seconds: float
     summary: str
+    failed: frozenset[str] = frozenset()
 
     @property
     def passed(self) -> bool:
         """pytest's exit status 0: every selected test passed."""
         return self.return_code == 0
+
+    def newly_failed(self, clean: Run) -> list[str]:
+        """Tests that failed here and passed in the clean run: the ones that caught the mutation."""
+        if self.return_code < 0:  # timed out: the mutation hung something the clean run did not
+            return ["(timed out)"] if clean.return_code >= 0 else []
+        return sorted(self.failed - clean.failed)
 
 
 def export_commit(commit: str, into: Path) -> None:
@@ -192,21 +200,21 @@ def apply(mutation: Mutation, tree: Path) -> None:
 
 
 def run_tests(tree: Path, tests: tuple[str, ...], timeout_s: float) -> Run:
-    """pytest over `tests` inside the copy, stopping at the first failure."""
+    """pytest over `tests` inside the copy; every test runs, so a clean failure cannot hide a kill."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("THERMOCLINE_")}
     env["THERMOCLINE_SHARED_DIR"] = str(REPO.parent / "shared")  # the copy has no ../shared beside it
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["PYTHONPATH"] = str(tree / "protos")  # the copy's stubs, not the editable install's
-    command = [str(PYTHON), "-m", "pytest", "-x", "-q", "--no-header", "-p", "no:cacheprovider", *tests]
+    command = [str(PYTHON), "-m", "pytest", "-q", "--no-header", "-rfE", "-p", "no:cacheprovider", *tests]
     started = time.monotonic()
     try:
         result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return Run(-1, time.monotonic() - started, f"timed out after {timeout_s:g} s")
     lines = [line for line in result.stdout.splitlines() if line.strip()]
-    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    summary = "; ".join([*failed[:2], lines[-1] if lines else "(no output)"])
-    return Run(result.returncode, time.monotonic() - started, summary)
+    failed = frozenset(line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR ")))
+    summary = lines[-1] if lines else "(no output)"
+    return Run(result.returncode, time.monotonic() - started, summary, failed)
 
 
 def in_copy(base: Path, scratch: Path, name: str) -> Path:
@@ -234,49 +242,54 @@ def run_all(commit: str, mutations: list[Mutation], timeout_s: float) -> list[tu
             apply(mutation, tree)
             print(f"mutant {mutation.name}: {' '.join(mutation.tests)}", flush=True)
             mutated = run_tests(tree, mutation.tests, timeout_s)
-            print(f"  {'killed' if not mutated.passed else 'SURVIVED'} ({mutated.seconds:.0f} s)", flush=True)
+            caught = mutated.newly_failed(clean_runs[mutation.tests])
+            print(f"  {'killed' if caught else 'SURVIVED'} ({mutated.seconds:.0f} s): {caught}", flush=True)
             results.append((mutation, clean_runs[mutation.tests], mutated))
             shutil.rmtree(tree)
     return results
 
 
 def verdict(clean: Run, mutated: Run) -> str:
-    """killed, survived, or void when the clean run fails too."""
-    if not clean.passed:
-        return "void (the tests fail without the mutation)"
-    return "killed" if not mutated.passed else "**survived**"
+    """killed (a test that passed clean fails), or survived."""
+    return "killed" if mutated.newly_failed(clean) else "**survived**"
 
 
 def report(commit: str, results: list[tuple[Mutation, Run, Run]], stamp: str) -> str:
     """The markdown report: one row per mutation, then what the counts say."""
     rows = [
-        "| mutation | issue 11 | file | change | tests run | clean run | verdict | what failed |",
+        "| mutation | issue 11 | file | change | tests run | clean run | verdict | caught by |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mutation, clean, mutated in results:
         change = f"`{one_line(mutation.original)}` → `{one_line(mutation.mutated)}`"
+        clean_text = (
+            "pass" if clean.passed else "fails alone: " + ", ".join(sorted(clean.failed)) or clean.summary
+        )
         rows.append(
             f"| {mutation.name} | {'yes' if mutation.named_in_issue else ''} | {mutation.path} | {change} | "
-            f"{', '.join(mutation.tests)} | {'pass' if clean.passed else 'FAIL: ' + clean.summary} | "
-            f"{verdict(clean, mutated)} | {mutated.summary if not mutated.passed else ''} |"
+            f"{', '.join(mutation.tests)} | {clean_text} | {verdict(clean, mutated)} | "
+            f"{', '.join(mutated.newly_failed(clean))} |"
         )
-    killed = sum(1 for _, c, m in results if c.passed and not m.passed)
-    survived = [m.name for m, c, r in results if c.passed and r.passed]
-    void = [m.name for m, c, _ in results if not c.passed]
+    killed = [m.name for m, c, r in results if r.newly_failed(c)]
+    survived = [m.name for m, c, r in results if not r.newly_failed(c)]
+    shaky = sorted({t for _, c, _ in results for t in c.failed})
     return "\n".join(
         [
             "# Mutation pass: gateway policy modules and the scheduler",
             "",
             f"- date (UTC): {stamp}",
             f"- commit under test: {commit}",
-            f"- machine: {os.cpu_count()} logical cpus; python {sys.version.split()[0]}",
+            f"- machine: {os.cpu_count()} logical cpus, 1-min load {os.getloadavg()[0]:.1f} at the end; "
+            f"python {sys.version.split()[0]}",
             "- method: bench/mutation.py; each mutation applied alone to a `git archive` copy of the commit,",
-            "  then `pytest -x` over the listed tests in that copy (real meshes where the tests start them)",
+            "  then pytest over the listed tests in that copy (real meshes where the tests start them). A",
+            "  mutation is killed when a test that passed in the clean run of the same copy fails.",
             "",
             *rows,
             "",
-            f"Killed {killed} of {len(results)}; survived: {', '.join(survived) or 'none'}; "
-            f"void: {', '.join(void) or 'none'}.",
+            f"Killed {len(killed)} of {len(results)}; survived: {', '.join(survived) or 'none'}.",
+            "",
+            f"Tests that failed without any mutation: {', '.join(shaky) or 'none'}.",
             "",
         ]
     )
@@ -313,7 +326,7 @@ def main() -> int:
         path = REPO / "bench" / "results" / f"mutation_{stamp.split()[0]}.md"
         path.write_text(text)
         print(f"wrote {path}")
-    named_alive = [m.name for m, c, r in results if m.named_in_issue and (r.passed or not c.passed)]
+    named_alive = [m.name for m, c, r in results if m.named_in_issue and not r.newly_failed(c)]
     return 1 if named_alive else 0
 
 
