@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.fixture(autouse=True)
-def _no_tf32() -> None:
+def _no_tf32_and_free_memory_after() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    gc.collect()  # an engine sized from free memory must not see the last test's pools as in use
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("fixture", ["stories_hf_dir", "stories_gguf"])

@@ -60,6 +60,7 @@ def profile_memory(
     if device.type != "cuda":
         raise ValueError("memory profiling is for CUDA; the CPU budget is THERMOCLINE_ENGINE_CPU_KV_CACHE_MB")
     config = model.rank_config
+    max_prefill_tokens = min(max_prefill_tokens, model.rotary.max_positions)  # positions past it don't exist
     group_size = tiers.group_size if tiers.enabled else block_size
     num_tokens = max(max_prefill_tokens, group_size)
     num_blocks = -(-num_tokens // block_size) + 1

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.kv.tiers import KVCacheSpec
 from services.engine.llm_engine import LLMEngine
 from services.engine.model import fused_ops
 from services.engine.scheduling.sampling_params import SamplingParams
@@ -75,7 +76,11 @@ def test_silu_mul_matches_the_reference(dtype: torch.dtype, width: int) -> None:
 
 
 def test_greedy_output_is_the_same_with_the_fused_ops(tiny_dir: Path) -> None:
-    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=3, max_seq_len=128, progress=False)
+    engine = LLMEngine.load(
+        tiny_dir, device=DEVICE, dtype="float32", max_batch_size=3, max_seq_len=128, cuda_graphs=False,
+        kv=KVCacheSpec(num_hot_blocks=64), progress=False,
+    )  # fmt: skip
+    engine.runner.model.use_fused_ops(False)  # on CUDA the runner turned them on
     prompts = [[5, 9, 2, 44, 17], [3] * 20, [100, 7]]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     reference = [r.token_ids for r in engine.generate(prompts, params)]

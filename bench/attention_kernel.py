@@ -1,0 +1,97 @@
+"""The fused paged-attention kernel alone: one decode launch over long contexts, hot only and INT4 warm.
+
+Random caches in the Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head dim 128, block 16,
+warm group 32); every row's context is sink + warm + a 128-token hot window (tiers on) or all hot
+(tiers off). Times `paged_attention` (with its flash-decoding merge) per layer call, and reports the
+bytes it must read against the measured copy bandwidth. Needs CUDA.
+
+    python bench/attention_kernel.py --contexts 1024,32768 --batches 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.engine.attention.metadata import AttentionMetadata, RowInput
+from services.engine.attention.triton_backend import TritonBackend
+from services.engine.kv.block_table import BlockTable
+from services.engine.kv.cache import HotTier, KVCache, WarmTier
+from services.engine.kv.tiers import TierConfig
+from services.engine.model.config import ModelConfig
+
+HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 32, 8, 128, 16, 1
+TIERS = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=1 << 20, group_size=32)
+
+
+def time_decode(batch: int, context: int, tiered: bool) -> tuple[float, float, int]:
+    """(µs per call, bytes the call must read, flash-decoding segments)."""
+    config = ModelConfig(vocab_size=8, hidden_size=HEADS * DIM, intermediate_size=8, num_layers=LAYERS,
+                         num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)  # fmt: skip
+    tiers = TIERS if tiered else TierConfig()
+    blocks = batch * (-(-context // BLOCK) + 2) + 1
+    hot = HotTier(config, blocks, BLOCK, torch.device("cuda"), torch.bfloat16)
+    hot.keys.normal_()
+    hot.values.normal_()
+    warm = WarmTier(config, batch * (context // TIERS.group_size + 1), TIERS.group_size, torch.device("cuda"))
+    for t in (warm.key_codes, warm.value_codes):
+        t.random_(0, 256)
+    for t in (warm.key_scale, warm.value_scale):
+        t.fill_(0.01)
+    cache = KVCache(hot, warm if tiered else None)
+    tables = []
+    for _ in range(batch):
+        table = BlockTable(tiers)
+        cache.grow(table, context)
+        cache.demote(table, context)
+        cache.take_warm_copies()  # the codes are random already: no quantize needed for timing
+        tables.append(table)
+    rows = [RowInput(t, context - 1, 1) for t in tables]
+    backend = TritonBackend(cache, HEADS, batch)
+    segments = backend.num_segments(batch, context)
+    host_meta = AttentionMetadata.for_rows(rows, BLOCK, TIERS.group_size // BLOCK, torch.device("cuda"))
+    metadata = AttentionMetadata(host_meta.positions, host_meta.slot_mapping, host_meta.paged,
+                                 host_meta.max_seq_len, segments)  # fmt: skip
+    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        backend.forward(q, q, q, 0, metadata)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls = 20
+    start.record()
+    for _ in range(calls):
+        backend.forward(q, q, q, 0, metadata)
+    end.record()
+    torch.cuda.synchronize()
+    per_token = 2 * KV_HEADS * DIM * 2 if not tiered else warm.bytes_per_token // LAYERS
+    held_hot = sum(cache.num_held_hot_blocks(t) for t in tables) * BLOCK
+    total = batch * context
+    read = held_hot * 2 * KV_HEADS * DIM * 2 + (total - held_hot) * (per_token if tiered else 0)
+    if not tiered:
+        read = total * per_token
+    return start.elapsed_time(end) * 1000 / calls, read, segments
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--contexts", default="1024,32768")
+    parser.add_argument("--batches", default="1,16")
+    args = parser.parse_args()
+    print("| context | batch | tiers | segments | µs per layer call | MB read | GB/s |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for tiered in (False, True):
+                us, read, segments = time_decode(batch, context, tiered)
+                print(f"| {context} | {batch} | {'on' if tiered else 'off'} | {segments} | {us:.0f} | "
+                      f"{read / 1e6:.1f} | {read / us / 1e3:.0f} |", flush=True)  # fmt: skip
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
