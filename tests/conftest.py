@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,6 +125,37 @@ def wait_for_engine_idle(
     while (stats := engine_stats(mesh, engine)).num_running + stats.num_waiting:
         assert time.monotonic() < deadline, f"the engine still holds requests after {timeout_s} s: {stats}"
     return stats
+
+
+# A deny rule that only the test meshes carry: stories260K's golden continuation of STORIES_PROMPT
+# reaches it in its third 16-token output window ("... she saw a big, red ball.").
+TEST_DENY_PHRASE = "red ball"
+TEST_SAFE_MESSAGE = "[withheld by the output screen]"
+# No limit for the open mesh's tenants: a call refused by the rate limiter never reaches validation.
+UNLIMITED_TENANTS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
+
+
+@pytest.fixture(scope="session")
+def open_mesh(
+    stories_model: Path, collector: TraceCollector, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    """A stories260K mesh with tenant limits lifted and the test-only deny rule, for fuzzing and the
+    output screen (so that neither spends the shared mesh's rate-limit budget)."""
+    state_dir = tmp_path_factory.mktemp("open-mesh")
+    tenants, patterns = state_dir / "tenants.json", state_dir / "deny_patterns.txt"
+    tenants.write_text(json.dumps(UNLIMITED_TENANTS))
+    patterns.write_text(f"test-only: \\b{TEST_DENY_PHRASE}\\b\n")
+    mesh = start_mesh(
+        stories_model,
+        state_dir,
+        collector,
+        THERMOCLINE_GATEWAY_TENANTS_FILE=str(tenants),
+        THERMOCLINE_SAFETY_DENY_PATTERNS=str(patterns),
+        THERMOCLINE_SAFETY_SAFE_MESSAGE=TEST_SAFE_MESSAGE,
+        THERMOCLINE_GATEWAY_OUTPUT_CHECK_TOKENS="16",
+    )
+    yield mesh
+    mesh.stop()
 
 
 @pytest.fixture

@@ -17,9 +17,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from services.cli.mesh import SERVICES, Mesh
-from services.cli.trace_collector import TraceCollector
 from services.gateway.tokens import mint_token
-from tests.conftest import start_mesh
 from tests.fuzz.rpcs import CALLS
 
 settings.register_profile(
@@ -35,21 +33,12 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 FUZZ_SETTINGS = settings.get_profile("thermocline-fuzz")
-# No limit for the fuzzing tenant: a request refused by the rate limiter never reaches validation.
-UNLIMITED_TENANT = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
 
 
 @pytest.fixture(scope="session")
-def fuzz_mesh(
-    stories_model: Path, collector: TraceCollector, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Mesh]:
-    """A mesh of its own (fuzzing must not spend another test's rate-limit budget) serving stories260K."""
-    state_dir = tmp_path_factory.mktemp("fuzz-mesh")
-    tenants = state_dir / "tenants.json"
-    tenants.write_text(json.dumps(UNLIMITED_TENANT))
-    mesh = start_mesh(stories_model, state_dir, collector, THERMOCLINE_GATEWAY_TENANTS_FILE=str(tenants))
-    yield mesh
-    mesh.stop()
+def fuzz_mesh(open_mesh: Mesh) -> Mesh:
+    """The open mesh (tests/conftest.py): no tenant limits, so no call is refused before validation."""
+    return open_mesh
 
 
 @pytest.fixture(scope="session")
