@@ -36,7 +36,14 @@ def test_fp32_golden_on_cuda(fixture: str, request: pytest.FixtureRequest) -> No
 def test_auto_dtype_is_bf16_and_close_to_transformers(tiny_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine.load(tiny_dir, device="auto", max_batch_size=4, max_seq_len=128, progress=False)
+    engine = LLMEngine.load(
+        tiny_dir,
+        device="auto",
+        max_batch_size=4,
+        max_seq_len=128,
+        kv=KVCacheSpec(num_hot_blocks=64),
+        progress=False,
+    )
     assert engine.runner.device.type == "cuda"
     assert engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).cuda().eval()
@@ -44,13 +51,16 @@ def test_auto_dtype_is_bf16_and_close_to_transformers(tiny_dir: Path) -> None:
     with torch.inference_mode():
         reference = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
     result = engine.generate([prompt], SamplingParams(max_new_tokens=1))[0]
-    assert result.token_ids[0] == int(reference.argmax())
+    # bf16 roundings differ between the two (fused kernels, another attention order): the token must be
+    # one transformers ranks within a bf16 step of its best, not necessarily its argmax
+    assert reference[result.token_ids[0]] >= reference.max() - 2**-7 * reference.abs().max()
     batched = engine.generate([prompt, [7, 8, 9]], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert len(batched[0].token_ids) == 8
 
 
 def test_seeded_sampling_on_cuda(tiny_dir: Path) -> None:
-    engine = LLMEngine.load(tiny_dir, device="cuda", max_batch_size=2, max_seq_len=64, progress=False)
+    kv = KVCacheSpec(num_hot_blocks=16)
+    engine = LLMEngine.load(tiny_dir, device="cuda", max_batch_size=2, max_seq_len=64, kv=kv, progress=False)
     params = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
     first = engine.generate([[3, 4, 5]], params)[0].token_ids
     assert engine.generate([[3, 4, 5]], params)[0].token_ids == first
