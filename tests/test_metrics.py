@@ -17,7 +17,13 @@ from services.gateway.tokens import mint_token
 from thermocline.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
-SECTIONS = {"Every service": "all", "Engine": "engine", "Safety": "safety", "KVStore": "kvstore"}
+SECTIONS = {
+    "Every service": "all",
+    "Gateway": "gateway",
+    "Engine": "engine",
+    "Safety": "safety",
+    "KVStore": "kvstore",
+}
 SERVICES = ("gateway", "engine", "safety", "kvstore")
 TENANT = "acme-metrics"
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_tokens", "_sequences", "_requests", "_info", "_total")
@@ -72,8 +78,12 @@ def traffic(stories_mesh: Mesh) -> dict[str, tuple[Samples, Samples]]:
         request = build_request("Once upon a time", max_tokens=6)
         result = collect(stream_generate(channel, request, call_metadata(token), timeout_s=120))
     assert result.done is not None
-    with grpc.insecure_channel(stories_mesh.target("kvstore")) as channel, pytest.raises(grpc.RpcError):
+    with (
+        grpc.insecure_channel(stories_mesh.target("kvstore")) as channel,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
         kvstore_pb2_grpc.KVStoreServiceStub(channel).Lookup(kvstore_pb2.LookupRequest(block_hashes=["ab"]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value  # no namespace
     after = {s: scrape(stories_mesh, s)[1] for s in SERVICES}
     return {s: (before[s], after[s]) for s in SERVICES}
 
@@ -113,11 +123,15 @@ def test_counters_move_when_traffic_flows(traffic: dict[str, tuple[Samples, Samp
         ),
         "engine": ("thermocline_engine_requests_total", {"finish_reason": "length"}),
         "safety": ("thermocline_safety_checks_total", {"layer": "prompt"}),
-        "kvstore": ("thermocline_rpc_server_handled_total", {"code": "UNIMPLEMENTED"}),
+        "kvstore": ("thermocline_rpc_server_handled_total", {"code": "INVALID_ARGUMENT"}),
     }
     for service, (name, labels) in moved.items():
         before, after = traffic[service]
         assert total(after, name, **labels) == total(before, name, **labels) + 1, (service, name)
+    before, after = traffic["gateway"]
+    assert total(after, "thermocline_gateway_audit_unwritable_seconds") == 0  # the audit log wrote
+    failures = "thermocline_gateway_audit_write_failures_total"
+    assert total(after, failures) == total(before, failures)
     before, after = traffic["engine"]
     for name in (
         "thermocline_engine_time_to_first_token_seconds_count",
