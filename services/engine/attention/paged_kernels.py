@@ -69,6 +69,35 @@ class Partials(NamedTuple):
 
 
 @triton.jit
+def _dequantize_warm_tile(
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    scale_index,  # [TILE_N] int: scale row per position (key: group id; value: warm block id)
+    codes_offsets,  # [TILE_N] int: element offset of each position's packed codes
+    scale_offsets,  # [TILE_N] int: element offset of each position's scale row, past `scale_index`
+    is_warm,  # [TILE_N] bool
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    CHANNELS_PER_SCALE: tl.constexpr,  # 1 for keys (per channel), VG for values (per channel group)
+):
+    """Packed nibbles and their fp16 scale/zero -> `[TILE_N, HEAD_DIM_PADDED]` fp32."""
+    half = tl.arange(0, HEAD_DIM_PADDED // 2)
+    packed = tl.load(
+        codes_ptr + codes_offsets[:, None] + half[None, :],
+        mask=is_warm[:, None] & (half[None, :] < HEAD_DIM // 2),
+        other=0,
+    )  # [TILE_N, D/2] uint8
+    codes = tl.interleave(packed & 15, packed >> 4).to(tl.float32)  # [TILE_N, D]: even = low nibble
+    channel = tl.arange(0, HEAD_DIM_PADDED)
+    mask = is_warm[:, None] & (channel[None, :] < HEAD_DIM)
+    offsets = scale_index[:, None] + scale_offsets[:, None] + channel[None, :] // CHANNELS_PER_SCALE
+    scale = tl.load(scale_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return codes * scale + zero
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, H, D]
     part_out_ptr,  # [T, H, S, D] fp32 (NUM_SEGMENTS > 1)
@@ -157,54 +186,49 @@ def _paged_attention_kernel(
     for tile in range(tile_begin, tile_end):
         position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
         in_context = position < kv_end
-        if HAS_WARM:  # TILE_N == BLOCK_SIZE: the step reads one logical block, hot or warm or neither
-            offset = tl.arange(0, TILE_N)
-            hot_block = tl.load(table_row + tile).to(tl.int64)
-            warm_block = tl.load(warm_row + tile).to(tl.int64)
-            block_is_hot = hot_block != 0
-            block_is_warm = (warm_block >= 0) & (hot_block == 0)
-            hot_slot = hot_block * stride_hot_b + kv_head * stride_hot_h + offset[:, None] * stride_hot_t
-            hot_mask = (in_context & block_is_hot)[:, None] & has_channel[None, :]
-            k = tl.load(hot_keys_ptr + hot_slot + channel[None, :], mask=hot_mask, other=0.0)  # [N, D]
-            v = tl.load(hot_values_ptr + hot_slot + channel[None, :], mask=hot_mask, other=0.0)
-            # INT4 codes read in place: each channel takes its nibble of byte channel // 2 (the low one
-            # for even channels), so no interleave shuffles registers; the key scale and zero are one
-            # row per group, and the block lies inside one group
-            warm_id = tl.maximum(warm_block, 0)
-            warm_mask = (in_context & block_is_warm)[:, None] & has_channel[None, :]
-            code_slot = (
-                warm_id * stride_codes_b + kv_head * stride_codes_h + offset[:, None] * stride_codes_t
-                + channel[None, :] // 2
-            )  # fmt: skip
-            shift = ((channel % 2) * 4)[None, :]
-            key_codes = (tl.load(key_codes_ptr + code_slot, mask=warm_mask, other=0) >> shift) & 15
-            value_codes = (tl.load(value_codes_ptr + code_slot, mask=warm_mask, other=0) >> shift) & 15
-            key_row = (warm_id // BLOCKS_PER_GROUP) * stride_kscale_g + kv_head * stride_kscale_h + channel
-            row_mask = has_channel & block_is_warm
-            key_scale = tl.load(key_scale_ptr + key_row, mask=row_mask, other=0.0).to(tl.float32)
-            key_zero = tl.load(key_zero_ptr + key_row, mask=row_mask, other=0.0).to(tl.float32)
-            value_slot = (
-                warm_id * stride_vscale_b + kv_head * stride_vscale_h + offset[:, None] * stride_vscale_t
-                + (channel // VALUE_GROUP)[None, :]
-            )  # fmt: skip
-            value_scale = tl.load(value_scale_ptr + value_slot, mask=warm_mask, other=0.0).to(tl.float32)
-            value_zero = tl.load(value_zero_ptr + value_slot, mask=warm_mask, other=0.0).to(tl.float32)
+        logical_block = position // BLOCK_SIZE
+        offset = position % BLOCK_SIZE
+        hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
+        is_hot = in_context & (hot_block != 0)
+        hot_offsets = hot_block * stride_hot_b + offset * stride_hot_t + kv_head * stride_hot_h
+        hot_mask = is_hot[:, None] & has_channel[None, :]
+        hot_slot = hot_offsets[:, None] + channel[None, :]
+        k = tl.load(hot_keys_ptr + hot_slot, mask=hot_mask, other=0.0)  # [N, D]
+        v = tl.load(hot_values_ptr + hot_slot, mask=hot_mask, other=0.0)  # [N, D]
+        is_present = is_hot
+        if HAS_WARM:
+            warm_block = tl.load(warm_row + logical_block, mask=in_context, other=-1)
+            is_warm = in_context & (warm_block >= 0)
+            warm_block = tl.where(is_warm, warm_block, 0).to(tl.int64)
+            codes_offsets = warm_block * stride_codes_b + offset * stride_codes_t + kv_head * stride_codes_h
+            warm_k = _dequantize_warm_tile(
+                key_codes_ptr,
+                key_scale_ptr,
+                key_zero_ptr,
+                (warm_block // BLOCKS_PER_GROUP) * stride_kscale_g,
+                codes_offsets,
+                tl.zeros_like(offset) + kv_head * stride_kscale_h,
+                is_warm,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                1,
+            )
+            warm_v = _dequantize_warm_tile(
+                value_codes_ptr,
+                value_scale_ptr,
+                value_zero_ptr,
+                warm_block * stride_vscale_b,
+                codes_offsets,
+                offset * stride_vscale_t + kv_head * stride_vscale_h,
+                is_warm,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                VALUE_GROUP,
+            )
             # rounded to the model dtype, as the reference path stores a dequantized key before SDPA
-            warm_k = (key_codes.to(tl.float32) * key_scale[None, :] + key_zero[None, :]).to(k.dtype)
-            warm_v = (value_codes.to(tl.float32) * value_scale + value_zero).to(v.dtype)
-            k = tl.where(block_is_warm, warm_k, k)
-            v = tl.where(block_is_warm, warm_v, v)
-            is_present = in_context & (block_is_hot | block_is_warm)
-        else:  # hot pages only: a step spans TILE_N / BLOCK_SIZE blocks
-            logical_block = position // BLOCK_SIZE
-            offset = position % BLOCK_SIZE
-            hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
-            is_present = in_context & (hot_block != 0)
-            hot_offsets = hot_block * stride_hot_b + offset * stride_hot_t + kv_head * stride_hot_h
-            hot_mask = is_present[:, None] & has_channel[None, :]
-            hot_slot = hot_offsets[:, None] + channel[None, :]
-            k = tl.load(hot_keys_ptr + hot_slot, mask=hot_mask, other=0.0)  # [N, D]
-            v = tl.load(hot_values_ptr + hot_slot, mask=hot_mask, other=0.0)  # [N, D]
+            k = tl.where(is_warm[:, None], warm_k.to(k.dtype), k)
+            v = tl.where(is_warm[:, None], warm_v.to(v.dtype), v)
+            is_present = is_present | is_warm
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
         visible = is_present[None, :] & (position[None, :] <= q_position[:, None])
@@ -365,9 +389,9 @@ def paged_attention(
 
 
 def _tile_n(block_size: int, has_warm: bool) -> int:
-    """Positions per loop step. With a warm tier, one block, so that the step's table entries are two
-    scalars and its key scale one row: gathering per-position scales over 64-position tiles ran a 32K
-    decode at ~0.5 us per position on the H200. Hot only: 64 positions (several blocks)."""
+    """Positions per loop step. With a warm tier, one block: the INT4 path holds the codes, scales and
+    zeros of every position as fp32 tiles, and at 64 positions x 128 channels those spill registers
+    (measured on the H200: a 32K-token decode ran ~0.5 us per position). Hot only: 64 positions."""
     if has_warm:
         return block_size
     return 64 if block_size <= 64 else block_size
