@@ -49,7 +49,7 @@ class KVCacheSpec:
     """Deployment-wide KV cache layout: block size, pool sizes (0 = derived) and the tiers."""
 
     block_size: int = 16
-    num_hot_blocks: int = 0  # 0: max_batch_size * ceil(max_seq_len / block_size) + 1 (scratch)
+    num_hot_blocks: int = 0  # 0: sized from the memory budget (kv/capacity.py); set: scratch block included
     num_warm_groups: int = 0  # 0: derived from the budget
     tiers: TierConfig = TierConfig()
     # CUDA: the share of device memory the engine may use in all (weights, activations, KV pools)
