@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.engine.attention.metadata import AttentionMetadata, RowInput
+from services.engine.attention.paged_kernels import paged_attention
 from services.engine.attention.triton_backend import TritonBackend
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
@@ -29,7 +30,9 @@ HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 32, 8, 128, 16, 1
 TIERS = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=1 << 20, group_size=32)
 
 
-def time_decode(batch: int, context: int, tiered: bool) -> tuple[float, float, int]:
+def time_decode(
+    batch: int, context: int, tiered: bool, tile_n: int | None = None, num_warps: int = 4
+) -> tuple[float, float, int]:
     """(µs per call, bytes the call must read, flash-decoding segments)."""
     config = ModelConfig(vocab_size=8, hidden_size=HEADS * DIM, intermediate_size=8, num_layers=LAYERS,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)  # fmt: skip
@@ -58,14 +61,21 @@ def time_decode(batch: int, context: int, tiered: bool) -> tuple[float, float, i
     metadata = AttentionMetadata(host_meta.positions, host_meta.slot_mapping, host_meta.paged,
                                  host_meta.max_seq_len, segments)  # fmt: skip
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    layer = backend.layers[0]
+    partials = backend.partials if segments > 1 else None
+    out = torch.empty_like(q)
+
+    def call() -> None:
+        paged_attention(q, layer, metadata.paged, out, segments, partials, tile_n=tile_n, num_warps=num_warps)
+
     for _ in range(3):
-        backend.forward(q, q, q, 0, metadata)
+        call()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     calls = 20
     start.record()
     for _ in range(calls):
-        backend.forward(q, q, q, 0, metadata)
+        call()
     end.record()
     torch.cuda.synchronize()
     per_token = 2 * KV_HEADS * DIM * 2 if not tiered else warm.bytes_per_token // LAYERS
@@ -81,14 +91,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--contexts", default="1024,32768")
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument(
+        "--variants", default="", help="tiers-on launch shapes to compare, e.g. 16x4,32x8 (positions x warps)"
+    )
     args = parser.parse_args()
-    print("| context | batch | tiers | segments | µs per layer call | MB read | GB/s |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    variants = [(None, 4)] + [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",") if v]
+    print("| context | batch | tiers | tile x warps | segments | µs per layer call | MB read | GB/s |")
+    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            for tiered in (False, True):
-                us, read, segments = time_decode(batch, context, tiered)
-                print(f"| {context} | {batch} | {'on' if tiered else 'off'} | {segments} | {us:.0f} | "
+            for tiered, (tile_n, warps) in [(False, (None, 4))] + [(True, v) for v in variants]:
+                us, read, segments = time_decode(batch, context, tiered, tile_n, warps)
+                shape = "default" if tile_n is None else f"{tile_n}x{warps}"
+                tiers = "on" if tiered else "off"
+                print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | "
                       f"{read / 1e6:.1f} | {read / us / 1e3:.0f} |", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
 

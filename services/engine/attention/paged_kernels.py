@@ -315,11 +315,14 @@ def paged_attention(
     out: torch.Tensor,
     num_segments: int = 1,
     partials: Partials | None = None,
+    tile_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Attention of packed queries `q` `[T, H, D]` over each row's paged context; writes `out` `[T, H, D]`.
 
     With `num_segments > 1` the context splits across programs (flash-decoding) and `partials` must
-    hold at least `[T, H, num_segments, D_PADDED]`.
+    hold at least `[T, H, num_segments, D_PADDED]`. `tile_n` (positions per loop step, a multiple of
+    the block size) and `num_warps` override the launch shape; bench/attention_kernel.py compares them.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = layer.hot_keys.shape
@@ -367,11 +370,11 @@ def paged_attention(
         HEAD_DIM_PADDED=padded,
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m,
-        TILE_N=_tile_n(block_size, warm is not None),
+        TILE_N=tile_n or _tile_n(block_size, warm is not None),
         NUM_SEGMENTS=num_segments,
         HAS_WARM=warm is not None,
         IEEE_DOT=q.dtype == torch.float32,
-        num_warps=4,
+        num_warps=num_warps,
     )
     if num_segments > 1:
         assert partials is not None

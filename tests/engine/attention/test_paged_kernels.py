@@ -166,7 +166,7 @@ def reference(q, layer, shape, layouts, dtype):
     return torch.cat(outs)
 
 
-def run_case(shape: Shape, rows, dtype, with_warm: bool, num_segments: int, seed: int):
+def run_case(shape: Shape, rows, dtype, with_warm: bool, num_segments: int, seed: int, **launch):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     total_blocks = sum(-(-s // shape.block_size) for _, s in rows) + 2
@@ -213,7 +213,7 @@ def run_case(shape: Shape, rows, dtype, with_warm: bool, num_segments: int, seed
         partials = Partials.empty(
             num_tokens, num_heads, num_segments, head_dim_padded(shape.head_dim), DEVICE
         )
-    paged_attention(q.to(DEVICE), dev_layer, dev_plan, out, num_segments, partials)
+    paged_attention(q.to(DEVICE), dev_layer, dev_plan, out, num_segments, partials, **launch)
     got = out.double().cpu()
     assert not got.isnan().any()
     error = (got - expected).norm() / expected.norm()
@@ -240,6 +240,15 @@ def test_split_decode_matches_reference(num_segments, with_warm):
     """Flash-decoding: segments that are empty, partly full and full merge to the same answer."""
     rows = [(1, 1), (1, 64), (1, 200)]
     run_case(Shape(2, 4, 64), rows, torch.float32, with_warm, num_segments, seed=2)
+
+
+@pytest.mark.parametrize(("tile_n", "num_warps"), [(32, 4), (64, 8), (16, 2)])
+def test_every_launch_shape_the_benchmark_compares_matches_reference(tile_n, num_warps):
+    """Tiles of one block or several, with fewer or more warps: the same answer (decode and prefill)."""
+    rows = [(1, 1), (1, 33), (1, 150), (20, 120)]
+    run_case(
+        Shape(2, 4, 64), rows, torch.float32, True, num_segments=1, seed=5, tile_n=tile_n, num_warps=num_warps
+    )
 
 
 @pytest.mark.parametrize("shape", [Shape(2, 1, 64), Shape(1, 3, 64), Shape(1, 4, 128)], ids=str)
