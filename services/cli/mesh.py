@@ -88,18 +88,6 @@ class MeshConfig:
             raise ValueError(f"a mesh needs at least one engine, got {self.num_engines}")
 
 
-def _local_model_path(model: str) -> Path | None:
-    """The model's files when they are on disk already (the gateway counts prompts with its tokenizer)."""
-    from services.engine.model.registry import ModelDownloadError, UnknownModel, resolve_model
-
-    if Path(model).exists():
-        return Path(model)
-    try:
-        return resolve_model(model)
-    except (UnknownModel, ModelDownloadError, FileNotFoundError, ValueError, OSError):
-        return None
-
-
 class ServiceFailed(RuntimeError):
     """A service exited or never became healthy; the message holds the end of its log."""
 
@@ -234,8 +222,6 @@ class Mesh:
         }
         if ENGINE_INTENT_CLASSES.exists():  # a source checkout: the classes compose deploys too
             env["THERMOCLINE_ENGINE_INTENT_CLASSES"] = str(ENGINE_INTENT_CLASSES)
-        if (tokenizer := _local_model_path(config.model)) is not None:
-            env["THERMOCLINE_GATEWAY_TOKENIZER"] = str(tokenizer)
         if config.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = config.otlp_endpoint
         return env | config.env

@@ -1,106 +1,75 @@
-"""Token budgets: the prompt counted with the model's own tokenizer, checked against the limits.
+"""Token budgets: the prompt counted by the engine's own tokenizer, checked against the limits.
 
-The gateway loads the served model's tokenizer (an HF directory with tokenizer.json, or the
-vocabulary inside a .gguf file) and counts exactly what the engine will: the prompt with BOS,
-or the chat rendered by the model's template. It reuses the engine's tokenizer module (pure
-`tokenizers` + jinja2, no torch) rather than a second copy of the GGUF vocabulary rebuild.
-Without a configured tokenizer the count falls back to the prompt's UTF-8 byte length, an upper
-bound for byte-level and byte-fallback BPE vocabularies.
+The gateway never loads a tokenizer: it asks an engine replica (`CountTokens`), which counts
+exactly what Generate will see (BOS, or the chat rendered by the model's template). The call is
+asynchronous, so the gateway's event loop never tokenizes. Counts are cached by (model, prompt
+hash): a tokenizer is deterministic per model, and callers repeat themselves (retries, long
+shared system prompts, benchmark loops), so a hit saves one engine round trip per request.
 """
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-from typing import Any, Protocol
+import hashlib
+from collections import OrderedDict
+from typing import NewType
 
 from services.common.errors import InvalidArgument
 from services.gateway.tenants import TenantLimits
+from services.gateway.upstream import Upstreams
+from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
-log = logging.getLogger(__name__)
+PromptHash = NewType("PromptHash", bytes)
+DEFAULT_CACHE_ENTRIES = 4096
+COUNT_TIMEOUT_S = 5.0  # a count is one tokenizer pass; longer means the engine is in trouble
 
 
-class PromptCounter(Protocol):
-    """Counts the prompt tokens of a request."""
-
-    name: str
-
-    def count(self, request: pb.GenerateRequest) -> int:
-        """The number of prompt tokens the engine will see."""
-        ...
+def count_request(request: pb.GenerateRequest) -> engine_pb2.CountTokensRequest:
+    """The engine's CountTokens request for a client request's input."""
+    if request.WhichOneof("input") == "chat":
+        messages = [engine_pb2.ChatMessage(role=m.role, content=m.content) for m in request.chat.messages]
+        return engine_pb2.CountTokensRequest(chat=engine_pb2.ChatTurns(messages=messages))
+    return engine_pb2.CountTokensRequest(prompt=request.prompt)
 
 
-class ByteCounter:
-    """The fallback: UTF-8 bytes, an upper bound on BPE tokens of byte-level vocabularies."""
-
-    name = "utf-8 bytes (no tokenizer configured)"
-
-    def count(self, request: pb.GenerateRequest) -> int:
-        """Bytes of the prompt, or of every chat turn's content."""
-        if request.WhichOneof("input") == "chat":
-            return sum(len(m.content.encode()) + len(m.role.encode()) for m in request.chat.messages)
-        return len(request.prompt.encode())
+def prompt_hash(request: engine_pb2.CountTokensRequest) -> PromptHash:
+    """sha256 of the input's canonical bytes (sizes are bounded before this: ~1 ms per MiB)."""
+    return PromptHash(hashlib.sha256(request.SerializeToString(deterministic=True)).digest())
 
 
-class _GGUFFields:
-    """The slice of a GGUF reader that the engine's vocabulary rebuild reads."""
+class PromptCounter:
+    """Counts prompt tokens through the engine's CountTokens, with an LRU cache in front.
 
-    def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
+    The cache is an OrderedDict moved-to-end on a hit, so eviction drops the least recently
+    used count in O(1); entries are a 32-byte hash and an int, so 4096 of them cost well under 1 MiB.
+    """
 
-        self.reader = GGUFReader(str(path))
+    name = "the engine's tokenizer"
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """A metadata value, or `default`."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+    def __init__(self, upstreams: Upstreams, max_entries: int = DEFAULT_CACHE_ENTRIES) -> None:
+        self.upstreams = upstreams
+        self.max_entries = max_entries
+        self._counts: OrderedDict[tuple[str, PromptHash], int] = OrderedDict()
+        self.num_hits = 0
+        self.num_misses = 0
 
-    def token_id(self, key: str) -> int | None:
-        """A `tokenizer.ggml.*_token_id` value; None when absent or -1."""
-        value = self.get(f"tokenizer.ggml.{key}")
-        return None if value is None or int(value) == -1 else int(value)
+    async def count(self, request: pb.GenerateRequest, model: str) -> int:
+        """The number of prompt tokens the engine serving `model` will see."""
+        counted = count_request(request)
+        key = (model, prompt_hash(counted))
+        if (cached := self._counts.get(key)) is not None:
+            self._counts.move_to_end(key)
+            self.num_hits += 1
+            return cached
+        self.num_misses += 1
+        num_tokens = await self.upstreams.count_tokens(counted, COUNT_TIMEOUT_S)
+        self._remember(key, num_tokens)
+        return num_tokens
 
-
-class TokenizerCounter:
-    """Counts with the served model's tokenizer."""
-
-    def __init__(self, path: Path) -> None:
-        self.name = f"the tokenizer of {path.parent.name}/{path.name}"
-        self._tokenizer = _load(path)
-
-    def count(self, request: pb.GenerateRequest) -> int:
-        """Prompt tokens as the engine counts them."""
-        tokenizer = self._tokenizer
-        if request.WhichOneof("input") != "chat":
-            return len(tokenizer.encode(request.prompt))
-        if tokenizer.chat_template is None:
-            raise InvalidArgument("this model has no chat template; send a plain prompt instead")
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages)
-        except ValueError as error:
-            raise InvalidArgument(f"chat template rejected the messages: {error}") from None
-        return len(tokenizer.encode(text, add_bos=False))
-
-
-def _load(path: Path) -> Any:
-    from services.engine.text.tokenizer import Tokenizer
-
-    if path.suffix == ".gguf":
-        from services.engine.model.gguf.tokenizer import build_gguf_tokenizer
-
-        return build_gguf_tokenizer(_GGUFFields(path))  # type: ignore[arg-type]
-    directory = path.parent if path.name == "tokenizer.json" else path
-    return Tokenizer.from_hf_dir(directory)
-
-
-def load_counter(path: Path | None) -> PromptCounter:
-    """The model's tokenizer when configured, else the byte-count upper bound."""
-    if path is None:
-        log.warning("THERMOCLINE_GATEWAY_TOKENIZER is unset; prompts are counted as UTF-8 bytes")
-        return ByteCounter()
-    return TokenizerCounter(path)
+    def _remember(self, key: tuple[str, PromptHash], num_tokens: int) -> None:
+        self._counts[key] = num_tokens
+        if len(self._counts) > self.max_entries:
+            self._counts.popitem(last=False)
 
 
 def check_request_budget(

@@ -14,6 +14,7 @@ from services.gateway.audit import AuditConfig
 from services.gateway.request_bounds import RequestBounds
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8080
 ALLOWED_ALGORITHMS = ("RS256", "ES256", "HS256")
 PREFIX = "THERMOCLINE_GATEWAY_"
 MIB = 1024 * 1024
@@ -126,7 +127,7 @@ class GatewayConfig:
     `THERMOCLINE_GATEWAY_SAFETY_TARGET` (host:port);
     `_OUTPUT_CHECK_TOKENS`: output is held back and screened every this many tokens (and at the end);
     `_SAFETY_TIMEOUT_S`: the longest a safety check may take before the request fails UNAVAILABLE;
-    `_TOKENIZER`: the model (HF directory, tokenizer.json or .gguf) whose tokenizer counts prompts.
+    `_HTTP_PORT`: the OpenAI-compatible HTTP front's port, on the gRPC server's host; 0 turns it off.
     The gRPC server's message limit is the smaller of `_MAX_MESSAGE_MB` and what `bounds` needs.
     """
 
@@ -140,7 +141,7 @@ class GatewayConfig:
     safety_target: str = "127.0.0.1:50053"
     output_check_tokens: int = 16
     safety_timeout_s: float = 5.0
-    tokenizer: Path | None = None
+    http_port: int = DEFAULT_HTTP_PORT
 
     def __post_init__(self) -> None:
         if self.output_check_tokens < 1:
@@ -149,6 +150,10 @@ class GatewayConfig:
             )
         if self.safety_timeout_s <= 0:
             raise ValueError(f"THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S must be > 0, got {self.safety_timeout_s}")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(
+                f"THERMOCLINE_GATEWAY_HTTP_PORT must be 0 (off) or a TCP port, got {self.http_port}"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -172,7 +177,7 @@ class GatewayConfig:
             safety_target=env.get_str(PREFIX + "SAFETY_TARGET", "127.0.0.1:50053", environ),
             output_check_tokens=env.get_int(PREFIX + "OUTPUT_CHECK_TOKENS", 16, environ),
             safety_timeout_s=env.get_float(PREFIX + "SAFETY_TIMEOUT_S", 5.0, environ),
-            tokenizer=_optional_path(PREFIX + "TOKENIZER", environ),
+            http_port=env.get_int(PREFIX + "HTTP_PORT", DEFAULT_HTTP_PORT, environ),
         )
 
 

@@ -12,7 +12,6 @@ is in the audit log (fsynced) before the caller hears of it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -182,7 +181,7 @@ class Gatekeeper:
         facts.details |= {"intent": intent, "priority_class": priority_class}
         check_sampling(request.sampling)
         max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
-        prompt_tokens = await self._take_prompt(request, principal.tenant, limits, max_tokens, facts)
+        prompt_tokens = await self._take_prompt(request, model, principal.tenant, limits, max_tokens, facts)
         return Admission(
             principal,
             model,
@@ -205,10 +204,16 @@ class Gatekeeper:
         return await resolve(requested)
 
     async def _take_prompt(
-        self, request: pb.GenerateRequest, tenant: str, limits: TenantLimits, max_tokens: int, facts: _Facts
+        self,
+        request: pb.GenerateRequest,
+        model: str,
+        tenant: str,
+        limits: TenantLimits,
+        max_tokens: int,
+        facts: _Facts,
     ) -> int:
-        """Counts the prompt (off the event loop: tokenizing is CPU-bound), checks and charges it."""
-        prompt_tokens = await asyncio.to_thread(self.counter.count, request)
+        """Counts the prompt (the engine tokenizes; this loop only awaits), checks and charges it."""
+        prompt_tokens = await self.counter.count(request, model)
         facts.details |= {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
         check_request_budget(tenant, limits, prompt_tokens, max_tokens, self.counter.name)
         _check_rate(tenant, limits, await self.limiter.take_tokens(tenant, limits, prompt_tokens), facts)

@@ -12,7 +12,7 @@ import grpc
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import ALLOW, AuditEvent, AuditLog
 from services.gateway.auth import JwtVerifier
-from services.gateway.budget import load_counter
+from services.gateway.budget import PromptCounter
 from services.gateway.config import GatewayConfig
 from services.gateway.gatekeeper import Gatekeeper, Policies
 from services.gateway.intents import DEVELOPMENT_INTENTS, IntentPolicy
@@ -78,7 +78,7 @@ class Gateway:
         gatekeeper = Gatekeeper(
             JwtVerifier(config.jwt),
             policies,
-            load_counter(config.tokenizer),
+            PromptCounter(self.upstreams),
             self.limiter,
             self.audit,
             config.bounds,

@@ -52,6 +52,14 @@ class Upstreams:
                 raise upstream_error("engine", error) from None
         return self._model_info
 
+    async def count_tokens(self, request: engine_pb2.CountTokensRequest, timeout_s: float) -> int:
+        """Prompt tokens as a serving engine replica counts them."""
+        try:
+            reply = await self.router.any_serving().stub.CountTokens(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise upstream_error("engine", error) from None
+        return int(reply.num_tokens)
+
     async def check_prompt(self, text: str, tenant: str, timeout_s: float) -> safety_pb2.CheckResponse:
         """The safety service's verdict on a prompt."""
         try:

@@ -122,11 +122,17 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             kv_capacity=_capacity_to_pb(self.engine.capacity),
         )
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def CountTokens(self, request: pb.CountTokensRequest, context: Any) -> pb.CountTokensResponse:
+        # Tokenizing is CPU-bound; off the loop, so streams in flight keep flowing meanwhile.
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+        return pb.CountTokensResponse(num_tokens=len(prompt_ids), model=self.engine.model_id)
+
+    def _prompt_ids(self, request: pb.GenerateRequest | pb.CountTokensRequest) -> list[int]:
         """Token ids for whichever input form the request used."""
         tokenizer = self.engine.tokenizer
         kind = request.WhichOneof("input")
         if kind == "token_ids":
+            assert isinstance(request, pb.GenerateRequest)
             ids = list(request.token_ids.ids)
             bad = [i for i in ids if i >= tokenizer.vocab_size]
             if bad:

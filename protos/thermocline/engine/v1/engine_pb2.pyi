@@ -37,6 +37,22 @@ SAFETY_GATE_STATUS_UNVERIFIED: SafetyGateStatus
 SAFETY_GATE_STATUS_UNCOVERED: SafetyGateStatus
 SAFETY_GATE_STATUS_ABSENT: SafetyGateStatus
 
+class CountTokensRequest(_message.Message):
+    __slots__ = ("prompt", "chat")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    chat: ChatTurns
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatTurns, _Mapping]] = ...) -> None: ...
+
+class CountTokensResponse(_message.Message):
+    __slots__ = ("num_tokens", "model")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    model: str
+    def __init__(self, num_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class EngineServiceStub:
                 request_serializer=thermocline_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=thermocline_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.CountTokens = channel.unary_unary(
+                '/thermocline.engine.v1.EngineService/CountTokens',
+                request_serializer=thermocline_dot_engine_dot_v1_dot_engine__pb2.CountTokensRequest.SerializeToString,
+                response_deserializer=thermocline_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -77,6 +82,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CountTokens(self, request, context):
+        """Counts a prompt's tokens exactly as Generate would (BOS, chat template), without running the model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=thermocline_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoRequest.FromString,
                     response_serializer=thermocline_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'CountTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountTokens,
+                    request_deserializer=thermocline_dot_engine_dot_v1_dot_engine__pb2.CountTokensRequest.FromString,
+                    response_serializer=thermocline_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class EngineService:
             '/thermocline.engine.v1.EngineService/GetModelInfo',
             thermocline_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
             thermocline_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/thermocline.engine.v1.EngineService/CountTokens',
+            thermocline_dot_engine_dot_v1_dot_engine__pb2.CountTokensRequest.SerializeToString,
+            thermocline_dot_engine_dot_v1_dot_engine__pb2.CountTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,
