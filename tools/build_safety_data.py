@@ -1,6 +1,7 @@
 """Builds data/safety/: the jailbreak and broad-benign sources of the gate, split by source.
 
-    .venv/bin/python tools/build_safety_data.py --mirrors /work/.mirror --wheels /tmp/thermocline-safety-wheels
+    .venv/bin/python tools/build_safety_data.py --mirrors /work/.mirror \
+        --wheels /tmp/thermocline-safety-wheels
 
 Reads git snapshots of public repositories (bare mirrors, one folder `owner+name/repo` each, read
 with `git show <commit>:<path>`) and the pinned PyRIT wheel, and writes one JSONL file per source:
@@ -20,7 +21,6 @@ import io
 import json
 import re
 import subprocess
-import sys
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,8 +77,8 @@ class Mirror:
     def paths(self, prefix: str) -> list[str]:
         """Every file under `prefix` at the pinned commit."""
         command = ["git", "--git-dir", str(self.git_dir), "ls-tree", "-r", "--name-only", self.commit]
-        listing = subprocess.run(command + ([prefix] if prefix else []), check=True, capture_output=True, text=True)
-        return listing.stdout.splitlines()
+        command += [prefix] if prefix else []
+        return subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()
 
 
 def pyrit_templates(wheel: Path) -> list[str]:
@@ -189,10 +189,10 @@ def main() -> None:
     answers = [long_prompt(a) for _, a in pairs if a]
     write_source("benign_medquad_long", "benign_long", sample([a for a in answers if is_long(a)], 300))
     gsm = mirror["openai/grade-school-math"]
-    write_source("benign_gsm8k_train", "benign_short", sample(gsm8k(gsm, "grade_school_math/data/train.jsonl"), 1000))
+    questions = gsm8k(gsm, "grade_school_math/data/train.jsonl")
+    write_source("benign_gsm8k_train", "benign_short", sample(questions, 1000))
     write_source("benign_humaneval", "benign_code", humaneval(mirror["openai/human-eval"]))
     write_source("benign_peps_long", "benign_long", sample(pep_chunks(mirror["python/peps"]), 300))
-    sys.exit(0)
 
 
 if __name__ == "__main__":
