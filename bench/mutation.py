@@ -44,6 +44,7 @@ class Mutation:
 
 RATE_REFILL = "return math.min(capacity, value + math.max(0, now_us - at) * rate / 1000000)\nend"
 SCHEDULING_TESTS = ("tests/engine/scheduling",)
+RATE_LIMIT_TESTS = ("tests/gateway/test_rate_limiter.py", "tests/gateway/test_rate_limits.py")
 MUTATIONS = (
     Mutation(
         "relay-ignores-output-block",
@@ -58,7 +59,7 @@ MUTATIONS = (
         "services/gateway/rate_limiter.py",
         RATE_REFILL,
         "return math.min(capacity, value)\nend",
-        ("tests/gateway/test_rate_limits.py",),
+        RATE_LIMIT_TESTS,
         named_in_issue=True,
     ),
     Mutation(
@@ -66,7 +67,7 @@ MUTATIONS = (
         "services/gateway/rate_limiter.py",
         RATE_REFILL,
         "return value + math.max(0, now_us - at) * rate / 1000000\nend",
-        ("tests/gateway/test_rate_limits.py",),
+        RATE_LIMIT_TESTS,
         named_in_issue=True,
     ),
     Mutation(
