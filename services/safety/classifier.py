@@ -1,8 +1,10 @@
 """The learned screen: every view of a text, cut into windows, embedded, scored by the gate's
-prompt head; a category's score is its maximum over all windows of all views.
+prompt head; a harm category's score is its maximum over all windows of all views.
 
 Prompts and outputs share the head but not the thresholds: each is judged against thresholds
 calibrated on benign texts of its own kind (the manifest's `thresholds` and `output_thresholds`).
+Prompts are also scored by the gate's jailbreak head (attack_head.py), from the same embeddings,
+as wholes and as windows; outputs are not (a model's answer is not an attack on the model).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
+from services.safety.attack_head import AttackHead
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.normalizer import views
 
@@ -43,6 +46,7 @@ class TextClassifier:
         self.max_windows = max_windows
         self.categories = gate.manifest.categories
         self.head: HeadWeights = gate.head_weights(PROMPT_HEAD)
+        self.attack_head = AttackHead.from_gate(gate)
         output_head = gate.head_weights(PROMPT_HEAD, for_outputs=True)
         self.thresholds: dict[TextKind, dict[str, float]] = {
             "prompt": dict(zip(self.categories, self.head.thresholds.tolist(), strict=True)),
@@ -51,27 +55,39 @@ class TextClassifier:
 
     def windows_of(self, text: str) -> list[list[int]]:
         """Every window of every view of `text`; TextTooLong past `max_windows`."""
-        rows = screen_rows(self.embedder, text)
-        if len(rows) > self.max_windows:
+        return [row for view_rows in self.view_windows_of(text) for row in view_rows]
+
+    def view_windows_of(self, text: str) -> list[list[list[int]]]:
+        """The windows of each view of `text`; TextTooLong past `max_windows` in all."""
+        per_view = view_rows(self.embedder, text)
+        num_rows = sum(len(rows) for rows in per_view)
+        if num_rows > self.max_windows:
             raise TextTooLong(
-                f"text needs {len(rows)} screening windows (one per sentence of a long text); "
+                f"text needs {num_rows} screening windows (one per sentence of a long text); "
                 f"the limit is {self.max_windows}: shorten it or send it in several requests"
             )
-        return rows
+        return per_view
 
     def score(self, text: str, kind: TextKind = "prompt") -> Scores:
-        """The text's per-category scores (max over views and windows), with the thresholds
-        for its kind."""
-        rows = self.windows_of(text)
-        per_window = gate_scores(self.embedder.embed_windows(rows), self.head)  # [N, C]
-        top = per_window.max(dim=0).values.tolist()
-        return Scores(
-            values=dict(zip(self.categories, top, strict=True)),
-            thresholds=self.thresholds[kind],
-            num_windows=len(rows),
-        )
+        """The text's per-category scores (harm: max over views and windows; jailbreak, for
+        prompts: see attack_head.py), with the thresholds for its kind."""
+        per_view = self.view_windows_of(text)
+        embeddings = self.embedder.embed_windows([row for rows in per_view for row in rows])  # [N, H]
+        top = gate_scores(embeddings, self.head).max(dim=0).values.tolist()  # [C]
+        values = dict(zip(self.categories, top, strict=True))
+        thresholds = self.thresholds[kind]
+        if kind == "prompt" and self.attack_head is not None:
+            view_embeddings = list(embeddings.split([len(rows) for rows in per_view]))
+            values[self.attack_head.name] = self.attack_head.score(view_embeddings)
+            thresholds = thresholds | {self.attack_head.name: self.attack_head.threshold}
+        return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings))
+
+
+def view_rows(embedder: MiniLMEmbedder, text: str) -> list[list[list[int]]]:
+    """The windows of each view of `text` (training reuses it)."""
+    return [embedder.text_windows(view) for view in views(text)]
 
 
 def screen_rows(embedder: MiniLMEmbedder, text: str) -> list[list[int]]:
     """Every window of every view of `text`: the rows one check embeds (training reuses it)."""
-    return [window for view in views(text) for window in embedder.text_windows(view)]
+    return [window for rows in view_rows(embedder, text) for window in rows]

