@@ -57,6 +57,7 @@ def _print_endpoints(mesh: Mesh) -> None:
         print(
             f"  {service:<8} grpc {mesh.target(service):<20} metrics http://127.0.0.1:{ports.metrics[service]}/metrics"
         )
+    print(f"  gateway  http {mesh.http_url():<20} (OpenAI-compatible)")
     if "redis" in mesh.processes:
         print(f"  redis    redis://127.0.0.1:{ports.redis}/0")
     print(f'\ntry: thermocline generate --chat "{DEMO_QUESTION}"\nCtrl-C stops everything.', flush=True)

@@ -46,6 +46,7 @@ class Ports:
     safety: int = 50053
     kvstore: int = 50054
     redis: int = 6390
+    gateway_http: int = 8080  # the gateway's OpenAI-compatible HTTP front
     metrics: dict[str, int] = field(
         default_factory=lambda: {"gateway": 9101, "engine": 9102, "safety": 9103, "kvstore": 9104}
     )
@@ -59,6 +60,7 @@ class Ports:
             safety=free_port(),
             kvstore=free_port(),
             redis=free_port(),
+            gateway_http=free_port(),
             metrics={name: free_port() for name in SERVICES},
         )
 
@@ -107,6 +109,7 @@ class Mesh:
         self.extra_ports: dict[str, int] = {
             f"engine-{n}": free_port() for n in range(2, config.num_engines + 1)
         }
+        self.extra_http_ports: dict[str, int] = {}  # HTTP fronts of extra gateways
 
     @property
     def engine_names(self) -> list[str]:
@@ -126,6 +129,11 @@ class Mesh:
         if service in self.extra_ports:
             return f"127.0.0.1:{self.extra_ports[service]}"
         return f"127.0.0.1:{self.config.ports.grpc_port(service)}"
+
+    def http_url(self, gateway: str = "gateway") -> str:
+        """Base URL of a gateway's OpenAI-compatible front, e.g. http://127.0.0.1:8080/v1."""
+        port = self.config.ports.gateway_http if gateway == "gateway" else self.extra_http_ports[gateway]
+        return f"http://127.0.0.1:{port}/v1"
 
     def start(self, progress: bool = False) -> None:
         """Starts everything in dependency order and waits until each is healthy.
@@ -157,11 +165,14 @@ class Mesh:
     def start_gateway_replica(self, name: str, **env: str) -> str:
         """Starts another gateway process (sharing Redis, safety and the engines); returns its target.
 
-        `env` adds or overrides THERMOCLINE_* settings for this process only.
+        `env` adds or overrides THERMOCLINE_* settings for this process only. Its HTTP front
+        listens on a free port too (`http_url(name)`).
         """
         self.extra_ports[name] = free_port()
+        self.extra_http_ports[name] = free_port()
         settings = self._service_env() | {
             "THERMOCLINE_GATEWAY_PORT": str(self.extra_ports[name]),
+            "THERMOCLINE_GATEWAY_HTTP_PORT": str(self.extra_http_ports[name]),
             "THERMOCLINE_GATEWAY_METRICS_PORT": "0",
             "THERMOCLINE_GATEWAY_AUDIT_DIR": str(self.config.state_dir / f"audit-{name}"),
         }
@@ -208,6 +219,7 @@ class Mesh:
             env[f"THERMOCLINE_{service.upper()}_METRICS_PORT"] = str(ports.metrics[service])
         env |= {
             "THERMOCLINE_ENGINE_MODEL": config.model,
+            "THERMOCLINE_GATEWAY_HTTP_PORT": str(ports.gateway_http),
             "THERMOCLINE_GATEWAY_ENGINE_TARGET": self.target("engine"),
             "THERMOCLINE_GATEWAY_ENGINE_TARGETS": ",".join(self.target(n) for n in self.engine_names),
             "THERMOCLINE_GATEWAY_AUDIT_DIR": str(self.audit_dir),

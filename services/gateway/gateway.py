@@ -15,6 +15,8 @@ from services.gateway.auth import JwtVerifier
 from services.gateway.budget import PromptCounter
 from services.gateway.config import GatewayConfig
 from services.gateway.gatekeeper import Gatekeeper, Policies
+from services.gateway.http.app import OpenAIRoutes
+from services.gateway.http.server import HttpServer
 from services.gateway.intents import DEVELOPMENT_INTENTS, IntentPolicy
 from services.gateway.rate_limiter import RateLimiter
 from services.gateway.rbac import DEVELOPMENT_POLICY, Policy
@@ -86,7 +88,15 @@ class Gateway:
         slots = StreamSlots(config.limits.max_concurrent_streams, config.limits.pushback_ms)
         self.servicer = GatewayServicer(config, gatekeeper, self.upstreams, slots)
         self.config = config
+        self.http = self._http_server(config)
         self._pruner: asyncio.Task[None] | None = None
+
+    def _http_server(self, config: GatewayConfig) -> HttpServer | None:
+        """The OpenAI-compatible front on the same servicer; None when its port is 0."""
+        if config.http_port == 0:
+            return None
+        routes = OpenAIRoutes(self.servicer, self.upstreams.router, config.bounds.max_message_bytes)
+        return HttpServer(routes.app(), config.server.host, config.http_port, config.server.grace_s)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """Adds the servicer; returns its full service name."""
@@ -98,6 +108,8 @@ class Gateway:
         await self.upstreams.router.start()
         await self.audit.record(policy_event(self.config))
         self._pruner = asyncio.create_task(self._prune_forever())
+        if self.http is not None:
+            await self.http.start()
 
     async def _prune_forever(self) -> None:
         """Applies audit retention now and then every hour."""
@@ -109,7 +121,9 @@ class Gateway:
             await asyncio.sleep(_PRUNE_INTERVAL_S)
 
     async def close(self) -> None:
-        """Closes the upstream channels, the limiter and the audit files."""
+        """Stops the HTTP front (its calls get the grace period), then closes channels, limiter, audit."""
+        if self.http is not None:
+            await self.http.stop()
         if self._pruner is not None:
             self._pruner.cancel()
         await self.upstreams.close()

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP routes, served by uvicorn inside the gateway's own event loop.
+
+Starlette routes each call to the same `GatewayServicer` the gRPC server uses: the headers
+become call metadata (Authorization, X-Intent, X-Request-Id, X-Retrieval-Mode), the body
+becomes a GenerateRequest, and the stream comes back as JSON or SSE. W3C `traceparent` starts
+the HTTP server span, which the gRPC path's spans then join.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, StatusCode
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.common import telemetry
+from services.common.errors import InvalidArgument, ThermoclineError, Unavailable
+from services.gateway.gatekeeper import request_id_of
+from services.gateway.http.call import Generation, HttpCallContext
+from services.gateway.http.errors import HttpError, from_refusal, internal
+from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
+from services.gateway.http.openai_response import Rendering, sse
+from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
+from services.gateway.router import Router
+from services.gateway.servicer import GatewayServicer
+from thermocline.gateway.v1 import gateway_pb2 as pb
+
+# Headers passed on as call metadata, as a gRPC client would send them.
+FORWARDED_HEADERS = ("authorization", "x-intent", "x-retrieval-mode")
+DEFAULT_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = 3600.0
+_tracer = telemetry.tracer(__name__)
+log = logging.getLogger(__name__)
+
+
+class OpenAIRoutes:
+    """The handlers; each one a thin shell around the servicer."""
+
+    def __init__(self, servicer: GatewayServicer, router: Router, max_body_bytes: int) -> None:
+        self.servicer = servicer
+        self.router = router
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> Starlette:
+        """The ASGI application."""
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/ready", self.ready, methods=["GET"]),
+            ]
+        )
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        return await self._generate(request, Endpoint.COMPLETIONS)
+
+    async def health(self, request: Request) -> Response:
+        """Liveness: the process answers."""
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: at least one engine replica reports SERVING."""
+        serving = [r.target for r in self.router.replicas if r.is_serving]
+        if not serving:
+            refusal = Unavailable("no engine replica is serving yet; wait for the engines' health checks")
+            return _error_response(from_refusal(refusal))
+        return JSONResponse({"status": "ready", "engines_serving": serving})
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: what the caller's roles may list."""
+        span = _server_span(request, "GET /v1/models")
+        with trace.use_span(span, end_on_exit=True):
+            try:
+                context = HttpCallContext(_metadata(request, request_id_of({})), _deadline(request))
+                reply = await self.servicer.ListModels(pb.ListModelsRequest(), context)
+            except ThermoclineError as error:
+                return _refused(span, from_refusal(error))
+            data = [
+                {"id": m.name, "object": "model", "created": 0, "owned_by": "thermocline"}
+                for m in reply.models
+            ]
+            return JSONResponse({"object": "list", "data": data})
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        span = _server_span(request, f"POST {request.url.path}")
+        try:
+            with trace.use_span(span):
+                parsed = parse(endpoint, await self._json_body(request))
+                request_id = request_id_of({"x-request-id": request.headers.get("x-request-id", "")})
+                context = HttpCallContext(_metadata(request, request_id), _deadline(request))
+                _annotate(span, parsed)
+                generation = Generation(
+                    self.servicer.Generate(parsed.request, context), span, _timeout_s(request)
+                )
+                first = await _first(generation)
+        except ThermoclineError as error:
+            return _ended(span, _refused(span, from_refusal(error)))
+        except Exception:
+            with trace.use_span(span):
+                log.exception("HTTP call failed unexpectedly")
+                return _ended(span, _refused(span, internal(telemetry.current_trace_id())))
+        rendering = Rendering(parsed, request_id)
+        headers = {"x-request-id": request_id}
+        if parsed.is_stream:
+            stream = _sse_events(generation, first, rendering, span)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        with trace.use_span(span, end_on_exit=True):
+            return await _whole_answer(generation, first, rendering, headers, span)
+
+    async def _json_body(self, request: Request) -> Any:
+        """The body parsed as JSON, read no further than the size limit."""
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise InvalidArgument(
+                    f"request body exceeds {self.max_body_bytes} bytes (the prompt limit plus its envelope); "
+                    "shorten the prompt"
+                )
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise InvalidArgument(f"request body is not valid JSON: {error}") from None
+
+
+def _server_span(request: Request, name: str) -> trace.Span:
+    """The HTTP server span, a child of the caller's `traceparent` when it sent one."""
+    parent = propagate.extract(dict(request.headers))
+    span = _tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
+    span.set_attribute("http.request.method", request.method)
+    span.set_attribute("http.route", request.url.path)
+    span.set_attribute("url.scheme", request.url.scheme)
+    span.set_attribute("user_agent.original", request.headers.get("user-agent", "")[:256])
+    return span
+
+
+def _annotate(span: trace.Span, parsed: OpenAIRequest) -> None:
+    if parsed.user:
+        span.set_attribute("thermocline.openai.user", parsed.user)
+    span.set_attribute("thermocline.openai.stream", parsed.is_stream)
+
+
+def _metadata(request: Request, request_id: str) -> list[tuple[str, str]]:
+    """Headers as call metadata; every Authorization header, so two are refused as on gRPC."""
+    pairs = [("x-request-id", request_id)]
+    for name in FORWARDED_HEADERS:
+        pairs.extend((name, value) for value in request.headers.getlist(name))
+    mode = request.headers.get("x-retrieval-mode", "")
+    if len(mode) > MAX_METADATA_VALUE_CHARS:
+        raise InvalidArgument(f"header 'X-Retrieval-Mode' is over {MAX_METADATA_VALUE_CHARS} characters")
+    if mode:
+        trace.get_current_span().set_attribute("thermocline.retrieval_mode", mode)
+    return pairs
+
+
+def _timeout_s(request: Request) -> float:
+    """`X-Timeout-S` (the HTTP stand-in for a gRPC deadline), else the default."""
+    raw = request.headers.get("x-timeout-s")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        timeout_s = float(raw)
+    except ValueError:
+        timeout_s = -1.0
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise InvalidArgument(f"header 'X-Timeout-S' must be seconds in (0, {MAX_TIMEOUT_S:g}], got {raw!r}")
+    return timeout_s
+
+
+def _deadline(request: Request) -> float:
+    return time.monotonic() + _timeout_s(request)
+
+
+async def _first(generation: Generation) -> pb.GenerateResponse:
+    """The stream's first message: every check has passed once it arrives."""
+    first = await generation.next()
+    if first is None:
+        raise Unavailable("the gateway ended the stream before any answer; retry the request")
+    return first
+
+
+async def _whole_answer(
+    generation: Generation,
+    first: pb.GenerateResponse,
+    rendering: Rendering,
+    headers: dict[str, str],
+    span: Any,
+) -> Response:
+    """Reads the stream to its end and answers once."""
+    text, message = [], first
+    try:
+        while not message.HasField("done"):
+            text.append(message.delta.text)
+            if (message := await generation.next()) is None:  # type: ignore[assignment]
+                raise Unavailable("the engine ended the stream without a final message; retry the request")
+    except ThermoclineError as error:
+        return _refused(span, from_refusal(error))
+    except Exception:
+        return _refused(span, internal(telemetry.current_trace_id()))
+    span.set_attribute("http.response.status_code", 200)
+    return JSONResponse(rendering.body("".join(text), message.done), headers=headers)
+
+
+async def _sse_events(
+    generation: Generation, first: pb.GenerateResponse, rendering: Rendering, span: trace.Span
+) -> AsyncIterator[bytes]:
+    """SSE chunks until [DONE]; a failure mid-stream becomes an `error` event (status is sent)."""
+    span.set_attribute("http.response.status_code", 200)
+    message: pb.GenerateResponse | None = first
+    is_first = True
+    try:
+        while message is not None and not message.HasField("done"):
+            yield rendering.chunk(message.delta.text, is_first=is_first)
+            is_first = False
+            message = await generation.next()
+        if message is None:
+            raise Unavailable("the engine ended the stream without a final message; retry the request")
+        for event in rendering.closing(message.done):
+            yield event
+    except ThermoclineError as error:
+        yield sse(from_refusal(error).body)
+    except Exception:
+        with trace.use_span(span):
+            yield sse(internal(telemetry.current_trace_id()).body)
+    finally:
+        generation.cancel()
+        span.end()
+
+
+def _refused(span: trace.Span, refusal: HttpError) -> Response:
+    span.set_attribute("http.response.status_code", refusal.status)
+    if refusal.status >= 500:
+        span.set_status(StatusCode.ERROR, refusal.body["error"]["message"])
+    return _error_response(refusal)
+
+
+def _ended(span: trace.Span, response: Response) -> Response:
+    span.end()
+    return response
+
+
+def _error_response(refusal: HttpError) -> Response:
+    return JSONResponse(refusal.body, status_code=refusal.status, headers=refusal.headers)

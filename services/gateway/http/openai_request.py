@@ -1,0 +1,238 @@
+"""OpenAI request bodies turned into the gateway's GenerateRequest, or refused naming the field.
+
+Every field the OpenAI API defines for the two endpoints is either honoured (mapped onto the
+request), accepted only at its default value (it changes nothing here), or refused with a 400
+that names it and says what would work. A field the API does not define is refused too: a
+misspelt `max_token` silently ignored would cost the caller a full-length completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from services.common.errors import InvalidArgument
+from thermocline.gateway.v1 import gateway_pb2 as pb
+
+MAX_USER_CHARS = 256
+
+
+class Endpoint(Enum):
+    """The two generation endpoints; they differ in input and output shapes."""
+
+    CHAT = "chat.completion"
+    COMPLETIONS = "text_completion"
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A parsed body: the gRPC request plus what only the HTTP answer needs."""
+
+    endpoint: Endpoint
+    request: pb.GenerateRequest
+    is_stream: bool
+    include_usage: bool
+    user: str
+
+
+def _is_default(default: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value == default
+
+
+def _no_logprobs(value: Any) -> bool:
+    return value is None or value is False or value == 0
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+# Fields accepted only at values that change nothing, and what a caller should send instead.
+_DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_is_default(1), "only n=1 is supported; send one request per choice"),
+    "logprobs": (_no_logprobs, "log probabilities are not returned by this server; omit logprobs"),
+    "top_logprobs": (_no_logprobs, "log probabilities are not returned by this server; omit top_logprobs"),
+    "response_format": (_text_format, "only {'type': 'text'} is supported; JSON modes are not enforced here"),
+    "frequency_penalty": (_is_default(0), "penalties are not supported; send 0 or omit it"),
+    "presence_penalty": (_is_default(0), "penalties are not supported; send 0 or omit it"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported; omit it"),
+    "best_of": (_is_default(1), "only best_of=1 is supported"),
+    "echo": (_is_default(False), "echo is not supported; the prompt is not repeated in the answer"),
+    "suffix": (_is_default(None), "suffix (insertion) is not supported"),
+    "parallel_tool_calls": (lambda v: True, ""),
+    "tools": (lambda v: not v, "tool calling is not supported; omit tools"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported; omit tool_choice"),
+}
+_HONOURED = {
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "user",
+}
+_FIELDS = {
+    Endpoint.CHAT: _HONOURED | {"messages"} | _DEFAULT_ONLY.keys() - {"best_of", "echo", "suffix"},
+    Endpoint.COMPLETIONS: _HONOURED | {"prompt"} | _DEFAULT_ONLY.keys() - {"tools", "tool_choice"},
+}
+
+
+def parse(endpoint: Endpoint, body: Any) -> OpenAIRequest:
+    """The request a body asks for; INVALID_ARGUMENT naming the first field that cannot be served."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    _check_fields(endpoint, body)
+    request = pb.GenerateRequest(model=_string(body, "model", ""), sampling=_sampling(body))
+    if endpoint is Endpoint.CHAT:
+        request.chat.messages.extend(_messages(body.get("messages")))
+    else:
+        request.prompt = _prompt(body.get("prompt"))
+    is_stream = _bool(body, "stream")
+    return OpenAIRequest(endpoint, request, is_stream, _include_usage(body, is_stream), _user(body))
+
+
+def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    for name, value in body.items():
+        if name not in _FIELDS[endpoint]:
+            known = ", ".join(sorted(_FIELDS[endpoint]))
+            raise InvalidArgument(
+                f"unknown field {name!r} for {endpoint.value}; this server accepts: {known}"
+            )
+        if name in _DEFAULT_ONLY:
+            is_served, advice = _DEFAULT_ONLY[name]
+            if not is_served(value):
+                raise InvalidArgument(f"field {name!r}: {advice}")
+
+
+def _sampling(body: dict[str, Any]) -> pb.SamplingOptions:
+    sampling = pb.SamplingOptions(
+        max_tokens=_max_tokens(body),
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 0.0),
+        top_k=_integer(body, "top_k", 0),
+        stop=_stop(body.get("stop")),
+    )
+    if body.get("seed") is not None:
+        sampling.seed = _integer(body, "seed", 0)
+    return sampling
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = _integer(body, name, 0)
+    if body.get(name) is not None and value < 1:
+        raise InvalidArgument(f"field {name!r} must be at least 1, got {value}")
+    return value
+
+
+def _messages(value: Any) -> list[pb.ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise InvalidArgument("field 'messages' must be a non-empty list of {role, content} objects")
+    return [_message(i, m) for i, m in enumerate(value)]
+
+
+def _message(index: int, message: Any) -> pb.ChatMessage:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidArgument(f"field {where!r} must be an object with a string 'role'")
+    extra = set(message) - {"role", "content", "name"}
+    if extra:
+        raise InvalidArgument(f"field {where}.{sorted(extra)[0]!r} is not supported (no tool calls here)")
+    return pb.ChatMessage(role=message["role"], content=_content(where, message.get("content")))
+
+
+def _content(where: str, content: Any) -> str:
+    """A message's text: a string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(_is_text_part(p) for p in content):
+        return "".join(part["text"] for part in content)
+    raise InvalidArgument(
+        f"field '{where}.content' must be a string or a list of text parts; images are not served"
+    )
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def _prompt(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if not isinstance(value, str):
+        raise InvalidArgument(
+            "field 'prompt' must be one string (a list of one string is accepted); "
+            "batched prompts and token arrays are not supported: send one request per prompt"
+        )
+    return value
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise InvalidArgument("field 'stop' must be a string or a list of strings")
+
+
+def _include_usage(body: dict[str, Any], is_stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not is_stream:
+        raise InvalidArgument("field 'stream_options' is only allowed with stream=true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise InvalidArgument("field 'stream_options' takes only {'include_usage': true|false}")
+    return _bool(options, "include_usage")
+
+
+def _user(body: dict[str, Any]) -> str:
+    user = _string(body, "user", "")
+    if len(user) > MAX_USER_CHARS:
+        raise InvalidArgument(f"field 'user' is {len(user)} characters; at most {MAX_USER_CHARS} are allowed")
+    return user
+
+
+def _string(body: dict[str, Any], name: str, default: str) -> str:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise InvalidArgument(f"field {name!r} must be a string")
+    return value
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"field {name!r} must be true or false")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"field {name!r} must be a number")
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise InvalidArgument(f"field {name!r} must be a non-negative integer below 2**63")
+    return value

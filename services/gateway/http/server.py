@@ -1,0 +1,64 @@
+"""uvicorn serving the HTTP front inside the gateway process's event loop.
+
+One loop serves both fronts, so they share the servicer, its stream slots and every policy
+object without locks. The gRPC runner owns SIGTERM: uvicorn must not install its own handlers
+(it would swallow the signal that starts the drain), and it stops when the gateway closes,
+giving HTTP calls in flight the same grace period as gRPC ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+log = logging.getLogger(__name__)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the process that embeds it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """Binds the port at start (so a taken port fails the gateway's start-up), serves until stop."""
+
+    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: float) -> None:
+        config = uvicorn.Config(
+            app, lifespan="off", log_config=None, access_log=False, timeout_graceful_shutdown=int(grace_s) + 1
+        )
+        self._server = _EmbeddedServer(config)
+        self.host, self.port = host, port
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Listens on host:port and starts serving."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as error:
+            sock.close()
+            raise OSError(
+                f"gateway HTTP front: cannot bind {self.host}:{self.port} ({error}); is the port taken?"
+            ) from None
+        sock.listen(1024)
+        sock.setblocking(False)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        log.info("OpenAI-compatible HTTP front on http://%s:%d/v1", self.host, self.port)
+
+    async def stop(self) -> None:
+        """Stops accepting, lets calls in flight finish within the grace period, then returns."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task

@@ -1,0 +1,53 @@
+"""A gateway with its HTTP front on the open mesh, with the RBAC and tenant files these tests need."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.cli.mesh import Mesh
+from tests.conftest import UNLIMITED_TENANTS
+from tests.gateway.conftest import token, write_policy_files
+
+# One request per ~17 minutes after the first: the second call of this tenant is always refused.
+TIGHT_TENANT = {"requests_per_s": 0.001, "burst_requests": 1}
+HTTP_GATEWAY = "gateway-http"
+
+
+@dataclass(frozen=True)
+class HttpGateway:
+    """The mesh, the HTTP front's base URL (…/v1), and tokens for each kind of caller."""
+
+    mesh: Mesh
+    base_url: str
+    user_token: str
+    reader_token: str
+
+    @property
+    def root_url(self) -> str:
+        """The URL without /v1, where /health and /ready live."""
+        return self.base_url.removesuffix("/v1")
+
+    def token(self, **claims: object) -> str:
+        """A token with other claims (tenant, roles, ...)."""
+        return token(self.mesh, **claims)
+
+
+@pytest.fixture(scope="module")
+def http_gateway(open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpGateway]:
+    """A second gateway process on the open mesh, so the shared gateway's policy stays as it is."""
+    tenants = UNLIMITED_TENANTS | {"tenants": {"tight": TIGHT_TENANT}}
+    env = write_policy_files(Path(tmp_path_factory.mktemp("http-policy")), tenants=tenants)
+    open_mesh.start_gateway_replica(HTTP_GATEWAY, **env)
+    yield HttpGateway(
+        open_mesh,
+        open_mesh.http_url(HTTP_GATEWAY),
+        token(open_mesh, roles=["user"]),
+        token(open_mesh, subject="auditor", roles=["reader"]),
+    )
+    process = open_mesh.processes.pop(HTTP_GATEWAY)
+    process.terminate()
+    process.wait(60)
