@@ -36,7 +36,7 @@ class HttpGateway:
         return token(self.mesh, **claims)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def http_gateway(open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpGateway]:
     """A second gateway process on the open mesh, so the shared gateway's policy stays as it is."""
     tenants = UNLIMITED_TENANTS | {"tenants": {"tight": TIGHT_TENANT}}
