@@ -132,21 +132,24 @@ def get_gate() -> st.SearchStrategy[safety_pb2.GetGateRequest]:
 
 def block_hashes() -> st.SearchStrategy[list[str]]:
     """Hash lists: none, hex, not hex, duplicates, and many."""
-    hex_hash = st.binary(min_size=0, max_size=40).map(bytes.hex)
+    hex_hash = st.binary(min_size=0, max_size=70).map(bytes.hex)  # valid from 4 to 64 bytes
     many = st.integers(0, 5000).map(lambda n: [f"{i:064x}" for i in range(n)])
-    return st.lists(hex_hash | edge_text(), max_size=16) | many
+    return st.lists(hex_hash, max_size=16) | st.lists(hex_hash | edge_text(), max_size=16) | many
 
 
 def namespaces() -> st.SearchStrategy[kvstore_pb2.Namespace | None]:
-    """Absent, empty, or edge-valued tenant and model names."""
-    return st.none() | st.builds(kvstore_pb2.Namespace, tenant=edge_text(), model=edge_text())
+    """A valid namespace (so calls get past it to the hashes), or an absent or edge-valued one."""
+    valid = st.builds(
+        kvstore_pb2.Namespace, tenant=st.sampled_from(["fuzz", "acme"]), model=st.just("stories260k")
+    )
+    return valid | st.none() | st.builds(kvstore_pb2.Namespace, tenant=edge_text(), model=edge_text())
 
 
 def block_headers() -> st.SearchStrategy[kvstore_pb2.BlockHeader]:
     """Headers with unknown codecs, absurd shapes and payload sizes that match nothing."""
     return st.builds(
         kvstore_pb2.BlockHeader,
-        block_hash=st.binary(max_size=32).map(bytes.hex) | edge_text(),
+        block_hash=st.binary(min_size=4, max_size=32).map(bytes.hex) | edge_text(),
         codec=st.sampled_from([0, 1, 2, 3, -1, 2**31 - 1]),
         shape=st.lists(edge_uint32(), max_size=6),
         payload_bytes=st.sampled_from([0, 1, 4096, UINT64_MAX]) | st.integers(0, UINT64_MAX),
