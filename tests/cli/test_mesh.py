@@ -164,7 +164,7 @@ def test_health_and_reflection(stories_mesh: Mesh, service: str) -> None:
         methods = {m.name for m in DescriptorPool(database).FindServiceByName(name).methods}
     expected = {
         "gateway": {"Generate", "ListModels"},
-        "engine": {"Generate", "GetStats", "GetModelInfo"},
+        "engine": {"Generate", "GetStats", "GetModelInfo", "CountTokens"},
         "safety": {"CheckPrompt", "CheckOutput", "GetGate"},
         "kvstore": {"PutBlocks", "GetBlocks", "Lookup", "Prefetch", "Delete", "GetStats"},
     }[service]
