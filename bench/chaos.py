@@ -106,7 +106,9 @@ class Load:
         with grpc.insecure_channel(self.target) as channel:
             number, next_s = 0, time.monotonic()
             while not self.stop.wait(max(0.0, next_s - time.monotonic())):  # pacing, not synchronisation
-                next_s += self.interval_s
+                next_s = max(
+                    next_s + self.interval_s, time.monotonic()
+                )  # no catch-up burst after a slow call
                 request_id = f"chaos-{client}-{number}"
                 started_s = time.monotonic()
                 status = generate(channel, self.token, request_id)
