@@ -1,12 +1,15 @@
-"""Gateway overhead on loopback: TTFT through the gateway vs straight to the engine, and relay throughput.
+"""Gateway overhead on loopback: TTFT through the gateway (gRPC and HTTP) vs straight to the engine,
+and relay throughput.
 
     .venv/bin/python bench/gateway_overhead.py                      # both parts, writes bench/results/
     .venv/bin/python bench/gateway_overhead.py --requests 50 --no-write
 
 Part 1 starts the real mesh (redis-server, safety, engine with stories260K, gateway) and times the
-first token of `--requests` sequential one-token requests, alternating direct engine calls and
-gateway calls; the gateway path includes JWT, RBAC, intent, token count, the Redis rate limit, the
-fsynced audit event, the safety prompt check and the output check. Part 2 replaces the engine with
+first token of `--requests` sequential one-token requests, rotating through direct engine calls,
+gateway gRPC calls and streaming calls to the gateway's OpenAI-compatible HTTP front (a raw
+HTTP/1.1 client on a fresh loopback connection, timed to the first `data:` event); the gateway
+path includes JWT, RBAC, intent, token count, the Redis rate limit, the fsynced audit event, the
+safety prompt check and the output check. Part 2 replaces the engine with
 a fixed-rate token source (a test double, allowed only in this benchmark) and measures how many
 streams and tokens per second one gateway process relays to `--streams` concurrent clients.
 """
@@ -70,6 +73,9 @@ class FixedRateEngine(engine_pb2_grpc.EngineServiceServicer):
     async def GetModelInfo(self, request: Any, context: Any) -> engine_pb2.GetModelInfoResponse:
         return engine_pb2.GetModelInfoResponse(model="fixed-rate", max_context_tokens=1 << 20)
 
+    async def CountTokens(self, request: Any, context: Any) -> engine_pb2.CountTokensResponse:
+        return engine_pb2.CountTokensResponse(num_tokens=5, model="fixed-rate")
+
 
 async def serve_fake_engine(port: int, interval_s: float) -> None:
     """Runs the fixed-rate source until killed."""
@@ -112,14 +118,34 @@ async def first_token_s(stub: Any, request: Any, metadata: list[tuple[str, str]]
     return elapsed
 
 
+async def http_first_event_s(url: str, token: str) -> float:
+    """Seconds from connecting to the first SSE `data:` line of a streaming completion."""
+    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
+    body = json.dumps({"model": "", "prompt": PROMPT, "max_tokens": 1, "stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    started = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head.encode() + body)
+    while not (line := await reader.readline()).startswith(b"data: "):
+        if not line:
+            raise RuntimeError("the HTTP front closed the stream before its first event")
+    elapsed = time.perf_counter() - started
+    await reader.read()  # to the end of the stream
+    writer.close()
+    return elapsed
+
+
 async def measure_ttft(mesh: Mesh, num_requests: int) -> dict[str, list[float]]:
-    """TTFT samples, direct and through the gateway, interleaved."""
+    """TTFT samples, direct, through the gateway's gRPC and through its HTTP front, interleaved."""
     token = mint_token(mesh.private_key_path.read_bytes(), subject="bench", tenant="bench")
     engine_request = engine_pb2.GenerateRequest(
         prompt=PROMPT, sampling=engine_pb2.SamplingParams(max_tokens=1)
     )
     gateway_request = build_request(PROMPT, max_tokens=1)
-    samples: dict[str, list[float]] = {"engine direct": [], "through gateway": []}
+    samples: dict[str, list[float]] = {"engine direct": [], "through gateway": [], "through HTTP front": []}
     async with (
         grpc.aio.insecure_channel(mesh.target("engine")) as engine_channel,
         grpc.aio.insecure_channel(mesh.target("gateway")) as gateway_channel,
@@ -129,9 +155,11 @@ async def measure_ttft(mesh: Mesh, num_requests: int) -> dict[str, list[float]]:
         for index in range(NUM_WARMUP + num_requests):
             direct = await first_token_s(engine, engine_request, [])
             relayed = await first_token_s(gateway, gateway_request, call_metadata(token))
+            over_http = await http_first_event_s(mesh.http_url(), token)
             if index >= NUM_WARMUP:
                 samples["engine direct"].append(direct)
                 samples["through gateway"].append(relayed)
+                samples["through HTTP front"].append(over_http)
     return samples
 
 
@@ -236,6 +264,7 @@ def report(args: argparse.Namespace, ttft: dict[str, list[float]], relay: list[d
         "relay stream": f"{args.tokens_per_stream} tokens, output screened every {args.check_tokens} tokens",
         "relay duration": f"{args.duration_s} s per concurrency level, Python asyncio clients in one process",
         "gateway path": "JWT RS256, RBAC, intent, token count, Redis Lua bucket, fsynced audit, safety",
+        "HTTP client": "raw HTTP/1.1 on a new loopback connection per request, to the first SSE data: line",
     }
     lines += [f"| {k} | {v} |" for k, v in settings.items()]
     lines += [
@@ -253,6 +282,15 @@ def report(args: argparse.Namespace, ttft: dict[str, list[float]], relay: list[d
     overhead = [(g - e) * 1000 for g, e in zip(ttft["through gateway"], ttft["engine direct"], strict=True)]
     p50, p99, mean = percentile(overhead, 50), percentile(overhead, 99), statistics.fmean(overhead)
     lines.append(f"| gateway overhead (paired) | {p50:.2f} | {p99:.2f} | {mean:.2f} |")
+    http_over_grpc = [
+        (h - g) * 1000 for h, g in zip(ttft["through HTTP front"], ttft["through gateway"], strict=True)
+    ]
+    p50, p99, mean = (
+        percentile(http_over_grpc, 50),
+        percentile(http_over_grpc, 99),
+        statistics.fmean(http_over_grpc),
+    )
+    lines.append(f"| HTTP front over gRPC (paired) | {p50:.2f} | {p99:.2f} | {mean:.2f} |")
     lines += ["", "## Relay throughput of one gateway process", ""]
     lines += ["| concurrent streams | streams/s | tokens/s | errors |", "| --- | --- | --- | --- |"]
     for row in relay:

@@ -223,6 +223,12 @@ def test_health_and_ready(http_gateway: HttpGateway) -> None:
     assert ready["engines_serving"] == [http_gateway.mesh.target("engine")]
 
 
+def test_an_unknown_path_gets_an_openai_error_object(http_gateway: HttpGateway) -> None:
+    answer = curl("-w", "\n%{http_code}", f"{http_gateway.base_url}/embeddings")
+    body, status = answer.stdout.rsplit("\n", 1)
+    assert status == "404" and "/v1/completions" in json.loads(body)["error"]["message"]
+
+
 def test_grpc_still_serves_beside_http(http_gateway: HttpGateway) -> None:
     with pytest.raises(grpc.RpcError) as refused:
         call(http_gateway.mesh.target(HTTP_GATEWAY), None)

@@ -17,6 +17,7 @@ from typing import Any
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, StatusCode
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -25,7 +26,7 @@ from services.common import telemetry
 from services.common.errors import InvalidArgument, ThermoclineError, Unavailable
 from services.gateway.gatekeeper import request_id_of
 from services.gateway.http.call import Generation, HttpCallContext
-from services.gateway.http.errors import HttpError, from_refusal, internal
+from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
 from services.gateway.http.openai_response import Rendering, sse
 from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
@@ -58,7 +59,8 @@ class OpenAIRoutes:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
-            ]
+            ],
+            exception_handlers={HTTPException: _http_exception},
         )
 
     async def chat_completions(self, request: Request) -> Response:
@@ -247,6 +249,17 @@ def _refused(span: trace.Span, refusal: HttpError) -> Response:
     if refusal.status >= 500:
         span.set_status(StatusCode.ERROR, refusal.body["error"]["message"])
     return _error_response(refusal)
+
+
+async def _http_exception(request: Request, error: Exception) -> Response:
+    """Starlette's own refusals (unknown path, wrong method) as OpenAI error objects."""
+    status = error.status_code if isinstance(error, HTTPException) else 500
+    message = (
+        f"{request.method} {request.url.path}: {error.detail if isinstance(error, HTTPException) else error}"
+    )
+    if status == 404:
+        message += "; this server serves /v1/chat/completions, /v1/completions, /v1/models, /health, /ready"
+    return JSONResponse(error_body(status, message, "not_found" if status == 404 else "bad_request"), status)
 
 
 def _ended(span: trace.Span, response: Response) -> Response:
