@@ -53,12 +53,22 @@ class Upstreams:
         return self._model_info
 
     async def count_tokens(self, request: engine_pb2.CountTokensRequest, timeout_s: float) -> int:
-        """Prompt tokens as a serving engine replica counts them."""
-        try:
-            reply = await self.router.any_serving().stub.CountTokens(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise upstream_error("engine", error) from None
-        return int(reply.num_tokens)
+        """Prompt tokens as an engine replica counts them: serving replicas first, and the next one
+        when a replica answers UNAVAILABLE (draining before its health watch says so)."""
+        replicas = self.router.replicas
+        ordered = [r for r in replicas if r.is_serving] + [r for r in replicas if not r.is_serving]
+        last_error: grpc.aio.AioRpcError | None = None
+        for replica in ordered:
+            try:
+                reply = await replica.stub.CountTokens(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise upstream_error("engine", error) from None
+                last_error = error
+                continue
+            return int(reply.num_tokens)
+        assert last_error is not None  # the router always holds at least one replica
+        raise upstream_error("engine", last_error)
 
     async def check_prompt(self, text: str, tenant: str, timeout_s: float) -> safety_pb2.CheckResponse:
         """The safety service's verdict on a prompt."""
