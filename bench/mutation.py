@@ -213,7 +213,9 @@ def run_tests(tree: Path, tests: tuple[str, ...], timeout_s: float) -> Run:
     except subprocess.TimeoutExpired:
         return Run(-1, time.monotonic() - started, f"timed out after {timeout_s:g} s")
     lines = [line for line in result.stdout.splitlines() if line.strip()]
-    failed = frozenset(line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR ")))
+    failed = frozenset(  # "FAILED tests/x.py::test[param id] - message": the test id may hold spaces
+        line.split(" ", 1)[1].split(" - ", 1)[0] for line in lines if line.startswith(("FAILED ", "ERROR "))
+    )
     summary = lines[-1] if lines else "(no output)"
     return Run(result.returncode, time.monotonic() - started, summary, failed)
 
