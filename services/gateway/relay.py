@@ -44,12 +44,14 @@ class HeldOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     full_text: str = ""
+    num_tokens: int = 0  # generated so far, released or not
 
     def add(self, message: engine_pb2.GenerateResponse) -> None:
         """Holds back one engine message."""
         self.text += message.text
         self.full_text += message.text
         self.token_ids.extend(message.token_ids)
+        self.num_tokens += len(message.token_ids)
 
     def release(self) -> pb.GenerateResponse | None:
         """The held text as one delta, emptying the hold; None when nothing is held."""
@@ -71,6 +73,7 @@ class RelaySettings:
     check_tokens: int
     safety_timeout_s: float
     deadline_s: float | None
+    prompt_tokens: int = 0  # as the gateway counted them: the usage of a stream cut by a block
 
 
 def final_message(
@@ -171,7 +174,8 @@ async def _screened(
                 if verdict.decision == safety_pb2.DECISION_BLOCK:
                     await _abandon(call)
                     record_verdict("output", verdict)
-                    for blocked in blocked_messages(verdict.safe_message, settings, message.usage):
+                    usage = _usage_so_far(message, held, settings)
+                    for blocked in blocked_messages(verdict.safe_message, settings, usage):
                         yield blocked
                     return
                 if (delta := held.release()) is not None:
@@ -187,6 +191,16 @@ async def _screened(
         raise Unavailable("engine ended the stream without a final message; retry the request")
     _record_finish(final)
     yield final_message(_FINISH_FROM_ENGINE[final.finish_reason], settings, final.usage)
+
+
+def _usage_so_far(
+    message: engine_pb2.GenerateResponse, held: HeldOutput, settings: RelaySettings
+) -> engine_pb2.Usage:
+    """The engine's usage on its last message; before that, what the gateway has seen (a block
+    mid-stream still reports and charges the tokens generated until then)."""
+    if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+        return message.usage
+    return engine_pb2.Usage(prompt_tokens=settings.prompt_tokens, completion_tokens=held.num_tokens)
 
 
 async def _abandon(call: grpc.aio.UnaryStreamCall) -> None:

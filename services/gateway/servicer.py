@@ -81,7 +81,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         record_verdict("prompt", verdict)
         if verdict.decision == safety_pb2.DECISION_BLOCK:
             await self._record_prompt_block(admission, text, verdict)
-            for message in blocked_messages(verdict.safe_message, settings, None):
+            usage = engine_pb2.Usage(prompt_tokens=admission.prompt_tokens)  # the engine never ran
+            for message in blocked_messages(verdict.safe_message, settings, usage):
                 yield message
             return
         replicas = self.upstreams.router.candidates(
@@ -179,6 +180,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             check_tokens=self.config.output_check_tokens,
             safety_timeout_s=safety_timeout_s,
             deadline_s=deadline_s,
+            prompt_tokens=admission.prompt_tokens,
         )
 
     def _annotate_span(self, request: pb.GenerateRequest, admission: Admission) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import json
 import subprocess
+import time
 from urllib.parse import urlsplit
 
 import grpc
@@ -13,7 +14,7 @@ import openai
 import pytest
 
 from services.cli.trace_collector import ENGINE_GENERATE, SAFETY_CHECK_PROMPT, TraceCollector
-from tests.conftest import STORIES_PROMPT, TEST_SAFE_MESSAGE, wait_for_engine_idle
+from tests.conftest import STORIES_PROMPT, TEST_SAFE_MESSAGE, engine_stats, wait_for_engine_idle
 from tests.gateway.conftest import call
 from tests.http.conftest import HTTP_GATEWAY, HttpGateway
 
@@ -164,6 +165,8 @@ def test_an_output_block_ends_with_content_filter(http_gateway: HttpGateway) -> 
     answer = complete(http_gateway, max_tokens=64)
     assert answer.choices[0].finish_reason == "content_filter"
     assert answer.choices[0].text.endswith(TEST_SAFE_MESSAGE)
+    assert answer.usage is not None and answer.usage.prompt_tokens == 5
+    assert 16 <= answer.usage.completion_tokens <= 64  # what ran before the block, charged and reported
 
 
 def test_the_http_span_joins_the_callers_trace(http_gateway: HttpGateway, collector: TraceCollector) -> None:
@@ -175,17 +178,42 @@ def test_the_http_span_joins_the_callers_trace(http_gateway: HttpGateway, collec
     assert http_span.attributes["gen_ai.request.model"]
 
 
-def test_a_client_that_goes_away_cancels_the_engine_request(http_gateway: HttpGateway) -> None:
-    fields = {"model": "", "prompt": STORIES_PROMPT, "max_tokens": 1500, "stream": True}
-    headers = {"Authorization": f"Bearer {http_gateway.user_token}", "Content-Type": "application/json"}
-    headers |= INTENT
-    url = urlsplit(http_gateway.base_url)
+# Seeded sampling that runs to the context limit (1024 tokens on stories260K) without meeting the
+# test deny rule, so only a hang-up can end the engine request early.
+LONG_ANSWER = {"model": "", "prompt": STORIES_PROMPT, "max_tokens": 1500, "temperature": 1.0, "seed": 1}
+LONG_ANSWER_TOKENS = 1024
+
+
+def open_call(gateway: HttpGateway, fields: dict[str, object]) -> http.client.HTTPConnection:
+    """A completion request sent on a raw connection whose answer the test may leave unread."""
+    headers = {"Authorization": f"Bearer {gateway.user_token}", "Content-Type": "application/json"}
+    url = urlsplit(gateway.base_url)
     connection = http.client.HTTPConnection(url.netloc, timeout=60)
-    connection.request("POST", f"{url.path}/completions", json.dumps(fields), headers)
+    connection.request("POST", f"{url.path}/completions", json.dumps(fields), headers | INTENT)
+    return connection
+
+
+def test_a_client_that_goes_away_cancels_the_engine_request(http_gateway: HttpGateway) -> None:
+    before = engine_stats(http_gateway.mesh).generated_tokens_total
+    connection = open_call(http_gateway, LONG_ANSWER | {"stream": True})
     answer = connection.getresponse()
     assert answer.status == 200 and answer.readline().startswith(b"data: ")  # streaming has begun
     connection.close()
-    wait_for_engine_idle(http_gateway.mesh)
+    generated = wait_for_engine_idle(http_gateway.mesh).generated_tokens_total - before
+    assert generated < LONG_ANSWER_TOKENS, "the engine ran the whole answer for a client that left"
+
+
+def test_a_client_that_hangs_up_before_a_whole_answer_cancels_the_engine_request(
+    http_gateway: HttpGateway,
+) -> None:
+    before = engine_stats(http_gateway.mesh).generated_tokens_total
+    connection = open_call(http_gateway, LONG_ANSWER)
+    deadline = time.monotonic() + 60
+    while not (stats := engine_stats(http_gateway.mesh)).num_running + stats.num_waiting:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+    connection.close()  # no answer read: the gateway is still collecting the whole answer
+    generated = wait_for_engine_idle(http_gateway.mesh).generated_tokens_total - before
+    assert generated < LONG_ANSWER_TOKENS, "the engine ran the whole answer for a client that left"
 
 
 def test_a_deadline_that_passes_is_a_504(http_gateway: HttpGateway) -> None:

@@ -8,6 +8,8 @@ the HTTP server span, which the gRPC path's spans then join.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -109,20 +111,41 @@ class OpenAIRoutes:
                 generation = Generation(
                     self.servicer.Generate(parsed.request, context), span, _timeout_s(request)
                 )
-                first = await _first(generation)
         except ThermoclineError as error:
             return _ended(span, _refused(span, from_refusal(error)))
         except Exception:
+            return _ended(span, _unexpected(span))
+        try:
+            return await self._answer(request, parsed, generation, Rendering(parsed, request_id), span)
+        except Exception:
+            generation.cancel()
+            return _ended(span, _unexpected(span))
+        except asyncio.CancelledError:  # the client hung up: the engine request ends with the task
+            generation.cancel()
+            span.end()
+            raise
+
+    async def _answer(
+        self,
+        request: Request,
+        parsed: OpenAIRequest,
+        generation: Generation,
+        rendering: Rendering,
+        span: trace.Span,
+    ) -> Response:
+        """The answer once the call is running: an error, one JSON body, or an SSE stream."""
+        headers = {"x-request-id": rendering.request_id}
+        async with _cancelled_on_disconnect(request):
             with trace.use_span(span):
-                log.exception("HTTP call failed unexpectedly")
-                return _ended(span, _refused(span, internal(telemetry.current_trace_id())))
-        rendering = Rendering(parsed, request_id)
-        headers = {"x-request-id": request_id}
-        if parsed.is_stream:
-            stream = _sse_events(generation, first, rendering, span)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        with trace.use_span(span, end_on_exit=True):
-            return await _whole_answer(generation, first, rendering, headers, span)
+                try:
+                    first = await _first(generation)
+                except ThermoclineError as error:
+                    return _ended(span, _refused(span, from_refusal(error)))
+                if not parsed.is_stream:
+                    return _ended(span, await _whole_answer(generation, first, rendering, headers, span))
+        # From here Starlette's StreamingResponse notices a disconnect and cancels the stream.
+        stream = _sse_events(generation, first, rendering, span)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
     async def _json_body(self, request: Request) -> Any:
         """The body parsed as JSON, read no further than the size limit."""
@@ -138,6 +161,28 @@ class OpenAIRoutes:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise InvalidArgument(f"request body is not valid JSON: {error}") from None
+
+
+@contextlib.asynccontextmanager
+async def _cancelled_on_disconnect(request: Request) -> AsyncIterator[None]:
+    """Cancels the handler when the client hangs up, so its engine request is cancelled too.
+
+    The body has been read, so the next ASGI receive returns only `http.disconnect`; this is how
+    Starlette's StreamingResponse watches a stream, applied here to the wait before the answer.
+    """
+    handler = asyncio.current_task()
+    assert handler is not None
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handler.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
 
 
 def _server_span(request: Request, name: str) -> trace.Span:
@@ -201,7 +246,7 @@ async def _whole_answer(
     first: pb.GenerateResponse,
     rendering: Rendering,
     headers: dict[str, str],
-    span: Any,
+    span: trace.Span,
 ) -> Response:
     """Reads the stream to its end and answers once."""
     text, message = [], first
@@ -260,6 +305,13 @@ async def _http_exception(request: Request, error: Exception) -> Response:
     if status == 404:
         message += "; this server serves /v1/chat/completions, /v1/completions, /v1/models, /health, /ready"
     return JSONResponse(error_body(status, message, "not_found" if status == 404 else "bad_request"), status)
+
+
+def _unexpected(span: trace.Span) -> Response:
+    """A 500 that names the trace id; the stack trace goes to the gateway's log."""
+    with trace.use_span(span):
+        log.exception("HTTP call failed unexpectedly")
+        return _refused(span, internal(telemetry.current_trace_id()))
 
 
 def _ended(span: trace.Span, response: Response) -> Response:

@@ -35,6 +35,7 @@ class Rendering:
         self.endpoint = parsed.endpoint
         self.include_usage = parsed.include_usage
         prefix = "chatcmpl" if parsed.endpoint is Endpoint.CHAT else "cmpl"
+        self.request_id = request_id
         self.id = f"{prefix}-{request_id}"
         self.created = int(time.time())
         self.model = parsed.request.model
