@@ -1,11 +1,15 @@
-"""SIGTERM on the gateway mid-stream: the stream finishes, new calls get UNAVAILABLE, the process exits."""
+"""SIGTERM on the gateway mid-stream: the stream finishes, new calls get UNAVAILABLE (503 on the HTTP
+front), the process exits."""
 
 from __future__ import annotations
 
 import json
 import signal
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -49,6 +53,28 @@ def wait_not_serving(channel: grpc.Channel) -> None:
     raise AssertionError("health stream ended without NOT_SERVING")
 
 
+def http_status(request: urllib.request.Request) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of one call to the HTTP front."""
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def assert_http_front_refuses(mesh: Mesh, token: str) -> None:
+    """While the gateway drains, its HTTP front is not ready and refuses new calls with 503."""
+    status, body = http_status(urllib.request.Request(mesh.http_url().removesuffix("/v1") + "/ready"))
+    assert status == 503 and "shutting down" in body["error"]["message"]
+    completion = urllib.request.Request(
+        f"{mesh.http_url()}/completions",
+        data=json.dumps({"model": "", "prompt": STORIES_PROMPT, "max_tokens": 1}).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    status, body = http_status(completion)
+    assert status == 503 and "retry on another replica" in body["error"]["message"]
+
+
 def test_sigterm_drains_in_flight_streams_and_refuses_new_calls(mesh: Mesh) -> None:
     token = mint_token(mesh.private_key_path.read_bytes(), subject="tester")
     metadata = call_metadata(token)
@@ -65,6 +91,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_calls(mesh: Mesh) -> N
                 collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 10))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in refused.value.details()
+            assert_http_front_refuses(mesh, token)
         rest = collect(stream)
     assert rest.done is not None and rest.done.finish_reason == pb.FINISH_REASON_LENGTH
     assert len(first.delta.token_ids) + len(rest.token_ids) == STREAM_TOKENS

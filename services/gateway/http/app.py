@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from services.common import telemetry
 from services.common.errors import InvalidArgument, ThermoclineError, Unavailable
+from services.common.metrics import DRAINING
 from services.gateway.gatekeeper import request_id_of
 from services.gateway.http.call import Generation, HttpCallContext
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
@@ -78,7 +79,9 @@ class OpenAIRoutes:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        """Readiness: at least one engine replica reports SERVING."""
+        """Readiness: not draining, and at least one engine replica reports SERVING."""
+        if is_draining():
+            return _error_response(from_refusal(_draining()))
         serving = [r.target for r in self.router.replicas if r.is_serving]
         if not serving:
             refusal = Unavailable("no engine replica is serving yet; wait for the engines' health checks")
@@ -104,6 +107,8 @@ class OpenAIRoutes:
         span = _server_span(request, f"POST {request.url.path}")
         try:
             with trace.use_span(span):
+                if is_draining():
+                    raise _draining()
                 parsed = parse(endpoint, await self._json_body(request))
                 request_id = request_id_of({"x-request-id": request.headers.get("x-request-id", "")})
                 context = HttpCallContext(_metadata(request, request_id), _deadline(request))
@@ -183,6 +188,16 @@ async def _cancelled_on_disconnect(request: Request) -> AsyncIterator[None]:
         yield
     finally:
         watcher.cancel()
+
+
+def is_draining() -> bool:
+    """Whether the process's server runner has begun its drain (after SIGTERM); it says so in a gauge."""
+    return any(sample.value for metric in DRAINING.collect() for sample in metric.samples)
+
+
+def _draining() -> Unavailable:
+    """What a call gets once the drain has begun, as gRPC callers get UNAVAILABLE."""
+    return Unavailable("the gateway is shutting down; retry on another replica")
 
 
 def _server_span(request: Request, name: str) -> trace.Span:
