@@ -53,8 +53,8 @@ TOP_KS = (1, 2, 3)
 
 def read_source(name: str, limit: int | None = None) -> list[str]:
     """The texts of one data/safety source (the first `limit`: the files are in hash order)."""
-    lines = (DATA / f"{name}.jsonl").read_text().splitlines()[:limit]
-    return [json.loads(line)["text"] for line in lines]
+    lines = (DATA / f"{name}.jsonl").read_text().split("\n")  # not splitlines: texts hold U+2028
+    return [json.loads(line)["text"] for line in lines if line][:limit]
 
 
 def sharegpt_long(wheel: Path) -> list[str]:
