@@ -73,6 +73,7 @@ RPCS = (
     Rpc("engine", "EngineService", "Generate", engine_pb2.GenerateRequest, "unary_stream"),
     Rpc("engine", "EngineService", "GetStats", engine_pb2.GetStatsRequest, "unary_unary"),
     Rpc("engine", "EngineService", "GetModelInfo", engine_pb2.GetModelInfoRequest, "unary_unary"),
+    Rpc("engine", "EngineService", "CountTokens", engine_pb2.CountTokensRequest, "unary_unary"),
     Rpc("safety", "SafetyService", "CheckPrompt", safety_pb2.CheckPromptRequest, "unary_unary"),
     Rpc("safety", "SafetyService", "CheckOutput", safety_pb2.CheckOutputRequest, "unary_unary"),
     Rpc("safety", "SafetyService", "GetGate", safety_pb2.GetGateRequest, "unary_unary"),
