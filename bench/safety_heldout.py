@@ -62,8 +62,8 @@ NOT_MEASURED = [
     "version's head, unchanged; their held-out FPR above is theirs, not re-calibrated on broad text",
     "- the output screen, toxic text, and per-category harm recall on held-out harmful sources other "
     "than XSTest's unsafe prompts (bench/safety_eval.py measures the harm heads on their own split)",
-    "- all 650 held-out jailbreaks and all 300 long PEP prompts: hash samples of the sizes above "
-    "(embedding runs at a few hundred tokens a second on this shared CPU)",
+    "- the default run takes hash samples (300 jailbreaks, 150 PEP prompts; embedding runs at a few "
+    "hundred tokens a second on a shared CPU); the committed results use all of them",
     "- prompt injection inside documents (indirect injection): no permissively licensed collection "
     "was taken in; the in-the-wild set is direct jailbreaks",
     "- identity statements as a benign source; non-English text",
