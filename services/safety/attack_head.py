@@ -6,8 +6,8 @@ so they take the maximum over windows. A jailbreak template is a property of the
 its windows one by one read as role-play or rules of a game, and a single window of an ordinary
 long prompt can look like an instruction override. So this head scores each view twice, as a
 whole (the mean of its window embeddings, L2-normalised: one row for a short text) and by its
-windows (the mean of the `top_k` highest window scores, so one odd sentence of a long benign text
-is not enough), and takes the higher.
+windows (the mean of the `top_k` highest window scores), and takes the higher. Training picks
+`top_k` with the weight decay; bench/results/safety_heldout_*.md compares the aggregations.
 
 The head lives in the gate file beside the harm heads, under the manifest's `attack_heads` (a
 binary probe does not fit the `heads` format, whose rows are the shared harm categories). Its
