@@ -20,9 +20,11 @@ COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 REQUIRED_ALERTS = {
     "ThermoclineServiceDown",
     "ThermoclineKVStoreErrors",
+    "ThermoclineAuditUnwritable",
     "ThermoclineHotTierHitRateLow",
     "ThermoclineQueueWaitOverSLA",
     "ThermoclineSafetyTriggerRateHigh",
+    "ThermoclinePromptBlockRateHigh",
     "ThermoclineHBMBandwidthSaturated",
 }
 
