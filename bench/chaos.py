@@ -136,10 +136,7 @@ def kill(mesh: Mesh, victim: str) -> None:
 
 def restart(mesh: Mesh, victim: str) -> None:
     """Starts the process again on its old port and waits until it answers its health check."""
-    if victim == "redis":
-        mesh._start_redis()  # Mesh has no public restart for Redis; this is its own start path
-    else:
-        mesh.start_service(victim)
+    mesh.start_service(victim)
 
 
 def wait_for_success(mesh: Mesh, token: str, since: float) -> float:

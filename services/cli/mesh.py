@@ -147,14 +147,18 @@ class Mesh:
             try:
                 for step in steps:
                     bar.set_postfix_str(step)
-                    self._start_redis() if step == "redis" else self.start_service(step)
+                    self.start_service(step)
                     bar.update()
             except BaseException:
                 self.stop()
                 raise
 
     def start_service(self, service: str) -> None:
-        """Starts one service process (or engine replica, e.g. "engine-2") and waits until it serves."""
+        """Starts one process ("redis", a service, or an engine replica such as "engine-2") and waits
+        until it serves; also how a killed process is restarted on its old port."""
+        if service == "redis":
+            self._start_redis()
+            return
         module = service.split("-", 1)[0]
         env = self._service_env()
         if service in self.extra_ports:
