@@ -78,12 +78,9 @@ def time_decode(
         call()
     end.record()
     torch.cuda.synchronize()
-    per_token = 2 * KV_HEADS * DIM * 2 if not tiered else warm.bytes_per_token // LAYERS
-    held_hot = sum(cache.num_held_hot_blocks(t) for t in tables) * BLOCK
-    total = batch * context
-    read = held_hot * 2 * KV_HEADS * DIM * 2 + (total - held_hot) * (per_token if tiered else 0)
-    if not tiered:
-        read = total * per_token
+    hot_per_token = hot.bytes_per_token // LAYERS  # keys and values in bf16
+    held_hot = sum(cache.num_held_hot_blocks(t) for t in tables) * BLOCK  # all of it with the tiers off
+    read = held_hot * hot_per_token + (batch * context - held_hot) * (warm.bytes_per_token // LAYERS)
     return start.elapsed_time(end) * 1000 / calls, read, segments
 
 

@@ -446,12 +446,7 @@ class LLMEngine:
             )
 
     def _tiers_for(self, cls: IntentClass) -> TierConfig:
-        """The deployment's tiers with the class's hot/warm sizes, where it sets them."""
-        return dataclasses.replace(
-            self.tiers,
-            hot_tokens=self.tiers.hot_tokens if cls.hot_tokens is None else cls.hot_tokens,
-            warm_tokens=self.tiers.warm_tokens if cls.warm_tokens is None else cls.warm_tokens,
-        )
+        return _class_tiers(self.tiers, cls)
 
     def _commit(self, batch: ScheduledBatch, sampled: list[Sampled]) -> None:
         for seq, token_id, fired in sampled:
@@ -545,6 +540,15 @@ class LLMEngine:
         )
 
 
+def _class_tiers(tiers: TierConfig, cls: IntentClass) -> TierConfig:
+    """The deployment's tiers with the class's hot/warm sizes, where it sets them."""
+    return dataclasses.replace(
+        tiers,
+        hot_tokens=tiers.hot_tokens if cls.hot_tokens is None else cls.hot_tokens,
+        warm_tokens=tiers.warm_tokens if cls.warm_tokens is None else cls.warm_tokens,
+    )
+
+
 def _check_max_seq_len(config: ModelConfig, max_seq_len: int | None) -> int:
     """The positions the model is built for: the requested length, or the model's own limit."""
     limit = config.max_position_embeddings
@@ -575,7 +579,7 @@ def _plan_kv_pools(
     """
     config = model.rank_config
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    explicit = kv.num_hot_blocks and (kv.num_warm_groups or not kv.tiers.enabled)
+    explicit = kv.pools_set_by_hand
     if explicit:  # the deployment set both pools: they are the budget, and nothing is profiled
         budget = kv.num_hot_blocks * hot_block_bytes(config, kv.block_size, dtype_bytes)
         if kv.tiers.enabled:
@@ -604,14 +608,7 @@ def _plan_kv_pools(
     seq_len = max_seq_len if max_seq_len is not None else fits
     if seq_len < limit and max_seq_len is None:
         logger.warning("max_seq_len is %d, below the model's %d: the KV budget holds no more", fits, limit)
-    class_tiers = [
-        dataclasses.replace(
-            kv.tiers,
-            hot_tokens=kv.tiers.hot_tokens if c.hot_tokens is None else c.hot_tokens,
-            warm_tokens=kv.tiers.warm_tokens if c.warm_tokens is None else c.warm_tokens,
-        )
-        for c in classes.by_name.values()
-    ]
+    class_tiers = [_class_tiers(kv.tiers, c) for c in classes.by_name.values()]
     return plan_pools(
         config, kv, class_tiers, budget, dtype_bytes, seq_len, max_batch_size, max_prefill_tokens,
         cap_at_need=device.type != "cuda" and not explicit,

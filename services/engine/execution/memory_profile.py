@@ -17,7 +17,7 @@ import torch
 from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
 from services.engine.execution.model_runner import make_attention_backend
 from services.engine.kv.block_table import BlockTable, WarmGroupId
-from services.engine.kv.cache import WARM_COPY_CHUNK_BYTES, HotTier, KVCache, WarmCopy, WarmTier
+from services.engine.kv.cache import HotTier, KVCache, WarmCopy, WarmTier
 from services.engine.kv.tiers import TierConfig
 from services.engine.model.llama import LlamaModel
 
@@ -69,8 +69,7 @@ def profile_memory(
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     hot = HotTier(config, num_blocks, block_size, device, dtype)
-    group_bytes = hot.keys[:, 0].numel() * hot.keys.element_size() * (group_size // block_size)
-    chunk = max(1, min(WARM_COPY_CHUNK_BYTES // group_bytes, (num_blocks - 1) * block_size // group_size))
+    chunk = min(hot.warm_copy_chunk(group_size), (num_blocks - 1) * block_size // group_size)
     warm = WarmTier(config, chunk, group_size, device) if tiers.enabled else None
     cache = KVCache(hot, warm)
     cache_bytes = torch.cuda.memory_allocated(device) - before

@@ -79,6 +79,11 @@ class HotTier(KVTier):
         self.keys[layer].view(-1, num_kv_heads, head_dim)[slot_mapping] = keys
         self.values[layer].view(-1, num_kv_heads, head_dim)[slot_mapping] = values
 
+    def warm_copy_chunk(self, group_size: int) -> int:
+        """Warm groups one batched demotion quantizes at once: about WARM_COPY_CHUNK_BYTES of keys."""
+        group_bytes = self.keys[:, 0].numel() * self.keys.element_size() * (group_size // self.block_size)
+        return max(1, WARM_COPY_CHUNK_BYTES // group_bytes)
+
     def read_blocks(self, block_ids: list[BlockId]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of consecutive blocks, 2 x `[layers, len*BS, KVH, D]`."""
         index = torch.tensor(block_ids, device=self.keys.device)
@@ -297,10 +302,8 @@ class KVCache:
         if not copies:
             return
         assert self.warm is not None
-        keys = self.hot.keys
-        group_bytes = keys[:, 0].numel() * keys.element_size() * (self.warm.group_size // self.block_size)
-        chunk = max(1, WARM_COPY_CHUNK_BYTES // group_bytes)
-        device = keys.device
+        chunk = self.hot.warm_copy_chunk(self.warm.group_size)
+        device = self.hot.keys.device
         for start in range(0, len(copies), chunk):
             part = copies[start : start + chunk]
             block_ids = [b for copy in part for b in copy.block_ids]

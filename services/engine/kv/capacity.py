@@ -148,7 +148,7 @@ def plan_pools(
     per_seq = seq.hot_blocks * hb + seq.warm_groups * wb
     fixed = (1 + prefill_reserve) * hb + (wb if tiers.enabled and not seq.warm_groups else 0)
     fit = max(0, (budget_bytes - fixed) // per_seq)  # scratch block, prefill reserve, the one warm group
-    if fit < 1 and not (spec.num_hot_blocks and (spec.num_warm_groups or not tiers.enabled)):
+    if fit < 1 and not spec.pools_set_by_hand:
         raise KVBudgetTooSmall(
             f"a KV budget of {format_bytes(budget_bytes)} holds no sequence of {max_seq_len} tokens (one "
             f"needs {format_bytes(per_seq)}, plus {format_bytes(fixed)} for the scratch block and the "

@@ -57,6 +57,11 @@ class KVCacheSpec:
     # CPU: the KV pools' byte budget; they stop at what max_batch_size sequences of max_seq_len need
     cpu_cache_mb: int = 512
 
+    @property
+    def pools_set_by_hand(self) -> bool:
+        """Both pools are given (the warm one only matters with the tiers on): no budget is derived."""
+        return bool(self.num_hot_blocks and (self.num_warm_groups or not self.tiers.enabled))
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"KV block_size must be >= 1, got {self.block_size}")

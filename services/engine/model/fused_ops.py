@@ -22,7 +22,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from services.engine.model.rotary import apply_rotary
+
 # --- residual add + RMSNorm ----------------------------------------------------------------------
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * rmsnorm(x)`, normalized in fp32 and cast back before the weight (as Llama does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def add_rmsnorm_reference(
@@ -30,9 +39,7 @@ def add_rmsnorm_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight * rmsnorm(residual + x), residual + x)` as torch ops (the CPU path and the oracle)."""
     stream = residual + x
-    x32 = stream.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype), stream
+    return rmsnorm_reference(stream, weight, eps), stream
 
 
 @triton.jit
@@ -89,18 +96,12 @@ def rotary_and_store_reference(
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     cos = cos_table[positions].to(qkv.dtype).unsqueeze(-2)  # [T, 1, D]
     sin = sin_table[positions].to(qkv.dtype).unsqueeze(-2)
-    q = _rotate(q.view(num_tokens, num_heads, head_dim), cos, sin)
-    k = _rotate(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
+    q = apply_rotary(q.view(num_tokens, num_heads, head_dim), cos, sin)
+    k = apply_rotary(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
     v = v.view(num_tokens, num_kv_heads, head_dim)
     key_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
     value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
     return q, k, v
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 @triton.jit

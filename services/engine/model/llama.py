@@ -42,9 +42,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dim of `x` `[..., E]`."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return fused_ops.rmsnorm_reference(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The norm of `residual + x`, and `residual + x` (the new residual stream)."""
