@@ -37,12 +37,13 @@ class UnknownIntentClass(InvalidPrompt):
 class KVCapacityExceeded(RuntimeError):
     """A request that cannot fit the KV tiers under the `refuse` policy (RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, num_tokens: int, max_tokens: int) -> None:
-        super().__init__(
-            f"prompt plus max_tokens is {num_tokens} tokens but this engine's KV tiers hold {max_tokens} "
-            f"tokens per request (sink + hot + warm, refuse policy); ask for at most "
-            f"{max_tokens} tokens in total, or use an intent class with a larger warm tier"
+    def __init__(self, num_tokens: int, max_tokens: int, holder: str | None = None) -> None:
+        holder = holder or (
+            f"this engine's KV tiers hold {max_tokens} tokens per request (sink + hot + warm, refuse "
+            f"policy); ask for at most {max_tokens} tokens in total, or use an intent class with a larger "
+            "warm tier"
         )
+        super().__init__(f"prompt plus max_tokens is {num_tokens} tokens but {holder}")
         self.num_tokens = num_tokens
         self.max_tokens = max_tokens
 
@@ -51,11 +52,9 @@ class KVPoolTooSmall(KVCapacityExceeded):
     """A request whose tokens need more hot KV than the whole pool holds (RESOURCE_EXHAUSTED)."""
 
     def __init__(self, num_tokens: int, pool_tokens: int) -> None:
-        RuntimeError.__init__(
-            self,
-            f"prompt plus max_tokens is {num_tokens} tokens but this engine's hot KV pool holds "
-            f"{pool_tokens} tokens in all, so the request could never run; ask for at most {pool_tokens} "
-            "tokens in total, or send it to a replica with a larger KV cache",
+        super().__init__(
+            num_tokens,
+            pool_tokens,
+            f"this engine's hot KV pool holds {pool_tokens} tokens in all, so the request could never run; "
+            f"ask for at most {pool_tokens} tokens in total, or send it to a replica with a larger KV cache",
         )
-        self.num_tokens = num_tokens
-        self.max_tokens = pool_tokens
