@@ -122,7 +122,7 @@ MUTATIONS = (
         "services/gateway/budget.py",
         "if asked > limits.max_request_tokens:",
         "if asked > limits.max_request_tokens + 1:",
-        ("tests/gateway/test_policy.py", "tests/gateway/test_policy_files.py"),
+        ("tests/gateway/test_budget.py", "tests/gateway/test_policy.py"),
     ),
     Mutation(
         "intents-unknown-intent-falls-back-to-default",

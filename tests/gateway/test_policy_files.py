@@ -41,6 +41,19 @@ def test_model_patterns_scope_a_grant() -> None:
         policy.authorize("doc", ["med"], "invoke", "llama-7b")
 
 
+def test_a_wildcard_binding_needs_the_claim_to_be_present() -> None:
+    policy = Policy.from_dict(
+        {
+            "roles": {"user": {"grants": {"*": ["invoke"]}}},
+            "bindings": [{"claim": "groups", "value": "*", "roles": ["user"]}],
+        }
+    )
+    assert policy.roles_of({"sub": "x", "groups": "eng"}) == ["user"]
+    assert policy.roles_of({"sub": "x"}) == []
+    with pytest.raises(PermissionDenied, match=r"holds roles \[none\]"):
+        policy.authorize("x", policy.roles_of({"sub": "x"}), "invoke", "any-model")
+
+
 def test_tenant_overrides_the_intent_class() -> None:
     document = {"default_intent": "chat", "intents": {"chat": {"priority_class": "std"}}}
     intents = IntentPolicy.from_dict(document)
