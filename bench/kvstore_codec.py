@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.kvstore.codec import (
+from services.common.kv_codec.codec import (
     KEEP_ALL,
     CodecSettings,
     SparsityRule,

@@ -1,48 +1,22 @@
-"""The block types the store takes and gives back, and the checks a block passes before it is written."""
+"""The block types the store gives back, and the checks a block passes before it is written.
+
+The types callers share (`BlockIn`, `Codec`, `BlockSource`, `MissReason`) live in
+services/common/kvstore_api.py.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import IntEnum
 
 from services.common.errors import InvalidArgument
-from services.kvstore import codec_format as codec
-from services.kvstore.keys import BlockHash
+from services.common.kv_codec import codec_format as codec
+from services.common.kvstore_api import BlockHash, BlockIn, BlockSource, Codec, MissReason
 from services.kvstore.record import MAX_DIMS, Record
 
+__all__ = ["BlockFound", "BlockIn", "BlockMissing", "BlockSource", "Codec", "MissReason", "check_block"]
+
 RAW_BYTES_PER_VALUE = 2  # CODEC_RAW is BF16
-
-
-class Codec(IntEnum):
-    """Payload encodings; the numbers are the proto's `Codec` values."""
-
-    RAW = 1
-    INT2_SPARSE = 2
-
-
-class BlockSource(IntEnum):
-    """Where a served block came from; the proto's `BlockSource` values."""
-
-    STAGING = 1
-    DISK = 2
-
-
-class MissReason(IntEnum):
-    """Why a block was not served; the proto's `MissReason` values."""
-
-    ABSENT = 1
-    CORRUPT = 2
-
-
-@dataclass(frozen=True)
-class BlockIn:
-    """A block to store."""
-
-    block_hash: BlockHash
-    codec: Codec
-    shape: tuple[int, ...]
-    payload: bytes
 
 
 @dataclass(frozen=True)

@@ -14,39 +14,19 @@ import hmac
 import os
 import re
 import secrets
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NewType
 
 from services.common.errors import InvalidArgument
+from services.common.kvstore_api import MAX_NAME_BYTES, BlockHash, Namespace
 
-BlockHash = NewType("BlockHash", str)  # the caller's content hash, lowercase hex
+__all__ = ["MAX_NAME_BYTES", "BlockHash", "Namespace", "StoreKey", "TenantSalts", "check_hash"]
+
 StoreKey = NewType("StoreKey", bytes)  # 32 bytes: what the index and the records are keyed by
 
 MAX_HASH_CHARS = 128
-MAX_NAME_BYTES = 255  # tenant and model names; the record header holds their lengths in a byte
 SECRET_BYTES = 32
 _HEX = re.compile(r"[0-9a-f]+")
-
-
-@dataclass(frozen=True)
-class Namespace:
-    """Whose blocks: a tenant and a model."""
-
-    tenant: str
-    model: str
-
-    def __post_init__(self) -> None:
-        for field, value in (("tenant", self.tenant), ("model", self.model)):
-            if not value:
-                raise InvalidArgument(
-                    f"namespace.{field} is required: blocks are stored per tenant and model"
-                )
-            if len(value.encode()) > MAX_NAME_BYTES or not value.isprintable():
-                raise InvalidArgument(
-                    f"namespace.{field} must be printable and at most {MAX_NAME_BYTES} bytes, "
-                    f"got {value[:40]!r}"
-                )
 
 
 def check_hash(block_hash: str) -> BlockHash:

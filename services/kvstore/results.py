@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from services.common.kvstore_api import PrefetchResult, PutResult
 from services.kvstore.index import IndexEntry
 from services.kvstore.keys import BlockHash, StoreKey
+
+__all__ = ["PendingWrite", "PrefetchResult", "PutResult", "StoreCounters", "StoreStats"]
 
 
 @dataclass
@@ -43,19 +46,3 @@ class PendingWrite:
     key: StoreKey
     entry: IndexEntry
     seq: int
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """Which blocks a put stored and which it found present already."""
-
-    stored: list[BlockHash] = field(default_factory=list)
-    duplicates: list[BlockHash] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class PrefetchResult:
-    """How a prefetch hint was taken."""
-
-    queued: int
-    already_staged: int

@@ -19,8 +19,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.mesh import free_port
+from services.common.kvstore_api import KVStoreClient
 from services.kvstore.blocks import BlockIn, Codec
-from services.kvstore.client import KVStoreClient
 from services.kvstore.keys import BlockHash, Namespace
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.kvstore.codec import (
+from services.common.kv_codec.codec import (
     HEADER,
     KEEP_ALL,
     CodecError,

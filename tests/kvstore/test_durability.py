@@ -6,8 +6,8 @@ import threading
 
 import grpc
 
+from services.common.kvstore_api import FetchedBlock
 from services.kvstore.blocks import Codec, MissReason
-from services.kvstore.client import FetchedBlock
 from services.kvstore.keys import Namespace, TenantSalts
 from services.kvstore.record import Record
 from services.kvstore.segments import list_segments, segment_path

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from services.common.kvstore_api import FetchedBlock
 from services.kvstore.blocks import BlockSource, Codec, MissReason
-from services.kvstore.client import FetchedBlock
 from tests.kvstore.conftest import KVStoreProcess, RedisServer, block_hash, raw_block
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -251,8 +251,8 @@ def test_malformed_reads_are_invalid_argument(
 
 def test_codec_of_a_stored_block_is_kept(shared_kvstore: KVStoreProcess) -> None:
     torch = pytest.importorskip("torch")
+    from services.common.kv_codec.codec import decode_block, encode_block, read_layout
     from services.kvstore.blocks import BlockIn
-    from services.kvstore.codec import decode_block, encode_block, read_layout
 
     keys, values = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
     payload = encode_block(keys, values, torch.rand(16))

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from services.kvstore.codec_format import (
+from services.common.kv_codec.codec_format import (
     CODES_PER_BYTE,
     HEADER,
     BlockLayout,
@@ -34,7 +34,7 @@ from services.kvstore.codec_format import (
     pack_header,
     read_layout,
 )
-from services.kvstore.sparsity import (
+from services.common.kv_codec.sparsity import (
     DEFAULT_SPARSITY,
     KEEP_ALL,
     SparsityRule,

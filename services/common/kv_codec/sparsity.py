@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.kvstore.codec_format import CodecError, SparsityTier
+from services.common.kv_codec.codec_format import CodecError, SparsityTier
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,93 @@
-"""A blocking client of the kvstore's gRPC API: chunking on the way in, reassembly on the way out.
+"""The kvstore's API in domain types, and a blocking client: chunking on the way in, reassembly out.
 
-This is the reference caller of the contract in protos/thermocline/kvstore/v1/kvstore.proto;
-docs/kvstore.md shows how the engine's cold tier uses it with the codec.
+The engine (the cold tier's caller) and the kvstore (the server) share these types; neither
+imports the other's package. This is the reference caller of the contract in
+protos/thermocline/kvstore/v1/kvstore.proto; docs/kvstore.md shows how the engine uses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import NewType
 
 import grpc
 
 from services.common.config import MIB, channel_options
-from services.kvstore.blocks import BlockIn, BlockSource, Codec, MissReason
-from services.kvstore.keys import Namespace
-from services.kvstore.results import PrefetchResult, PutResult
+from services.common.errors import InvalidArgument
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+BlockHash = NewType("BlockHash", str)  # the caller's content hash, lowercase hex
+MAX_NAME_BYTES = 255  # tenant and model names; the record header holds their lengths in a byte
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Whose blocks: a tenant and a model."""
+
+    tenant: str
+    model: str
+
+    def __post_init__(self) -> None:
+        for field_name, value in (("tenant", self.tenant), ("model", self.model)):
+            if not value:
+                raise InvalidArgument(
+                    f"namespace.{field_name} is required: blocks are stored per tenant and model"
+                )
+            if len(value.encode()) > MAX_NAME_BYTES or not value.isprintable():
+                raise InvalidArgument(
+                    f"namespace.{field_name} must be printable and at most {MAX_NAME_BYTES} bytes, "
+                    f"got {value[:40]!r}"
+                )
+
+
+class Codec(IntEnum):
+    """Payload encodings; the numbers are the proto's `Codec` values."""
+
+    RAW = 1
+    INT2_SPARSE = 2
+
+
+class BlockSource(IntEnum):
+    """Where a served block came from; the proto's `BlockSource` values."""
+
+    STAGING = 1
+    DISK = 2
+
+
+class MissReason(IntEnum):
+    """Why a block was not served; the proto's `MissReason` values."""
+
+    ABSENT = 1
+    CORRUPT = 2
+
+
+@dataclass(frozen=True)
+class BlockIn:
+    """A block to store."""
+
+    block_hash: BlockHash
+    codec: Codec
+    shape: tuple[int, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Which blocks a put stored and which it found present already."""
+
+    stored: list[BlockHash] = field(default_factory=list)
+    duplicates: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """How a prefetch hint was taken."""
+
+    queued: int
+    already_staged: int
 
 
 @dataclass(frozen=True)
