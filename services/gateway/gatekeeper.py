@@ -1,13 +1,16 @@
 """The ordered checks a call passes before it reaches the engine, each decision audited.
 
-Order: the JWT, then one request from the tenant's rate limit, then the size of every
-caller-supplied field, then RBAC (role → model → operation), then the request's content (the
-model exists, the intent, sampling ranges, the token budget), then the prompt's tokens from the
-rate limit. Authentication and the rate limit come before any other work, so every later
-refusal has cost the caller budget; sizes are checked before any field reaches a message or the
-tokenizer; RBAC comes before NOT_FOUND, so a caller without a role learns nothing about which
-models are served. The first refusal ends the call with its status; allow or deny, the decision
-is in the audit log (fsynced) before the caller hears of it.
+Order: the prompt's size in bytes, then the JWT, then one request from the tenant's rate limit,
+then the size of every other caller-supplied field, then RBAC (role → model → operation), then
+the request's content (the model exists, the intent, sampling ranges, the token budget), then
+the prompt's tokens from the rate limit. The byte limit comes first because it is the cheapest
+check and the one a flood of oversized prompts hits: such a call costs neither a signature check
+nor a Redis round trip (and costs the caller no budget; a bad token costs none either).
+Authentication and the rate limit come before any other work, so every later refusal has cost
+the caller budget; sizes are checked before any field reaches a message or the tokenizer; RBAC
+comes before NOT_FOUND, so a caller without a role learns nothing about which models are served.
+The first refusal ends the call with its status; allow or deny, the decision is in the audit log
+(fsynced) before the caller hears of it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from services.gateway.call_metadata import CallMetadata
 from services.gateway.intents import IntentPolicy
 from services.gateway.rate_limiter import RateDecision, RateLimiter, refuse
 from services.gateway.rbac import Policy
-from services.gateway.request_bounds import RequestBounds, check_metadata, check_sampling, check_sizes
+from services.gateway.request_bounds import (
+    RequestBounds,
+    check_metadata,
+    check_prompt_size,
+    check_sampling,
+    check_sizes,
+)
 from services.gateway.tenants import TenantLimits, TenantTable, is_valid_tenant
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
@@ -170,9 +179,10 @@ class Gatekeeper:
     async def _check_generate(
         self, request: pb.GenerateRequest, metadata: CallMetadata, resolve: ModelResolver, facts: _Facts
     ) -> Admission:
+        check_prompt_size(request, self.bounds)
         principal, limits = await self._identify(metadata, facts)
         check_metadata(metadata)
-        check_sizes(request, self.bounds)
+        check_sizes(request)
         text = prompt_text(request)
         facts.prompt_sha256 = prompt_sha256(text)
         model = await self._authorize_model(principal, request.model, resolve, facts)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 
+from services.gateway import grpc_edge
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import ALLOW, AuditEvent, AuditLog
 from services.gateway.auth import JwtVerifier
@@ -24,8 +25,6 @@ from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
 from services.gateway.tenants import TenantTable
 from services.gateway.upstream import Upstreams
-from thermocline.gateway.v1 import gateway_pb2 as pb
-from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +99,7 @@ class Gateway:
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """Adds the servicer; returns its full service name."""
-        pb_grpc.add_GatewayServiceServicer_to_server(self.servicer, server)
-        return [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name]
+        return [grpc_edge.add_to_server(self.servicer, server)]
 
     async def start(self) -> None:
         """Starts following the engine replicas, records the policies in force, starts pruning."""

@@ -71,19 +71,29 @@ def check_metadata(metadata: Mapping[str, str]) -> None:
             )
 
 
-def check_sizes(request: pb.GenerateRequest, bounds: RequestBounds) -> None:
-    """INVALID_ARGUMENT, naming the limit, when any string or list of the request is oversized."""
-    if len(request.model) > MAX_MODEL_CHARS:
-        raise InvalidArgument(
-            f"model name is {len(request.model)} characters; at most {MAX_MODEL_CHARS} are allowed"
-        )
-    _check_chat(request)
+def check_prompt_size(request: pb.GenerateRequest, bounds: RequestBounds) -> None:
+    """INVALID_ARGUMENT, naming the limit, when the prompt is over `THERMOCLINE_GATEWAY_MAX_PROMPT_BYTES`.
+
+    The message's serialized size (computed in C, never less than the prompt's) clears almost
+    every request without turning the prompt into a Python string.
+    """
+    if request.ByteSize() <= bounds.max_prompt_bytes:
+        return
     size = prompt_bytes(request)
     if size > bounds.max_prompt_bytes:
         raise InvalidArgument(
             f"prompt is {size} bytes (UTF-8); this gateway accepts at most {bounds.max_prompt_bytes}; "
             "shorten it or split the work"
         )
+
+
+def check_sizes(request: pb.GenerateRequest) -> None:
+    """INVALID_ARGUMENT, naming the limit, when any other string or list of the request is oversized."""
+    if len(request.model) > MAX_MODEL_CHARS:
+        raise InvalidArgument(
+            f"model name is {len(request.model)} characters; at most {MAX_MODEL_CHARS} are allowed"
+        )
+    _check_chat(request)
     _check_stop(request.sampling.stop)
 
 

@@ -171,6 +171,15 @@ def test_an_oversized_prompt_is_refused_with_its_limit_before_it_is_tokenized(me
     assert "larger than max" in error.details()
 
 
+def test_the_prompt_byte_limit_is_checked_before_the_token_and_the_refusal_is_audited(mesh: Mesh) -> None:
+    over = pb.GenerateRequest(prompt="a" * (512 * 1024 + 1))
+    error = send(mesh.target("gateway"), over, _metadata("not-a-jwt", "big-unauthenticated"))
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "prompt is 524289 bytes (UTF-8); this gateway accepts at most 524288" in error.details()
+    refused = [e for e in _decisions(mesh) if e["request_id"] == "big-unauthenticated"]
+    assert [(e["actor_principal"], e["decision"]) for e in refused] == [("unauthenticated", "deny")]
+
+
 def test_oversized_metadata_and_two_credentials_are_refused(mesh: Mesh) -> None:
     user = token(mesh, subject="meta", tenant="meta", roles=["user"])
     request = pb.GenerateRequest(prompt=STORIES_PROMPT)
