@@ -113,7 +113,7 @@ def invoke(
     channel: grpc.Channel,
     rpc: Rpc,
     payloads: list[bytes],
-    metadata: list[tuple[str, str]] | None = None,
+    metadata: list[tuple[str, str | bytes]] | None = None,
     timeout_s: float = CALL_TIMEOUT_S,
 ) -> Outcome:
     """Sends raw request bytes (one message, or a stream for client-streaming RPCs) and reads the end."""
@@ -127,7 +127,11 @@ def invoke(
 
 
 def _call(
-    channel: grpc.Channel, rpc: Rpc, payloads: list[bytes], metadata: list[tuple[str, str]], timeout_s: float
+    channel: grpc.Channel,
+    rpc: Rpc,
+    payloads: list[bytes],
+    metadata: list[tuple[str, str | bytes]],
+    timeout_s: float,
 ) -> Iterator[bytes]:
     if rpc.kind == "unary_unary":
         yield channel.unary_unary(rpc.path)(payloads[0], metadata=metadata, timeout=timeout_s)

@@ -232,3 +232,45 @@ def _mutate_once(draw: st.DrawFn, data: bytes) -> bytes:
     if action == "overlong":  # a length prefix that claims more bytes than follow
         return data[:at] + bytes([0x12, 0xFF, 0xFF, 0x03]) + data[at:]
     return data
+
+
+# The metadata keys the services read, and the token's own limit (services/gateway/auth.py).
+READ_METADATA_KEYS = (
+    "authorization",
+    "x-intent",
+    "x-request-id",
+    "x-retrieval-mode",
+    "traceparent",
+    "tracestate",
+)
+MAX_TOKEN_CHARS = 16 * 1024
+# Text metadata is printable ASCII on the wire (grpc refuses to send anything else).
+_ASCII_VALUE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+
+
+def metadata_values() -> st.SearchStrategy[str]:
+    """A text metadata value: short and odd, or ASCII at one of the edge lengths up to a token's limit."""
+    sized = st.sampled_from((*EDGE_LENGTHS[:-1], MAX_TOKEN_CHARS - 1, MAX_TOKEN_CHARS, MAX_TOKEN_CHARS + 1))
+    shaped = st.sampled_from(
+        ["Bearer", "Bearer ", "bearer x", "Basic dXNlcjpwdw==", "Bearer a.b.c", "Bearer eyJ.eyJ.x", " ", "00"]
+    )
+    return st.text(alphabet=_ASCII_VALUE, max_size=64) | shaped | sized.map(lambda n: "a" * n)
+
+
+def token_variants(token: str) -> st.SearchStrategy[str]:
+    """An authorization value built from a valid token: as is, cut, with a character changed, or doubled."""
+    at = st.integers(0, len(token) - 1)
+    changed = at.map(lambda i: token[:i] + ("A" if token[i] != "A" else "B") + token[i + 1 :])
+    variants = st.just(token) | at.map(lambda i: token[:i]) | changed | st.just(token + "." + token)
+    return variants.map(lambda t: f"Bearer {t}")
+
+
+@st.composite
+def call_metadata_sets(draw: st.DrawFn, token: str) -> list[tuple[str, str | bytes]]:
+    """Metadata for one call: the keys the services read (repeated or not), unknown keys, `-bin` bytes."""
+    known = st.tuples(st.sampled_from(READ_METADATA_KEYS), metadata_values())
+    authorization = st.tuples(st.just("authorization"), token_variants(token))
+    unknown_key = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=32)
+    unknown = st.tuples(unknown_key.map(lambda k: "x-fuzz-" + k), metadata_values())
+    binary = st.tuples(unknown_key.map(lambda k: "x-fuzz-" + k + "-bin"), st.binary(max_size=256))
+    return draw(st.lists(known | authorization | unknown | binary, max_size=6))

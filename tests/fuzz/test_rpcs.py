@@ -2,9 +2,11 @@
 says the service faulted (UNKNOWN, INTERNAL, UNAVAILABLE, DEADLINE_EXCEEDED, DATA_LOSS), and the
 service is still up and SERVING after it.
 
-Three kinds of input per RPC: well-formed requests with every field on or past its limits; valid
-encodings with bytes damaged; and arbitrary bytes. Bytes that the request type cannot parse must be
-refused with INVALID_ARGUMENT. The kvstore comes last and only through its public RPCs.
+Four kinds of input per RPC: well-formed requests with every field on or past its limits; valid
+encodings with bytes damaged; arbitrary bytes; and well-formed requests with fuzzed metadata (the
+keys the services read, repeated, oversized, odd or unknown, and a valid token damaged). Bytes
+that the request type cannot parse must be refused with INVALID_ARGUMENT. The kvstore comes last
+and only through its public RPCs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from services.cli.client import call_metadata
 from services.cli.mesh import Mesh
 from tests.fuzz.conftest import FUZZ_SETTINGS
 from tests.fuzz.rpcs import RPC_BY_NAME, RPCS, Outcome, Rpc, invoke
-from tests.fuzz.strategies import mutated, structured
+from tests.fuzz.strategies import call_metadata_sets, mutated, structured
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2
 
@@ -27,10 +29,16 @@ RPC_NAMES = [rpc.name for rpc in RPCS]
 
 
 def call(
-    channels: dict[str, grpc.Channel], mesh: Mesh, token: str, rpc: Rpc, payloads: list[bytes]
+    channels: dict[str, grpc.Channel],
+    mesh: Mesh,
+    token: str,
+    rpc: Rpc,
+    payloads: list[bytes],
+    metadata: list[tuple[str, str | bytes]] | None = None,
 ) -> Outcome:
     """One fuzz call, then the checks every call shares: the service's process lives and serves."""
-    metadata = call_metadata(token) if rpc.service == "gateway" else []
+    if metadata is None:
+        metadata = call_metadata(token) if rpc.service == "gateway" else []
     outcome = invoke(channels[rpc.service], rpc, payloads, metadata)
     process = mesh.processes[rpc.service]
     assert process.poll() is None, f"{rpc.service} exited ({process.returncode}) after {outcome.describe()}"
@@ -119,3 +127,22 @@ def test_unparseable_bytes_are_refused_as_invalid_argument(
     outcome = call(fuzz_channels, fuzz_mesh, fuzz_token, rpc, [payload])
     event(outcome.code.name)
     assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, outcome.describe()
+
+
+@pytest.mark.parametrize("rpc_name", RPC_NAMES)
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_fuzzed_metadata_gets_a_status_and_no_fault(
+    fuzz_channels: dict[str, grpc.Channel],
+    fuzz_mesh: Mesh,
+    fuzz_token: str,
+    rpc_name: str,
+    data: st.DataObject,
+) -> None:
+    rpc = RPC_BY_NAME[rpc_name]
+    payloads = data.draw(structured(rpc_name), label="payloads")
+    metadata = data.draw(call_metadata_sets(fuzz_token), label="metadata")
+    outcome = call(fuzz_channels, fuzz_mesh, fuzz_token, rpc, payloads, metadata)
+    event(outcome.code.name)
+    assert not outcome.is_fault, outcome.describe()
+    check_completed_stream(rpc, outcome)
