@@ -101,6 +101,18 @@ class FetchedBlock:
     source: BlockSource
 
 
+@dataclass(frozen=True)
+class CallOptions:
+    """Per-call overrides: another namespace, a tighter deadline, metadata (a trace's `traceparent`)."""
+
+    namespace: Namespace | None = None
+    timeout_s: float | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
+NO_OPTIONS = CallOptions()
+
+
 class KVStoreClient:
     """Calls one kvstore for one namespace (tenant and model)."""
 
@@ -129,11 +141,13 @@ class KVStoreClient:
         """Closes the channel."""
         self.channel.close()
 
-    @property
-    def _namespace_pb(self) -> pb.Namespace:
-        return pb.Namespace(tenant=self.namespace.tenant, model=self.namespace.model)
+    def _namespace_pb(self, namespace: Namespace | None) -> pb.Namespace:
+        namespace = namespace or self.namespace
+        return pb.Namespace(tenant=namespace.tenant, model=namespace.model)
 
-    def put_requests(self, blocks: Iterable[BlockIn]) -> Iterator[pb.PutBlocksRequest]:
+    def put_requests(
+        self, blocks: Iterable[BlockIn], namespace: Namespace | None = None
+    ) -> Iterator[pb.PutBlocksRequest]:
         """The PutBlocks stream for `blocks`: each payload in chunks of at most `chunk_bytes`."""
         first = True
         for block in blocks:
@@ -146,24 +160,26 @@ class KVStoreClient:
             payload = memoryview(block.payload)
             for start in range(0, max(len(payload), 1), self.chunk_bytes):
                 yield pb.PutBlocksRequest(
-                    namespace=self._namespace_pb if first else None,
+                    namespace=self._namespace_pb(namespace) if first else None,
                     header=header if start == 0 else None,
                     data=bytes(payload[start : start + self.chunk_bytes]),
                 )
                 first = False
 
-    def put(self, blocks: Iterable[BlockIn]) -> PutResult:
+    def put(self, blocks: Iterable[BlockIn], call: CallOptions = NO_OPTIONS) -> PutResult:
         """Stores blocks; returns once the store says they are durable."""
-        reply = self.stub.PutBlocks(self.put_requests(blocks), timeout=self.timeout_s)
+        reply = self.stub.PutBlocks(self.put_requests(blocks, call.namespace), **self._call_kwargs(call))
         return PutResult(list(reply.stored_hashes), list(reply.duplicate_hashes))
 
-    def get(self, block_hashes: list[str]) -> dict[str, FetchedBlock | MissReason]:
+    def get(
+        self, block_hashes: list[str], call: CallOptions = NO_OPTIONS
+    ) -> dict[str, FetchedBlock | MissReason]:
         """Each hash's block, or why it was not served."""
-        request = pb.GetBlocksRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
+        request = pb.GetBlocksRequest(namespace=self._namespace_pb(call.namespace), block_hashes=block_hashes)
         results: dict[str, FetchedBlock | MissReason] = {}
         header: pb.BlockHeader | None = None
         source, parts = BlockSource.DISK, list[bytes]()
-        for reply in self.stub.GetBlocks(request, timeout=self.timeout_s):
+        for reply in self.stub.GetBlocks(request, **self._call_kwargs(call)):
             if reply.missing_hash:
                 results[reply.missing_hash] = MissReason(reply.miss_reason)
                 continue
@@ -178,22 +194,26 @@ class KVStoreClient:
                 )
         return results
 
-    def lookup(self, block_hashes: list[str]) -> list[str]:
+    def lookup(self, block_hashes: list[str], call: CallOptions = NO_OPTIONS) -> list[str]:
         """The hashes that are stored."""
-        request = pb.LookupRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
-        return list(self.stub.Lookup(request, timeout=self.timeout_s).present_hashes)
+        request = pb.LookupRequest(namespace=self._namespace_pb(call.namespace), block_hashes=block_hashes)
+        return list(self.stub.Lookup(request, **self._call_kwargs(call)).present_hashes)
 
-    def prefetch(self, block_hashes: list[str]) -> PrefetchResult:
+    def prefetch(self, block_hashes: list[str], call: CallOptions = NO_OPTIONS) -> PrefetchResult:
         """Asks the store to stage blocks in RAM; returns before they are."""
-        request = pb.PrefetchRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
-        reply = self.stub.Prefetch(request, timeout=self.timeout_s)
+        request = pb.PrefetchRequest(namespace=self._namespace_pb(call.namespace), block_hashes=block_hashes)
+        reply = self.stub.Prefetch(request, **self._call_kwargs(call))
         return PrefetchResult(reply.queued, reply.already_staged)
 
-    def delete(self, block_hashes: list[str]) -> int:
+    def delete(self, block_hashes: list[str], call: CallOptions = NO_OPTIONS) -> int:
         """Deletes blocks; returns how many were present."""
-        request = pb.DeleteRequest(namespace=self._namespace_pb, block_hashes=block_hashes)
-        return int(self.stub.Delete(request, timeout=self.timeout_s).deleted)
+        request = pb.DeleteRequest(namespace=self._namespace_pb(call.namespace), block_hashes=block_hashes)
+        return int(self.stub.Delete(request, **self._call_kwargs(call)).deleted)
 
     def stats(self) -> pb.GetStatsResponse:
         """The store's occupancy and counters."""
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)
+
+    def _call_kwargs(self, call: CallOptions) -> dict[str, object]:
+        timeout = self.timeout_s if call.timeout_s is None else call.timeout_s
+        return {"timeout": timeout, "metadata": call.metadata or None}

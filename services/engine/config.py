@@ -11,6 +11,7 @@ from typing import TypeVar
 from services.common import env
 from services.common.config import ServerConfig
 from services.engine.gate.gate_loader import DEFAULT_GATE_FILE, GateConfig, GateSource, MismatchPolicy
+from services.engine.kv.cold_tier import ColdTierConfig, RetrievalMode
 from services.engine.kv.tiers import KVCacheSpec, TierConfig, WarmFullPolicy
 from services.engine.scheduling.intent_class import IntentClasses
 
@@ -41,6 +42,12 @@ class EngineConfig:
     Scheduling: `_MAX_PREFILL_TOKENS` (chunk budget per step) and `_INTENT_CLASSES` (a TOML file;
     empty = the built-in classes). `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1
     itself (gloo on the CPU, NCCL with one GPU per rank; N must divide the KV heads).
+    Cold tier (docs/kvstore.md): `_KVSTORE_TARGET` (host:port of the kvstore; empty: no cold tier),
+    `_KVSTORE_DEADLINE_MS` (per call, default 500), `_KVSTORE_RETRY_AFTER_S` (calls skipped after a
+    failure, default 5), `_COLD_PREFIX_REUSE` (store prompt blocks, load stored prefixes; default on),
+    `_RETRIEVAL_MODE` (off or semantic: the default of requests and classes that set none),
+    `_AUX_WINDOW_TOKENS` (cold tokens attended per sequence, default 2048) and
+    `_AUX_SCORE_EVERY_STEPS` (decode steps between scorings, default 16).
     """
 
     server: ServerConfig
@@ -58,6 +65,7 @@ class EngineConfig:
     tp: int = 1
     attention: str = "auto"  # attention backend: auto (Triton on CUDA, reference on CPU), reference, triton
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    cold: ColdTierConfig = field(default_factory=ColdTierConfig)  # the kvstore tier (off: no target)
 
     def intent_classes(self) -> IntentClasses:
         """The configured classes (read from the file when one is set)."""
@@ -98,6 +106,7 @@ class EngineConfig:
             tp=env.get_int(prefix + "TP", 1, environ),
             attention=env.get_str(prefix + "ATTENTION", "auto", environ),
             cuda_graphs=env.get_bool(prefix + "CUDA_GRAPHS", True, environ),
+            cold=_cold_from_env(prefix, environ),
         )
 
 
@@ -122,6 +131,19 @@ def _kv_from_env(prefix: str, environ: Mapping[str, str] | None) -> KVCacheSpec:
         num_hot_blocks=env.get_int(prefix + "HOT_BLOCKS", 0, environ),
         num_warm_groups=env.get_int(prefix + "WARM_GROUPS", 0, environ),
         tiers=tiers,
+    )
+
+
+def _cold_from_env(prefix: str, environ: Mapping[str, str] | None) -> ColdTierConfig:
+    defaults = ColdTierConfig()
+    return ColdTierConfig(
+        target=env.get_str(prefix + "KVSTORE_TARGET", "", environ),
+        deadline_ms=env.get_int(prefix + "KVSTORE_DEADLINE_MS", defaults.deadline_ms, environ),
+        retry_after_s=env.get_float(prefix + "KVSTORE_RETRY_AFTER_S", defaults.retry_after_s, environ),
+        prefix_reuse=env.get_bool(prefix + "COLD_PREFIX_REUSE", defaults.prefix_reuse, environ),
+        retrieval_mode=_choice(prefix + "RETRIEVAL_MODE", RetrievalMode, defaults.retrieval_mode, environ),
+        aux_window_tokens=env.get_int(prefix + "AUX_WINDOW_TOKENS", defaults.aux_window_tokens, environ),
+        score_every_steps=env.get_int(prefix + "AUX_SCORE_EVERY_STEPS", defaults.score_every_steps, environ),
     )
 
 

@@ -34,6 +34,15 @@ class UnknownIntentClass(InvalidPrompt):
         super().__init__(f"unknown intent_class {name!r}; known classes: {', '.join(known)}")
 
 
+class UnknownRetrievalMode(InvalidPrompt):
+    """A request (or an intent class) named a retrieval mode this engine does not know."""
+
+    def __init__(self, mode: str, known: list[str]) -> None:
+        super().__init__(
+            f"unknown retrieval mode {mode[:40]!r} (x-retrieval-mode); known modes: {', '.join(known)}"
+        )
+
+
 class KVCapacityExceeded(RuntimeError):
     """A request that cannot fit the KV tiers under the `refuse` policy (RESOURCE_EXHAUSTED)."""
 

@@ -22,6 +22,7 @@ from services.engine.errors import (
     KVCapacityExceeded,
     KVPoolTooSmall,
     PromptTooLong,
+    UnknownRetrievalMode,
 )
 from services.engine.execution.memory_profile import GRAPH_AND_WORKSPACE_RESERVE_BYTES, profile_memory
 from services.engine.execution.model_runner import ModelRunner, RunnerOptions
@@ -40,6 +41,8 @@ from services.engine.kv.capacity import (
     plan_pools,
     warm_group_bytes,
 )
+from services.engine.kv.cold_moves import ScoreRow
+from services.engine.kv.cold_tier import ColdTier, ColdTierConfig, RetrievalMode
 from services.engine.kv.tiers import KVCacheSpec, TierConfig, WarmFullPolicy
 from services.engine.metrics import QUEUE_WAIT
 from services.engine.model.checkpoint import Checkpoint
@@ -48,6 +51,7 @@ from services.engine.model.llama import LlamaModel
 from services.engine.model.loader import load_model, open_checkpoint, resolve_device, resolve_dtype
 from services.engine.model.registry import resolve_model
 from services.engine.model.tensor_parallel import SINGLE
+from services.engine.scheduling.cold_planner import ColdPlanner, ColdStats
 from services.engine.scheduling.intent_class import IntentClass, IntentClasses
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.scheduler import ExpiredRequest, ScheduledBatch, Scheduler
@@ -104,6 +108,8 @@ class EngineStats:
     warm_bytes: int = 0
     num_dropped_tokens: int = 0
     hot_attention_mass: float = 1.0  # last sampled share of attention mass on hot tokens
+    num_prefill_tokens_computed: int = 0  # prompt tokens run through the model (cached ones are not)
+    cold: ColdStats | None = None  # the kvstore tier's counters (None: no cold tier)
 
 
 class Sampled(NamedTuple):
@@ -152,6 +158,7 @@ class LLMEngine:
         self.gate_report = GateReport(GateStatus.ABSENT, detail="no gate installed")
         self._gate_triggers: dict[str, int] = {}
         self.capacity: PoolPlan | None = None  # the KV pools `load` planned (None for a hand-built engine)
+        self.cold: ColdPlanner | None = None  # the kvstore tier (`attach_cold_tier`)
 
     @classmethod
     def load(
@@ -169,6 +176,7 @@ class LLMEngine:
         attention: str = "auto",
         cuda_graphs: bool = True,
         checkpoint: Checkpoint | None = None,
+        cold: ColdTierConfig | None = None,
     ) -> LLMEngine:
         """Load an HF directory, a `.gguf` file or a registered model name.
 
@@ -217,7 +225,21 @@ class LLMEngine:
             max_prefill_tokens, kv.tiers, classes,
         )  # fmt: skip
         engine.capacity = plan
+        if cold is not None and cold.enabled:
+            engine.attach_cold_tier(cold)
         return engine
+
+    def attach_cold_tier(self, config: ColdTierConfig) -> None:
+        """Use the kvstore at `config.target` for prefix reuse, demotion and the auxiliary window."""
+        tier = ColdTier(config, self.model_id, wake=self._wake)
+        self.runner.attach_cold_tier(tier)
+        assert self.runner.cold_summaries is not None
+        self.cold = ColdPlanner(tier, self.runner.kv_cache, self.runner.cold_summaries)
+        self.scheduler.cold = self.cold
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify()
 
     @property
     def config(self) -> ModelConfig:
@@ -244,11 +266,15 @@ class LLMEngine:
         on_event: EventCallback,
         intent_class: str = "",
         cache_salt: str = "",
+        retrieval_mode: str = "",
+        trace_metadata: tuple[tuple[str, str], ...] = (),
     ) -> RequestHandle:
         """Queue a request; `on_event` is then called on the engine thread for each step's output.
 
         `intent_class` picks the scheduling class (empty: `default`); `cache_salt` keeps this
-        tenant's prefix-cache blocks apart from everyone else's.
+        tenant's prefix-cache blocks apart from everyone else's; `retrieval_mode` (`off` or
+        `semantic`; empty: the class's or the deployment's default) turns the auxiliary window of
+        cold blocks on; `trace_metadata` (a `traceparent`) joins its kvstore calls to its trace.
         """
         if self._is_stopping:
             raise EngineStopped("the engine is stopped; it accepts no new requests")
@@ -266,11 +292,24 @@ class LLMEngine:
         pool_tokens = self.runner.kv_cache.hot.capacity_tokens()
         if not tiers.enabled and min(total, self.max_seq_len) > pool_tokens:
             raise KVPoolTooSmall(min(total, self.max_seq_len), pool_tokens)
+        mode = self._retrieval_mode(retrieval_mode, cls)
         seq = self._new_sequence(list(prompt_ids), params, on_event, tiers, cache_salt, cls.name)
+        seq.uses_aux_window = tiers.enabled and mode is RetrievalMode.SEMANTIC
+        seq.block_table.keeps_cold = seq.uses_aux_window
+        seq.trace_metadata = trace_metadata
         with self._lock:
             self._inbox.append(seq)
             self._lock.notify()
         return RequestHandle(seq.request_id)
+
+    def _retrieval_mode(self, asked: str, cls: IntentClass) -> RetrievalMode:
+        """The request's mode, else its class's, else the deployment's; `off` without a cold tier."""
+        known = [m.value for m in RetrievalMode]
+        if asked and asked not in known:
+            raise UnknownRetrievalMode(asked, known)
+        if self.cold is None:
+            return RetrievalMode.OFF
+        return RetrievalMode(asked or cls.retrieval_mode or self.cold.config.retrieval_mode.value)
 
     def cancel(self, handle_or_request_id: RequestHandle | RequestId | str) -> None:
         """Cancel a request: slot freed before the next step, final CANCELLED event; unknown ids ignored."""
@@ -299,6 +338,8 @@ class LLMEngine:
             num_prompt_tokens_cached=self.scheduler.num_prompt_tokens_cached,
             num_dropped_tokens=self._counters["dropped"],
             hot_attention_mass=self._hot_attention_mass,
+            num_prefill_tokens_computed=self.scheduler.num_prefill_tokens_computed,
+            cold=None if self.cold is None else dataclasses.replace(self.cold.stats),
             **self._tier_stats(),
         )
 
@@ -333,6 +374,8 @@ class LLMEngine:
         with self._step_lock:
             self._cancel_everything()
             self.runner.close()
+            if self.cold is not None:
+                self.cold.tier.close()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | Seq[SamplingParams]
@@ -355,7 +398,7 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._is_stopping or self._inbox or self._cancels or self.scheduler.has_work):
+                while not (self._is_stopping or self._inbox or self._cancels or self._has_work()):
                     self._lock.wait()
                 if self._is_stopping:
                     return
@@ -364,10 +407,15 @@ class LLMEngine:
             except Exception:  # keep serving; step() already fails the requests it could not run
                 logger.exception("engine loop error")
 
+    def _has_work(self) -> bool:
+        """Something to schedule, or a kvstore outcome to take."""
+        return self.scheduler.has_work or (self.cold is not None and self.cold.tier.has_outcomes)
+
     def step(self) -> None:
         """Take in new requests and cancels, then run one prefill or decode step and emit its events."""
         with self._step_lock:
             self._drain_inbox()
+            self._take_cold_outcomes()
             self._expire_waiting()
             batch = self.scheduler.schedule()
             for intent_class, waited_s in self.scheduler.take_queue_waits():
@@ -388,9 +436,22 @@ class LLMEngine:
             self._counters["steps"] += 1
             self._commit(batch, token_ids)
 
+    def _take_cold_outcomes(self) -> None:
+        """Apply the kvstore's outcomes; requests whose prefix came back join their queues.
+
+        With nothing else to run (a caller stepping by hand while prefixes load), wait for one.
+        """
+        if self.cold is None:
+            return
+        if not self.scheduler.has_work and self.cold.num_held:
+            self.cold.tier.wait_for_outcome(timeout_s=2 * self.cold.config.deadline_ms / 1000)
+        for seq in self.cold.take_ready():
+            self.scheduler.add(seq)
+
     def _run(self, batch: ScheduledBatch) -> list[Sampled]:
         probe_layer = self._probe_layer(batch)
-        output = self.runner.run(batch.rows, probe_layer)
+        score_rows = self._cold_score_rows(batch)
+        output = self.runner.run(batch.rows, probe_layer, score_rows)
         self._record_attention(batch)
         done = self.scheduler.commit_computed(batch)
         self._counters["dropped"] += self.scheduler.num_dropped_tokens_last_step
@@ -407,7 +468,22 @@ class LLMEngine:
         if output.hot_mass is not None:  # sampled step: the sync above already waited for it
             self._hot_attention_mass = float(output.hot_mass.item())
         fired = [self._gate.fired(f) for f in flag_rows] if self._gate and flag_rows else [()] * len(done)
+        self._choose_cold_windows(batch, output.window_scores)
         return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
+
+    def _cold_score_rows(self, batch: ScheduledBatch) -> list[ScoreRow]:
+        if self.cold is None or batch.rows[0].num_new != 1:  # prefill steps score nothing
+            return []
+        return self.cold.rows_to_score([r.seq for r in batch.rows])
+
+    def _choose_cold_windows(
+        self, batch: ScheduledBatch, scored: list[tuple[ScoreRow, torch.Tensor]] | None
+    ) -> None:
+        """Read each scored row's best cold blocks (the step's sync has passed) and load them."""
+        if self.cold is None or not scored:
+            return
+        for row, best in scored:
+            self.cold.choose_window(batch.rows[row.row].seq, best.tolist())
 
     def _row_index(self, is_done: list[bool]) -> torch.Tensor:
         """`[B]` rows that sample this step (a batch where some rows are still mid-prompt)."""
@@ -433,8 +509,11 @@ class LLMEngine:
         for row in batch.rows:
             table = row.seq.block_table
             if row.num_new == 1:  # decode
+                num_cold = len(table.aux_blocks) * table.tiers.group_size
                 num_hot = min(cache.num_held_hot_blocks(table) * cache.block_size, row.seq.num_tokens)
-                row.seq.record_attention(num_hot, len(table.warm_groups) * table.tiers.group_size)
+                row.seq.record_attention(
+                    num_hot - num_cold, len(table.warm_groups) * table.tiers.group_size, num_cold
+                )
 
     def _expire_waiting(self) -> None:
         for item in self.scheduler.expire():
@@ -491,13 +570,20 @@ class LLMEngine:
             new, self._inbox = list(self._inbox), deque()
             cancels, self._cancels = list(self._cancels), deque()
         for seq in new:
-            self.scheduler.add(seq)
             self._counters["prompt_tokens"] += len(seq.prompt_ids)
+            self.scheduler.hash_prompt(seq)
+            self.scheduler.mark_arrived(seq)
+            if self.cold is None or not self.cold.start_prefix_load(seq):
+                self.scheduler.add(seq)
         for request_id in cancels:
             self._cancel_one(request_id)
 
     def _cancel_one(self, request_id: RequestId) -> None:
-        seq = self.scheduler.remove(request_id, FinishReason.CANCELLED)
+        held = None if self.cold is None else self.cold.take_held(request_id)
+        if held is not None:  # its prefix is still loading: it never reached a queue
+            held.finish(FinishReason.CANCELLED)
+            self.scheduler.enqueued_s.pop(request_id, None)
+        seq = held or self.scheduler.remove(request_id, FinishReason.CANCELLED)
         if seq is not None:
             self._counters["finished"] += 1
             _emit(seq, seq.event((), ""))
@@ -505,7 +591,8 @@ class LLMEngine:
     def _cancel_everything(self) -> None:
         self._drain_inbox()
         waiting = [s for q in self.scheduler.waiting.values() for s in q]
-        for seq in [*self.scheduler.running, *waiting]:
+        held = [] if self.cold is None else self.cold.held()
+        for seq in [*self.scheduler.running, *waiting, *held]:
             self._cancel_one(seq.request_id)
 
     # --- helpers ---------------------------------------------------------------------------------

@@ -44,3 +44,15 @@ BATCH_SIZE = Histogram(
     ["kind"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+# The cold tier (kvstore): observed on the engine thread when a kvstore call's outcome is taken.
+COLD_DEGRADATIONS = Counter(
+    "thermocline_engine_kv_cold_degradations",
+    "kvstore calls that gave nothing, so requests fell back to hot + warm, by operation and reason "
+    "(unavailable, deadline, corrupt, error).",
+    ["operation", "reason"],
+)
+COLD_BLOCKS = Counter(
+    "thermocline_engine_kv_cold_blocks",
+    "Blocks moved to or from the kvstore, by operation (store_prefix, load_prefix, demote, load_window).",
+    ["operation"],
+)

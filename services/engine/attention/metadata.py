@@ -107,6 +107,25 @@ def _fill_tables(table: BlockTable, hot_row: np.ndarray, warm_row: np.ndarray, b
 
 
 @dataclass(frozen=True)
+class QueryTap:
+    """Where one layer leaves a decode step's queries, for scoring cold blocks by their summary keys."""
+
+    layer: int
+    queries: torch.Tensor  # [B, H, D] fp32, written on the device
+
+    @classmethod
+    def build(
+        cls, layer: int, num_rows: int, num_heads: int, head_dim: int, device: torch.device
+    ) -> QueryTap:
+        """An empty tap for a decode step of `num_rows` rows."""
+        return cls(layer, torch.zeros(num_rows, num_heads, head_dim, device=device))
+
+    def record(self, q: torch.Tensor) -> None:
+        """Keep a decode step's rotated queries `[B, H, D]` (one token per row)."""
+        self.queries.copy_(q)
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """One step's metadata on the device; every layer's attention reads it."""
 
@@ -116,6 +135,7 @@ class AttentionMetadata:
     max_seq_len: int  # host int: the reference path's dense width
     num_segments: int = 1  # flash-decoding split of each row's context
     probe: AttentionProbe | None = None  # set on sampled decode steps
+    query_tap: QueryTap | None = None  # set on decode steps that score cold blocks
 
     @property
     def max_query_len(self) -> int:
@@ -136,6 +156,7 @@ class AttentionMetadata:
         device: torch.device,
         num_segments: int = 1,
         probe: AttentionProbe | None = None,
+        query_tap: QueryTap | None = None,
     ) -> AttentionMetadata:
         """Copy `host` to `device` (pinned, non-blocking on CUDA)."""
         paged = PagedAttentionPlan(
@@ -152,6 +173,7 @@ class AttentionMetadata:
             host.max_seq_len,
             num_segments,
             probe,
+            query_tap,
         )
 
 

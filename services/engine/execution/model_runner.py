@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -11,12 +12,14 @@ import numpy as np
 import torch
 
 from services.engine.attention.backend import AttentionBackend
-from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
+from services.engine.attention.metadata import AttentionMetadata, HostMetadata, QueryTap, RowInput
 from services.engine.attention.probe import AttentionProbe
 from services.engine.attention.reference import ReferenceBackend
 from services.engine.execution.cuda_graphs import DecodeGraphs
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cache import KVCache, WarmCopy
+from services.engine.kv.cold_moves import ColdMoves, ColdStore, ColdSummaries, ScoreRow
+from services.engine.kv.cold_tier import BlockToStore, ColdTier, Job, Operation
 from services.engine.model.llama import LlamaModel
 from services.engine.scheduling.sequence import Sequence
 
@@ -54,6 +57,7 @@ class StepOutput(NamedTuple):
     logits: torch.Tensor  # [B, V] fp32
     hidden_states: torch.Tensor  # [B, E] model dtype; the in-loop safety gate reads this
     hot_mass: torch.Tensor | None = None  # [1] share of attention mass on hot tokens (sampled steps)
+    window_scores: list[tuple[ScoreRow, torch.Tensor]] | None = None  # [N] per scored row (cold tier)
 
 
 class StepPlan(NamedTuple):
@@ -67,6 +71,8 @@ class StepPlan(NamedTuple):
     rows: list[RowInput]
     probe_layer: int | None
     warm_copies: list[WarmCopy]
+    cold_moves: ColdMoves = ColdMoves()
+    score_rows: tuple[ScoreRow, ...] = ()
 
     def portable(self) -> StepPlan:
         """A copy whose block tables hold only what attention reads (cheap to pickle)."""
@@ -111,6 +117,8 @@ class ModelRunner:
         model.use_fused_ops(device.type == "cuda" and options.attention != "reference")
         self.graphs: DecodeGraphs | None = None
         self._num_probes = 0
+        self.cold_tier: ColdTier | None = None
+        self.cold_summaries: ColdSummaries | None = None
         if options.cuda_graphs and device.type == "cuda" and self.attention.supports_graphs:
             self.graphs = DecodeGraphs(
                 model, kv_cache, self.attention, options.max_decode_rows,
@@ -125,8 +133,20 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs.capture()
 
+    def attach_cold_tier(self, tier: ColdTier) -> None:
+        """Carry out cold-tier moves through `tier`; summary keys are kept at the middle layer."""
+        if self.model.tp.is_parallel:
+            raise ValueError("the cold tier runs at tensor parallelism 1 only; unset the kvstore target")
+        config = self.model.rank_config
+        self.cold_tier = tier
+        self.cold_summaries = ColdSummaries(
+            config.num_layers // 2, config.num_kv_heads, config.head_dim, self.device
+        )
+
     @torch.inference_mode()
-    def run(self, rows: Seq[ScheduledRow], probe_layer: int | None = None) -> StepOutput:
+    def run(
+        self, rows: Seq[ScheduledRow], probe_layer: int | None = None, score_rows: Seq[ScoreRow] = ()
+    ) -> StepOutput:
         """Compute each row's next `num_new` pending tokens (packed, no padding)."""
         if self.model.tp.is_parallel and self.followers is None:
             raise RuntimeError("the other tensor-parallel ranks are stopped; load the engine again")
@@ -135,6 +155,8 @@ class ModelRunner:
             rows=[RowInput(r.seq.block_table, r.seq.num_computed_tokens, r.num_new) for r in rows],
             probe_layer=probe_layer,
             warm_copies=self.kv_cache.take_warm_copies(),
+            cold_moves=self.kv_cache.take_cold_moves(),
+            score_rows=tuple(score_rows),
         )
         if self.followers is not None:
             self.followers.send(plan.portable())
@@ -156,24 +178,85 @@ class ModelRunner:
             self.followers = None
 
     def _forward(self, plan: StepPlan) -> StepOutput:
-        """Carry out the plan's tier moves, then the forward; outputs at each row's last new token."""
+        """Carry out the plan's tier moves, then the forward; outputs at each row's last new token.
+
+        Order matters: cold stores read their warm groups before this step's warm copies may reuse
+        them, and cold loads write their hot blocks after the warm copies have read the ones they free.
+        """
+        self._store_cold(plan.cold_moves.stores)
         self.kv_cache.copy_to_warm(plan.warm_copies)
+        self.kv_cache.write_loaded(plan.cold_moves.loads)
         host = HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group())
-        if self.graphs is not None and plan.probe_layer is None and self.graphs.can_replay(host):  # decode
+        is_eager = plan.probe_layer is not None or bool(plan.score_rows)
+        if self.graphs is not None and not is_eager and self.graphs.can_replay(host):  # decode
             hidden, logits = self.graphs.replay(plan.input_ids, host)
             return StepOutput(logits if logits is not None else hidden, hidden)
         probe = None
         if plan.probe_layer is not None:
             self._num_probes += 1  # rotate the measured row through the batch
             probe = AttentionProbe.build(plan.probe_layer, self.device, row=self._num_probes)
+        tap = self._query_tap(host.num_rows) if plan.score_rows and host.is_decode else None
         segments = self.attention.num_segments(host.num_rows, host.max_seq_len) if host.is_decode else 1
-        metadata = AttentionMetadata.to_device(host, self.device, segments, probe)
+        metadata = AttentionMetadata.to_device(host, self.device, segments, probe, tap)
         input_ids = _to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
         hidden = self.model(input_ids, self.kv_cache, self.attention, metadata)  # [T, E]
         if not host.is_decode:  # prefill: each row's last new token
             hidden = hidden[_to_device(host.last_token_index(), self.device)]
         logits = self.model.compute_logits(hidden) if self.model.tp.rank == 0 else hidden
-        return StepOutput(logits, hidden, None if probe is None else probe.hot_mass)
+        window = None if tap is None else self._score_cold(plan.score_rows, tap)
+        return StepOutput(logits, hidden, None if probe is None else probe.hot_mass, window)
+
+    def _query_tap(self, num_rows: int) -> QueryTap:
+        assert self.cold_summaries is not None
+        config = self.model.rank_config
+        return QueryTap.build(
+            self.cold_summaries.layer, num_rows, config.num_heads, config.head_dim, self.device
+        )
+
+    def _score_cold(self, rows: Seq[ScoreRow], tap: QueryTap) -> list[tuple[ScoreRow, torch.Tensor]]:
+        """Each scored row's cold blocks, best first `[k]` (on the device; read after the step's sync)."""
+        summaries = self.cold_summaries
+        assert summaries is not None
+        scored = []
+        for row in rows:
+            if row.owner in summaries and row.num_slots:
+                scores = summaries.scores(row.owner, row.num_slots, tap.queries[row.row])  # [N]
+                scored.append((row, scores.topk(min(row.num_blocks, row.num_slots)).indices))
+        return scored
+
+    def _store_cold(self, stores: Seq[ColdStore]) -> None:
+        """Copy each block to the host (and a demoted block's summary key) and queue its puts, one job
+        per request and operation."""
+        if not stores:
+            return
+        assert self.cold_tier is not None and self.cold_summaries is not None
+        jobs: dict[tuple[str, Operation], list[ColdStore]] = {}
+        for store in stores:
+            jobs.setdefault((store.seq.request_id, store.operation), []).append(store)
+        blocks = {id(store): self._copy_for_store(store) for store in stores}
+        ready = _device_copies_done(self.device)
+        for group in jobs.values():
+            seq = group[0].seq
+            job = Job(
+                group[0].operation, seq, seq.cache_salt, seq.trace_metadata,
+                blocks=tuple(blocks[id(store)] for store in group), ready=ready,
+            )  # fmt: skip
+            self.cold_tier.submit(job)
+
+    def _copy_for_store(self, store: ColdStore) -> BlockToStore:
+        """The block a store names, on its way to the host; a demotion also records its summary key."""
+        assert self.cold_summaries is not None
+        keys, values = self._read_for_store(store)
+        if store.summary_slot is not None:
+            self.cold_summaries.add(store.seq.request_id, store.summary_slot, keys)
+        return BlockToStore(store.block_hash, *_to_host(keys, values), store.codec)
+
+    def _read_for_store(self, store: ColdStore) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[L, T, KVH, D]` of the block a store names."""
+        if store.warm_group is not None:
+            assert self.kv_cache.warm is not None
+            return self.kv_cache.warm.read_group(store.warm_group)
+        return self.kv_cache.hot.read_blocks(list(store.hot_block_ids))
 
     def _blocks_per_group(self) -> int:
         warm = self.kv_cache.warm
@@ -197,6 +280,22 @@ def _row_tokens(row: ScheduledRow) -> list[int]:
     if row.num_new == 1 and start == row.seq.num_tokens - 1:  # decode: no list copy
         return [row.seq.last_token_id]
     return row.seq.token_ids[start : start + row.num_new]
+
+
+def _to_host(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device tensors to the host without a sync (CUDA: pinned, non-blocking; the writer waits)."""
+    if keys.device.type == "cpu":
+        return keys, values  # already copies: read_blocks gathers, read_group dequantizes
+    return keys.to("cpu", non_blocking=True), values.to("cpu", non_blocking=True)
+
+
+def _device_copies_done(device: torch.device) -> Callable[[], None] | None:
+    """What the kvstore writer waits on before it reads host copies queued so far (CUDA: an event)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event.synchronize
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -130,6 +130,13 @@ class BlockPool:
         self.stats.num_hit_blocks += len(found)
         return found
 
+    def num_cached_prefix(self, hashes: Seq[BlockHash]) -> int:
+        """Leading `hashes` cached now, without counting a query (reads only)."""
+        for index, block_hash in enumerate(hashes):
+            if block_hash not in self._by_hash:
+                return index
+        return len(hashes)
+
     def share(self, block_ids: Seq[BlockId]) -> None:
         """Take one more reference on each cached block (prefix reuse)."""
         for block_id in block_ids:

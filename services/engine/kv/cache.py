@@ -15,6 +15,7 @@ from services.engine.attention.paged_kernels import WarmLayer
 from services.engine.kv import kivi
 from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId, BlockPool
 from services.engine.kv.block_table import BlockTable, WarmGroupId
+from services.engine.kv.cold_moves import ColdLoad, ColdMoves
 from services.engine.model.config import ModelConfig
 
 # Bytes of model-dtype keys read per batched demotion chunk (the quantizer's fp32 temporaries are a
@@ -156,6 +157,16 @@ class WarmTier(KVTier):
         self.key_codes[:, group_ids], self.key_scale[:, group_ids], self.key_zero[:, group_ids] = qk
         self.value_codes[:, group_ids], self.value_scale[:, group_ids], self.value_zero[:, group_ids] = qv
 
+    def read_group(self, group_id: WarmGroupId) -> tuple[torch.Tensor, torch.Tensor]:
+        """One group's keys and values dequantized, 2 x `[layers, G, KVH, D]` fp32 (reads only)."""
+        keys = kivi.dequantize_keys(
+            self.key_codes[:, group_id], self.key_scale[:, group_id], self.key_zero[:, group_id]
+        )
+        values = kivi.dequantize_values(
+            self.value_codes[:, group_id], self.value_scale[:, group_id], self.value_zero[:, group_id]
+        )
+        return keys, values
+
     def layer_views(self, layer: int, block_size: int) -> WarmLayer:
         """One layer's tensors with each group of G tokens seen as G/BS warm blocks of BS (no copy)."""
         blocks = self.num_groups * (self.group_size // block_size)
@@ -179,10 +190,12 @@ class WarmCopy:
 
 @dataclass(frozen=True)
 class DemotionResult:
-    """Tokens one `demote` call moved hot -> warm and tokens it dropped from warm."""
+    """Tokens one `demote` call moved hot -> warm, tokens it dropped from warm, and the warm groups
+    that left for the cold tier (first block index, group id; the group is free once read)."""
 
     num_demoted_tokens: int = 0
     num_dropped_tokens: int = 0
+    to_cold: tuple[tuple[int, WarmGroupId], ...] = ()
 
 
 class KVCache:
@@ -194,6 +207,7 @@ class KVCache:
         # Demotions the scheduler decided, not yet carried out: the scheduler never touches the
         # device; the runner takes these into the next step's plan and every rank performs them.
         self.pending_warm_copies: list[WarmCopy] = []
+        self.pending_cold = ColdMoves()  # the same for the cold tier (stores and loads)
 
     @property
     def block_size(self) -> int:
@@ -238,15 +252,20 @@ class KVCache:
         table.num_registered_blocks = 0
         table.next_demote_block = -1
         table.num_dropped_blocks = 0
+        table.cold_blocks.clear()
+        table.aux_blocks.clear()
 
-    def register_full_blocks(self, table: BlockTable, num_computed_tokens: int) -> None:
-        """Publish the prompt's blocks that are now computed to the prefix cache."""
+    def register_full_blocks(self, table: BlockTable, num_computed_tokens: int) -> list[int]:
+        """Publish the prompt's blocks that are now computed to the prefix cache; returns their indexes."""
         num_full = min(num_computed_tokens // self.block_size, len(table.prefix_hashes))
+        registered = []
         for index in range(table.num_registered_blocks, num_full):
             block_id = table.hot_block_ids[index]
             if block_id != SCRATCH_BLOCK:
                 self.hot.pool.register(block_id, table.prefix_hashes[index])
+                registered.append(index)
         table.num_registered_blocks = max(table.num_registered_blocks, num_full)
+        return registered
 
     def demote(self, table: BlockTable, num_computed_tokens: int) -> DemotionResult:
         """Move whole groups that left the hot window to warm, then apply the warm limit."""
@@ -261,8 +280,8 @@ class KVCache:
         while (table.next_demote_block + blocks_per_group) * self.block_size <= hot_from:
             demoted += self._demote_group(table, table.next_demote_block, blocks_per_group)
             table.next_demote_block += blocks_per_group
-        dropped = self._apply_warm_limit(table, blocks_per_group)
-        return DemotionResult(demoted, dropped)
+        dropped, to_cold = self._apply_warm_limit(table, blocks_per_group)
+        return DemotionResult(demoted, dropped, to_cold)
 
     def num_held_hot_blocks(self, table: BlockTable) -> int:
         """`len(table.held_hot_blocks())` without scanning the table (read per row per decode step).
@@ -317,12 +336,36 @@ class KVCache:
         copies, self.pending_warm_copies = self.pending_warm_copies, []
         return copies
 
-    def _apply_warm_limit(self, table: BlockTable, blocks_per_group: int) -> int:
+    def _apply_warm_limit(
+        self, table: BlockTable, blocks_per_group: int
+    ) -> tuple[int, tuple[tuple[int, WarmGroupId], ...]]:
+        """Free the oldest warm groups past the warm limit: dropped, or (`keeps_cold`) bound for cold."""
         assert self.warm is not None
         dropped = 0
+        to_cold = []
         while len(table.warm_groups) * table.tiers.group_size > table.tiers.warm_tokens:
             oldest = min(table.warm_groups)
-            self.warm.free(table.warm_groups.pop(oldest))
+            group_id = table.warm_groups.pop(oldest)
+            self.warm.free(group_id)  # reused no earlier than the next step, after the cold read
             table.num_dropped_blocks += blocks_per_group
             dropped += table.tiers.group_size
-        return dropped
+            if table.keeps_cold:
+                to_cold.append((oldest, group_id))
+        return dropped, tuple(to_cold)
+
+    # --- the cold tier's device moves ----------------------------------------------------------
+
+    def take_cold_moves(self) -> ColdMoves:
+        """The cold-tier moves decided since the last call; the runner carries them out."""
+        moves, self.pending_cold = self.pending_cold, ColdMoves()
+        return moves
+
+    def write_loaded(self, loads: list[ColdLoad]) -> None:
+        """Write blocks back from the kvstore into their hot blocks, all layers (changes state)."""
+        for load in loads:
+            index = torch.tensor(load.hot_block_ids, device=self.hot.keys.device)
+            shape = (load.keys.shape[0], len(load.hot_block_ids), self.block_size, *load.keys.shape[2:])
+            keys = load.keys.view(shape).to(self.hot.keys.device, self.hot.keys.dtype, non_blocking=True)
+            values = load.values.view(shape).to(self.hot.keys.device, self.hot.keys.dtype, non_blocking=True)
+            self.hot.keys[:, index] = keys
+            self.hot.values[:, index] = values

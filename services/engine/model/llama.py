@@ -95,6 +95,8 @@ class Attention(nn.Module):
             kv_cache.store(self.layer, k, v, metadata.slot_mapping)
         if metadata.probe is not None and metadata.probe.layer == self.layer:  # sampled decode step
             metadata.probe.record(kv_cache, q, metadata)
+        if metadata.query_tap is not None and metadata.query_tap.layer == self.layer:  # cold scoring
+            metadata.query_tap.record(q)
         out = attention.forward(q, k, v, self.layer, metadata)  # [T, H, D]
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))  # [T, E]
 

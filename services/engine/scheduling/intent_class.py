@@ -29,6 +29,7 @@ class IntentClass:
     max_new_tokens: int = 0  # cap on generated tokens (0: the engine's own limit)
     hot_tokens: int | None = None  # tier overrides for this class (None: the deployment's)
     warm_tokens: int | None = None
+    retrieval_mode: str | None = None  # "off" or "semantic" (None: the deployment's default)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -39,6 +40,11 @@ class IntentClass:
             )
         if not math.isfinite(self.queue_timeout_s) or self.queue_timeout_s <= 0:
             raise ValueError(f"class {self.name!r}: queue_timeout_s must be > 0, got {self.queue_timeout_s}")
+        if self.retrieval_mode not in (None, "off", "semantic"):
+            raise ValueError(
+                f"class {self.name!r}: retrieval_mode must be 'off' or 'semantic', "
+                f"got {self.retrieval_mode!r}"
+            )
         for name in ("reserved_slots", "max_new_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"class {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")

@@ -12,6 +12,7 @@ from services.engine.execution.model_runner import ScheduledRow
 from services.engine.kv.block_pool import hash_prefix_blocks
 from services.engine.kv.cache import DemotionResult, KVCache
 from services.engine.metrics import BATCH_SIZE
+from services.engine.scheduling.cold_planner import ColdPlanner
 from services.engine.scheduling.intent_class import IntentClass, IntentClasses
 from services.engine.scheduling.sequence import FinishReason, RequestId, Sequence, SequenceStatus
 
@@ -82,6 +83,8 @@ class Scheduler:
         self.num_prompt_tokens_cached = 0
         self.num_prompt_tokens_queried = 0
         self.num_dropped_tokens_last_step = 0
+        self.num_prefill_tokens_computed = 0  # prompt (and recomputed) tokens run through the model
+        self.cold: ColdPlanner | None = None  # the kvstore tier, when the engine has one
         self._queue_waits: list[tuple[str, float]] = []
 
     @property
@@ -98,10 +101,19 @@ class Scheduler:
         """Queue a new sequence (its class must be known)."""
         self.classes.get(seq.intent_class)
         self.waiting[seq.intent_class].append(seq)
+        self.enqueued_s.setdefault(seq.request_id, self.clock())
+        self.hash_prompt(seq)
+
+    def hash_prompt(self, seq: Sequence) -> None:
+        """The chained content hashes of the prompt's full blocks (once per sequence)."""
+        if not seq.block_table.prefix_hashes:
+            seq.block_table.prefix_hashes = hash_prefix_blocks(
+                seq.prompt_ids, self.kv_cache.block_size, self.model_id, seq.cache_salt
+            )
+
+    def mark_arrived(self, seq: Sequence) -> None:
+        """Start a new sequence's queue wait before it reaches a queue (a prefix load counts as waiting)."""
         self.enqueued_s[seq.request_id] = self.clock()
-        seq.block_table.prefix_hashes = hash_prefix_blocks(
-            seq.prompt_ids, self.kv_cache.block_size, self.model_id, seq.cache_salt
-        )
 
     # --- scheduling ----------------------------------------------------------------------------
 
@@ -179,12 +191,15 @@ class Scheduler:
         hits = pool.lookup(seq.block_table.prefix_hashes[:max_blocks])
         pool.share(hits)
         seq.block_table.hot_block_ids = list(hits)
-        seq.block_table.num_registered_blocks = len(hits)
-        seq.num_computed_tokens = len(hits) * self.kv_cache.block_size
+        loaded = 0 if self.cold is None else self.cold.attach_prefix(seq, len(hits), max_blocks)
+        seq.block_table.num_registered_blocks = len(hits) + loaded
+        seq.num_computed_tokens = (len(hits) + loaded) * self.kv_cache.block_size
+        seq.num_cold_prompt_tokens = loaded * self.kv_cache.block_size
 
     def _undo_prefix_cache(self, seq: Sequence) -> None:
         self.kv_cache.release(seq.block_table)
         seq.num_computed_tokens = 0
+        seq.num_cold_prompt_tokens = 0
 
     def _reserve(self, seq: Sequence, num_new: int, is_admission: bool = False) -> bool:
         """Make the table cover the step's tokens, preempting lower-priority sequences if needed.
@@ -231,6 +246,8 @@ class Scheduler:
             self.num_prompt_tokens_queried += len(seq.prompt_ids)
             self.num_prompt_tokens_cached += seq.num_computed_tokens
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
+        if self.cold is not None:
+            self.cold.on_started(seq)
         seq.status = SequenceStatus.RUNNING
         seq.timeline.mark_admitted()
         enqueued = self.enqueued_s.pop(seq.request_id, None)
@@ -259,8 +276,12 @@ class Scheduler:
             seq.num_computed_tokens += row.num_new
             if batch.kind is StepKind.PREFILL:
                 seq.timeline.end_prefill_chunk(row.num_new)
-            self.kv_cache.register_full_blocks(seq.block_table, seq.num_computed_tokens)
+                self.num_prefill_tokens_computed += row.num_new
+            registered = self.kv_cache.register_full_blocks(seq.block_table, seq.num_computed_tokens)
             demoted = self.kv_cache.demote(seq.block_table, seq.num_computed_tokens)
+            if self.cold is not None:
+                self.cold.store_prefix(seq, registered)
+                self.cold.demote(seq, demoted.to_cold)
             self.num_dropped_tokens_last_step += demoted.num_dropped_tokens
             if demoted.num_demoted_tokens or demoted.num_dropped_tokens:
                 _record_demotion(seq, demoted)
@@ -274,7 +295,9 @@ class Scheduler:
         return waits
 
     def release(self, seq: Sequence) -> None:
-        """Free a finished sequence's blocks at once."""
+        """Free a finished sequence's blocks at once (and its cold blocks, in the background)."""
+        if self.cold is not None:
+            self.cold.release(seq)
         self.kv_cache.release(seq.block_table)
         if seq in self.running:
             self.running.remove(seq)
@@ -327,5 +350,6 @@ def _record_demotion(seq: Sequence, demoted: DemotionResult) -> None:
             "thermocline.kv.to_tier": "warm",
             "thermocline.kv.demoted_tokens": demoted.num_demoted_tokens,
             "thermocline.kv.dropped_tokens": demoted.num_dropped_tokens,
+            "thermocline.kv.cold_tokens": len(demoted.to_cold) * seq.block_table.tiers.group_size,
         },
     )

@@ -12,6 +12,7 @@ from typing import NewType
 import torch
 
 from services.engine.kv.block_table import BlockTable
+from services.engine.kv.cold_tier import LoadedBlock
 from services.engine.kv.tiers import TierConfig
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.text.detokenizer import IncrementalDetokenizer
@@ -64,6 +65,8 @@ class SequenceUsage:
     cached_prompt_tokens: int
     hot_tokens: int
     warm_tokens: int
+    cold_tokens: int = 0  # auxiliary-window tokens loaded back from the kvstore
+    cold_prompt_tokens: int = 0  # of cached_prompt_tokens, those loaded from the kvstore
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,19 @@ class Timeline:
 EventCallback = Callable[[StreamEvent], None]
 
 
+@dataclass(frozen=True)
+class ColdPrefix:
+    """Prompt blocks `[first_block, first_block + len(blocks))` as the kvstore gave them back."""
+
+    first_block: int
+    blocks: tuple[LoadedBlock, ...]
+
+    @property
+    def end_block(self) -> int:
+        """One past the last block covered."""
+        return self.first_block + len(self.blocks)
+
+
 class Sequence:
     """Mutable per-request state; touched only by the thread that runs engine steps."""
 
@@ -160,6 +176,8 @@ class Sequence:
         tiers: TierConfig | None = None,
         cache_salt: str = "",
         intent_class: str = "default",
+        uses_aux_window: bool = False,
+        trace_metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -174,7 +192,11 @@ class Sequence:
         self.cache_salt = cache_salt
         self.intent_class = intent_class
         self.num_preemptions = 0
-        self._attended = [0, 0, 0]  # decode steps, hot tokens, warm tokens attended
+        self._attended = [0, 0, 0, 0]  # decode steps, hot, warm and cold tokens attended
+        self.uses_aux_window = uses_aux_window  # retrieval mode `semantic`: cold blocks come back by query
+        self.trace_metadata = trace_metadata  # the caller's trace context, sent on its kvstore calls
+        self.cold_prefix: ColdPrefix | None = None  # prompt blocks loaded from the kvstore, not yet placed
+        self.num_cold_prompt_tokens = 0  # prompt positions loaded from the kvstore instead of computed
         self.generator = generator
         self.timeline = Timeline()
         self._detokenizer = detokenizer
@@ -195,11 +217,12 @@ class Sequence:
         """Tokens whose K/V are not in the cache yet: 1 when decoding, more while (re)prefilling."""
         return self.num_tokens - self.num_computed_tokens
 
-    def record_attention(self, hot_tokens: int, warm_tokens: int) -> None:
+    def record_attention(self, hot_tokens: int, warm_tokens: int, cold_tokens: int = 0) -> None:
         """Count one decode step's attended tokens per tier (for usage)."""
         self._attended[0] += 1
         self._attended[1] += hot_tokens
         self._attended[2] += warm_tokens
+        self._attended[3] += cold_tokens
 
     def add_event(self, name: str, attributes: Mapping[str, AttributeValue] | None = None) -> None:
         """Record an event on this request's trace (e.g. `thermocline.safety.triggered`), stamped now.
@@ -212,7 +235,11 @@ class Sequence:
         """Usage so far: attended tokens are means per decode step."""
         steps = max(self._attended[0], 1)
         return SequenceUsage(
-            self.num_cached_prompt_tokens, self._attended[1] // steps, self._attended[2] // steps
+            self.num_cached_prompt_tokens,
+            self._attended[1] // steps,
+            self._attended[2] // steps,
+            self._attended[3] // steps,
+            self.num_cold_prompt_tokens,
         )
 
     @property

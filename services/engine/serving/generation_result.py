@@ -47,6 +47,11 @@ class ResultCollector:
             self._end_s = time.perf_counter()
             self.done.set()
 
+    @property
+    def final_event(self) -> StreamEvent | None:
+        """The finished event (its usage and timeline), once `done` is set."""
+        return self._last if self.done.is_set() else None
+
     def result(self) -> GenerationResult:
         """The finished result; only valid once `done` is set."""
         assert self._last is not None and self._last.finish_reason is not None, "request not finished"

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from services.engine.config import EngineConfig
@@ -38,6 +38,26 @@ _GATE_STATUS_TO_PB = {
     GateStatus.UNCOVERED: pb.SAFETY_GATE_STATUS_UNCOVERED,
     GateStatus.ABSENT: pb.SAFETY_GATE_STATUS_ABSENT,
 }
+
+
+RETRIEVAL_MODE_HEADER = "x-retrieval-mode"
+
+
+def retrieval_mode_of(request: pb.GenerateRequest, context: Any) -> str:
+    """The request's field (the gateway passes the header on there), else the header of a direct caller."""
+    if request.retrieval_mode:
+        return request.retrieval_mode
+    for key, value in context.invocation_metadata() or ():
+        if key == RETRIEVAL_MODE_HEADER and isinstance(value, str):
+            return value
+    return ""
+
+
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The current span's W3C context as gRPC metadata: the request's kvstore calls join its trace."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
 
 
 def sampling_from_pb(sampling: pb.SamplingParams, config: EngineConfig) -> SamplingParams:
@@ -79,7 +99,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
         try:
             handle = self.engine.submit(
-                prompt_ids, params, on_event, intent_class=request.intent_class, cache_salt=request.cache_salt
+                prompt_ids,
+                params,
+                on_event,
+                intent_class=request.intent_class,
+                cache_salt=request.cache_salt,
+                retrieval_mode=retrieval_mode_of(request, context),
+                trace_metadata=trace_metadata(),
             )
         except InvalidPrompt as error:
             raise InvalidArgument(str(error)) from None
@@ -178,6 +204,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 message.usage.cached_prompt_tokens = event.usage.cached_prompt_tokens
                 message.usage.tiers.hot_tokens = event.usage.hot_tokens
                 message.usage.tiers.warm_tokens = event.usage.warm_tokens
+                message.usage.tiers.cold_tokens = event.usage.cold_tokens
             span = trace.get_current_span()
             span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason.name.lower()])

@@ -1,0 +1,343 @@
+"""The cold tier's client side: kvstore calls off the engine thread, and what they report back.
+
+The engine thread never waits on the kvstore. It hands jobs to two daemon threads (a writer for
+puts and deletes, a loader for lookups and gets) and, once per step, drains what they report
+(`take_outcomes`). Every call has a deadline; a failed call (UNAVAILABLE, deadline, a corrupt or
+undecodable block) is an outcome with a reason, after which calls are skipped for
+`retry_after_s`, so a store that is down costs one deadline, not one per request. The caller
+then attends over hot + warm only: a request degrades, it never fails for the cold tier.
+Shapes: L layers, BS tokens per block, G tokens per cold block (a warm group), KVH, D.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import grpc
+import numpy as np
+import torch
+
+from services.common.kv_codec.codec import CodecSettings, decode_block, encode_block, read_layout
+from services.common.kv_codec.codec_format import CodecError
+from services.common.kvstore_api import (
+    BlockHash,
+    BlockIn,
+    CallOptions,
+    Codec,
+    FetchedBlock,
+    KVStoreClient,
+    MissReason,
+    Namespace,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"  # the kvstore namespace of requests with no cache salt
+
+
+class RetrievalMode(enum.Enum):
+    """Whether a request's decode attends an auxiliary window of cold blocks chosen by its query."""
+
+    OFF = "off"
+    SEMANTIC = "semantic"  # Quest-style: summary keys score cold blocks; the top ones are loaded
+
+
+@dataclass(frozen=True)
+class ColdTierConfig:
+    """Where the kvstore is and how the engine uses it; an empty `target` turns the cold tier off."""
+
+    target: str = ""  # host:port of the kvstore service
+    deadline_ms: int = 500  # every kvstore call; past it the engine carries on with hot + warm
+    retry_after_s: float = 5.0  # after a failed call, calls are skipped this long
+    prefix_reuse: bool = True  # store computed prompt blocks; load a new prompt's stored prefix
+    retrieval_mode: RetrievalMode = RetrievalMode.OFF  # default for requests and classes that set none
+    aux_window_tokens: int = 2048  # cold tokens one sequence attends at most (whole cold blocks)
+    score_every_steps: int = 16  # decode steps between two scorings of the cold blocks
+    codec: CodecSettings = field(default_factory=CodecSettings)
+
+    def __post_init__(self) -> None:
+        if self.deadline_ms < 1:
+            raise ValueError(f"the kvstore deadline must be >= 1 ms, got {self.deadline_ms}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.aux_window_tokens < 0 or self.score_every_steps < 1:
+            raise ValueError(
+                "the auxiliary window must be >= 0 tokens and scored every >= 1 steps, got "
+                f"{self.aux_window_tokens} tokens every {self.score_every_steps} steps"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """A kvstore target is set."""
+        return bool(self.target)
+
+
+class Operation(enum.Enum):
+    """What a cold-tier call was for (a metric label)."""
+
+    STORE_PREFIX = "store_prefix"
+    LOAD_PREFIX = "load_prefix"
+    DEMOTE = "demote"
+    LOAD_WINDOW = "load_window"
+    DELETE = "delete"
+
+
+class Degradation(enum.Enum):
+    """Why a cold-tier call gave nothing (a metric label and a span event attribute)."""
+
+    UNAVAILABLE = "unavailable"  # down, unreachable, or still backing off after a failure
+    DEADLINE = "deadline"  # slower than `deadline_ms`
+    CORRUPT = "corrupt"  # a block the store reported corrupt, or one that does not decode
+    ERROR = "error"  # any other status
+
+
+class LoadedBlock(NamedTuple):
+    """One block back from the store: keys and values `[L, T, KVH, D]` on the host."""
+
+    block_hash: BlockHash
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one job gave: the blocks stored or loaded, or why none (`degraded`)."""
+
+    operation: Operation
+    owner: object  # what the job was for (a sequence), handed back untouched
+    stored: tuple[BlockHash, ...] = ()
+    loaded: tuple[LoadedBlock, ...] = ()
+    degraded: Degradation | None = None
+    detail: str = ""
+
+
+class BlockToStore(NamedTuple):
+    """A block's keys and values `[L, T, KVH, D]`, copied to the host, and the codec to store it in."""
+
+    block_hash: BlockHash
+    keys: torch.Tensor
+    values: torch.Tensor
+    codec: Codec
+
+
+@dataclass(frozen=True)
+class Job:
+    """One unit of work for a kvstore thread."""
+
+    operation: Operation
+    owner: object
+    tenant: str
+    trace_metadata: tuple[tuple[str, str], ...]
+    hashes: tuple[BlockHash, ...] = ()
+    blocks: tuple[BlockToStore, ...] = ()
+    ready: Callable[[], None] | None = None  # waits for the device copies of `blocks` (CUDA event)
+
+
+class ColdTier:
+    """Owns the kvstore client and its two threads. `submit_*` queue work; `take_outcomes` drains.
+
+    Every call changes only this object's queues; the engine state the outcomes refer to is
+    changed by the engine thread when it takes them.
+    """
+
+    def __init__(
+        self, config: ColdTierConfig, model_id: str, wake: Callable[[], None] = lambda: None
+    ) -> None:
+        self.config = config
+        self.model_id = model_id
+        self._client = KVStoreClient(config.target, Namespace(DEFAULT_TENANT, model_id))
+        self._wake = wake
+        self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._writes: queue.Queue[Job | None] = queue.Queue()
+        self._loads: queue.Queue[Job | None] = queue.Queue()
+        self._down_until = 0.0
+        self._threads = [
+            threading.Thread(target=self._serve, args=(self._writes,), name="kvstore-writer", daemon=True),
+            threading.Thread(target=self._serve, args=(self._loads,), name="kvstore-loader", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """What a thread calls after it reports an outcome (the engine wakes its loop)."""
+        self._wake = wake
+
+    @property
+    def is_backing_off(self) -> bool:
+        """A call failed less than `retry_after_s` ago: new work would only wait for a deadline."""
+        return time.monotonic() < self._down_until
+
+    def submit(self, job: Job) -> None:
+        """Queue a job: loads on the loader thread, everything else on the writer."""
+        loads = (Operation.LOAD_PREFIX, Operation.LOAD_WINDOW)
+        (self._loads if job.operation in loads else self._writes).put(job)
+
+    def take_outcomes(self) -> list[Outcome]:
+        """Every outcome reported since the last call (engine thread)."""
+        found: list[Outcome] = []
+        while True:
+            try:
+                found.append(self._outcomes.get_nowait())
+            except queue.Empty:
+                return found
+
+    @property
+    def has_outcomes(self) -> bool:
+        """An outcome waits to be taken."""
+        return not self._outcomes.empty()
+
+    def wait_for_outcome(self, timeout_s: float) -> None:
+        """Block until an outcome is ready to take (a caller with nothing else to do), at most `timeout_s`."""
+        try:
+            self._outcomes.put(self._outcomes.get(timeout=timeout_s))
+        except queue.Empty:
+            return
+
+    def flush(self) -> None:
+        """Wait until every job queued so far is done (benchmarks, shutdown)."""
+        self._writes.join()
+        self._loads.join()
+
+    def close(self) -> None:
+        """Stop the threads after the queued jobs, then close the channel."""
+        for jobs in (self._writes, self._loads):
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=max(1.0, 4 * self.config.deadline_ms / 1000))
+        self._client.close()
+
+    # --- the threads ---------------------------------------------------------------------------
+
+    def _serve(self, jobs: queue.Queue[Job | None]) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                if job is None:
+                    return
+                self._report(self._run(job))
+            except Exception as error:  # a bug in one job must not stop the thread
+                logger.exception("cold tier job failed")
+                if job is not None:
+                    self._report(
+                        Outcome(job.operation, job.owner, degraded=Degradation.ERROR, detail=str(error))
+                    )
+            finally:
+                jobs.task_done()
+
+    def _report(self, outcome: Outcome) -> None:
+        self._outcomes.put(outcome)
+        self._wake()
+
+    def _run(self, job: Job) -> Outcome:
+        if self.is_backing_off:
+            return Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail="backing off")
+        call = CallOptions(
+            Namespace(job.tenant or DEFAULT_TENANT, self.model_id),
+            self.config.deadline_ms / 1000,
+            job.trace_metadata,
+        )
+        try:
+            return self._call(job, call)
+        except grpc.RpcError as error:
+            self._down_until = time.monotonic() + self.config.retry_after_s
+            reason = _degradation_of(error)
+            return Outcome(job.operation, job.owner, degraded=reason, detail=_status_text(error))
+
+    def _call(self, job: Job, call: CallOptions) -> Outcome:
+        if job.operation is Operation.LOAD_PREFIX:
+            return self._load_prefix(job, call)
+        if job.operation is Operation.LOAD_WINDOW:
+            return self._loaded(job, self._client.get(list(job.hashes), call))
+        if job.operation is Operation.DELETE:
+            self._client.delete(list(job.hashes), call)
+            return Outcome(job.operation, job.owner)
+        if job.ready is not None:
+            job.ready()
+        result = self._client.put([self._encode(b) for b in job.blocks], call)
+        return Outcome(job.operation, job.owner, stored=(*result.stored, *result.duplicates))
+
+    def _load_prefix(self, job: Job, call: CallOptions) -> Outcome:
+        """The longest run of `job.hashes` the store holds, from the first."""
+        present = set(self._client.lookup(list(job.hashes), call))
+        run: list[str] = []
+        for block_hash in job.hashes:
+            if block_hash not in present:
+                break
+            run.append(block_hash)
+        if not run:
+            return Outcome(job.operation, job.owner)
+        return self._loaded(job, self._client.get(run, call), require_all=run)
+
+    def _loaded(
+        self,
+        job: Job,
+        fetched: Mapping[str, FetchedBlock | MissReason],
+        require_all: list[str] | None = None,
+    ) -> Outcome:
+        """Decoded blocks; a prefix keeps its leading run of good blocks, a window every good one."""
+        blocks: list[LoadedBlock] = []
+        bad: list[str] = []
+        for block_hash in require_all or job.hashes:
+            item = fetched.get(block_hash, MissReason.ABSENT)
+            decoded = None if isinstance(item, MissReason) else _decode(item)
+            if decoded is None:
+                bad.append(block_hash)
+                if require_all is not None:
+                    break
+                continue
+            blocks.append(LoadedBlock(BlockHash(block_hash), *decoded))
+        if bad:
+            detail = f"{len(bad)} block(s) missing or corrupt, first {bad[0][:16]}"
+            return Outcome(
+                job.operation, job.owner, loaded=tuple(blocks), degraded=Degradation.CORRUPT, detail=detail
+            )
+        return Outcome(job.operation, job.owner, loaded=tuple(blocks))
+
+    def _encode(self, block: BlockToStore) -> BlockIn:
+        if block.codec is Codec.RAW:
+            stacked = torch.stack([block.keys, block.values], dim=1).to(torch.bfloat16)  # [L, 2, T, KVH, D]
+            payload = stacked.contiguous().view(torch.int16).numpy().tobytes()
+            return BlockIn(block.block_hash, Codec.RAW, tuple(stacked.shape), payload)
+        # No per-token attention mass reaches a demotion yet: uniform mass keeps every token (the
+        # entropy rule's top branch), so INT2 is the only loss and no dropped token needs masking.
+        mass = torch.ones(block.keys.shape[1])
+        payload = encode_block(block.keys.float(), block.values.float(), mass, self.config.codec)
+        shape = tuple(read_layout(payload).dense_shape)  # [L, 2, T, KVH, D]
+        return BlockIn(block.block_hash, Codec.INT2_SPARSE, shape, payload)
+
+
+def _decode(block: FetchedBlock) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Keys and values `[L, T, KVH, D]` (fp32 or bf16) of a served block; None when it does not decode."""
+    try:
+        if block.codec is Codec.RAW:
+            raw = np.frombuffer(block.payload, dtype=np.int16).reshape(block.shape)
+            stacked = torch.from_numpy(raw.copy()).view(torch.bfloat16)  # [L, 2, T, KVH, D]
+            return stacked[:, 0], stacked[:, 1]
+        decoded = decode_block(block.payload)
+        if not bool(decoded.token_mask.all()):  # the engine stores every token; a gap cannot be masked
+            return None
+        return decoded.keys, decoded.values
+    except (CodecError, ValueError, RuntimeError):
+        return None
+
+
+def _degradation_of(error: grpc.RpcError) -> Degradation:
+    code = error.code() if hasattr(error, "code") else None
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Degradation.DEADLINE
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return Degradation.UNAVAILABLE
+    return Degradation.ERROR
+
+
+def _status_text(error: grpc.RpcError) -> str:
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else ""
+    return f"{getattr(code, 'name', 'UNKNOWN')}: {details}"[:200]

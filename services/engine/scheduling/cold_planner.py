@@ -1,0 +1,292 @@
+"""The cold tier's decisions, on the engine thread: what to store, what to load, what to attend.
+
+Three uses of the kvstore, each falling back to hot + warm when the store is down, slow or wrong:
+- **Prefix reuse.** A computed prompt block is stored raw (BF16) under its content hash (chained,
+  tenant-salted). A new prompt waits, off the step loop, for a lookup and a get of its longest
+  stored prefix past what the hot prefix cache holds; those blocks are written into hot blocks
+  instead of being computed.
+- **Demotion.** With the auxiliary window on, a warm group that leaves the warm tier is stored
+  INT2 instead of being dropped, and its summary key stays in device memory.
+- **The auxiliary window** (Quest). Every `score_every_steps` decode steps, the query of one layer
+  scores each cold block by its summary; the best `aux_window_tokens` worth are loaded (async) into
+  spare hot blocks and mapped at their own positions, so either attention backend reads them as hot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from services.engine import metrics
+from services.engine.kv.block_pool import SCRATCH_BLOCK
+from services.engine.kv.block_table import ColdBlock, WarmGroupId
+from services.engine.kv.cache import KVCache
+from services.engine.kv.cold_moves import ColdLoad, ColdStore, ColdSummaries, ScoreRow
+from services.engine.kv.cold_tier import (
+    BlockHash,
+    ColdTier,
+    ColdTierConfig,
+    Degradation,
+    Job,
+    LoadedBlock,
+    Operation,
+    Outcome,
+)
+from services.engine.scheduling.sequence import ColdPrefix, RequestId, Sequence
+
+MAX_REMEMBERED_PREFIX_BLOCKS = 1 << 16  # prompt blocks known stored, so they are not put again
+
+
+@dataclass
+class ColdStats:
+    """Lifetime counters of the cold tier (blocks, except where named)."""
+
+    prefix_blocks_stored: int = 0
+    prefix_blocks_loaded: int = 0
+    prompt_tokens_loaded: int = 0
+    blocks_demoted: int = 0
+    window_loads: int = 0
+    window_loads_in_time: int = 0  # mapped by the step after they were chosen: nothing waited
+    degradations: int = 0
+
+
+class ColdPlanner:
+    """Owns the engine's view of the cold tier; every call runs on the engine thread."""
+
+    def __init__(self, tier: ColdTier, kv_cache: KVCache, summaries: ColdSummaries) -> None:
+        self.tier = tier
+        self.summaries = summaries
+        self.config: ColdTierConfig = tier.config
+        self.kv_cache = kv_cache
+        self.stats = ColdStats()
+        self.num_steps = 0
+        self._loading: dict[RequestId, int] = {}  # request -> first prompt block asked for
+        self._held: dict[RequestId, Sequence] = {}
+        self._window_wanted: dict[RequestId, set[int]] = {}
+        self._window_asked_at: dict[tuple[RequestId, int], int] = {}
+        self._stored_prefix: OrderedDict[BlockHash, None] = OrderedDict()
+
+    @property
+    def num_held(self) -> int:
+        """New requests waiting for their prefix to come back from the store."""
+        return len(self._held)
+
+    # --- prefix reuse --------------------------------------------------------------------------
+
+    def start_prefix_load(self, seq: Sequence) -> bool:
+        """Ask the store for the prompt's blocks past the hot cache's; True when `seq` waits for them."""
+        if not self.config.prefix_reuse:
+            return False
+        max_blocks = (len(seq.prompt_ids) - 1) // self.kv_cache.block_size
+        hashes = seq.block_table.prefix_hashes[:max_blocks]
+        first = self.kv_cache.hot.pool.num_cached_prefix(hashes)
+        if first >= len(hashes):
+            return False
+        if self.tier.is_backing_off:
+            self._degrade(seq, Operation.LOAD_PREFIX, Degradation.UNAVAILABLE, "backing off after a failure")
+            return False
+        self._loading[seq.request_id] = first
+        self._held[seq.request_id] = seq
+        names = tuple(BlockHash(h.hex()) for h in hashes[first:])
+        self.tier.submit(Job(Operation.LOAD_PREFIX, seq, seq.cache_salt, seq.trace_metadata, names))
+        return True
+
+    def take_held(self, request_id: RequestId) -> Sequence | None:
+        """Stop waiting for a held request's prefix (cancel); its load's outcome is then ignored."""
+        self._loading.pop(request_id, None)
+        return self._held.pop(request_id, None)
+
+    def held(self) -> list[Sequence]:
+        """Requests waiting for their prefix."""
+        return list(self._held.values())
+
+    def attach_prefix(self, seq: Sequence, num_hot_blocks: int, max_blocks: int) -> int:
+        """Place loaded prompt blocks right after the hot hits; returns how many (changes state)."""
+        prefix = seq.cold_prefix
+        if prefix is None or not prefix.first_block <= num_hot_blocks < prefix.end_block:
+            return 0
+        blocks = prefix.blocks[num_hot_blocks - prefix.first_block : max_blocks - prefix.first_block]
+        pool = self.kv_cache.hot.pool
+        if not blocks or not pool.can_allocate(len(blocks)):
+            return 0
+        block_ids = pool.allocate(len(blocks))
+        table = seq.block_table
+        table.hot_block_ids.extend(block_ids)
+        for offset, block_id in enumerate(block_ids):
+            pool.register(block_id, table.prefix_hashes[num_hot_blocks + offset])
+        keys = torch.cat([b.keys for b in blocks], dim=1)  # [L, n*BS, KVH, D]
+        values = torch.cat([b.values for b in blocks], dim=1)
+        self.kv_cache.pending_cold.loads.append(ColdLoad(tuple(block_ids), keys, values))
+        return len(blocks)
+
+    def on_started(self, seq: Sequence) -> None:
+        """A request was admitted: count what its prefix load saved and let the blocks go."""
+        if seq.num_cold_prompt_tokens:
+            self.stats.prompt_tokens_loaded += seq.num_cold_prompt_tokens
+            self.stats.prefix_blocks_loaded += seq.num_cold_prompt_tokens // self.kv_cache.block_size
+            metrics.COLD_BLOCKS.labels(Operation.LOAD_PREFIX.value).inc(
+                seq.num_cold_prompt_tokens // self.kv_cache.block_size
+            )
+        seq.cold_prefix = None
+
+    def store_prefix(self, seq: Sequence, indexes: list[int]) -> None:
+        """Store newly computed prompt blocks that the store does not hold yet."""
+        if not self.config.prefix_reuse:
+            return
+        table = seq.block_table
+        for index in indexes:
+            name = BlockHash(table.prefix_hashes[index].hex())
+            if name not in self._stored_prefix:
+                store = ColdStore(Operation.STORE_PREFIX, seq, name, (table.hot_block_ids[index],))
+                self.kv_cache.pending_cold.stores.append(store)
+
+    # --- demotion and the auxiliary window -----------------------------------------------------
+
+    def demote(self, seq: Sequence, groups: tuple[tuple[int, WarmGroupId], ...]) -> None:
+        """Store warm groups that left the warm tier, and keep their summary slots."""
+        table = seq.block_table
+        for first, group_id in groups:
+            name = BlockHash(hashlib.sha256(f"{seq.request_id}:{first}".encode()).hexdigest())
+            slot = len(table.cold_blocks)
+            table.cold_blocks[first] = ColdBlock(name, slot)
+            store = ColdStore(Operation.DEMOTE, seq, name, warm_group=group_id, summary_slot=slot)
+            self.kv_cache.pending_cold.stores.append(store)
+
+    def rows_to_score(self, seqs: list[Sequence]) -> list[ScoreRow]:
+        """Decode rows whose query scores their cold blocks this step (every `score_every_steps`)."""
+        self.num_steps += 1
+        if self.num_steps % self.config.score_every_steps:
+            return []
+        group_size = seqs[0].block_table.tiers.group_size if seqs else 1
+        num_blocks = self.config.aux_window_tokens // max(group_size, 1)
+        return [
+            ScoreRow(row, seq.request_id, len(seq.block_table.cold_blocks), num_blocks)
+            for row, seq in enumerate(seqs)
+            if seq.uses_aux_window and num_blocks and _has_stored(seq)
+        ]
+
+    def choose_window(self, seq: Sequence, slots: list[int]) -> None:
+        """The blocks a query chose (best first): unmap the others, load the missing ones."""
+        table = seq.block_table
+        by_slot = {b.slot: (first, b) for first, b in table.cold_blocks.items()}
+        chosen = [by_slot[s] for s in slots if s in by_slot and by_slot[s][1].is_stored]
+        wanted = {first for first, _ in chosen}
+        self._window_wanted[seq.request_id] = wanted
+        for first in [f for f in table.aux_blocks if f not in wanted]:
+            self._unmap(seq, first)
+        missing = [(first, b) for first, b in chosen if first not in table.aux_blocks]
+        if not missing:
+            return
+        for first, _ in missing:
+            self._window_asked_at[(seq.request_id, first)] = self.num_steps
+        names = tuple(BlockHash(b.block_hash) for _, b in missing)
+        self.tier.submit(Job(Operation.LOAD_WINDOW, seq, seq.cache_salt, seq.trace_metadata, names))
+
+    def _map_window(self, seq: Sequence, loaded: tuple[LoadedBlock, ...]) -> None:
+        table = seq.block_table
+        wanted = self._window_wanted.get(seq.request_id, set())
+        first_of = {b.block_hash: first for first, b in table.cold_blocks.items()}
+        blocks_per_group = table.tiers.group_size // self.kv_cache.block_size
+        pool = self.kv_cache.hot.pool
+        for block in loaded:
+            first = first_of.get(block.block_hash)
+            asked = self._window_asked_at.pop((seq.request_id, first), None) if first is not None else None
+            if first is None or first not in wanted or first in table.aux_blocks:
+                continue
+            if pool.num_free_blocks() < 2 * blocks_per_group:  # leave room for the batch to grow
+                continue
+            block_ids = pool.allocate(blocks_per_group)
+            for offset, block_id in enumerate(block_ids):
+                table.hot_block_ids[first + offset] = block_id
+            table.aux_blocks[first] = tuple(block_ids)
+            self.kv_cache.pending_cold.loads.append(ColdLoad(tuple(block_ids), block.keys, block.values))
+            self.stats.window_loads += 1
+            self.stats.window_loads_in_time += int(asked is not None and self.num_steps - asked <= 1)
+            metrics.COLD_BLOCKS.labels(Operation.LOAD_WINDOW.value).inc()
+
+    def _unmap(self, seq: Sequence, first: int) -> None:
+        table = seq.block_table
+        block_ids = table.aux_blocks.pop(first)
+        self.kv_cache.hot.pool.free(block_ids)
+        for offset in range(len(block_ids)):
+            table.hot_block_ids[first + offset] = SCRATCH_BLOCK
+
+    def num_window_tokens(self, seq: Sequence) -> int:
+        """Cold tokens the sequence attends now."""
+        return len(seq.block_table.aux_blocks) * seq.block_table.tiers.group_size
+
+    def release(self, seq: Sequence) -> None:
+        """A request ended: forget its window and delete its demoted blocks from the store."""
+        self._window_wanted.pop(seq.request_id, None)
+        self.summaries.forget(seq.request_id)
+        for key in [k for k in self._window_asked_at if k[0] == seq.request_id]:
+            del self._window_asked_at[key]
+        names = tuple(BlockHash(b.block_hash) for b in seq.block_table.cold_blocks.values())
+        if names:
+            self.tier.submit(Job(Operation.DELETE, seq, seq.cache_salt, seq.trace_metadata, names))
+
+    # --- outcomes ------------------------------------------------------------------------------
+
+    def take_ready(self) -> list[Sequence]:
+        """Apply what the kvstore threads reported; returns held requests whose prefix load ended."""
+        ready: list[Sequence] = []
+        for outcome in self.tier.take_outcomes():
+            seq = outcome.owner
+            assert isinstance(seq, Sequence)
+            if outcome.degraded is not None:
+                self._degrade(seq, outcome.operation, outcome.degraded, outcome.detail)
+            if outcome.operation is Operation.LOAD_PREFIX:
+                self._prefix_loaded(seq, outcome, ready)
+            elif outcome.operation is Operation.STORE_PREFIX:
+                self._prefix_stored(outcome)
+            elif outcome.operation is Operation.DEMOTE:
+                self._demoted(seq, outcome)
+            elif outcome.operation is Operation.LOAD_WINDOW and not seq.is_finished and outcome.loaded:
+                self._map_window(seq, outcome.loaded)
+        return ready
+
+    def _prefix_loaded(self, seq: Sequence, outcome: Outcome, ready: list[Sequence]) -> None:
+        first = self._loading.pop(seq.request_id, None)
+        if self._held.pop(seq.request_id, None) is None or first is None:
+            return  # cancelled while its prefix was loading
+        if outcome.loaded:
+            seq.cold_prefix = ColdPrefix(first, outcome.loaded)
+        ready.append(seq)
+
+    def _prefix_stored(self, outcome: Outcome) -> None:
+        for name in outcome.stored:
+            self._stored_prefix[name] = None
+            self._stored_prefix.move_to_end(name)
+        while len(self._stored_prefix) > MAX_REMEMBERED_PREFIX_BLOCKS:
+            self._stored_prefix.popitem(last=False)
+        self.stats.prefix_blocks_stored += len(outcome.stored)
+        metrics.COLD_BLOCKS.labels(Operation.STORE_PREFIX.value).inc(len(outcome.stored))
+
+    def _demoted(self, seq: Sequence, outcome: Outcome) -> None:
+        stored = set(outcome.stored)
+        for block in seq.block_table.cold_blocks.values():
+            if block.block_hash in stored:
+                block.is_stored = True
+        self.stats.blocks_demoted += len(stored)
+        metrics.COLD_BLOCKS.labels(Operation.DEMOTE.value).inc(len(stored))
+
+    def _degrade(self, seq: Sequence, operation: Operation, reason: Degradation, detail: str) -> None:
+        """A kvstore call gave nothing: count it, and put it on the request's trace."""
+        self.stats.degradations += 1
+        metrics.COLD_DEGRADATIONS.labels(operation.value, reason.value).inc()
+        seq.add_event(
+            "thermocline.kv.cold_degraded",
+            {
+                "thermocline.kv.operation": operation.value,
+                "thermocline.kv.reason": reason.value,
+                "thermocline.kv.detail": detail,
+                "thermocline.kv.fallback": "hot+warm",
+            },
+        )
+
+
+def _has_stored(seq: Sequence) -> bool:
+    return any(block.is_stored for block in seq.block_table.cold_blocks.values())

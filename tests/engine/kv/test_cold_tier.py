@@ -1,0 +1,228 @@
+"""The engine's cold tier against a real kvstore process over a real redis-server and real files.
+
+Prefix reuse: a second engine (a fresh replica) loads a long shared prompt prefix that the first
+one computed and stored, instead of computing it. Fallback: a kvstore killed mid-request, frozen
+(deadline) or serving a corrupt block costs the request nothing but the cold tier; the request
+completes on hot + warm, and the degradation is a metric and an event on the request's trace.
+Synchronisation is by the cold tier's own barrier (`ColdTier.flush`) and health checks, never sleeps.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from services.common.kvstore_api import BlockHash, KVStoreClient, MissReason, Namespace
+from services.engine.errors import UnknownRetrievalMode
+from services.engine.kv.block_pool import BlockHash as BlockHashBytes
+from services.engine.kv.block_pool import hash_prefix_blocks
+from services.engine.kv.cold_tier import DEFAULT_TENANT, ColdTierConfig
+from services.engine.kv.tiers import KVCacheSpec, TierConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.scheduling.sampling_params import SamplingParams
+from services.engine.serving.generation_result import GenerationResult, ResultCollector
+from tests.kvstore.conftest import KVStoreProcess, RedisServer
+
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with "
+    "her friends. One day, she saw a big red ball under a tree. She ran to the ball and picked it up. "
+    "Her mom smiled and said they could take it home. Lily was very happy and hugged her mom. "
+)
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+BLOCK_SIZE = 16
+
+
+@pytest.fixture
+def kvstore(tmp_path: Path) -> Iterator[KVStoreProcess]:
+    """A kvstore of its own over a redis-server of its own (tests break both)."""
+    redis = RedisServer(tmp_path).start()
+    process = KVStoreProcess(tmp_path / "kvstore", redis.url).start()
+    yield process
+    if process.process is not None and process.process.poll() is None:
+        process.process.send_signal(signal.SIGCONT)  # a test may leave it frozen
+    process.stop()
+    redis.stop()
+
+
+def load_engine(model: Path, cold: ColdTierConfig, tiers: TierConfig | None = None) -> LLMEngine:
+    """stories260K in BF16 (the dtype prompt blocks are stored in, so a loaded prefix is exact)."""
+    return LLMEngine.load(
+        model, device="cpu", dtype="bfloat16", max_batch_size=2, max_seq_len=512, progress=False,
+        kv=KVCacheSpec(block_size=BLOCK_SIZE, tiers=tiers or TierConfig()), cold=cold,
+    )  # fmt: skip
+
+
+def long_prompt(engine: LLMEngine) -> list[int]:
+    """About 300 tokens of story: 18 full blocks of shared prefix."""
+    return engine.tokenizer.encode(STORY * 5)[:300]
+
+
+def run(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams = GREEDY, **submit: str
+) -> ResultCollector:
+    """Submit and step the engine by hand until the request ends."""
+    collector = ResultCollector(prompt)
+    engine.submit(prompt, params, collector, **submit)
+    while not collector.done.is_set():
+        engine.step()
+    return collector
+
+
+def store_prefix(engine: LLMEngine, prompt: list[int]) -> GenerationResult:
+    """The first replica computes the prompt; its prompt blocks are durable in the store on return."""
+    result = run(engine, prompt).result()
+    assert engine.cold is not None
+    engine.cold.tier.flush()
+    engine.step()  # takes the store's acknowledgements
+    return result
+
+
+def prompt_block_hashes(engine: LLMEngine, prompt: list[int]) -> list[BlockHashBytes]:
+    """The prompt's chained block hashes, as the engine names them (no cache salt)."""
+    return hash_prefix_blocks(prompt, BLOCK_SIZE, engine.model_id, "")
+
+
+def degradations(operation: str, reason: str) -> float:
+    """The degradation counter's value for one label pair."""
+    labels = {"operation": operation, "reason": reason}
+    return REGISTRY.get_sample_value("thermocline_engine_kv_cold_degradations_total", labels) or 0.0
+
+
+def degraded_events(collector: ResultCollector) -> list[dict[str, object]]:
+    """The attributes of the request's `thermocline.kv.cold_degraded` trace events."""
+    event = collector.final_event
+    assert event is not None and event.timeline is not None
+    return [dict(e.attributes) for e in event.timeline.events if e.name == "thermocline.kv.cold_degraded"]
+
+
+def test_a_second_replica_loads_a_long_shared_prefix_instead_of_computing_it(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    cold = ColdTierConfig(target=kvstore.target)
+    first = load_engine(stories_hf_dir, cold)
+    prompt = long_prompt(first)
+    expected = store_prefix(first, prompt)
+    assert first.stats().num_prefill_tokens_computed == len(prompt)
+    num_blocks = (len(prompt) - 1) // BLOCK_SIZE  # the last prompt token is always computed
+    assert first.stats().cold.prefix_blocks_stored == num_blocks  # type: ignore[union-attr]
+
+    second = load_engine(stories_hf_dir, cold)
+    collector = run(second, prompt)
+    stats = second.stats()
+    num_loaded = num_blocks * BLOCK_SIZE
+    assert stats.cold.prompt_tokens_loaded == num_loaded  # type: ignore[union-attr]
+    assert stats.num_prefill_tokens_computed == len(prompt) - num_loaded
+    assert collector.result().token_ids == expected.token_ids
+    usage = collector.final_event.usage  # type: ignore[union-attr]
+    assert usage is not None and usage.cold_prompt_tokens == num_loaded
+    assert usage.cached_prompt_tokens == num_loaded
+    # the loaded pages hold exactly what the first replica computed (BF16 round trip)
+    hashes = second.scheduler.kv_cache.hot.pool._by_hash
+    for block_hash in prompt_block_hashes(second, prompt)[:num_blocks]:
+        a = first.runner.kv_cache.hot.keys[:, first.scheduler.kv_cache.hot.pool._by_hash[block_hash]]
+        b = second.runner.kv_cache.hot.keys[:, hashes[block_hash]]
+        assert torch.equal(a, b)
+    first.stop()
+    second.stop()
+
+
+def test_a_corrupt_block_ends_the_loaded_prefix_there_and_the_rest_is_computed(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    cold = ColdTierConfig(target=kvstore.target)
+    first = load_engine(stories_hf_dir, cold)
+    prompt = long_prompt(first)
+    expected = store_prefix(first, prompt)
+    bad = BlockHash(prompt_block_hashes(first, prompt)[5].hex())
+    with KVStoreClient(kvstore.target, Namespace(DEFAULT_TENANT, first.model_id)) as client:
+        payload = client.get([bad])[bad].payload  # type: ignore[union-attr]
+    segment = next(p for p in (kvstore.data_dir / "segments").glob("*.seg") if payload in p.read_bytes())
+    data = bytearray(segment.read_bytes())
+    data[data.index(payload) + 7] ^= 0x01
+    segment.write_bytes(bytes(data))
+    before = degradations("load_prefix", "corrupt")
+
+    second = load_engine(stories_hf_dir, cold)
+    collector = run(second, prompt)
+    assert collector.result().token_ids == expected.token_ids
+    assert second.stats().cold.prompt_tokens_loaded == 5 * BLOCK_SIZE  # type: ignore[union-attr]
+    assert second.stats().num_prefill_tokens_computed == len(prompt) - 5 * BLOCK_SIZE
+    assert degradations("load_prefix", "corrupt") == before + 1
+    assert [e["thermocline.kv.reason"] for e in degraded_events(collector)] == ["corrupt"]
+    second.cold.tier.flush()  # type: ignore[union-attr]
+    with KVStoreClient(kvstore.target, Namespace(DEFAULT_TENANT, first.model_id)) as client:
+        healed = client.get([bad])[bad]  # the store dropped the corrupt record; the recompute put it back
+    assert not isinstance(healed, MissReason) and healed.payload == payload
+    first.stop()
+    second.stop()
+
+
+def test_a_frozen_kvstore_costs_a_deadline_and_the_prompt_is_computed(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    cold = ColdTierConfig(target=kvstore.target, deadline_ms=300, retry_after_s=600)
+    first = load_engine(stories_hf_dir, cold)
+    prompt = long_prompt(first)
+    expected = store_prefix(first, prompt)
+    assert kvstore.process is not None
+    kvstore.process.send_signal(signal.SIGSTOP)  # alive, holding its port, answering nothing
+    before = degradations("load_prefix", "deadline")
+
+    second = load_engine(stories_hf_dir, cold)
+    collector = run(second, prompt)
+    assert collector.result().token_ids == expected.token_ids
+    assert second.stats().num_prefill_tokens_computed == len(prompt)
+    assert degradations("load_prefix", "deadline") == before + 1
+    events = degraded_events(collector)
+    assert events[0]["thermocline.kv.reason"] == "deadline"
+    assert events[0]["thermocline.kv.fallback"] == "hot+warm"
+    assert second.cold is not None and second.cold.tier.is_backing_off  # later requests skip the store
+    kvstore.process.send_signal(signal.SIGCONT)
+    first.stop()
+    second.stop()
+
+
+def test_the_request_completes_when_the_kvstore_is_killed_mid_request(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """Warm overflow goes cold, the auxiliary window loads it back, then the store dies under it."""
+    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
+    cold = ColdTierConfig(target=kvstore.target, score_every_steps=4, aux_window_tokens=32)
+    engine = load_engine(stories_hf_dir, cold, tiers)
+    assert engine.cold is not None
+    prompt = engine.tokenizer.encode(STORY)
+    params = SamplingParams(max_new_tokens=120, temperature=0.0)
+    collector = ResultCollector(prompt)
+    engine.submit(prompt, params, collector, retrieval_mode="semantic")
+    while engine.cold.stats.window_loads == 0:  # until a cold block is attended again
+        assert not collector.done.is_set(), "the request ended before its auxiliary window loaded"
+        engine.step()
+        engine.cold.tier.flush()
+    num_before = engine.cold.stats.degradations
+    kvstore.kill()
+    while not collector.done.is_set():
+        engine.step()
+
+    result = collector.result()
+    assert result.error is None and len(result.token_ids) == params.max_new_tokens
+    assert engine.cold.stats.degradations > num_before
+    events = degraded_events(collector)
+    assert events and {e["thermocline.kv.reason"] for e in events} == {"unavailable"}
+    assert degradations(str(events[0]["thermocline.kv.operation"]), "unavailable") >= 1
+    usage = collector.final_event.usage  # type: ignore[union-attr]
+    assert usage is not None and usage.cold_tokens > 0  # the window was attended while it lasted
+    engine.stop()
+
+
+def test_a_retrieval_mode_the_engine_does_not_know_is_refused(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    engine = load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target))
+    with pytest.raises(UnknownRetrievalMode, match="semantic"):
+        engine.submit([1, 2, 3], GREEDY, ResultCollector([1, 2, 3]), retrieval_mode="psychic")
+    engine.stop()
