@@ -24,8 +24,12 @@ from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from thermocline.safety.v1 import safety_pb2
 
+RETRIEVAL_MODE_HEADER = "x-retrieval-mode"  # passed on to the engine, which checks it
 
-def engine_request(request: pb.GenerateRequest, admission: Admission) -> engine_pb2.GenerateRequest:
+
+def engine_request(
+    request: pb.GenerateRequest, admission: Admission, retrieval_mode: str = ""
+) -> engine_pb2.GenerateRequest:
     """The engine's view of a client request: the tenant salts the prefix cache, the class schedules it."""
     sampling = request.sampling
     converted = engine_pb2.GenerateRequest(
@@ -39,6 +43,7 @@ def engine_request(request: pb.GenerateRequest, admission: Admission) -> engine_
         ),
         intent_class=admission.priority_class,
         cache_salt=admission.principal.tenant,
+        retrieval_mode=retrieval_mode[:64],
     )
     if sampling.HasField("seed"):
         converted.sampling.seed = sampling.seed
@@ -72,7 +77,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self, request: pb.GenerateRequest, context: Any
     ) -> AsyncIterator[pb.GenerateResponse]:
         resolve = lambda name: self._resolve_model(name, context.time_remaining())  # noqa: E731
-        admission = await self.gatekeeper.admit_generate(request, CallMetadata.of(context), resolve)
+        metadata = CallMetadata.of(context)
+        admission = await self.gatekeeper.admit_generate(request, metadata, resolve)
         text = admission.prompt_text
         settings = self._settings(text, admission, context.time_remaining())
         self._annotate_span(request, admission)
@@ -92,7 +98,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         with self.in_flight.track(admission.request_id, tenant) as stream:
             try:
                 async for message in relay(
-                    self.upstreams, engine_request(request, admission), settings, replicas
+                    self.upstreams,
+                    engine_request(request, admission, metadata.get(RETRIEVAL_MODE_HEADER, "")),
+                    settings,
+                    replicas,
                 ):
                     if message.HasField("done"):
                         await self._charge_completion(admission, message.done.usage.completion_tokens)
