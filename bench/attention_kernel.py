@@ -3,7 +3,9 @@
 Random caches in the Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head dim 128, block 16,
 warm group 32); every row's context is sink + warm + a 128-token hot window (tiers on) or all hot
 (tiers off). Times `paged_attention` (with its flash-decoding merge) per layer call, and reports the
-bytes it must read against the measured copy bandwidth. Needs CUDA.
+bytes it must read against the measured copy bandwidth. Needs CUDA. A launch variant
+`TILExWARPS[xSTAGES[xREGS]]` overrides the kernel's launch shape (tile positions, warps, software-
+pipeline stages, register cap), so one run can compare them; "default" is what the engine launches.
 
     python bench/attention_kernel.py --contexts 1024,32768 --batches 1,16
 """
@@ -31,7 +33,13 @@ TIERS = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=1 <<
 
 
 def time_decode(
-    batch: int, context: int, tiered: bool, tile_n: int | None = None, num_warps: int = 4
+    batch: int,
+    context: int,
+    tiered: bool,
+    tile_n: int | None = None,
+    num_warps: int = 4,
+    segments: int | None = None,
+    **launch,
 ) -> tuple[float, float, int]:
     """(µs per call, bytes the call must read, flash-decoding segments)."""
     config = ModelConfig(vocab_size=8, hidden_size=HEADS * DIM, intermediate_size=8, num_layers=LAYERS,
@@ -56,7 +64,7 @@ def time_decode(
         tables.append(table)
     rows = [RowInput(t, context - 1, 1) for t in tables]
     backend = TritonBackend(cache, HEADS, batch)
-    segments = backend.num_segments(batch, context)
+    segments = segments or backend.num_segments(batch, context)
     host_meta = AttentionMetadata.for_rows(rows, BLOCK, TIERS.group_size // BLOCK, torch.device("cuda"))
     metadata = AttentionMetadata(host_meta.positions, host_meta.slot_mapping, host_meta.paged,
                                  host_meta.max_seq_len, segments)  # fmt: skip
@@ -66,7 +74,9 @@ def time_decode(
     out = torch.empty_like(q)
 
     def call() -> None:
-        paged_attention(q, layer, metadata.paged, out, segments, partials, tile_n=tile_n, num_warps=num_warps)
+        paged_attention(
+            q, layer, metadata.paged, out, segments, partials, tile_n=tile_n, num_warps=num_warps, **launch
+        )
 
     for _ in range(3):
         call()
@@ -89,21 +99,36 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,32768")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument(
-        "--variants", default="", help="tiers-on launch shapes to compare, e.g. 16x4,32x8 (positions x warps)"
+        "--variants",
+        default="",
+        help="launch shapes to compare, e.g. 32x4,64x8x2,64x4x3x128 (see the module docstring)",
     )
+    parser.add_argument("--segments", type=int, default=None, help="flash-decoding split (default: engine)")
+    parser.add_argument("--hot-variants", action="store_true", help="time the variants with tiers off too")
     args = parser.parse_args()
-    variants = [(None, 4)] + [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",") if v]
-    print("| context | batch | tiers | tile x warps | segments | µs per layer call | MB read | GB/s |")
+    variants = [None] + [v for v in args.variants.split(",") if v]
+    print("| context | batch | tiers | launch | segments | µs per layer call | MB read | GB/s |")
     print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            for tiered, (tile_n, warps) in [(False, (None, 4))] + [(True, v) for v in variants]:
-                us, read, segments = time_decode(batch, context, tiered, tile_n, warps)
-                shape = "default" if tile_n is None else f"{tile_n}x{warps}"
+            hot = variants if args.hot_variants else [None]
+            runs = [(True, v) for v in variants] + [(False, v) for v in hot]
+            for tiered, variant in runs:
+                launch = _launch(variant)
+                us, read, segments = time_decode(batch, context, tiered, segments=args.segments, **launch)
+                shape = variant or "default"
                 tiers = "on" if tiered else "off"
                 print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | "
                       f"{read / 1e6:.1f} | {read / us / 1e3:.0f} |", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
+
+
+def _launch(variant: str | None) -> dict:
+    """`64x4x3x128` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg)."""
+    if variant is None:
+        return {}
+    names = ("tile_n", "num_warps", "num_stages", "maxnreg")
+    return dict(zip(names, (int(x) for x in variant.split("x")), strict=False))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,15 @@ positions; each position is read from its hot block, or from its warm block's pa
 are dequantized in registers. No dense copy of the context is ever written. Long contexts split
 across `num_segments` programs (flash-decoding); a second kernel merges the partial softmaxes.
 
+The warm path is built for bytes in flight and few instructions per byte (bench/attention_kernel.py
+measured each step on the H200): a tile's codes are read per block as contiguous slabs from one
+table entry per block; the nibbles are never interleaved (the low ones, the even channels, meet the
+query's even channels, and the values accumulate in even and odd halves interleaved once at the
+end); dequantization is fp16 bit tricks, two values per instruction; and the next tile's loads are
+issued before the current tile's math. A tile with hot positions (the sink and the recent window)
+takes a separate branch. The program order puts the KV heads of one (row, segment) side by side, so
+they read a position's neighbouring bytes together.
+
 Cache layouts (one layer; the caller slices the layer off):
 - hot keys/values `[N, BS, KVH, D]`, model dtype; block 0 is scratch and never read.
 - warm codes `[WB, BS, KVH, D/2]` uint8 (a warm group of G tokens viewed as G/BS warm blocks; the low
@@ -69,32 +78,210 @@ class Partials(NamedTuple):
 
 
 @triton.jit
-def _dequantize_warm_tile(
-    codes_ptr,
-    scale_ptr,
-    zero_ptr,
-    scale_index,  # [TILE_N] int: scale row per position (key: group id; value: warm block id)
-    codes_offsets,  # [TILE_N] int: element offset of each position's packed codes
-    scale_offsets,  # [TILE_N] int: element offset of each position's scale row, past `scale_index`
-    is_warm,  # [TILE_N] bool
+def _softmax_step(scores, running_max, running_sum):
+    """One online-softmax update over a tile of masked scores (log2 domain).
+
+    Returns (probabilities, factor for the accumulators, new running max, new running sum)."""
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that have seen nothing yet
+    rescale = tl.exp2(running_max - safe_max)
+    probs = tl.exp2(scores - safe_max[:, None])
+    return probs, rescale, new_max, running_sum * rescale + tl.sum(probs, 1)
+
+
+@triton.jit
+def _dequantize(packed, scale, zero, dtype: tl.constexpr):
+    """uint8 codes with their scale and zero -> (low nibbles, high nibbles) dequantized in `dtype`.
+
+    A nibble goes into the low mantissa bits of a power of two whose last mantissa bit is 1 (1024 in
+    fp16, 2**23 in fp32), which is then subtracted: a bitwise op and an add at full rate, where an
+    integer-to-float conversion runs at a quarter of it. For a 16-bit model the arithmetic is fp16,
+    two values per instruction; the scales are stored in fp16, so `code * scale + zero` is the
+    same product the reference forms, rounded once to fp16 (finer than the bf16 it then stores)."""
+    if dtype == tl.float16:
+        bits: tl.constexpr = tl.int16
+        magic: tl.constexpr = 0x6400
+        bias: tl.constexpr = 1024.0
+    else:
+        bits: tl.constexpr = tl.int32
+        magic: tl.constexpr = 0x4B000000
+        bias: tl.constexpr = 8388608.0
+    word = packed.to(bits)
+    low = ((word & 15) | magic).to(bits).to(dtype, bitcast=True) - bias
+    high = ((word >> 4) | magic).to(bits).to(dtype, bitcast=True) - bias
+    return low * scale + zero, high * scale + zero
+
+
+@triton.jit
+def _load_codes(pointers, has_byte, UNPADDED: tl.constexpr):
+    """Packed codes at `pointers`, each row a whole warm block slab (a block that is not warm points at
+    warm block 0: valid memory, and its scales load as 0, so its values dequantize to exactly 0).
+    Unmasked when the head dim needs no padding: no per-byte predicates in the loop."""
+    if UNPADDED:
+        return tl.load(pointers)
+    return tl.load(pointers, mask=has_byte, other=0)
+
+
+@triton.jit
+def _hot_update(
+    q,  # [M, D]
+    acc,  # [M, D] fp32
+    acc_even,
+    acc_odd,  # [M, D/2] fp32: the warm positions' output channels (rescaled here)
+    running_max,
+    running_sum,
+    hot_keys_ptr,
+    hot_values_ptr,
+    hot_block,  # [N] int64: hot page of each position, 0 where this update skips it
+    position,  # [N] absolute positions
+    q_position,  # [M]
+    kv_head,
+    stride_hot_b,
+    stride_hot_t,
+    stride_hot_h,
+    sm_scale_log2,
+    BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
-    CHANNELS_PER_SCALE: tl.constexpr,  # 1 for keys (per channel), VG for values (per channel group)
+    HAS_WARM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Packed nibbles and their fp16 scale/zero -> `[TILE_N, HEAD_DIM_PADDED]` fp32."""
-    half = tl.arange(0, HEAD_DIM_PADDED // 2)
-    packed = tl.load(
-        codes_ptr + codes_offsets[:, None] + half[None, :],
-        mask=is_warm[:, None] & (half[None, :] < HEAD_DIM // 2),
-        other=0,
-    )  # [TILE_N, D/2] uint8
-    codes = tl.interleave(packed & 15, packed >> 4).to(tl.float32)  # [TILE_N, D]: even = low nibble
+    """Attend one tile of hot (model dtype) positions."""
     channel = tl.arange(0, HEAD_DIM_PADDED)
-    mask = is_warm[:, None] & (channel[None, :] < HEAD_DIM)
-    offsets = scale_index[:, None] + scale_offsets[:, None] + channel[None, :] // CHANNELS_PER_SCALE
-    scale = tl.load(scale_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    zero = tl.load(zero_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return codes * scale + zero
+    is_hot = hot_block != 0
+    offsets = hot_block * stride_hot_b + (position % BLOCK_SIZE) * stride_hot_t + kv_head * stride_hot_h
+    slot = offsets[:, None] + channel[None, :]
+    mask = is_hot[:, None] & (channel < HEAD_DIM)[None, :]
+    k = tl.load(hot_keys_ptr + slot, mask=mask, other=0.0)  # [N, D]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
+    visible = is_hot[None, :] & (position[None, :] <= q_position[:, None])
+    scores = tl.where(visible, scores * sm_scale_log2, float("-inf"))
+    probs, rescale, running_max, running_sum = _softmax_step(scores, running_max, running_sum)
+    v = tl.load(hot_values_ptr + slot, mask=mask, other=0.0)  # [N, D]
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if HAS_WARM:
+        acc_even = acc_even * rescale[:, None]
+        acc_odd = acc_odd * rescale[:, None]
+    return acc, acc_even, acc_odd, running_max, running_sum
+
+
+@triton.jit
+def _warm_tile_table(warm_row, tile, tile_end, kv_end, BLOCK_SIZE: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+    """The warm block of each of a tile's logical blocks, -1 where not warm (or past the segment)."""
+    blocks = tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
+    in_range = (blocks * BLOCK_SIZE < kv_end) & (tile < tile_end)
+    return tl.load(warm_row + blocks, mask=in_range, other=-1)
+
+
+@triton.jit
+def _warm_tile_loads(
+    warm_block,  # [K] int: from _warm_tile_table
+    kv_head,
+    key_codes_ptr,
+    key_scale_ptr,
+    key_zero_ptr,
+    value_codes_ptr,
+    value_scale_ptr,
+    value_zero_ptr,
+    stride_codes_b,
+    stride_codes_t,
+    stride_codes_h,
+    stride_kscale_g,
+    stride_kscale_h,
+    stride_vscale_b,
+    stride_vscale_t,
+    stride_vscale_h,
+    dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCKS_PER_GROUP: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_DIM: tl.constexpr,
+):
+    """Issue every load of one warm tile: the packed codes and their scales and zeros, not yet used.
+
+    A block's codes are one contiguous `[BLOCK_SIZE, D/2]` slab with a single key-scale row (its
+    group's), so keys are read as `[K, BLOCK_SIZE, D/2]` and values as `[K, BLOCK_SIZE, groups,
+    VALUE_GROUP/2]` (one value scale per group of channels) from per-block base offsets, with no
+    per-position gathers. A block that is not warm reads warm block 0 (valid memory) with zeroed
+    scales and zeros, so it dequantizes to exactly 0 and needs no per-byte predicate."""
+    HALF_GROUP: tl.constexpr = VALUE_GROUP // 2  # code bytes per value scale
+    NUM_GROUPS: tl.constexpr = HALF_DIM // HALF_GROUP  # groups covering the padded channels
+    UNPADDED: tl.constexpr = HEAD_DIM == 2 * HALF_DIM
+    is_warm_block = warm_block >= 0
+    warm_block = tl.where(is_warm_block, warm_block, 0).to(tl.int64)
+    block_base = warm_block * stride_codes_b + kv_head * stride_codes_h  # [K]
+    token = tl.arange(0, BLOCK_SIZE)
+    half = tl.arange(0, HALF_DIM)
+    rows = block_base[:, None, None] + (token * stride_codes_t)[None, :, None]  # [K, BS, 1]
+    key_codes = _load_codes(key_codes_ptr + rows + half[None, None, :], half < HEAD_DIM // 2, UNPADDED)
+    group_base = (warm_block // BLOCKS_PER_GROUP) * stride_kscale_g + kv_head * stride_kscale_h
+    channels = group_base[:, None, None] + 2 * half[None, None, :]  # [K, 1, D/2]: even channels
+    row_mask = is_warm_block[:, None, None] & (half < HEAD_DIM // 2)[None, None, :]
+    key_scale_even = tl.load(key_scale_ptr + channels, mask=row_mask, other=0.0).to(dtype)
+    key_scale_odd = tl.load(key_scale_ptr + channels + 1, mask=row_mask, other=0.0).to(dtype)
+    key_zero_even = tl.load(key_zero_ptr + channels, mask=row_mask, other=0.0).to(dtype)
+    key_zero_odd = tl.load(key_zero_ptr + channels + 1, mask=row_mask, other=0.0).to(dtype)
+    group = tl.arange(0, NUM_GROUPS)
+    byte = group[:, None] * HALF_GROUP + tl.arange(0, HALF_GROUP)[None, :]  # [groups, VG/2]
+    value_codes = _load_codes(
+        value_codes_ptr + rows[:, :, :, None] + byte[None, None], byte < HEAD_DIM // 2, UNPADDED
+    )
+    scale_base = warm_block * stride_vscale_b + kv_head * stride_vscale_h
+    scales = scale_base[:, None, None] + (token * stride_vscale_t)[None, :, None] + group[None, None, :]
+    scale_mask = is_warm_block[:, None, None] & (group < HEAD_DIM // VALUE_GROUP)[None, None, :]
+    value_scale = tl.load(value_scale_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
+    value_zero = tl.load(value_zero_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
+    return (key_codes, key_scale_even, key_scale_odd, key_zero_even, key_zero_odd,
+            value_codes, value_scale, value_zero)  # fmt: skip
+
+
+@triton.jit
+def _warm_update(
+    q_even,
+    q_odd,  # [M, D/2]: the query's even and odd channels (a code byte's low and high nibbles)
+    acc,  # [M, D] fp32 (rescaled here)
+    acc_even,
+    acc_odd,  # [M, D/2] fp32
+    running_max,
+    running_sum,
+    key_codes,  # [K, BS, D/2] uint8 ... value_zero: one tile's _warm_tile_loads
+    key_scale_even,
+    key_scale_odd,
+    key_zero_even,
+    key_zero_odd,
+    value_codes,
+    value_scale,
+    value_zero,
+    is_warm,  # [N] bool: per position, warm and inside the context
+    position,  # [N]
+    q_position,  # [M]
+    sm_scale_log2,
+    TILE_N: tl.constexpr,
+    HALF_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Attend one tile of INT4 warm positions, dequantized in registers. The nibbles stay apart: the
+    low ones (even channels) meet `q_even`, the high ones `q_odd`, and the values accumulate into
+    even and odd halves that the kernel interleaves once at the end."""
+    dtype = q_even.dtype
+    k_even, _ = _dequantize(key_codes, key_scale_even, key_zero_even, dtype)
+    _, k_odd = _dequantize(key_codes, key_scale_odd, key_zero_odd, dtype)
+    k_even = tl.reshape(k_even, (TILE_N, HALF_DIM))
+    k_odd = tl.reshape(k_odd, (TILE_N, HALF_DIM))
+    scores = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PRECISION)
+    scores = tl.dot(q_odd, tl.trans(k_odd), scores, input_precision=DOT_PRECISION)
+    visible = is_warm[None, :] & (position[None, :] <= q_position[:, None])
+    scores = tl.where(visible, scores * sm_scale_log2, float("-inf"))
+    probs, rescale, running_max, running_sum = _softmax_step(scores, running_max, running_sum)
+    probs = probs.to(dtype)
+    v_even, v_odd = _dequantize(value_codes, value_scale[:, :, :, None], value_zero[:, :, :, None], dtype)
+    v_even = tl.reshape(v_even, (TILE_N, HALF_DIM))
+    v_odd = tl.reshape(v_odd, (TILE_N, HALF_DIM))
+    acc = acc * rescale[:, None]
+    acc_even = acc_even * rescale[:, None] + tl.dot(probs, v_even, input_precision=DOT_PRECISION)
+    acc_odd = acc_odd * rescale[:, None] + tl.dot(probs, v_odd, input_precision=DOT_PRECISION)
+    return acc, acc_even, acc_odd, running_max, running_sum
 
 
 @triton.jit
@@ -133,6 +320,7 @@ def _paged_attention_kernel(
     stride_vscale_h,
     stride_table_b,
     sm_scale_log2,  # softmax scale times log2(e): the kernel works in base 2
+    NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCKS_PER_GROUP: tl.constexpr,
     VALUE_GROUP: tl.constexpr,
@@ -145,11 +333,15 @@ def _paged_attention_kernel(
     HAS_WARM: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    # the KV heads of one (row, segment) are neighbours in launch order: they run together and read
+    # neighbouring bytes (a position's heads are adjacent in every cache layout)
+    kv_head = tl.program_id(0) % NUM_KV_HEADS
+    segment = tl.program_id(0) // NUM_KV_HEADS
     q_block = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SEGMENTS
-    segment = tl.program_id(2) % NUM_SEGMENTS
+    row = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // QUERIES_PER_KV
+    TILE_BLOCKS: tl.constexpr = TILE_N // BLOCK_SIZE
+    HALF_DIM: tl.constexpr = HEAD_DIM_PADDED // 2
     DOT_PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"
 
     q_start = tl.load(query_start_ptr + row)
@@ -164,11 +356,20 @@ def _paged_attention_kernel(
     q_position = context_len + q_token  # [M] absolute position of each query
     channel = tl.arange(0, HEAD_DIM_PADDED)
     has_channel = channel < HEAD_DIM
-    q = tl.load(
-        q_ptr + (q_start + q_token)[:, None] * stride_q_t + head[:, None] * stride_q_h + channel[None, :],
-        mask=is_query[:, None] & has_channel[None, :],
-        other=0.0,
-    )  # [M, D]
+    q_rows = q_ptr + (q_start + q_token)[:, None] * stride_q_t + head[:, None] * stride_q_h
+    q = tl.load(q_rows + channel[None, :], mask=is_query[:, None] & has_channel[None, :], other=0.0)  # [M, D]
+    half = tl.arange(0, HALF_DIM)
+    half_mask = is_query[:, None] & (half < HEAD_DIM // 2)[None, :]
+    # The warm tier is dequantized and multiplied in fp16 for a 16-bit model (see _dequantize), so
+    # the query meets it in fp16: exact for a bf16 query inside fp16's range, which is clamped to it.
+    WARM_DTYPE: tl.constexpr = tl.float32 if IEEE_DOT else tl.float16
+    q_even = tl.zeros([BLOCK_M, HALF_DIM], dtype=WARM_DTYPE)
+    q_odd = tl.zeros([BLOCK_M, HALF_DIM], dtype=WARM_DTYPE)
+    if HAS_WARM:
+        q_even = tl.load(q_rows + 2 * half[None, :], mask=half_mask, other=0.0).to(tl.float32)
+        q_odd = tl.load(q_rows + 2 * half[None, :] + 1, mask=half_mask, other=0.0).to(tl.float32)
+        q_even = tl.clamp(q_even, -65504.0, 65504.0).to(WARM_DTYPE)
+        q_odd = tl.clamp(q_odd, -65504.0, 65504.0).to(WARM_DTYPE)
 
     # keys this block of queries can see, split evenly (in whole tiles) across the segments
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
@@ -181,66 +382,68 @@ def _paged_attention_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    acc_even = tl.zeros([BLOCK_M, HALF_DIM], dtype=tl.float32)  # warm tiles' even output channels
+    acc_odd = tl.zeros([BLOCK_M, HALF_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + row * stride_table_b
     warm_row = warm_tables_ptr + row * stride_table_b
+    if HAS_WARM:
+        # Software pipeline by hand: while a tile's math runs, the next tile's codes are already in
+        # flight (their table entries one tile further ahead), so the loop never waits on a load
+        # it has just issued.
+        next_table = _warm_tile_table(warm_row, tile_begin, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
+        (key_codes, key_scale_even, key_scale_odd, key_zero_even, key_zero_odd,
+         value_codes, value_scale, value_zero) = _warm_tile_loads(
+            next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
+            value_codes_ptr, value_scale_ptr, value_zero_ptr,
+            stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
+            stride_vscale_b, stride_vscale_t, stride_vscale_h,
+            WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HALF_DIM,
+        )  # fmt: skip
+        next_table = _warm_tile_table(warm_row, tile_begin + 1, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
     for tile in range(tile_begin, tile_end):
         position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
         in_context = position < kv_end
         logical_block = position // BLOCK_SIZE
-        offset = position % BLOCK_SIZE
         hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
-        is_hot = in_context & (hot_block != 0)
-        hot_offsets = hot_block * stride_hot_b + offset * stride_hot_t + kv_head * stride_hot_h
-        hot_mask = is_hot[:, None] & has_channel[None, :]
-        hot_slot = hot_offsets[:, None] + channel[None, :]
-        k = tl.load(hot_keys_ptr + hot_slot, mask=hot_mask, other=0.0)  # [N, D]
-        v = tl.load(hot_values_ptr + hot_slot, mask=hot_mask, other=0.0)  # [N, D]
-        is_present = is_hot
         if HAS_WARM:
-            warm_block = tl.load(warm_row + logical_block, mask=in_context, other=-1)
-            is_warm = in_context & (warm_block >= 0)
-            warm_block = tl.where(is_warm, warm_block, 0).to(tl.int64)
-            codes_offsets = warm_block * stride_codes_b + offset * stride_codes_t + kv_head * stride_codes_h
-            warm_k = _dequantize_warm_tile(
-                key_codes_ptr,
-                key_scale_ptr,
-                key_zero_ptr,
-                (warm_block // BLOCKS_PER_GROUP) * stride_kscale_g,
-                codes_offsets,
-                tl.zeros_like(offset) + kv_head * stride_kscale_h,
-                is_warm,
-                HEAD_DIM,
-                HEAD_DIM_PADDED,
-                1,
-            )
-            warm_v = _dequantize_warm_tile(
-                value_codes_ptr,
-                value_scale_ptr,
-                value_zero_ptr,
-                warm_block * stride_vscale_b,
-                codes_offsets,
-                offset * stride_vscale_t + kv_head * stride_vscale_h,
-                is_warm,
-                HEAD_DIM,
-                HEAD_DIM_PADDED,
-                VALUE_GROUP,
-            )
-            # rounded to the model dtype, as the reference path stores a dequantized key before SDPA
-            k = tl.where(is_warm[:, None], warm_k.to(k.dtype), k)
-            v = tl.where(is_warm[:, None], warm_v.to(v.dtype), v)
-            is_present = is_present | is_warm
+            (tile_key_codes, tile_key_scale_even, tile_key_scale_odd, tile_key_zero_even, tile_key_zero_odd,
+             tile_value_codes, tile_value_scale, tile_value_zero) = (
+                key_codes, key_scale_even, key_scale_odd, key_zero_even, key_zero_odd,
+                value_codes, value_scale, value_zero)  # fmt: skip
+            (key_codes, key_scale_even, key_scale_odd, key_zero_even, key_zero_odd,
+             value_codes, value_scale, value_zero) = _warm_tile_loads(
+                next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
+                value_codes_ptr, value_scale_ptr, value_zero_ptr,
+                stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
+                stride_vscale_b, stride_vscale_t, stride_vscale_h,
+                WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HALF_DIM,
+            )  # fmt: skip
+            next_table = _warm_tile_table(warm_row, tile + 2, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
+            # The warm update is straight-line; the hot update runs only where a tile has hot
+            # positions: the sink and the recent window, a few tiles of a long row.
+            is_warm = in_context & (tl.load(warm_row + logical_block, mask=in_context, other=-1) >= 0)
+            acc, acc_even, acc_odd, running_max, running_sum = _warm_update(
+                q_even, q_odd, acc, acc_even, acc_odd, running_max, running_sum,
+                tile_key_codes, tile_key_scale_even, tile_key_scale_odd,
+                tile_key_zero_even, tile_key_zero_odd, tile_value_codes, tile_value_scale, tile_value_zero,
+                is_warm, position, q_position, sm_scale_log2, TILE_N, HALF_DIM, DOT_PRECISION,
+            )  # fmt: skip
+            hot_block = tl.where(is_warm, 0, hot_block)  # a block in both tiers is read as warm
+            if tl.max(hot_block, 0) > 0:
+                acc, acc_even, acc_odd, running_max, running_sum = _hot_update(
+                    q, acc, acc_even, acc_odd, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
+                    hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
+                    sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, HAS_WARM, DOT_PRECISION,
+                )  # fmt: skip
+        else:
+            acc, acc_even, acc_odd, running_max, running_sum = _hot_update(
+                q, acc, acc_even, acc_odd, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
+                hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
+                sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, HAS_WARM, DOT_PRECISION,
+            )  # fmt: skip
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
-        visible = is_present[None, :] & (position[None, :] <= q_position[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that have seen nothing yet
-        rescale = tl.exp2(running_max - safe_max)
-        probs = tl.exp2(scores - safe_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
-
+    if HAS_WARM:
+        acc += tl.interleave(acc_even, acc_odd)  # even/odd halves back into channel order
     token = q_start + q_token
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
@@ -250,7 +453,7 @@ def _paged_attention_kernel(
             mask=is_query[:, None] & has_channel[None, :],
         )
     else:  # flash-decoding: this segment's share, merged by _merge_segments_kernel
-        num_heads = tl.num_programs(2) // NUM_SEGMENTS * QUERIES_PER_KV
+        num_heads = NUM_KV_HEADS * QUERIES_PER_KV
         part = (token * num_heads + head) * NUM_SEGMENTS + segment  # [M]
         tl.store(part_max_ptr + part, running_max, mask=is_query)
         tl.store(part_sum_ptr + part, running_sum, mask=is_query)
@@ -304,8 +507,9 @@ class PagedAttentionPlan(NamedTuple):
 
 
 def head_dim_padded(head_dim: int) -> int:
-    """The kernel's channel count: a power of two, at least 16 (the smallest `tl.dot`)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    """The kernel's channel count: a power of two, at least 32 (the warm path's dots run over half of
+    it, and the smallest `tl.dot` is 16)."""
+    return max(32, triton.next_power_of_2(head_dim))
 
 
 def paged_attention(
@@ -317,12 +521,16 @@ def paged_attention(
     partials: Partials | None = None,
     tile_n: int | None = None,
     num_warps: int = 4,
+    num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries `q` `[T, H, D]` over each row's paged context; writes `out` `[T, H, D]`.
 
     With `num_segments > 1` the context splits across programs (flash-decoding) and `partials` must
     hold at least `[T, H, num_segments, D_PADDED]`. `tile_n` (positions per loop step, a multiple of
-    the block size) and `num_warps` override the launch shape; bench/attention_kernel.py compares them.
+    the block size), `num_warps`, `num_stages` (loads in flight in the software pipeline; Triton's
+    default when None) and `maxnreg` (a register cap per thread) override the launch shape;
+    bench/attention_kernel.py compares them.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = layer.hot_keys.shape
@@ -334,13 +542,16 @@ def paged_attention(
     block_q = block_m // queries_per_kv
     padded = head_dim_padded(head_dim)
     warm = layer.warm
+    tile_n = tile_n or _tile_n(block_size, warm is not None)
+    if tile_n % block_size or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power-of-two multiple of the block size {block_size}: {tile_n}")
     if num_segments > 1:
         if num_segments & (num_segments - 1):
             raise ValueError(f"num_segments must be a power of two, got {num_segments}")
         needed = num_tokens * num_heads * num_segments
         if partials is None or partials.max.numel() < needed or partials.out.numel() < needed * padded:
             raise ValueError(f"flash-decoding over {num_segments} segments needs a larger Partials workspace")
-    grid = (plan.seq_lens.shape[0], triton.cdiv(plan.max_query_len, block_q), num_kv_heads * num_segments)
+    grid = (num_kv_heads * num_segments, triton.cdiv(plan.max_query_len, block_q), plan.seq_lens.shape[0])
     warm_args = _warm_args(warm, layer.hot_keys)
     _paged_attention_kernel[grid](
         out,
@@ -363,6 +574,7 @@ def paged_attention(
         *warm_args[4].stride()[:3],
         plan.block_tables.stride(0),
         LOG2_E / math.sqrt(head_dim),
+        NUM_KV_HEADS=num_kv_heads,
         BLOCK_SIZE=block_size,
         BLOCKS_PER_GROUP=layer.blocks_per_group,
         VALUE_GROUP=head_dim // warm.value_scale.shape[-1] if warm is not None else 1,
@@ -370,11 +582,13 @@ def paged_attention(
         HEAD_DIM_PADDED=padded,
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m,
-        TILE_N=tile_n or _tile_n(block_size, warm is not None),
+        TILE_N=tile_n,
         NUM_SEGMENTS=num_segments,
         HAS_WARM=warm is not None,
         IEEE_DOT=q.dtype == torch.float32,
         num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if num_segments > 1:
         assert partials is not None
@@ -392,11 +606,9 @@ def paged_attention(
 
 
 def _tile_n(block_size: int, has_warm: bool) -> int:
-    """Positions per loop step. With a warm tier, one block: the INT4 path holds the codes, scales and
-    zeros of every position as fp32 tiles, and at 64 positions x 128 channels those spill registers
-    (measured on the H200: a 32K-token decode ran ~0.5 us per position). Hot only: 64 positions."""
-    if has_warm:
-        return block_size
+    """Positions per loop step: 64 (whole blocks). On the H200 both tiers measured best there with 4
+    warps (bench/attention_kernel.py: 32 or 128 positions, or 8 warps, were 30-90% slower warm)."""
+    del has_warm  # the same tile for both tiers
     return 64 if block_size <= 64 else block_size
 
 
@@ -435,5 +647,13 @@ def _check_inputs(q: torch.Tensor, layer: PagedLayer, plan: PagedAttentionPlan, 
         raise ValueError("block_tables and warm_block_tables must share a layout")
     if layer.warm is not None and layer.warm.key_codes.stride() != layer.warm.value_codes.stride():
         raise ValueError("warm key and value codes must share a layout")
-    if layer.warm is not None and head_dim % 2:
-        raise ValueError(f"INT4 codes pack two channels per byte; head dim {head_dim} is odd")
+    if layer.warm is not None:
+        if head_dim % 2:
+            raise ValueError(f"INT4 codes pack two channels per byte; head dim {head_dim} is odd")
+        value_group = head_dim // layer.warm.value_scale.shape[-1]
+        if value_group < 2 or value_group & (value_group - 1):
+            raise ValueError(
+                f"the fused kernel reads INT4 values in power-of-two channel groups; this cache's group is "
+                f"{value_group} channels (set the tier group size to a power of two, or use the reference "
+                "attention backend)"
+            )
