@@ -229,6 +229,7 @@ class Mesh:
             "THERMOCLINE_GATEWAY_AUDIT_DIR": str(self.audit_dir),
             "THERMOCLINE_GATEWAY_SAFETY_TARGET": self.target("safety"),
             "THERMOCLINE_ENGINE_SAFETY_TARGET": self.target("safety"),
+            "THERMOCLINE_ENGINE_KVSTORE_TARGET": self.target("kvstore"),
             "THERMOCLINE_GATEWAY_JWT_KEY_FILE": str(self.public_key_path),
             "THERMOCLINE_GATEWAY_AUDIT_KEY_FILE": str(self.audit_key_path),
             "THERMOCLINE_KVSTORE_DATA_DIR": str(config.state_dir / "kvstore"),

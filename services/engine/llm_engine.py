@@ -439,11 +439,12 @@ class LLMEngine:
     def _take_cold_outcomes(self) -> None:
         """Apply the kvstore's outcomes; requests whose prefix came back join their queues.
 
-        With nothing else to run (a caller stepping by hand while prefixes load), wait for one.
+        A caller stepping by hand with nothing else to run waits for one (the step thread instead
+        sleeps until a kvstore thread wakes it).
         """
         if self.cold is None:
             return
-        if not self.scheduler.has_work and self.cold.num_held:
+        if self._thread is None and not self.scheduler.has_work and self.cold.num_held:
             self.cold.tier.wait_for_outcome(timeout_s=2 * self.cold.config.deadline_ms / 1000)
         for seq in self.cold.take_ready():
             self.scheduler.add(seq)

@@ -40,6 +40,7 @@ from services.common.kvstore_api import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"  # the kvstore namespace of requests with no cache salt
+MAX_QUEUED_JOBS = 1024  # per thread; beyond it the store is treated as down for that job
 
 
 class RetrievalMode(enum.Enum):
@@ -175,9 +176,19 @@ class ColdTier:
         return time.monotonic() < self._down_until
 
     def submit(self, job: Job) -> None:
-        """Queue a job: loads on the loader thread, everything else on the writer."""
+        """Queue a job: loads on the loader thread, everything else on the writer.
+
+        A store slower than the engine would grow the queue (and the host copies it holds) without
+        bound: past MAX_QUEUED_JOBS a job is refused at once, as if the store were down.
+        """
         loads = (Operation.LOAD_PREFIX, Operation.LOAD_WINDOW)
-        (self._loads if job.operation in loads else self._writes).put(job)
+        jobs = self._loads if job.operation in loads else self._writes
+        if jobs.qsize() >= MAX_QUEUED_JOBS:
+            self._report(
+                Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail="queue full")
+            )
+            return
+        jobs.put(job)
 
     def take_outcomes(self) -> list[Outcome]:
         """Every outcome reported since the last call (engine thread)."""
