@@ -34,7 +34,9 @@ class EngineConfig:
     `_CPU_KV_CACHE_MB` (CPU: the pools' budget, default 512), `_KV_BLOCK_SIZE`, `_KV_HOT_BLOCKS`
     (0 = sized from the budget),
     `_KV_TIERS` (off: every token hot), `_KV_SINK_TOKENS`, `_KV_HOT_TOKENS`, `_KV_WARM_TOKENS`,
-    `_KV_GROUP_SIZE`, `_KV_WARM_POLICY` (window or refuse), `_KV_WARM_GROUPS` (0 = derived).
+    `_KV_GROUP_SIZE`, `_KV_WARM_POLICY` (window or refuse), `_KV_WARM_GROUPS` (0 = derived),
+    `_KV_MAX_HOT_TOKENS` (0: hot never grows), `_KV_GROW_BELOW_HOT_MASS` (0.5) and
+    `_KV_RESTART_HOT_AT_TURNS` (off): the attention-driven tier boundaries.
     In-loop safety gate: `_GATE_SOURCE` (file, safety or off), `_GATE_FILE` (the gate's
     .safetensors, its .json manifest beside it), `_SAFETY_TARGET` (host:port of the safety service
     whose GetGate announces the gate's sha256; unset: not checked), `_GATE_MISMATCH` (refuse or
@@ -122,6 +124,13 @@ def _kv_from_env(prefix: str, environ: Mapping[str, str] | None) -> KVCacheSpec:
         warm_tokens=env.get_int(prefix + "WARM_TOKENS", defaults.warm_tokens, environ),
         group_size=env.get_int(prefix + "GROUP_SIZE", defaults.group_size, environ),
         policy=WarmFullPolicy(policy),
+        max_hot_tokens=env.get_int(prefix + "MAX_HOT_TOKENS", defaults.max_hot_tokens, environ),
+        grow_below_hot_mass=env.get_float(
+            prefix + "GROW_BELOW_HOT_MASS", defaults.grow_below_hot_mass, environ
+        ),
+        restart_hot_at_turns=env.get_bool(
+            prefix + "RESTART_HOT_AT_TURNS", defaults.restart_hot_at_turns, environ
+        ),
     )
     engine = prefix.removesuffix("KV_")
     return KVCacheSpec(

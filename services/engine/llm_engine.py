@@ -142,6 +142,7 @@ class LLMEngine:
         self.tiers = tiers or TierConfig()
         self.scheduler = Scheduler(runner.kv_cache, max_batch_size, max_prefill_tokens, classes, model_id)
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self._turn_token_ids = self._eos_token_ids | frozenset(tokenizer.turn_start_ids())
         self._lock = threading.Condition()
         self._step_lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
@@ -297,6 +298,7 @@ class LLMEngine:
         seq.uses_aux_window = tiers.enabled and mode is RetrievalMode.SEMANTIC
         seq.block_table.keeps_cold = seq.uses_aux_window
         seq.trace_metadata = trace_metadata
+        self._mark_turn(seq, seq.prompt_ids, 0)
         with self._lock:
             self._inbox.append(seq)
             self._lock.notify()
@@ -468,9 +470,33 @@ class LLMEngine:
         token_list, flag_rows = _fetch(token_ids, flags)  # the step's one host sync
         if output.hot_mass is not None:  # sampled step: the sync above already waited for it
             self._hot_attention_mass = float(output.hot_mass.item())
+            self._move_hot_boundary(batch.rows[output.probe_row % len(batch.rows)].seq)
         fired = [self._gate.fired(f) for f in flag_rows] if self._gate and flag_rows else [()] * len(done)
         self._choose_cold_windows(batch, output.window_scores)
         return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
+
+    def _move_hot_boundary(self, seq: Sequence) -> None:
+        """The measured row's warm tier drew too much attention: its hot window grows one group."""
+        tiers = seq.block_table.tiers
+        if self._hot_attention_mass >= tiers.grow_below_hot_mass:
+            return
+        if self.runner.kv_cache.grow_hot(seq.block_table):
+            seq.add_event(
+                "thermocline.kv.hot_grown",
+                {
+                    "thermocline.kv.hot_attention_mass": self._hot_attention_mass,
+                    "thermocline.kv.hot_tokens": seq.block_table.tiers.hot_tokens,
+                },
+            )
+
+    def _mark_turn(self, seq: Sequence, token_ids: Seq[int], start: int) -> None:
+        """With `restart_hot_at_turns`, the hot window restarts at the last turn boundary in `token_ids`."""
+        if not seq.block_table.tiers.restart_hot_at_turns:
+            return
+        for offset in range(len(token_ids) - 1, -1, -1):
+            if token_ids[offset] in self._turn_token_ids:
+                seq.block_table.hot_floor = max(seq.block_table.hot_floor, start + offset)
+                return
 
     def _cold_score_rows(self, batch: ScheduledBatch) -> list[ScoreRow]:
         if self.cold is None or batch.rows[0].num_new != 1:  # prefill steps score nothing
@@ -537,6 +563,7 @@ class LLMEngine:
             else:
                 event = seq.append_token(token_id, self._eos_token_ids, self.max_seq_len)
                 self._counters["generated_tokens"] += 1
+                self._mark_turn(seq, (token_id,), seq.num_tokens - 1)
             if seq.is_finished:
                 self.scheduler.release(seq)
                 self._counters["finished"] += 1
@@ -634,6 +661,7 @@ def _class_tiers(tiers: TierConfig, cls: IntentClass) -> TierConfig:
         tiers,
         hot_tokens=tiers.hot_tokens if cls.hot_tokens is None else cls.hot_tokens,
         warm_tokens=tiers.warm_tokens if cls.warm_tokens is None else cls.warm_tokens,
+        max_hot_tokens=tiers.max_hot_tokens if cls.max_hot_tokens is None else cls.max_hot_tokens,
     )
 
 

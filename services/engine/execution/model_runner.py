@@ -58,6 +58,7 @@ class StepOutput(NamedTuple):
     hidden_states: torch.Tensor  # [B, E] model dtype; the in-loop safety gate reads this
     hot_mass: torch.Tensor | None = None  # [1] share of attention mass on hot tokens (sampled steps)
     window_scores: list[tuple[ScoreRow, torch.Tensor]] | None = None  # [N] per scored row (cold tier)
+    probe_row: int = 0  # the row `hot_mass` measured (modulo the batch size)
 
 
 class StepPlan(NamedTuple):
@@ -204,7 +205,8 @@ class ModelRunner:
             hidden = hidden[_to_device(host.last_token_index(), self.device)]
         logits = self.model.compute_logits(hidden) if self.model.tp.rank == 0 else hidden
         window = None if tap is None else self._score_cold(plan.score_rows, tap)
-        return StepOutput(logits, hidden, None if probe is None else probe.hot_mass, window)
+        hot_mass, probe_row = (None, 0) if probe is None else (probe.hot_mass, probe.row)
+        return StepOutput(logits, hidden, hot_mass, window, probe_row)
 
     def _query_tap(self, num_rows: int) -> QueryTap:
         assert self.cold_summaries is not None

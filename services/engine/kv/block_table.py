@@ -37,6 +37,7 @@ class BlockTable:
     num_registered_blocks: int = 0  # leading blocks whose hash the pool knows
     next_demote_block: int = -1  # first block index not yet demoted; -1 until tiers start
     num_dropped_blocks: int = 0
+    hot_floor: int = 0  # hot window starts no earlier than this position (a chat-turn boundary)
     keeps_cold: bool = False  # warm overflow goes to the kvstore instead of being dropped
     cold_blocks: dict[int, ColdBlock] = field(default_factory=dict)  # first block index -> cold block
     aux_blocks: dict[int, tuple[BlockId, ...]] = field(default_factory=dict)  # cold block loaded into hot

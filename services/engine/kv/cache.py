@@ -276,12 +276,20 @@ class KVCache:
         if table.next_demote_block < 0:
             table.next_demote_block = self._num_sink_blocks(table)
         demoted = 0
-        hot_from = num_computed_tokens - tiers.hot_tokens  # positions >= hot_from stay hot
+        hot_from = max(num_computed_tokens - tiers.hot_tokens, table.hot_floor)  # >= hot_from stay hot
         while (table.next_demote_block + blocks_per_group) * self.block_size <= hot_from:
             demoted += self._demote_group(table, table.next_demote_block, blocks_per_group)
             table.next_demote_block += blocks_per_group
         dropped, to_cold = self._apply_warm_limit(table, blocks_per_group)
         return DemotionResult(demoted, dropped, to_cold)
+
+    def grow_hot(self, table: BlockTable) -> bool:
+        """One more group of hot window for this table, up to its cap; False at the cap (changes state)."""
+        grown = table.tiers.grown()
+        if grown is None:
+            return False
+        table.tiers = grown
+        return True
 
     def num_held_hot_blocks(self, table: BlockTable) -> int:
         """`len(table.held_hot_blocks())` without scanning the table (read per row per decode step).

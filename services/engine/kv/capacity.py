@@ -70,7 +70,7 @@ def footprint(
     hot, warm = 0, 0
     for t in tiers:
         sink = -(-t.sink_tokens // block_size)
-        window = -(-(t.hot_tokens + t.group_size) // block_size) + 1
+        window = -(-(t.hot_tokens_cap + t.group_size) // block_size) + 1
         hot = max(hot, min(full, sink + window))
         if t.warm_tokens > 0:  # groups leave only once `hot_tokens` newer positions exist
             outside = max(0, max_seq_len - t.hot_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -23,18 +24,40 @@ class TierConfig:
     warm_tokens: int = 4096
     group_size: int = 32  # INT4 group: tokens per key group, channels per value group (capped at head dim)
     policy: WarmFullPolicy = WarmFullPolicy.WINDOW
+    # Attention-driven boundaries. A sequence whose sampled share of attention mass on hot tokens
+    # falls below `grow_below_hot_mass` gets one more group of hot window, up to `max_hot_tokens`
+    # (0: hot never grows); with `restart_hot_at_turns`, an end-of-text or chat-turn token starts
+    # the hot window afresh (older tokens may leave it at once).
+    max_hot_tokens: int = 0
+    grow_below_hot_mass: float = 0.5
+    restart_hot_at_turns: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("sink_tokens", "hot_tokens", "warm_tokens"):
+        for name in ("sink_tokens", "hot_tokens", "warm_tokens", "max_hot_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if not 0.0 <= self.grow_below_hot_mass <= 1.0:
+            raise ValueError(f"grow_below_hot_mass must be in [0, 1], got {self.grow_below_hot_mass}")
+
+    @property
+    def hot_tokens_cap(self) -> int:
+        """The widest the hot window can grow (what the pools are sized for)."""
+        return max(self.hot_tokens, self.max_hot_tokens)
+
+    def grown(self) -> TierConfig | None:
+        """These tiers with one more group of hot window, or None at the cap."""
+        if self.hot_tokens >= self.max_hot_tokens:
+            return None
+        return dataclasses.replace(
+            self, hot_tokens=min(self.hot_tokens + self.group_size, self.max_hot_tokens)
+        )
 
     @property
     def max_tokens(self) -> int:
         """Tokens a sequence may hold under the `refuse` policy."""
-        return self.sink_tokens + self.hot_tokens + self.warm_tokens
+        return self.sink_tokens + self.hot_tokens_cap + self.warm_tokens
 
     def check_block_size(self, block_size: int) -> None:
         """Warm groups are whole blocks: the group size must be a multiple of the block size."""

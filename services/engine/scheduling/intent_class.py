@@ -29,6 +29,7 @@ class IntentClass:
     max_new_tokens: int = 0  # cap on generated tokens (0: the engine's own limit)
     hot_tokens: int | None = None  # tier overrides for this class (None: the deployment's)
     warm_tokens: int | None = None
+    max_hot_tokens: int | None = None  # cap of the attention-driven hot window (None: the deployment's)
     retrieval_mode: str | None = None  # "off" or "semantic" (None: the deployment's default)
 
     def __post_init__(self) -> None:

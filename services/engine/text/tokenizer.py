@@ -12,6 +12,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from services.engine.text.chat_template import ChatTemplate, ChatTemplateError
 from services.engine.text.detokenizer import IncrementalDetokenizer
 
+TURN_START_TOKENS = ("<|im_start|>", "<|start_header_id|>", "<start_of_turn>")  # where a chat turn begins
+
 
 class Tokenizer:
     """Encodes prompts, decodes completions, and renders chat messages for one model."""
@@ -40,6 +42,11 @@ class Tokenizer:
     def eos_token(self) -> str:
         """Text of the first EOS token ("" when there is none)."""
         return self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None)
+
+    def turn_start_ids(self) -> tuple[int, ...]:
+        """Ids of the chat-turn start tokens this vocabulary has (ChatML, Llama 3, Gemma styles)."""
+        found = (self.backend.token_to_id(token) for token in TURN_START_TOKENS)
+        return tuple(token_id for token_id in found if token_id is not None)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")

@@ -164,3 +164,28 @@ def test_tier_bytes_per_token() -> None:
     # value scale+zero: 2 x 2 bytes per head per token (one 32-channel... two groups of 32)
     per_head = 2 * 32 + (2 * 2 * 64) / 32 + 2 * 2 * 2
     assert cache.warm.bytes_per_token == int(2 * 2 * per_head)
+
+
+def test_a_grown_hot_window_keeps_more_tokens_hot_up_to_its_cap() -> None:
+    tiers = TierConfig(
+        enabled=True, sink_tokens=2, hot_tokens=4, warm_tokens=16, group_size=4, max_hot_tokens=8
+    )
+    cache = make_cache(ONE_HEAD, num_blocks=16, block_size=2, tiers=tiers)
+    table = BlockTable(tiers)
+    _store(cache, [table], [[float(i) for i in range(14)]], [0], [14])
+    assert cache.grow_hot(table) and table.tiers.hot_tokens == 8
+    assert not cache.grow_hot(table)  # at the cap
+    result = cache.demote(table, 14)
+    # the sink block stays; only [2, 6) leaves: the grown window keeps [6, 14) hot
+    assert result.num_demoted_tokens == 4 and sorted(table.warm_groups) == [1]
+
+
+def test_a_turn_boundary_restarts_the_hot_window_there() -> None:
+    tiers = TierConfig(enabled=True, sink_tokens=2, hot_tokens=8, warm_tokens=16, group_size=4)
+    cache = make_cache(ONE_HEAD, num_blocks=16, block_size=2, tiers=tiers)
+    table = BlockTable(tiers)
+    _store(cache, [table], [[float(i) for i in range(14)]], [0], [14])
+    table.hot_floor = 10  # a new conversation starts at position 10
+    result = cache.demote(table, 14)
+    # without the boundary only [2, 6) would leave (hot 8 keeps [6, 14)); now [6, 10) leaves too
+    assert result.num_demoted_tokens == 8 and sorted(table.warm_groups) == [1, 3]
