@@ -20,11 +20,15 @@ ONE_HEAD = ModelConfig(
 
 
 def make_cache(
-    config: ModelConfig, num_blocks: int = 64, block_size: int = 16, tiers: TierConfig | None = None
+    config: ModelConfig,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    tiers: TierConfig | None = None,
+    num_warm_groups: int = 64,
 ) -> KVCache:
-    """A fp32 CPU cache; a warm tier of 64 groups when `tiers` are enabled."""
+    """A fp32 CPU cache; a warm tier of `num_warm_groups` groups when `tiers` are enabled."""
     hot = HotTier(config, num_blocks, block_size, CPU, torch.float32)
-    warm = WarmTier(config, 64, tiers.group_size, CPU) if tiers and tiers.enabled else None
+    warm = WarmTier(config, num_warm_groups, tiers.group_size, CPU) if tiers and tiers.enabled else None
     return KVCache(hot, warm)
 
 

@@ -189,13 +189,23 @@ class WarmCopy:
 
 
 @dataclass(frozen=True)
+class ColdSource:
+    """A group bound for the cold tier and where the runner reads it: its warm group, or the hot blocks
+    of a demotion still pending (the group left warm in the step it entered) or refused for lack of room."""
+
+    first_block: int
+    warm_group: WarmGroupId | None = None
+    hot_block_ids: tuple[BlockId, ...] = ()
+
+
+@dataclass(frozen=True)
 class DemotionResult:
-    """Tokens one `demote` call moved hot -> warm, tokens it dropped from warm, and the warm groups
-    that left for the cold tier (first block index, group id; the group is free once read)."""
+    """Tokens one `demote` call moved hot -> warm, tokens it dropped from warm, and the groups that
+    left for the cold tier (sequences that keep cold blocks only)."""
 
     num_demoted_tokens: int = 0
     num_dropped_tokens: int = 0
-    to_cold: tuple[tuple[int, WarmGroupId], ...] = ()
+    to_cold: tuple[ColdSource, ...] = ()
 
 
 class KVCache:
@@ -275,13 +285,14 @@ class KVCache:
         blocks_per_group = tiers.group_size // self.block_size
         if table.next_demote_block < 0:
             table.next_demote_block = self._num_sink_blocks(table)
-        demoted = 0
+        demoted, dropped, to_cold = 0, 0, list[ColdSource]()
         hot_from = max(num_computed_tokens - tiers.hot_tokens, table.hot_floor)  # >= hot_from stay hot
         while (table.next_demote_block + blocks_per_group) * self.block_size <= hot_from:
-            demoted += self._demote_group(table, table.next_demote_block, blocks_per_group)
+            demoted += self._demote_group(table, table.next_demote_block, blocks_per_group, to_cold)
             table.next_demote_block += blocks_per_group
-        dropped, to_cold = self._apply_warm_limit(table, blocks_per_group)
-        return DemotionResult(demoted, dropped, to_cold)
+            # group by group, so a long prompt's newest groups find warm room the oldest just left
+            dropped += self._apply_warm_limit(table, blocks_per_group, to_cold)
+        return DemotionResult(demoted, dropped, tuple(to_cold))
 
     def grow_hot(self, table: BlockTable) -> bool:
         """One more group of hot window for this table, up to its cap; False at the cap (changes state)."""
@@ -304,7 +315,9 @@ class KVCache:
     def _num_sink_blocks(self, table: BlockTable) -> int:
         return -(-table.tiers.sink_tokens // self.block_size)
 
-    def _demote_group(self, table: BlockTable, first: int, blocks_per_group: int) -> int:
+    def _demote_group(
+        self, table: BlockTable, first: int, blocks_per_group: int, to_cold: list[ColdSource]
+    ) -> int:
         assert self.warm is not None
         block_ids = table.hot_block_ids[first : first + blocks_per_group]
         if self.warm.can_allocate() and table.tiers.warm_tokens > 0:
@@ -313,6 +326,8 @@ class KVCache:
             table.warm_groups[first] = group_id
         else:  # no warm room anywhere: the window policy drops the group, and says so in metrics
             table.num_dropped_blocks += blocks_per_group
+            if table.keeps_cold:
+                to_cold.append(ColdSource(first, hot_block_ids=tuple(block_ids)))
         self.hot.pool.free(block_ids)
         for index in range(first, first + blocks_per_group):
             table.hot_block_ids[index] = SCRATCH_BLOCK
@@ -344,22 +359,36 @@ class KVCache:
         copies, self.pending_warm_copies = self.pending_warm_copies, []
         return copies
 
-    def _apply_warm_limit(
-        self, table: BlockTable, blocks_per_group: int
-    ) -> tuple[int, tuple[tuple[int, WarmGroupId], ...]]:
-        """Free the oldest warm groups past the warm limit: dropped, or (`keeps_cold`) bound for cold."""
+    def _apply_warm_limit(self, table: BlockTable, blocks_per_group: int, to_cold: list[ColdSource]) -> int:
+        """Free the oldest warm groups past the warm limit: dropped, or (`keeps_cold`) bound for cold.
+
+        A group freed here is reused no earlier than the runner's next warm copies, which run after
+        the cold reads; a group whose own warm copy is still pending goes cold from its hot blocks.
+        """
         assert self.warm is not None
         dropped = 0
-        to_cold = []
         while len(table.warm_groups) * table.tiers.group_size > table.tiers.warm_tokens:
             oldest = min(table.warm_groups)
             group_id = table.warm_groups.pop(oldest)
-            self.warm.free(group_id)  # reused no earlier than the next step, after the cold read
+            self.warm.free(group_id)
             table.num_dropped_blocks += blocks_per_group
             dropped += table.tiers.group_size
+            pending = self._take_pending_copy(group_id)
             if table.keeps_cold:
-                to_cold.append((oldest, group_id))
-        return dropped, tuple(to_cold)
+                source = (
+                    ColdSource(oldest, group_id)
+                    if pending is None
+                    else ColdSource(oldest, hot_block_ids=pending.block_ids)
+                )
+                to_cold.append(source)
+        return dropped
+
+    def _take_pending_copy(self, group_id: WarmGroupId) -> WarmCopy | None:
+        """Withdraw the pending demotion into `group_id`: the group left warm before it arrived."""
+        for index in range(len(self.pending_warm_copies) - 1, -1, -1):
+            if self.pending_warm_copies[index].group_id == group_id:
+                return self.pending_warm_copies.pop(index)
+        return None
 
     # --- the cold tier's device moves ----------------------------------------------------------
 

@@ -22,8 +22,8 @@ import torch
 
 from services.engine import metrics
 from services.engine.kv.block_pool import SCRATCH_BLOCK
-from services.engine.kv.block_table import ColdBlock, WarmGroupId
-from services.engine.kv.cache import KVCache
+from services.engine.kv.block_table import ColdBlock
+from services.engine.kv.cache import ColdSource, KVCache
 from services.engine.kv.cold_moves import ColdLoad, ColdStore, ColdSummaries, ScoreRow
 from services.engine.kv.cold_tier import (
     BlockHash,
@@ -145,14 +145,17 @@ class ColdPlanner:
 
     # --- demotion and the auxiliary window -----------------------------------------------------
 
-    def demote(self, seq: Sequence, groups: tuple[tuple[int, WarmGroupId], ...]) -> None:
-        """Store warm groups that left the warm tier, and keep their summary slots."""
+    def demote(self, seq: Sequence, sources: tuple[ColdSource, ...]) -> None:
+        """Store groups that left the warm tier, and keep their summary slots."""
         table = seq.block_table
-        for first, group_id in groups:
+        for source in sources:
+            first = source.first_block
             name = BlockHash(hashlib.sha256(f"{seq.request_id}:{first}".encode()).hexdigest())
             slot = len(table.cold_blocks)
             table.cold_blocks[first] = ColdBlock(name, slot)
-            store = ColdStore(Operation.DEMOTE, seq, name, warm_group=group_id, summary_slot=slot)
+            store = ColdStore(
+                Operation.DEMOTE, seq, name, source.hot_block_ids, source.warm_group, summary_slot=slot
+            )
             self.kv_cache.pending_cold.stores.append(store)
 
     def rows_to_score(self, seqs: list[Sequence]) -> list[ScoreRow]:

@@ -189,3 +189,21 @@ def test_a_turn_boundary_restarts_the_hot_window_there() -> None:
     result = cache.demote(table, 14)
     # without the boundary only [2, 6) would leave (hot 8 keeps [6, 14)); now [6, 10) leaves too
     assert result.num_demoted_tokens == 8 and sorted(table.warm_groups) == [1, 3]
+
+
+def test_a_long_prefill_keeps_its_newest_warm_groups_and_sends_the_rest_cold_from_hot() -> None:
+    """Groups that enter and leave warm in one step go cold from their hot blocks, never from an
+    unwritten warm group; the warm pool (just what one sequence needs) holds the newest groups."""
+    tiers = TierConfig(enabled=True, sink_tokens=2, hot_tokens=4, warm_tokens=8, group_size=4)
+    cache = make_cache(ONE_HEAD, num_blocks=20, block_size=2, tiers=tiers, num_warm_groups=3)
+    table = BlockTable(tiers, keeps_cold=True)
+    _store(cache, [table], [[float(i) for i in range(30)]], [0], [30])
+    hot_ids = list(table.hot_block_ids)
+    result = cache.demote(table, 30)
+    # sink block 0; six groups [2, 26) leave hot; the newest two stay warm, four go cold
+    assert sorted(table.warm_groups) == [9, 11]
+    assert [s.first_block for s in result.to_cold] == [1, 3, 5, 7]
+    assert all(s.warm_group is None for s in result.to_cold)
+    assert [s.hot_block_ids for s in result.to_cold] == [tuple(hot_ids[f : f + 2]) for f in (1, 3, 5, 7)]
+    copies = cache.take_warm_copies()  # only the surviving groups are quantized
+    assert sorted(c.block_ids for c in copies) == [tuple(hot_ids[9:11]), tuple(hot_ids[11:13])]
