@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -82,6 +83,30 @@ def refusal(target: str, bearer: str | None, **kwargs: Any) -> grpc.RpcError:
     except grpc.RpcError as error:
         return error
     raise AssertionError("the call was expected to fail, and it succeeded")
+
+
+# A compact JWS whose header and payload are JSON objects: how every JWT in this project begins.
+JWT_IN_TEXT = re.compile(r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]*")
+
+
+def logs_with_a_credential(directory: Path) -> list[str]:
+    """The service logs under `directory` that hold a JWT or a bearer token's value."""
+    leaking = []
+    for path in sorted(directory.rglob("*.log")):
+        text = path.read_text(errors="replace")
+        if JWT_IN_TEXT.search(text) or re.search(r"Bearer [A-Za-z0-9_-]{16,}", text):
+            leaking.append(str(path.relative_to(directory)))
+    return leaking
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_log_of_the_run_carries_a_credential(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """When the session ends, greps every service log the whole run wrote (every test directory's
+    meshes live under the session's temporary directory), not only the gateway tests': none may
+    hold a token. A leak fails the run as an error in this fixture's teardown."""
+    yield
+    leaking = logs_with_a_credential(tmp_path_factory.getbasetemp())
+    assert not leaking, f"service logs hold a credential: {leaking[:10]}"
 
 
 @pytest.fixture(scope="module")

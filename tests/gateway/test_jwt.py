@@ -7,11 +7,13 @@ import hashlib
 import hmac
 import json
 import re
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import ClassVar
 
 import grpc
@@ -21,10 +23,11 @@ from jwt.algorithms import RSAAlgorithm
 
 from services.cli.client import build_request, call_metadata
 from services.cli.mesh import Mesh
+from services.common.redaction import redact
 from services.gateway.audit_chain import segment_paths
-from services.gateway.tokens import key_id
+from services.gateway.tokens import key_id, mint_token
 from tests.conftest import STORIES_PROMPT
-from tests.gateway.conftest import call, raw_grpc_call, refusal, send, token
+from tests.gateway.conftest import call, logs_with_a_credential, raw_grpc_call, refusal, send, token
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
@@ -237,3 +240,15 @@ def test_no_log_line_carries_a_credential(stories_mesh: Mesh) -> None:
     for name, text in logs.items():
         assert secret.split(".")[2] not in text, f"{name} holds the token's signature"
         assert not re.search(r"eyJ[A-Za-z0-9_-]{8,}\.eyJ", text), f"{name} holds a JWT"
+
+
+def test_the_run_wide_log_check_finds_a_token_and_passes_a_redacted_one() -> None:
+    leaked = mint_token("s" * 32, subject="leaky", algorithm="HS256")
+    # outside the session's temporary directory: the run-wide check would rightly fail on it there
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        (root / "mesh-a" / "logs").mkdir(parents=True)
+        (root / "mesh-a" / "logs" / "gateway.log").write_text(f"refused: Bearer {redact(leaked)}\n")
+        (root / "mesh-b").mkdir()
+        (root / "mesh-b" / "engine.log").write_text(f"metadata ('authorization', '{leaked}')\n")
+        assert logs_with_a_credential(root) == ["mesh-b/engine.log"]
