@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import NewType
 
 from services.common.errors import InvalidArgument
+from services.gateway.off_loop import off_loop_when_long
 from services.gateway.tenants import TenantLimits
 from services.gateway.upstream import Upstreams
 from thermocline.engine.v1 import engine_pb2
@@ -53,10 +54,11 @@ class PromptCounter:
         self.num_hits = 0
         self.num_misses = 0
 
-    async def count(self, request: pb.GenerateRequest, model: str) -> int:
-        """The number of prompt tokens the engine serving `model` will see."""
+    async def count(self, request: pb.GenerateRequest, model: str, num_chars: int = 0) -> int:
+        """The number of prompt tokens the engine serving `model` will see (`num_chars`: the prompt's
+        length, which decides whether its hash is taken on a worker thread)."""
         counted = count_request(request)
-        key = (model, prompt_hash(counted))
+        key = (model, await off_loop_when_long(prompt_hash, counted, num_chars))
         if (cached := self._counts.get(key)) is not None:
             self._counts.move_to_end(key)
             self.num_hits += 1

@@ -28,6 +28,7 @@ from services.gateway.auth import JwtVerifier, Principal
 from services.gateway.budget import PromptCounter, check_request_budget
 from services.gateway.call_metadata import CallMetadata
 from services.gateway.intents import IntentPolicy
+from services.gateway.off_loop import off_loop_when_long
 from services.gateway.rate_limiter import RateDecision, RateLimiter, refuse
 from services.gateway.rbac import Policy
 from services.gateway.request_bounds import (
@@ -79,6 +80,7 @@ class _Facts:
     resource: str
     request_id: str
     prompt_sha256: str = ""
+    num_prompt_chars: int = 0  # not audited: how long the text to hash is
     actor_principal: str = "unauthenticated"
     tenant: str = ""
     details: dict[str, Any] = field(default_factory=dict)
@@ -184,7 +186,8 @@ class Gatekeeper:
         check_metadata(metadata)
         check_sizes(request)
         text = prompt_text(request)
-        facts.prompt_sha256 = prompt_sha256(text)
+        facts.prompt_sha256 = await off_loop_when_long(prompt_sha256, text, len(text))
+        facts.num_prompt_chars = len(text)
         model = await self._authorize_model(principal, request.model, resolve, facts)
         intent = self.intents.resolve(metadata.get("x-intent"))
         priority_class = self.intents.priority_class(intent, limits.intent_classes)
@@ -223,7 +226,7 @@ class Gatekeeper:
         facts: _Facts,
     ) -> int:
         """Counts the prompt (the engine tokenizes; this loop only awaits), checks and charges it."""
-        prompt_tokens = await self.counter.count(request, model)
+        prompt_tokens = await self.counter.count(request, model, facts.num_prompt_chars)
         facts.details |= {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
         check_request_budget(tenant, limits, prompt_tokens, max_tokens, self.counter.name)
         _check_rate(tenant, limits, await self.limiter.take_tokens(tenant, limits, prompt_tokens), facts)
