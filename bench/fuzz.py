@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,17 @@ def calls_table(counts: list[dict]) -> tuple[str, int]:
     return "\n".join(lines), sum(row["calls"] for row in counts)
 
 
+def num_tests(lines: list[str]) -> int:
+    """How many tests pytest ran, from its summary line ("58 passed, 2 failed in ...")."""
+    summary = lines[-1] if lines else ""
+    return sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|errors?|skipped)", summary))
+
+
+def rpcs_of(counts: list[dict]) -> set[str]:
+    """The RPCs that got calls."""
+    return {row["rpc"] for row in counts}
+
+
 def git_commit() -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     dirty = subprocess.run(
@@ -94,7 +106,8 @@ def report(
             f"| git commit | {git_commit()} |",
             f"| machine | {os.cpu_count()} logical cpus; 1-min load {os.getloadavg()[0]:.1f} at the end |",
             "| mesh | redis-server, kvstore, safety, engine (stories260K), gateway on loopback |",
-            f"| examples per test | {args.examples} (42 tests: 14 RPCs x 3 properties) |",
+            f"| examples per test | {args.examples} ({num_tests(lines)} tests over "
+            f"{len(rpcs_of(counts))} RPCs) |",
             f"| Hypothesis seed | {seed} |",
             f"| wall time | {wall_s:.0f} s |",
             f"| calls made | {total} |",
