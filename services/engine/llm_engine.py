@@ -226,7 +226,9 @@ class LLMEngine:
             max_prefill_tokens, kv.tiers, classes,
         )  # fmt: skip
         engine.capacity = plan
-        if cold is not None and cold.enabled:
+        if cold is not None and cold.enabled and tp > 1:
+            logger.warning("the cold tier runs at tensor parallelism 1 only; serving without it (tp=%d)", tp)
+        elif cold is not None and cold.enabled:
             engine.attach_cold_tier(cold)
         return engine
 
