@@ -12,6 +12,7 @@ Shapes: L layers, BS tokens per block, G tokens per cold block (a warm group), K
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import queue
 import threading
@@ -27,6 +28,7 @@ import torch
 from services.common.kv_codec.codec import CodecSettings, decode_block, encode_block, read_layout
 from services.common.kv_codec.codec_format import CodecError
 from services.common.kvstore_api import (
+    MAX_NAME_BYTES,
     BlockHash,
     BlockIn,
     CallOptions,
@@ -250,7 +252,7 @@ class ColdTier:
         if self.is_backing_off:
             return Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail="backing off")
         call = CallOptions(
-            Namespace(job.tenant or DEFAULT_TENANT, self.model_id),
+            Namespace(store_tenant(job.tenant), self.model_id),
             self.config.deadline_ms / 1000,
             job.trace_metadata,
         )
@@ -322,6 +324,16 @@ class ColdTier:
         payload = encode_block(block.keys.float(), block.values.float(), mass, self.config.codec)
         shape = tuple(read_layout(payload).dense_shape)  # [L, 2, T, KVH, D]
         return BlockIn(block.block_hash, Codec.INT2_SPARSE, shape, payload)
+
+
+def store_tenant(cache_salt: str) -> str:
+    """The kvstore tenant of a cache salt: the salt itself (the gateway's tenant name) when the store
+    takes it as a name, else its SHA-256 (a direct caller may send any string)."""
+    if not cache_salt:
+        return DEFAULT_TENANT
+    if cache_salt.isprintable() and len(cache_salt.encode()) <= MAX_NAME_BYTES:
+        return cache_salt
+    return hashlib.sha256(cache_salt.encode(errors="surrogatepass")).hexdigest()
 
 
 def _decode(block: FetchedBlock) -> tuple[torch.Tensor, torch.Tensor] | None:
