@@ -199,6 +199,10 @@ def test_the_gpu_overlay_asks_for_gpus_and_scales_on_golden_metrics() -> None:
     queries = " ".join(t["metadata"]["query"] for t in scaled["spec"]["triggers"])
     assert "thermocline_engine_queue_wait_seconds_bucket" in queries
     assert "thermocline_engine_time_to_first_token_seconds_bucket" in queries
+    gateway = find(objects, "ScaledObject", "gateway")
+    gateway_load = " ".join(t["metadata"]["query"] for t in gateway["spec"]["triggers"])
+    for counter in ("thermocline_rpc_server_handled_total", "thermocline_gateway_http_requests_total"):
+        assert counter in gateway_load, f"the gateway scales on both fronts' load: {counter} is missing"
     all_scalers = [t["type"] for o in objects if o["kind"] == "ScaledObject" for t in o["spec"]["triggers"]]
     assert set(all_scalers) == {"prometheus"}, "autoscaling follows Prometheus metrics, not CPU"
     targets = env_of(find(objects, "Deployment", "gateway"))["THERMOCLINE_GATEWAY_ENGINE_TARGETS"].split(",")

@@ -4,6 +4,7 @@ types docs/metrics.md documents, follows the naming rules, and its counters move
 from __future__ import annotations
 
 import re
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -84,6 +85,12 @@ def traffic(stories_mesh: Mesh) -> dict[str, tuple[Samples, Samples]]:
     ):
         kvstore_pb2_grpc.KVStoreServiceStub(channel).Lookup(kvstore_pb2.LookupRequest(block_hashes=["ab"]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value  # no namespace
+    root = stories_mesh.http_url().removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/health", timeout=10) as response:  # the HTTP front
+        assert response.status == 200
+    with pytest.raises(urllib.error.HTTPError) as unknown:
+        urllib.request.urlopen(f"{root}/v1/embeddings", timeout=10)
+    assert unknown.value.code == 404
     after = {s: scrape(stories_mesh, s)[1] for s in SERVICES}
     return {s: (before[s], after[s]) for s in SERVICES}
 
@@ -129,6 +136,9 @@ def test_counters_move_when_traffic_flows(traffic: dict[str, tuple[Samples, Samp
         before, after = traffic[service]
         assert total(after, name, **labels) == total(before, name, **labels) + 1, (service, name)
     before, after = traffic["gateway"]
+    http = "thermocline_gateway_http_requests_total"
+    for route, code in (("/health", "200"), ("other", "404")):  # an unserved path is "other"
+        assert total(after, http, route=route, code=code) == total(before, http, route=route, code=code) + 1
     assert total(after, "thermocline_gateway_audit_unwritable_seconds") == 0  # the audit log wrote
     failures = "thermocline_gateway_audit_write_failures_total"
     assert total(after, failures) == total(before, failures)

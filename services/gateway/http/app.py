@@ -20,6 +20,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from services.common.metrics import DRAINING
 from services.gateway.gatekeeper import request_id_of
 from services.gateway.http.call import Generation, HttpCallContext
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
+from services.gateway.http.metrics import CountRequests
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
 from services.gateway.http.openai_response import Rendering, sse
 from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
@@ -54,15 +56,17 @@ class OpenAIRoutes:
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> Starlette:
-        """The ASGI application."""
+        """The ASGI application (each finished request counted by route and status code)."""
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+        ]
         return Starlette(
-            routes=[
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/health", self.health, methods=["GET"]),
-                Route("/ready", self.ready, methods=["GET"]),
-            ],
+            routes=routes,
+            middleware=[Middleware(CountRequests, routes=[route.path for route in routes])],
             exception_handlers={HTTPException: _http_exception},
         )
 
