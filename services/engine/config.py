@@ -45,8 +45,10 @@ class EngineConfig:
     empty = the built-in classes). `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1
     itself (gloo on the CPU, NCCL with one GPU per rank; N must divide the KV heads).
     Cold tier (docs/kvstore.md): `_KVSTORE_TARGET` (host:port of the kvstore; empty: no cold tier),
-    `_KVSTORE_DEADLINE_MS` (per call, default 500), `_KVSTORE_RETRY_AFTER_S` (calls skipped after a
-    failure, default 5), `_COLD_PREFIX_REUSE` (store prompt blocks, load stored prefixes; default on),
+    `_KVSTORE_DEADLINE_MS` (lookups, deletes, window gets; default 1000),
+    `_KVSTORE_TRANSFER_DEADLINE_MS` (a prefix get and every put; default 30000),
+    `_KVSTORE_RETRY_AFTER_S` (loads skipped after a failure, default 5), `_COLD_PREFIX_REUSE`
+    (store prompt blocks, load stored prefixes; default on),
     `_RETRIEVAL_MODE` (off or semantic: the default of requests and classes that set none),
     `_AUX_WINDOW_TOKENS` (cold tokens attended per sequence, default 2048) and
     `_AUX_SCORE_EVERY_STEPS` (decode steps between scorings, default 16).
@@ -148,6 +150,9 @@ def _cold_from_env(prefix: str, environ: Mapping[str, str] | None) -> ColdTierCo
     return ColdTierConfig(
         target=env.get_str(prefix + "KVSTORE_TARGET", "", environ),
         deadline_ms=env.get_int(prefix + "KVSTORE_DEADLINE_MS", defaults.deadline_ms, environ),
+        transfer_deadline_ms=env.get_int(
+            prefix + "KVSTORE_TRANSFER_DEADLINE_MS", defaults.transfer_deadline_ms, environ
+        ),
         retry_after_s=env.get_float(prefix + "KVSTORE_RETRY_AFTER_S", defaults.retry_after_s, environ),
         prefix_reuse=env.get_bool(prefix + "COLD_PREFIX_REUSE", defaults.prefix_reuse, environ),
         retrieval_mode=_choice(prefix + "RETRIEVAL_MODE", RetrievalMode, defaults.retrieval_mode, environ),

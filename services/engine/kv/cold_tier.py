@@ -4,13 +4,15 @@ The engine thread never waits on the kvstore. It hands jobs to two daemon thread
 puts and deletes, a loader for lookups and gets) and, once per step, drains what they report
 (`take_outcomes`). Every call has a deadline; a failed call (UNAVAILABLE, deadline, a corrupt or
 undecodable block) is an outcome with a reason, after which calls are skipped for
-`retry_after_s`, so a store that is down costs one deadline, not one per request. The caller
+`retry_after_s` (loads only: nothing waits for a write), so a store that is down costs one deadline,
+not one per request. The caller
 then attends over hot + warm only: a request degrades, it never fails for the cold tier.
 Shapes: L layers, BS tokens per block, G tokens per cold block (a warm group), KVH, D.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import logging
@@ -57,8 +59,9 @@ class ColdTierConfig:
     """Where the kvstore is and how the engine uses it; an empty `target` turns the cold tier off."""
 
     target: str = ""  # host:port of the kvstore service
-    deadline_ms: int = 500  # every kvstore call; past it the engine carries on with hot + warm
-    retry_after_s: float = 5.0  # after a failed call, calls are skipped this long
+    deadline_ms: int = 1000  # lookups, deletes and window gets; past it the engine carries on
+    transfer_deadline_ms: int = 30_000  # a prefix get and every put (a long prefix is many MB)
+    retry_after_s: float = 5.0  # after a failed call, loads are skipped this long
     prefix_reuse: bool = True  # store computed prompt blocks; load a new prompt's stored prefix
     retrieval_mode: RetrievalMode = RetrievalMode.OFF  # default for requests and classes that set none
     aux_window_tokens: int = 2048  # cold tokens one sequence attends at most (whole cold blocks)
@@ -66,8 +69,10 @@ class ColdTierConfig:
     codec: CodecSettings = field(default_factory=CodecSettings)
 
     def __post_init__(self) -> None:
-        if self.deadline_ms < 1:
-            raise ValueError(f"the kvstore deadline must be >= 1 ms, got {self.deadline_ms}")
+        if self.deadline_ms < 1 or self.transfer_deadline_ms < 1:
+            raise ValueError(
+                f"kvstore deadlines must be >= 1 ms, got {self.deadline_ms} and {self.transfer_deadline_ms}"
+            )
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.aux_window_tokens < 0 or self.score_every_steps < 1:
@@ -92,11 +97,14 @@ class Operation(enum.Enum):
     DELETE = "delete"
 
 
+LOADS = frozenset({Operation.LOAD_PREFIX, Operation.LOAD_WINDOW})  # on the loader thread
+
+
 class Degradation(enum.Enum):
     """Why a cold-tier call gave nothing (a metric label and a span event attribute)."""
 
     UNAVAILABLE = "unavailable"  # down, unreachable, or still backing off after a failure
-    DEADLINE = "deadline"  # slower than `deadline_ms`
+    DEADLINE = "deadline"  # slower than its deadline
     CORRUPT = "corrupt"  # a block the store reported corrupt, or one that does not decode
     ERROR = "error"  # any other status
 
@@ -183,8 +191,7 @@ class ColdTier:
         A store slower than the engine would grow the queue (and the host copies it holds) without
         bound: past MAX_QUEUED_JOBS a job is refused at once, as if the store were down.
         """
-        loads = (Operation.LOAD_PREFIX, Operation.LOAD_WINDOW)
-        jobs = self._loads if job.operation in loads else self._writes
+        jobs = self._loads if job.operation in LOADS else self._writes
         if jobs.qsize() >= MAX_QUEUED_JOBS:
             self._report(
                 Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail="queue full")
@@ -249,13 +256,12 @@ class ColdTier:
         self._wake()
 
     def _run(self, job: Job) -> Outcome:
-        if self.is_backing_off:
+        """One job's calls. Loads are skipped while backing off (a request may be waiting for them);
+        writes are always tried: nothing waits for them, and they find out when the store is back."""
+        if self.is_backing_off and job.operation in LOADS:
             return Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail="backing off")
-        call = CallOptions(
-            Namespace(store_tenant(job.tenant), self.model_id),
-            self.config.deadline_ms / 1000,
-            job.trace_metadata,
-        )
+        namespace = Namespace(store_tenant(job.tenant), self.model_id)
+        call = CallOptions(namespace, self.config.deadline_ms / 1000, job.trace_metadata)
         try:
             return self._call(job, call)
         except grpc.RpcError as error:
@@ -273,7 +279,8 @@ class ColdTier:
             return Outcome(job.operation, job.owner)
         if job.ready is not None:
             job.ready()
-        result = self._client.put([self._encode(b) for b in job.blocks], call)
+        transfer = dataclasses.replace(call, timeout_s=self.config.transfer_deadline_ms / 1000)
+        result = self._client.put([self._encode(b) for b in job.blocks], transfer)
         return Outcome(job.operation, job.owner, stored=(*result.stored, *result.duplicates))
 
     def _load_prefix(self, job: Job, call: CallOptions) -> Outcome:
@@ -286,7 +293,8 @@ class ColdTier:
             run.append(block_hash)
         if not run:
             return Outcome(job.operation, job.owner)
-        return self._loaded(job, self._client.get(run, call), require_all=run)
+        transfer = dataclasses.replace(call, timeout_s=self.config.transfer_deadline_ms / 1000)
+        return self._loaded(job, self._client.get(run, transfer), require_all=run)
 
     def _loaded(
         self,

@@ -35,6 +35,8 @@ STORY = (
 )
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 BLOCK_SIZE = 16
+# A healthy store on a loaded 2-core CI box can take seconds; only the frozen-store test is about time.
+HEALTHY = {"deadline_ms": 60_000, "transfer_deadline_ms": 120_000}
 
 
 @pytest.fixture
@@ -103,7 +105,7 @@ def degraded_events(collector: ResultCollector) -> list[dict[str, object]]:
 def test_a_second_replica_loads_a_long_shared_prefix_instead_of_computing_it(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
-    cold = ColdTierConfig(target=kvstore.target)
+    cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
     first = load_engine(stories_hf_dir, cold)
     prompt = long_prompt(first)
     expected = store_prefix(first, prompt)
@@ -134,7 +136,7 @@ def test_a_second_replica_loads_a_long_shared_prefix_instead_of_computing_it(
 def test_a_corrupt_block_ends_the_loaded_prefix_there_and_the_rest_is_computed(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
-    cold = ColdTierConfig(target=kvstore.target)
+    cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
     first = load_engine(stories_hf_dir, cold)
     prompt = long_prompt(first)
     expected = store_prefix(first, prompt)
@@ -165,15 +167,16 @@ def test_a_corrupt_block_ends_the_loaded_prefix_there_and_the_rest_is_computed(
 def test_a_frozen_kvstore_costs_a_deadline_and_the_prompt_is_computed(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
-    cold = ColdTierConfig(target=kvstore.target, deadline_ms=300, retry_after_s=600)
-    first = load_engine(stories_hf_dir, cold)
+    first = load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target, **HEALTHY))
     prompt = long_prompt(first)
     expected = store_prefix(first, prompt)
     assert kvstore.process is not None
     kvstore.process.send_signal(signal.SIGSTOP)  # alive, holding its port, answering nothing
     before = degradations("load_prefix", "deadline")
 
-    second = load_engine(stories_hf_dir, cold)
+    second = load_engine(
+        stories_hf_dir, ColdTierConfig(target=kvstore.target, deadline_ms=300, retry_after_s=600)
+    )
     collector = run(second, prompt)
     assert collector.result().token_ids == expected.token_ids
     assert second.stats().num_prefill_tokens_computed == len(prompt)
@@ -192,7 +195,7 @@ def test_the_request_completes_when_the_kvstore_is_killed_mid_request(
 ) -> None:
     """Warm overflow goes cold, the auxiliary window loads it back, then the store dies under it."""
     tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
-    cold = ColdTierConfig(target=kvstore.target, score_every_steps=4, aux_window_tokens=32)
+    cold = ColdTierConfig(target=kvstore.target, score_every_steps=4, aux_window_tokens=32, **HEALTHY)
     engine = load_engine(stories_hf_dir, cold, tiers)
     assert engine.cold is not None
     prompt = engine.tokenizer.encode(STORY)
@@ -222,7 +225,7 @@ def test_the_request_completes_when_the_kvstore_is_killed_mid_request(
 def test_a_retrieval_mode_the_engine_does_not_know_is_refused(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
-    engine = load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target))
+    engine = load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target, **HEALTHY))
     with pytest.raises(UnknownRetrievalMode, match="semantic"):
         engine.submit([1, 2, 3], GREEDY, ResultCollector([1, 2, 3]), retrieval_mode="psychic")
     engine.stop()
