@@ -229,12 +229,35 @@ class HeldOut(NamedTuple):
         )
 
 
+def write_samples_only(wheels_dir: Path) -> None:
+    """Rewrites tests/safety/heldout_*.json from the committed gate's prompt and output screens."""
+    wheels = fetch_wheels(wheels_dir)
+    examples = load_examples(wheels)
+    held = HeldOut.of(examples, load_benign_outputs(wheels, examples))
+    classifier = TextClassifier(
+        load_gate(DEFAULT_GATE), MiniLMEmbedder.load(), max_windows=DEFAULT_MAX_WINDOWS
+    )
+    short = [e for e in held.prompts if len(e.text) < 200]
+    prompt_blocked, _ = screen_blocks(classifier, short)
+    harmful_blocked, _ = screen_blocks(classifier, held.harmful_outputs, "output")
+    print("skipped", write_sample(short, prompt_blocked))
+    print("skipped", write_output_sample(held.benign_outputs, held.harmful_outputs, harmful_blocked))
+
+
 def main() -> None:
     """Runs the evaluation and writes the results file."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--write-sample", action="store_true", help="rewrite tests/safety/heldout_*.json")
+    parser.add_argument(
+        "--write-sample-only",
+        action="store_true",
+        help="rewrite the samples and stop (no engine head, no results)",
+    )
     args = parser.parse_args()
+    if args.write_sample_only:
+        write_samples_only(args.wheels)
+        return
     env = environment()
     wheels = fetch_wheels(args.wheels)
     examples = load_examples(wheels)

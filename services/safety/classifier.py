@@ -1,5 +1,6 @@
 """The learned screen: every view of a text, cut into windows, embedded, scored by the gate's
-prompt head; a harm category's score is its maximum over all windows of all views.
+prompt head; a harm category's score is its highest over views, each view's from its windows by
+the gate's window aggregation (window_aggregation.py: a text of one window is scored by it).
 
 Prompts and outputs share the head but not the thresholds: each is judged against thresholds
 calibrated on benign texts of its own kind (the manifest's `thresholds` and `output_thresholds`).
@@ -16,6 +17,7 @@ from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_score
 from services.safety.attack_head import AttackHead
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.normalizer import views
+from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
 TextKind = Literal["prompt", "output"]
 
@@ -47,6 +49,9 @@ class TextClassifier:
         self.categories = gate.manifest.categories
         self.head: HeadWeights = gate.head_weights(PROMPT_HEAD)
         self.attack_head = AttackHead.from_gate(gate)
+        self.aggregation = WindowAggregation.from_manifest(
+            gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY)
+        )
         output_head = gate.head_weights(PROMPT_HEAD, for_outputs=True)
         self.thresholds: dict[TextKind, dict[str, float]] = {
             "prompt": dict(zip(self.categories, self.head.thresholds.tolist(), strict=True)),
@@ -69,15 +74,15 @@ class TextClassifier:
         return per_view
 
     def score(self, text: str, kind: TextKind = "prompt") -> Scores:
-        """The text's per-category scores (harm: max over views and windows; jailbreak, for
-        prompts: see attack_head.py), with the thresholds for its kind."""
+        """The text's per-category scores (harm: the window aggregation, highest over views;
+        jailbreak, for prompts: see attack_head.py), with the thresholds for its kind."""
         per_view = self.view_windows_of(text)
         embeddings = self.embedder.embed_windows([row for rows in per_view for row in rows])  # [N, H]
-        top = gate_scores(embeddings, self.head).max(dim=0).values.tolist()  # [C]
-        values = dict(zip(self.categories, top, strict=True))
+        view_embeddings = list(embeddings.split([len(rows) for rows in per_view]))
+        harm = self.aggregation.text_scores([gate_scores(e, self.head) for e in view_embeddings])  # [C]
+        values = dict(zip(self.categories, harm.tolist(), strict=True))
         thresholds = self.thresholds[kind]
         if kind == "prompt" and self.attack_head is not None:
-            view_embeddings = list(embeddings.split([len(rows) for rows in per_view]))
             values[self.attack_head.name] = self.attack_head.score(view_embeddings)
             thresholds = thresholds | {self.attack_head.name: self.attack_head.threshold}
         return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings))

