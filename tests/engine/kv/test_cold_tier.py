@@ -229,3 +229,30 @@ def test_a_retrieval_mode_the_engine_does_not_know_is_refused(
     with pytest.raises(UnknownRetrievalMode, match="semantic"):
         engine.submit([1, 2, 3], GREEDY, ResultCollector([1, 2, 3]), retrieval_mode="psychic")
     engine.stop()
+
+
+def test_a_running_engine_serves_every_request_while_the_kvstore_is_down_and_after_it_returns(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """The engine's own thread (not stepped by hand): prefix loads that fail wake it, and nothing hangs."""
+    engine = load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target, retry_after_s=0, **HEALTHY))
+    engine.start()
+
+    def serve(tag: str) -> list[GenerationResult]:
+        collectors = []
+        for n in range(3):
+            prompt = engine.tokenizer.encode(f"{tag} {n} {STORY}")
+            collectors.append(ResultCollector(prompt))
+            engine.submit(prompt, GREEDY, collectors[-1])
+        for collector in collectors:
+            assert collector.done.wait(120), "a request never finished"
+        return [c.result() for c in collectors]
+
+    assert all(r.error is None for r in serve("up"))
+    kvstore.kill()
+    before = engine.stats().cold.degradations  # type: ignore[union-attr]
+    assert all(r.error is None for r in serve("down"))
+    assert engine.stats().cold.degradations > before  # type: ignore[union-attr]
+    kvstore.start()
+    assert all(r.error is None for r in serve("back"))
+    engine.stop()
