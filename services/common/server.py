@@ -49,6 +49,9 @@ class ServiceSpec:
     # Polled every HEALTH_PROBE_INTERVAL_S while serving: None when healthy, else why not. A reason
     # turns health NOT_SERVING (so routers move traffic away) until the probe says None again.
     health_probe: Callable[[], str | None] | None = None
+    # gRPC server options on top of the shared ones (channel_options), e.g. the gateway's
+    # ("grpc.http2.bdp_probe", 0).
+    server_options: list[tuple[str, int]] = field(default_factory=list)
 
 
 def setup_logging(level: str) -> None:
@@ -68,7 +71,8 @@ class RunningServer:
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.server = grpc.aio.server(
             interceptors=[telemetry.server_interceptor(), GuardInterceptor(self.tracker)],
-            options=channel_options(spec.config.max_message_bytes, spec.config.keepalive_s),
+            options=channel_options(spec.config.max_message_bytes, spec.config.keepalive_s)
+            + spec.server_options,
         )
         self.stopped = asyncio.Event()
         self._probe_task: asyncio.Task[None] | None = None

@@ -27,7 +27,18 @@ def main() -> None:
         built[0].servicer.in_flight.cut_all()
 
     spec = ServiceSpec(
-        config=config.server, register=register, on_start=start, on_stop=stop, on_grace_over=cut_streams
+        config=config.server,
+        register=register,
+        on_start=start,
+        on_stop=stop,
+        on_grace_over=cut_streams,
+        # No HTTP/2 window growth (BDP probing) on the public port: with it, the window grows to
+        # megabytes and an oversized message is mostly read before it is refused. Without it, a
+        # refused 10 MiB message cost ~3 ms of gateway CPU instead of ~12 ms, and a flood of them
+        # held another caller's p99 within 2x of idle (bench/results/gateway_flood_2026-12-01_
+        # cheap-refusal.md). The cost: a large message over a long-latency link takes more round
+        # trips, and the gateway's messages are small (at most _MAX_PROMPT_BYTES plus 128 KiB).
+        server_options=[("grpc.http2.bdp_probe", 0)],
     )
     run_service(spec)
 
