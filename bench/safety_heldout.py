@@ -9,8 +9,10 @@ few texts. Reports, per held-out source: the jailbreak category's recall or FPR 
 threshold, the harm categories', and the whole screen's (harm, jailbreak or a deny pattern); the
 jailbreak ROC AUC and recall at 1% FPR on pooled held-out benign text (an oracle threshold, for
 comparison only); recall on held-out templates that are not near copies of training templates;
-the window aggregations compared; the wrapped case (a harmful request blocked alone, passed when
-wrapped in a held-out template); and check latency p50/p99 on this CPU.
+the window aggregations compared (jailbreak, and harm: each rule re-calibrated as
+tools/calibrate_safety_gate.py calibrates it); the wrapped case (a harmful request blocked alone,
+passed when wrapped in a held-out template); the output screen's recall at its false-positive rate;
+and check latency p50/p99 on this CPU.
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ from services.safety.classifier import TextClassifier
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS, DEFAULT_PATTERNS
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.policy import DenyPatternPolicy
+from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
+from tools.calibrate_safety_gate import (
+    CANDIDATES,
+    CODE,
+    LONG,
+    ORDINARY,
+    SENSITIVE,
+    Source,
+    calibration_texts,
+    text_scores,
+    window_scores,
+)
+from tools.calibrate_safety_gate import calibrate as calibrate_harm
+from tools.safety_data import BENIGN, fetch_wheels, load_benign_outputs, load_examples
 from tools.train_jailbreak_head import (
     CALIBRATE_BENIGN,
     CHOOSE_JAILBREAK,
@@ -57,16 +73,17 @@ HARMFUL_TEST = "harmful_xstest_unsafe"
 _PLACEHOLDER = re.compile(r"\[(insert|your) [^\]]*\]|\{prompt\}|<prompt>", re.I)
 
 
+HARM_CALIBRATION = ORDINARY + LONG + CODE + SENSITIVE  # the harm categories' calibration sources
+
 NOT_MEASURED = [
-    "- a fine-tuned or bigger encoder (no GPU time this session): the harm categories are the previous "
-    "version's head, unchanged; their held-out FPR above is theirs, not re-calibrated on broad text",
-    "- the output screen, toxic text, and per-category harm recall on held-out harmful sources other "
-    "than XSTest's unsafe prompts (bench/safety_eval.py measures the harm heads on their own split)",
+    "- a fine-tuned or bigger encoder (no GPU time this session)",
+    "- toxic text, and per-category harm recall on held-out harmful sources other than XSTest's unsafe "
+    "prompts (bench/safety_eval.py measures the harm heads on their own split)",
     "- the default run takes hash samples (300 jailbreaks, 150 PEP prompts; embedding runs at a few "
     "hundred tokens a second on a shared CPU); the committed results use all of them",
     "- prompt injection inside documents (indirect injection): no permissively licensed collection "
     "was taken in; the in-the-wild set is direct jailbreaks",
-    "- identity statements as a benign source; non-English text",
+    "- non-English text; identity statements only as a (hand-written) calibration source, not held out",
     "- the in-loop engine head: unchanged in this version (tests/engine/gate covers it)",
 ]
 
@@ -89,16 +106,24 @@ class Bench:
         self.head = AttackHead.from_gate(self.gate)
         assert self.head is not None, "the shipped gate has no jailbreak head"
         self.harm = self.gate.head_weights(PROMPT_HEAD)
+        self.aggregation = WindowAggregation.from_manifest(
+            self.gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY)
+        )
         self.patterns = DenyPatternPolicy.load(DEFAULT_PATTERNS)
         self.cache = cache
 
     def score(self, texts: list[str]) -> Scored:
         """Scores `texts` as the service does."""
         views = embed_views(texts, self.cache).views_of()
-        harm = [(gate_scores(torch.cat(v), self.harm) >= self.harm.thresholds).any() for v in views]
+        harm = [self.harm_scores(v) >= self.harm.thresholds for v in views]
+        harm = [h.any() for h in harm]
         jailbreak = torch.tensor([self.head.score(v) for v in views])
         denied = torch.tensor([self.patterns.check(t).is_blocked for t in texts])
         return Scored(texts, views, torch.stack(harm), jailbreak, denied)
+
+    def harm_scores(self, views: list[torch.Tensor], rule: WindowAggregation | None = None) -> torch.Tensor:
+        """Per-category harm scores `[C]` of one text from its views' window embeddings."""
+        return (rule or self.aggregation).text_scores([gate_scores(v, self.harm) for v in views])
 
     def jailbreak_blocked(self, scored: Scored, head: AttackHead | None = None) -> torch.Tensor:
         """[N] bool at the head's calibrated threshold."""
@@ -181,6 +206,10 @@ def check_service_path(bench: Bench, classifier: TextClassifier, scored: Scored)
     for i in range(3):
         values = classifier.score(scored.texts[i]).values
         assert abs(values["jailbreak"] - float(scored.jailbreak[i])) < 1e-4, (values, scored.jailbreak[i])
+        harm = bench.harm_scores(scored.views[i]).tolist()
+        assert all(
+            abs(values[c] - h) < 1e-4 for c, h in zip(bench.gate.manifest.categories, harm, strict=True)
+        )
 
 
 def main() -> None:
@@ -201,13 +230,16 @@ def main() -> None:
         "benign_humaneval": read_source("benign_humaneval"),
         HARMFUL_TEST: read_source(HARMFUL_TEST),
     }
-    calib_texts = {s: read_source(s, MAX_LONG_PER_SOURCE if "long" in s else None) for s in CALIBRATE_BENIGN}
+    calib_names = CALIBRATE_BENIGN + tuple(s for s in HARM_CALIBRATION if s not in CALIBRATE_BENIGN)
+    calib_texts = {s: read_source(s, MAX_LONG_PER_SOURCE if "long" in s else None) for s in calib_names}
     scored = {name: bench.score(t) for name, t in texts.items()}
     calib = {name: bench.score(t) for name, t in calib_texts.items()}
     classifier = TextClassifier(bench.gate, MiniLMEmbedder.load(), DEFAULT_MAX_WINDOWS)
     check_service_path(bench, classifier, scored["benign_xstest_safe"])
     report = Report(bench, scored, calib, args)
     report.add_wrapped(texts)
+    report.add_harm_aggregations(texts)
+    report.add_output_screen(classifier, texts)
     report.add_latency(classifier, texts)
     out = args.out or REPO / "bench" / "results" / f"safety_heldout_{dt.date.today().isoformat()}.md"
     out.write_text(report.render())
@@ -223,6 +255,9 @@ class Report:
         self.lines: list[str] = []
         self.wrapped: list[str] = []
         self.timing: list[str] = []
+        self.harm_rules: list[str] = []
+        self.wrapped_views: list[list[torch.Tensor]] = []
+        self.outputs: list[str] = []
 
     def per_source_rows(self) -> list[str]:
         """One table row per source: jailbreak, harm and screen block rates."""
@@ -285,13 +320,18 @@ class Report:
         requests = hash_sample(texts[HARMFUL_TEST], self.args.num_wrap_requests)
         alone = self.bench.score(requests)
         wrapped = self.bench.score([wrap(t, r) for t in templates for r in requests])
+        self.wrapped_views = [
+            v
+            for v, alone_blocked in zip(wrapped.views, alone.harm_blocked.repeat(len(templates)), strict=True)
+            if alone_blocked
+        ]
         harm_alone = alone.harm_blocked.repeat(len(templates))
         screen_alone = self.bench.screen_blocked(alone).repeat(len(templates))
         self.wrapped = [
             f"{len(requests)} XSTest unsafe requests, alone and inside each of {len(templates)} held-out "
             f"in-the-wild templates of at most 2,000 characters ({len(wrapped.texts)} wrapped prompts):",
             "",
-            "- harm categories only (the gate before this version): blocked alone "
+            "- harm categories only: blocked alone "
             f"{pct(alone.harm_blocked)}; "
             f"of the pairs blocked alone, passed when wrapped: "
             f"{pct(~wrapped.harm_blocked[harm_alone])}",
@@ -300,6 +340,46 @@ class Report:
             f"of the pairs blocked alone, passed when wrapped: "
             f"{pct(~self.bench.screen_blocked(wrapped)[screen_alone])}",
             f"- wrapped prompts blocked by the whole screen: {pct(self.bench.screen_blocked(wrapped))}",
+        ]
+
+    def add_harm_aggregations(self, texts: dict[str, list[str]]) -> None:
+        """Each window-aggregation rule of the harm categories, re-calibrated on the calibration
+        sources as tools/calibrate_safety_gate.py does, on the held-out sources and the wrapped case."""
+        wheels = Path(self.args.wheels)
+        examples = load_examples(fetch_wheels(wheels))
+        calib = calibration_texts(examples, _CalibrationArgs(), wheels / "features")
+        views_of = {name: self.scored[name].views for name in self.scored} | {"wrapped": self.wrapped_views}
+        for rule in dict.fromkeys((self.bench.aggregation, *CANDIDATES)):
+            sources = {
+                n: Source(window_scores(v, self.bench.harm), calib["limits"][n])
+                for n, v in calib["benign"].items()
+            }
+            thresholds = calibrate_harm(rule, sources, 0.01)
+            cells = []
+            for name in (*BENIGN_TEST, HARMFUL_TEST, JAILBREAK_TEST, "wrapped"):
+                scores = text_scores(rule, window_scores(views_of[name], self.bench.harm))
+                cells.append(pct((scores >= thresholds).any(dim=1)))
+            shipped = " (shipped)" if rule == self.bench.aggregation else ""
+            self.harm_rules.append(f"| {_rule_label(rule)}{shipped} | " + " | ".join(cells) + " |")
+
+    def add_output_screen(self, classifier: TextClassifier, texts: dict[str, list[str]]) -> None:
+        """The output screen (CheckOutput) at its thresholds: recall on harmful texts as outputs and
+        its false-positive rate on benign outputs of the test split and on held-out benign text."""
+        examples = load_examples(fetch_wheels(Path(self.args.wheels)))
+        test = [e for e in examples if e.split == "test"]
+        harmful_outputs = [e.text for e in test if e.kind == "output" and e.label != BENIGN]
+        benign = load_benign_outputs(fetch_wheels(Path(self.args.wheels)), examples)
+        benign_outputs = hash_sample([e.text for e in benign if e.split == "test"], 300)
+
+        def rate(name: str, items: list[str]) -> str:
+            blocked = torch.tensor([bool(classifier.score(t, "output").triggered) for t in items])
+            return f"| {name} | {len(items)} | {pct(blocked)} |"
+
+        self.outputs = [
+            rate("PyRIT human-scored harmful responses, test split (recall)", harmful_outputs),
+            rate("XSTest unsafe requests as outputs, held out (recall)", texts[HARMFUL_TEST]),
+            rate("ShareGPT replies and PyRIT refusals, test split (FPR; 300 by hash)", benign_outputs),
+            rate("PEP sections as outputs, held out (FPR)", texts["benign_peps_long"][:100]),
         ]
 
     def add_latency(self, classifier: TextClassifier, texts: dict[str, list[str]]) -> None:
@@ -356,6 +436,23 @@ class Report:
                 "| --- | ---: | ---: | ---: | ---: | ---: |",
                 *self.aggregation_rows(),
                 "",
+                "## Window aggregation of the harm categories",
+                "",
+                "Each rule re-calibrated on the harm calibration sources (pooled 1% FPR; per source 1%, "
+                "sensitive sources 3%) with the shipped prompt head. Block rates on held-out sources; "
+                "`wrapped`: harm categories alone on the wrapped prompts whose request is blocked alone.",
+                "",
+                "| rule | XSTest safe FPR | PEPs long FPR | HumanEval FPR | XSTest unsafe recall "
+                "| in-the-wild (harm) | wrapped (harm) |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+                *self.harm_rules,
+                "",
+                "## Output screen (CheckOutput) at its calibrated output thresholds",
+                "",
+                "| texts screened as outputs | count | blocked |",
+                "| --- | ---: | ---: |",
+                *self.outputs,
+                "",
                 "## Wrapped harmful requests",
                 "",
                 *self.wrapped,
@@ -370,6 +467,20 @@ class Report:
                 "",
             ]
         )
+
+
+class _CalibrationArgs:
+    """The calibration settings the shipped gate was built with (tools/calibrate_safety_gate.py)."""
+
+    target_fpr = 0.01
+    sensitive_fpr = 0.03
+
+
+def _rule_label(rule: WindowAggregation) -> str:
+    if rule.is_bare_max:
+        return "bare maximum"
+    lone = "" if rule.lone_window_margin is None else f", lone window at -{rule.lone_window_margin:g} logits"
+    return f"top-{rule.top_k} mean{lone}"
 
 
 class _WholeOnly(AttackHead):
