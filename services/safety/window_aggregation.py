@@ -12,7 +12,8 @@ view scores, per category, the higher of:
 
 With `top_k = 1` this is the bare maximum. The gate's manifest carries the rule
 (`heads.prompt.aggregation`); gates that predate it get the bare maximum, as they were calibrated.
-bench/results/safety_calibration_*.md compares the rules, each calibrated on the same texts.
+bench/results/safety_heldout_*_gate3.md compares the rules, each calibrated on the same texts
+(tools/calibrate_safety_gate.py chooses among them on calibration data only).
 """
 
 from __future__ import annotations
