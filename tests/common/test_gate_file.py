@@ -133,7 +133,11 @@ def test_bad_output_thresholds_are_refused(
         load_gate(path)
 
 
-def test_the_committed_gate_screens_outputs_with_their_own_higher_thresholds() -> None:
+def test_the_committed_gate_screens_outputs_with_their_own_thresholds() -> None:
+    # Each surface is calibrated on benign text of its own kind (tools/calibrate_safety_gate.py), so
+    # an output threshold may land on either side of its prompt threshold (gate 2026.12.01.3:
+    # violence 0.947 for outputs, 0.967 for prompts); it must not be a copy of the prompt's.
     spec = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD)
     assert set(spec.output_thresholds) == set(spec.thresholds)
-    assert all(spec.output_thresholds[c] > spec.thresholds[c] for c in spec.thresholds)
+    assert spec.output_thresholds != spec.thresholds
+    assert all(0.0 < t < 1.0 for t in spec.output_thresholds.values())
