@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_name
 from services.engine.kv.cold_tier import ColdTierConfig
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
@@ -153,14 +153,7 @@ def environment() -> dict[str, str]:
         ["git", "status", "--porcelain", "services/engine", "services/common", "services/kvstore"],
         capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit + (" (engine/kvstore files modified)" if dirty else ""),

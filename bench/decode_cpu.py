@@ -27,6 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_name  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.model.registry import resolve_model  # noqa: E402
 from services.engine.scheduling.sampling_params import SamplingParams  # noqa: E402
@@ -127,7 +128,7 @@ def environment(args: argparse.Namespace, model_path: Path) -> dict[str, str]:
     return {
         "date (UTC)": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
         "git commit": _git_commit(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "logical cpus": str(torch.multiprocessing.cpu_count()),
         "torch threads": str(torch.get_num_threads()),
         "python": platform.python_version(),
@@ -155,13 +156,6 @@ def _git_commit() -> str:
     changed += git("ls-files", "--others", "--exclude-standard", "--", *paths).split()
     dirty = f" (uncommitted changes: {' '.join(changed)})" if changed else ""
     return git("rev-parse", "--short", "HEAD") + dirty
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def markdown(env: dict[str, str], rows: list[Measurement]) -> str:

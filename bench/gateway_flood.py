@@ -36,6 +36,7 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_name  # noqa: E402
 from services.cli.client import call_metadata  # noqa: E402
 from services.cli.mesh import Mesh, MeshConfig, Ports  # noqa: E402
 from services.engine.model.registry import resolve_model  # noqa: E402
@@ -168,14 +169,7 @@ def measure(mesh: Mesh, args: argparse.Namespace) -> dict[str, object]:
 
 def machine() -> dict[str, str]:
     """CPU, commit and versions for the results file."""
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor(),
-    )
+    cpu = cpu_name()
     git = ["git", "-C", str(REPO)]
     commit = subprocess.run(
         [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True

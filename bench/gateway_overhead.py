@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_name  # noqa: E402
 from services.cli.client import build_request, call_metadata  # noqa: E402
 from services.cli.mesh import Mesh, MeshConfig, Ports, free_port  # noqa: E402
 from services.common.channels import wait_until_serving  # noqa: E402
@@ -228,14 +229,7 @@ def relay_part(args: argparse.Namespace, state_dir: Path) -> list[dict[str, floa
 
 def machine() -> dict[str, str]:
     """CPU, commit and versions for the results file."""
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor(),
-    )
+    cpu = cpu_name()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_name
 from services.engine.attention.metadata import AttentionMetadata, RowInput
 from services.engine.attention.reference import ReferenceBackend
 from services.engine.kv.block_table import BlockTable
@@ -210,14 +211,7 @@ def environment(device: torch.device, commit: str | None) -> dict[str, str]:
             commit += " (engine or bench files modified)" if dirty else ""
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown (no git here; pass --commit)"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         where = (

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_name
 from services.common.kv_codec.codec import (
     KEEP_ALL,
     CodecSettings,
@@ -294,11 +295,7 @@ def environment() -> dict[str, str]:
         commit += " (kvstore files modified)" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    cpu = platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    cpu = cpu_name()
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit,

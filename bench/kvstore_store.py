@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_name
 from services.kvstore.blocks import BlockIn, Codec
 from services.kvstore.keys import BlockHash
 from tests.kvstore.conftest import KVStoreProcess, RedisServer
@@ -155,14 +155,7 @@ def environment(directory: Path) -> dict[str, str]:
     disk = subprocess.run(
         ["df", "-h", "--output=source,fstype,size", str(directory)], capture_output=True, text=True
     )
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.machine(),
-    )
+    cpu = cpu_name()
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit + (" (kvstore files modified)" if dirty else ""),

@@ -44,7 +44,8 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.sla_cpu import cpu_name, git_commit, run_sweep, table  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
+from bench.sla_cpu import git_commit, run_sweep, table  # noqa: E402
 from services.cli.client import build_request, call_metadata  # noqa: E402
 from services.cli.loadgen.command import UNLIMITED_TENANTS  # noqa: E402
 from services.cli.loadgen.record import OK, RequestRecord  # noqa: E402

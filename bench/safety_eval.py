@@ -17,7 +17,6 @@ import datetime as dt
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import cpu_name
 from services.common.gate_file import ENGINE_HEAD, gate_scores, load_gate
 from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
@@ -194,11 +194,7 @@ def write_output_sample(
 def environment() -> dict[str, str]:
     """Date, commit, CPU and threads, for the results header."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor(),
-    )  # fmt: skip
+    cpu = cpu_name()
     return {
         "date": dt.date.today().isoformat(),
         "commit": commit.stdout.strip(),

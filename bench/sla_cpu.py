@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_name  # noqa: E402
 from services.cli.main import main as thermocline  # noqa: E402
 
 WORKLOAD = REPO / "bench" / "loadgen_cpu_workload.toml"
@@ -49,13 +50,6 @@ def git_commit() -> str:
         ["git", "status", "--porcelain", "--", "services"], capture_output=True, text=True, cwd=REPO
     )
     return commit.stdout.strip() + (" (services/ has uncommitted changes)" if dirty.stdout.strip() else "")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def hardware_rows() -> list[tuple[str, str]]:
