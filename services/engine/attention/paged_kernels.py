@@ -542,7 +542,7 @@ def paged_attention(
     block_q = block_m // queries_per_kv
     padded = head_dim_padded(head_dim)
     warm = layer.warm
-    tile_n = tile_n or _tile_n(block_size, warm is not None)
+    tile_n = tile_n or _tile_n(block_size)
     if tile_n % block_size or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power-of-two multiple of the block size {block_size}: {tile_n}")
     if num_segments > 1:
@@ -605,10 +605,9 @@ def paged_attention(
     return out
 
 
-def _tile_n(block_size: int, has_warm: bool) -> int:
+def _tile_n(block_size: int) -> int:
     """Positions per loop step: 64 (whole blocks). On the H200 both tiers measured best there with 4
     warps (bench/attention_kernel.py: 32 or 128 positions, or 8 warps, were 30-90% slower warm)."""
-    del has_warm  # the same tile for both tiers
     return 64 if block_size <= 64 else block_size
 
 
