@@ -169,7 +169,9 @@ def _hot_update(
 def _warm_tile_table(warm_row, tile, tile_end, kv_end, BLOCK_SIZE: tl.constexpr, TILE_BLOCKS: tl.constexpr):
     """The warm block of each of a tile's logical blocks, -1 where not warm (or past the segment)."""
     blocks = tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
-    in_range = (blocks * BLOCK_SIZE < kv_end) & (tile < tile_end)
+    # `blocks < tile_end * TILE_BLOCKS` says `tile < tile_end` as a vector compare: a scalar compare
+    # here comes out of Triton 3.9's interpreter as int32, which it then refuses as a load mask.
+    in_range = (blocks * BLOCK_SIZE < kv_end) & (blocks < tile_end * TILE_BLOCKS)
     return tl.load(warm_row + blocks, mask=in_range, other=-1)
 
 
