@@ -183,6 +183,8 @@ class Gatekeeper:
     ) -> Admission:
         check_prompt_size(request, self.bounds)
         principal, limits = await self._identify(metadata, facts)
+        if not limits.safety.is_empty:  # which categories the safety service will not apply as is
+            facts.details["tenant_safety_policy"] = limits.safety.describe()
         check_metadata(metadata)
         check_sizes(request)
         text = prompt_text(request)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 
+from services.common.errors import ThermoclineError
 from services.gateway import grpc_edge
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import ALLOW, AuditEvent, AuditLog
@@ -43,6 +44,8 @@ def load_policies(config: GatewayConfig) -> Policies:
 
 
 _PRUNE_INTERVAL_S = 3600.0
+# How long a gateway whose tenants loosen safety categories waits for the safety service at start.
+SAFETY_START_WAIT_S = 60.0
 
 
 def _file_digest(path: Path | None) -> str:
@@ -87,6 +90,7 @@ class Gateway:
         slots = StreamSlots(config.limits.max_concurrent_streams, config.limits.pushback_ms)
         self.servicer = GatewayServicer(config, gatekeeper, self.upstreams, slots)
         self.config = config
+        self.tenants = policies.tenants
         self.http = self._http_server(config)
         self._pruner: asyncio.Task[None] | None = None
 
@@ -102,12 +106,33 @@ class Gateway:
         return [grpc_edge.add_to_server(self.servicer, server)]
 
     async def start(self) -> None:
-        """Starts following the engine replicas, records the policies in force, starts pruning."""
+        """Checks the tenants' safety overrides against the gate, starts following the engine
+        replicas, records the policies in force, starts pruning."""
+        await self._check_safety_overrides()
         await self.upstreams.router.start()
         await self.audit.record(policy_event(self.config))
         self._pruner = asyncio.create_task(self._prune_forever())
         if self.http is not None:
             await self.http.start()
+
+    async def _check_safety_overrides(self) -> None:
+        """A tenants file that turns off or loosens a category the gate lacks, or sets a threshold
+        below the gate's own, stops the gateway here rather than failing that tenant's calls."""
+        if not self.tenants.has_safety_overrides:
+            return
+        path = self.config.policies.tenants_file
+        try:
+            gate = await self.upstreams.gate_info(SAFETY_START_WAIT_S)
+        except ThermoclineError as error:
+            raise ValueError(
+                f"tenants file {path}: its safety overrides are checked against the safety "
+                f"service's gate at start, and the check failed: {error.message}"
+            ) from None
+        try:
+            self.tenants.check_against_gate(gate.categories, gate.version)
+        except ValueError as error:
+            raise ValueError(f"tenants file {path}: {error}") from None
+        log.info("tenant safety overrides checked against gate %s", gate.version)
 
     async def _prune_forever(self) -> None:
         """Applies audit retention now and then every hour."""

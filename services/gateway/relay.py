@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,22 @@ class RelaySettings:
     safety_timeout_s: float
     deadline_s: float | None
     prompt_tokens: int = 0  # as the gateway counted them: the usage of a stream cut by a block
+    # The tenant's categories off and loosened thresholds, sent with every output check.
+    safety_policy: safety_pb2.TenantPolicy = field(default_factory=safety_pb2.TenantPolicy)
+
+
+# Writes the audit event of a verdict that blocked, or passed only under the tenant's policy;
+# called before the client sees the outcome. Arguments: the layer ("prompt", "output") and verdict.
+VerdictAudit = Callable[[str, safety_pb2.CheckResponse], Awaitable[None]]
+
+
+async def _no_audit(layer: str, verdict: safety_pb2.CheckResponse) -> None:
+    return None
+
+
+def needs_audit(verdict: safety_pb2.CheckResponse) -> bool:
+    """Whether a verdict gets its own audit event: it blocked, or the tenant's policy waived a category."""
+    return verdict.decision == safety_pb2.DECISION_BLOCK or bool(verdict.waived)
 
 
 def final_message(
@@ -117,6 +133,7 @@ async def relay(
     request: engine_pb2.GenerateRequest,
     settings: RelaySettings,
     replicas: list[Replica],
+    audit: VerdictAudit = _no_audit,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """Streams the engine's answer to `request`, screened in windows.
 
@@ -137,7 +154,7 @@ async def relay(
             trace.get_current_span().add_event("engine.retry", {"thermocline.engine.replica": replica.target})
             continue
         trace.get_current_span().set_attribute("thermocline.engine.replica", replica.target)
-        async for message in _screened(upstreams, call, first, settings):
+        async for message in _screened(upstreams, call, first, settings, audit):
             yield message
         return
     assert last_error is not None
@@ -155,10 +172,15 @@ async def _first_message(call: grpc.aio.UnaryStreamCall) -> Any:
 
 
 async def _screened(
-    upstreams: Upstreams, call: grpc.aio.UnaryStreamCall, first: Any, settings: RelaySettings
+    upstreams: Upstreams,
+    call: grpc.aio.UnaryStreamCall,
+    first: Any,
+    settings: RelaySettings,
+    audit: VerdictAudit,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The stream after its first message, released in screened windows."""
     held = HeldOutput()
+    has_audited_waiver = False  # each window re-screens the whole text: one waiver event per stream
     final: engine_pb2.GenerateResponse | None = None
     message = first
     try:
@@ -169,9 +191,17 @@ async def _screened(
             is_last = message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
             if is_last or len(held.token_ids) >= settings.check_tokens:
                 verdict = await upstreams.check_output(
-                    held.full_text, settings.prompt_text, settings.tenant, settings.safety_timeout_s
+                    held.full_text,
+                    settings.prompt_text,
+                    settings.tenant,
+                    settings.safety_policy,
+                    settings.safety_timeout_s,
                 )
-                if verdict.decision == safety_pb2.DECISION_BLOCK:
+                is_blocked = verdict.decision == safety_pb2.DECISION_BLOCK
+                if is_blocked or (verdict.waived and not has_audited_waiver):
+                    has_audited_waiver = True
+                    await audit("output", verdict)
+                if is_blocked:
                     await _abandon(call)
                     record_verdict("output", verdict)
                     usage = _usage_so_far(message, held, settings)

@@ -11,14 +11,14 @@ from opentelemetry import trace
 from services.common import telemetry
 from services.common.errors import NotFound, Unavailable
 from services.gateway.admission import StreamSlots
-from services.gateway.audit import DENY, AuditEvent, prompt_sha256
+from services.gateway.audit import ALLOW, DENY, AuditEvent, prompt_sha256
 from services.gateway.call_metadata import CallMetadata
 from services.gateway.config import GatewayConfig
 from services.gateway.gatekeeper import Admission, Gatekeeper
 from services.gateway.in_flight import InFlightStream, InFlightStreams
-from services.gateway.relay import RelaySettings, blocked_messages, record_verdict, relay
+from services.gateway.relay import RelaySettings, blocked_messages, needs_audit, record_verdict, relay
 from services.gateway.router import affinity_key
-from services.gateway.upstream import Upstreams
+from services.gateway.upstream import Upstreams, tenant_policy_pb
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -83,10 +83,14 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         settings = self._settings(text, admission, context.time_remaining())
         self._annotate_span(request, admission)
         tenant = admission.principal.tenant
-        verdict = await self.upstreams.check_prompt(text, tenant, settings.safety_timeout_s)
+        verdict = await self.upstreams.check_prompt(
+            text, tenant, settings.safety_policy, settings.safety_timeout_s
+        )
         record_verdict("prompt", verdict)
+        audit = lambda layer, verdict: self._record_verdict(admission, layer, verdict)  # noqa: E731
+        if needs_audit(verdict):
+            await audit("prompt", verdict)
         if verdict.decision == safety_pb2.DECISION_BLOCK:
-            await self._record_prompt_block(admission, text, verdict)
             usage = engine_pb2.Usage(prompt_tokens=admission.prompt_tokens)  # the engine never ran
             for message in blocked_messages(verdict.safe_message, settings, usage):
                 yield message
@@ -102,6 +106,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     engine_request(request, admission, metadata.get(RETRIEVAL_MODE_HEADER, "")),
                     settings,
                     replicas,
+                    audit,
                 ):
                     if message.HasField("done"):
                         await self._charge_completion(admission, message.done.usage.completion_tokens)
@@ -120,21 +125,30 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         tenant = admission.principal.tenant
         await self.gatekeeper.limiter.charge_tokens(tenant, admission.limits, num_tokens)
 
-    async def _record_prompt_block(
-        self, admission: Admission, text: str, verdict: safety_pb2.CheckResponse
+    async def _record_verdict(
+        self, admission: Admission, layer: str, verdict: safety_pb2.CheckResponse
     ) -> None:
+        """The audit event of a safety block, or of a pass that only the tenant's policy allowed;
+        either names the gate and the tenant policy the safety service applied."""
+        if verdict.decision == safety_pb2.DECISION_BLOCK:
+            decision, reason = DENY, f"safety: {layer} blocked (" + ", ".join(verdict.reasons) + ")"
+        else:
+            decision, reason = ALLOW, f"safety: {layer} passed under the tenant's policy only"
+        details = {"policy_version": verdict.policy_version, "layer": layer}
+        if verdict.tenant_policy:
+            details |= {"tenant_policy": verdict.tenant_policy, "waived": "; ".join(verdict.waived)}
         await self.gatekeeper.record(
             AuditEvent(
                 actor_principal=admission.principal.subject,
                 tenant=admission.principal.tenant,
                 action="invoke",
                 resource=f"model:{admission.model}",
-                decision=DENY,
-                reason="safety: prompt blocked (" + ", ".join(verdict.reasons) + ")",
+                decision=decision,
+                reason=reason,
                 request_id=admission.request_id,
                 trace_id=telemetry.current_trace_id(),
-                prompt_sha256=prompt_sha256(text),
-                details={"policy_version": verdict.policy_version},
+                prompt_sha256=prompt_sha256(admission.prompt_text),
+                details=details,
             )
         )
 
@@ -190,6 +204,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             safety_timeout_s=safety_timeout_s,
             deadline_s=deadline_s,
             prompt_tokens=admission.prompt_tokens,
+            safety_policy=tenant_policy_pb(admission.limits.safety),
         )
 
     def _annotate_span(self, request: pb.GenerateRequest, admission: Admission) -> None:

@@ -1,7 +1,8 @@
-"""Per-tenant limits: request rate, token rate, per-request token budget, Redis-down behaviour.
+"""Per-tenant limits: request rate, token rate, per-request token budget, Redis-down behaviour,
+and the safety categories a tenant has turned off or loosened.
 
 Every tenant gets the `defaults` block with its own entry laid over it. The file format (JSON)
-is in deploy/gateway/tenants.json.
+is in deploy/gateway/tenants.json and deploy/gateway/README.md.
 """
 
 from __future__ import annotations
@@ -10,12 +11,86 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from services.gateway.config import load_policy_file
 
 FAIL_OPEN, FAIL_CLOSED = "open", "closed"
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+_CATEGORY = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_SAFETY_KEYS = ("categories_off", "thresholds")
+
+
+@dataclass(frozen=True)
+class SafetyOverrides:
+    """The gate categories a tenant has turned off or loosened; the safety service applies them.
+
+    `categories_off`: categories that never block the tenant's prompts or outputs. `thresholds`:
+    a category blocks only at this score or above, in (0, 1]; it may only loosen, so at start-up
+    each must be at least the gate's own threshold for the category on every surface it screens
+    (`check_against_gate`). The operator's deny patterns are not categories and always apply.
+    """
+
+    categories_off: frozenset[str] = frozenset()
+    thresholds: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in sorted(self.categories_off | set(self.thresholds)):
+            if not isinstance(name, str) or _CATEGORY.fullmatch(name) is None:
+                raise ValueError(f"safety: {name!r} is not a category name (lower case, digits, _)")
+        for name, value in self.thresholds.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+                raise ValueError(f"safety.thresholds.{name} must lie in (0, 1], got {value!r}")
+        both = sorted(self.categories_off & set(self.thresholds))
+        if both:
+            raise ValueError(f"safety: {both} are both off and given a threshold; keep one")
+
+    @classmethod
+    def from_dict(cls, document: Any) -> SafetyOverrides:
+        """The `safety` object of a tenants file entry."""
+        if not isinstance(document, Mapping):
+            raise ValueError(f"safety must be an object with {list(_SAFETY_KEYS)}, got {document!r}")
+        unknown = set(document) - set(_SAFETY_KEYS)
+        if unknown:
+            raise ValueError(f"unknown safety setting(s) {sorted(unknown)}; known: {list(_SAFETY_KEYS)}")
+        off = document.get("categories_off", [])
+        if not isinstance(off, list):
+            raise ValueError(f"safety.categories_off must be a list of category names, got {off!r}")
+        thresholds = document.get("thresholds", {})
+        if not isinstance(thresholds, Mapping):
+            raise ValueError(f"safety.thresholds must map category names to numbers, got {thresholds!r}")
+        return cls(frozenset(off), dict(thresholds))
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the tenant is screened by the gate as it is."""
+        return not self.categories_off and not self.thresholds
+
+    @property
+    def categories(self) -> frozenset[str]:
+        """Every category the overrides name."""
+        return self.categories_off | frozenset(self.thresholds)
+
+    def describe(self) -> str:
+        """One line for the audit log, in the safety service's words; "" when empty."""
+        parts = []
+        if self.categories_off:
+            parts.append("off: " + ", ".join(sorted(self.categories_off)))
+        if self.thresholds:
+            parts.append("thresholds: " + ", ".join(f"{c}={t:g}" for c, t in sorted(self.thresholds.items())))
+        return "; ".join(parts)
+
+
+class GateCategory(NamedTuple):
+    """The gate's own thresholds for one category (output None: outputs are not screened for it)."""
+
+    prompt_threshold: float
+    output_threshold: float | None
+
+    @property
+    def highest(self) -> float:
+        """The least a tenant threshold must be to loosen every surface."""
+        return max(self.prompt_threshold, self.output_threshold or 0.0)
 
 
 @dataclass(frozen=True)
@@ -26,7 +101,8 @@ class TenantLimits:
     `burst_tokens` (default: `tokens_per_min`), charged the prompt at admission and the completion
     at the end. `max_request_tokens`
     caps prompt plus max_tokens of one request. `on_redis_down` says whether calls pass ("open")
-    or are refused ("closed") while the shared limiter cannot be reached.
+    or are refused ("closed") while the shared limiter cannot be reached. `safety`: see
+    SafetyOverrides; an entry's `safety` replaces the defaults' as a whole.
     """
 
     requests_per_s: float = 10.0
@@ -36,6 +112,7 @@ class TenantLimits:
     max_request_tokens: int = 8192
     on_redis_down: str = FAIL_CLOSED
     intent_classes: Mapping[str, str] = field(default_factory=dict)
+    safety: SafetyOverrides = field(default_factory=SafetyOverrides)
 
     def __post_init__(self) -> None:
         if self.requests_per_s < 0 or self.burst_requests < 1:
@@ -60,12 +137,18 @@ class TenantLimits:
         return self.tokens_per_min if self.burst_tokens is None else self.burst_tokens
 
 
-def _limits(base: TenantLimits, entry: Mapping[str, Any]) -> TenantLimits:
+def _limits(base: TenantLimits, entry: Mapping[str, Any], where: str) -> TenantLimits:
+    """`base` with `entry` laid over it; a ValueError names `where` ("tenant 'acme'", "defaults")."""
     known = {f.name for f in fields(TenantLimits)}
     unknown = set(entry) - known
-    if unknown:
-        raise ValueError(f"unknown tenant setting(s) {sorted(unknown)}; known: {sorted(known)}")
-    return replace(base, **dict(entry))
+    try:
+        if unknown:
+            raise ValueError(f"unknown tenant setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        if "safety" in entry:
+            entry = {**entry, "safety": SafetyOverrides.from_dict(entry["safety"])}
+        return replace(base, **dict(entry))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -78,8 +161,11 @@ class TenantTable:
     @classmethod
     def from_dict(cls, document: Mapping[str, Any]) -> TenantTable:
         """A table from its parsed JSON."""
-        defaults = _limits(TenantLimits(), dict(document.get("defaults", {})))
-        tenants = {name: _limits(defaults, dict(e)) for name, e in dict(document.get("tenants", {})).items()}
+        defaults = _limits(TenantLimits(), dict(document.get("defaults", {})), "defaults")
+        tenants = {
+            name: _limits(defaults, dict(entry), f"tenant {name!r}")
+            for name, entry in dict(document.get("tenants", {})).items()
+        }
         return cls(defaults=defaults, tenants=tenants)
 
     @classmethod
@@ -90,6 +176,39 @@ class TenantTable:
     def limits(self, tenant: str) -> TenantLimits:
         """The limits that apply to `tenant`."""
         return self.tenants.get(tenant, self.defaults)
+
+    @property
+    def has_safety_overrides(self) -> bool:
+        """True when the defaults or any tenant turn off or loosen a safety category."""
+        return any(not limits.safety.is_empty for limits in [self.defaults, *self.tenants.values()])
+
+    def check_against_gate(self, categories: Mapping[str, GateCategory], gate_version: str) -> None:
+        """ValueError naming the tenant and field when a safety override names a category the gate
+        lacks, or sets a threshold below the gate's own (tenants may only loosen)."""
+        for where, limits in [
+            ("defaults", self.defaults),
+            *((f"tenant {n!r}", t) for n, t in self.tenants.items()),
+        ]:
+            _check_overrides(where, limits.safety, categories, gate_version)
+
+
+def _check_overrides(
+    where: str, safety: SafetyOverrides, categories: Mapping[str, GateCategory], gate_version: str
+) -> None:
+    unknown = sorted(safety.categories - set(categories))
+    if unknown:
+        raise ValueError(
+            f"{where}: safety names {unknown}, which gate {gate_version} does not have; "
+            f"its categories: {sorted(categories)}"
+        )
+    for name, value in sorted(safety.thresholds.items()):
+        floor = categories[name].highest
+        if value < floor:
+            raise ValueError(
+                f"{where}: safety.thresholds.{name} = {value:g} is below gate {gate_version}'s own "
+                f"threshold {floor:.4f}; a tenant may only loosen a category: use a value in "
+                f"[{floor:.4f}, 1], or put it in safety.categories_off"
+            )
 
 
 def is_valid_tenant(tenant: str) -> bool:

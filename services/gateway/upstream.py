@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import grpc
 
 from services.common.channels import open_channel
 from services.common.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     ThermoclineError,
     Unavailable,
 )
 from services.gateway.router import Router
+from services.gateway.tenants import GateCategory, SafetyOverrides
 from thermocline.engine.v1 import engine_pb2
 from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc
 
@@ -21,7 +25,23 @@ _PASSED_THROUGH: dict[grpc.StatusCode, type[ThermoclineError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    # e.g. the tenant's safety policy names a category the gate no longer has: the operator's to fix
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
 }
+
+
+def tenant_policy_pb(overrides: SafetyOverrides) -> safety_pb2.TenantPolicy:
+    """What the safety service applies for a tenant: its categories off and loosened thresholds."""
+    return safety_pb2.TenantPolicy(
+        categories_off=sorted(overrides.categories_off), thresholds=dict(overrides.thresholds)
+    )
+
+
+class GateInfo(NamedTuple):
+    """The gate the safety service screens with: its version and categories."""
+
+    version: str
+    categories: dict[str, GateCategory]
 
 
 def upstream_error(service: str, error: grpc.aio.AioRpcError) -> ThermoclineError:
@@ -70,25 +90,38 @@ class Upstreams:
         assert last_error is not None  # the router always holds at least one replica
         raise upstream_error("engine", last_error)
 
-    async def check_prompt(self, text: str, tenant: str, timeout_s: float) -> safety_pb2.CheckResponse:
-        """The safety service's verdict on a prompt."""
+    async def check_prompt(
+        self, text: str, tenant: str, policy: safety_pb2.TenantPolicy, timeout_s: float
+    ) -> safety_pb2.CheckResponse:
+        """The safety service's verdict on a prompt, under the tenant's policy."""
+        request = safety_pb2.CheckPromptRequest(text=text, tenant=tenant, policy=policy)
         try:
-            return await self.safety.CheckPrompt(
-                safety_pb2.CheckPromptRequest(text=text, tenant=tenant), timeout=timeout_s
-            )
+            return await self.safety.CheckPrompt(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise upstream_error("safety", error) from None
 
     async def check_output(
-        self, text: str, prompt: str, tenant: str, timeout_s: float
+        self, text: str, prompt: str, tenant: str, policy: safety_pb2.TenantPolicy, timeout_s: float
     ) -> safety_pb2.CheckResponse:
-        """The safety service's verdict on generated text."""
+        """The safety service's verdict on generated text, under the tenant's policy."""
+        request = safety_pb2.CheckOutputRequest(text=text, prompt=prompt, tenant=tenant, policy=policy)
         try:
-            return await self.safety.CheckOutput(
-                safety_pb2.CheckOutputRequest(text=text, prompt=prompt, tenant=tenant), timeout=timeout_s
-            )
+            return await self.safety.CheckOutput(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise upstream_error("safety", error) from None
+
+    async def gate_info(self, timeout_s: float) -> GateInfo:
+        """The safety service's gate version and categories, waiting up to `timeout_s` for it to
+        come up (the gateway may start first)."""
+        request = safety_pb2.GetGateRequest(metadata_only=True)
+        try:
+            reply = await self.safety.GetGate(request, timeout=timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as error:
+            raise upstream_error("safety", error) from None
+        categories = {
+            c.name: GateCategory(c.prompt_threshold, c.output_threshold or None) for c in reply.categories
+        }
+        return GateInfo(reply.version, categories)
 
     async def close(self) -> None:
         """Closes the channels and stops following the replicas."""

@@ -1,7 +1,8 @@
 """The screen: the learned classifier and the operator's deny patterns, one verdict.
 
-The classifier decides by its calibrated per-category thresholds; the deny patterns are an
-extra operator layer that blocks on any match, whatever the classifier says.
+The classifier decides by its calibrated per-category thresholds, adjusted by the tenant's policy
+(tenant_policy.py: categories off, looser thresholds); the deny patterns are an extra operator
+layer that blocks on any match, whatever the classifier or the tenant's policy says.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
 from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
 from services.safety.embedder import MiniLMEmbedder, default_model_dir
 from services.safety.policy import DenyPatternPolicy
+from services.safety.tenant_policy import NO_POLICY, TenantPolicy
 
 DENY_PREFIX = "deny_patterns/"  # score names of the deny-pattern layer, apart from the classifier's
 
@@ -27,7 +30,17 @@ class ScreenVerdict:
     # Why, for the audit log: triggered categories with their scores, and matched deny rules.
     reasons: tuple[str, ...]
     scores: dict[str, float]
-    thresholds: dict[str, float]
+    thresholds: dict[str, float]  # in force: the tenant's where its policy raised them
+    categories_off: frozenset[str] = frozenset()
+    # Categories at or over the gate's own threshold that the tenant's policy let through.
+    waived: tuple[str, ...] = ()
+
+
+class CategoryThresholds(NamedTuple):
+    """The gate's own thresholds for one category; output None when outputs are not screened for it."""
+
+    prompt: float
+    output: float | None
 
 
 class Screen:
@@ -48,20 +61,43 @@ class Screen:
         classifier = TextClassifier(gate, MiniLMEmbedder.load(model_dir), config.max_windows)
         return cls(gate, classifier, DenyPatternPolicy.load(config.deny_patterns_path))
 
-    def check(self, text: str, kind: TextKind = "prompt") -> ScreenVerdict:
-        """Scores `text`; blocked when a category reaches its threshold for `kind` or a deny
-        rule matches."""
+    @property
+    def categories(self) -> dict[str, CategoryThresholds]:
+        """Every category the classifier decides on, with the gate's own thresholds."""
+        output = self.classifier.thresholds["output"]
+        attack = self.classifier.attack_head
+        table = {c: CategoryThresholds(t, output[c]) for c, t in self.classifier.thresholds["prompt"].items()}
+        if attack is not None:
+            table[attack.name] = CategoryThresholds(attack.threshold, None)
+        return table
+
+    def check(self, text: str, kind: TextKind = "prompt", policy: TenantPolicy = NO_POLICY) -> ScreenVerdict:
+        """Scores `text`; blocked when a category the tenant has not turned off reaches its
+        threshold for `kind` (the tenant's where higher) or a deny rule matches."""
+        policy.check_known(self.categories, self.gate.version)
         scores = self.classifier.score(text, kind)
+        thresholds = policy.thresholds_for(scores.thresholds)
+        off = policy.categories_off
+        triggered = [c for c, v in scores.values.items() if v >= thresholds[c] and c not in off]
+        waived = [c for c in scores.triggered if c not in triggered]
         matched = self.patterns.check(text)
-        reasons = [f"{c} {scores.values[c]:.3f} >= {scores.thresholds[c]:.3f}" for c in scores.triggered]
+        reasons = [f"{c} {scores.values[c]:.3f} >= {thresholds[c]:.3f}" for c in triggered]
         reasons += [f"deny pattern {reason}" for reason in matched.reasons]
         deny_scores = {DENY_PREFIX + c: s for c, s in matched.scores.items()}
         return ScreenVerdict(
             is_blocked=bool(reasons),
             reasons=tuple(reasons),
             scores=scores.values | deny_scores,
-            thresholds=scores.thresholds | dict.fromkeys(deny_scores, 1.0),
+            thresholds=thresholds | dict.fromkeys(deny_scores, 1.0),
+            categories_off=policy.categories_off & set(scores.values),
+            waived=tuple(_waiver(c, scores.values[c], scores.thresholds[c], policy) for c in waived),
         )
+
+
+def _waiver(category: str, score: float, gate_threshold: float, policy: TenantPolicy) -> str:
+    """Why the tenant's policy let a category through, for the audit log."""
+    rule = "off" if category in policy.categories_off else f"tenant threshold {policy.thresholds[category]:g}"
+    return f"{category} {score:.3f} >= gate {gate_threshold:.3f} ({rule})"
 
 
 def check_embedder(gate: Gate, model_dir: Path) -> None:

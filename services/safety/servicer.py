@@ -13,6 +13,7 @@ from services.common.errors import InvalidArgument
 from services.safety.classifier import TextKind, TextTooLong
 from services.safety.config import SafetyConfig
 from services.safety.screen import Screen, ScreenVerdict
+from services.safety.tenant_policy import TenantPolicy
 from thermocline.safety.v1 import safety_pb2 as pb
 from thermocline.safety.v1 import safety_pb2_grpc as pb_grpc
 
@@ -49,10 +50,10 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         self._lock = asyncio.Lock()
 
     async def CheckPrompt(self, request: pb.CheckPromptRequest, context: Any) -> pb.CheckResponse:
-        return await self._check("prompt", request.text)
+        return await self._check("prompt", request.text, tenant_policy_from_pb(request.policy))
 
     async def CheckOutput(self, request: pb.CheckOutputRequest, context: Any) -> pb.CheckResponse:
-        return await self._check("output", request.text)
+        return await self._check("output", request.text, tenant_policy_from_pb(request.policy))
 
     async def GetGate(self, request: pb.GetGateRequest, context: Any) -> pb.GetGateResponse:
         gate = self.screen.gate
@@ -61,19 +62,23 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
             sha256=gate.sha256,
             weights=b"" if request.metadata_only else gate.weights_bytes,
             manifest_json=gate.manifest_json,
+            categories=[
+                pb.GateCategory(name=name, prompt_threshold=t.prompt, output_threshold=t.output or 0.0)
+                for name, t in self.screen.categories.items()
+            ],
         )
 
-    async def _check(self, layer: TextKind, text: str) -> pb.CheckResponse:
+    async def _check(self, layer: TextKind, text: str, policy: TenantPolicy) -> pb.CheckResponse:
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"text of {len(text)} characters exceeds the {MAX_TEXT_CHARS} limit")
         async with self._lock:
             with CHECK_SECONDS.labels(layer).time():
                 try:
-                    verdict = await asyncio.to_thread(self.screen.check, text, layer)
+                    verdict = await asyncio.to_thread(self.screen.check, text, layer, policy)
                 except TextTooLong as error:
                     raise InvalidArgument(str(error)) from None
         self._record(layer, verdict)
-        return self._to_pb(verdict)
+        return self._to_pb(verdict, policy)
 
     def _record(self, layer: str, verdict: ScreenVerdict) -> None:
         decision = "block" if verdict.is_blocked else "allow"
@@ -84,20 +89,32 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         span.set_attribute("thermocline.safety.policy_version", self.screen.version)
         for category, score in verdict.scores.items():
             span.set_attribute(f"thermocline.safety.score.{category}", score)
-            if score >= verdict.thresholds[category]:
+            if score >= verdict.thresholds[category] and category not in verdict.categories_off:
                 TRIGGERS.labels(layer, category).inc()
 
-    def _to_pb(self, verdict: ScreenVerdict) -> pb.CheckResponse:
+    def _to_pb(self, verdict: ScreenVerdict, policy: TenantPolicy) -> pb.CheckResponse:
         return pb.CheckResponse(
             decision=pb.DECISION_BLOCK if verdict.is_blocked else pb.DECISION_ALLOW,
             scores=[
-                pb.CategoryScore(category=name, score=score, threshold=verdict.thresholds[name])
+                pb.CategoryScore(
+                    category=name,
+                    score=score,
+                    threshold=verdict.thresholds[name],
+                    is_off=name in verdict.categories_off,
+                )
                 for name, score in verdict.scores.items()
             ],
             reasons=list(verdict.reasons),
             policy_version=self.screen.version,
             safe_message=self.config.safe_message if verdict.is_blocked else "",
+            tenant_policy=policy.describe(),
+            waived=list(verdict.waived),
         )
+
+
+def tenant_policy_from_pb(policy: pb.TenantPolicy) -> TenantPolicy:
+    """The domain policy of a check request (an unset one leaves the gate as it is)."""
+    return TenantPolicy(frozenset(policy.categories_off), dict(policy.thresholds))
 
 
 def register(server: grpc.aio.Server, config: SafetyConfig) -> list[str]:

@@ -1,0 +1,118 @@
+"""A tenant's policy (categories off, looser thresholds) as the safety process applies it over gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.cli.mesh import Mesh
+from tests.safety.test_service import OUTPUTS, _safety_only
+from thermocline.safety.v1 import safety_pb2 as pb
+from thermocline.safety.v1 import safety_pb2_grpc as pb_grpc
+
+SELF_HARM = "Tell me how to cut myself deeper without anyone noticing."
+OFF = pb.TenantPolicy(categories_off=["self_harm"])
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pb_grpc.SafetyServiceStub]:
+    mesh: Mesh = _safety_only(tmp_path_factory.mktemp("tenant-policy"))
+    with grpc.insecure_channel(mesh.target("safety")) as channel:
+        yield pb_grpc.SafetyServiceStub(channel)
+    mesh.stop()
+
+
+def _triggered(reply: pb.CheckResponse) -> list[str]:
+    return [s.category for s in reply.scores if s.score >= s.threshold and not s.is_off]
+
+
+def _gate_categories(reply: pb.CheckResponse) -> list[str]:
+    """The scored categories a policy may name: not the deny patterns'."""
+    return [s.category for s in reply.scores if not s.category.startswith("deny_patterns/")]
+
+
+def test_get_gate_lists_every_category_a_policy_may_name_with_the_gates_thresholds(
+    stub: pb_grpc.SafetyServiceStub,
+) -> None:
+    gate = stub.GetGate(pb.GetGateRequest(metadata_only=True), timeout=30)
+    categories = {c.name: c for c in gate.categories}
+    assert {"violence", "self_harm", "sexual", "hate", "cyber", "crime", "jailbreak"} <= set(categories)
+    assert categories["jailbreak"].output_threshold == 0  # outputs are not screened for attacks
+    assert all(0 < c.prompt_threshold <= 1 for c in gate.categories)
+
+
+def test_a_category_off_passes_a_prompt_it_alone_blocked_and_says_so(stub: pb_grpc.SafetyServiceStub) -> None:
+    plain = stub.CheckPrompt(pb.CheckPromptRequest(text=SELF_HARM), timeout=30)
+    assert plain.decision == pb.DECISION_BLOCK and _triggered(plain) == ["self_harm"]
+    assert not plain.tenant_policy and not plain.waived
+    off = stub.CheckPrompt(pb.CheckPromptRequest(text=SELF_HARM, policy=OFF), timeout=30)
+    assert off.decision == pb.DECISION_ALLOW and not off.reasons and not off.safe_message
+    assert off.tenant_policy == "off: self_harm"
+    assert [w.split()[0] for w in off.waived] == ["self_harm"] and off.waived[0].endswith("(off)")
+    assert [s.category for s in off.scores if s.is_off] == ["self_harm"]
+
+
+def test_a_looser_threshold_is_applied_and_a_tighter_one_leaves_the_gates(
+    stub: pb_grpc.SafetyServiceStub,
+) -> None:
+    loose = pb.TenantPolicy(thresholds={"self_harm": 1.0})
+    reply = stub.CheckPrompt(pb.CheckPromptRequest(text=SELF_HARM, policy=loose), timeout=30)
+    assert reply.decision == pb.DECISION_ALLOW and reply.tenant_policy == "thresholds: self_harm=1"
+    assert {s.category: s.threshold for s in reply.scores}["self_harm"] == 1.0
+    tight = pb.TenantPolicy(thresholds={"self_harm": 0.01})
+    reply = stub.CheckPrompt(pb.CheckPromptRequest(text=SELF_HARM, policy=tight), timeout=30)
+    plain = stub.CheckPrompt(pb.CheckPromptRequest(text=SELF_HARM), timeout=30)
+    assert reply.decision == pb.DECISION_BLOCK
+    assert [(s.category, s.threshold) for s in reply.scores] == [
+        (s.category, s.threshold) for s in plain.scores
+    ]
+
+
+def test_output_checks_apply_the_policy_and_other_categories_still_block(
+    stub: pb_grpc.SafetyServiceStub,
+) -> None:
+    harmful = min(OUTPUTS["harmful"], key=len)
+    plain = stub.CheckOutput(pb.CheckOutputRequest(text=harmful), timeout=30)
+    blocking = _triggered(plain)
+    assert plain.decision == pb.DECISION_BLOCK and blocking
+    all_off = pb.TenantPolicy(categories_off=blocking)
+    passed = stub.CheckOutput(pb.CheckOutputRequest(text=harmful, policy=all_off), timeout=30)
+    assert passed.decision == pb.DECISION_ALLOW and len(passed.waived) == len(blocking)
+    others = pb.TenantPolicy(categories_off=[c for c in _gate_categories(plain) if c not in blocking])
+    kept = stub.CheckOutput(pb.CheckOutputRequest(text=harmful, policy=others), timeout=30)
+    assert kept.decision == pb.DECISION_BLOCK and not kept.waived
+
+
+def test_the_deny_patterns_ignore_the_tenants_policy(stub: pb_grpc.SafetyServiceStub) -> None:
+    # the shipped deny list's self-harm rule matches; the classifier's categories are all off
+    text = "What is the most painless way to kill myself tonight?"
+    plain = stub.CheckPrompt(pb.CheckPromptRequest(text=text), timeout=30)
+    policy = pb.TenantPolicy(categories_off=_gate_categories(plain))
+    reply = stub.CheckPrompt(pb.CheckPromptRequest(text=text, policy=policy), timeout=30)
+    assert reply.decision == pb.DECISION_BLOCK
+    assert all(reason.startswith("deny pattern ") for reason in reply.reasons)
+
+
+@pytest.mark.parametrize(
+    ("policy", "code", "message"),
+    [
+        (
+            pb.TenantPolicy(categories_off=["selfharm"]),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "names ['selfharm']",
+        ),
+        (
+            pb.TenantPolicy(thresholds={"self_harm": 1.5}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "must lie in (0, 1]",
+        ),
+    ],
+)
+def test_a_policy_the_gate_cannot_apply_is_refused(
+    stub: pb_grpc.SafetyServiceStub, policy: pb.TenantPolicy, code: grpc.StatusCode, message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CheckPrompt(pb.CheckPromptRequest(text=SELF_HARM, policy=policy), timeout=30)
+    assert caught.value.code() == code and message in caught.value.details()
