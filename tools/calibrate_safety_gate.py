@@ -25,12 +25,12 @@ sits under 5%). The held-out test sources (XSTest, PEPs, HumanEval, the in-the-w
 are never read here.
 
 The window aggregation is chosen among a few rules, each calibrated as above, on the calibration
-split's harmful requests (by source: Do-Not-Answer's information-hazard file and PyRIT's
-representational and objective files, mostly crime): alone, and pasted into the middle of a long
-calibration document (a request hidden in a long prompt must still count). Output thresholds are
-re-calibrated with the chosen rule on the benign calibration outputs of
-tools/train_safety_gate.py's `calib_benign_outputs` (PyRIT refusals and safe answers of the
-calibration split, MedQuAD long answers and the project's docs).
+split's harmful requests (by source: PyRIT's representational and objective files, 90 prompts of
+hate, violence, cyber and crime), alone and pasted into the middle of a long calibration
+document (a request hidden in a long prompt must still count); `choice_key` ranks standalone
+recall first, pasted recall second. Output thresholds are re-calibrated with the chosen rule on
+the benign calibration outputs of tools/train_safety_gate.py's `calib_benign_outputs` (PyRIT
+refusals and safe answers of the calibration split, MedQuAD long answers and the project's docs).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def main() -> None:
     texts = calibration_texts(examples, args, cache)
     heads = retrained_heads(examples, cache) if args.retrain else [(gate.head_weights(PROMPT_HEAD), None)]
     outcomes = [o for head, wd in heads for o in outcomes_of(head, wd, texts, args)]
-    best = max(outcomes, key=lambda o: (o.recall_alone + o.recall_inserted, -o.long_fpr, -o.rule.top_k))
+    best = max(outcomes, key=choice_key)
     outputs = calib_benign_outputs(examples, fetch_wheels(args.wheels))
     output_views = window_scores(benign_output_views(outputs, texts, cache), best.head)
     output_thresholds = calibrate_per_category(text_scores(best.rule, output_views), args.target_fpr)
@@ -240,6 +240,14 @@ def benign_output_views(outputs: list[Example], texts: dict, cache: Path) -> lis
     from_wheels = [e.text for e in outputs if e.source not in OUTPUT_CALIBRATION_FILES]
     documents = [v for name in OUTPUT_CALIBRATION_FILES for v in texts["benign"][name]]
     return embedded(from_wheels, cache) + documents
+
+
+def choice_key(outcome: Outcome) -> tuple[float, float, float, int]:
+    """Standalone harmful requests first (the issue's target), then requests pasted into long
+    documents, then the long sources' FPR, then the smaller top_k. A sum of the two recalls
+    picked the bare maximum on 9 of 90 pasted requests, and under it one window of a long
+    MedQuAD answer set the hate threshold (0.962) above a blatant hate request."""
+    return (outcome.recall_alone, outcome.recall_inserted, -outcome.long_fpr, -outcome.rule.top_k)
 
 
 def calibration_texts(examples: list[Example], args: argparse.Namespace, cache: Path) -> dict:

