@@ -120,8 +120,21 @@ class Sampled(NamedTuple):
     fired: tuple[str, ...]  # empty: the in-loop gate let the token through
 
 
+class PendingText(NamedTuple):
+    """A committed token whose text (and event) is still to come: see `LLMEngine._flush_text`."""
+
+    seq: Sequence
+    token_id: int
+    ended: bool  # the token itself ended the sequence (EOS or length)
+
+
 class LLMEngine:
-    """Continuous-batching generation over one model on one device."""
+    """Continuous-batching generation over one model on one device.
+
+    A step's critical path, from the device's last output to the next launch, holds only what the
+    next step needs: token ids, EOS and length, and the schedule. Each token's text (detokenizing,
+    stop strings, the event to the caller) is made while the next step runs on the device.
+    """
 
     def __init__(
         self,
@@ -158,6 +171,7 @@ class LLMEngine:
         self._gate: InLoopGate | None = None
         self.gate_report = GateReport(GateStatus.ABSENT, detail="no gate installed")
         self._gate_triggers: dict[str, int] = {}
+        self._pending_text: list[PendingText] = []  # the last step's tokens, text not yet made
         self.capacity: PoolPlan | None = None  # the KV pools `load` planned (None for a hand-built engine)
         self.cold: ColdPlanner | None = None  # the kvstore tier (`attach_cold_tier`)
 
@@ -412,8 +426,12 @@ class LLMEngine:
                 logger.exception("engine loop error")
 
     def _has_work(self) -> bool:
-        """Something to schedule, or a kvstore outcome to take."""
-        return self.scheduler.has_work or (self.cold is not None and self.cold.tier.has_outcomes)
+        """Something to schedule, text to emit, or a kvstore outcome to take."""
+        return (
+            self.scheduler.has_work
+            or bool(self._pending_text)
+            or (self.cold is not None and self.cold.tier.has_outcomes)
+        )
 
     def step(self) -> None:
         """Take in new requests and cancels, then run one prefill or decode step and emit its events."""
@@ -425,6 +443,7 @@ class LLMEngine:
             for intent_class, waited_s in self.scheduler.take_queue_waits():
                 QUEUE_WAIT.labels(intent_class).observe(waited_s)
             if batch is None:
+                self._flush_text()
                 return
             try:
                 token_ids = self._run(batch)
@@ -461,6 +480,7 @@ class LLMEngine:
         done = self.scheduler.commit_computed(batch)
         self._counters["dropped"] += self.scheduler.num_dropped_tokens_last_step
         if not done:  # a prefill chunk that ends mid-prompt samples nothing
+            self._flush_text()
             return []
         is_done = [r.seq in done for r in batch.rows]
         rows = None if all(is_done) else self._row_index(is_done)
@@ -469,10 +489,13 @@ class LLMEngine:
         generators = [s.generator for s in done]
         token_ids = sample(logits, params, generators)  # [B] on the device
         flags = self._gate_flags(output.hidden_states, rows)  # [B, C] bool on the device, or None
+        self._flush_text()  # the last step's text, while the device runs this one
         token_list, flag_rows = _fetch(token_ids, flags)  # the step's one host sync
         if output.hot_mass is not None:  # sampled step: the sync above already waited for it
             self._hot_attention_mass = float(output.hot_mass.item())
-            self._move_hot_boundary(batch.rows[output.probe_row % len(batch.rows)].seq)
+            probed = batch.rows[output.probe_row % len(batch.rows)].seq
+            if not probed.is_finished:
+                self._move_hot_boundary(probed)
         fired = [self._gate.fired(f) for f in flag_rows] if self._gate and flag_rows else [()] * len(done)
         self._choose_cold_windows(batch, output.window_scores)
         return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
@@ -512,7 +535,9 @@ class LLMEngine:
         if self.cold is None or not scored:
             return
         for row, best in scored:
-            self.cold.choose_window(batch.rows[row.row].seq, best.tolist())
+            seq = batch.rows[row.row].seq
+            if not seq.is_finished:  # a stop string in the last step's text ended it meanwhile
+                self.cold.choose_window(seq, best.tolist())
 
     def _row_index(self, is_done: list[bool]) -> torch.Tensor:
         """`[B]` rows that sample this step (a batch where some rows are still mid-prompt)."""
@@ -557,18 +582,44 @@ class LLMEngine:
         return _class_tiers(self.tiers, cls)
 
     def _commit(self, batch: ScheduledBatch, sampled: list[Sampled]) -> None:
+        """Take the step's tokens: ids, EOS and length now; their text in `_flush_text`, later."""
         for seq, token_id, fired in sampled:
+            if seq.is_finished:  # a stop string in the last step's text ended it while this step ran
+                continue  # its blocks are already free; the token computed past the stop is dropped
             if token_id == FAULT:  # this row's numbers went bad; its batch neighbours are unaffected
                 event = self._end_for_fault(seq)
             elif fired:  # the state that chose this token is over a threshold: drop the token
                 event = self._end_for_safety(seq, fired)
             else:
-                event = seq.append_token(token_id, self._eos_token_ids, self.max_seq_len)
+                seq.append_token_id(token_id, self._eos_token_ids, self.max_seq_len)
                 self._counters["generated_tokens"] += 1
                 self._mark_turn(seq, (token_id,), seq.num_tokens - 1)
-            if seq.is_finished:
-                self.scheduler.release(seq)
-                self._counters["finished"] += 1
+                self._pending_text.append(PendingText(seq, token_id, seq.is_finished))
+                if seq.is_finished:
+                    self._end(seq)
+                continue
+            self._end(seq)
+            _emit(seq, event)
+
+    def _end(self, seq: Sequence) -> None:
+        self.scheduler.release(seq)
+        self._counters["finished"] += 1
+
+    def _flush_text(self) -> None:
+        """Detokenize the last step's tokens, check stop strings, and emit their events.
+
+        Runs while the next step is on the device (or when there is none). A sequence that ended
+        since its token was committed (cancelled, failed) already had its last event: its entry is
+        dropped. One that a stop string ends here frees its blocks now; the next step computed one
+        token for it, which `_commit` drops.
+        """
+        pending, self._pending_text = self._pending_text, []
+        for seq, token_id, ended in pending:
+            if seq.is_finished and not ended:
+                continue
+            event = seq.text_event(token_id)
+            if seq.is_finished and not ended:
+                self._end(seq)
             _emit(seq, event)
 
     def _end_for_fault(self, seq: Sequence) -> StreamEvent:
@@ -590,6 +641,7 @@ class LLMEngine:
         return seq.event((), self._gate.safe_message)
 
     def _fail(self, batch: ScheduledBatch, exc: Exception, error_status: str | None = None) -> None:
+        self._flush_text()  # the last step's events go out before these errors
         for seq in batch.seqs:
             if self.scheduler.remove(seq.request_id, FinishReason.ERROR) is not None:
                 self._counters["finished"] += 1
@@ -619,6 +671,7 @@ class LLMEngine:
             _emit(seq, seq.event((), ""))
 
     def _cancel_everything(self) -> None:
+        self._flush_text()
         self._drain_inbox()
         waiting = [s for q in self.scheduler.waiting.values() for s in q]
         held = [] if self.cold is None else self.cold.held()

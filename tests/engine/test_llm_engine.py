@@ -119,6 +119,29 @@ def test_stop_string_ends_generation_and_is_not_emitted(tiny_engine: LLMEngine) 
     assert len(result.token_ids) < 30
 
 
+def test_a_stop_string_seen_while_the_next_step_runs_drops_that_steps_token(tiny_engine: LLMEngine) -> None:
+    """Text is made while the next step runs, so a stop string ends its row one step late: the token
+    computed past the stop must not reach the result, and the row's neighbours must not notice."""
+    stopping, neighbour = _prompts(tiny_engine.config.vocab_size, (8, 11), seed=2)
+    free, neighbour_alone = tiny_engine.generate(
+        [stopping, neighbour], SamplingParams(max_new_tokens=30, ignore_eos=True)
+    )
+    stop = free.text[10:13]
+    params = [
+        SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)),
+        SamplingParams(max_new_tokens=30, ignore_eos=True),
+    ]
+    stopped, neighbour_batched = tiny_engine.generate([stopping, neighbour], params)
+    decode = tiny_engine.tokenizer.decode
+    kept = list(stopped.token_ids)
+    assert stopped.finish_reason is FinishReason.STOP
+    assert kept == list(free.token_ids[: len(kept)])
+    assert stop in decode(stopping + kept)[len(decode(stopping)) :]  # the last kept token completes it
+    assert stop not in decode(stopping + kept[:-1])[len(decode(stopping)) :]
+    assert neighbour_batched.token_ids == neighbour_alone.token_ids
+    assert tiny_engine.runner.kv_cache.hot.pool.num_used_blocks() == 0
+
+
 def test_cancel_frees_the_slot_and_ends_the_stream(tiny_engine: LLMEngine) -> None:
     prompt = _prompts(tiny_engine.config.vocab_size, (5,), seed=4)[0]
     events: list[StreamEvent] = []

@@ -69,6 +69,7 @@ class Scheduler:
         clock: Clock = time.monotonic,
     ) -> None:
         self.kv_cache = kv_cache
+        self._block_size = kv_cache.block_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.classes = classes or IntentClasses.builtin()
@@ -209,6 +210,8 @@ class Scheduler:
         """
         num_tokens = seq.num_computed_tokens + num_new
         table = seq.block_table
+        if len(table.hot_block_ids) * self._block_size >= num_tokens:  # most decode steps: room already
+            return True
         while not self.kv_cache.can_grow(table, num_tokens):
             own = self.classes.get(seq.intent_class).priority - (1 if is_admission else 0)
             victim = self._preemption_victim(own, exclude=seq)
@@ -257,7 +260,10 @@ class Scheduler:
 
     def _decode_rows(self) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
-        for seq in sorted(self.running, key=lambda s: -self.classes.get(s.intent_class).priority):
+        running = list(self.running)  # a copy: reserving may preempt (remove) running sequences
+        if len({s.intent_class for s in running}) > 1:  # highest priority first (a stable sort)
+            running = sorted(running, key=lambda s: -self.classes.get(s.intent_class).priority)
+        for seq in running:
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
                 rows.append(ScheduledRow(seq, 1))
         return [r for r in rows if r.seq.status is SequenceStatus.RUNNING]

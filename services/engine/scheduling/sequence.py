@@ -254,29 +254,40 @@ class Sequence:
 
     def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_seq_len: int) -> StreamEvent:
         """Record a sampled token, update the text stream, and decide whether the sequence is done."""
+        self.append_token_id(token_id, eos_token_ids, max_seq_len)
+        return self.text_event(token_id)
+
+    def append_token_id(self, token_id: int, eos_token_ids: frozenset[int], max_seq_len: int) -> None:
+        """The host-cheap half of `append_token`: record the id, and finish on EOS or length.
+
+        The engine runs this before the next step starts and `text_event` while that step runs on
+        the device, so detokenization and stop strings stay off the step's critical path.
+        """
         self.completion_ids.append(token_id)
         self.timeline.mark_token()
-        is_eos = token_id in eos_token_ids and not self.params.ignore_eos
+        if token_id in eos_token_ids and not self.params.ignore_eos:
+            self.finish(FinishReason.STOP)
+        elif len(self.completion_ids) >= self.params.max_new_tokens or self.num_tokens >= max_seq_len:
+            self.finish(FinishReason.LENGTH)
+
+    def text_event(self, token_id: int) -> StreamEvent:
+        """The text `token_id` adds (appended by `append_token_id`), as this token's event.
+
+        A stop string ends the sequence here (STOP wins over a LENGTH set by the same token). When
+        the sequence has ended, the event also carries every character still held back.
+        """
         check = self._stop_checker.push(self._detokenizer.push(token_id))
-        reason = self._finish_reason(is_eos or check.is_stopped, max_seq_len)
         text = check.text
-        if reason is not None:
-            if not check.is_stopped:
-                text += self._drain_text()
-            self.finish(reason)
+        if check.is_stopped:
+            self.finish(FinishReason.STOP)
+        elif self.is_finished:
+            text += self._drain_text()
         return self.event((token_id,), text)
 
     def _drain_text(self) -> str:
         # end of stream: release text held back for an unfinished character or a partial stop string
         tail = self._stop_checker.push(self._detokenizer.flush())
         return tail.text + self._stop_checker.flush()
-
-    def _finish_reason(self, is_stopped: bool, max_seq_len: int) -> FinishReason | None:
-        if is_stopped:
-            return FinishReason.STOP
-        if len(self.completion_ids) >= self.params.max_new_tokens or self.num_tokens >= max_seq_len:
-            return FinishReason.LENGTH
-        return None
 
     def finish(self, reason: FinishReason) -> None:
         """Mark the sequence done (the scheduler frees its slot)."""

@@ -1,12 +1,13 @@
 """The engine's gRPC face: protobuf in, LLMEngine call, protobuf out.
 
 The LLMEngine decodes in its own thread; each request's events cross into the event loop
-through `call_soon_threadsafe`, so the loop never waits on the model.
+through a `LoopMailbox`, so the loop never waits on the model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -80,22 +81,64 @@ def sampling_from_pb(sampling: pb.SamplingParams, config: EngineConfig) -> Sampl
         raise InvalidArgument(str(error)) from None
 
 
+class LoopMailbox:
+    """Carries events from the engine thread to one event loop, with one wake-up per burst.
+
+    A decode step emits one event per row. Posting each with `call_soon_threadsafe` wakes the loop
+    (a write to its self-pipe) once per row, hundreds of times a step at large batches; here the
+    first event of a burst schedules one delivery and the rest join it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[StreamEvent], StreamEvent]] = []
+        self._is_scheduled = False
+
+    def post(self, queue: asyncio.Queue[StreamEvent], event: StreamEvent) -> None:
+        """Queue `event` for `queue` (any thread); raises RuntimeError once the loop is closed."""
+        with self._lock:
+            self._items.append((queue, event))
+            if self._is_scheduled:
+                return
+            self._is_scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._is_scheduled = False
+            raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._is_scheduled = False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
 class EngineServicer(pb_grpc.EngineServiceServicer):
     """Streams tokens from the shared LLMEngine."""
 
     def __init__(self, config: EngineConfig, engine: LLMEngine) -> None:
         self.config = config
         self.engine = engine
+        self._mailbox: LoopMailbox | None = None
+
+    def _mailbox_for(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = LoopMailbox(loop)
+        return self._mailbox
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         prompt_ids = self._prompt_ids(request)
         params = sampling_from_pb(request.sampling, self.config)
         self._annotate_span(request, params, len(prompt_ids))
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox_for(asyncio.get_running_loop())
 
         def on_event(event: StreamEvent) -> None:  # runs on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            mailbox.post(events, event)
 
         try:
             handle = self.engine.submit(
