@@ -26,7 +26,7 @@ from services.engine.errors import (
 )
 from services.engine.execution.memory_profile import GRAPH_AND_WORKSPACE_RESERVE_BYTES, profile_memory
 from services.engine.execution.model_runner import ModelRunner, RunnerOptions
-from services.engine.execution.sampler import FAULT, make_generator, sample
+from services.engine.execution.sampler import FAULT, sample
 from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
 from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate, refusal
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
@@ -486,8 +486,8 @@ class LLMEngine:
         rows = None if all(is_done) else self._row_index(is_done)
         logits = output.logits if rows is None else output.logits[rows]
         params = [s.params for s in done]
-        generators = [s.generator for s in done]
-        token_ids = sample(logits, params, generators)  # [B] on the device
+        draw_keys = [(s.seed or 0, len(s.completion_ids)) for s in done]
+        token_ids = sample(logits, params, draw_keys)  # [B] on the device
         flags = self._gate_flags(output.hidden_states, rows)  # [B, C] bool on the device, or None
         self._flush_text()  # the last step's text, while the device runs this one
         token_list, flag_rows = _fetch(token_ids, flags)  # the step's one host sync
@@ -699,14 +699,13 @@ class LLMEngine:
         cache_salt: str,
         intent_class: str,
     ) -> Sequence:
-        generator = None
+        seed = None
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            generator = make_generator(seed, self.runner.device)
         request_id = RequestId(uuid.uuid4().hex)
         detokenizer = self.tokenizer.detokenizer(prompt_ids)
         return Sequence(
-            request_id, prompt_ids, params, on_event, detokenizer, generator, tiers, cache_salt, intent_class
+            request_id, prompt_ids, params, on_event, detokenizer, seed, tiers, cache_salt, intent_class
         )
 
 

@@ -9,8 +9,6 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import NewType
 
-import torch
-
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cold_tier import LoadedBlock
 from services.engine.kv.tiers import TierConfig
@@ -172,7 +170,7 @@ class Sequence:
         params: SamplingParams,
         on_event: EventCallback,
         detokenizer: IncrementalDetokenizer,
-        generator: torch.Generator | None,
+        seed: int | None,
         tiers: TierConfig | None = None,
         cache_salt: str = "",
         intent_class: str = "default",
@@ -197,7 +195,7 @@ class Sequence:
         self.trace_metadata = trace_metadata  # the caller's trace context, sent on its kvstore calls
         self.cold_prefix: ColdPrefix | None = None  # prompt blocks loaded from the kvstore, not yet placed
         self.num_cold_prompt_tokens = 0  # prompt positions loaded from the kvstore instead of computed
-        self.generator = generator
+        self.seed = seed  # the sampler's counter-based draws (None: greedy)
         self.timeline = Timeline()
         self._detokenizer = detokenizer
         self._stop_checker = StopChecker(params.stop)

@@ -5,23 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.execution.sampler import make_generator, sample
+from services.engine.execution.sampler import FAULT, sample
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.sampling_params import SamplingParams
 
-CPU = torch.device("cpu")
-
 
 def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, n: int) -> list[int]:
-    generator = make_generator(seed, CPU)
-    return [int(sample(logits, [params], [generator])[0]) for _ in range(n)]
+    """The first n draws of one seeded request (token index 0..n-1)."""
+    return [int(sample(logits, [params], [(seed, index)])[0]) for index in range(n)]
 
 
 def test_top_k_one_is_greedy() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.5, top_k=1)
     assert params.is_greedy
-    assert sample(logits, [params] * 3, [None] * 3).tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, [params] * 3, [(0, 0)] * 3).tolist() == logits.argmax(-1).tolist()
 
 
 def test_top_k_and_top_p_only_draw_allowed_tokens() -> None:
@@ -37,9 +35,31 @@ def test_top_k_and_top_p_only_draw_allowed_tokens() -> None:
 def test_rows_sample_independently_of_their_neighbours() -> None:
     logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(3))
     params = SamplingParams(temperature=1.0)
-    alone = sample(logits[1:], [params], [make_generator(7, CPU)])
-    together = sample(logits, [params, params], [make_generator(99, CPU), make_generator(7, CPU)])
-    assert int(together[1]) == int(alone[0])
+    alone = [int(sample(logits[1:], [params], [(7, index)])[0]) for index in range(20)]
+    together = [int(sample(logits, [params, params], [(99, index), (7, index)])[1]) for index in range(20)]
+    assert together == alone
+    assert len(set(alone)) > 1  # the draws move with the token index
+
+
+def test_draws_follow_the_softmax_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    params = SamplingParams(temperature=0.8)
+    draws = _draw(logits, params, seed=11, n=6000)
+    expected = torch.softmax(logits[0] / 0.8, -1)
+    observed = torch.bincount(torch.tensor(draws), minlength=5).double() / len(draws)
+    assert torch.allclose(observed, expected.double(), atol=0.02), (observed, expected)
+
+
+def test_a_mixed_batch_keeps_greedy_rows_greedy_and_faults_only_the_bad_row() -> None:
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    logits[2, 7] = float("nan")
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5, top_k=5)]  # fmt: skip
+    drawn = sample(logits, params, [(1, 0), (2, 0), (3, 0), (4, 0)]).tolist()
+    assert drawn[0] == int(logits[0].argmax())
+    assert drawn[2] == FAULT
+    assert 0 <= drawn[1] < 64
+    assert drawn[3] in logits[3].topk(5).indices.tolist()
 
 
 def test_same_seed_same_output_in_the_engine(tiny_engine: LLMEngine) -> None:
@@ -81,3 +101,11 @@ def test_invalid_params_are_rejected(kwargs: dict[str, object], message: str) ->
 def test_stop_accepts_a_single_string_or_list() -> None:
     assert SamplingParams(stop="\n").stop == ("\n",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # type: ignore[arg-type]
+
+
+def test_rows_with_different_top_k_each_keep_their_own() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0, -1.0]] * 2)
+    params = [SamplingParams(temperature=5.0, top_k=2), SamplingParams(temperature=5.0, top_k=5)]
+    draws = [sample(logits, params, [(3, index), (4, index)]).tolist() for index in range(300)]
+    assert {row[0] for row in draws} == {0, 1}
+    assert {row[1] for row in draws} == {0, 1, 2, 3, 4}
