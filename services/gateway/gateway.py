@@ -129,9 +129,11 @@ class Gateway:
                 f"service's gate at start, and the check failed: {error.message}"
             ) from None
         try:
-            self.tenants.check_against_gate(gate.categories, gate.version)
+            warnings = self.tenants.check_against_gate(gate.categories, gate.version)
         except ValueError as error:
             raise ValueError(f"tenants file {path}: {error}") from None
+        for warning in warnings:
+            log.warning("tenants file %s: %s", path, warning)
         log.info("tenant safety overrides checked against gate %s", gate.version)
 
     async def _prune_forever(self) -> None:

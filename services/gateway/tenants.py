@@ -26,9 +26,10 @@ class SafetyOverrides:
     """The gate categories a tenant has turned off or loosened; the safety service applies them.
 
     `categories_off`: categories that never block the tenant's prompts or outputs. `thresholds`:
-    a category blocks only at this score or above, in (0, 1]; it may only loosen, so at start-up
-    each must be at least the gate's own threshold for the category on every surface it screens
-    (`check_against_gate`). The operator's deny patterns are not categories and always apply.
+    a category blocks only at this score or above, in (0, 1]; it may only loosen (the safety
+    service applies the higher of it and the gate's own, per surface), and at start-up one below
+    the gate's own on every surface is refused (`check_against_gate`). The operator's deny
+    patterns are not categories and always apply.
     """
 
     categories_off: frozenset[str] = frozenset()
@@ -88,9 +89,10 @@ class GateCategory(NamedTuple):
     output_threshold: float | None
 
     @property
-    def highest(self) -> float:
-        """The least a tenant threshold must be to loosen every surface."""
-        return max(self.prompt_threshold, self.output_threshold or 0.0)
+    def thresholds(self) -> dict[str, float]:
+        """The gate's threshold per surface it screens for this category."""
+        surfaces = {"prompt": self.prompt_threshold, "output": self.output_threshold}
+        return {surface: t for surface, t in surfaces.items() if t is not None}
 
 
 @dataclass(frozen=True)
@@ -182,33 +184,46 @@ class TenantTable:
         """True when the defaults or any tenant turn off or loosen a safety category."""
         return any(not limits.safety.is_empty for limits in [self.defaults, *self.tenants.values()])
 
-    def check_against_gate(self, categories: Mapping[str, GateCategory], gate_version: str) -> None:
+    def check_against_gate(self, categories: Mapping[str, GateCategory], gate_version: str) -> list[str]:
         """ValueError naming the tenant and field when a safety override names a category the gate
-        lacks, or sets a threshold below the gate's own (tenants may only loosen)."""
+        lacks, or sets a threshold that loosens no surface (below the gate's own on each); returns
+        a warning per threshold that loosens only some surfaces (the others keep the gate's)."""
+        warnings = []
         for where, limits in [
             ("defaults", self.defaults),
             *((f"tenant {n!r}", t) for n, t in self.tenants.items()),
         ]:
-            _check_overrides(where, limits.safety, categories, gate_version)
+            warnings += _check_overrides(where, limits.safety, categories, gate_version)
+        return warnings
 
 
 def _check_overrides(
     where: str, safety: SafetyOverrides, categories: Mapping[str, GateCategory], gate_version: str
-) -> None:
+) -> list[str]:
     unknown = sorted(safety.categories - set(categories))
     if unknown:
         raise ValueError(
             f"{where}: safety names {unknown}, which gate {gate_version} does not have; "
             f"its categories: {sorted(categories)}"
         )
+    warnings = []
     for name, value in sorted(safety.thresholds.items()):
-        floor = categories[name].highest
-        if value < floor:
+        gate = categories[name].thresholds
+        kept = {surface: t for surface, t in gate.items() if value < t}
+        own = ", ".join(f"{surface} {t:.4f}" for surface, t in gate.items())
+        field = f"{where}: safety.thresholds.{name} = {value:g}"
+        if len(kept) == len(gate):
             raise ValueError(
-                f"{where}: safety.thresholds.{name} = {value:g} is below gate {gate_version}'s own "
-                f"threshold {floor:.4f}; a tenant may only loosen a category: use a value in "
-                f"[{floor:.4f}, 1], or put it in safety.categories_off"
+                f"{field} is below gate {gate_version}'s own threshold on every surface ({own}), so "
+                f"it would loosen nothing; a tenant may only loosen a category: use a value in "
+                f"[{max(gate.values()):.4f}, 1], or put it in safety.categories_off"
             )
+        if kept:
+            warnings.append(
+                f"{field} loosens only some surfaces; gate {gate_version}'s own threshold applies on "
+                f"{', '.join(kept)} ({own})"
+            )
+    return warnings
 
 
 def is_valid_tenant(tenant: str) -> bool:
