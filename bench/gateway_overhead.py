@@ -1,8 +1,9 @@
 """Gateway overhead on loopback: TTFT through the gateway (gRPC and HTTP) vs straight to the engine,
-and relay throughput.
+relay throughput, and TTFT per output release policy.
 
-    .venv/bin/python bench/gateway_overhead.py                      # both parts, writes bench/results/
+    .venv/bin/python bench/gateway_overhead.py                      # every part, writes bench/results/
     .venv/bin/python bench/gateway_overhead.py --requests 50 --no-write
+    .venv/bin/python bench/gateway_overhead.py --parts release --release-requests 40 --tag release
 
 Part 1 starts the real mesh (redis-server, safety, engine with stories260K, gateway) and times the
 first token of `--requests` sequential one-token requests, rotating through direct engine calls,
@@ -12,6 +13,16 @@ path includes JWT, RBAC, intent, token count, the Redis rate limit, the fsynced 
 safety prompt check and the output check. Part 2 replaces the engine with
 a fixed-rate token source (a test double, allowed only in this benchmark) and measures how many
 streams and tokens per second one gateway process relays to `--streams` concurrent clients.
+
+Part 3 (`release`) puts one gateway per output release policy (strict, growing, trailing; see
+services/gateway/output_screen.py) in front of the same engine and safety service, and times the
+first streamed token of `--release-max-tokens`-token requests through each, interleaved with a
+direct engine stream that records when its 1st, `--first-window-tokens`th and `--check-tokens`th
+tokens arrive, and with direct safety checks of the prompt and of the first windows' text. So each
+policy's TTFT splits into: the engine's time to the token the policy waits for, the screens on the
+path (as the safety service answers them directly), and the rest, which is the gateway's own. It
+runs once on stories260K and once on the fixed-rate source at `--release-tpot-ms` per token, a
+stand-in for a model whose decode step is as slow as a real one's on this CPU.
 """
 
 from __future__ import annotations
@@ -45,9 +56,11 @@ from services.engine.model.registry import resolve_model  # noqa: E402
 from services.gateway.tokens import mint_token  # noqa: E402
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from thermocline.gateway.v1 import gateway_pb2_grpc  # noqa: E402
+from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc  # noqa: E402
 
 PROMPT = "Once upon a time"
 NUM_WARMUP = 10  # requests per path before the samples that count
+RELEASE_POLICIES = ("strict", "growing", "trailing")
 HIGH_LIMITS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
 
 
@@ -227,6 +240,160 @@ def relay_part(args: argparse.Namespace, state_dir: Path) -> list[dict[str, floa
         source.wait()
 
 
+async def token_times_s(
+    stub: Any, request: Any, metadata: list[tuple[str, str]], num_tokens: int
+) -> list[float]:
+    """Seconds from call to the arrival of each of the first `num_tokens` tokens; then cancels."""
+    started = time.perf_counter()
+    call = stub.Generate(request, metadata=metadata, timeout=60)
+    times: list[float] = []
+    while len(times) < num_tokens:
+        message = await call.read()
+        if message is grpc.aio.EOF:  # type: ignore[attr-defined]
+            raise RuntimeError(f"the stream ended after {len(times)} of {num_tokens} tokens")
+        ids = message.delta.token_ids if hasattr(message, "delta") else message.token_ids
+        times += [time.perf_counter() - started] * len(ids)
+    call.cancel()
+    return times[:num_tokens]
+
+
+async def first_delta_s(stub: Any, request: Any, metadata: list[tuple[str, str]]) -> float:
+    """Seconds from call to the first message carrying tokens; then cancels."""
+    return (await token_times_s(stub, request, metadata, 1))[0]
+
+
+async def check_s(safety: Any, layer: str, text: str) -> float:
+    """Seconds one direct safety check of `text` takes."""
+    started = time.perf_counter()
+    if layer == "prompt":
+        await safety.CheckPrompt(safety_pb2.CheckPromptRequest(text=text, tenant="bench"), timeout=30)
+    else:
+        await safety.CheckOutput(safety_pb2.CheckOutputRequest(text=text, tenant="bench"), timeout=30)
+    return time.perf_counter() - started
+
+
+async def window_texts(engine: Any, request: Any, sizes: tuple[int, ...]) -> dict[int, str]:
+    """The text of the first n tokens of the completion, for each n in `sizes`."""
+    texts, text, num_tokens = {}, "", 0
+    async for message in engine.Generate(request, timeout=60):
+        text, num_tokens = text + message.text, num_tokens + len(message.token_ids)
+        texts |= {n: text for n in sizes if n == num_tokens}
+    return texts
+
+
+def release_paths(args: argparse.Namespace) -> dict[str, tuple[int, str]]:
+    """Per policy: the token the first release waits for, and which output window is screened
+    before it ("" for none)."""
+    first, window = args.first_window_tokens, args.check_tokens
+    return {"strict": (window, str(window)), "growing": (first, str(first)), "trailing": (1, "")}
+
+
+async def measure_release(
+    args: argparse.Namespace, engine_target: str, gateways: dict[str, str], safety_target: str, token: str
+) -> dict[str, list[float]]:
+    """Interleaved samples: direct engine token times, each policy's TTFT, direct safety checks."""
+    engine_request = engine_pb2.GenerateRequest(
+        prompt=PROMPT, sampling=engine_pb2.SamplingParams(max_tokens=args.release_max_tokens)
+    )
+    gateway_request = build_request(PROMPT, max_tokens=args.release_max_tokens)
+    sizes = (args.first_window_tokens, args.check_tokens)
+    samples: dict[str, list[float]] = {}
+    async with (
+        grpc.aio.insecure_channel(engine_target) as engine_channel,
+        grpc.aio.insecure_channel(safety_target) as safety_channel,
+    ):
+        engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
+        safety = safety_pb2_grpc.SafetyServiceStub(safety_channel)
+        texts = await window_texts(engine, engine_request, sizes)
+        channels = {p: grpc.aio.insecure_channel(t) for p, t in gateways.items()}
+        stubs = {p: gateway_pb2_grpc.GatewayServiceStub(c) for p, c in channels.items()}
+        for index in range(NUM_WARMUP + args.release_requests):
+            row = {}
+            times = await token_times_s(engine, engine_request, [], max(sizes))
+            row |= {f"engine token {n}": times[n - 1] for n in (1, *sizes)}
+            for policy, stub in stubs.items():
+                row[f"gateway {policy}"] = await first_delta_s(stub, gateway_request, call_metadata(token))
+            row["screen prompt"] = await check_s(safety, "prompt", PROMPT)
+            for n in sizes:
+                row[f"screen output {n}"] = await check_s(safety, "output", texts[n])
+            if index >= NUM_WARMUP:
+                for name, value in row.items():
+                    samples.setdefault(name, []).append(value)
+        for channel in channels.values():
+            await channel.close()
+    return samples
+
+
+def release_rows(args: argparse.Namespace, samples: dict[str, list[float]]) -> list[str]:
+    """Per policy: TTFT, the engine's time to the awaited token, the screens, the gateway's own."""
+    lines = [
+        "| policy | first release after | gateway TTFT p50 / p99 ms | engine to that token p50 ms "
+        "| screens on the path p50 ms | gateway's own p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for policy, (waits_for, window) in release_paths(args).items():
+        ttft = [v * 1000 for v in samples[f"gateway {policy}"]]
+        engine = [v * 1000 for v in samples[f"engine token {waits_for}"]]
+        screens = [v * 1000 for v in samples["screen prompt"]]
+        if window:
+            screens = [a + b * 1000 for a, b in zip(screens, samples[f"screen output {window}"], strict=True)]
+        own = [t - e - s for t, e, s in zip(ttft, engine, screens, strict=True)]
+        after = f"{waits_for} token(s)" + (
+            f" + output screen of {window}" if window else ", no output screen"
+        )
+        lines.append(
+            f"| {policy} | {after} | {percentile(ttft, 50):.1f} / {percentile(ttft, 99):.1f} "
+            f"| {percentile(engine, 50):.1f} | {percentile(screens, 50):.1f} "
+            f"| {percentile(own, 50):.1f} / {percentile(own, 99):.1f} |"
+        )
+    engine_first = [v * 1000 for v in samples["engine token 1"]]
+    lines.append(
+        f"| (engine direct) | 1 token | {percentile(engine_first, 50):.1f} / "
+        f"{percentile(engine_first, 99):.1f} | | | |"
+    )
+    return lines
+
+
+def start_release_gateways(mesh: Mesh, args: argparse.Namespace, suffix: str, **env: str) -> dict[str, str]:
+    """One gateway process per release policy on `mesh`; returns their targets."""
+    return {
+        policy: mesh.start_gateway_replica(
+            f"gateway-{policy}{suffix}",
+            THERMOCLINE_GATEWAY_OUTPUT_RELEASE=policy,
+            THERMOCLINE_GATEWAY_OUTPUT_CHECK_TOKENS=str(args.check_tokens),
+            THERMOCLINE_GATEWAY_OUTPUT_FIRST_WINDOW_TOKENS=str(args.first_window_tokens),
+            **env,
+        )
+        for policy in RELEASE_POLICIES
+    }
+
+
+def release_part(args: argparse.Namespace, state_dir: Path) -> dict[str, dict[str, list[float]]]:
+    """Part 3: TTFT per release policy, on stories260K and on the fixed-rate source."""
+    results = {}
+    port = free_port()
+    source = subprocess.Popen(
+        [sys.executable, __file__, "--fake-engine", str(port), "--interval-ms", str(args.release_tpot_ms)]
+    )
+    try:
+        asyncio.run(wait_until_serving(f"127.0.0.1:{port}", 30))
+        with start_mesh(state_dir, str(resolve_model("stories260k"))) as mesh:
+            token = mint_token(mesh.private_key_path.read_bytes(), subject="bench", tenant="bench")
+            on_model = start_release_gateways(mesh, args, "")
+            results["stories260K"] = asyncio.run(
+                measure_release(args, mesh.target("engine"), on_model, mesh.target("safety"), token)
+            )
+            fake = f"127.0.0.1:{port}"
+            on_source = start_release_gateways(mesh, args, "-fixed", THERMOCLINE_GATEWAY_ENGINE_TARGETS=fake)
+            results[f"fixed-rate source, {args.release_tpot_ms:g} ms/token"] = asyncio.run(
+                measure_release(args, fake, on_source, mesh.target("safety"), token)
+            )
+    finally:
+        source.kill()
+        source.wait()
+    return results
+
+
 def machine() -> dict[str, str]:
     """CPU, commit and versions for the results file."""
     cpu = cpu_name()
@@ -246,24 +413,58 @@ def machine() -> dict[str, str]:
     }
 
 
-def report(args: argparse.Namespace, ttft: dict[str, list[float]], relay: list[dict[str, float]]) -> str:
+def report(
+    args: argparse.Namespace,
+    ttft: dict[str, list[float]],
+    relay: list[dict[str, float]],
+    release: dict[str, dict[str, list[float]]],
+) -> str:
     """The results as markdown."""
     lines = ["# Gateway overhead on loopback", "", "| setting | value |", "| --- | --- |"]
-    settings = machine() | {
+    lines += [f"| {k} | {v} |" for k, v in machine().items()]
+    lines.append(f"| command | `{' '.join(sys.argv)}` |")
+    if ttft:
+        lines += ttft_section(args, ttft)
+    if relay:
+        lines += relay_section(args, relay)
+    if release:
+        lines += release_section(args, release)
+    return "\n".join(lines) + "\n"
+
+
+def release_section(args: argparse.Namespace, release: dict[str, dict[str, list[float]]]) -> list[str]:
+    """Part 3's settings and one table per engine."""
+    lines = [
+        "",
+        "## Time to first token per output release policy",
+        "",
+        f"- requests: {args.release_requests} per path, sequential, interleaved, after {NUM_WARMUP} "
+        f"warm-up; each asks for {args.release_max_tokens} tokens and is cancelled at its first token",
+        f"- windows: `OUTPUT_CHECK_TOKENS` {args.check_tokens}, `OUTPUT_FIRST_WINDOW_TOKENS` "
+        f"{args.first_window_tokens}; one gateway process per policy, one safety service for all",
+        "- screens on the path: the prompt check plus, for strict and growing, the output check of the "
+        "first window, each timed as a direct gRPC call to the safety service in the same round",
+        "- gateway's own: per round, gateway TTFT minus the engine's time to the token the policy "
+        "waits for minus those screens (JWT, Redis bucket, token count, fsynced audit, relaying)",
+    ]
+    for engine, samples in release.items():
+        lines += ["", f"### {engine}", "", *release_rows(args, samples)]
+    return lines
+
+
+def ttft_section(args: argparse.Namespace, ttft: dict[str, list[float]]) -> list[str]:
+    """Part 1's settings and table."""
+    lines = ["", "## Time to first token of one-token requests", "", "| setting | value |", "| --- | --- |"]
+    settings = {
         "TTFT model": f"stories260K (engine on CPU), prompt {PROMPT!r}, max_tokens 1",
         "TTFT requests": (
             f"{args.requests} per path, sequential, interleaved, after {NUM_WARMUP} warm-up each"
         ),
-        "relay source": f"fixed-rate token source, one token every {args.interval_ms} ms per stream",
-        "relay stream": f"{args.tokens_per_stream} tokens, output screened every {args.check_tokens} tokens",
-        "relay duration": f"{args.duration_s} s per concurrency level, Python asyncio clients in one process",
         "gateway path": "JWT RS256, RBAC, intent, token count, Redis Lua bucket, fsynced audit, safety",
         "HTTP client": "raw HTTP/1.1 on a new loopback connection per request, to the first SSE data: line",
     }
     lines += [f"| {k} | {v} |" for k, v in settings.items()]
     lines += [
-        "",
-        "## Time to first token",
         "",
         "| path | p50 ms | p99 ms | mean ms |",
         "| --- | --- | --- | --- |",
@@ -285,14 +486,25 @@ def report(args: argparse.Namespace, ttft: dict[str, list[float]], relay: list[d
         statistics.fmean(http_over_grpc),
     )
     lines.append(f"| HTTP front over gRPC (paired) | {p50:.2f} | {p99:.2f} | {mean:.2f} |")
-    lines += ["", "## Relay throughput of one gateway process", ""]
+    return lines
+
+
+def relay_section(args: argparse.Namespace, relay: list[dict[str, float]]) -> list[str]:
+    """Part 2's settings and table."""
+    lines = ["", "## Relay throughput of one gateway process", ""]
+    lines += [
+        f"- source: fixed-rate token source, one token every {args.interval_ms} ms per stream",
+        f"- stream: {args.tokens_per_stream} tokens, screened every {args.check_tokens} tokens (strict)",
+        f"- duration: {args.duration_s} s per concurrency level, Python asyncio clients in one process",
+        "",
+    ]
     lines += ["| concurrent streams | streams/s | tokens/s | errors |", "| --- | --- | --- | --- |"]
     for row in relay:
         streams_per_s, tokens_per_s = row["streams_per_s"], row["tokens_per_s"]
         lines.append(
             f"| {row['num_streams']} | {streams_per_s:.1f} | {tokens_per_s:.0f} | {row['errors']:.0f} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> None:
@@ -303,20 +515,37 @@ def main() -> None:
     parser.add_argument("--interval-ms", type=float, default=1.0)
     parser.add_argument("--check-tokens", type=int, default=16)
     parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument(
+        "--parts", nargs="+", choices=["ttft", "relay", "release"], default=["ttft", "relay", "release"]
+    )
+    parser.add_argument("--release-requests", type=int, default=50)
+    parser.add_argument("--release-max-tokens", type=int, default=32)
+    parser.add_argument("--release-tpot-ms", type=float, default=50.0)
+    parser.add_argument("--first-window-tokens", type=int, default=2)
+    parser.add_argument("--tag", default="", help="suffix of the results file name")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--fake-engine", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fake_engine:
         asyncio.run(serve_fake_engine(args.fake_engine, args.interval_ms / 1000))
         return
+    ttft: dict[str, list[float]] = {}
+    relay: list[dict[str, float]] = []
+    release: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as state:
-        with start_mesh(Path(state) / "ttft", str(resolve_model("stories260k"))) as mesh:
-            ttft = asyncio.run(measure_ttft(mesh, args.requests))
-        relay = relay_part(args, Path(state) / "relay")
-    text = report(args, ttft, relay)
+        if "ttft" in args.parts:
+            with start_mesh(Path(state) / "ttft", str(resolve_model("stories260k"))) as mesh:
+                ttft = asyncio.run(measure_ttft(mesh, args.requests))
+        if "relay" in args.parts:
+            relay = relay_part(args, Path(state) / "relay")
+        if "release" in args.parts:
+            release = release_part(args, Path(state) / "release")
+    text = report(args, ttft, relay, release)
     print(text)
     if not args.no_write:
-        path = REPO / "bench" / "results" / f"gateway_overhead_{dt.date.today().isoformat()}.md"
+        suffix = f"_{args.tag}" if args.tag else ""
+        name = f"gateway_overhead_{dt.datetime.now(dt.UTC).date().isoformat()}{suffix}.md"
+        path = REPO / "bench" / "results" / name
         path.write_text(text)
         print(f"wrote {path}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -120,12 +121,66 @@ class RoutingConfig:
             raise ValueError("routing: prefix chars >= 1, queue skew >= 0 and stats interval > 0 required")
 
 
+class ReleasePolicy(StrEnum):
+    """When generated text may reach the client, relative to the output screen; each policy's
+    guarantee is in services/gateway/output_screen.py."""
+
+    STRICT = "strict"  # held until screened, fixed windows
+    GROWING = "growing"  # held until screened, windows from first_window_tokens doubling
+    TRAILING = "trailing"  # released at once, at most window_tokens ahead of the screen
+
+
+@dataclass(frozen=True)
+class OutputScreening:
+    """How output is screened and released.
+
+    `THERMOCLINE_GATEWAY_OUTPUT_RELEASE`: `strict` (default), `growing` or `trailing`.
+    `_OUTPUT_CHECK_TOKENS`: strict's window; the largest window of the others, and how far
+    trailing text may run past the screened prefix. `_OUTPUT_FIRST_WINDOW_TOKENS`: the first
+    window of growing and trailing.
+
+    strict stays the default because it screens least: the safety service runs one check at a
+    time, and growing windows cost about log2(window / first) more checks per stream. growing
+    keeps strict's guarantee with a first token after `first_window_tokens` decode steps instead
+    of `window_tokens`; it is the choice for interactive traffic when safety has headroom.
+    """
+
+    release: ReleasePolicy = ReleasePolicy.STRICT
+    window_tokens: int = 16
+    first_window_tokens: int = 2
+
+    def __post_init__(self) -> None:
+        if self.window_tokens < 1:
+            raise ValueError(f"{PREFIX}OUTPUT_CHECK_TOKENS must be >= 1, got {self.window_tokens}")
+        if not 1 <= self.first_window_tokens <= self.window_tokens:
+            raise ValueError(
+                f"{PREFIX}OUTPUT_FIRST_WINDOW_TOKENS must lie in 1..{self.window_tokens} "
+                f"(OUTPUT_CHECK_TOKENS), got {self.first_window_tokens}"
+            )
+
+    def window_after(self, num_screened: int) -> int:
+        """Tokens in the next window once `num_screened` tokens passed: fixed for strict; for the
+        others the screened prefix doubles from `first_window_tokens` until windows reach
+        `window_tokens`."""
+        if self.release is ReleasePolicy.STRICT:
+            return self.window_tokens
+        return min(self.window_tokens, max(self.first_window_tokens, num_screened))
+
+
+def _release_policy(value: str) -> ReleasePolicy:
+    try:
+        return ReleasePolicy(value)
+    except ValueError:
+        known = ", ".join(p.value for p in ReleasePolicy)
+        raise ValueError(f"{PREFIX}OUTPUT_RELEASE={value!r}; use one of {known}") from None
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Where the gateway forwards requests and how it screens them.
 
     `THERMOCLINE_GATEWAY_SAFETY_TARGET` (host:port);
-    `_OUTPUT_CHECK_TOKENS`: output is held back and screened every this many tokens (and at the end);
+    `output`: how output is screened and released (OutputScreening: `_OUTPUT_RELEASE`, ...);
     `_SAFETY_TIMEOUT_S`: the longest a safety check may take before the request fails UNAVAILABLE;
     `_HTTP_PORT`: the OpenAI-compatible HTTP front's port, on the gRPC server's host; 0 turns it off.
     The gRPC server's message limit is the smaller of `_MAX_MESSAGE_MB` and what `bounds` needs.
@@ -139,15 +194,11 @@ class GatewayConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     bounds: RequestBounds = field(default_factory=RequestBounds)
     safety_target: str = "127.0.0.1:50053"
-    output_check_tokens: int = 16
+    output: OutputScreening = field(default_factory=OutputScreening)
     safety_timeout_s: float = 5.0
     http_port: int = DEFAULT_HTTP_PORT
 
     def __post_init__(self) -> None:
-        if self.output_check_tokens < 1:
-            raise ValueError(
-                f"THERMOCLINE_GATEWAY_OUTPUT_CHECK_TOKENS must be >= 1, got {self.output_check_tokens}"
-            )
         if self.safety_timeout_s <= 0:
             raise ValueError(f"THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S must be > 0, got {self.safety_timeout_s}")
         if not 0 <= self.http_port <= 65535:
@@ -175,10 +226,20 @@ class GatewayConfig:
             limits=_limits_from_env(environ),
             routing=_routing_from_env(environ),
             safety_target=env.get_str(PREFIX + "SAFETY_TARGET", "127.0.0.1:50053", environ),
-            output_check_tokens=env.get_int(PREFIX + "OUTPUT_CHECK_TOKENS", 16, environ),
+            output=_output_from_env(environ),
             safety_timeout_s=env.get_float(PREFIX + "SAFETY_TIMEOUT_S", 5.0, environ),
             http_port=env.get_int(PREFIX + "HTTP_PORT", DEFAULT_HTTP_PORT, environ),
         )
+
+
+def _output_from_env(environ: Mapping[str, str] | None) -> OutputScreening:
+    window_tokens = env.get_int(PREFIX + "OUTPUT_CHECK_TOKENS", 16, environ)
+    first_window_tokens = min(2, window_tokens)
+    return OutputScreening(
+        release=_release_policy(env.get_str(PREFIX + "OUTPUT_RELEASE", "strict", environ)),
+        window_tokens=window_tokens,
+        first_window_tokens=env.get_int(PREFIX + "OUTPUT_FIRST_WINDOW_TOKENS", first_window_tokens, environ),
+    )
 
 
 def _optional_path(name: str, environ: Mapping[str, str] | None) -> Path | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from opentelemetry import trace
@@ -13,10 +13,17 @@ from services.common.errors import NotFound, Unavailable
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import ALLOW, DENY, AuditEvent, prompt_sha256
 from services.gateway.call_metadata import CallMetadata
-from services.gateway.config import GatewayConfig
+from services.gateway.config import GatewayConfig, ReleasePolicy
 from services.gateway.gatekeeper import Admission, Gatekeeper
 from services.gateway.in_flight import InFlightStream, InFlightStreams
-from services.gateway.relay import RelaySettings, blocked_messages, needs_audit, record_verdict, relay
+from services.gateway.output_screen import (
+    RelaySettings,
+    VerdictAudit,
+    blocked_messages,
+    needs_audit,
+    record_verdict,
+)
+from services.gateway.relay import relay
 from services.gateway.router import affinity_key
 from services.gateway.upstream import Upstreams, tenant_policy_pb
 from thermocline.engine.v1 import engine_pb2
@@ -83,31 +90,32 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         settings = self._settings(text, admission, context.time_remaining())
         self._annotate_span(request, admission)
         tenant = admission.principal.tenant
-        verdict = await self.upstreams.check_prompt(
-            text, tenant, settings.safety_policy, settings.safety_timeout_s
-        )
-        record_verdict("prompt", verdict)
         audit = lambda layer, verdict: self._record_verdict(admission, layer, verdict)  # noqa: E731
-        if needs_audit(verdict):
-            await audit("prompt", verdict)
-        if verdict.decision == safety_pb2.DECISION_BLOCK:
-            usage = engine_pb2.Usage(prompt_tokens=admission.prompt_tokens)  # the engine never ran
-            for message in blocked_messages(verdict.safe_message, settings, usage):
+        check = asyncio.ensure_future(
+            self.upstreams.check_prompt(text, tenant, settings.safety_policy, settings.safety_timeout_s)
+        )
+        # trailing: the engine starts on the prompt while safety screens it (see _behind_prompt_check)
+        is_overlapped = settings.screening.release is ReleasePolicy.TRAILING
+        if not is_overlapped and (blocked := await self._screen_prompt(check, admission, settings, audit)):
+            for message in blocked:
                 yield message
             return
         replicas = self.upstreams.router.candidates(
             affinity_key(admission.principal.tenant, text, self.config.routing.prefix_chars),
             admission.priority_class,
         )
+        relayed = relay(
+            self.upstreams,
+            engine_request(request, admission, metadata.get(RETRIEVAL_MODE_HEADER, "")),
+            settings,
+            replicas,
+            audit,
+        )
+        if is_overlapped:
+            relayed = self._behind_prompt_check(check, relayed, admission, settings, audit)
         with self.in_flight.track(admission.request_id, tenant) as stream:
             try:
-                async for message in relay(
-                    self.upstreams,
-                    engine_request(request, admission, metadata.get(RETRIEVAL_MODE_HEADER, "")),
-                    settings,
-                    replicas,
-                    audit,
-                ):
+                async for message in relayed:
                     if message.HasField("done"):
                         await self._charge_completion(admission, message.done.usage.completion_tokens)
                     stream.num_tokens += len(message.delta.token_ids)
@@ -120,6 +128,49 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     f"the gateway shut down and its {self.config.server.grace_s:g} s grace period ran out; "
                     f"this stream was cut after {stream.num_tokens} tokens: retry on another replica"
                 ) from None
+
+    async def _screen_prompt(
+        self,
+        check: Awaitable[safety_pb2.CheckResponse],
+        admission: Admission,
+        settings: RelaySettings,
+        audit: VerdictAudit,
+    ) -> list[pb.GenerateResponse]:
+        """The prompt's verdict, traced and audited: the messages that replace the answer when it
+        blocked, else none."""
+        verdict = await check
+        record_verdict("prompt", verdict)
+        if needs_audit(verdict):
+            await audit("prompt", verdict)
+        if verdict.decision != safety_pb2.DECISION_BLOCK:
+            return []
+        usage = engine_pb2.Usage(prompt_tokens=admission.prompt_tokens)  # no completion is charged
+        return blocked_messages(verdict.safe_message, settings, usage)
+
+    async def _behind_prompt_check(
+        self,
+        check: asyncio.Future[safety_pb2.CheckResponse],
+        relayed: AsyncIterator[pb.GenerateResponse],
+        admission: Admission,
+        settings: RelaySettings,
+        audit: VerdictAudit,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """trailing: the engine prefills while safety screens the prompt, so the prompt check is
+        not added to the first token's time; nothing is sent before the prompt passed, and a
+        blocked prompt cancels the engine request. The engine does see a prompt that is blocked."""
+        is_screened = False
+        try:
+            async for message in relayed:
+                if not is_screened:
+                    if blocked := await self._screen_prompt(check, admission, settings, audit):
+                        for replacement in blocked:
+                            yield replacement
+                        return
+                    is_screened = True
+                yield message
+        finally:
+            check.cancel()
+            await relayed.aclose()  # type: ignore[attr-defined]
 
     async def _charge_completion(self, admission: Admission, num_tokens: int) -> None:
         tenant = admission.principal.tenant
@@ -200,7 +251,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             tenant=admission.principal.tenant,
             model=admission.model,
             trace_id=telemetry.current_trace_id(),
-            check_tokens=self.config.output_check_tokens,
+            screening=self.config.output,
             safety_timeout_s=safety_timeout_s,
             deadline_s=deadline_s,
             prompt_tokens=admission.prompt_tokens,

@@ -10,12 +10,19 @@ import grpc
 import pytest
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.gateway.config import OutputScreening
 from services.gateway.relay import RelaySettings, relay
 from thermocline.engine.v1 import engine_pb2
 from thermocline.safety.v1 import safety_pb2
 
 SETTINGS = RelaySettings(
-    prompt_text="p", tenant="t", model="m", trace_id="", check_tokens=1, safety_timeout_s=5, deadline_s=10
+    prompt_text="p",
+    tenant="t",
+    model="m",
+    trace_id="",
+    safety_timeout_s=5,
+    deadline_s=10,
+    screening=OutputScreening(window_tokens=1, first_window_tokens=1),
 )
 
 

@@ -1,0 +1,362 @@
+"""The engine's text as the client gets it: released against the output screen, by policy.
+
+Every screen sends the whole text so far to the safety service (`CheckOutput`, under the tenant's
+policy). What reaches the client before a verdict depends on `OutputScreening.release`
+(THERMOCLINE_GATEWAY_OUTPUT_RELEASE):
+
+- `strict` (the default): text is held back and released only after the text up to its end
+  passed the screen, in windows of `window_tokens` tokens and at the end. No text the screen
+  blocks ever reaches the client; the time to first token carries `window_tokens` decode steps
+  and one screen.
+- `growing`: the same guarantee and the same holding, but the windows start at
+  `first_window_tokens` and double until they reach `window_tokens` (with 2 and 16: screens after
+  2, 4, 8, 16, 32, 48, ... tokens). The first token waits for `first_window_tokens` decode steps
+  and one screen; a stream costs about log2(window / first) more screens.
+- `trailing`: text is released as it arrives, while the screen runs alongside decode, one screen
+  at a time, in the growing windows. What remains: the released text never runs more than
+  `window_tokens` tokens past the longest prefix that passed the screen (the relay stops
+  releasing and waits for the screen when it would); a block ends the stream with the safe
+  message and FINISH_REASON_SAFETY, so at most `window_tokens` tokens of blocked text reach the
+  client first; and a STOP or LENGTH finish is sent only after the whole completion passed, so a
+  client that acts on a completion only once it finishes never acts on blocked text. The tokens
+  sent ahead of their screen have still passed the engine's in-loop gate, which judges every
+  decode step (unless THERMOCLINE_ENGINE_GATE_SOURCE=off); it does not know the tenant's policy.
+  Under trailing the prompt check, too, runs alongside the engine's prefill instead of before it
+  (servicer.py): nothing is sent before the prompt passed, but the engine does start on a prompt
+  that is then blocked, and is cancelled.
+
+A block cancels the engine request and is audited before the client hears of it; so is the first
+verdict per stream that passed only because of the tenant's policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from services.common.errors import Unavailable
+from services.gateway.config import OutputScreening, ReleasePolicy
+from services.gateway.upstream import Upstreams, upstream_error
+from thermocline.engine.v1 import engine_pb2
+from thermocline.gateway.v1 import gateway_pb2 as pb
+from thermocline.safety.v1 import safety_pb2
+
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # the end-of-stream sentinel of call.read()
+
+_FINISH_FROM_ENGINE = {
+    engine_pb2.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
+    engine_pb2.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH,
+    engine_pb2.FINISH_REASON_SAFETY: pb.FINISH_REASON_SAFETY,
+    engine_pb2.FINISH_REASON_CANCELLED: pb.FINISH_REASON_CANCELLED,
+    engine_pb2.FINISH_REASON_ERROR: pb.FINISH_REASON_ERROR,
+}
+
+NO_FINAL_MESSAGE = "engine ended the stream without a final message; retry the request"
+
+# Writes the audit event of a verdict that blocked, or passed only under the tenant's policy;
+# called before the client sees the outcome. Arguments: the layer ("prompt", "output") and verdict.
+VerdictAudit = Callable[[str, safety_pb2.CheckResponse], Awaitable[None]]
+
+
+async def no_audit(layer: str, verdict: safety_pb2.CheckResponse) -> None:
+    """A VerdictAudit that records nothing."""
+
+
+def needs_audit(verdict: safety_pb2.CheckResponse) -> bool:
+    """Whether a verdict gets its own audit event: it blocked, or the tenant's policy waived a category."""
+    return verdict.decision == safety_pb2.DECISION_BLOCK or bool(verdict.waived)
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """What one relay needs besides the engine request."""
+
+    prompt_text: str
+    tenant: str
+    model: str
+    trace_id: str
+    safety_timeout_s: float
+    deadline_s: float | None
+    screening: OutputScreening = field(default_factory=OutputScreening)
+    prompt_tokens: int = 0  # as the gateway counted them: the usage of a stream cut by a block
+    # The tenant's categories off and loosened thresholds, sent with every output check.
+    safety_policy: safety_pb2.TenantPolicy = field(default_factory=safety_pb2.TenantPolicy)
+
+
+@dataclass
+class HeldOutput:
+    """Generated text not yet released, and everything generated so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    full_text: str = ""
+    num_tokens: int = 0  # generated so far, released or not
+
+    def add(self, message: engine_pb2.GenerateResponse) -> None:
+        """Holds back one engine message."""
+        self.text += message.text
+        self.full_text += message.text
+        self.token_ids.extend(message.token_ids)
+        self.num_tokens += len(message.token_ids)
+
+    def release(self) -> pb.GenerateResponse | None:
+        """The held text as one delta, emptying the hold; None when nothing is held."""
+        if not self.text and not self.token_ids:
+            return None
+        delta = pb.GenerateResponse(delta=pb.TextDelta(text=self.text, token_ids=self.token_ids))
+        self.text, self.token_ids = "", []
+        return delta
+
+
+def final_message(
+    reason: int, settings: RelaySettings, usage: engine_pb2.Usage | None = None
+) -> pb.GenerateResponse:
+    """The closing message of a stream."""
+    message = pb.GenerateResponse(
+        done=pb.Completion(finish_reason=reason, trace_id=settings.trace_id, model=settings.model)
+    )
+    if usage is not None:
+        message.done.usage.prompt_tokens = usage.prompt_tokens
+        message.done.usage.completion_tokens = usage.completion_tokens
+        message.done.usage.cached_prompt_tokens = usage.cached_prompt_tokens
+        message.done.usage.tiers.hot_tokens = usage.tiers.hot_tokens
+        message.done.usage.tiers.warm_tokens = usage.tiers.warm_tokens
+        message.done.usage.tiers.cold_tokens = usage.tiers.cold_tokens
+    return message
+
+
+def blocked_messages(
+    safe_message: str, settings: RelaySettings, usage: engine_pb2.Usage | None
+) -> list[pb.GenerateResponse]:
+    """The safe message and a SAFETY finish, which replace a blocked prompt or output."""
+    return [
+        pb.GenerateResponse(delta=pb.TextDelta(text=safe_message)),
+        final_message(pb.FINISH_REASON_SAFETY, settings, usage),
+    ]
+
+
+def screened(
+    upstreams: Upstreams,
+    call: grpc.aio.UnaryStreamCall,
+    first: Any,
+    settings: RelaySettings,
+    audit: VerdictAudit,
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The engine stream from its first message, released as the settings' policy says."""
+    stream = _OutputStream(upstreams, call, settings, audit)
+    if settings.screening.release is ReleasePolicy.TRAILING:
+        return stream.trailing(first)
+    return stream.held(first)
+
+
+class _OutputStream:
+    """One engine stream and its screens; `held` and `trailing` are the two ways to release it."""
+
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        call: grpc.aio.UnaryStreamCall,
+        settings: RelaySettings,
+        audit: VerdictAudit,
+    ) -> None:
+        self.upstreams, self.call, self.settings, self.audit = upstreams, call, settings, audit
+        self.output = HeldOutput()
+        self.final: engine_pb2.GenerateResponse | None = None
+        self.num_screened = 0  # tokens of the longest prefix that passed the screen
+        self.num_chars_screened = 0  # its characters
+        self._has_audited_waiver = False  # each window re-screens the whole text: one waiver event
+
+    async def held(self, first: Any) -> AsyncIterator[pb.GenerateResponse]:
+        """strict and growing: text reaches the client only once the text up to its end passed."""
+        message = first
+        try:
+            # Read the stream to its end (the engine closes it after the final message), so the
+            # client span of this call ends with the call.
+            while message is not _EOF:
+                self._add(message)
+                window = self.settings.screening.window_after(self.num_screened)
+                if self.final is not None or self.output.num_tokens - self.num_screened >= window:
+                    verdict = await self._screen(self.output.full_text)
+                    if verdict.decision == safety_pb2.DECISION_BLOCK:
+                        for blocked in await self._block(verdict):
+                            yield blocked
+                        return
+                    self._passed(self.output.num_tokens, len(self.output.full_text))
+                    if (delta := self.output.release()) is not None:
+                        yield delta
+                message = await self.call.read()
+        except grpc.aio.AioRpcError as error:
+            raise upstream_error("engine", error) from None
+        finally:
+            self.call.cancel()
+        yield self._finish()
+
+    async def trailing(self, first: Any) -> AsyncIterator[pb.GenerateResponse]:
+        """trailing: text goes out as it arrives, at most `window_tokens` past the screened prefix."""
+        release = _TrailingRelease(self.settings.screening.window_tokens)
+        reading: asyncio.Task[Any] | None = None
+        screening: asyncio.Task[safety_pb2.CheckResponse] | None = None
+        covered = (0, 0)  # tokens and characters the screen in flight covers
+        message, is_ended = first, False
+        try:
+            while True:
+                if message is _EOF:
+                    if self.final is None:
+                        raise Unavailable(NO_FINAL_MESSAGE)
+                    is_ended = True
+                elif message is not None:
+                    self._add(message)
+                    release.arrive(message)
+                message = None
+                if (delta := release.take(self.num_screened)) is not None:
+                    yield delta
+                if screening is None and self._is_due():
+                    covered = (self.output.num_tokens, len(self.output.full_text))
+                    screening = asyncio.create_task(self._screen(self.output.full_text))
+                if is_ended and screening is None and not release.pending:
+                    break
+                if not is_ended and reading is None:
+                    reading = asyncio.create_task(self.call.read())
+                waits: set[asyncio.Task[Any]] = {t for t in (reading, screening) if t is not None}
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if screening in done:
+                    verdict, screening = screening.result(), None
+                    if verdict.decision == safety_pb2.DECISION_BLOCK:
+                        await _cancelled(reading)  # the call has one reader: _block reads it out
+                        for blocked in await self._block(verdict):
+                            yield blocked
+                        return
+                    self._passed(*covered)
+                if reading in done:
+                    message, reading = reading.result(), None
+        except grpc.aio.AioRpcError as error:
+            raise upstream_error("engine", error) from None
+        finally:
+            for task in (reading, screening):
+                if task is not None:
+                    task.cancel()
+            self.call.cancel()
+        yield self._finish()
+
+    def _add(self, message: engine_pb2.GenerateResponse) -> None:
+        self.output.add(message)
+        if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+            self.final = message
+
+    def _passed(self, num_tokens: int, num_chars: int) -> None:
+        self.num_screened, self.num_chars_screened = num_tokens, num_chars
+
+    def _is_due(self) -> bool:
+        """trailing: whether to start a screen now (none is in flight): a window is full, or the
+        engine has finished and some text is unscreened."""
+        if self.final is not None:
+            return len(self.output.full_text) > self.num_chars_screened
+        num_unscreened = self.output.num_tokens - self.num_screened
+        return num_unscreened >= self.settings.screening.window_after(self.num_screened)
+
+    async def _screen(self, text: str) -> safety_pb2.CheckResponse:
+        """The safety service's verdict on the text so far; audited when it blocked or was waived."""
+        settings = self.settings
+        verdict = await self.upstreams.check_output(
+            text, settings.prompt_text, settings.tenant, settings.safety_policy, settings.safety_timeout_s
+        )
+        is_blocked = verdict.decision == safety_pb2.DECISION_BLOCK
+        if is_blocked or (verdict.waived and not self._has_audited_waiver):
+            self._has_audited_waiver = True
+            await self.audit("output", verdict)
+        return verdict
+
+    async def _block(self, verdict: safety_pb2.CheckResponse) -> list[pb.GenerateResponse]:
+        """Ends a blocked stream: cancels the engine call; the safe message and a SAFETY finish."""
+        await _abandon(self.call)
+        record_verdict("output", verdict)
+        return blocked_messages(verdict.safe_message, self.settings, self._usage_so_far())
+
+    def _finish(self) -> pb.GenerateResponse:
+        """The final message of a stream whose whole text passed."""
+        if self.final is None:
+            raise Unavailable(NO_FINAL_MESSAGE)
+        _record_finish(self.final)
+        return final_message(_FINISH_FROM_ENGINE[self.final.finish_reason], self.settings, self.final.usage)
+
+    def _usage_so_far(self) -> engine_pb2.Usage:
+        """The engine's usage on its last message; before that, what the gateway has seen (a block
+        mid-stream still reports and charges the tokens generated until then)."""
+        if self.final is not None:
+            return self.final.usage
+        return engine_pb2.Usage(
+            prompt_tokens=self.settings.prompt_tokens, completion_tokens=self.output.num_tokens
+        )
+
+
+class _TrailingRelease:
+    """trailing: engine messages not yet sent, let out while they end within `window_tokens`
+    tokens of the screened prefix."""
+
+    def __init__(self, window_tokens: int) -> None:
+        self.window_tokens = window_tokens
+        self.pending: list[engine_pb2.GenerateResponse] = []
+        self.num_released = 0  # tokens sent to the client
+
+    def arrive(self, message: engine_pb2.GenerateResponse) -> None:
+        """Queues one engine message."""
+        self.pending.append(message)
+
+    def take(self, num_screened: int) -> pb.GenerateResponse | None:
+        """The messages that may go out now, as one delta; None when none may."""
+        limit = num_screened + self.window_tokens
+        text, token_ids = "", []
+        while self.pending and self.num_released + len(self.pending[0].token_ids) <= limit:
+            message = self.pending.pop(0)
+            text += message.text
+            token_ids.extend(message.token_ids)
+            self.num_released += len(message.token_ids)
+        if not text and not token_ids:
+            return None
+        return pb.GenerateResponse(delta=pb.TextDelta(text=text, token_ids=token_ids))
+
+
+async def _cancelled(task: asyncio.Task[Any] | None) -> None:
+    """Cancels `task` and waits until it has stopped."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await task
+
+
+async def _abandon(call: grpc.aio.UnaryStreamCall) -> None:
+    """Cancels the engine call (freeing its KV) and reads the stream out so its span ends."""
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+        while await call.read() is not _EOF:
+            pass
+
+
+def record_verdict(layer: str, verdict: safety_pb2.CheckResponse) -> None:
+    """Puts a safety verdict on the current span: decision, per-category scores, and a block event."""
+    span = trace.get_current_span()
+    is_blocked = verdict.decision == safety_pb2.DECISION_BLOCK
+    span.set_attribute(f"thermocline.safety.{layer}.decision", "block" if is_blocked else "allow")
+    span.set_attribute(f"thermocline.safety.{layer}.policy_version", verdict.policy_version)
+    for score in verdict.scores:
+        span.set_attribute(f"thermocline.safety.{layer}.score.{score.category}", score.score)
+    if is_blocked:
+        span.add_event(
+            "safety.block",
+            {"thermocline.safety.layer": layer, "thermocline.safety.reasons": list(verdict.reasons)},
+        )
+
+
+def _record_finish(message: engine_pb2.GenerateResponse) -> None:
+    span = trace.get_current_span()
+    span.set_attribute("gen_ai.usage.input_tokens", message.usage.prompt_tokens)
+    span.set_attribute("gen_ai.usage.output_tokens", message.usage.completion_tokens)
+    span.set_attribute(
+        "gen_ai.response.finish_reasons", [engine_pb2.FinishReason.Name(message.finish_reason).lower()[14:]]
+    )

@@ -1,0 +1,187 @@
+"""Each output release policy's guarantee, on a scripted engine stream and a scripted screen.
+
+The screen here decides by a marker character, and in the trailing tests it answers only when the
+test lets it, so what reached the client before each verdict is exact. The real mesh's screen is
+exercised per policy in test_output_release.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from services.gateway.config import GatewayConfig, OutputScreening, ReleasePolicy
+from services.gateway.output_screen import RelaySettings, screened
+from thermocline.engine.v1 import engine_pb2
+from thermocline.gateway.v1 import gateway_pb2 as pb
+from thermocline.safety.v1 import safety_pb2
+
+WINDOW = 4
+SAFE = "[withheld]"
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
+
+
+def _stream(text: str) -> list[engine_pb2.GenerateResponse]:
+    """One message per character (one token each); the last one finishes with LENGTH."""
+    messages = [engine_pb2.GenerateResponse(token_ids=[i], text=c) for i, c in enumerate(text)]
+    messages[-1].finish_reason = engine_pb2.FINISH_REASON_LENGTH
+    messages[-1].usage.completion_tokens = len(text)
+    return messages
+
+
+class _Call:
+    """A scripted engine call: its messages, then EOF; `drained` is set once all were read."""
+
+    def __init__(self, messages: list[engine_pb2.GenerateResponse]) -> None:
+        self.messages = list(messages)
+        self.drained = asyncio.Event()
+
+    async def read(self) -> Any:
+        if not self.messages:
+            self.drained.set()
+            return _EOF
+        return self.messages.pop(0)
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _Screen:
+    """Blocks any text holding an 'X'. With `gate`, each verdict waits until the test opens it."""
+
+    def __init__(self, gate: asyncio.Event | None = None) -> None:
+        self.gate = gate
+        self.screened: list[str] = []  # texts, in the order their verdicts were given
+        self.num_passed = 0  # tokens (characters) of the longest text that passed
+
+    async def check_output(self, text: str, *args: Any) -> safety_pb2.CheckResponse:
+        if self.gate is not None:
+            await self.gate.wait()
+        self.screened.append(text)
+        if "X" in text:
+            return safety_pb2.CheckResponse(decision=safety_pb2.DECISION_BLOCK, safe_message=SAFE)
+        self.num_passed = len(text)
+        return safety_pb2.CheckResponse(decision=safety_pb2.DECISION_ALLOW)
+
+
+def _settings(release: ReleasePolicy) -> RelaySettings:
+    screening = OutputScreening(release=release, window_tokens=WINDOW, first_window_tokens=1)
+    return RelaySettings(
+        prompt_text="p",
+        tenant="t",
+        model="m",
+        trace_id="",
+        safety_timeout_s=5,
+        deadline_s=10,
+        screening=screening,
+    )
+
+
+async def _relay(
+    release: ReleasePolicy, text: str, screen: _Screen, call: _Call
+) -> list[tuple[pb.GenerateResponse, int]]:
+    """Every message the client got, each with the screened prefix's length when it was sent."""
+    first = await call.read()
+    stream = screened(screen, call, first, _settings(release), _no_audit)  # type: ignore[arg-type]
+    return [(message, screen.num_passed) async for message in stream]
+
+
+async def _no_audit(layer: str, verdict: safety_pb2.CheckResponse) -> None:
+    return None
+
+
+def _run(release: ReleasePolicy, text: str, gate: asyncio.Event | None = None) -> tuple[list[Any], _Screen]:
+    async def scenario() -> tuple[list[Any], _Screen]:
+        screen, call = _Screen(gate), _Call(_stream(text))
+        if gate is not None:  # the screen answers once the engine stream has been read to its end
+            opener = asyncio.create_task(_open_when(call.drained, gate))
+            sent = await _relay(release, text, screen, call)
+            opener.cancel()
+            return sent, screen
+        return await _relay(release, text, screen, call), screen
+
+    return asyncio.run(scenario())
+
+
+async def _open_when(drained: asyncio.Event, gate: asyncio.Event) -> None:
+    await drained.wait()
+    gate.set()
+
+
+def _released(sent: list[tuple[pb.GenerateResponse, int]]) -> str:
+    return "".join(m.delta.text for m, _ in sent if m.HasField("delta") and m.delta.token_ids)
+
+
+def _finish(sent: list[tuple[pb.GenerateResponse, int]]) -> int:
+    message, _ = sent[-1]
+    assert message.HasField("done")
+    return message.done.finish_reason
+
+
+def test_strict_releases_only_screened_fixed_windows_and_none_of_a_blocked_one() -> None:
+    sent, screen = _run(ReleasePolicy.STRICT, "abcdefXhijkl")
+    assert [len(t) for t in screen.screened] == [4, 8]
+    assert _released(sent) == "abcd" and _finish(sent) == pb.FINISH_REASON_SAFETY
+    assert sent[-2][0].delta.text == SAFE
+    assert all(len(_released(sent[: i + 1])) <= passed for i, (_, passed) in enumerate(sent))
+
+
+def test_growing_screens_after_1_2_4_then_every_window_and_holds_the_same_guarantee() -> None:
+    sent, screen = _run(ReleasePolicy.GROWING, "abcdefghijXl")
+    assert [len(t) for t in screen.screened] == [1, 2, 4, 8, 12]
+    assert _released(sent) == "abcdefgh" and _finish(sent) == pb.FINISH_REASON_SAFETY
+    assert all(len(_released(sent[: i + 1])) <= passed for i, (_, passed) in enumerate(sent))
+    clean, screen = _run(ReleasePolicy.GROWING, "abcdefghijkl")
+    assert _released(clean) == "abcdefghijkl" and _finish(clean) == pb.FINISH_REASON_LENGTH
+
+
+def test_trailing_runs_at_most_one_window_ahead_of_a_screen_that_lags() -> None:
+    # The screen answers nothing until the whole engine stream was read: the relay must stop
+    # releasing WINDOW tokens past what passed (nothing yet), whatever the engine sends.
+    sent, screen = _run(ReleasePolicy.TRAILING, "abcdefghijkl", asyncio.Event())
+    assert "".join(m.delta.text for m, passed in sent if passed == 0) == "abcd"  # WINDOW tokens
+    assert all(len(_released(sent[: i + 1])) <= passed + WINDOW for i, (_, passed) in enumerate(sent))
+    assert _released(sent) == "abcdefghijkl" and _finish(sent) == pb.FINISH_REASON_LENGTH
+    assert screen.screened[-1] == "abcdefghijkl"  # the finish came after the whole text passed
+
+
+def test_trailing_cuts_a_blocked_stream_with_at_most_one_window_of_blocked_text_out() -> None:
+    sent, screen = _run(ReleasePolicy.TRAILING, "abcdefXhijklmnop", asyncio.Event())
+    released = _released(sent)
+    assert _finish(sent) == pb.FINISH_REASON_SAFETY and sent[-2][0].delta.text == SAFE
+    assert "abcdefXhijklmnop".startswith(released)
+    assert len(released) <= max(len(t) for t in screen.screened if "X" not in t) + WINDOW
+    assert all(len(_released(sent[: i + 1])) <= passed + WINDOW for i, (_, passed) in enumerate(sent))
+
+
+def test_trailing_releases_the_first_token_before_any_verdict() -> None:
+    sent, _ = _run(ReleasePolicy.TRAILING, "abcdefghijkl")
+    first, passed_then = sent[0]
+    assert first.delta.text.startswith("a") and passed_then == 0
+    assert _finish(sent) == pb.FINISH_REASON_LENGTH and _released(sent) == "abcdefghijkl"
+
+
+def test_the_release_policy_is_a_validated_setting_with_strict_as_default() -> None:
+    environ = {"THERMOCLINE_GATEWAY_JWT_KEY_FILE": "/nonexistent/key.pem"}
+    default = GatewayConfig.from_env(environ).output
+    assert (default.release, default.window_tokens, default.first_window_tokens) == (
+        ReleasePolicy.STRICT,
+        16,
+        2,
+    )
+    chosen = GatewayConfig.from_env(
+        environ
+        | {"THERMOCLINE_GATEWAY_OUTPUT_RELEASE": "trailing", "THERMOCLINE_GATEWAY_OUTPUT_CHECK_TOKENS": "1"}
+    ).output
+    assert (chosen.release, chosen.window_tokens, chosen.first_window_tokens) == (
+        ReleasePolicy.TRAILING,
+        1,
+        1,
+    )
+    with pytest.raises(ValueError, match="OUTPUT_RELEASE='eager'; use one of strict, growing, trailing"):
+        GatewayConfig.from_env(environ | {"THERMOCLINE_GATEWAY_OUTPUT_RELEASE": "eager"})
+    with pytest.raises(ValueError, match=r"OUTPUT_FIRST_WINDOW_TOKENS must lie in 1\.\.16"):
+        GatewayConfig.from_env(environ | {"THERMOCLINE_GATEWAY_OUTPUT_FIRST_WINDOW_TOKENS": "32"})
