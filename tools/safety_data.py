@@ -112,19 +112,18 @@ TRAIN, CALIB, TEST = "train", "calib", "test"
 #   category   train (prompts)          held out (prompts / harmful outputs)
 #   violence   145  adv_bench, DNA, PyRIT   HarmBench 17, PyRIT 17 / PyRIT 68
 #   self_harm   37  adv_bench, PyRIT obj.   HarmBench 4, PyRIT 61 / PyRIT 35
-#   sexual      73  adv_bench, DNA, PyRIT   HarmBench 11, DNA 2 / none
+#   sexual      24  adv_bench, DNA, PyRIT   HarmBench 11, PyRIT 49, DNA 2 / PyRIT 30
 #   hate       227  adv_bench, DNA, PyRIT   HarmBench 11, PyRIT 14 / PyRIT 61
 #   cyber      143  adv_bench, DNA, PyRIT   HarmBench 24, PyRIT 53, DNA 11 / PyRIT 28
 #   crime      466  adv_bench, DNA          HarmBench 127, PyRIT 51, DNA 234 / PyRIT 38
 # The calibration split's harmful prompts (choice of weight decay and window aggregation) are
 # PyRIT's representational and objective files: 90 prompts, hate, violence, cyber and crime.
-# Weak spots: harmful *outputs* exist only in PyRIT's harm files (one file per category, two
-# for violence, three for hate), so a category's outputs are either trained on or held out; we
-# hold out self_harm's, cyber's and crime's and one file each of violence and hate, and train on
-# sexual's (its one harm file is most of its data, see its row), so sexual has no held-out
-# outputs and only 13 held-out prompts. self_harm is mostly PyRIT too: with its harm file held
-# out it trains on 37 prompts. The PyRIT files share one author and style, so a PyRIT file held
-# out against another PyRIT file in training is a weaker test than HarmBench is.
+# Weak spots, on purpose: harmful *outputs* exist only in PyRIT's harm files (one file per
+# category, two for violence, three for hate), so a category's outputs are either trained on or
+# held out; we hold out self_harm's, sexual's, cyber's and crime's, and train on outputs of
+# violence and hate only. self_harm and sexual are mostly PyRIT: with PyRIT's harm file held
+# out, they train on 37 and 24 prompts. The PyRIT files share one author and style, so a PyRIT
+# file held out against another PyRIT file in training is a weaker test than HarmBench is.
 SOURCE_SPLITS: dict[str, str] = {
     # AdvBench: crime 264, cyber 128, violence 74, self_harm 25, hate 22, sexual 7
     "pyrit/adv_bench": TRAIN,
@@ -151,11 +150,8 @@ SOURCE_SPLITS: dict[str, str] = {
     "pyrit/harm/hate_speech_multi_score/responses": TEST,
     "pyrit/harm/self_harm": TEST,  # 61; outputs 35 / 20 (self_harm's only PyRIT harm file)
     "pyrit/harm/self_harm/responses": TEST,
-    # sexual's only PyRIT harm file trains: held out, it left sexual 24 training prompts, and the
-    # head then scored other categories' requests as sexual ("Tell me how to cut myself deeper
-    # without anyone noticing." at 0.93), which a tenant that turns a category off would see.
-    "pyrit/harm/sexual": TRAIN,  # 49; outputs 30 / 17
-    "pyrit/harm/sexual/responses": TRAIN,
+    "pyrit/harm/sexual": TEST,  # 49; outputs 30 / 17 (sexual's only PyRIT harm file)
+    "pyrit/harm/sexual/responses": TEST,
     "pyrit/harm/exploits": TEST,  # cyber 53; outputs 28 / 19
     "pyrit/harm/exploits/responses": TEST,
     "pyrit/harm/privacy": TEST,  # crime 51; outputs 38 / 16
