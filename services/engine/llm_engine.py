@@ -25,7 +25,7 @@ from services.engine.errors import (
     UnknownRetrievalMode,
 )
 from services.engine.execution.memory_profile import GRAPH_AND_WORKSPACE_RESERVE_BYTES, profile_memory
-from services.engine.execution.model_runner import ModelRunner, RunnerOptions
+from services.engine.execution.model_runner import ModelRunner, PreparedStep, RunnerOptions
 from services.engine.execution.sampler import FAULT, sample
 from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
 from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate, refusal
@@ -128,6 +128,13 @@ class PendingText(NamedTuple):
     ended: bool  # the token itself ended the sequence (EOS or length)
 
 
+class Ahead(NamedTuple):
+    """A step scheduled and prepared while the one before it ran."""
+
+    batch: ScheduledBatch
+    step: PreparedStep
+
+
 class LLMEngine:
     """Continuous-batching generation over one model on one device.
 
@@ -172,6 +179,7 @@ class LLMEngine:
         self.gate_report = GateReport(GateStatus.ABSENT, detail="no gate installed")
         self._gate_triggers: dict[str, int] = {}
         self._pending_text: list[PendingText] = []  # the last step's tokens, text not yet made
+        self._ahead: Ahead | None = None  # the next step, scheduled and prepared during this one
         self.capacity: PoolPlan | None = None  # the KV pools `load` planned (None for a hand-built engine)
         self.cold: ColdPlanner | None = None  # the kvstore tier (`attach_cold_tier`)
 
@@ -430,23 +438,31 @@ class LLMEngine:
         return (
             self.scheduler.has_work
             or bool(self._pending_text)
+            or self._ahead is not None
             or (self.cold is not None and self.cold.tier.has_outcomes)
         )
 
     def step(self) -> None:
-        """Take in new requests and cancels, then run one prefill or decode step and emit its events."""
+        """Take in new requests and cancels, then run one prefill or decode step and emit its events.
+
+        The step was usually scheduled and prepared while the last one ran on the device
+        (`_schedule_ahead`); otherwise it is scheduled now.
+        """
         with self._step_lock:
             self._drain_inbox()
             self._take_cold_outcomes()
             self._expire_waiting()
-            batch = self.scheduler.schedule()
-            for intent_class, waited_s in self.scheduler.take_queue_waits():
-                QUEUE_WAIT.labels(intent_class).observe(waited_s)
-            if batch is None:
-                self._flush_text()
-                return
+            ahead, self._ahead = self._ahead, None
+            if ahead is None:
+                batch = self.scheduler.schedule()
+                self._record_queue_waits()
+                if batch is None:
+                    self._flush_text()
+                    return
+                ahead = Ahead(batch, self._prepare(batch))
+            batch = ahead.batch
             try:
-                token_ids = self._run(batch)
+                token_ids = self._run(batch, ahead.step)
             except RankLost as exc:  # the group is gone: fail fast now and refuse new work
                 logger.critical("%s", exc)
                 self._lost_rank = str(exc)
@@ -472,24 +488,51 @@ class LLMEngine:
         for seq in self.cold.take_ready():
             self.scheduler.add(seq)
 
-    def _run(self, batch: ScheduledBatch) -> list[Sampled]:
-        probe_layer = self._probe_layer(batch)
-        score_rows = self._cold_score_rows(batch)
-        output = self.runner.run(batch.rows, probe_layer, score_rows)
+    def _record_queue_waits(self) -> None:
+        for intent_class, waited_s in self.scheduler.take_queue_waits():
+            QUEUE_WAIT.labels(intent_class).observe(waited_s)
+
+    def _prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        return self.runner.prepare(batch.rows, self._probe_layer(batch), self._cold_score_rows(batch))
+
+    def _schedule_ahead(self, batch: ScheduledBatch, sampling: list[Sequence]) -> Ahead | None:
+        """Schedule and prepare the next step while this one runs on the device.
+
+        Its tokens are not known yet. A row whose token ends it by length is left out. One that
+        EOS, a stop string, a fault or a cancel ends meanwhile stays in as a dead row: it computes
+        into blocks it has released (no later step can reuse them before this one has run, in stream
+        order), and its token is dropped. Off with the cold tier, whose window loads remap blocks
+        between steps; the step is then scheduled after the sync, as before.
+        """
+        if self.cold is not None:
+            return None
+        ending = {id(seq) for seq in sampling if seq.ends_by_length_after_one(self.max_seq_len)}
+        self._drain_inbox()
+        self._expire_waiting()
+        upcoming = self.scheduler.schedule(ending)
+        self._record_queue_waits()
+        return None if upcoming is None else Ahead(upcoming, self._prepare(upcoming))
+
+    def _run(self, batch: ScheduledBatch, step: PreparedStep) -> list[Sampled]:
+        output = self.runner.launch(step)
         self._record_attention(batch)
         done = self.scheduler.commit_computed(batch)
         self._counters["dropped"] += self.scheduler.num_dropped_tokens_last_step
         if not done:  # a prefill chunk that ends mid-prompt samples nothing
             self._flush_text()
             return []
-        is_done = [r.seq in done for r in batch.rows]
-        rows = None if all(is_done) else self._row_index(is_done)
+        if len(done) == len(batch.rows):
+            rows = None
+        else:  # by identity: `seq in done` would compare every row with every sequence
+            done_ids = {id(seq) for seq in done}
+            rows = self._row_index([id(r.seq) in done_ids for r in batch.rows])
         logits = output.logits if rows is None else output.logits[rows]
         params = [s.params for s in done]
         draw_keys = [(s.seed or 0, len(s.completion_ids)) for s in done]
         token_ids = sample(logits, params, draw_keys)  # [B] on the device
         flags = self._gate_flags(output.hidden_states, rows)  # [B, C] bool on the device, or None
         self._flush_text()  # the last step's text, while the device runs this one
+        self._ahead = self._schedule_ahead(batch, done)  # and the next step
         token_list, flag_rows = _fetch(token_ids, flags)  # the step's one host sync
         if output.hot_mass is not None:  # sampled step: the sync above already waited for it
             self._hot_attention_mass = float(output.hot_mass.item())
@@ -562,7 +605,7 @@ class LLMEngine:
         cache = self.runner.kv_cache
         for row in batch.rows:
             table = row.seq.block_table
-            if row.num_new == 1:  # decode
+            if row.num_new == 1 and not row.seq.is_finished:  # decode (not a dead row)
                 num_cold = len(table.aux_blocks) * table.tiers.group_size
                 num_hot = min(cache.num_held_hot_blocks(table) * cache.block_size, row.seq.num_tokens)
                 row.seq.record_attention(
@@ -671,6 +714,7 @@ class LLMEngine:
             _emit(seq, seq.event((), ""))
 
     def _cancel_everything(self) -> None:
+        self._ahead = None  # stopping: the prepared step never runs
         self._flush_text()
         self._drain_inbox()
         waiting = [s for q in self.scheduler.waiting.values() for s in q]

@@ -142,6 +142,24 @@ def test_a_stop_string_seen_while_the_next_step_runs_drops_that_steps_token(tiny
     assert tiny_engine.runner.kv_cache.hot.pool.num_used_blocks() == 0
 
 
+def test_a_row_ended_by_eos_after_the_next_step_was_prepared_leaves_no_trace(
+    tiny_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next step is scheduled before this one's tokens are known, so a row that samples EOS is
+    in it as a dead row: it must not gain a token, change its neighbour's output, or keep a block."""
+    ending, neighbour = _prompts(tiny_engine.config.vocab_size, (9, 14), seed=21)
+    free, neighbour_alone = tiny_engine.generate([ending, neighbour], GREEDY_20)
+    eos = free.token_ids[6]  # make the 7th greedy token of the first row its EOS
+    monkeypatch.setattr(tiny_engine, "_eos_token_ids", frozenset({eos}))
+    params = [SamplingParams(max_new_tokens=20), GREEDY_20]
+    ended, neighbour_batched = tiny_engine.generate([ending, neighbour], params)
+    assert ended.finish_reason is FinishReason.STOP
+    first_eos = list(free.token_ids).index(eos)
+    assert list(ended.token_ids) == list(free.token_ids[: first_eos + 1])
+    assert neighbour_batched.token_ids == neighbour_alone.token_ids
+    assert tiny_engine.runner.kv_cache.hot.pool.num_used_blocks() == 0
+
+
 def test_cancel_frees_the_slot_and_ends_the_stream(tiny_engine: LLMEngine) -> None:
     prompt = _prompts(tiny_engine.config.vocab_size, (5,), seed=4)[0]
     events: list[StreamEvent] = []

@@ -81,6 +81,18 @@ class StepPlan(NamedTuple):
         return self._replace(rows=rows, probe_layer=None)  # only rank 0 reads the probe
 
 
+class PreparedStep(NamedTuple):
+    """A step built on the host ahead of its launch: the plan (input ids not yet known) and metadata.
+
+    The engine prepares step N+1 while step N runs on the device, so that only the input ids (step
+    N's sampled tokens) are left between N's sync and N+1's launch.
+    """
+
+    rows: tuple[ScheduledRow, ...]
+    plan: StepPlan  # input_ids empty until launch
+    host: HostMetadata
+
+
 class StepFollower(Protocol):
     """The other tensor-parallel ranks, as rank 0's runner sees them."""
 
@@ -149,24 +161,55 @@ class ModelRunner:
         self, rows: Seq[ScheduledRow], probe_layer: int | None = None, score_rows: Seq[ScoreRow] = ()
     ) -> StepOutput:
         """Compute each row's next `num_new` pending tokens (packed, no padding)."""
-        if self.model.tp.is_parallel and self.followers is None:
-            raise RuntimeError("the other tensor-parallel ranks are stopped; load the engine again")
+        return self.launch(self.prepare(rows, probe_layer, score_rows))
+
+    def prepare(
+        self, rows: Seq[ScheduledRow], probe_layer: int | None = None, score_rows: Seq[ScoreRow] = ()
+    ) -> PreparedStep:
+        """Build a step on the host: take the tier moves decided so far, and the rows' metadata.
+
+        The block tables are read now; a row whose sequence ends before `launch` still computes (into
+        blocks it has released, which no later step can reuse before this one has run, in stream
+        order), and its token is dropped by the caller.
+        """
         plan = StepPlan(
-            input_ids=[token for r in rows for token in _row_tokens(r)],
+            input_ids=[],
             rows=[RowInput(r.seq.block_table, r.seq.num_computed_tokens, r.num_new) for r in rows],
             probe_layer=probe_layer,
             warm_copies=self.kv_cache.take_warm_copies(),
             cold_moves=self.kv_cache.take_cold_moves(),
             score_rows=tuple(score_rows),
         )
+        host = HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group())
+        if self.followers is not None:  # the other ranks must see the tables as they are now
+            plan = plan.portable()._replace(probe_layer=probe_layer)
+        return PreparedStep(tuple(rows), plan, host)
+
+    @torch.inference_mode()
+    def launch(self, step: PreparedStep) -> StepOutput:
+        """Run a prepared step: its input ids are read now (the last step's tokens are committed).
+
+        Tier moves decided since `prepare` join this step's (a demotion never waits a step more).
+        """
+        if self.model.tp.is_parallel and self.followers is None:
+            raise RuntimeError("the other tensor-parallel ranks are stopped; load the engine again")
+        plan = step.plan._replace(input_ids=[token for r in step.rows for token in _row_tokens(r)])
+        late_copies, late_moves = self.kv_cache.take_warm_copies(), self.kv_cache.take_cold_moves()
+        if late_copies or late_moves:
+            plan = plan._replace(
+                warm_copies=plan.warm_copies + late_copies,
+                cold_moves=ColdMoves(
+                    plan.cold_moves.stores + late_moves.stores, plan.cold_moves.loads + late_moves.loads
+                ),
+            )
         if self.followers is not None:
             self.followers.send(plan.portable())
-        return self._forward(plan)
+        return self._forward(plan, step.host)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
         """Run rank 0's step on this rank (its demotions, then the forward with its all-reduces)."""
-        self._forward(plan)
+        self._forward(plan, HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group()))
 
     def lost_rank(self) -> str | None:
         """Why this runner's tensor-parallel group cannot run a step, or None (always None at TP=1)."""
@@ -178,7 +221,7 @@ class ModelRunner:
             self.followers.close()
             self.followers = None
 
-    def _forward(self, plan: StepPlan) -> StepOutput:
+    def _forward(self, plan: StepPlan, host: HostMetadata) -> StepOutput:
         """Carry out the plan's tier moves, then the forward; outputs at each row's last new token.
 
         Order matters: cold stores read their warm groups before this step's warm copies may reuse
@@ -187,7 +230,6 @@ class ModelRunner:
         self._store_cold(plan.cold_moves.stores)
         self.kv_cache.copy_to_warm(plan.warm_copies)
         self.kv_cache.write_loaded(plan.cold_moves.loads)
-        host = HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group())
         is_eager = plan.probe_layer is not None or bool(plan.score_rows)
         if self.graphs is not None and not is_eager and self.graphs.can_replay(host):  # decode
             hidden, logits = self.graphs.replay(plan.input_ids, host)
@@ -278,10 +320,13 @@ def make_attention_backend(
 
 
 def _row_tokens(row: ScheduledRow) -> list[int]:
-    start = row.seq.num_computed_tokens
-    if row.num_new == 1 and start == row.seq.num_tokens - 1:  # decode: no list copy
-        return [row.seq.last_token_id]
-    return row.seq.token_ids[start : start + row.num_new]
+    seq = row.seq
+    start = seq.num_computed_tokens
+    if row.num_new == 1 and start == seq.num_tokens - 1:  # decode: no list copy
+        return [seq.last_token_id]
+    tokens = seq.token_ids[start : start + row.num_new]
+    # a sequence that ended without a token (a fault, the safety gate) still fills its row
+    return tokens + [0] * (row.num_new - len(tokens))
 
 
 def _to_host(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

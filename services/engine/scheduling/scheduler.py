@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from services.engine.execution.model_runner import ScheduledRow
@@ -118,8 +118,11 @@ class Scheduler:
 
     # --- scheduling ----------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch | None:
-        """The next step's rows, or None when idle."""
+    def schedule(self, ending: Collection[int] = ()) -> ScheduledBatch | None:
+        """The next step's rows, or None when idle.
+
+        `ending`: ids of running sequences whose token in flight ends them; they get no decode row.
+        """
         prefill = self._continue_prefills()
         prefill += self._admit(prefill)
         if prefill:
@@ -127,7 +130,7 @@ class Scheduler:
                 row.seq.timeline.begin_prefill_chunk()
             BATCH_SIZE.labels(StepKind.PREFILL.value).observe(len(prefill))
             return ScheduledBatch(StepKind.PREFILL, tuple(prefill))
-        decode = self._decode_rows()
+        decode = self._decode_rows(ending)
         if not decode:
             return None
         BATCH_SIZE.labels(StepKind.DECODE.value).observe(len(decode))
@@ -258,9 +261,9 @@ class Scheduler:
             self._queue_waits.append((seq.intent_class, self.clock() - enqueued))
         self.running.append(seq)
 
-    def _decode_rows(self) -> list[ScheduledRow]:
+    def _decode_rows(self, ending: Collection[int]) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
-        running = list(self.running)  # a copy: reserving may preempt (remove) running sequences
+        running = [s for s in self.running if id(s) not in ending]  # a copy: reserving may preempt
         if len({s.intent_class for s in running}) > 1:  # highest priority first (a stable sort)
             running = sorted(running, key=lambda s: -self.classes.get(s.intent_class).priority)
         for seq in running:
@@ -279,6 +282,8 @@ class Scheduler:
         self.num_dropped_tokens_last_step = 0
         for row in batch.rows:
             seq = row.seq
+            if seq.is_finished:  # a dead row: ended after the step was prepared; its blocks are free
+                continue
             seq.num_computed_tokens += row.num_new
             if batch.kind is StepKind.PREFILL:
                 seq.timeline.end_prefill_chunk(row.num_new)

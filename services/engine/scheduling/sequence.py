@@ -255,6 +255,11 @@ class Sequence:
         self.append_token_id(token_id, eos_token_ids, max_seq_len)
         return self.text_event(token_id)
 
+    def ends_by_length_after_one(self, max_seq_len: int) -> bool:
+        """True when the token being sampled now will end the sequence by length."""
+        num_new = len(self.completion_ids) + 1
+        return num_new >= self.params.max_new_tokens or self.num_tokens + 1 >= max_seq_len
+
     def append_token_id(self, token_id: int, eos_token_ids: frozenset[int], max_seq_len: int) -> None:
         """The host-cheap half of `append_token`: record the id, and finish on EOS or length.
 
