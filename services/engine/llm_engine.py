@@ -180,6 +180,7 @@ class LLMEngine:
         self._gate_triggers: dict[str, int] = {}
         self._pending_text: list[PendingText] = []  # the last step's tokens, text not yet made
         self._ahead: Ahead | None = None  # the next step, scheduled and prepared during this one
+        self._tables_changed = False  # block tables changed after `_ahead` was prepared
         self.capacity: PoolPlan | None = None  # the KV pools `load` planned (None for a hand-built engine)
         self.cold: ColdPlanner | None = None  # the kvstore tier (`attach_cold_tier`)
 
@@ -501,20 +502,20 @@ class LLMEngine:
         Its tokens are not known yet. A row whose token ends it by length is left out. One that
         EOS, a stop string, a fault or a cancel ends meanwhile stays in as a dead row: it computes
         into blocks it has released (no later step can reuse them before this one has run, in stream
-        order), and its token is dropped. Off with the cold tier, whose window loads remap blocks
-        between steps; the step is then scheduled after the sync, as before.
+        order), and its token is dropped. Cold-tier window loads that remap hot blocks before the
+        launch make `ModelRunner.launch` build the metadata again.
         """
-        if self.cold is not None:
-            return None
         ending = {id(seq) for seq in sampling if seq.ends_by_length_after_one(self.max_seq_len)}
         self._drain_inbox()
+        self._take_cold_outcomes()
         self._expire_waiting()
         upcoming = self.scheduler.schedule(ending)
         self._record_queue_waits()
         return None if upcoming is None else Ahead(upcoming, self._prepare(upcoming))
 
     def _run(self, batch: ScheduledBatch, step: PreparedStep) -> list[Sampled]:
-        output = self.runner.launch(step)
+        tables_changed, self._tables_changed = self._tables_changed, False
+        output = self.runner.launch(step, tables_changed)
         self._record_attention(batch)
         done = self.scheduler.commit_computed(batch)
         self._counters["dropped"] += self.scheduler.num_dropped_tokens_last_step
@@ -581,6 +582,7 @@ class LLMEngine:
             seq = batch.rows[row.row].seq
             if not seq.is_finished:  # a stop string in the last step's text ended it meanwhile
                 self.cold.choose_window(seq, best.tolist())
+        self._tables_changed = True  # unmapped window blocks: the step prepared ahead is rebuilt
 
     def _row_index(self, is_done: list[bool]) -> torch.Tensor:
         """`[B]` rows that sample this step (a batch where some rows are still mid-prompt)."""

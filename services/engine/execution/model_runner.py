@@ -91,6 +91,7 @@ class PreparedStep(NamedTuple):
     rows: tuple[ScheduledRow, ...]
     plan: StepPlan  # input_ids empty until launch
     host: HostMetadata
+    num_allocated: int  # the hot pool's `num_allocated_total` when the metadata was built
 
 
 class StepFollower(Protocol):
@@ -183,13 +184,16 @@ class ModelRunner:
         host = HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group())
         if self.followers is not None:  # the other ranks must see the tables as they are now
             plan = plan.portable()._replace(probe_layer=probe_layer)
-        return PreparedStep(tuple(rows), plan, host)
+        return PreparedStep(tuple(rows), plan, host, self.kv_cache.hot.pool.num_allocated_total)
 
     @torch.inference_mode()
-    def launch(self, step: PreparedStep) -> StepOutput:
+    def launch(self, step: PreparedStep, tables_changed: bool = False) -> StepOutput:
         """Run a prepared step: its input ids are read now (the last step's tokens are committed).
 
         Tier moves decided since `prepare` join this step's (a demotion never waits a step more).
+        The metadata is built again when hot blocks were handed out since `prepare` (cold-tier
+        window loads), since a block a dead row still names may now be another row's, or when the
+        caller says tables changed.
         """
         if self.model.tp.is_parallel and self.followers is None:
             raise RuntimeError("the other tensor-parallel ranks are stopped; load the engine again")
@@ -202,9 +206,12 @@ class ModelRunner:
                     plan.cold_moves.stores + late_moves.stores, plan.cold_moves.loads + late_moves.loads
                 ),
             )
+        host = step.host
+        if tables_changed or step.num_allocated != self.kv_cache.hot.pool.num_allocated_total:
+            host = HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group())
         if self.followers is not None:
             self.followers.send(plan.portable())
-        return self._forward(plan, step.host)
+        return self._forward(plan, host)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:

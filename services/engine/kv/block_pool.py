@@ -77,6 +77,8 @@ class BlockPool:
         self._evictable: OrderedDict[BlockId, None] = OrderedDict()
         self._by_hash: dict[BlockHash, BlockId] = {}
         self.stats = PrefixCacheStats()
+        # blocks handed out by `allocate` since the start: a step prepared ahead compares it at launch
+        self.num_allocated_total = 0
 
     @property
     def num_blocks(self) -> int:
@@ -101,6 +103,7 @@ class BlockPool:
             raise RuntimeError(
                 f"{num_blocks} blocks asked, {self.num_free_blocks()} free; call can_allocate first"
             )
+        self.num_allocated_total += num_blocks
         return [self._take_one() for _ in range(num_blocks)]
 
     def _take_one(self) -> BlockId:
