@@ -103,9 +103,9 @@ def _dequantize(packed, scale, zero, dtype: tl.constexpr):
         magic: tl.constexpr = 0x6400
         bias: tl.constexpr = 1024.0
     else:
-        bits: tl.constexpr = tl.int32
-        magic: tl.constexpr = 0x4B000000
-        bias: tl.constexpr = 8388608.0
+        bits: tl.constexpr = tl.int32  # type: ignore[no-redef]
+        magic: tl.constexpr = 0x4B000000  # type: ignore[no-redef]
+        bias: tl.constexpr = 8388608.0  # type: ignore[no-redef]
     word = packed.to(bits)
     low = ((word & 15) | magic).to(bits).to(dtype, bitcast=True) - bias
     high = ((word >> 4) | magic).to(bits).to(dtype, bitcast=True) - bias
@@ -557,7 +557,7 @@ def paged_attention(
     warm_args = _warm_args(warm, layer.hot_keys)
     _paged_attention_kernel[grid](
         out,
-        *(partials if num_segments > 1 else (out, out, out)),
+        *(partials if num_segments > 1 and partials is not None else (out, out, out)),
         q,
         layer.hot_keys,
         layer.hot_values,

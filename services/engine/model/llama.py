@@ -207,14 +207,14 @@ class LlamaModel(nn.Module):
         for part, (merged, index) in MERGED_PROJECTIONS.items():
             if prefix.endswith(part):
                 owner = prefix.removesuffix(part)  # "layers.3."
-                sizes = self.get_submodule(owner + merged.split(".")[0]).split_sizes
+                sizes: list[int] = self.get_submodule(owner + merged.split(".")[0]).split_sizes  # type: ignore[assignment]
                 start = sum(sizes[:index])
                 return self.get_parameter(f"{owner}{merged}.{leaf}")[start : start + sizes[index]]
         return self.get_parameter(name)
 
     def checkpoint_names(self) -> set[str]:
         """Every tensor name a checkpoint must provide (merged projections by their parts' names)."""
-        names = set()
+        names: set[str] = set()
         for name, _ in self.named_parameters(remove_duplicate=False):
             prefix, _, leaf = name.rpartition(".")
             parts = [p for p, (merged, _) in MERGED_PROJECTIONS.items() if prefix.endswith(merged)]
