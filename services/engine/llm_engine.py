@@ -28,7 +28,7 @@ from services.engine.execution.memory_profile import GRAPH_AND_WORKSPACE_RESERVE
 from services.engine.execution.model_runner import ModelRunner, PreparedStep, RunnerOptions
 from services.engine.execution.sampler import FAULT, sample
 from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
-from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate, refusal
+from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus, InLoopGate, refusal
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.capacity import (
     GIB,
@@ -294,13 +294,15 @@ class LLMEngine:
         cache_salt: str = "",
         retrieval_mode: str = "",
         trace_metadata: tuple[tuple[str, str], ...] = (),
+        gate_policy: GatePolicy | None = None,
     ) -> RequestHandle:
         """Queue a request; `on_event` is then called on the engine thread for each step's output.
 
         `intent_class` picks the scheduling class (empty: `default`); `cache_salt` keeps this
         tenant's prefix-cache blocks apart from everyone else's; `retrieval_mode` (`off` or
         `semantic`; empty: the class's or the deployment's default) turns the auxiliary window of
-        cold blocks on; `trace_metadata` (a `traceparent`) joins its kvstore calls to its trace.
+        cold blocks on; `trace_metadata` (a `traceparent`) joins its kvstore calls to its trace;
+        `gate_policy` is the tenant's change to the in-loop gate (categories off, looser thresholds).
         """
         if self._is_stopping:
             raise EngineStopped("the engine is stopped; it accepts no new requests")
@@ -323,6 +325,7 @@ class LLMEngine:
         seq.uses_aux_window = tiers.enabled and mode is RetrievalMode.SEMANTIC
         seq.block_table.keeps_cold = seq.uses_aux_window
         seq.trace_metadata = trace_metadata
+        seq.gate_policy = gate_policy or None
         self._mark_turn(seq, seq.prompt_ids, 0)
         with self._lock:
             self._inbox.append(seq)
@@ -541,8 +544,26 @@ class LLMEngine:
             if not probed.is_finished:
                 self._move_hot_boundary(probed)
         fired = [self._gate.fired(f) for f in flag_rows] if self._gate and flag_rows else [()] * len(done)
+        if any(fired):
+            fired = self._apply_gate_policies(done, fired, output.hidden_states, rows)
         self._choose_cold_windows(batch, output.window_scores)
         return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
+
+    def _apply_gate_policies(
+        self,
+        done: list[Sequence],
+        fired: list[tuple[str, ...]],
+        hidden: torch.Tensor,
+        rows: torch.Tensor | None,
+    ) -> list[tuple[str, ...]]:
+        """Where a row fired and its request carries a tenant policy, the categories that policy keeps."""
+        assert self._gate is not None
+        kept = list(fired)
+        for i, (seq, categories) in enumerate(zip(done, fired, strict=True)):
+            if categories and seq.gate_policy is not None:
+                state = hidden[i] if rows is None else hidden[rows[i]]
+                kept[i] = self._gate.fired_under(seq.gate_policy, categories, state)
+        return kept
 
     def _move_hot_boundary(self, seq: Sequence) -> None:
         """The measured row's warm tier drew too much attention: its hot window grows one group."""

@@ -37,7 +37,8 @@ RETRIEVAL_MODE_HEADER = "x-retrieval-mode"  # passed on to the engine, which che
 def engine_request(
     request: pb.GenerateRequest, admission: Admission, retrieval_mode: str = ""
 ) -> engine_pb2.GenerateRequest:
-    """The engine's view of a client request: the tenant salts the prefix cache, the class schedules it."""
+    """The engine's view of a client request: the tenant salts the prefix cache, the class schedules
+    it, and its safety policy reaches the in-loop gate."""
     sampling = request.sampling
     converted = engine_pb2.GenerateRequest(
         request_id=admission.request_id,
@@ -54,6 +55,10 @@ def engine_request(
     )
     if sampling.HasField("seed"):
         converted.sampling.seed = sampling.seed
+    safety = admission.limits.safety
+    if safety.categories_off or safety.thresholds:  # the engine's in-loop gate applies it too
+        converted.gate_policy.categories_off.extend(sorted(safety.categories_off))
+        converted.gate_policy.thresholds.update(safety.thresholds)
     if request.WhichOneof("input") == "prompt":
         converted.prompt = request.prompt
     else:

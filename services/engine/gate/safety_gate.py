@@ -5,12 +5,18 @@ category c is sigmoid(logit_c - logit_benign) >= threshold_c. At start-up that i
 matrix and one limit per category, so a step costs one small matmul and one compare on the
 device: `(hidden @ weight_t) >= limits`. The [B, C] bool result stays on the device until the
 engine fetches it together with the sampled token ids, so the gate adds no host sync.
+
+A request may carry its tenant's `GatePolicy` (categories off, looser thresholds), as the safety
+service applies it. A policy can only keep a category from firing, so it is consulted only for a
+row that fired: that row's scores are read then (one more sync, on a rare step).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +62,30 @@ def refusal(report: GateReport) -> GateRefused:
     )
 
 
+MAX_POLICY_CATEGORIES = 64  # entries in one request's GatePolicy (categories off and thresholds)
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    """A tenant's changes to the gate: categories that never fire, thresholds that only loosen."""
+
+    categories_off: frozenset[str] = frozenset()
+    thresholds: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.categories_off) + len(self.thresholds) > MAX_POLICY_CATEGORIES:
+            raise ValueError(f"a gate policy names at most {MAX_POLICY_CATEGORIES} categories")
+        for name in (*self.categories_off, *self.thresholds):
+            if not name or len(name) > 64:
+                raise ValueError(f"gate policy category names are 1-64 characters, got {name[:80]!r}")
+        for name, value in self.thresholds.items():
+            if not 0 < value <= 1:  # NaN fails this too
+                raise ValueError(f"gate policy threshold for {name!r} must lie in (0, 1], got {value!r}")
+
+    def __bool__(self) -> bool:
+        return bool(self.categories_off or self.thresholds)
+
+
 class InLoopGate:
     """The engine head on the device, folded so that one matmul and one compare give the fired flags."""
 
@@ -68,6 +98,8 @@ class InLoopGate:
         limits = torch.logit(head.thresholds.double()) - bias.double()  # [C]
         self.weight_t = weight.T.contiguous().to(device=device, dtype=torch.float32)  # [H, C]
         self.limits = limits.to(device=device, dtype=torch.float32)  # [C]
+        self.bias = bias.float().tolist()  # [C] host copies for a policy's re-check
+        self.thresholds = head.thresholds.float().tolist()
         self.categories = categories
         self.safe_message = safe_message
 
@@ -83,3 +115,24 @@ class InLoopGate:
     def fired(self, row_flags: list[int]) -> tuple[str, ...]:
         """The categories named by one row of `flags`, fetched to the host."""
         return tuple(c for c, flag in zip(self.categories, row_flags, strict=True) if flag)
+
+    def fired_under(
+        self, policy: GatePolicy, fired: tuple[str, ...], hidden: torch.Tensor
+    ) -> tuple[str, ...]:
+        """Of the categories that `fired` for one row (final state `[H]`), those the policy keeps.
+
+        A category off never fires; one with a higher threshold fires only if its score reaches it.
+        """
+        kept = [c for c in fired if c not in policy.categories_off]
+        looser = [
+            c for c in kept if policy.thresholds.get(c, 0.0) > self.thresholds[self.categories.index(c)]
+        ]
+        if not looser:
+            return tuple(kept)
+        logits = (hidden.float() @ self.weight_t).tolist()  # [C]: syncs, on a row that fired
+        scores = {  # a threshold of 1 never fires, as in the folded limits (logit(1) = +inf)
+            c: 1.0 / (1.0 + math.exp(-(logits[i] + self.bias[i]))) if policy.thresholds[c] < 1 else -1.0
+            for i, c in enumerate(self.categories)
+            if c in looser
+        }
+        return tuple(c for c in kept if c not in scores or scores[c] >= policy.thresholds[c])

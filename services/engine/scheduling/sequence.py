@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import NewType
 
+from services.engine.gate.safety_gate import GatePolicy
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cold_tier import LoadedBlock
 from services.engine.kv.tiers import TierConfig
@@ -192,6 +193,7 @@ class Sequence:
         self.num_preemptions = 0
         self._attended = [0, 0, 0, 0]  # decode steps, hot, warm and cold tokens attended
         self.uses_aux_window = uses_aux_window  # retrieval mode `semantic`: cold blocks come back by query
+        self.gate_policy: GatePolicy | None = None  # the tenant's changes to the in-loop gate
         self.trace_metadata = trace_metadata  # the caller's trace context, sent on its kvstore calls
         self.cold_prefix: ColdPrefix | None = None  # prompt blocks loaded from the kvstore, not yet placed
         self.num_cold_prompt_tokens = 0  # prompt positions loaded from the kvstore instead of computed

@@ -17,7 +17,7 @@ from opentelemetry import propagate, trace
 from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from services.engine.config import EngineConfig
 from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
-from services.engine.gate.safety_gate import GateReport, GateStatus
+from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus
 from services.engine.kv.capacity import PoolPlan
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from services.engine.serving.engine_metrics import register_engine_metrics
@@ -81,6 +81,17 @@ def sampling_from_pb(sampling: pb.SamplingParams, config: EngineConfig) -> Sampl
         raise InvalidArgument(str(error)) from None
 
 
+def gate_policy_from_pb(request: pb.GenerateRequest) -> GatePolicy | None:
+    """The request's tenant policy for the in-loop gate; INVALID_ARGUMENT when it is malformed."""
+    if not request.HasField("gate_policy"):
+        return None
+    policy = request.gate_policy
+    try:
+        return GatePolicy(frozenset(policy.categories_off), dict(policy.thresholds))
+    except ValueError as error:
+        raise InvalidArgument(f"gate_policy: {error}") from None
+
+
 class LoopMailbox:
     """Carries events from the engine thread to one event loop, with one wake-up per burst.
 
@@ -133,6 +144,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         prompt_ids = self._prompt_ids(request)
         params = sampling_from_pb(request.sampling, self.config)
+        gate_policy = gate_policy_from_pb(request)
         self._annotate_span(request, params, len(prompt_ids))
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         mailbox = self._mailbox_for(asyncio.get_running_loop())
@@ -149,6 +161,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 cache_salt=request.cache_salt,
                 retrieval_mode=retrieval_mode_of(request, context),
                 trace_metadata=trace_metadata(),
+                gate_policy=gate_policy,
             )
         except InvalidPrompt as error:
             raise InvalidArgument(str(error)) from None

@@ -32,11 +32,18 @@ from services.engine.gate.gate_loader import (
     check_gate,
     open_gate,
 )
-from services.engine.gate.safety_gate import DEFAULT_SAFE_MESSAGE, GateRefused, GateStatus, InLoopGate
+from services.engine.gate.safety_gate import (
+    DEFAULT_SAFE_MESSAGE,
+    GatePolicy,
+    GateRefused,
+    GateStatus,
+    InLoopGate,
+)
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.sequence import FinishReason
 from services.engine.serving.engine_metrics import EngineCollector
+from services.engine.serving.generation_result import ResultCollector
 from services.gateway.tokens import mint_token
 from tests.conftest import start_mesh
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -248,6 +255,62 @@ def test_gate_fires_mid_decode_and_ends_only_that_sequence(tmp_path: Path, tiny_
     assert engine.stats().num_free_slots == engine.max_batch_size
 
 
+def test_a_tenant_policy_keeps_the_gate_from_ending_that_tenants_sequence_only(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
+    """The same gate fires on the same state; a policy that turns the category off, or raises its
+    threshold above the state's score, lets that request run on, and only that request."""
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=4, max_seq_len=64, progress=False)
+    prompt = [7, 21, 33, 40, 9]
+    ungated = list(engine.generate([prompt], GREEDY_12)[0].token_ids)
+    states = _final_states(tiny_dir, prompt + ungated)
+    target = len(prompt) + 3  # the state after the 4th generated token
+    others = torch.cat([states[len(prompt) - 1 : target], states[target + 1 : target + 2]])
+    direction = states[target] / states[target].norm()
+    top, rest = float(states[target] @ direction), float((others @ direction).max())
+    assert rest < top
+    scale, limit = 2.0 / (top - rest), (top + rest) / 2  # the target's logit is 1: a score of 0.73
+    weight = torch.zeros(len(CATEGORIES) + 1, states.shape[1])
+    weight[1] = direction * scale
+    bias = torch.tensor([0.0, -scale * limit, -1e4])  # cyber never fires
+    path = _write_head(tmp_path / "gate.safetensors", weight, bias, "tiny")
+    engine.set_safety_gate(*open_gate(_config(path), ServedModel(("tiny",), 64), CPU))
+    score = float(gate_scores(states[target][None], load_gate(path).head_weights(ENGINE_HEAD))[0, 0])
+    assert 0.5 <= score < 0.8  # fires at the gate's 0.5, not at a tenant's 0.8 or above
+
+    def run(policy: GatePolicy | None) -> tuple[FinishReason, list[int]]:
+        collector = ResultCollector(prompt)
+        engine.submit(prompt, GREEDY_12, collector, gate_policy=policy)
+        neighbour = ResultCollector(prompt)
+        engine.submit(prompt, GREEDY_12, neighbour)  # the same request without the policy
+        while not (collector.done.is_set() and neighbour.done.is_set()):
+            engine.step()
+        assert neighbour.result().finish_reason is FinishReason.SAFETY
+        result = collector.result()
+        return result.finish_reason, list(result.token_ids)
+
+    assert run(None) == (FinishReason.SAFETY, ungated[:4])
+    assert run(GatePolicy(categories_off=frozenset({"violence"}))) == (FinishReason.LENGTH, ungated)
+    assert run(GatePolicy(thresholds={"violence": 0.8})) == (FinishReason.LENGTH, ungated)
+    assert run(GatePolicy(thresholds={"violence": 0.6})) == (FinishReason.SAFETY, ungated[:4])
+    assert run(GatePolicy(thresholds={"violence": 0.3, "cyber": 0.9})) == (FinishReason.SAFETY, ungated[:4])
+    assert run(GatePolicy(categories_off=frozenset({"cyber"}))) == (FinishReason.SAFETY, ungated[:4])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"thresholds": {"violence": 0.0}}, r"must lie in \(0, 1\]"),
+        ({"thresholds": {"violence": float("nan")}}, r"must lie in \(0, 1\]"),
+        ({"categories_off": frozenset({""})}, "1-64 characters"),
+        ({"categories_off": frozenset(f"c{i}" for i in range(65))}, "at most 64"),
+    ],
+)
+def test_a_malformed_gate_policy_is_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GatePolicy(**kwargs)  # type: ignore[arg-type]
+
+
 def test_trigger_counter_and_gate_status_reach_the_metrics(tmp_path: Path, tiny_dir: Path) -> None:
     engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=64, progress=False)
     always = _write_head(
@@ -314,7 +377,13 @@ def test_engine_fetches_the_gate_from_safety_and_the_gateway_relays_a_safety_fin
     stories_model: Path, collector: TraceCollector, tmp_path: Path
 ) -> None:
     gate_path = _stories_gate(tmp_path / "gate.safetensors")
-    settings = {"THERMOCLINE_SAFETY_GATE_FILE": str(gate_path), "THERMOCLINE_ENGINE_GATE_SOURCE": "safety"}
+    tenants = tmp_path / "tenants.json"  # "medic" has the category the engine head fires on off
+    tenants.write_text(json.dumps({"tenants": {"medic": {"safety": {"categories_off": ["violence"]}}}}))
+    settings = {
+        "THERMOCLINE_SAFETY_GATE_FILE": str(gate_path),
+        "THERMOCLINE_ENGINE_GATE_SOURCE": "safety",
+        "THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants),
+    }
     mesh = start_mesh(stories_model, tmp_path / "mesh", collector, **settings)
     try:
         with grpc.insecure_channel(mesh.target("engine")) as channel:
@@ -337,5 +406,13 @@ def test_engine_fetches_the_gate_from_safety_and_the_gateway_relays_a_safety_fin
         lines = _metric_lines(mesh, "engine")
         assert 'thermocline_engine_safety_gate_status{status="ok"} 1.0' in lines
         assert 'thermocline_engine_safety_triggers_total{category="violence",layer="in_loop"} 1.0' in lines
+
+        # the gateway passes the tenant's policy on, and the in-loop gate lets "medic" through
+        medic = mint_token(mesh.private_key_path.read_bytes(), subject="tester", tenant="medic")
+        with grpc.insecure_channel(mesh.target("gateway")) as channel:
+            request = build_request("Once upon a time", max_tokens=20)
+            result = collect(stream_generate(channel, request, call_metadata(medic), timeout_s=120))
+        assert result.done is not None and result.done.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+        assert result.text and result.text != DEFAULT_SAFE_MESSAGE
     finally:
         mesh.stop()

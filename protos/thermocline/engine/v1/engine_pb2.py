@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"thermocline/engine/v1/engine.proto\x12\x15thermocline.engine.v1\"a\n\x12\x43ountTokensRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x30\n\x04\x63hat\x18\x02 \x01(\x0b\x32 .thermocline.engine.v1.ChatTurnsH\x00\x42\x07\n\x05input\"8\n\x13\x43ountTokensResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"A\n\tChatTurns\x12\x34\n\x08messages\x18\x01 \x03(\x0b\x32\".thermocline.engine.v1.ChatMessage\"\x81\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x07\n\x05_seed\"\xa3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x04\x63hat\x18\x03 \x01(\x0b\x32 .thermocline.engine.v1.ChatTurnsH\x00\x12\x34\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x1f.thermocline.engine.v1.TokenIdsH\x00\x12\x37\n\x08sampling\x18\x05 \x01(\x0b\x32%.thermocline.engine.v1.SamplingParams\x12\x14\n\x0cintent_class\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x16\n\x0eretrieval_mode\x18\x08 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"I\n\tTierUsage\x12\x12\n\nhot_tokens\x18\x01 \x01(\x04\x12\x13\n\x0bwarm_tokens\x18\x02 \x01(\x04\x12\x13\n\x0b\x63old_tokens\x18\x03 \x01(\x04\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12/\n\x05tiers\x18\x04 \x01(\x0b\x32 .thermocline.engine.v1.TierUsage\"\x9c\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12:\n\rfinish_reason\x18\x03 \x01(\x0e\x32#.thermocline.engine.v1.FinishReason\x12+\n\x05usage\x18\x04 \x01(\x0b\x32\x1c.thermocline.engine.v1.Usage\"\x11\n\x0fGetStatsRequest\"\x84\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1e\n\x16generated_tokens_total\x18\x03 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xe4\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x19\n\x11has_chat_template\x18\x03 \x01(\x08\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12:\n\x0bsafety_gate\x18\x05 \x01(\x0b\x32%.thermocline.engine.v1.SafetyGateInfo\x12\x36\n\x0bkv_capacity\x18\x06 \x01(\x0b\x32!.thermocline.engine.v1.KVCapacity\"\x81\x01\n\nKVCapacity\x12\x12\n\nhot_tokens\x18\x01 \x01(\x04\x12\x13\n\x0bwarm_tokens\x18\x02 \x01(\x04\x12\x1c\n\x14\x63oncurrent_sequences\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x05 \x01(\x04\"\xbc\x01\n\x0eSafetyGateInfo\x12\x37\n\x06status\x18\x01 \x01(\x0e\x32\'.thermocline.engine.v1.SafetyGateStatus\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x18\n\x10\x61nnounced_sha256\x18\x04 \x01(\t\x12\x11\n\tis_active\x18\x05 \x01(\x08\x12\x13\n\x0bis_refusing\x18\x06 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x18\n\x14\x46INISH_REASON_SAFETY\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*\xd6\x01\n\x10SafetyGateStatus\x12\"\n\x1eSAFETY_GATE_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15SAFETY_GATE_STATUS_OK\x10\x01\x12\x1f\n\x1bSAFETY_GATE_STATUS_MISMATCH\x10\x02\x12!\n\x1dSAFETY_GATE_STATUS_UNVERIFIED\x10\x03\x12 \n\x1cSAFETY_GATE_STATUS_UNCOVERED\x10\x04\x12\x1d\n\x19SAFETY_GATE_STATUS_ABSENT\x10\x05\x32\x9a\x03\n\rEngineService\x12]\n\x08Generate\x12&.thermocline.engine.v1.GenerateRequest\x1a\'.thermocline.engine.v1.GenerateResponse0\x01\x12[\n\x08GetStats\x12&.thermocline.engine.v1.GetStatsRequest\x1a\'.thermocline.engine.v1.GetStatsResponse\x12g\n\x0cGetModelInfo\x12*.thermocline.engine.v1.GetModelInfoRequest\x1a+.thermocline.engine.v1.GetModelInfoResponse\x12\x64\n\x0b\x43ountTokens\x12).thermocline.engine.v1.CountTokensRequest\x1a*.thermocline.engine.v1.CountTokensResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"thermocline/engine/v1/engine.proto\x12\x15thermocline.engine.v1\"a\n\x12\x43ountTokensRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x30\n\x04\x63hat\x18\x02 \x01(\x0b\x32 .thermocline.engine.v1.ChatTurnsH\x00\x42\x07\n\x05input\"8\n\x13\x43ountTokensResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"A\n\tChatTurns\x12\x34\n\x08messages\x18\x01 \x03(\x0b\x32\".thermocline.engine.v1.ChatMessage\"\x81\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x07\n\x05_seed\"\xdb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x04\x63hat\x18\x03 \x01(\x0b\x32 .thermocline.engine.v1.ChatTurnsH\x00\x12\x34\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x1f.thermocline.engine.v1.TokenIdsH\x00\x12\x37\n\x08sampling\x18\x05 \x01(\x0b\x32%.thermocline.engine.v1.SamplingParams\x12\x14\n\x0cintent_class\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x16\n\x0eretrieval_mode\x18\x08 \x01(\t\x12\x36\n\x0bgate_policy\x18\t \x01(\x0b\x32!.thermocline.engine.v1.GatePolicyB\x07\n\x05input\"\x9e\x01\n\nGatePolicy\x12\x16\n\x0e\x63\x61tegories_off\x18\x01 \x03(\t\x12\x45\n\nthresholds\x18\x02 \x03(\x0b\x32\x31.thermocline.engine.v1.GatePolicy.ThresholdsEntry\x1a\x31\n\x0fThresholdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"I\n\tTierUsage\x12\x12\n\nhot_tokens\x18\x01 \x01(\x04\x12\x13\n\x0bwarm_tokens\x18\x02 \x01(\x04\x12\x13\n\x0b\x63old_tokens\x18\x03 \x01(\x04\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12/\n\x05tiers\x18\x04 \x01(\x0b\x32 .thermocline.engine.v1.TierUsage\"\x9c\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12:\n\rfinish_reason\x18\x03 \x01(\x0e\x32#.thermocline.engine.v1.FinishReason\x12+\n\x05usage\x18\x04 \x01(\x0b\x32\x1c.thermocline.engine.v1.Usage\"\x11\n\x0fGetStatsRequest\"\x84\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1e\n\x16generated_tokens_total\x18\x03 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xe4\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x19\n\x11has_chat_template\x18\x03 \x01(\x08\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12:\n\x0bsafety_gate\x18\x05 \x01(\x0b\x32%.thermocline.engine.v1.SafetyGateInfo\x12\x36\n\x0bkv_capacity\x18\x06 \x01(\x0b\x32!.thermocline.engine.v1.KVCapacity\"\x81\x01\n\nKVCapacity\x12\x12\n\nhot_tokens\x18\x01 \x01(\x04\x12\x13\n\x0bwarm_tokens\x18\x02 \x01(\x04\x12\x1c\n\x14\x63oncurrent_sequences\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x05 \x01(\x04\"\xbc\x01\n\x0eSafetyGateInfo\x12\x37\n\x06status\x18\x01 \x01(\x0e\x32\'.thermocline.engine.v1.SafetyGateStatus\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x18\n\x10\x61nnounced_sha256\x18\x04 \x01(\t\x12\x11\n\tis_active\x18\x05 \x01(\x08\x12\x13\n\x0bis_refusing\x18\x06 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x18\n\x14\x46INISH_REASON_SAFETY\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*\xd6\x01\n\x10SafetyGateStatus\x12\"\n\x1eSAFETY_GATE_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15SAFETY_GATE_STATUS_OK\x10\x01\x12\x1f\n\x1bSAFETY_GATE_STATUS_MISMATCH\x10\x02\x12!\n\x1dSAFETY_GATE_STATUS_UNVERIFIED\x10\x03\x12 \n\x1cSAFETY_GATE_STATUS_UNCOVERED\x10\x04\x12\x1d\n\x19SAFETY_GATE_STATUS_ABSENT\x10\x05\x32\x9a\x03\n\rEngineService\x12]\n\x08Generate\x12&.thermocline.engine.v1.GenerateRequest\x1a\'.thermocline.engine.v1.GenerateResponse0\x01\x12[\n\x08GetStats\x12&.thermocline.engine.v1.GetStatsRequest\x1a\'.thermocline.engine.v1.GetStatsResponse\x12g\n\x0cGetModelInfo\x12*.thermocline.engine.v1.GetModelInfoRequest\x1a+.thermocline.engine.v1.GetModelInfoResponse\x12\x64\n\x0b\x43ountTokens\x12).thermocline.engine.v1.CountTokensRequest\x1a*.thermocline.engine.v1.CountTokensResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'thermocline.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1887
-  _globals['_FINISHREASON']._serialized_end=2062
-  _globals['_SAFETYGATESTATUS']._serialized_start=2065
-  _globals['_SAFETYGATESTATUS']._serialized_end=2279
+  _globals['_GATEPOLICY_THRESHOLDSENTRY']._loaded_options = None
+  _globals['_GATEPOLICY_THRESHOLDSENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2104
+  _globals['_FINISHREASON']._serialized_end=2279
+  _globals['_SAFETYGATESTATUS']._serialized_start=2282
+  _globals['_SAFETYGATESTATUS']._serialized_end=2496
   _globals['_COUNTTOKENSREQUEST']._serialized_start=61
   _globals['_COUNTTOKENSREQUEST']._serialized_end=158
   _globals['_COUNTTOKENSRESPONSE']._serialized_start=160
@@ -46,27 +48,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=332
   _globals['_SAMPLINGPARAMS']._serialized_end=461
   _globals['_GENERATEREQUEST']._serialized_start=464
-  _globals['_GENERATEREQUEST']._serialized_end=755
-  _globals['_TOKENIDS']._serialized_start=757
-  _globals['_TOKENIDS']._serialized_end=780
-  _globals['_TIERUSAGE']._serialized_start=782
-  _globals['_TIERUSAGE']._serialized_end=855
-  _globals['_USAGE']._serialized_start=858
-  _globals['_USAGE']._serialized_end=994
-  _globals['_GENERATERESPONSE']._serialized_start=997
-  _globals['_GENERATERESPONSE']._serialized_end=1153
-  _globals['_GETSTATSREQUEST']._serialized_start=1155
-  _globals['_GETSTATSREQUEST']._serialized_end=1172
-  _globals['_GETSTATSRESPONSE']._serialized_start=1175
-  _globals['_GETSTATSRESPONSE']._serialized_end=1307
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1309
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1330
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1333
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1561
-  _globals['_KVCAPACITY']._serialized_start=1564
-  _globals['_KVCAPACITY']._serialized_end=1693
-  _globals['_SAFETYGATEINFO']._serialized_start=1696
-  _globals['_SAFETYGATEINFO']._serialized_end=1884
-  _globals['_ENGINESERVICE']._serialized_start=2282
-  _globals['_ENGINESERVICE']._serialized_end=2692
+  _globals['_GENERATEREQUEST']._serialized_end=811
+  _globals['_GATEPOLICY']._serialized_start=814
+  _globals['_GATEPOLICY']._serialized_end=972
+  _globals['_GATEPOLICY_THRESHOLDSENTRY']._serialized_start=923
+  _globals['_GATEPOLICY_THRESHOLDSENTRY']._serialized_end=972
+  _globals['_TOKENIDS']._serialized_start=974
+  _globals['_TOKENIDS']._serialized_end=997
+  _globals['_TIERUSAGE']._serialized_start=999
+  _globals['_TIERUSAGE']._serialized_end=1072
+  _globals['_USAGE']._serialized_start=1075
+  _globals['_USAGE']._serialized_end=1211
+  _globals['_GENERATERESPONSE']._serialized_start=1214
+  _globals['_GENERATERESPONSE']._serialized_end=1370
+  _globals['_GETSTATSREQUEST']._serialized_start=1372
+  _globals['_GETSTATSREQUEST']._serialized_end=1389
+  _globals['_GETSTATSRESPONSE']._serialized_start=1392
+  _globals['_GETSTATSRESPONSE']._serialized_end=1524
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1526
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1547
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1550
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1778
+  _globals['_KVCAPACITY']._serialized_start=1781
+  _globals['_KVCAPACITY']._serialized_end=1910
+  _globals['_SAFETYGATEINFO']._serialized_start=1913
+  _globals['_SAFETYGATEINFO']._serialized_end=2101
+  _globals['_ENGINESERVICE']._serialized_start=2499
+  _globals['_ENGINESERVICE']._serialized_end=2909
 # @@protoc_insertion_point(module_scope)

@@ -84,7 +84,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "intent_class", "cache_salt", "retrieval_mode")
+    __slots__ = ("request_id", "prompt", "chat", "token_ids", "sampling", "intent_class", "cache_salt", "retrieval_mode", "gate_policy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class GenerateRequest(_message.Message):
     INTENT_CLASS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_MODE_FIELD_NUMBER: _ClassVar[int]
+    GATE_POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: ChatTurns
@@ -101,7 +102,23 @@ class GenerateRequest(_message.Message):
     intent_class: str
     cache_salt: str
     retrieval_mode: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatTurns, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., intent_class: _Optional[str] = ..., cache_salt: _Optional[str] = ..., retrieval_mode: _Optional[str] = ...) -> None: ...
+    gate_policy: GatePolicy
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatTurns, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., intent_class: _Optional[str] = ..., cache_salt: _Optional[str] = ..., retrieval_mode: _Optional[str] = ..., gate_policy: _Optional[_Union[GatePolicy, _Mapping]] = ...) -> None: ...
+
+class GatePolicy(_message.Message):
+    __slots__ = ("categories_off", "thresholds")
+    class ThresholdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    CATEGORIES_OFF_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    categories_off: _containers.RepeatedScalarFieldContainer[str]
+    thresholds: _containers.ScalarMap[str, float]
+    def __init__(self, categories_off: _Optional[_Iterable[str]] = ..., thresholds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
