@@ -77,14 +77,15 @@ HARM_CALIBRATION = ORDINARY + LONG + CODE + SENSITIVE  # the harm categories' ca
 
 NOT_MEASURED = [
     "- a fine-tuned or bigger encoder (no GPU time this session)",
-    "- toxic text, and per-category harm recall on held-out harmful sources other than XSTest's unsafe "
-    "prompts (bench/safety_eval.py measures the harm heads on their own split)",
+    "- toxic text; per-category harm recall on the held-out harmful sources of the wheels (HarmBench, "
+    "Do-Not-Answer's information-hazard file, PyRIT's held-out files) is bench/safety_eval.py's",
     "- the default run takes hash samples (300 jailbreaks, 150 PEP prompts; embedding runs at a few "
     "hundred tokens a second on a shared CPU); the committed results use all of them",
     "- prompt injection inside documents (indirect injection): no permissively licensed collection "
     "was taken in; the in-the-wild set is direct jailbreaks",
     "- non-English text; identity statements only as a (hand-written) calibration source, not held out",
-    "- the in-loop engine head: unchanged in this version (tests/engine/gate covers it)",
+    "- the in-loop engine head: carried over unchanged from gate 2026.12.01.3, trained on the old "
+    "split by example (its SmolLM2 features take about an hour of this CPU; tests/engine/gate covers it)",
 ]
 
 
@@ -376,9 +377,11 @@ class Report:
             return f"| {name} | {len(items)} | {pct(blocked)} |"
 
         self.outputs = [
-            rate("PyRIT human-scored harmful responses, test split (recall)", harmful_outputs),
+            rate("PyRIT human-scored harmful responses, held-out files (recall)", harmful_outputs),
             rate("XSTest unsafe requests as outputs, held out (recall)", texts[HARMFUL_TEST]),
-            rate("ShareGPT replies and PyRIT refusals, test split (FPR; 300 by hash)", benign_outputs),
+            rate(
+                "ShareGPT replies and PyRIT safe answers, held-out sources (FPR; 300 by hash)", benign_outputs
+            ),
             rate("PEP sections as outputs, held out (FPR)", texts["benign_peps_long"][:100]),
         ]
 
