@@ -498,6 +498,93 @@ def passkey(
 
 
 @dataclass(frozen=True)
+class ForcedPasskey:
+    """A planted key read teacher-forced: the question and the key are fed as decode steps."""
+
+    depth: float
+    key: str
+    digits_right: int  # key tokens that were the argmax where they were fed
+    num_key_tokens: int
+    mean_logprob: float  # log p of the key tokens, mean
+    window_loads: int
+
+
+def forced_passkey(
+    engine: LLMEngine, setting: ContextSetting, args: argparse.Namespace, depth: float, key: str
+) -> ForcedPasskey:
+    """The prompt stops before the question; the question and the key are teacher-forced, so the
+    window has the question's decode steps to find the key before the key's tokens are scored."""
+    tokenizer = engine.tokenizer
+    prompt = passkey_prompt(engine, args.context, depth, key)
+    question = tokenizer.encode(PASSKEY_QUESTION, add_bos=False)
+    asked = tokenizer.encode(PASSKEY_QUESTION + " " + key, add_bos=False)
+    if asked[: len(question)] != question:
+        raise ValueError("the question tokenizes differently with the key after it")
+    context, targets = prompt[: -len(question)], asked
+    num_key = len(asked) - len(question)
+    loads_before, _ = cold_counts(engine)
+    with teacher_forced(targets) as teacher:
+        run_request(engine, setting, context, SamplingParams(max_new_tokens=len(targets), ignore_eos=True))
+    logprobs = torch.stack(teacher.logprobs)[-num_key:]  # [K, V]
+    wanted = torch.tensor(targets[-num_key:])
+    right = int((logprobs.argmax(-1) == wanted).sum())
+    mean = logprobs.gather(1, wanted.view(-1, 1)).mean().item()
+    return ForcedPasskey(depth, key, right, num_key, mean, cold_counts(engine)[0] - loads_before)
+
+
+def forced_passkeys(args: argparse.Namespace) -> list[tuple[ContextSetting, list[ForcedPasskey]]]:
+    """Every setting, every depth, teacher-forced (same keys as `long-context` with the same seed)."""
+    rng = random.Random(args.seed)
+    keys = [str(rng.randrange(10_000, 100_000)) for _ in args.depths]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="cold-tier-quality-") as tmp:
+        redis = RedisServer(Path(tmp)).start()
+        kvstore = KVStoreProcess(Path(tmp) / "kvstore", redis.url).start()
+        try:
+            for setting in context_settings(args):
+                engine = load_engine(setting, kvstore.target, args)
+                found = [
+                    forced_passkey(engine, setting, args, d, k)
+                    for d, k in zip(args.depths, keys, strict=True)
+                ]
+                print(setting.name, found, flush=True)
+                out.append((setting, found))
+                if engine.cold is not None:
+                    engine.cold.tier.close()
+        finally:
+            kvstore.stop()
+            redis.stop()
+    return out
+
+
+def forced_markdown(rows: list[tuple[ContextSetting, list[ForcedPasskey]]], args: argparse.Namespace) -> str:
+    """The teacher-forced passkey table."""
+    lines = [
+        f"Teacher-forced passkey at {args.context} tokens: `{forced_command(args)}`",
+        "",
+        "| setting | depth | key | key tokens argmax-right | mean log p(key token) | window loads |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for setting, found in rows:
+        for f in found:
+            lines.append(
+                f"| {setting.name} | {f.depth:g} | {f.key} | {f.digits_right}/{f.num_key_tokens} | "
+                f"{f.mean_logprob:.2f} | {f.window_loads} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def forced_command(args: argparse.Namespace) -> str:
+    """The command that reproduces the teacher-forced passkey table."""
+    return (
+        f".venv/bin/python bench/cold_tier_quality.py forced-passkey --threads {args.threads} "
+        f"--context {args.context} --prefill-chunk {args.prefill_chunk} --hot {args.hot} --warm {args.warm} "
+        f"--window {args.window} --score-every {args.score_every} "
+        f"--depths {' '.join(f'{d:g}' for d in args.depths)}"
+    )
+
+
+@dataclass(frozen=True)
 class ContextRow:
     """One setting's long-context figures."""
 
@@ -709,18 +796,20 @@ def main() -> None:
     rule.add_argument("--cuts", type=float, nargs="+", default=[0.93, 0.97, 0.99], help="high_entropy")
     rule.add_argument("--keeps", type=float, nargs="+", default=[0.5, 0.25, 0.125], help="mid_keep_ratio")
     context = parts.add_parser("long-context", help="perplexity and passkey on the real engine")
-    context.add_argument("--context", type=int, default=4096)
+    forced = parts.add_parser("forced-passkey", help="the passkey with the question teacher-forced")
+    for sub in (context, forced):
+        sub.add_argument("--context", type=int, default=4096)
+        sub.add_argument("--prefill-chunk", type=int, default=512)
+        sub.add_argument("--hot", type=int, default=256)
+        sub.add_argument("--warm", type=int, default=512)
+        sub.add_argument("--window", type=int, default=512)
+        sub.add_argument("--score-every", type=int, default=1)
+        sub.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+        sub.add_argument("--kv-mb", type=int, default=1024)
+        sub.add_argument("--seed", type=int, default=0)
     context.add_argument("--tail", type=int, default=128, help="teacher-forced decode steps scored")
-    context.add_argument("--prefill-chunk", type=int, default=512)
-    context.add_argument("--hot", type=int, default=256)
-    context.add_argument("--warm", type=int, default=512)
-    context.add_argument("--window", type=int, default=512)
-    context.add_argument("--score-every", type=int, default=1)
-    context.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     context.add_argument("--answer-tokens", type=int, default=12)
-    context.add_argument("--kv-mb", type=int, default=1024)
-    context.add_argument("--seed", type=int, default=0)
-    for sub in (rule, context):
+    for sub in (rule, context, forced):
         sub.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
         sub.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -733,6 +822,8 @@ def main() -> None:
             progress=False,
         )  # fmt: skip
         markdown = thresholds_markdown(*thresholds(engine, args), args, env)
+    elif args.part == "forced-passkey":
+        markdown = forced_markdown(forced_passkeys(args), args)
     else:
         markdown = context_markdown(long_context(args), args, env)
     print(markdown)
