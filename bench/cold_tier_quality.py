@@ -30,10 +30,14 @@ setting). Three settings: full precision (tiers off); hot + INT4 warm with a sli
   log p(next text token) and returns that token), so every tail token runs a real decode step.
 - Passkey: a 5-digit number planted at each `--depths` fraction of a `--context`-token filler text,
   asked for at the end; greedy decoding; found when the digits appear in the answer.
+Part `forced-passkey`: the same prompts stopped before the question; the question and the key
+are teacher-forced, so the window (scored on decode steps only) has the question's steps to bring
+the needle back before the key's tokens are scored.
 
     .venv/bin/python bench/cold_tier_quality.py thresholds --out bench/results/cold_tier_thresholds_<date>.md
     .venv/bin/python bench/cold_tier_quality.py long-context --context 4096 \
         --out bench/results/cold_tier_long_context_<date>.md
+    .venv/bin/python bench/cold_tier_quality.py forced-passkey --context 4096 --depths 0.5
 """
 
 from __future__ import annotations
