@@ -543,7 +543,9 @@ class LLMEngine:
             probed = batch.rows[output.probe_row % len(batch.rows)].seq
             if not probed.is_finished:
                 self._move_hot_boundary(probed)
-        fired = [self._gate.fired(f) for f in flag_rows] if self._gate and flag_rows else [()] * len(done)
+        fired: list[tuple[str, ...]] = (
+            [self._gate.fired(f) for f in flag_rows] if self._gate and flag_rows else [()] * len(done)
+        )
         if any(fired):
             fired = self._apply_gate_policies(done, fired, output.hidden_states, rows)
         self._choose_cold_windows(batch, output.window_scores)

@@ -66,6 +66,7 @@ class ColdPlanner:
         self._loading: dict[RequestId, int] = {}  # request -> first prompt block asked for
         self._held: dict[RequestId, Sequence] = {}
         self._window_wanted: dict[RequestId, set[int]] = {}
+        self._scored: set[str] = set()  # requests whose window has been scored at least once
         self._window_asked_at: dict[tuple[RequestId, int], int] = {}
         self._stored_prefix: OrderedDict[BlockHash, None] = OrderedDict()
 
@@ -159,17 +160,26 @@ class ColdPlanner:
             self.kv_cache.pending_cold.stores.append(store)
 
     def rows_to_score(self, seqs: list[Sequence]) -> list[ScoreRow]:
-        """Decode rows whose query scores their cold blocks this step (every `score_every_steps`)."""
+        """Decode rows whose query scores their cold blocks this step.
+
+        Every `score_every_steps` steps, and for a request whose window was never scored, at its
+        first decode step with a stored cold block: a short answer must not end before its window
+        is chosen.
+        """
         self.num_steps += 1
-        if self.num_steps % self.config.score_every_steps:
-            return []
+        is_cadence = self.num_steps % self.config.score_every_steps == 0
         group_size = seqs[0].block_table.tiers.group_size if seqs else 1
         num_blocks = self.config.aux_window_tokens // max(group_size, 1)
-        return [
+        rows = [
             ScoreRow(row, seq.request_id, len(seq.block_table.cold_blocks), num_blocks)
             for row, seq in enumerate(seqs)
-            if seq.uses_aux_window and num_blocks and _has_stored(seq)
+            if seq.uses_aux_window
+            and num_blocks
+            and (is_cadence or seq.request_id not in self._scored)
+            and _has_stored(seq)
         ]
+        self._scored.update(row.owner for row in rows)
+        return rows
 
     def choose_window(self, seq: Sequence, slots: list[int]) -> None:
         """The blocks a query chose (best first): unmap the others, load the missing ones."""
@@ -224,6 +234,7 @@ class ColdPlanner:
     def release(self, seq: Sequence) -> None:
         """A request ended: forget its window and delete its demoted blocks from the store."""
         self._window_wanted.pop(seq.request_id, None)
+        self._scored.discard(seq.request_id)
         self.summaries.forget(seq.request_id)
         for key in [k for k in self._window_asked_at if k[0] == seq.request_id]:
             del self._window_asked_at[key]

@@ -222,6 +222,28 @@ def test_the_request_completes_when_the_kvstore_is_killed_mid_request(
     engine.stop()
 
 
+def test_a_window_is_scored_as_soon_as_its_request_has_stored_cold_blocks(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """The cadence alone (every 1,000 steps here) would never score a short answer's window."""
+    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
+    cold = ColdTierConfig(target=kvstore.target, score_every_steps=1000, aux_window_tokens=32, **HEALTHY)
+    engine = load_engine(stories_hf_dir, cold, tiers)
+    assert engine.cold is not None
+    prompt = engine.tokenizer.encode(STORY)
+    collector = ResultCollector(prompt)
+    params = SamplingParams(max_new_tokens=60, temperature=0.0)
+    engine.submit(prompt, params, collector, retrieval_mode="semantic")
+    while engine.cold.stats.window_loads == 0:
+        assert not collector.done.is_set(), "the request ended before its auxiliary window was chosen"
+        engine.step()
+        engine.cold.tier.flush()
+    while not collector.done.is_set():
+        engine.step()
+    assert collector.result().error is None
+    engine.stop()
+
+
 def test_a_retrieval_mode_the_engine_does_not_know_is_refused(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
