@@ -86,6 +86,9 @@ class RunningServer:
         reflection.enable_server_reflection(reflected, self.server)
         if self.server.add_insecure_port(config.address) == 0:
             raise OSError(f"{config.service}: cannot bind {config.address}; is the port taken?")
+        # grpc's health servicer starts with the whole server ("") SERVING: say NOT_SERVING until
+        # on_start is done, or a caller that waits for health races the service's own start-up
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.spec.on_start is not None:
             await self.spec.on_start()
