@@ -44,13 +44,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
-import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,8 +63,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import kv_quality
-from bench.machine import cpu_name
+from bench import cold_tier, kv_quality
 from services.common.kv_codec.codec import CodecSettings, decode_block, encode_block
 from services.common.kv_codec.sparsity import (
     DEFAULT_SPARSITY,
@@ -656,20 +652,12 @@ def long_context(args: argparse.Namespace) -> list[ContextRow]:
 
 
 def environment() -> dict[str, str]:
-    """Date, commit and machine."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "services/engine", "services/common", "services/kvstore"],
-        capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    return {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit + (" (engine/kvstore files modified, uncommitted)" if dirty else ""),
-        "hardware": f"CPU {cpu_name()}, {os.cpu_count()} logical CPUs (shared with other work), "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), Python {platform.python_version()}",
-    }
+    """bench/cold_tier.py's date, commit and machine, with torch and Python."""
+    env = cold_tier.environment()
+    env["hardware"] += (
+        f", torch {torch.__version__} ({torch.get_num_threads()} threads), Python {platform.python_version()}"
+    )
+    return env
 
 
 def thresholds_markdown(

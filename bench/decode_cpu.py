@@ -14,7 +14,6 @@ import argparse
 import datetime as dt
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name, git_commit  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.model.registry import resolve_model  # noqa: E402
 from services.engine.scheduling.sampling_params import SamplingParams  # noqa: E402
@@ -127,7 +126,7 @@ def environment(args: argparse.Namespace, model_path: Path) -> dict[str, str]:
 
     return {
         "date (UTC)": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
-        "git commit": _git_commit(),
+        "git commit": git_commit("services/engine", "bench/decode_cpu.py"),
         "cpu": cpu_name(),
         "logical cpus": str(torch.multiprocessing.cpu_count()),
         "torch threads": str(torch.get_num_threads()),
@@ -144,18 +143,6 @@ def environment(args: argparse.Namespace, model_path: Path) -> dict[str, str]:
         "repeats": f"{args.repeats} timed runs per engine, interleaved; the table shows the median",
         "load average (1 min) at start / end": f"{args.load_at_start:.2f} / {os.getloadavg()[0]:.2f}",
     }
-
-
-def _git_commit() -> str:
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    # only the code that runs here counts: other services' edits in a shared tree do not change the numbers
-    paths = ("services/engine", "bench/decode_cpu.py")
-    changed = git("diff", "--name-only", "HEAD", "--", *paths).split()
-    changed += git("ls-files", "--others", "--exclude-standard", "--", *paths).split()
-    dirty = f" (uncommitted changes: {' '.join(changed)})" if changed else ""
-    return git("rev-parse", "--short", "HEAD") + dirty
 
 
 def markdown(env: dict[str, str], rows: list[Measurement]) -> str:

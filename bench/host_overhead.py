@@ -32,7 +32,6 @@ import datetime as dt
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -46,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "protos"))
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name, git_commit  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.model.registry import resolve_model  # noqa: E402
 from services.engine.scheduling.sampling_params import SamplingParams  # noqa: E402
@@ -113,7 +112,7 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
     """Everything that affects the numbers."""
     return {
         "date (UTC)": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
-        "git commit": _git_commit(),
+        "git commit": git_commit("services/engine", "bench/host_overhead.py"),
         "cpu": cpu_name(),
         "torch threads": str(torch.get_num_threads()),
         "python": platform.python_version(),
@@ -125,16 +124,6 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
         "repeats": f"{args.repeats} per batch size; the table shows the median of each column",
         "load average (1 min) at start / end": f"{args.load_at_start:.2f} / {os.getloadavg()[0]:.2f}",
     }
-
-
-def _git_commit() -> str:
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    paths = ("services/engine", "bench/host_overhead.py")
-    changed = git("diff", "--name-only", "HEAD", "--", *paths).split()
-    dirty = f" (uncommitted changes: {' '.join(changed)})" if changed else ""
-    return git("rev-parse", "--short", "HEAD") + dirty
 
 
 COLUMNS = (

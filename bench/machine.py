@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import platform
+import subprocess
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def cpu_name() -> str:
@@ -15,3 +18,17 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def git_commit(*paths: str) -> str:
+    """The short commit of the tree the run used, and which of `paths` it changed (tracked or not)."""
+
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if not paths:
+        return commit
+    changed = git("diff", "--name-only", "HEAD", "--", *paths).split()
+    changed += git("ls-files", "--others", "--exclude-standard", "--", *paths).split()
+    return commit + (f" (uncommitted changes: {' '.join(changed)})" if changed else "")

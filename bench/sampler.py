@@ -16,7 +16,6 @@ import argparse
 import datetime as dt
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name, git_commit  # noqa: E402
 from services.engine.execution.sampler import sample  # noqa: E402
 from services.engine.scheduling.sampling_params import SamplingParams  # noqa: E402
 
@@ -97,11 +96,6 @@ def agreement() -> str:
     )
 
 
-def _git_commit() -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return run.stdout.strip() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -116,7 +110,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     settings = {
         "date (UTC)": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
-        "git commit": _git_commit(),
+        "git commit": git_commit("services/engine/execution/sampler.py"),
         "cpu": f"{cpu_name()}, {torch.get_num_threads()} torch threads",
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
