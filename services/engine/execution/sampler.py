@@ -68,11 +68,12 @@ def sample(
         return token_ids
     vocab = logits.shape[-1]
     device = logits.device
+    top_ks = [params[r].top_k if 0 < params[r].top_k < vocab else vocab for r in rows]  # vocab: off
     ints = _to_device(
         torch.tensor(
             [
                 rows,
-                [params[r].top_k if 0 < params[r].top_k < vocab else vocab for r in rows],
+                top_ks,
                 [draw_keys[r][0] for r in rows],
                 [draw_keys[r][1] for r in rows],
             ],
@@ -85,12 +86,12 @@ def sample(
     )  # [2, R] fp32
     index, top_k, seeds, draws = ints
     temperature, top_p = floats
-    filtered = any(0 < params[r].top_k < vocab or params[r].top_p < 1.0 for r in rows)
+    largest_k = max(top_ks)
+    filtered = min(top_ks) < vocab or any(params[r].top_p < 1.0 for r in rows)
     scaled = logits.index_select(0, index) / temperature[:, None]  # [R, V]
     ok = torch.isfinite(scaled).all(dim=-1)
     if filtered:  # rank by logit; the draw picks a rank, mapped back to its token
         # when every row keeps a top-k, the ranks past the largest k never matter: no full sort
-        largest_k = max(params[r].top_k if 0 < params[r].top_k < vocab else vocab for r in rows)
         if largest_k < vocab:
             scaled, order = torch.topk(scaled, largest_k, dim=-1)
         else:
