@@ -157,13 +157,6 @@ class ModelRunner:
             config.num_layers // 2, config.num_kv_heads, config.head_dim, self.device
         )
 
-    @torch.inference_mode()
-    def run(
-        self, rows: Seq[ScheduledRow], probe_layer: int | None = None, score_rows: Seq[ScoreRow] = ()
-    ) -> StepOutput:
-        """Compute each row's next `num_new` pending tokens (packed, no padding)."""
-        return self.launch(self.prepare(rows, probe_layer, score_rows))
-
     def prepare(
         self, rows: Seq[ScheduledRow], probe_layer: int | None = None, score_rows: Seq[ScoreRow] = ()
     ) -> PreparedStep:

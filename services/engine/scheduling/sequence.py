@@ -252,18 +252,13 @@ class Sequence:
         """True once a finish reason is set."""
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_seq_len: int) -> StreamEvent:
-        """Record a sampled token, update the text stream, and decide whether the sequence is done."""
-        self.append_token_id(token_id, eos_token_ids, max_seq_len)
-        return self.text_event(token_id)
-
     def ends_by_length_after_one(self, max_seq_len: int) -> bool:
         """True when the token being sampled now will end the sequence by length."""
         num_new = len(self.completion_ids) + 1
         return num_new >= self.params.max_new_tokens or self.num_tokens + 1 >= max_seq_len
 
     def append_token_id(self, token_id: int, eos_token_ids: frozenset[int], max_seq_len: int) -> None:
-        """The host-cheap half of `append_token`: record the id, and finish on EOS or length.
+        """Record a sampled token's id, and finish on EOS or length (the host-cheap half of a token).
 
         The engine runs this before the next step starts and `text_event` while that step runs on
         the device, so detokenization and stop strings stay off the step's critical path.
