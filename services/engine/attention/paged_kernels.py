@@ -9,18 +9,19 @@ across `num_segments` programs (flash-decoding); a second kernel merges the part
 
 The warm path is built for bytes in flight and few instructions per byte (bench/attention_kernel.py
 measured each step on the H200): a tile's codes are read per block as contiguous slabs from one
-table entry per block; the nibbles are never interleaved (the low ones, the even channels, meet the
-query's even channels, and the values accumulate in even and odd halves interleaved once at the
-end); dequantization is fp16 bit tricks, two values per instruction; and the next tile's loads are
-issued before the current tile's math. A tile with hot positions (the sink and the recent window)
-takes a separate branch. The program order puts the KV heads of one (row, segment) side by side, so
-they read a position's neighbouring bytes together.
+table entry per block, as int32 words (a register per four code bytes); on a GPU the words are
+unpacked in PTX straight into fp16 pairs in channel order (1.5 instructions per value, see
+_WORDS_TO_F16_ASM); and the next tile's loads are issued before the current tile's math. A tile
+with hot positions (the sink and the recent window) takes a separate branch. The program order puts
+the KV heads of one (row, segment) side by side, so they read a position's neighbouring bytes
+together.
 
 Cache layouts (one layer; the caller slices the layer off):
 - hot keys/values `[N, BS, KVH, D]`, model dtype; block 0 is scratch and never read.
 - warm codes `[WB, BS, KVH, D/2]` uint8 (a warm group of G tokens viewed as G/BS warm blocks; the low
-  nibble is the even channel), key scale/zero `[W, KVH, D]` fp16 (per channel, one per group),
-  value scale/zero `[WB, BS, KVH, D/VG]` fp16 (per token, per VG channels).
+  nibble is the even channel), read by the kernel as `[WB, BS, KVH, D/8]` int32 words; key
+  scale/zero `[W, KVH, D]` fp16 (per channel, one per group); value scale/zero `[WB, BS, KVH, D/VG]`
+  fp16 (per token, per VG channels).
 Metadata (int32): `query_start_loc [B+1]` into the packed queries, `seq_lens [B]` (context length
 including the new tokens), `block_tables [B, MB]` (hot block per logical block, 0 = not hot),
 `warm_block_tables [B, MB]` (warm block per logical block, -1 = not warm). A logical block in
@@ -89,45 +90,97 @@ def _softmax_step(scores, running_max, running_sum):
     return probs, rescale, new_max, running_sum * rescale + tl.sum(probs, 1)
 
 
-@triton.jit
-def _dequantize(packed, scale, zero, dtype: tl.constexpr):
-    """uint8 codes with their scale and zero -> (low nibbles, high nibbles) dequantized in `dtype`.
+# Two words of packed codes (eight nibbles each) -> the eight nibble planes as fp16 pairs, exact:
+# output $f holds nibble f of word 0 (low half) and of word 1 (high half). Per byte k, prmt moves
+# byte k of both words into the two halves of one register; a nibble is masked into the mantissa of
+# 1024.0 (lop3, two values), and 1024.0 is subtracted (sub.f16x2, two values): 1.5 instructions per
+# value, all at full rate. Inputs: $8 and $9, the two words.
+_WORDS_TO_F16_ASM = tl.constexpr("""
+{
+.reg .b32 t, h, bias;
+mov.b32 bias, 0x64006400;
+prmt.b32 t, $8, $9, 0x4400;
+shr.b32 h, t, 4;
+lop3.b32 $0, t, 0x000F000F, bias, 0xEA;
+lop3.b32 $1, h, 0x000F000F, bias, 0xEA;
+sub.f16x2 $0, $0, bias;
+sub.f16x2 $1, $1, bias;
+prmt.b32 t, $8, $9, 0x5511;
+shr.b32 h, t, 4;
+lop3.b32 $2, t, 0x000F000F, bias, 0xEA;
+lop3.b32 $3, h, 0x000F000F, bias, 0xEA;
+sub.f16x2 $2, $2, bias;
+sub.f16x2 $3, $3, bias;
+prmt.b32 t, $8, $9, 0x6622;
+shr.b32 h, t, 4;
+lop3.b32 $4, t, 0x000F000F, bias, 0xEA;
+lop3.b32 $5, h, 0x000F000F, bias, 0xEA;
+sub.f16x2 $4, $4, bias;
+sub.f16x2 $5, $5, bias;
+prmt.b32 t, $8, $9, 0x7733;
+shr.b32 h, t, 4;
+lop3.b32 $6, t, 0x000F000F, bias, 0xEA;
+lop3.b32 $7, h, 0x000F000F, bias, 0xEA;
+sub.f16x2 $6, $6, bias;
+sub.f16x2 $7, $7, bias;
+}
+""")
 
-    A nibble goes into the low mantissa bits of a power of two whose last mantissa bit is 1 (1024 in
-    fp16, 2**23 in fp32), which is then subtracted: a bitwise op and an add at full rate, where an
-    integer-to-float conversion runs at a quarter of it. For a 16-bit model the arithmetic is fp16,
-    two values per instruction; the scales are stored in fp16, so `code * scale + zero` is the
-    same product the reference forms, rounded once to fp16 (finer than the bf16 it then stores)."""
-    if dtype == tl.float16:
-        bits: tl.constexpr = tl.int16
-        magic: tl.constexpr = 0x6400
-        bias: tl.constexpr = 1024.0
+
+@triton.jit
+def _nibble(words, index: tl.constexpr, dtype: tl.constexpr):
+    """Nibble `index` (0-7, from the low bits) of each int32 word, as an exact value in `dtype`."""
+    return ((words >> (4 * index)) & 15).to(dtype)
+
+
+@triton.jit
+def _unpack_words(words, dtype: tl.constexpr, ASM: tl.constexpr):
+    """int32 words of packed codes `[..., W]` -> the codes `[..., W, 2, 2, 2]` as exact values in `dtype`.
+
+    Word w holds channels 8w..8w+7 as nibbles 0-7 (each byte's low nibble is its even channel), so
+    reshaping the result to `[..., 8W]` gives the channels in order. Codes travel through the loop as
+    words (a register per four bytes, where a loaded uint8 takes a register per byte), and are
+    unpacked straight into fp16 pairs; with `ASM` (fp16 on a GPU) the unpacking is PTX, 1.5
+    instructions per value (see _WORDS_TO_F16_ASM). The interpreter, and so CI, runs the portable
+    form, which gives the same values."""
+    if ASM:
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            asm=_WORDS_TO_F16_ASM,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            args=[words],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
     else:
-        bits: tl.constexpr = tl.int32  # type: ignore[no-redef]
-        magic: tl.constexpr = 0x4B000000  # type: ignore[no-redef]
-        bias: tl.constexpr = 8388608.0  # type: ignore[no-redef]
-    word = packed.to(bits)
-    low = ((word & 15) | magic).to(bits).to(dtype, bitcast=True) - bias
-    high = ((word >> 4) | magic).to(bits).to(dtype, bitcast=True) - bias
-    return low * scale + zero, high * scale + zero
+        p0 = _nibble(words, 0, dtype)
+        p1 = _nibble(words, 1, dtype)
+        p2 = _nibble(words, 2, dtype)
+        p3 = _nibble(words, 3, dtype)
+        p4 = _nibble(words, 4, dtype)
+        p5 = _nibble(words, 5, dtype)
+        p6 = _nibble(words, 6, dtype)
+        p7 = _nibble(words, 7, dtype)
+    # tl.join stacks along a new last axis, so the last axis picks bit 0 of the nibble index
+    even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
+    odd = tl.join(tl.join(p1, p5), tl.join(p3, p7))
+    return tl.join(even, odd)  # [..., W, a, b, c] = nibble 4a + 2b + c
 
 
 @triton.jit
-def _load_codes(pointers, has_byte, UNPADDED: tl.constexpr):
-    """Packed codes at `pointers`, each row a whole warm block slab (a block that is not warm points at
-    warm block 0: valid memory, and its scales load as 0, so its values dequantize to exactly 0).
-    Unmasked when the head dim needs no padding: no per-byte predicates in the loop."""
+def _load_codes(pointers, has_word, UNPADDED: tl.constexpr):
+    """Packed code words at `pointers`, each row a whole warm block slab (a block that is not warm
+    points at warm block 0: valid memory, and its scales load as 0, so its values dequantize to
+    exactly 0). Unmasked when the head dim needs no padding: no per-word predicates in the loop."""
     if UNPADDED:
         return tl.load(pointers)
-    return tl.load(pointers, mask=has_byte, other=0)
+    return tl.load(pointers, mask=has_word, other=0)
 
 
 @triton.jit
 def _hot_update(
     q,  # [M, D]
     acc,  # [M, D] fp32
-    acc_even,
-    acc_odd,  # [M, D/2] fp32: the warm positions' output channels (rescaled here)
     running_max,
     running_sum,
     hot_keys_ptr,
@@ -143,7 +196,7 @@ def _hot_update(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
-    HAS_WARM: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Attend one tile of hot (model dtype) positions."""
@@ -154,15 +207,20 @@ def _hot_update(
     mask = is_hot[:, None] & (channel < HEAD_DIM)[None, :]
     k = tl.load(hot_keys_ptr + slot, mask=mask, other=0.0)  # [N, D]
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-    visible = is_hot[None, :] & (position[None, :] <= q_position[:, None])
-    scores = tl.where(visible, scores * sm_scale_log2, float("-inf"))
+    scores = tl.where(_visible(is_hot, position, q_position, CAUSAL), scores * sm_scale_log2, float("-inf"))
     probs, rescale, running_max, running_sum = _softmax_step(scores, running_max, running_sum)
     v = tl.load(hot_values_ptr + slot, mask=mask, other=0.0)  # [N, D]
     acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-    if HAS_WARM:
-        acc_even = acc_even * rescale[:, None]
-        acc_odd = acc_odd * rescale[:, None]
-    return acc, acc_even, acc_odd, running_max, running_sum
+    return acc, running_max, running_sum
+
+
+@triton.jit
+def _visible(attended, position, q_position, CAUSAL: tl.constexpr):
+    """[M, N]: which of a tile's positions each query sees. A decode query comes after every cached
+    position (`CAUSAL` off): then only the per-position mask remains, with no compare per element."""
+    if CAUSAL:
+        return attended[None, :] & (position[None, :] <= q_position[:, None])
+    return attended[None, :] & (q_position >= 0)[:, None]
 
 
 @triton.jit
@@ -198,61 +256,51 @@ def _warm_tile_loads(
     BLOCKS_PER_GROUP: tl.constexpr,
     VALUE_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HALF_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
 ):
-    """Issue every load of one warm tile: the packed codes and their scales and zeros, not yet used.
+    """Issue every load of one warm tile: the packed code words and their scales and zeros, not yet used.
 
-    A block's codes are one contiguous `[BLOCK_SIZE, D/2]` slab with a single key-scale row (its
-    group's), so keys are read as `[K, BLOCK_SIZE, D/2]` and values as `[K, BLOCK_SIZE, groups,
-    VALUE_GROUP/2]` (one value scale per group of channels) from per-block base offsets, with no
-    per-position gathers. A block that is not warm reads warm block 0 (valid memory) with zeroed
-    scales and zeros, so it dequantizes to exactly 0 and needs no per-byte predicate."""
-    HALF_GROUP: tl.constexpr = VALUE_GROUP // 2  # code bytes per value scale
-    NUM_GROUPS: tl.constexpr = HALF_DIM // HALF_GROUP  # groups covering the padded channels
-    UNPADDED: tl.constexpr = HEAD_DIM == 2 * HALF_DIM
+    A block's codes are one contiguous `[BLOCK_SIZE, D/8]` slab of int32 words with a single
+    key-scale row (its group's), so keys and values are read as `[K, BLOCK_SIZE, D/8]` from per-block
+    base offsets, with no per-position gathers. A block that is not warm reads warm block 0 (valid
+    memory) with zeroed scales and zeros, so it dequantizes to exactly 0 and needs no predicate."""
+    WORDS: tl.constexpr = HEAD_DIM_PADDED // 8
+    NUM_GROUPS: tl.constexpr = HEAD_DIM_PADDED // VALUE_GROUP  # value groups covering the padded channels
+    UNPADDED: tl.constexpr = HEAD_DIM == HEAD_DIM_PADDED
     is_warm_block = warm_block >= 0
     warm_block = tl.where(is_warm_block, warm_block, 0).to(tl.int64)
     block_base = warm_block * stride_codes_b + kv_head * stride_codes_h  # [K]
     token = tl.arange(0, BLOCK_SIZE)
-    half = tl.arange(0, HALF_DIM)
-    rows = block_base[:, None, None] + (token * stride_codes_t)[None, :, None]  # [K, BS, 1]
-    key_codes = _load_codes(key_codes_ptr + rows + half[None, None, :], half < HEAD_DIM // 2, UNPADDED)
+    word = tl.arange(0, WORDS)
+    slots = block_base[:, None, None] + (token * stride_codes_t)[None, :, None] + word[None, None, :]
+    has_word = word[None, None, :] < HEAD_DIM // 8
+    key_words = _load_codes(key_codes_ptr + slots, has_word, UNPADDED)  # [K, BS, W]
+    value_words = _load_codes(value_codes_ptr + slots, has_word, UNPADDED)
     group_base = (warm_block // BLOCKS_PER_GROUP) * stride_kscale_g + kv_head * stride_kscale_h
-    channels = group_base[:, None, None] + 2 * half[None, None, :]  # [K, 1, D/2]: even channels
-    row_mask = is_warm_block[:, None, None] & (half < HEAD_DIM // 2)[None, None, :]
-    key_scale_even = tl.load(key_scale_ptr + channels, mask=row_mask, other=0.0).to(dtype)
-    key_scale_odd = tl.load(key_scale_ptr + channels + 1, mask=row_mask, other=0.0).to(dtype)
-    key_zero_even = tl.load(key_zero_ptr + channels, mask=row_mask, other=0.0).to(dtype)
-    key_zero_odd = tl.load(key_zero_ptr + channels + 1, mask=row_mask, other=0.0).to(dtype)
+    channel = tl.arange(0, HEAD_DIM_PADDED)
+    channels = group_base[:, None, None] + channel[None, None, :]  # [K, 1, D]
+    row_mask = is_warm_block[:, None, None] & (channel < HEAD_DIM)[None, None, :]
+    key_scale = tl.load(key_scale_ptr + channels, mask=row_mask, other=0.0).to(dtype)
+    key_zero = tl.load(key_zero_ptr + channels, mask=row_mask, other=0.0).to(dtype)
     group = tl.arange(0, NUM_GROUPS)
-    byte = group[:, None] * HALF_GROUP + tl.arange(0, HALF_GROUP)[None, :]  # [groups, VG/2]
-    value_codes = _load_codes(
-        value_codes_ptr + rows[:, :, :, None] + byte[None, None], byte < HEAD_DIM // 2, UNPADDED
-    )
     scale_base = warm_block * stride_vscale_b + kv_head * stride_vscale_h
     scales = scale_base[:, None, None] + (token * stride_vscale_t)[None, :, None] + group[None, None, :]
     scale_mask = is_warm_block[:, None, None] & (group < HEAD_DIM // VALUE_GROUP)[None, None, :]
-    value_scale = tl.load(value_scale_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
+    value_scale = tl.load(value_scale_ptr + scales, mask=scale_mask, other=0.0).to(dtype)  # [K, BS, G]
     value_zero = tl.load(value_zero_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
-    return (key_codes, key_scale_even, key_scale_odd, key_zero_even, key_zero_odd,
-            value_codes, value_scale, value_zero)  # fmt: skip
+    return key_words, key_scale, key_zero, value_words, value_scale, value_zero
 
 
 @triton.jit
 def _warm_update(
-    q_even,
-    q_odd,  # [M, D/2]: the query's even and odd channels (a code byte's low and high nibbles)
+    q,  # [M, D] in the warm tier's arithmetic dtype
     acc,  # [M, D] fp32 (rescaled here)
-    acc_even,
-    acc_odd,  # [M, D/2] fp32
     running_max,
     running_sum,
-    key_codes,  # [K, BS, D/2] uint8 ... value_zero: one tile's _warm_tile_loads
-    key_scale_even,
-    key_scale_odd,
-    key_zero_even,
-    key_zero_odd,
-    value_codes,
+    key_words,  # [K, BS, D/8] int32 ... value_zero: one tile's _warm_tile_loads
+    key_scale,
+    key_zero,
+    value_words,
     value_scale,
     value_zero,
     is_warm,  # [N] bool: per position, warm and inside the context
@@ -260,30 +308,27 @@ def _warm_update(
     q_position,  # [M]
     sm_scale_log2,
     TILE_N: tl.constexpr,
-    HALF_DIM: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """Attend one tile of INT4 warm positions, dequantized in registers. The nibbles stay apart: the
-    low ones (even channels) meet `q_even`, the high ones `q_odd`, and the values accumulate into
-    even and odd halves that the kernel interleaves once at the end."""
-    dtype = q_even.dtype
-    k_even, _ = _dequantize(key_codes, key_scale_even, key_zero_even, dtype)
-    _, k_odd = _dequantize(key_codes, key_scale_odd, key_zero_odd, dtype)
-    k_even = tl.reshape(k_even, (TILE_N, HALF_DIM))
-    k_odd = tl.reshape(k_odd, (TILE_N, HALF_DIM))
-    scores = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PRECISION)
-    scores = tl.dot(q_odd, tl.trans(k_odd), scores, input_precision=DOT_PRECISION)
-    visible = is_warm[None, :] & (position[None, :] <= q_position[:, None])
-    scores = tl.where(visible, scores * sm_scale_log2, float("-inf"))
+    """Attend one tile of INT4 warm positions, dequantized in registers."""
+    dtype = q.dtype
+    NUM_GROUPS: tl.constexpr = HEAD_DIM_PADDED // VALUE_GROUP
+    k = tl.reshape(_unpack_words(key_words, dtype, ASM), (TILE_BLOCKS, BLOCK_SIZE, HEAD_DIM_PADDED))
+    k = tl.reshape(k * key_scale + key_zero, (TILE_N, HEAD_DIM_PADDED))
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    scores = tl.where(_visible(is_warm, position, q_position, CAUSAL), scores * sm_scale_log2, float("-inf"))
     probs, rescale, running_max, running_sum = _softmax_step(scores, running_max, running_sum)
-    probs = probs.to(dtype)
-    v_even, v_odd = _dequantize(value_codes, value_scale[:, :, :, None], value_zero[:, :, :, None], dtype)
-    v_even = tl.reshape(v_even, (TILE_N, HALF_DIM))
-    v_odd = tl.reshape(v_odd, (TILE_N, HALF_DIM))
-    acc = acc * rescale[:, None]
-    acc_even = acc_even * rescale[:, None] + tl.dot(probs, v_even, input_precision=DOT_PRECISION)
-    acc_odd = acc_odd * rescale[:, None] + tl.dot(probs, v_odd, input_precision=DOT_PRECISION)
-    return acc, acc_even, acc_odd, running_max, running_sum
+    v = tl.reshape(_unpack_words(value_words, dtype, ASM), (TILE_BLOCKS, BLOCK_SIZE, NUM_GROUPS, VALUE_GROUP))
+    v = v * value_scale[:, :, :, None] + value_zero[:, :, :, None]
+    v = tl.reshape(v, (TILE_N, HEAD_DIM_PADDED))
+    acc = acc * rescale[:, None] + tl.dot(probs.to(dtype), v, input_precision=DOT_PRECISION)
+    return acc, running_max, running_sum
 
 
 @triton.jit
@@ -334,6 +379,8 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     HAS_WARM: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    DECODE: tl.constexpr,  # one query token per row
+    ASM_DEQUANT: tl.constexpr,  # unpack the warm codes in PTX (fp16 on a GPU; see _unpack_words)
 ):
     # the KV heads of one (row, segment) are neighbours in launch order: they run together and read
     # neighbouring bytes (a position's heads are adjacent in every cache layout)
@@ -343,7 +390,7 @@ def _paged_attention_kernel(
     row = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // QUERIES_PER_KV
     TILE_BLOCKS: tl.constexpr = TILE_N // BLOCK_SIZE
-    HALF_DIM: tl.constexpr = HEAD_DIM_PADDED // 2
+    CAUSAL: tl.constexpr = BLOCK_Q > 1 or not DECODE  # a decode query sees its whole context
     DOT_PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"
 
     q_start = tl.load(query_start_ptr + row)
@@ -360,18 +407,10 @@ def _paged_attention_kernel(
     has_channel = channel < HEAD_DIM
     q_rows = q_ptr + (q_start + q_token)[:, None] * stride_q_t + head[:, None] * stride_q_h
     q = tl.load(q_rows + channel[None, :], mask=is_query[:, None] & has_channel[None, :], other=0.0)  # [M, D]
-    half = tl.arange(0, HALF_DIM)
-    half_mask = is_query[:, None] & (half < HEAD_DIM // 2)[None, :]
-    # The warm tier is dequantized and multiplied in fp16 for a 16-bit model (see _dequantize), so
+    # The warm tier is dequantized and multiplied in fp16 for a 16-bit model (see _unpack_words), so
     # the query meets it in fp16: exact for a bf16 query inside fp16's range, which is clamped to it.
     WARM_DTYPE: tl.constexpr = tl.float32 if IEEE_DOT else tl.float16
-    q_even = tl.zeros([BLOCK_M, HALF_DIM], dtype=WARM_DTYPE)
-    q_odd = tl.zeros([BLOCK_M, HALF_DIM], dtype=WARM_DTYPE)
-    if HAS_WARM:
-        q_even = tl.load(q_rows + 2 * half[None, :], mask=half_mask, other=0.0).to(tl.float32)
-        q_odd = tl.load(q_rows + 2 * half[None, :] + 1, mask=half_mask, other=0.0).to(tl.float32)
-        q_even = tl.clamp(q_even, -65504.0, 65504.0).to(WARM_DTYPE)
-        q_odd = tl.clamp(q_odd, -65504.0, 65504.0).to(WARM_DTYPE)
+    q_warm = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(WARM_DTYPE)
 
     # keys this block of queries can see, split evenly (in whole tiles) across the segments
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
@@ -384,8 +423,6 @@ def _paged_attention_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-    acc_even = tl.zeros([BLOCK_M, HALF_DIM], dtype=tl.float32)  # warm tiles' even output channels
-    acc_odd = tl.zeros([BLOCK_M, HALF_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + row * stride_table_b
     warm_row = warm_tables_ptr + row * stride_table_b
     if HAS_WARM:
@@ -393,13 +430,12 @@ def _paged_attention_kernel(
         # flight (their table entries one tile further ahead), so the loop never waits on a load
         # it has just issued.
         next_table = _warm_tile_table(warm_row, tile_begin, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
-        (key_codes, key_scale_even, key_scale_odd, key_zero_even, key_zero_odd,
-         value_codes, value_scale, value_zero) = _warm_tile_loads(
+        key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
             next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
             value_codes_ptr, value_scale_ptr, value_zero_ptr,
             stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
             stride_vscale_b, stride_vscale_t, stride_vscale_h,
-            WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HALF_DIM,
+            WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED,
         )  # fmt: skip
         next_table = _warm_tile_table(warm_row, tile_begin + 1, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
     for tile in range(tile_begin, tile_end):
@@ -408,44 +444,40 @@ def _paged_attention_kernel(
         logical_block = position // BLOCK_SIZE
         hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
         if HAS_WARM:
-            (tile_key_codes, tile_key_scale_even, tile_key_scale_odd, tile_key_zero_even, tile_key_zero_odd,
-             tile_value_codes, tile_value_scale, tile_value_zero) = (
-                key_codes, key_scale_even, key_scale_odd, key_zero_even, key_zero_odd,
-                value_codes, value_scale, value_zero)  # fmt: skip
-            (key_codes, key_scale_even, key_scale_odd, key_zero_even, key_zero_odd,
-             value_codes, value_scale, value_zero) = _warm_tile_loads(
+            tile_key_words, tile_key_scale, tile_key_zero = key_words, key_scale, key_zero
+            tile_value_words, tile_value_scale, tile_value_zero = value_words, value_scale, value_zero
+            key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
                 next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
                 value_codes_ptr, value_scale_ptr, value_zero_ptr,
                 stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
                 stride_vscale_b, stride_vscale_t, stride_vscale_h,
-                WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HALF_DIM,
+                WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED,
             )  # fmt: skip
             next_table = _warm_tile_table(warm_row, tile + 2, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
             # The warm update is straight-line; the hot update runs only where a tile has hot
             # positions: the sink and the recent window, a few tiles of a long row.
             is_warm = in_context & (tl.load(warm_row + logical_block, mask=in_context, other=-1) >= 0)
-            acc, acc_even, acc_odd, running_max, running_sum = _warm_update(
-                q_even, q_odd, acc, acc_even, acc_odd, running_max, running_sum,
-                tile_key_codes, tile_key_scale_even, tile_key_scale_odd,
-                tile_key_zero_even, tile_key_zero_odd, tile_value_codes, tile_value_scale, tile_value_zero,
-                is_warm, position, q_position, sm_scale_log2, TILE_N, HALF_DIM, DOT_PRECISION,
+            acc, running_max, running_sum = _warm_update(
+                q_warm, acc, running_max, running_sum,
+                tile_key_words, tile_key_scale, tile_key_zero,
+                tile_value_words, tile_value_scale, tile_value_zero,
+                is_warm, position, q_position, sm_scale_log2, TILE_N, TILE_BLOCKS, BLOCK_SIZE,
+                HEAD_DIM_PADDED, VALUE_GROUP, CAUSAL, DOT_PRECISION, ASM_DEQUANT,
             )  # fmt: skip
             hot_block = tl.where(is_warm, 0, hot_block)  # a block in both tiers is read as warm
             if tl.max(hot_block, 0) > 0:
-                acc, acc_even, acc_odd, running_max, running_sum = _hot_update(
-                    q, acc, acc_even, acc_odd, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
+                acc, running_max, running_sum = _hot_update(
+                    q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
                     hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
-                    sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, HAS_WARM, DOT_PRECISION,
+                    sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
                 )  # fmt: skip
         else:
-            acc, acc_even, acc_odd, running_max, running_sum = _hot_update(
-                q, acc, acc_even, acc_odd, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
+            acc, running_max, running_sum = _hot_update(
+                q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
                 hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
-                sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, HAS_WARM, DOT_PRECISION,
+                sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
             )  # fmt: skip
 
-    if HAS_WARM:
-        acc += tl.interleave(acc_even, acc_odd)  # even/odd halves back into channel order
     token = q_start + q_token
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
@@ -509,8 +541,8 @@ class PagedAttentionPlan(NamedTuple):
 
 
 def head_dim_padded(head_dim: int) -> int:
-    """The kernel's channel count: a power of two, at least 32 (the warm path's dots run over half of
-    it, and the smallest `tl.dot` is 16)."""
+    """The kernel's channel count: a power of two, at least 32 (the smallest `tl.dot` is 16, and the
+    warm path reads whole int32 words of codes)."""
     return max(32, triton.next_power_of_2(head_dim))
 
 
@@ -571,7 +603,7 @@ def paged_attention(
         out.stride(0),
         out.stride(1),
         *layer.hot_keys.stride()[:3],
-        *warm_args[0].stride()[:3],
+        *warm_args[0].stride()[:3],  # in int32 words
         *warm_args[1].stride()[:2],
         *warm_args[4].stride()[:3],
         plan.block_tables.stride(0),
@@ -588,6 +620,8 @@ def paged_attention(
         NUM_SEGMENTS=num_segments,
         HAS_WARM=warm is not None,
         IEEE_DOT=q.dtype == torch.float32,
+        DECODE=is_decode,
+        ASM_DEQUANT=q.is_cuda and q.dtype != torch.float32,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
@@ -614,9 +648,11 @@ def _tile_n(block_size: int) -> int:
 
 
 def _warm_args(warm: WarmLayer | None, hot: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The warm tensors, or (with no warm tier) stand-ins of the right rank that are never read."""
+    """The warm tensors (codes as int32 words), or (with no warm tier) stand-ins of the right rank that
+    are never read."""
     if warm is not None:
-        return tuple(warm)
+        return (warm.key_codes.view(torch.int32), warm.key_scale, warm.key_zero,
+                warm.value_codes.view(torch.int32), warm.value_scale, warm.value_zero)  # fmt: skip
     codes = hot.view(torch.uint8)[:1]  # [1, ...] never dereferenced: HAS_WARM is False
     return (codes, hot[:1, 0], hot[:1, 0], codes, hot[:1], hot[:1])
 
@@ -649,8 +685,11 @@ def _check_inputs(q: torch.Tensor, layer: PagedLayer, plan: PagedAttentionPlan, 
     if layer.warm is not None and layer.warm.key_codes.stride() != layer.warm.value_codes.stride():
         raise ValueError("warm key and value codes must share a layout")
     if layer.warm is not None:
-        if head_dim % 2:
-            raise ValueError(f"INT4 codes pack two channels per byte; head dim {head_dim} is odd")
+        if head_dim % 8:
+            raise ValueError(
+                f"the fused kernel reads INT4 codes as int32 words of eight channels; head dim {head_dim} is "
+                "not a multiple of 8 (use the reference attention backend)"
+            )
         value_group = head_dim // layer.warm.value_scale.shape[-1]
         if value_group < 2 or value_group & (value_group - 1):
             raise ValueError(
