@@ -201,7 +201,7 @@ def load(checkpoint: Checkpoint, tokdir: Path, batch: int, seq_len: int, kv: KVC
                           progress=False, kv=kv, checkpoint=checkpoint, max_prefill_tokens=prefill)  # fmt: skip
 
 
-def bench_short(rows: list[str], tokdir: Path, args, bandwidth: float) -> None:
+def bench_short(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth: float) -> None:
     """1,024-token prompts: 1B and 8B, tiers off and on, against HF, interleaved, median of repeats."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -210,20 +210,25 @@ def bench_short(rows: list[str], tokdir: Path, args, bandwidth: float) -> None:
         batches = args.batches
         seq_len = args.prompt_len + args.new_tokens + 16
         checkpoint = random_checkpoint(shape, tokdir)
+        # Two engines share the GPU, so that their runs interleave: each takes its share of memory (the
+        # second's budget counts the first). Tiers off gets the larger share: at 8B, 256 rows of ~1.1K
+        # tokens are 38 GiB of BF16 KV, which a 0.3 share (42 GiB with the weights) could not hold, and
+        # a capacity-starved engine queues rows instead of decoding them (the first 8B readings did).
         engines = {
-            # two engines share the GPU: each takes its share of memory (the second's budget counts the first)
             OFF: load(
-                checkpoint, tokdir, max(batches), seq_len, KVCacheSpec(gpu_memory_utilization=0.3), 8192
+                checkpoint, tokdir, max(batches), seq_len, KVCacheSpec(gpu_memory_utilization=0.5), 8192
             ),
             ON: load(
                 checkpoint,
                 tokdir,
                 max(batches),
                 seq_len,
-                KVCacheSpec(tiers=TIERS_ON, gpu_memory_utilization=0.6),
+                KVCacheSpec(tiers=TIERS_ON, gpu_memory_utilization=0.85),
                 8192,
             ),
         }
+        for label, engine in engines.items():
+            notes.append(f"- capacity, {shape_name}, {label}: {engine.capacity.describe()}")
         hf_model = None
         if any(b <= args.hf_max_batch for b in batches):  # building the HF model takes seconds
             with torch.device("cuda"):
@@ -264,11 +269,18 @@ def bench_short(rows: list[str], tokdir: Path, args, bandwidth: float) -> None:
                 )
             for label in (OFF, ON):
                 tiers = TIERS_ON if label == ON else None
-                rows.append(table_row(shape_name, args.prompt_len, b, label, median_run(runs[(label, b)]), hf,
+                fits = engines[label].capacity.concurrent_sequences
+                shown = label if fits >= b else f"{label}, capacity-starved: {fits} rows fit"
+                rows.append(table_row(shape_name, args.prompt_len, b, shown, median_run(runs[(label, b)]), hf,
                                       roofline(shape, b, context, bandwidth, tiers)))  # fmt: skip
+        if args.profile:
+            for label, engine in engines.items():
+                notes.append(
+                    profile_decode(engine, shape, max(batches), args.prompt_len, f"{shape_name}, {label}")
+                )
         for engine in engines.values():
             engine.stop()
-        del engines, hf_model, checkpoint
+        del engines, engine, hf_model, checkpoint  # `engine` too: the loop name keeps the last one alive
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -306,7 +318,7 @@ def bench_long(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth:
                                   roofline(shape, b, prompt + args.new_tokens // 2, bandwidth, tiers)))  # fmt: skip
             flush()
         if label == ON and args.profile and decode:
-            notes.append(profile_decode(engine, shape, max(batches), prompt))
+            notes.append(profile_decode(engine, shape, max(batches), prompt, f"8B, {label}"))
             flush()
         engine.stop()
         del engine
@@ -314,12 +326,12 @@ def bench_long(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth:
         torch.cuda.empty_cache()
 
 
-def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int) -> str:
+def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int, label: str) -> str:
     """torch.profiler over 8 decode steps of a running batch: where a step's GPU time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     prompts = torch.randint(2, shape["vocab_size"], (batch, prompt)).tolist()
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=96, ignore_eos=True)
     collectors = [ResultCollector(p) for p in prompts]
     for p, c in zip(prompts, collectors, strict=True):
         engine.submit(p, params, c)
@@ -327,14 +339,28 @@ def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int) -> s
         engine.step()
     for _ in range(4):
         engine.step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    plain_ms = (time.perf_counter() - started) * 1000 / 8
+    started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
             engine.step()
         torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - started) * 1000 / 8
     while not all(c.done.is_set() for c in collectors):
         engine.step()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-    return f"\n### Profile: 8B, {prompt}-token context, batch {batch}, tiers on, 8 decode steps\n\n```\n{table}\n```\n"
+    averages = prof.key_averages()
+    device_ms = sum(e.self_device_time_total for e in averages) / 1000 / 8
+    device_table = averages.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60)
+    host_table = averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
+    return (f"\n### Profile: {label}, {prompt}-token context, batch {batch}, 8 decode steps\n\n"
+            f"Per step: {plain_ms:.1f} ms of wall time ({wall_ms:.1f} under the profiler), {device_ms:.1f} ms of device "
+            f"kernel time.\n\nBy device time:\n\n```\n{device_table}\n```\n\nBy host time:\n\n"
+            f"```\n{host_table}\n```\n")  # fmt: skip
 
 
 def check_cuda_equals_cpu(rows: list[str]) -> None:
@@ -426,7 +452,7 @@ def main() -> None:
         tokdir = Path(tmp) / "tokenizer"
         write_tokenizer(tokdir, LLAMA_1B["vocab_size"])
         flush = lambda: args.out.write_text(text()) if args.out is not None else None  # noqa: E731
-        runs = {"short": lambda: bench_short(rows, tokdir, args, bandwidth),
+        runs = {"short": lambda: bench_short(rows, notes, tokdir, args, bandwidth),
                 "long": lambda: bench_long(rows, notes, tokdir, args, bandwidth, True, flush),
                 "capacity": lambda: bench_long(rows, notes, tokdir, args, bandwidth, False, flush)}  # fmt: skip
         if "long" in parts and "capacity" in parts:
