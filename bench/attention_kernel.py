@@ -1,4 +1,5 @@
-"""The fused paged-attention kernel alone: one decode launch over long contexts, hot only and INT4 warm.
+"""The fused paged-attention kernel alone: one decode launch over long contexts, hot only and INT4 warm,
+and (`--prefill`) one chunk of prefill over a long cached prefix.
 
 Random caches in the Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head dim 128, block 16,
 warm group 32); every row's context is sink + warm + a 128-token hot window (tiers on) or all hot
@@ -8,6 +9,10 @@ bytes it must read against the measured copy bandwidth. Needs CUDA. A launch var
 pipeline stages, register cap), so one run can compare them; "default" is what the engine launches.
 
     python bench/attention_kernel.py --contexts 1024,32768 --batches 1,16
+    python bench/attention_kernel.py --contexts 16384 --batches 1 --prefill 2048 --variants 64x8
+
+With `--prefill N`, each row's last N tokens are the new queries (a prefill chunk, hot) and the
+context before them is the cached prefix (warm past the sink with the tiers on).
 """
 
 from __future__ import annotations
@@ -39,17 +44,21 @@ def time_decode(
     tile_n: int | None = None,
     num_warps: int = 4,
     segments: int | None = None,
+    prefill: int = 0,
     **launch,
 ) -> tuple[float, float, int]:
-    """(µs per call, bytes the call must read, flash-decoding segments)."""
+    """(µs per call, bytes the call must read, flash-decoding segments); `prefill` > 0 times a chunk
+    of that many new tokens per row after `context` cached ones instead of one decode token."""
     config = ModelConfig(vocab_size=8, hidden_size=HEADS * DIM, intermediate_size=8, num_layers=LAYERS,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)  # fmt: skip
     tiers = TIERS if tiered else TierConfig()
-    blocks = batch * (-(-context // BLOCK) + 2) + 1
+    new_tokens = max(prefill, 1)
+    total = context + new_tokens - 1 if prefill == 0 else context + prefill
+    blocks = batch * (-(-total // BLOCK) + 2) + 1
     hot = HotTier(config, blocks, BLOCK, torch.device("cuda"), torch.bfloat16)
     hot.keys.normal_()
     hot.values.normal_()
-    warm = WarmTier(config, batch * (context // TIERS.group_size + 1), TIERS.group_size, torch.device("cuda"))
+    warm = WarmTier(config, batch * (total // TIERS.group_size + 1), TIERS.group_size, torch.device("cuda"))
     for t in (warm.key_codes, warm.value_codes):
         t.random_(0, 256)
     for t in (warm.key_scale, warm.value_scale):
@@ -58,17 +67,17 @@ def time_decode(
     tables = []
     for _ in range(batch):
         table = BlockTable(tiers)
-        cache.grow(table, context)
-        cache.demote(table, context)
+        cache.grow(table, total)
+        cache.demote(table, context + TIERS.hot_tokens if prefill else total)  # the chunk stays hot
         cache.take_warm_copies()  # the codes are random already: no quantize needed for timing
         tables.append(table)
-    rows = [RowInput(t, context - 1, 1) for t in tables]
-    backend = TritonBackend(cache, HEADS, batch)
-    segments = segments or backend.num_segments(batch, context)
+    rows = [RowInput(t, total - new_tokens, new_tokens) for t in tables]
+    backend = TritonBackend(cache, HEADS, batch)  # flash-decoding workspace: decode rows only
+    segments = 1 if prefill else segments or backend.num_segments(batch, total)
     host_meta = AttentionMetadata.for_rows(rows, BLOCK, TIERS.group_size // BLOCK, torch.device("cuda"))
     metadata = AttentionMetadata(host_meta.positions, host_meta.slot_mapping, host_meta.paged,
                                  host_meta.max_seq_len, segments)  # fmt: skip
-    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch * new_tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     layer = backend.layers[0]
     partials = backend.partials if segments > 1 else None
     out = torch.empty_like(q)
@@ -90,7 +99,7 @@ def time_decode(
     torch.cuda.synchronize()
     hot_per_token = hot.bytes_per_token // LAYERS  # keys and values in bf16
     held_hot = sum(cache.num_held_hot_blocks(t) for t in tables) * BLOCK  # all of it with the tiers off
-    read = held_hot * hot_per_token + (batch * context - held_hot) * (warm.bytes_per_token // LAYERS)
+    read = held_hot * hot_per_token + (batch * total - held_hot) * (warm.bytes_per_token // LAYERS)
     return start.elapsed_time(end) * 1000 / calls, read, segments
 
 
@@ -105,6 +114,7 @@ def main() -> None:
     )
     parser.add_argument("--segments", type=int, default=None, help="flash-decoding split (default: engine)")
     parser.add_argument("--hot-variants", action="store_true", help="time the variants with tiers off too")
+    parser.add_argument("--prefill", type=int, default=0, help="new tokens per row; 0: decode")
     args = parser.parse_args()
     variants = [None] + [v for v in args.variants.split(",") if v]
     print("| context | batch | tiers | launch | segments | µs per layer call | MB read | GB/s |")
@@ -115,7 +125,9 @@ def main() -> None:
             runs = [(True, v) for v in variants] + [(False, v) for v in hot]
             for tiered, variant in runs:
                 launch = _launch(variant)
-                us, read, segments = time_decode(batch, context, tiered, segments=args.segments, **launch)
+                us, read, segments = time_decode(
+                    batch, context, tiered, segments=args.segments, prefill=args.prefill, **launch
+                )
                 shape = variant or "default"
                 tiers = "on" if tiered else "off"
                 print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | "
