@@ -412,7 +412,7 @@ def main() -> None:
     extra_outputs = load_benign_outputs(wheels, examples)
     held = HeldOut.of(examples, extra_outputs, args.max_per_source)
     gate = load_gate(args.gate)
-    classifier = TextClassifier(gate, MiniLMEmbedder.load(), max_windows=DEFAULT_MAX_WINDOWS)
+    classifier = TextClassifier(gate, MiniLMEmbedder.for_gate(gate), max_windows=DEFAULT_MAX_WINDOWS)
     classifier.score("warm-up")
     prompts = judge(classifier, held.prompts, "prompt")
     output_set = held.harmful_outputs + held.benign_outputs + held.pyrit_safe_answers

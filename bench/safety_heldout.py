@@ -235,7 +235,7 @@ def main() -> None:
     calib_texts = {s: read_source(s, MAX_LONG_PER_SOURCE if "long" in s else None) for s in calib_names}
     scored = {name: bench.score(t) for name, t in texts.items()}
     calib = {name: bench.score(t) for name, t in calib_texts.items()}
-    classifier = TextClassifier(bench.gate, MiniLMEmbedder.load(), DEFAULT_MAX_WINDOWS)
+    classifier = TextClassifier(bench.gate, MiniLMEmbedder.for_gate(bench.gate), DEFAULT_MAX_WINDOWS)
     check_service_path(bench, classifier, scored["benign_xstest_safe"])
     report = Report(bench, scored, calib, args)
     report.add_wrapped(texts)

@@ -37,7 +37,6 @@ from services.common.gate_file import load_gate, write_gate
 from services.safety.attack_head import ATTACK_HEADS, JAILBREAK, AttackHead
 from services.safety.classifier import view_rows
 from services.safety.config import DEFAULT_GATE
-from services.safety.embedder import MiniLMEmbedder
 from tools.safety_data import (
     BENIGN,
     _sharegpt_conversations,
@@ -46,7 +45,7 @@ from tools.safety_data import (
     load_examples,
     wheel_sha256,
 )
-from tools.train_safety_gate import _in_length_order, git_commit
+from tools.train_safety_gate import _in_length_order, encoder_tag, git_commit, tool_embedder
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "safety"
@@ -109,10 +108,10 @@ class TextViews(NamedTuple):
 def embed_views(texts: list[str], cache_dir: Path) -> TextViews:
     """Every view's windows of every text, as the service cuts them, embedded (cached)."""
     key = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:16]
-    path = cache_dir / f"features-views-{key}.pt"
+    path = cache_dir / f"features-views-{encoder_tag()}-{key}.pt"
     if path.exists():
         return TextViews(**torch.load(path))
-    embedder = MiniLMEmbedder.load()
+    embedder = tool_embedder()
     rows, text_ids, view_ids, num_views = [], [], [], 0
     for t, text in enumerate(texts):
         for windows in view_rows(embedder, text):

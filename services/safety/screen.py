@@ -58,7 +58,7 @@ class Screen:
         gate = load_gate(config.gate_path)
         model_dir = config.embedder_dir or default_model_dir()
         check_embedder(gate, model_dir)
-        classifier = TextClassifier(gate, MiniLMEmbedder.load(model_dir), config.max_windows)
+        classifier = TextClassifier(gate, MiniLMEmbedder.for_gate(gate, model_dir), config.max_windows)
         return cls(gate, classifier, DenyPatternPolicy.load(config.deny_patterns_path))
 
     @property
