@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from services.engine.attention.backend import prefix_page_bytes
 from services.engine.errors import (
     EmptyPrompt,
     EngineStopped,
@@ -879,9 +880,12 @@ def _gpu_kv_budget(
         config, size = model.rank_config, torch.empty((), dtype=dtype).element_size()
         per_token = (2 * config.intermediate_size + 4 * config.hidden_size + 2 * config.q_size) * size
         activation = 2 * max_prefill_tokens * per_token + max_batch_size * config.vocab_size * 4
-    budget = budget_from_device_memory(
-        total, used, activation, kv.gpu_memory_utilization, GRAPH_AND_WORKSPACE_RESERVE_BYTES
-    )
+    reserve = GRAPH_AND_WORKSPACE_RESERVE_BYTES
+    if kv.tiers.enabled and attention != "reference":  # the fused backend's warm-prefix pages
+        config = model.rank_config
+        size = torch.empty((), dtype=dtype).element_size()
+        reserve += prefix_page_bytes(config.num_kv_heads, config.head_dim, kv.block_size, size)
+    budget = budget_from_device_memory(total, used, activation, kv.gpu_memory_utilization, reserve)
     logger.info(
         "KV budget %.2f GiB: %.0f%% of %.1f GiB, less %.2f GiB in use and a %.2f GiB activation peak",
         budget / GIB, 100 * kv.gpu_memory_utilization, total / GIB, used / GIB, activation / GIB,

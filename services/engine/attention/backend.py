@@ -8,6 +8,20 @@ import torch
 
 from services.engine.attention.metadata import AttentionMetadata
 
+# A prefill step over a warm prefix of up to this many tokens reads it as BF16 pages, dequantized
+# once per layer (a 32K prompt's second 16K chunk reads a 16K prefix; bench/attention_kernel.py
+# --prefill compares the two ways). A longer prefix is read in place, dequantized per query block.
+PREFIX_PAGE_TOKENS = 32_768
+PREFIX_DEQUANT_CHUNK_BLOCKS = 256  # warm blocks dequantized at once (bounds the fp32 temporaries)
+
+
+def prefix_page_bytes(num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
+    """Device memory a fused backend holds for a prefill's warm prefix pages, with the dequantizing
+    temporaries: reserved before the KV pools are sized (tiers on, fused attention)."""
+    pages = 2 * (PREFIX_PAGE_TOKENS + block_size) * num_kv_heads * head_dim * dtype_bytes
+    temporaries = 4 * PREFIX_DEQUANT_CHUNK_BLOCKS * block_size * num_kv_heads * head_dim * 4
+    return pages + temporaries
+
 
 class AttentionBackend(ABC):
     """Attention over the paged, tiered KV cache. Reads the cache; never writes it (`KVCache.store` does).
@@ -17,6 +31,9 @@ class AttentionBackend(ABC):
     """
 
     supports_graphs: bool = False
+    # Warm blocks a prefill step may have read as dequantized pages (`AttentionMetadata.prefix`);
+    # 0: the backend reads the warm tier in place.
+    max_prefix_blocks: int = 0
 
     @abstractmethod
     def forward(

@@ -125,6 +125,30 @@ class QueryTap:
         self.queries.copy_(q)
 
 
+class PrefixPlan(NamedTuple):
+    """A prefill step's warm blocks, read as pages of the hot layout (see `TritonBackend`).
+
+    Each layer dequantizes `blocks` once into pages 1..S, so that the step's query blocks read its
+    warm prefix as BF16 pages instead of each dequantizing the whole prefix in registers."""
+
+    blocks: torch.Tensor  # [S] int64: warm block ids, page i + 1 holds blocks[i]
+    tables: torch.Tensor  # [B, MB] int32: the page of each logical block, 0 where it is not warm
+
+
+def prefix_plan_arrays(warm_tables: np.ndarray, max_blocks: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`(blocks, tables)` for `PrefixPlan` from a step's warm tables, or None when no warm block is
+    read or more than `max_blocks` are (then the kernel reads the warm tier in place)."""
+    is_warm = warm_tables >= 0
+    if max_blocks <= 0 or not is_warm.any():
+        return None
+    blocks, index = np.unique(warm_tables[is_warm], return_inverse=True)
+    if len(blocks) > max_blocks:
+        return None
+    tables = np.zeros_like(warm_tables)
+    tables[is_warm] = index.astype(np.int32) + 1
+    return blocks.astype(np.int64), tables
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """One step's metadata on the device; every layer's attention reads it."""
@@ -136,6 +160,7 @@ class AttentionMetadata:
     num_segments: int = 1  # flash-decoding split of each row's context
     probe: AttentionProbe | None = None  # set on sampled decode steps
     query_tap: QueryTap | None = None  # set on decode steps that score cold blocks
+    prefix: PrefixPlan | None = None  # set on prefill steps over a warm prefix (see PrefixPlan)
 
     @property
     def max_query_len(self) -> int:
@@ -157,8 +182,10 @@ class AttentionMetadata:
         num_segments: int = 1,
         probe: AttentionProbe | None = None,
         query_tap: QueryTap | None = None,
+        max_prefix_blocks: int = 0,
     ) -> AttentionMetadata:
-        """Copy `host` to `device` (pinned, non-blocking on CUDA)."""
+        """Copy `host` to `device` (pinned, non-blocking on CUDA). A prefill step over up to
+        `max_prefix_blocks` warm blocks also gets its `PrefixPlan`."""
         paged = PagedAttentionPlan(
             query_start_loc=_to(host.query_start_loc, device),
             seq_lens=_to(host.seq_lens, device),
@@ -166,6 +193,8 @@ class AttentionMetadata:
             warm_block_tables=_to(host.warm_block_tables, device),
             max_query_len=host.max_query_len,
         )
+        arrays = None if host.is_decode else prefix_plan_arrays(host.warm_block_tables, max_prefix_blocks)
+        prefix = None if arrays is None else PrefixPlan(_to(arrays[0], device), _to(arrays[1], device))
         return cls(
             _to(host.positions, device),
             _to(host.slot_mapping, device),
@@ -174,6 +203,7 @@ class AttentionMetadata:
             num_segments,
             probe,
             query_tap,
+            prefix,
         )
 
 

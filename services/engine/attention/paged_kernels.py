@@ -340,6 +340,9 @@ def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     hot_keys_ptr,
     hot_values_ptr,  # [N, BS, KVH, D]
+    prefix_keys_ptr,
+    prefix_values_ptr,  # [S, BS, KVH, D]: a prefill's warm prefix, dequantized
+    prefix_tables_ptr,  # [B, MB] int32: prefix page per logical block, 0 = none
     key_codes_ptr,
     key_scale_ptr,
     key_zero_ptr,
@@ -366,6 +369,7 @@ def _paged_attention_kernel(
     stride_vscale_t,
     stride_vscale_h,
     stride_table_b,
+    stride_prefix_b,
     sm_scale_log2,  # softmax scale times log2(e): the kernel works in base 2
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -378,6 +382,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     HAS_WARM: tl.constexpr,
+    HAS_PREFIX_PAGES: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     DECODE: tl.constexpr,  # one query token per row
     ASM_DEQUANT: tl.constexpr,  # unpack the warm codes in PTX (fp16 on a GPU; see _unpack_words)
@@ -425,6 +430,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     table_row = block_tables_ptr + row * stride_table_b
     warm_row = warm_tables_ptr + row * stride_table_b
+    prefix_row = prefix_tables_ptr + row * stride_table_b
     if HAS_WARM:
         # Software pipeline by hand: while a tile's math runs, the next tile's codes are already in
         # flight (their table entries one tile further ahead), so the loop never waits on a load
@@ -465,6 +471,23 @@ def _paged_attention_kernel(
                 HEAD_DIM_PADDED, VALUE_GROUP, CAUSAL, DOT_PRECISION, ASM_DEQUANT,
             )  # fmt: skip
             hot_block = tl.where(is_warm, 0, hot_block)  # a block in both tiers is read as warm
+            if tl.max(hot_block, 0) > 0:
+                acc, running_max, running_sum = _hot_update(
+                    q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
+                    hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
+                    sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+                )  # fmt: skip
+        elif HAS_PREFIX_PAGES:
+            # a prefill over a warm prefix that was dequantized once for all its query blocks: the
+            # prefix reads as pages of the hot layout, the rest from the hot tier
+            prefix_block = tl.load(prefix_row + logical_block, mask=in_context, other=0).to(tl.int64)
+            hot_block = tl.where(prefix_block != 0, 0, hot_block)
+            if tl.max(prefix_block, 0) > 0:
+                acc, running_max, running_sum = _hot_update(
+                    q, acc, running_max, running_sum, prefix_keys_ptr, prefix_values_ptr,
+                    prefix_block, position, q_position, kv_head, stride_prefix_b, stride_hot_t, stride_hot_h,
+                    sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+                )  # fmt: skip
             if tl.max(hot_block, 0) > 0:
                 acc, running_max, running_sum = _hot_update(
                     q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
@@ -540,6 +563,17 @@ class PagedAttentionPlan(NamedTuple):
     max_query_len: int  # host int: sizes the grid
 
 
+class WarmPrefixPages(NamedTuple):
+    """A prefill step's warm prefix, dequantized into pages of the hot layout (one layer at a time).
+
+    Page 0 is never read; `tables` maps each row's logical blocks to a page, 0 where the block is
+    not among them (read from the hot tier as usual)."""
+
+    keys: torch.Tensor  # [S, BS, KVH, D], model dtype
+    values: torch.Tensor  # [S, BS, KVH, D]
+    tables: torch.Tensor  # [B, MB] int32, laid out as the plan's block tables
+
+
 def head_dim_padded(head_dim: int) -> int:
     """The kernel's channel count: a power of two, at least 32 (the smallest `tl.dot` is 16, and the
     warm path reads whole int32 words of codes)."""
@@ -557,6 +591,7 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     maxnreg: int | None = None,
+    prefix_pages: WarmPrefixPages | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries `q` `[T, H, D]` over each row's paged context; writes `out` `[T, H, D]`.
 
@@ -564,11 +599,12 @@ def paged_attention(
     hold at least `[T, H, num_segments, D_PADDED]`. `tile_n` (positions per loop step, a multiple of
     the block size), `num_warps`, `num_stages` (loads in flight in the software pipeline; Triton's
     default when None) and `maxnreg` (a register cap per thread) override the launch shape;
-    bench/attention_kernel.py compares them.
+    bench/attention_kernel.py compares them. `prefix_pages` (with a layer without a warm tier) is a
+    prefill's warm prefix already dequantized: the kernel reads it as hot pages.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = layer.hot_keys.shape
-    _check_inputs(q, layer, plan, out)
+    _check_inputs(q, layer, plan, out, prefix_pages)
     queries_per_kv = num_heads // num_kv_heads
     is_decode = plan.max_query_len == 1
     # decode: one query token, so M is just the group's heads; prefill: 64 rows of (token, head)
@@ -587,12 +623,15 @@ def paged_attention(
             raise ValueError(f"flash-decoding over {num_segments} segments needs a larger Partials workspace")
     grid = (num_kv_heads * num_segments, triton.cdiv(plan.max_query_len, block_q), plan.seq_lens.shape[0])
     warm_args = _warm_args(warm, layer.hot_keys)
+    # without prefix pages, stand-ins that are never read (HAS_PREFIX_PAGES is False)
+    pages = prefix_pages or WarmPrefixPages(layer.hot_keys, layer.hot_values, plan.block_tables)
     _paged_attention_kernel[grid](
         out,
         *(partials if num_segments > 1 and partials is not None else (out, out, out)),
         q,
         layer.hot_keys,
         layer.hot_values,
+        *pages,
         *warm_args,
         plan.block_tables,
         plan.warm_block_tables,
@@ -607,6 +646,7 @@ def paged_attention(
         *warm_args[1].stride()[:2],
         *warm_args[4].stride()[:3],
         plan.block_tables.stride(0),
+        pages.keys.stride(0),
         LOG2_E / math.sqrt(head_dim),
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_SIZE=block_size,
@@ -619,6 +659,7 @@ def paged_attention(
         TILE_N=tile_n,
         NUM_SEGMENTS=num_segments,
         HAS_WARM=warm is not None,
+        HAS_PREFIX_PAGES=prefix_pages is not None,
         IEEE_DOT=q.dtype == torch.float32,
         DECODE=is_decode,
         ASM_DEQUANT=q.is_cuda and q.dtype != torch.float32,
@@ -657,8 +698,25 @@ def _warm_args(warm: WarmLayer | None, hot: torch.Tensor) -> tuple[torch.Tensor,
     return (codes, hot[:1, 0], hot[:1, 0], codes, hot[:1], hot[:1])
 
 
-def _check_inputs(q: torch.Tensor, layer: PagedLayer, plan: PagedAttentionPlan, out: torch.Tensor) -> None:
+def _check_inputs(
+    q: torch.Tensor,
+    layer: PagedLayer,
+    plan: PagedAttentionPlan,
+    out: torch.Tensor,
+    prefix_pages: WarmPrefixPages | None = None,
+) -> None:
     """Shapes, dtypes and strides the kernel assumes; a mistake here would read the wrong memory."""
+    pages = prefix_pages
+    if pages is not None:
+        if layer.warm is not None:
+            raise ValueError("prefix pages stand in for the warm tier: pass a layer without one")
+        if pages.keys.dtype != q.dtype or pages.keys.shape[1:] != layer.hot_keys.shape[1:]:
+            raise ValueError("prefix pages must have the hot pages' dtype and [BS, KVH, D] shape")
+        for tensor in (pages.keys, pages.values):
+            if tensor.stride() != pages.keys.stride() or tensor.stride()[1:] != layer.hot_keys.stride()[1:]:
+                raise ValueError("prefix pages must share the hot pages' layout within a page")
+        if pages.tables.dtype != torch.int32 or pages.tables.stride() != plan.block_tables.stride():
+            raise ValueError("prefix tables must be int32, laid out as the block tables")
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, cache_dim = layer.hot_keys.shape[2:]
     if head_dim != cache_dim or num_heads % num_kv_heads:

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import torch
-import triton
 
-from services.engine.attention.backend import AttentionBackend
-from services.engine.attention.metadata import AttentionMetadata
-from services.engine.attention.paged_kernels import PagedLayer, Partials, head_dim_padded, paged_attention
+from services.engine.attention.backend import (
+    PREFIX_DEQUANT_CHUNK_BLOCKS,
+    PREFIX_PAGE_TOKENS,
+    AttentionBackend,
+)
+from services.engine.attention.metadata import AttentionMetadata, PrefixPlan
+from services.engine.attention.paged_kernels import (
+    PagedLayer,
+    Partials,
+    WarmPrefixPages,
+    head_dim_padded,
+    paged_attention,
+)
 from services.engine.kv.cache import KVCache
+from services.engine.kv.kivi import dequantize_keys, dequantize_values
 
 MAX_SEGMENTS = 32  # flash-decoding split cap (the merge kernel reads them all)
 MIN_TOKENS_PER_SEGMENT = 256  # below this a split costs more in merging than it gains
@@ -18,7 +28,13 @@ TARGET_PROGRAMS = 8 * 132
 
 
 class TritonBackend(AttentionBackend):
-    """Fused paged attention over both tiers; capturable in a CUDA graph (decode)."""
+    """Fused paged attention over both tiers; capturable in a CUDA graph (decode).
+
+    Decode reads the warm tier in place. A prefill step over a warm prefix of up to
+    `PREFIX_PAGE_TOKENS` reads it as pages of the hot layout instead: each layer dequantizes the
+    step's warm blocks once (`AttentionMetadata.prefix`), where in place every block of queries
+    would dequantize the whole prefix in registers again (a 16K-token chunk is 256 such blocks).
+    """
 
     supports_graphs = True
 
@@ -31,23 +47,57 @@ class TritonBackend(AttentionBackend):
         self.partials = Partials.empty(
             max_decode_rows, num_heads, MAX_SEGMENTS, head_dim_padded(head_dim), device
         )
+        self.max_prefix_blocks = 0
+        self.num_prefix_layer_calls = 0  # layer calls that read a prefill's warm prefix from pages
+        self._prefix_pages: tuple[torch.Tensor, torch.Tensor] | None = None
+        if kv_cache.warm is not None:  # pages 1..S hold a prefill's warm blocks; page 0 is never read
+            block_size = kv_cache.block_size
+            self.max_prefix_blocks = PREFIX_PAGE_TOKENS // block_size
+            shape = (self.max_prefix_blocks + 1, block_size, self.num_kv_heads, head_dim)
+            dtype = kv_cache.hot.keys.dtype
+            self._prefix_pages = (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """`[T, H, D]` -> `[T, H, D]`."""
         out = torch.empty_like(q)
+        paged_layer = self.layers[layer]
+        if metadata.prefix is not None and paged_layer.warm is not None:
+            pages = self._dequantize_prefix(paged_layer, metadata.prefix)
+            in_place = paged_layer._replace(warm=None)  # the warm blocks are read from the pages
+            return paged_attention(q, in_place, metadata.paged, out, prefix_pages=pages)
         partials = self.partials if metadata.num_segments > 1 else None
-        return paged_attention(q, self.layers[layer], metadata.paged, out, metadata.num_segments, partials)
+        return paged_attention(q, paged_layer, metadata.paged, out, metadata.num_segments, partials)
 
-    def num_segments(self, num_rows: int, max_seq_len: int) -> int:
-        """Enough programs to fill the GPU, but no segment under MIN_TOKENS_PER_SEGMENT positions."""
-        if num_rows > self.partials.out.shape[0]:
-            return 1
-        by_occupancy = triton.cdiv(TARGET_PROGRAMS, num_rows * self.num_kv_heads)
-        by_length = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SEGMENT)
-        wanted = max(1, min(MAX_SEGMENTS, by_occupancy, by_length))
-        return 1 << (wanted.bit_length() - 1)  # the merge kernel needs a power of two
+    def _dequantize_prefix(self, layer: PagedLayer, prefix: PrefixPlan) -> WarmPrefixPages:
+        """This layer's warm blocks of `prefix` into pages 1..S of the held buffers."""
+        assert self._prefix_pages is not None
+        self.num_prefix_layer_calls += 1
+        keys, values = self._prefix_pages
+        count = prefix.blocks.shape[0]
+        dequantize_prefix(layer, prefix.blocks, keys[: count + 1], values[: count + 1])
+        return WarmPrefixPages(keys[: count + 1], values[: count + 1], prefix.tables)
+
+
+def dequantize_prefix(
+    layer: PagedLayer, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Warm blocks `blocks` `[S]` of `layer` into pages 1..S of `keys` and `values` `[S + 1, BS, KVH, D]`
+    (kivi's dequantization, rounded once to the pages' dtype; page 0 is left as it is)."""
+    warm = layer.warm
+    assert warm is not None
+    for start in range(0, blocks.shape[0], PREFIX_DEQUANT_CHUNK_BLOCKS):
+        chunk = blocks[start : start + PREFIX_DEQUANT_CHUNK_BLOCKS]
+        groups = chunk // layer.blocks_per_group
+        into = slice(1 + start, 1 + start + chunk.shape[0])
+        keys[into] = dequantize_keys(warm.key_codes[chunk], warm.key_scale[groups], warm.key_zero[groups])
+        values[into] = dequantize_values(
+            warm.value_codes[chunk], warm.value_scale[chunk], warm.value_zero[chunk]
+        )
 
 
 def _layer_view(kv_cache: KVCache, layer: int) -> PagedLayer:

@@ -240,7 +240,9 @@ class ModelRunner:
             probe = AttentionProbe.build(plan.probe_layer, self.device, row=self._num_probes)
         tap = self._query_tap(host.num_rows) if plan.score_rows and host.is_decode else None
         segments = self.attention.num_segments(host.num_rows, host.max_seq_len) if host.is_decode else 1
-        metadata = AttentionMetadata.to_device(host, self.device, segments, probe, tap)
+        metadata = AttentionMetadata.to_device(
+            host, self.device, segments, probe, tap, self.attention.max_prefix_blocks
+        )
         input_ids = _to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
         hidden = self.model(input_ids, self.kv_cache, self.attention, metadata)  # [T, E]
         if not host.is_decode:  # prefill: each row's last new token

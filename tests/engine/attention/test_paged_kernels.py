@@ -12,14 +12,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from services.engine.attention.metadata import prefix_plan_arrays
 from services.engine.attention.paged_kernels import (
     PagedAttentionPlan,
     PagedLayer,
     Partials,
     WarmLayer,
+    WarmPrefixPages,
     head_dim_padded,
     paged_attention,
 )
+from services.engine.attention.triton_backend import dequantize_prefix
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -166,7 +169,19 @@ def reference(q, layer, shape, layouts, dtype):
     return torch.cat(outs)
 
 
-def run_case(shape: Shape, rows, dtype, with_warm: bool, num_segments: int, seed: int, **launch):
+def run_case(
+    shape: Shape,
+    rows,
+    dtype,
+    with_warm: bool,
+    num_segments: int,
+    seed: int,
+    prefix_pages: bool = False,
+    **launch,
+):
+    """The kernel on random tables against the float64 reference. With `prefix_pages`, the warm blocks
+    are first dequantized into pages of the hot layout (a prefill's path in `TritonBackend`) and the
+    kernel reads them from there."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     total_blocks = sum(-(-s // shape.block_size) for _, s in rows) + 2
@@ -213,7 +228,20 @@ def run_case(shape: Shape, rows, dtype, with_warm: bool, num_segments: int, seed
         partials = Partials.empty(
             num_tokens, num_heads, num_segments, head_dim_padded(shape.head_dim), DEVICE
         )
-    paged_attention(q.to(DEVICE), dev_layer, dev_plan, out, num_segments, partials, **launch)
+    if prefix_pages:
+        arrays = prefix_plan_arrays(warm_tables.numpy(), max_blocks=1 << 20)
+        assert arrays is not None, "the case has no warm block to read from pages"
+        blocks = torch.from_numpy(arrays[0])
+        page_shape = (len(blocks) + 1, *layer.hot_keys.shape[1:])
+        keys = torch.full(page_shape, float("nan"), dtype=dtype)  # page 0 is never read
+        values = torch.full(page_shape, float("nan"), dtype=dtype)
+        dequantize_prefix(layer, blocks, keys, values)
+        pages = WarmPrefixPages(keys.to(DEVICE), values.to(DEVICE), torch.from_numpy(arrays[1]).to(DEVICE))
+        in_place = dev_layer._replace(warm=None)
+        launch["prefix_pages"] = pages
+        paged_attention(q.to(DEVICE), in_place, dev_plan, out, num_segments, partials, **launch)
+    else:
+        paged_attention(q.to(DEVICE), dev_layer, dev_plan, out, num_segments, partials, **launch)
     got = out.double().cpu()
     assert not got.isnan().any()
     error = (got - expected).norm() / expected.norm()
@@ -259,9 +287,36 @@ def test_prefill_matches_reference(shape, with_warm):
     run_case(shape, rows, torch.float32, with_warm, num_segments=1, seed=3)
 
 
+@pytest.mark.parametrize("shape", [Shape(2, 1, 64), Shape(1, 4, 128), Shape(1, 2, 8)], ids=str)
+def test_prefill_over_dequantized_warm_pages_matches_reference(shape):
+    """A prefill whose warm prefix was dequantized once into pages: the same answer as the float64
+    reference, with hot, warm and dropped blocks mixed in each row, and decode rows in the step."""
+    rows = [(37, 37), (20, 120), (1, 90), (16, 200)]
+    run_case(shape, rows, torch.float32, True, num_segments=1, seed=6, prefix_pages=True)
+
+
+def test_prefix_plan_numbers_each_warm_block_once_and_gives_up_past_its_cap():
+    """Pages 1..S for the distinct warm blocks, shared by rows that read the same block; none past the cap."""
+    warm = torch.tensor([[-1, 7, 7, 3, -1], [3, 9, -1, -1, -1]], dtype=torch.int32).numpy()
+    arrays = prefix_plan_arrays(warm, max_blocks=3)
+    assert arrays is not None
+    blocks, tables = arrays
+    assert blocks.tolist() == [3, 7, 9]
+    assert tables.tolist() == [[0, 2, 2, 1, 0], [1, 3, 0, 0, 0]]
+    assert prefix_plan_arrays(warm, max_blocks=2) is None
+    assert prefix_plan_arrays(warm, max_blocks=0) is None
+    assert prefix_plan_arrays(warm * 0 - 1, max_blocks=3) is None  # no warm block: nothing to page
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton's CPU interpreter has no bf16 arithmetic")
 @pytest.mark.parametrize("with_warm", [False, True], ids=["hot", "tiered"])
 def test_bf16_matches_reference(with_warm):
     """bf16 operands, fp32 accumulation: within bf16 rounding of the float64 answer."""
     rows = [(1, 70), (9, 90)]
     run_case(Shape(2, 4, 64), rows, torch.bfloat16, with_warm, num_segments=2, seed=4)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton's CPU interpreter has no bf16 arithmetic")
+def test_bf16_prefill_over_dequantized_warm_pages_matches_reference():
+    """bf16 pages of the warm prefix: within bf16 rounding of the float64 answer."""
+    run_case(Shape(2, 4, 64), [(9, 90), (20, 120)], torch.bfloat16, True, 1, seed=7, prefix_pages=True)
