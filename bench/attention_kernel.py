@@ -9,10 +9,12 @@ bytes it must read against the measured copy bandwidth. Needs CUDA. A launch var
 pipeline stages, register cap), so one run can compare them; "default" is what the engine launches.
 
     python bench/attention_kernel.py --contexts 1024,32768 --batches 1,16
-    python bench/attention_kernel.py --contexts 16384 --batches 1 --prefill 2048 --variants 64x8
+    python bench/attention_kernel.py --contexts 16384 --batches 1 --prefill 2048 --prefix-pages
 
 With `--prefill N`, each row's last N tokens are the new queries (a prefill chunk, hot) and the
-context before them is the cached prefix (warm past the sink with the tiers on).
+context before them is the cached prefix (warm past the sink with the tiers on); `--prefix-pages`
+adds the engine's prefill path, where the backend first dequantizes that prefix into pages of the
+hot layout (the "warm prefix as pages" row, dequantization included in its time).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.engine.attention.metadata import AttentionMetadata, RowInput
+from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
 from services.engine.attention.paged_kernels import paged_attention
 from services.engine.attention.triton_backend import TritonBackend
 from services.engine.kv.block_table import BlockTable
@@ -45,10 +47,13 @@ def time_decode(
     num_warps: int = 4,
     segments: int | None = None,
     prefill: int = 0,
+    pages: bool = False,
     **launch,
 ) -> tuple[float, float, int]:
     """(µs per call, bytes the call must read, flash-decoding segments); `prefill` > 0 times a chunk
-    of that many new tokens per row after `context` cached ones instead of one decode token."""
+    of that many new tokens per row after `context` cached ones instead of one decode token; `pages`
+    times the engine's prefill path instead: the backend dequantizes the warm prefix into pages of the
+    hot layout (each call, as each layer of a step does), then the kernel reads them as hot."""
     config = ModelConfig(vocab_size=8, hidden_size=HEADS * DIM, intermediate_size=8, num_layers=LAYERS,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)  # fmt: skip
     tiers = TIERS if tiered else TierConfig()
@@ -74,15 +79,21 @@ def time_decode(
     rows = [RowInput(t, total - new_tokens, new_tokens) for t in tables]
     backend = TritonBackend(cache, HEADS, batch)  # flash-decoding workspace: decode rows only
     segments = 1 if prefill else segments or backend.num_segments(batch, total)
-    host_meta = AttentionMetadata.for_rows(rows, BLOCK, TIERS.group_size // BLOCK, torch.device("cuda"))
-    metadata = AttentionMetadata(host_meta.positions, host_meta.slot_mapping, host_meta.paged,
-                                 host_meta.max_seq_len, segments)  # fmt: skip
+    host = HostMetadata.build(rows, BLOCK, TIERS.group_size // BLOCK)
+    metadata = AttentionMetadata.to_device(
+        host, torch.device("cuda"), segments, max_prefix_blocks=backend.max_prefix_blocks if pages else 0
+    )
+    if pages and metadata.prefix is None:
+        raise SystemExit("--prefix-pages needs a prefill (--prefill) over a warm prefix that fits the pages")
     q = torch.randn(batch * new_tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     layer = backend.layers[0]
     partials = backend.partials if segments > 1 else None
     out = torch.empty_like(q)
 
     def call() -> None:
+        if pages:
+            backend.forward(q, q, q, 0, metadata)  # k and v are unused: the cache holds them
+            return
         paged_attention(
             q, layer, metadata.paged, out, segments, partials, tile_n=tile_n, num_warps=num_warps, **launch
         )
@@ -115,6 +126,7 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=None, help="flash-decoding split (default: engine)")
     parser.add_argument("--hot-variants", action="store_true", help="time the variants with tiers off too")
     parser.add_argument("--prefill", type=int, default=0, help="new tokens per row; 0: decode")
+    parser.add_argument("--prefix-pages", action="store_true", help="prefill: also time the pages path")
     args = parser.parse_args()
     variants = [None] + [v for v in args.variants.split(",") if v]
     print("| context | batch | tiers | launch | segments | µs per layer call | MB read | GB/s |")
@@ -122,13 +134,16 @@ def main() -> None:
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             hot = variants if args.hot_variants else [None]
-            runs = [(True, v) for v in variants] + [(False, v) for v in hot]
-            for tiered, variant in runs:
+            runs = [(True, v, False) for v in variants] + [(False, v, False) for v in hot]
+            if args.prefix_pages:
+                runs.insert(1, (True, None, True))
+            for tiered, variant, pages in runs:
                 launch = _launch(variant)
                 us, read, segments = time_decode(
-                    batch, context, tiered, segments=args.segments, prefill=args.prefill, **launch
-                )
-                shape = variant or "default"
+                    batch, context, tiered, segments=args.segments,
+                    prefill=args.prefill, pages=pages, **launch,
+                )  # fmt: skip
+                shape = "warm prefix as pages" if pages else variant or "default"
                 tiers = "on" if tiered else "off"
                 print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | "
                       f"{read / 1e6:.1f} | {read / us / 1e3:.0f} |", flush=True)  # fmt: skip
