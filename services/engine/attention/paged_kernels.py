@@ -215,6 +215,53 @@ def _hot_update(
 
 
 @triton.jit
+def _prefix_update(
+    q,  # [M, D]
+    acc,  # [M, D] fp32
+    running_max,
+    running_sum,
+    hot_keys_ptr,
+    hot_values_ptr,
+    hot_block,  # [N] int64: hot page of each position, 0 where it has none
+    prefix_keys_ptr,
+    prefix_values_ptr,
+    prefix_block,  # [N] int64: prefix page of each position, 0 where it has none (wins over hot)
+    position,  # [N] absolute positions
+    q_position,  # [M]
+    kv_head,
+    stride_hot_b,
+    stride_hot_t,
+    stride_hot_h,
+    stride_prefix_b,
+    sm_scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Attend one tile whose positions each sit on a hot page or a prefix page (same layout within a
+    page): one pass that picks each row's pointer, with no branch, so the loads pipeline as the hot
+    path's do."""
+    channel = tl.arange(0, HEAD_DIM_PADDED)
+    is_prefix = prefix_block != 0
+    attended = is_prefix | (hot_block != 0)
+    within = (position % BLOCK_SIZE) * stride_hot_t + kv_head * stride_hot_h
+    hot_rows = hot_block * stride_hot_b + within
+    prefix_rows = prefix_block * stride_prefix_b + within
+    mask = attended[:, None] & (channel < HEAD_DIM)[None, :]
+    key_rows = tl.where(is_prefix, prefix_keys_ptr + prefix_rows, hot_keys_ptr + hot_rows)
+    k = tl.load(key_rows[:, None] + channel[None, :], mask=mask, other=0.0)  # [N, D]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
+    scores = tl.where(_visible(attended, position, q_position, CAUSAL), scores * sm_scale_log2, float("-inf"))
+    probs, rescale, running_max, running_sum = _softmax_step(scores, running_max, running_sum)
+    value_rows = tl.where(is_prefix, prefix_values_ptr + prefix_rows, hot_values_ptr + hot_rows)
+    v = tl.load(value_rows[:, None] + channel[None, :], mask=mask, other=0.0)  # [N, D]
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, running_max, running_sum
+
+
+@triton.jit
 def _visible(attended, position, q_position, CAUSAL: tl.constexpr):
     """[M, N]: which of a tile's positions each query sees. A decode query comes after every cached
     position (`CAUSAL` off): then only the per-position mask remains, with no compare per element."""
@@ -481,19 +528,12 @@ def _paged_attention_kernel(
             # a prefill over a warm prefix that was dequantized once for all its query blocks: the
             # prefix reads as pages of the hot layout, the rest from the hot tier
             prefix_block = tl.load(prefix_row + logical_block, mask=in_context, other=0).to(tl.int64)
-            hot_block = tl.where(prefix_block != 0, 0, hot_block)
-            if tl.max(prefix_block, 0) > 0:
-                acc, running_max, running_sum = _hot_update(
-                    q, acc, running_max, running_sum, prefix_keys_ptr, prefix_values_ptr,
-                    prefix_block, position, q_position, kv_head, stride_prefix_b, stride_hot_t, stride_hot_h,
-                    sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
-                )  # fmt: skip
-            if tl.max(hot_block, 0) > 0:
-                acc, running_max, running_sum = _hot_update(
-                    q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
-                    hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
-                    sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
-                )  # fmt: skip
+            acc, running_max, running_sum = _prefix_update(
+                q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr, hot_block,
+                prefix_keys_ptr, prefix_values_ptr, prefix_block, position, q_position, kv_head,
+                stride_hot_b, stride_hot_t, stride_hot_h, stride_prefix_b, sm_scale_log2,
+                BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+            )  # fmt: skip
         else:
             acc, running_max, running_sum = _hot_update(
                 q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
