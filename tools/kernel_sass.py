@@ -1,0 +1,153 @@
+"""The paged-attention kernel compiled for sm_90 on the CPU: instructions, spills and shared memory of
+its main loop, per launch variant, with no GPU.
+
+Triton's compiler, `ptxas` and `cuobjdump` ship in the Triton wheel and run on any x86-64 machine, so
+a change to `services/engine/attention/paged_kernels.py` can be weighed before a device call: the
+warm loop's instructions per warp per tile, the register spills inside it (local-memory stores and
+loads), and the shared memory the software pipeline takes. Use the Triton version the GPU machine has
+(its torch pins it; the H200 runs 3.6), since the compilers differ:
+
+    python3 -m pip install --no-deps --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36 .venv/bin/python tools/kernel_sass.py
+    PYTHONPATH=/tmp/triton36 .venv/bin/python tools/kernel_sass.py --variants decode:64x1,prefill:64x8
+
+A variant is `KIND:TILExWARPS`, KIND one of decode (16-row blocks, one query token, warm tier),
+prefill (64-row blocks over a warm tier read in place), pages (prefill over dequantized prefix
+pages), hot (decode, no warm tier) or prefill-hot (prefill, no warm tier). The shapes are the
+Llama-3.1-8B attention's (32 query heads, 8 KV heads, head dim 128, block 16, warm group 32).
+Counts are static: the loop body once, both sides of its branches included; `branch` is the longest
+forward branch inside the loop (the hot tile's path in a warm loop, skipped on most tiles). What
+they predict was checked against the H200 in bench/results/decode_gpu_2026-12-01c.md and
+decode_gpu_2026-12-02.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.engine.attention import paged_kernels
+
+POINTERS = {
+    "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+    "q_ptr": "*bf16", "hot_keys_ptr": "*bf16", "hot_values_ptr": "*bf16", "prefix_keys_ptr": "*bf16",
+    "prefix_values_ptr": "*bf16", "prefix_tables_ptr": "*i32", "key_codes_ptr": "*i32",
+    "key_scale_ptr": "*fp16", "key_zero_ptr": "*fp16", "value_codes_ptr": "*i32",
+    "value_scale_ptr": "*fp16", "value_zero_ptr": "*fp16", "block_tables_ptr": "*i32",
+    "warm_tables_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
+}  # fmt: skip
+# Strides the launcher passes that are multiples of 16 at this shape (Triton specializes on that at a
+# real launch, and it decides vectorized loads): the table stride and the last value-scale stride are not.
+DIVISIBLE = {
+    "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_hot_b", "stride_hot_t",
+    "stride_hot_h", "stride_codes_b", "stride_codes_t", "stride_codes_h", "stride_kscale_g",
+    "stride_kscale_h", "stride_vscale_b", "stride_vscale_t", "stride_prefix_b",
+}  # fmt: skip
+KINDS = {  # kind -> (BLOCK_M, warm tier in place, prefix pages)
+    "decode": (16, True, False),
+    "prefill": (64, True, False),
+    "pages": (64, False, True),
+    "hot": (16, False, False),
+    "prefill-hot": (64, False, False),
+}
+DEFAULT_VARIANTS = (
+    "decode:64x4,decode:64x2,decode:32x1,decode:16x1,hot:64x4,prefill:64x4,pages:64x4,prefill-hot:64x4"
+)
+
+
+def compile_variant(kind: str, tile_n: int, num_warps: int) -> triton.compiler.CompiledKernel:
+    block_m, has_warm, has_pages = KINDS[kind]
+    kernel = paged_kernels._paged_attention_kernel
+    constants = {
+        "NUM_KV_HEADS": 8, "BLOCK_SIZE": 16, "BLOCKS_PER_GROUP": 2, "VALUE_GROUP": 32, "HEAD_DIM": 128,
+        "HEAD_DIM_PADDED": 128, "QUERIES_PER_KV": 4, "BLOCK_M": block_m, "TILE_N": tile_n,
+        "NUM_SEGMENTS": 8 if block_m == 16 else 1, "HAS_WARM": has_warm, "HAS_PREFIX_PAGES": has_pages,
+        "IEEE_DOT": False, "DECODE": block_m == 16, "ASM_DEQUANT": True,
+    }  # fmt: skip
+    names = kernel.arg_names
+    signature = {
+        n: "constexpr" if n in constants else POINTERS.get(n, "fp32" if n == "sm_scale_log2" else "i32")
+        for n in names
+    }
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in POINTERS or n in DIVISIBLE}
+    source = ASTSource(
+        kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()}, attrs=attrs
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def disassemble(compiled: triton.compiler.CompiledKernel) -> list[tuple[int, str]]:
+    """(address, instruction) of the cubin's SASS."""
+    cuobjdump = Path(triton.backends.nvidia.__path__[0]) / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run(
+            [str(cuobjdump), "-sass", cubin.name], capture_output=True, text=True, check=True
+        )
+    rows = []
+    for line in text.stdout.splitlines():
+        match = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", line)
+        if match:
+            rows.append((int(match.group(1), 16), match.group(2)))
+    return rows
+
+
+def loop_stats(rows: list[tuple[int, str]]) -> dict[str, int]:
+    """The main loop (the backward branch spanning the most code): its size, its longest forward
+    branch, and its spills and barriers."""
+    loop = (0, -1)
+    for address, instruction in rows:
+        target = re.search(r"BRA\s+(0x[0-9a-f]+)", instruction)
+        if (
+            target
+            and int(target.group(1), 16) < address
+            and address - int(target.group(1), 16) > loop[1] - loop[0]
+        ):
+            loop = (int(target.group(1), 16), address)
+    body = [(a, i) for a, i in rows if loop[0] <= a <= loop[1]]
+    ops = collections.Counter(
+        (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for _, i in body
+    )
+    branch = 0
+    for address, instruction in body:
+        target = re.search(r"@!?P\d BRA\s+(0x[0-9a-f]+)", instruction)
+        if target and int(target.group(1), 16) > address:
+            branch = max(branch, (int(target.group(1), 16) - address) // 16)
+    return {"loop": len(body), "branch": branch, "STL": ops["STL"], "LDL": ops["LDL"], "BAR": ops["BAR"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="KIND:TILExWARPS, comma-separated")
+    args = parser.parse_args()
+    print(f"Triton {triton.__version__}, sm_90, 8B attention shape")
+    columns = ("variant", "loop instructions per warp", "branch", "per tile, branch skipped",
+               "per position, all warps", "spills (STL/LDL)", "barriers", "shared KB")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    for variant in args.variants.split(","):
+        kind, launch = variant.split(":")
+        tile_n, num_warps = (int(x) for x in launch.split("x"))
+        compiled = compile_variant(kind, tile_n, num_warps)
+        stats = loop_stats(disassemble(compiled))
+        per_tile = stats["loop"] - stats["branch"]
+        shared_kb = compiled.metadata.shared / 1024
+        cells = (variant, stats["loop"], stats["branch"], per_tile, f"{per_tile * num_warps / tile_n:.1f}",
+                 f"{stats['STL']}/{stats['LDL']}", stats["BAR"], f"{shared_kb:.0f}")  # fmt: skip
+        print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
