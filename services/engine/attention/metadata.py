@@ -138,8 +138,10 @@ class PrefixPlan(NamedTuple):
 def prefix_plan_arrays(warm_tables: np.ndarray, max_blocks: int) -> tuple[np.ndarray, np.ndarray] | None:
     """`(blocks, tables)` for `PrefixPlan` from a step's warm tables, or None when no warm block is
     read or more than `max_blocks` are (then the kernel reads the warm tier in place)."""
+    if max_blocks <= 0:
+        return None
     is_warm = warm_tables >= 0
-    if max_blocks <= 0 or not is_warm.any():
+    if not is_warm.any():
         return None
     blocks, index = np.unique(warm_tables[is_warm], return_inverse=True)
     if len(blocks) > max_blocks:

@@ -90,41 +90,29 @@ def _softmax_step(scores, running_max, running_sum):
     return probs, rescale, new_max, running_sum * rescale + tl.sum(probs, 1)
 
 
-# Two words of packed codes (eight nibbles each) -> the eight nibble planes as fp16 pairs, exact:
-# output $f holds nibble f of word 0 (low half) and of word 1 (high half). Per byte k, prmt moves
-# byte k of both words into the two halves of one register; a nibble is masked into the mantissa of
-# 1024.0 (lop3, two values), and 1024.0 is subtracted (sub.f16x2, two values): 1.5 instructions per
-# value, all at full rate. Inputs: $8 and $9, the two words.
-_WORDS_TO_F16_ASM = tl.constexpr("""
-{
-.reg .b32 t, h, bias;
-mov.b32 bias, 0x64006400;
-prmt.b32 t, $8, $9, 0x4400;
-shr.b32 h, t, 4;
-lop3.b32 $0, t, 0x000F000F, bias, 0xEA;
-lop3.b32 $1, h, 0x000F000F, bias, 0xEA;
-sub.f16x2 $0, $0, bias;
-sub.f16x2 $1, $1, bias;
-prmt.b32 t, $8, $9, 0x5511;
-shr.b32 h, t, 4;
-lop3.b32 $2, t, 0x000F000F, bias, 0xEA;
-lop3.b32 $3, h, 0x000F000F, bias, 0xEA;
-sub.f16x2 $2, $2, bias;
-sub.f16x2 $3, $3, bias;
-prmt.b32 t, $8, $9, 0x6622;
-shr.b32 h, t, 4;
-lop3.b32 $4, t, 0x000F000F, bias, 0xEA;
-lop3.b32 $5, h, 0x000F000F, bias, 0xEA;
-sub.f16x2 $4, $4, bias;
-sub.f16x2 $5, $5, bias;
-prmt.b32 t, $8, $9, 0x7733;
-shr.b32 h, t, 4;
-lop3.b32 $6, t, 0x000F000F, bias, 0xEA;
-lop3.b32 $7, h, 0x000F000F, bias, 0xEA;
-sub.f16x2 $6, $6, bias;
-sub.f16x2 $7, $7, bias;
-}
-""")
+def _words_to_f16_asm() -> str:
+    """PTX: two words of packed codes (eight nibbles each) -> the eight nibble planes as fp16 pairs, exact.
+
+    Output $f holds nibble f of word 0 (low half) and of word 1 (high half); inputs $8 and $9 are the
+    two words. Per byte k, prmt moves byte k of both words into the two halves of one register; a
+    nibble is masked into the mantissa of 1024.0 (lop3, two values), and 1024.0 is subtracted
+    (sub.f16x2, two values): 1.5 instructions per value, all at full rate."""
+    lines = [".reg .b32 t, h, bias;", "mov.b32 bias, 0x64006400;"]
+    for byte in range(4):
+        low, high = f"${2 * byte}", f"${2 * byte + 1}"
+        selector = 0x4400 + 0x1111 * byte  # byte k of word 0 to the low half, of word 1 to the high
+        lines += [
+            f"prmt.b32 t, $8, $9, {selector:#06x};",
+            "shr.b32 h, t, 4;",
+            f"lop3.b32 {low}, t, 0x000F000F, bias, 0xEA;",
+            f"lop3.b32 {high}, h, 0x000F000F, bias, 0xEA;",
+            f"sub.f16x2 {low}, {low}, bias;",
+            f"sub.f16x2 {high}, {high}, bias;",
+        ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_WORDS_TO_F16_ASM = tl.constexpr(_words_to_f16_asm())
 
 
 @triton.jit
@@ -200,16 +188,38 @@ def _hot_update(
     DOT_PRECISION: tl.constexpr,
 ):
     """Attend one tile of hot (model dtype) positions."""
-    channel = tl.arange(0, HEAD_DIM_PADDED)
-    is_hot = hot_block != 0
     offsets = hot_block * stride_hot_b + (position % BLOCK_SIZE) * stride_hot_t + kv_head * stride_hot_h
-    slot = offsets[:, None] + channel[None, :]
-    mask = is_hot[:, None] & (channel < HEAD_DIM)[None, :]
-    k = tl.load(hot_keys_ptr + slot, mask=mask, other=0.0)  # [N, D]
+    return _attend_rows(
+        q, acc, running_max, running_sum, hot_keys_ptr + offsets, hot_values_ptr + offsets, hot_block != 0,
+        position, q_position, sm_scale_log2, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attend_rows(
+    q,  # [M, D]
+    acc,  # [M, D] fp32
+    running_max,
+    running_sum,
+    key_rows,  # [N] pointers: each position's key (model dtype, channels contiguous)
+    value_rows,  # [N] pointers: each position's value
+    attended,  # [N] bool: positions this update reads (the others are masked, their rows never read)
+    position,  # [N] absolute positions
+    q_position,  # [M]
+    sm_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax update over a tile of positions read in the model dtype (hot or prefix pages)."""
+    channel = tl.arange(0, HEAD_DIM_PADDED)
+    mask = attended[:, None] & (channel < HEAD_DIM)[None, :]
+    k = tl.load(key_rows[:, None] + channel[None, :], mask=mask, other=0.0)  # [N, D]
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-    scores = tl.where(_visible(is_hot, position, q_position, CAUSAL), scores * sm_scale_log2, float("-inf"))
+    scores = tl.where(_visible(attended, position, q_position, CAUSAL), scores * sm_scale_log2, float("-inf"))
     probs, rescale, running_max, running_sum = _softmax_step(scores, running_max, running_sum)
-    v = tl.load(hot_values_ptr + slot, mask=mask, other=0.0)  # [N, D]
+    v = tl.load(value_rows[:, None] + channel[None, :], mask=mask, other=0.0)  # [N, D]
     acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, running_max, running_sum
 
@@ -243,22 +253,16 @@ def _prefix_update(
     """Attend one tile whose positions each sit on a hot page or a prefix page (same layout within a
     page): one pass that picks each row's pointer, with no branch, so the loads pipeline as the hot
     path's do."""
-    channel = tl.arange(0, HEAD_DIM_PADDED)
     is_prefix = prefix_block != 0
-    attended = is_prefix | (hot_block != 0)
     within = (position % BLOCK_SIZE) * stride_hot_t + kv_head * stride_hot_h
     hot_rows = hot_block * stride_hot_b + within
     prefix_rows = prefix_block * stride_prefix_b + within
-    mask = attended[:, None] & (channel < HEAD_DIM)[None, :]
     key_rows = tl.where(is_prefix, prefix_keys_ptr + prefix_rows, hot_keys_ptr + hot_rows)
-    k = tl.load(key_rows[:, None] + channel[None, :], mask=mask, other=0.0)  # [N, D]
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-    scores = tl.where(_visible(attended, position, q_position, CAUSAL), scores * sm_scale_log2, float("-inf"))
-    probs, rescale, running_max, running_sum = _softmax_step(scores, running_max, running_sum)
     value_rows = tl.where(is_prefix, prefix_values_ptr + prefix_rows, hot_values_ptr + hot_rows)
-    v = tl.load(value_rows[:, None] + channel[None, :], mask=mask, other=0.0)  # [N, D]
-    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, running_max, running_sum
+    return _attend_rows(
+        q, acc, running_max, running_sum, key_rows, value_rows, is_prefix | (hot_block != 0),
+        position, q_position, sm_scale_log2, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
 
 
 @triton.jit
