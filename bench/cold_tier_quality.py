@@ -574,14 +574,18 @@ def forced_markdown(rows: list[tuple[ContextSetting, list[ForcedPasskey]]], args
     return "\n".join(lines) + "\n"
 
 
-def forced_command(args: argparse.Namespace) -> str:
-    """The command that reproduces the teacher-forced passkey table."""
+def _long_context_flags(args: argparse.Namespace) -> str:
+    """The flags the long-context and forced-passkey parts share."""
     return (
-        f".venv/bin/python bench/cold_tier_quality.py forced-passkey --threads {args.threads} "
-        f"--context {args.context} --prefill-chunk {args.prefill_chunk} --hot {args.hot} --warm {args.warm} "
-        f"--window {args.window} --score-every {args.score_every} "
+        f"--threads {args.threads} --context {args.context} --prefill-chunk {args.prefill_chunk} "
+        f"--hot {args.hot} --warm {args.warm} --window {args.window} --score-every {args.score_every} "
         f"--depths {' '.join(f'{d:g}' for d in args.depths)}"
     )
+
+
+def forced_command(args: argparse.Namespace) -> str:
+    """The command that reproduces the teacher-forced passkey table."""
+    return f".venv/bin/python bench/cold_tier_quality.py forced-passkey {_long_context_flags(args)}"
 
 
 @dataclass(frozen=True)
@@ -763,11 +767,8 @@ def context_markdown(rows: list[ContextRow], args: argparse.Namespace, env: dict
 def context_command(args: argparse.Namespace) -> str:
     """The command that reproduces the long-context table."""
     return (
-        f".venv/bin/python bench/cold_tier_quality.py long-context --threads {args.threads} "
-        f"--context {args.context} "
-        f"--tail {args.tail} --prefill-chunk {args.prefill_chunk} --hot {args.hot} --warm {args.warm} "
-        f"--window {args.window} --score-every {args.score_every} "
-        f"--depths {' '.join(f'{d:g}' for d in args.depths)} --answer-tokens {args.answer_tokens}"
+        f".venv/bin/python bench/cold_tier_quality.py long-context {_long_context_flags(args)} "
+        f"--tail {args.tail} --answer-tokens {args.answer_tokens}"
     )
 
 
