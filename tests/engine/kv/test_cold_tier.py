@@ -37,6 +37,8 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 BLOCK_SIZE = 16
 # A healthy store on a loaded 2-core CI box can take seconds; only the frozen-store test is about time.
 HEALTHY = {"deadline_ms": 60_000, "transfer_deadline_ms": 120_000}
+# A hot window and a warm tier of two groups each: a story's prompt sends most of its groups cold.
+WINDOW_TIERS = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
 
 
 @pytest.fixture
@@ -87,6 +89,16 @@ def store_prefix(engine: LLMEngine, prompt: list[int]) -> GenerationResult:
 def prompt_block_hashes(engine: LLMEngine, prompt: list[int]) -> list[BlockHashBytes]:
     """The prompt's chained block hashes, as the engine names them (no cache salt)."""
     return hash_prefix_blocks(prompt, BLOCK_SIZE, engine.model_id, "")
+
+
+def step_until_a_window_loads(engine: LLMEngine, collector: ResultCollector) -> None:
+    """Step (flushing the kvstore threads) until the auxiliary window has loaded a cold block; the
+    request must still be running then."""
+    assert engine.cold is not None
+    while engine.cold.stats.window_loads == 0:
+        assert not collector.done.is_set(), "the request ended before its auxiliary window loaded"
+        engine.step()
+        engine.cold.tier.flush()
 
 
 def degradations(operation: str, reason: str) -> float:
@@ -194,18 +206,14 @@ def test_the_request_completes_when_the_kvstore_is_killed_mid_request(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
     """Warm overflow goes cold, the auxiliary window loads it back, then the store dies under it."""
-    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
     cold = ColdTierConfig(target=kvstore.target, score_every_steps=4, aux_window_tokens=32, **HEALTHY)
-    engine = load_engine(stories_hf_dir, cold, tiers)
+    engine = load_engine(stories_hf_dir, cold, WINDOW_TIERS)
     assert engine.cold is not None
     prompt = engine.tokenizer.encode(STORY)
     params = SamplingParams(max_new_tokens=120, temperature=0.0)
     collector = ResultCollector(prompt)
     engine.submit(prompt, params, collector, retrieval_mode="semantic")
-    while engine.cold.stats.window_loads == 0:  # until a cold block is attended again
-        assert not collector.done.is_set(), "the request ended before its auxiliary window loaded"
-        engine.step()
-        engine.cold.tier.flush()
+    step_until_a_window_loads(engine, collector)  # until a cold block is attended again
     num_before = engine.cold.stats.degradations
     kvstore.kill()
     while not collector.done.is_set():
@@ -226,18 +234,14 @@ def test_a_window_is_scored_as_soon_as_its_request_has_stored_cold_blocks(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
     """The cadence alone (every 1,000 steps here) would never score a short answer's window."""
-    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
     cold = ColdTierConfig(target=kvstore.target, score_every_steps=1000, aux_window_tokens=32, **HEALTHY)
-    engine = load_engine(stories_hf_dir, cold, tiers)
+    engine = load_engine(stories_hf_dir, cold, WINDOW_TIERS)
     assert engine.cold is not None
     prompt = engine.tokenizer.encode(STORY)
     collector = ResultCollector(prompt)
     params = SamplingParams(max_new_tokens=60, temperature=0.0)
     engine.submit(prompt, params, collector, retrieval_mode="semantic")
-    while engine.cold.stats.window_loads == 0:
-        assert not collector.done.is_set(), "the request ended before its auxiliary window was chosen"
-        engine.step()
-        engine.cold.tier.flush()
+    step_until_a_window_loads(engine, collector)
     while not collector.done.is_set():
         engine.step()
     assert collector.result().error is None
