@@ -869,6 +869,7 @@ def _gpu_kv_budget(
     Under tensor parallelism the profile would need every rank's collectives, so rank 0 estimates
     the activations instead: the largest prefill's MLP and attention buffers and the decode logits.
     """
+    config, size = model.rank_config, torch.empty((), dtype=dtype).element_size()
     if not model.tp.is_parallel:
         profile = profile_memory(
             model, device, dtype, attention, kv.block_size, kv.tiers, max_prefill_tokens, max_batch_size
@@ -877,13 +878,10 @@ def _gpu_kv_budget(
     else:
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        config, size = model.rank_config, torch.empty((), dtype=dtype).element_size()
         per_token = (2 * config.intermediate_size + 4 * config.hidden_size + 2 * config.q_size) * size
         activation = 2 * max_prefill_tokens * per_token + max_batch_size * config.vocab_size * 4
     reserve = GRAPH_AND_WORKSPACE_RESERVE_BYTES
     if kv.tiers.enabled and attention != "reference":  # the fused backend's warm-prefix pages
-        config = model.rank_config
-        size = torch.empty((), dtype=dtype).element_size()
         reserve += prefix_page_bytes(config.num_kv_heads, config.head_dim, kv.block_size, size)
     budget = budget_from_device_memory(total, used, activation, kv.gpu_memory_utilization, reserve)
     logger.info(
