@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,6 +139,32 @@ def test_entropy_rule_sets_how_many_tokens_stay(
     assert dropped_mass.numel() == 0 or kept_mass.min() >= dropped_mass.max()
 
 
+@pytest.mark.parametrize(
+    ("mass", "num_kept_unpaged", "num_kept"),
+    [
+        (torch.ones(32), 32, 32),
+        (concentrated_mass(32, hot=12), 16, 16),
+        (concentrated_mass(32, hot=1), 8, 16),
+    ],
+    ids=["even", "mid", "peaked"],
+)
+def test_keep_multiple_rounds_the_kept_tokens_up_to_whole_pages(
+    mass: torch.Tensor, num_kept_unpaged: int, num_kept: int
+) -> None:
+    """Pages of 16 tokens: the rule's 8 of 32 become 16 (the next most massive), 16 and 32 stay."""
+    rule = SparsityRule(low_entropy=0.4, high_entropy=0.9, mid_keep_ratio=0.5, low_keep_ratio=0.25)
+    paged = dataclasses.replace(rule, keep_multiple=16)
+    assert int(choose_kept_tokens(mass, rule)[0].sum()) == num_kept_unpaged
+    mask, _ = choose_kept_tokens(mass, paged)
+    assert int(mask.sum()) == num_kept
+    assert (~mask).sum() == 0 or mass[mask].min() >= mass[~mask].max()
+    keys, values, _ = make_block(tokens=32)
+    settings = CodecSettings(group_size=8, sparsity=paged)
+    payload = encode_block(keys, values, mass, settings)
+    assert payload == encode_block_reference(keys, values, mass, settings)
+    assert read_layout(payload).num_kept == num_kept
+
+
 def test_compression_against_bf16() -> None:
     """SmolLM2-135M's block shape (30 layers, 3 kv heads, head dim 64), 64 tokens, group 32."""
     keys, values, _ = make_block(layers=30, tokens=64, heads=3, dim=64)
@@ -189,3 +217,5 @@ def test_rule_thresholds_are_validated() -> None:
         SparsityRule(low_entropy=0.9, high_entropy=0.5)
     with pytest.raises(ValueError, match="mid_keep_ratio"):
         SparsityRule(mid_keep_ratio=0.0)
+    with pytest.raises(ValueError, match="keep_multiple"):
+        SparsityRule(keep_multiple=0)

@@ -23,6 +23,8 @@ class SparsityRule:
     Entropy at or above `high_entropy` (attention spread evenly): keep every token. At or above
     `low_entropy`: keep the `mid_keep_ratio` share with the most mass. Below (attention on a few
     tokens): keep `low_keep_ratio`. Defaults are measured by bench/kvstore_codec.py.
+    `keep_multiple` rounds the kept count up to a multiple of it (capped at the block): the engine
+    sets its KV page size, so the kept tokens of a loaded block fill whole pages.
     """
 
     # measured in bench/results/kvstore_codec_2026-12-01.md: the fewest bytes within 10% of the
@@ -32,6 +34,7 @@ class SparsityRule:
     high_entropy: float = 0.97
     mid_keep_ratio: float = 0.25
     low_keep_ratio: float = 0.125
+    keep_multiple: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.low_entropy <= self.high_entropy <= 1.0:
@@ -42,6 +45,8 @@ class SparsityRule:
         for name in ("mid_keep_ratio", "low_keep_ratio"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.keep_multiple < 1:
+            raise ValueError(f"keep_multiple must be >= 1, got {self.keep_multiple}")
 
     def tier(self, entropy: float) -> SparsityTier:
         """The branch a block of this normalised entropy falls in."""
@@ -50,13 +55,14 @@ class SparsityRule:
         return SparsityTier.TOP_K if entropy >= self.low_entropy else SparsityTier.PRUNE
 
     def num_kept(self, entropy: float, num_tokens: int) -> int:
-        """How many of `num_tokens` tokens to keep (at least one)."""
+        """How many of `num_tokens` tokens to keep (at least one, a multiple of `keep_multiple` or all)."""
         ratio = {
             SparsityTier.KEEP_ALL: 1.0,
             SparsityTier.TOP_K: self.mid_keep_ratio,
             SparsityTier.PRUNE: self.low_keep_ratio,
         }[self.tier(entropy)]
-        return max(1, math.ceil(ratio * num_tokens))
+        num_kept = max(1, math.ceil(ratio * num_tokens))
+        return min(num_tokens, -(-num_kept // self.keep_multiple) * self.keep_multiple)
 
 
 KEEP_ALL = SparsityRule(low_entropy=0.0, high_entropy=0.0)
