@@ -289,9 +289,10 @@ class Scheduler:
                 seq.timeline.end_prefill_chunk(row.num_new)
                 self.num_prefill_tokens_computed += row.num_new
             registered = self.kv_cache.register_full_blocks(seq.block_table, seq.num_computed_tokens)
+            if self.cold is not None:  # before demotion maps the blocks it frees to the scratch block
+                self.cold.store_prefix(seq, registered)
             demoted = self.kv_cache.demote(seq.block_table, seq.num_computed_tokens)
             if self.cold is not None:
-                self.cold.store_prefix(seq, registered)
                 self.cold.demote(seq, demoted.to_cold)
             self.num_dropped_tokens_last_step += demoted.num_dropped_tokens
             if demoted.num_demoted_tokens or demoted.num_dropped_tokens:

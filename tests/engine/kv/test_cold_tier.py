@@ -145,6 +145,26 @@ def test_a_second_replica_loads_a_long_shared_prefix_instead_of_computing_it(
     second.stop()
 
 
+def test_a_prefix_stored_by_a_tiered_engine_reloads_as_it_was_computed(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """A one-chunk prompt demotes most of its blocks in the step that fills them: each is stored from
+    its own page (read before demotion maps it to the scratch block), so a reuse equals a recompute."""
+    cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
+    first = load_engine(stories_hf_dir, cold, WINDOW_TIERS)
+    prompt = long_prompt(first)
+    store_prefix(first, prompt)
+    plain = load_engine(stories_hf_dir, ColdTierConfig())  # no cold tier, no tiers: computed in full
+    expected = run(plain, prompt).result()
+    second = load_engine(stories_hf_dir, cold)
+    collector = run(second, prompt)
+    num_blocks = (len(prompt) - 1) // BLOCK_SIZE
+    assert second.stats().cold.prompt_tokens_loaded == num_blocks * BLOCK_SIZE  # type: ignore[union-attr]
+    assert collector.result().token_ids == expected.token_ids
+    for engine in (first, plain, second):
+        engine.stop()
+
+
 def test_a_corrupt_block_ends_the_loaded_prefix_there_and_the_rest_is_computed(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
