@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import triton
 
 from services.engine.attention.backend import (
     PREFIX_DEQUANT_CHUNK_BLOCKS,
@@ -49,6 +50,7 @@ class TritonBackend(AttentionBackend):
         )
         self.max_prefix_blocks = 0
         self.num_prefix_layer_calls = 0  # layer calls that read a prefill's warm prefix from pages
+        self.num_split_layer_calls = 0  # eager decode layer calls split across programs (flash-decoding)
         self._prefix_pages: tuple[torch.Tensor, torch.Tensor] | None = None
         if kv_cache.warm is not None:  # pages 1..S hold a prefill's warm blocks; page 0 is never read
             block_size = kv_cache.block_size
@@ -71,7 +73,17 @@ class TritonBackend(AttentionBackend):
             in_place = paged_layer._replace(warm=None)  # the warm blocks are read from the pages
             return paged_attention(q, in_place, metadata.paged, out, prefix_pages=pages)
         partials = self.partials if metadata.num_segments > 1 else None
+        self.num_split_layer_calls += metadata.num_segments > 1
         return paged_attention(q, paged_layer, metadata.paged, out, metadata.num_segments, partials)
+
+    def num_segments(self, num_rows: int, max_seq_len: int) -> int:
+        """Enough programs to fill the GPU, but no segment under MIN_TOKENS_PER_SEGMENT positions."""
+        if num_rows > self.partials.out.shape[0]:
+            return 1
+        by_occupancy = triton.cdiv(TARGET_PROGRAMS, num_rows * self.num_kv_heads)
+        by_length = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SEGMENT)
+        wanted = max(1, min(MAX_SEGMENTS, by_occupancy, by_length))
+        return 1 << (wanted.bit_length() - 1)  # the merge kernel needs a power of two
 
     def _dequantize_prefix(self, layer: PagedLayer, prefix: PrefixPlan) -> WarmPrefixPages:
         """This layer's warm blocks of `prefix` into pages 1..S of the held buffers."""

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
-from services.engine.attention.triton_backend import TritonBackend
+from services.engine.attention.triton_backend import MAX_SEGMENTS, TritonBackend
+from services.engine.kv.cache import HotTier, KVCache
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
+from services.engine.model.config import ModelConfig
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.serving.generation_result import ResultCollector
 
@@ -50,4 +52,19 @@ def test_chunked_prefill_over_a_warm_prefix_equals_the_reference(stories_hf_dir:
     backend = engine.runner.attention
     assert isinstance(backend, TritonBackend)
     assert backend.num_prefix_layer_calls > 0  # the warm prefix really was read from pages
+    assert backend.num_split_layer_calls > 0  # and decode split the rows' contexts (flash-decoding)
     assert fused == reference
+
+
+def test_decode_splits_long_contexts_to_fill_the_gpu() -> None:
+    """Flash-decoding: few rows over long contexts get many programs each; short contexts, or more rows
+    than the workspace holds, get none."""
+    config = ModelConfig(vocab_size=8, hidden_size=32 * 128, intermediate_size=8, num_layers=1,
+                         num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
+    cache = KVCache(HotTier(config, 4, 16, torch.device("cpu"), torch.float32), None)
+    backend = TritonBackend(cache, num_heads=32, max_decode_rows=16)
+    assert backend.num_segments(16, 32768) == 8  # 16 rows x 8 KV heads x 8 segments: ~8 programs per SM
+    assert backend.num_segments(1, 32768) == MAX_SEGMENTS
+    assert backend.num_segments(1, 1024) == 4  # segments of MIN_TOKENS_PER_SEGMENT positions, no shorter
+    assert backend.num_segments(1, 200) == 1
+    assert backend.num_segments(17, 32768) == 1  # past the workspace
