@@ -258,7 +258,7 @@ class LLMEngine:
 
     def attach_cold_tier(self, config: ColdTierConfig) -> None:
         """Use the kvstore at `config.target` for prefix reuse, demotion and the auxiliary window."""
-        tier = ColdTier(config, self.model_id, wake=self._wake)
+        tier = ColdTier(config, self.model_id, wake=self._wake, page_tokens=self.runner.kv_cache.block_size)
         self.runner.attach_cold_tier(tier)
         assert self.runner.cold_summaries is not None
         self.cold = ColdPlanner(tier, self.runner.kv_cache, self.runner.cold_summaries)
@@ -632,7 +632,7 @@ class LLMEngine:
         for row in batch.rows:
             table = row.seq.block_table
             if row.num_new == 1 and not row.seq.is_finished:  # decode (not a dead row)
-                num_cold = len(table.aux_blocks) * table.tiers.group_size
+                num_cold = sum(map(len, table.aux_blocks.values())) * cache.block_size  # pruned: fewer
                 num_hot = min(cache.num_held_hot_blocks(table) * cache.block_size, row.seq.num_tokens)
                 row.seq.record_attention(
                     num_hot - num_cold, len(table.warm_groups) * table.tiers.group_size, num_cold

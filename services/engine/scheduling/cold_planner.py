@@ -211,7 +211,8 @@ class ColdPlanner:
                 continue
             if pool.num_free_blocks() < 2 * blocks_per_group:  # leave room for the batch to grow
                 continue
-            block_ids = pool.allocate(blocks_per_group)
+            # a pruned block's kept tokens fill its first pages; the rest of its span stays unmapped
+            block_ids = pool.allocate(block.keys.shape[1] // self.kv_cache.block_size)
             for offset, block_id in enumerate(block_ids):
                 table.hot_block_ids[first + offset] = block_id
             table.aux_blocks[first] = tuple(block_ids)
@@ -228,8 +229,8 @@ class ColdPlanner:
             table.hot_block_ids[first + offset] = SCRATCH_BLOCK
 
     def num_window_tokens(self, seq: Sequence) -> int:
-        """Cold tokens the sequence attends now."""
-        return len(seq.block_table.aux_blocks) * seq.block_table.tiers.group_size
+        """Cold tokens the sequence attends now (a pruned block counts its kept tokens)."""
+        return sum(map(len, seq.block_table.aux_blocks.values())) * self.kv_cache.block_size
 
     def release(self, seq: Sequence) -> None:
         """A request ended: forget its window and delete its demoted blocks from the store."""
