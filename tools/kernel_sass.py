@@ -66,7 +66,9 @@ DEFAULT_VARIANTS = (
 )
 
 
-def compile_variant(kind: str, tile_n: int, num_warps: int) -> triton.compiler.CompiledKernel:
+def compile_variant(
+    kind: str, tile_n: int, num_warps: int, maxnreg: int | None = None
+) -> triton.compiler.CompiledKernel:
     block_m, has_warm, has_pages = KINDS[kind]
     kernel = paged_kernels._paged_attention_kernel
     constants = {
@@ -84,7 +86,21 @@ def compile_variant(kind: str, tile_n: int, num_warps: int) -> triton.compiler.C
     source = ASTSource(
         kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()}, attrs=attrs
     )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def registers(compiled: triton.compiler.CompiledKernel) -> int:
+    """Registers per thread that ptxas gave the kernel (its resource usage in the cubin)."""
+    cuobjdump = Path(triton.backends.nvidia.__path__[0]) / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run(
+            [str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True, check=True
+        )
+    match = re.search(r"REG:(\d+)", text.stdout)
+    return int(match.group(1)) if match else 0
 
 
 def disassemble(compiled: triton.compiler.CompiledKernel) -> list[tuple[int, str]]:
@@ -105,17 +121,20 @@ def disassemble(compiled: triton.compiler.CompiledKernel) -> list[tuple[int, str
 
 
 def loop_stats(rows: list[tuple[int, str]]) -> dict[str, int]:
-    """The main loop (the backward branch spanning the most code): its size, its longest forward
-    branch, and its spills and barriers."""
-    loop = (0, -1)
+    """The main loop (the largest loop with no loop inside it: the warm loop when there is a warm
+    tier, which runs after the hot pass): its size, its longest forward branch, and its spills and
+    barriers."""
+    loops = []
     for address, instruction in rows:
         target = re.search(r"BRA\s+(0x[0-9a-f]+)", instruction)
-        if (
-            target
-            and int(target.group(1), 16) < address
-            and address - int(target.group(1), 16) > loop[1] - loop[0]
-        ):
-            loop = (int(target.group(1), 16), address)
+        if target and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    innermost = [
+        (start, end)
+        for start, end in loops
+        if not any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops)
+    ]
+    loop = max(innermost, key=lambda span: span[1] - span[0], default=(0, -1))
     body = [(a, i) for a, i in rows if loop[0] <= a <= loop[1]]
     ops = collections.Counter(
         (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for _, i in body
@@ -131,21 +150,24 @@ def loop_stats(rows: list[tuple[int, str]]) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="KIND:TILExWARPS, comma-separated")
+    parser.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas)")
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_90, 8B attention shape")
     columns = ("variant", "loop instructions per warp", "branch", "per tile, branch skipped",
-               "per position, all warps", "spills (STL/LDL)", "barriers", "shared KB")  # fmt: skip
+               "per position, all warps", "spills (STL/LDL)", "barriers", "shared KB",
+               "registers")  # fmt: skip
     print("| " + " | ".join(columns) + " |")
-    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for variant in args.variants.split(","):
         kind, launch = variant.split(":")
         tile_n, num_warps = (int(x) for x in launch.split("x"))
-        compiled = compile_variant(kind, tile_n, num_warps)
+        compiled = compile_variant(kind, tile_n, num_warps, args.maxnreg)
         stats = loop_stats(disassemble(compiled))
         per_tile = stats["loop"] - stats["branch"]
         shared_kb = compiled.metadata.shared / 1024
         cells = (variant, stats["loop"], stats["branch"], per_tile, f"{per_tile * num_warps / tile_n:.1f}",
-                 f"{stats['STL']}/{stats['LDL']}", stats["BAR"], f"{shared_kb:.0f}")  # fmt: skip
+                 f"{stats['STL']}/{stats['LDL']}", stats["BAR"], f"{shared_kb:.0f}",
+                 registers(compiled))  # fmt: skip
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 

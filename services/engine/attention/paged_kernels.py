@@ -11,10 +11,10 @@ The warm path is built for bytes in flight and few instructions per byte (bench/
 measured each step on the H200): a tile's codes are read per block as contiguous slabs from one
 table entry per block, as int32 words (a register per four code bytes); on a GPU the words are
 unpacked in PTX straight into fp16 pairs in channel order (1.5 instructions per value, see
-_WORDS_TO_F16_ASM); and the next tile's loads are issued before the current tile's math. A tile
-with hot positions (the sink and the recent window) takes a separate branch. The program order puts
-the KV heads of one (row, segment) side by side, so they read a position's neighbouring bytes
-together.
+_WORDS_TO_F16_ASM); and the next tile's loads are issued before the current tile's math. The hot
+positions of a tiered row (the sink and the recent window) are read in a pass of their own before
+the warm loop, so the warm loop carries none of their registers. The program order puts the KV
+heads of one (row, segment) side by side, so they read a position's neighbouring bytes together.
 
 Cache layouts (one layer; the caller slices the layer off):
 - hot keys/values `[N, BS, KVH, D]`, model dtype; block 0 is scratch and never read.
@@ -448,6 +448,7 @@ def _paged_attention_kernel(
     TILE_BLOCKS: tl.constexpr = TILE_N // BLOCK_SIZE
     CAUSAL: tl.constexpr = BLOCK_Q > 1 or not DECODE  # a decode query sees its whole context
     DOT_PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"
+    SCAN_TILES: tl.constexpr = 16  # tiles per table read of the hot pass
 
     q_start = tl.load(query_start_ptr + row)
     q_len = tl.load(query_start_ptr + row + 1) - q_start
@@ -463,10 +464,6 @@ def _paged_attention_kernel(
     has_channel = channel < HEAD_DIM
     q_rows = q_ptr + (q_start + q_token)[:, None] * stride_q_t + head[:, None] * stride_q_h
     q = tl.load(q_rows + channel[None, :], mask=is_query[:, None] & has_channel[None, :], other=0.0)  # [M, D]
-    # The warm tier is dequantized and multiplied in fp16 for a 16-bit model (see _unpack_words), so
-    # the query meets it in fp16: exact for a bf16 query inside fp16's range, which is clamped to it.
-    WARM_DTYPE: tl.constexpr = tl.float32 if IEEE_DOT else tl.float16
-    q_warm = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(WARM_DTYPE)
 
     # keys this block of queries can see, split evenly (in whole tiles) across the segments
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
@@ -483,6 +480,39 @@ def _paged_attention_kernel(
     warm_row = warm_tables_ptr + row * stride_table_b
     prefix_row = prefix_tables_ptr + row * stride_table_b
     if HAS_WARM:
+        # Two passes over the segment's tiles: first the hot pass, which attends only the tiles with
+        # hot positions (the sink and the recent window, a few tiles of a long row), then the warm
+        # pass, straight-line. Apart, the warm loop carries none of the hot path's registers (the
+        # model-dtype query and tiles): on sm_90 that is 184 registers a thread against 238, so a
+        # third more programs fit on an SM (tools/kernel_sass.py).
+        # The scan reads the tables SCAN_TILES tiles at a time and visits only the tiles with hot
+        # positions: a tile-by-tile scan waits on a table load per tile, which at 32K cost a long
+        # row's programs more than the hot tiles themselves. A block in both tiers is read as warm.
+        for chunk in range(tile_begin, tile_end, SCAN_TILES):
+            tiles = chunk + tl.arange(0, SCAN_TILES)
+            blocks = tiles[:, None] * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)[None, :]  # [S, K]
+            scan_mask = (tiles < tile_end)[:, None] & (blocks * BLOCK_SIZE < kv_end)
+            hot_entry = tl.load(table_row + blocks, mask=scan_mask, other=0)
+            warm_entry = tl.load(warm_row + blocks, mask=scan_mask, other=-1)
+            has_hot = tl.max(tl.where(warm_entry >= 0, 0, hot_entry), 1) > 0  # [S]
+            tile = tl.min(tl.where(has_hot, tiles, tile_end), 0)
+            while tile < tile_end:
+                position = tile * TILE_N + tl.arange(0, TILE_N)
+                in_context = position < kv_end
+                logical_block = position // BLOCK_SIZE
+                hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
+                is_warm = tl.load(warm_row + logical_block, mask=in_context, other=-1) >= 0
+                acc, running_max, running_sum = _hot_update(
+                    q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
+                    tl.where(is_warm, 0, hot_block), position, q_position, kv_head,
+                    stride_hot_b, stride_hot_t, stride_hot_h, sm_scale_log2,
+                    BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+                )  # fmt: skip
+                tile = tl.min(tl.where(has_hot & (tiles > tile), tiles, tile_end), 0)
+        # The warm tier is dequantized and multiplied in fp16 for a 16-bit model (see _unpack_words), so
+        # the query meets it in fp16: exact for a bf16 query inside fp16's range, which is clamped to it.
+        WARM_DTYPE: tl.constexpr = tl.float32 if IEEE_DOT else tl.float16
+        q_warm = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(WARM_DTYPE)
         # Software pipeline by hand: while a tile's math runs, the next tile's codes are already in
         # flight (their table entries one tile further ahead), so the loop never waits on a load
         # it has just issued.
@@ -495,12 +525,9 @@ def _paged_attention_kernel(
             WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED,
         )  # fmt: skip
         next_table = _warm_tile_table(warm_row, tile_begin + 1, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
-    for tile in range(tile_begin, tile_end):
-        position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
-        in_context = position < kv_end
-        logical_block = position // BLOCK_SIZE
-        hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
-        if HAS_WARM:
+        for tile in range(tile_begin, tile_end):
+            position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
+            in_context = position < kv_end
             tile_key_words, tile_key_scale, tile_key_zero = key_words, key_scale, key_zero
             tile_value_words, tile_value_scale, tile_value_zero = value_words, value_scale, value_zero
             key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
@@ -511,9 +538,8 @@ def _paged_attention_kernel(
                 WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED,
             )  # fmt: skip
             next_table = _warm_tile_table(warm_row, tile + 2, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
-            # The warm update is straight-line; the hot update runs only where a tile has hot
-            # positions: the sink and the recent window, a few tiles of a long row.
-            is_warm = in_context & (tl.load(warm_row + logical_block, mask=in_context, other=-1) >= 0)
+            warm_entry = tl.load(warm_row + position // BLOCK_SIZE, mask=in_context, other=-1)
+            is_warm = in_context & (warm_entry >= 0)
             acc, running_max, running_sum = _warm_update(
                 q_warm, acc, running_max, running_sum,
                 tile_key_words, tile_key_scale, tile_key_zero,
@@ -521,29 +547,28 @@ def _paged_attention_kernel(
                 is_warm, position, q_position, sm_scale_log2, TILE_N, TILE_BLOCKS, BLOCK_SIZE,
                 HEAD_DIM_PADDED, VALUE_GROUP, CAUSAL, DOT_PRECISION, ASM_DEQUANT,
             )  # fmt: skip
-            hot_block = tl.where(is_warm, 0, hot_block)  # a block in both tiers is read as warm
-            if tl.max(hot_block, 0) > 0:
+    else:
+        for tile in range(tile_begin, tile_end):
+            position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
+            in_context = position < kv_end
+            logical_block = position // BLOCK_SIZE
+            hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
+            if HAS_PREFIX_PAGES:
+                # a prefill over a warm prefix that was dequantized once for all its query blocks:
+                # the prefix reads as pages of the hot layout, the rest from the hot tier
+                prefix_block = tl.load(prefix_row + logical_block, mask=in_context, other=0).to(tl.int64)
+                acc, running_max, running_sum = _prefix_update(
+                    q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr, hot_block,
+                    prefix_keys_ptr, prefix_values_ptr, prefix_block, position, q_position, kv_head,
+                    stride_hot_b, stride_hot_t, stride_hot_h, stride_prefix_b, sm_scale_log2,
+                    BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+                )  # fmt: skip
+            else:
                 acc, running_max, running_sum = _hot_update(
                     q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
                     hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
                     sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
                 )  # fmt: skip
-        elif HAS_PREFIX_PAGES:
-            # a prefill over a warm prefix that was dequantized once for all its query blocks: the
-            # prefix reads as pages of the hot layout, the rest from the hot tier
-            prefix_block = tl.load(prefix_row + logical_block, mask=in_context, other=0).to(tl.int64)
-            acc, running_max, running_sum = _prefix_update(
-                q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr, hot_block,
-                prefix_keys_ptr, prefix_values_ptr, prefix_block, position, q_position, kv_head,
-                stride_hot_b, stride_hot_t, stride_hot_h, stride_prefix_b, sm_scale_log2,
-                BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
-            )  # fmt: skip
-        else:
-            acc, running_max, running_sum = _hot_update(
-                q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
-                hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
-                sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
-            )  # fmt: skip
 
     token = q_start + q_token
     if NUM_SEGMENTS == 1:
@@ -618,6 +643,13 @@ class WarmPrefixPages(NamedTuple):
     tables: torch.Tensor  # [B, MB] int32, laid out as the plan's block tables
 
 
+# The warm decode launch's register cap per thread. Uncapped, ptxas gives the 4-warp program 206
+# registers, so two fit on an SM; at 168 three fit, with no spills in the warm loop
+# (tools/kernel_sass.py). On the H200 (bench/results/decode_gpu_2026-12-02b.md) that took a 32K,
+# batch-16 layer call from 837 to 764 us and 1K batch 256 from 499 to 447; at 128 the loop spills.
+WARM_DECODE_MAX_REGISTERS = 168
+
+
 def head_dim_padded(head_dim: int) -> int:
     """The kernel's channel count: a power of two, at least 32 (the smallest `tl.dot` is 16, and the
     warm path reads whole int32 words of codes)."""
@@ -642,7 +674,8 @@ def paged_attention(
     With `num_segments > 1` the context splits across programs (flash-decoding) and `partials` must
     hold at least `[T, H, num_segments, D_PADDED]`. `tile_n` (positions per loop step, a multiple of
     the block size), `num_warps`, `num_stages` (loads in flight in the software pipeline; Triton's
-    default when None) and `maxnreg` (a register cap per thread) override the launch shape;
+    default when None) and `maxnreg` (a register cap per thread; WARM_DECODE_MAX_REGISTERS for a warm
+    decode on a GPU when None) override the launch shape;
     bench/attention_kernel.py compares them. `prefix_pages` (with a layer without a warm tier) is a
     prefill's warm prefix already dequantized: the kernel reads it as hot pages.
     """
@@ -665,6 +698,8 @@ def paged_attention(
         needed = num_tokens * num_heads * num_segments
         if partials is None or partials.max.numel() < needed or partials.out.numel() < needed * padded:
             raise ValueError(f"flash-decoding over {num_segments} segments needs a larger Partials workspace")
+    if maxnreg is None and warm is not None and is_decode and q.is_cuda:
+        maxnreg = WARM_DECODE_MAX_REGISTERS
     grid = (num_kv_heads * num_segments, triton.cdiv(plan.max_query_len, block_q), plan.seq_lens.shape[0])
     warm_args = _warm_args(warm, layer.hot_keys)
     # without prefix pages, stand-ins that are never read (HAS_PREFIX_PAGES is False)
