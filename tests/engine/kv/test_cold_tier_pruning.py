@@ -83,14 +83,16 @@ def test_key_norm_mass_orders_tokens_by_norm_within_one_head() -> None:
     keys[0, :, 0, 0] = norms  # one channel carries the whole norm
     mass = key_norm_mass(keys)
     assert mass.argsort(descending=True).tolist() == norms.argsort().tolist()
-    expected = torch.softmax(-norms / 2.0, dim=0)  # sqrt(head dim 4)
-    assert torch.allclose(mass, expected)
+    z = (norms - norms.mean()) / norms.std(correction=0)
+    assert torch.allclose(mass, torch.softmax(-z, dim=0))
+    assert torch.allclose(key_norm_mass(keys * 10), mass)  # free of the norms' scale
 
 
 def test_equal_key_norms_give_even_mass_and_the_rule_keeps_every_token() -> None:
-    keys = torch.nn.functional.normalize(torch.randn(LAYERS, TOKENS, HEADS, DIM), dim=-1)
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.nn.functional.normalize(torch.randn(LAYERS, TOKENS, HEADS, DIM, generator=generator), dim=-1)
     mass = key_norm_mass(keys)
-    assert torch.allclose(mass, torch.full((TOKENS,), 1 / TOKENS))
+    assert torch.allclose(mass, torch.full((TOKENS,), 1 / TOKENS), rtol=1e-3)
     assert attention_entropy(mass) > 0.9999  # the rule's keep-all branch at any threshold below 1
 
 
