@@ -15,10 +15,16 @@ Codec time is measured apart, after the runs: every setting encodes and decodes 
 blocks (keys, values and mass from the exact run), settings interleaved, best of `--repeats` per
 block, median over blocks, so the load that other work puts on the CPU falls on all alike.
 
-Why an emulation: the engine demotes with uniform token mass (`services/engine/kv/cold_tier.py`,
-`ColdTier._encode`), which the rule always keeps whole, and refuses a block with dropped tokens
-when it loads one back (`_decode`). Until attention mass reaches a demotion, the thresholds change
-nothing in serving.
+Why an emulation: no attention mass reaches the engine's demotions. With pruning off (the
+default) the engine keeps every token; with `THERMOCLINE_ENGINE_COLD_PRUNE_TOKENS` on it ranks
+tokens by a key-norm proxy (`services/engine/kv/cold_tier.py`, `key_norm_mass`) and keeps whole
+16-token pages. The matrix measures the rule with the mass an engine would want.
+
+Part `pruning` (the same emulation): what the engine's pruning changes. The default rule with
+the engine's page rounding, its tokens ranked by real attention mass, by the key-norm proxy (what
+the engine does), and by random mass (a control); then half of every block kept, by each mass,
+so the ranking is compared at one count. Also the entropy deciles of the proxy's mass against
+real attention's, since the entropy rule reads the proxy as if it were attention.
 
 Part `long-context` (the real engine, with a redis-server and a kvstore process for the cold
 setting). Three settings: full precision (tiers off); hot + INT4 warm with a sliding window
@@ -35,6 +41,7 @@ are teacher-forced, so the window (scored on decode steps only) has the question
 the needle back before the key's tokens are scored.
 
     .venv/bin/python bench/cold_tier_quality.py thresholds --out bench/results/cold_tier_thresholds_<date>.md
+    .venv/bin/python bench/cold_tier_quality.py pruning --out bench/results/cold_tier_pruning_<date>.md
     .venv/bin/python bench/cold_tier_quality.py long-context --context 4096 \
         --out bench/results/cold_tier_long_context_<date>.md
     .venv/bin/python bench/cold_tier_quality.py forced-passkey --context 4096 --depths 0.5
@@ -64,7 +71,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import cold_tier, kv_quality
-from services.common.kv_codec.codec import CodecSettings, decode_block, encode_block
+from services.common.kv_codec.codec import CodecSettings, decode_block, encode_block, read_layout
 from services.common.kv_codec.sparsity import (
     DEFAULT_SPARSITY,
     KEEP_ALL,
@@ -75,9 +82,10 @@ from services.engine import llm_engine as llm_engine_module
 from services.engine.attention.backend import AttentionBackend
 from services.engine.attention.metadata import AttentionMetadata, RowInput
 from services.engine.attention.reference import dense_context, pad_queries, token_rows
+from services.engine.kv import cold_tier as cold_tier_module
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cache import HotTier, KVCache
-from services.engine.kv.cold_tier import ColdTierConfig
+from services.engine.kv.cold_tier import ColdTierConfig, key_norm_mass
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model.llama import LlamaModel
@@ -87,6 +95,7 @@ from tests.kvstore.conftest import KVStoreProcess, RedisServer
 
 BLOCK_SIZE = kv_quality.BLOCK_SIZE  # 16: the first block (4 sink tokens) stays exact
 COLD_GROUP = 32  # tokens per cold block: one warm group at the engine's default group size
+MASS_SOURCES = ("attention", "key norm", "random")  # what ranks a block's tokens (RuleSetting.mass)
 
 
 # --- part 1: thresholds ---------------------------------------------------------------------------
@@ -99,6 +108,7 @@ class RuleSetting:
     name: str
     rule: SparsityRule | None
     drop: bool = False
+    mass: str = "attention"  # one of MASS_SOURCES
 
 
 class MaskedBackend(AttentionBackend):
@@ -196,7 +206,18 @@ def go_cold(
     elif setting.rule is None:
         run.samples.append(ColdSample(*(t.clone() for t in read_group(cache, table, first)), mass.float()))
     else:
-        round_trip(cache, table, backend, first, mass, setting.rule, run.tally)
+        ranking = ranking_mass(setting.mass, read_group(cache, table, first)[0], mass, first)
+        round_trip(cache, table, backend, first, ranking, setting.rule, run.tally)
+
+
+def ranking_mass(source: str, keys: torch.Tensor, attention: torch.Tensor, first: int) -> torch.Tensor:
+    """The `[G]` mass that ranks a group's tokens: its real attention, the engine's key-norm proxy
+    over its keys `[L, G, KVH, D]`, or random (seeded by the group's position, the same every run)."""
+    if source == "key norm":
+        return key_norm_mass(keys)
+    if source == "random":
+        return torch.rand(COLD_GROUP, generator=torch.Generator().manual_seed(first))
+    return attention
 
 
 def run_emulated(
@@ -304,12 +325,29 @@ def _rule_name(rule: SparsityRule) -> str:
     return f"{cut}, keep {rule.mid_keep_ratio:g}/{rule.low_keep_ratio:g}"
 
 
-def thresholds(engine: LLMEngine, args: argparse.Namespace) -> tuple[list[ThresholdRow], list[float]]:
-    """The matrix; also the entropy of every cold block (from the exact run)."""
+def pruning_settings() -> list[RuleSetting]:
+    """Exact, keep-all INT2, the default rule on pages of 16 by each mass, half kept by each mass,
+    and the default rule unpaged by attention (the thresholds matrix's row), then cold dropped."""
+    paged = dataclasses.replace(DEFAULT_SPARSITY, keep_multiple=BLOCK_SIZE)
+    half = SparsityRule(low_entropy=0.0, high_entropy=1.0, mid_keep_ratio=0.5, keep_multiple=BLOCK_SIZE)
+    out = [RuleSetting("exact (no codec)", None), RuleSetting("INT2, keep all (pruning off)", KEEP_ALL)]
+    out.append(RuleSetting("default rule, unpaged, by attention", DEFAULT_SPARSITY))
+    for source in MASS_SOURCES:
+        tag = " **(the engine, pruning on)**" if source == "key norm" else ""
+        out.append(RuleSetting(f"default rule, pages of {BLOCK_SIZE}, by {source}{tag}", paged, mass=source))
+    for source in MASS_SOURCES:
+        out.append(RuleSetting(f"half of every block, by {source}", half, mass=source))
+    out.append(RuleSetting("cold dropped (no cold tier)", None, drop=True))
+    return out
+
+
+def thresholds(
+    engine: LLMEngine, args: argparse.Namespace, settings: list[RuleSetting]
+) -> tuple[list[ThresholdRow], list[ColdSample]]:
+    """The matrix; also every cold block of the exact run (keys, values, attention mass)."""
     ids = engine.tokenizer.encode(kv_quality.load_text()[: 8 * args.tokens])[: args.tokens]
     model = engine.runner.model
     first = BLOCK_SIZE + COLD_GROUP + args.recent  # the first position whose context holds a cold block
-    settings = threshold_settings(args.cuts, args.keeps)
     rows: list[ThresholdRow] = []
     reference: torch.Tensor | None = None
     samples: list[ColdSample] = []
@@ -320,9 +358,10 @@ def thresholds(engine: LLMEngine, args: argparse.Namespace) -> tuple[list[Thresh
             reference, samples = run.logprobs, run.samples
         rows.append(threshold_row(setting, run, score(run, ids, reference, first)))
         print(f"{setting.name:<52} {rows[-1]} ({time.perf_counter() - began:.0f} s)", flush=True)
-    times = codec_ms(samples, settings, args.repeats)
-    rows = [dataclasses.replace(r, **_times(times.get(r.setting.name))) for r in rows]
-    return rows, [attention_entropy(s.mass) for s in samples]
+    if args.repeats:
+        times = codec_ms(samples, settings, args.repeats)
+        rows = [dataclasses.replace(r, **_times(times.get(r.setting.name))) for r in rows]
+    return rows, samples
 
 
 def _times(times: tuple[float, float] | None) -> dict[str, float]:
@@ -377,22 +416,28 @@ class ContextSetting:
     name: str
     tiers: TierConfig
     uses_cold: bool
+    prunes: bool = False  # THERMOCLINE_ENGINE_COLD_PRUNE_TOKENS
+
+
+CONTEXT_SETTINGS = ("full", "sliding", "cold", "pruned")  # what --settings names
 
 
 def context_settings(args: argparse.Namespace) -> list[ContextSetting]:
-    """Full precision, hot + warm with a sliding window, and hot + warm + cold with the window."""
+    """The `--settings` of: full precision, hot + warm with a sliding window, hot + warm + cold with
+    the window, and the same with the cold blocks pruned."""
     tiers = TierConfig(
         enabled=True, sink_tokens=4, hot_tokens=args.hot, warm_tokens=args.warm, group_size=COLD_GROUP
     )
-    return [
-        ContextSetting("full precision (tiers off)", TierConfig(), uses_cold=False),
-        ContextSetting(f"hot {args.hot} + warm {args.warm}, sliding window", tiers, uses_cold=False),
-        ContextSetting(
-            f"hot {args.hot} + warm {args.warm} + cold, window {args.window} (semantic)",
-            tiers,
-            uses_cold=True,
+    cold = f"hot {args.hot} + warm {args.warm} + cold, window {args.window} (semantic)"
+    by_name = {
+        "full": ContextSetting("full precision (tiers off)", TierConfig(), uses_cold=False),
+        "sliding": ContextSetting(
+            f"hot {args.hot} + warm {args.warm}, sliding window", tiers, uses_cold=False
         ),
-    ]
+        "cold": ContextSetting(cold, tiers, uses_cold=True),
+        "pruned": ContextSetting(cold + ", pruned", tiers, uses_cold=True, prunes=True),
+    }
+    return [by_name[name] for name in args.settings]
 
 
 def load_engine(setting: ContextSetting, target: str, args: argparse.Namespace) -> LLMEngine:
@@ -401,7 +446,7 @@ def load_engine(setting: ContextSetting, target: str, args: argparse.Namespace) 
     if setting.uses_cold:
         cold = ColdTierConfig(
             target=target, deadline_ms=10_000, prefix_reuse=False, aux_window_tokens=args.window,
-            score_every_steps=args.score_every,
+            score_every_steps=args.score_every, prune_tokens=setting.prunes,
         )  # fmt: skip
     return LLMEngine.load(
         resolve_model(DEFAULT_MODEL), device="cpu", dtype="float32", max_batch_size=1,
@@ -579,7 +624,7 @@ def _long_context_flags(args: argparse.Namespace) -> str:
     return (
         f"--threads {args.threads} --context {args.context} --prefill-chunk {args.prefill_chunk} "
         f"--hot {args.hot} --warm {args.warm} --window {args.window} --score-every {args.score_every} "
-        f"--depths {' '.join(f'{d:g}' for d in args.depths)}"
+        f"--depths {' '.join(f'{d:g}' for d in args.depths)} --settings {' '.join(args.settings)}"
     )
 
 
@@ -597,17 +642,44 @@ class ContextRow:
     passkeys: list[PasskeyResult]
     device_bytes_per_token: float
     store_bytes_per_token: float
+    demoted: CodecTally  # what the perplexity run's demotions encoded
 
 
-def kv_bytes(engine: LLMEngine, setting: ContextSetting, args: argparse.Namespace) -> tuple[float, float]:
-    """KV bytes per token of a `--context` sequence, BF16 hot (the serving dtype): device, kvstore."""
+@contextmanager
+def counted_demotions() -> Iterator[CodecTally]:
+    """Counts what the engine's demotions encode while the block runs: tokens, kept, payload bytes."""
+    tally = CodecTally()
+    original = cold_tier_module.encode_block
+
+    def counting(
+        keys: torch.Tensor, values: torch.Tensor, mass: torch.Tensor, settings: CodecSettings
+    ) -> bytes:
+        payload = original(keys, values, mass, settings)
+        tally.payload_bytes += len(payload)
+        tally.num_tokens += keys.shape[1]
+        tally.num_kept += read_layout(payload).num_kept
+        return payload
+
+    cold_tier_module.encode_block = counting  # type: ignore[assignment]
+    try:
+        yield tally
+    finally:
+        cold_tier_module.encode_block = original
+
+
+def kv_bytes(
+    engine: LLMEngine, setting: ContextSetting, args: argparse.Namespace, demoted: CodecTally
+) -> tuple[float, float]:
+    """KV bytes per token of a `--context` sequence, BF16 hot (the serving dtype): device, kvstore.
+    The window's pages and the cold payloads follow what the perplexity run's demotions kept."""
     cache = engine.runner.kv_cache
     bf16_token = cache.hot.bytes_per_token // 2  # the pool holds fp32 here
     tiers = setting.tiers
     if not tiers.enabled:
         return float(bf16_token), 0.0
     assert cache.warm is not None
-    hot_tokens = BLOCK_SIZE + tiers.hot_tokens + (args.window if setting.uses_cold else 0)
+    kept_share = demoted.num_kept / demoted.num_tokens if demoted.num_tokens else 1.0
+    hot_tokens = BLOCK_SIZE + tiers.hot_tokens + (args.window * kept_share if setting.uses_cold else 0)
     warm_tokens = min(tiers.warm_tokens, args.context - hot_tokens)
     device = hot_tokens * bf16_token + warm_tokens * cache.warm.bytes_per_token
     if not setting.uses_cold:
@@ -618,6 +690,8 @@ def kv_bytes(engine: LLMEngine, setting: ContextSetting, args: argparse.Namespac
     summaries = num_blocks * 2 * config.num_kv_heads * config.head_dim * 4  # key min and max, fp32
     shape = (config.num_layers, COLD_GROUP, config.num_kv_heads, config.head_dim)
     block_bytes = len(encode_block(torch.randn(shape), torch.randn(shape), torch.ones(COLD_GROUP)))
+    if demoted.num_tokens:
+        block_bytes = demoted.payload_bytes * COLD_GROUP / demoted.num_tokens
     return (device + summaries) / args.context, num_blocks * block_bytes / args.context
 
 
@@ -634,14 +708,18 @@ def long_context(args: argparse.Namespace) -> list[ContextRow]:
             for setting in context_settings(args):
                 engine = load_engine(setting, kvstore.target, args)
                 ids = engine.tokenizer.encode(kv_quality.load_text()[: 8 * args.context])[: args.context]
-                ppl, logprobs = perplexity(engine, setting, ids, args.tail, reference)
+                with counted_demotions() as demoted:
+                    ppl, logprobs = perplexity(engine, setting, ids, args.tail, reference)
+                    if engine.cold is not None:
+                        engine.cold.tier.flush()
                 reference = logprobs if reference is None else reference
                 print(setting.name, ppl, flush=True)
                 found = []
                 for depth, key in zip(args.depths, keys, strict=True):
                     found.append(passkey(engine, setting, args, depth, key))
                     print(found[-1], flush=True)
-                rows.append(ContextRow(setting, ppl, found, *kv_bytes(engine, setting, args)))
+                sizes = kv_bytes(engine, setting, args, demoted)
+                rows.append(ContextRow(setting, ppl, found, *sizes, demoted))
                 if args.out:  # a page after every setting: a long run stopped early keeps what it has
                     args.out.write_text(context_markdown(rows, args, environment()), encoding="utf-8")
                 if engine.cold is not None:
@@ -711,6 +789,54 @@ def _num(value: float, digits: int) -> str:
     return "—" if math.isnan(value) else f"{value:.{digits}f}"
 
 
+def pruning_markdown(
+    rows: list[ThresholdRow], samples: list[ColdSample], args: argparse.Namespace, env: dict[str, str]
+) -> str:
+    """The pruning results page."""
+    real = statistics.quantiles([attention_entropy(s.mass) for s in samples], n=10)
+    proxy = statistics.quantiles([attention_entropy(key_norm_mass(s.keys)) for s in samples], n=10)
+    lines = [
+        "# Cold tier: what the engine's token pruning changes (SmolLM2-135M, CPU, emulation)",
+        "",
+        f"- date: {env['date']}; commit: {env['commit']}",
+        f"- hardware: {env['hardware']}",
+        f"- model: `{DEFAULT_MODEL}` (GGUF Q4_1 dequantized to fp32; KV fp32)",
+        f"- text: the first {args.tokens} tokens of bench/kv_quality.py's text",
+        f"- emulation: as the thresholds page (chunks of {args.chunk}, every {COLD_GROUP}-token group "
+        f"older than the last {args.recent} tokens round-tripped through the codec once, dropped tokens "
+        "masked, every cold block attended); the ranking mass is the attention from the "
+        f"{args.history} queries before the group went cold, the engine's key-norm proxy "
+        "(`key_norm_mass` over the group's exact keys), or random",
+        f"- pages of {BLOCK_SIZE}: the kept count rounded up to whole KV blocks, as the engine stores "
+        "it (`SparsityRule.keep_multiple`), so a pruned 32-token group keeps 16 or 32",
+        f"- quality: over the {args.tokens - BLOCK_SIZE - COLD_GROUP - args.recent - 1} predictions "
+        "whose context holds a cold block; KL(exact || setting) in nats per token",
+        f"- cold-block entropy deciles, attention mass: {', '.join(f'{e:.3f}' for e in real)}",
+        f"- cold-block entropy deciles, key-norm proxy: {', '.join(f'{e:.3f}' for e in proxy)}",
+        f"- reproduce: `{pruning_command(args)}`",
+        "",
+        "| setting | perplexity | mean KL | p99 KL | tokens kept | bytes/cold token | vs BF16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    bf16 = 2 * 2 * 30 * 3 * 64  # keys and values, 30 layers, 3 kv heads, head dim 64
+    for r in rows:
+        coded = not math.isnan(r.bytes_per_cold_token)
+        lines.append(
+            f"| {r.setting.name} | {r.perplexity:.3f} | {r.mean_kl:.5f} | {r.p99_kl:.4f} | "
+            f"{r.kept_share:.0%} | {_num(r.bytes_per_cold_token, 1)} | "
+            f"{f'{bf16 / r.bytes_per_cold_token:.1f}x' if coded else '—'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def pruning_command(args: argparse.Namespace) -> str:
+    """The command that reproduces the pruning page."""
+    return (
+        f".venv/bin/python bench/cold_tier_quality.py pruning --tokens {args.tokens} --chunk {args.chunk} "
+        f"--threads {args.threads} --recent {args.recent} --history {args.history}"
+    )
+
+
 def threshold_command(args: argparse.Namespace) -> str:
     """The command that reproduces the matrix."""
     return (
@@ -740,13 +866,18 @@ def context_markdown(rows: list[ContextRow], args: argparse.Namespace, env: dict
         f"{args.context}-token filler prompt; {args.answer_tokens} greedy tokens; found = the key "
         "appears in the answer",
         "- KV bytes/token: for one sequence of the full context, hot tokens counted in BF16 (the "
-        "serving dtype; this run held fp32); device = sink + hot + window in BF16, warm INT4, cold "
-        "summary keys; kvstore = INT2 payloads of the cold blocks",
+        "serving dtype; this run held fp32); device = sink + hot + window in BF16 (the window's "
+        "pages scaled by the share of tokens the demotions kept), warm INT4, cold summary keys; "
+        "kvstore = INT2 payloads of the cold blocks, at the bytes per token the perplexity run's "
+        "demotions wrote",
+        "- pruned: `THERMOCLINE_ENGINE_COLD_PRUNE_TOKENS` on (key-norm proxy, the codec's default "
+        f"rule, kept tokens rounded up to whole {BLOCK_SIZE}-token pages)",
         f"- reproduce: `{context_command(args)}`",
         "",
         "| setting | perplexity | mean KL | passkeys found | digits right | device KV bytes/token "
-        "| kvstore bytes/token | window loads | blocks demoted | seconds (perplexity run) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| kvstore bytes/token | cold tokens kept | window loads | blocks demoted "
+        "| seconds (perplexity run) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         p = r.perplexity
@@ -755,13 +886,18 @@ def context_markdown(rows: list[ContextRow], args: argparse.Namespace, env: dict
         lines.append(
             f"| {r.setting.name} | {p.perplexity:.3f} | {p.mean_kl:.4f} | {found}/{len(r.passkeys)} | "
             f"{digits}/{5 * len(r.passkeys)} | {r.device_bytes_per_token:,.0f} | "
-            f"{r.store_bytes_per_token:,.0f} | {p.window_loads} | {p.blocks_demoted} | {p.seconds:.0f} |"
+            f"{r.store_bytes_per_token:,.0f} | {_kept(r.demoted)} | {p.window_loads} | {p.blocks_demoted} | "
+            f"{p.seconds:.0f} |"
         )
     lines += ["", "| setting | depth | key | answer |", "| --- | ---: | --- | --- |"]
     for r in rows:
         for k in r.passkeys:
             lines.append(f"| {r.setting.name} | {k.depth:g} | {k.key} | `{k.answer}` |")
     return "\n".join(lines) + "\n"
+
+
+def _kept(tally: CodecTally) -> str:
+    return f"{tally.num_kept / tally.num_tokens:.0%}" if tally.num_tokens else "—"
 
 
 def context_command(args: argparse.Namespace) -> str:
@@ -779,13 +915,18 @@ def main() -> None:
     )
     parts = parser.add_subparsers(dest="part", required=True)
     rule = parts.add_parser("thresholds", help="the entropy rule's matrix (emulation)")
-    rule.add_argument("--tokens", type=int, default=1536)
-    rule.add_argument(
-        "--chunk", type=int, default=64, help="tokens per forward (a chunk sees itself exactly)"
-    )
+    prune = parts.add_parser("pruning", help="the engine's pruning: pages, key-norm proxy (emulation)")
+    for sub in (rule, prune):
+        sub.add_argument("--tokens", type=int, default=1536)
+        sub.add_argument(
+            "--chunk", type=int, default=64, help="tokens per forward (a chunk sees itself exactly)"
+        )
+        sub.add_argument("--recent", type=int, default=256, help="exact tokens at the end (hot + warm)")
+        sub.add_argument(
+            "--history", type=int, default=64, help="queries whose attention sets a token's mass"
+        )
     rule.add_argument("--repeats", type=int, default=3, help="codec timing: best of this many per block")
-    rule.add_argument("--recent", type=int, default=256, help="exact tokens at the end (hot + warm)")
-    rule.add_argument("--history", type=int, default=64, help="queries whose attention sets a token's mass")
+    prune.set_defaults(repeats=0)
     rule.add_argument("--cuts", type=float, nargs="+", default=[0.93, 0.97, 0.99], help="high_entropy")
     rule.add_argument("--keeps", type=float, nargs="+", default=[0.5, 0.25, 0.125], help="mid_keep_ratio")
     context = parts.add_parser("long-context", help="perplexity and passkey on the real engine")
@@ -800,21 +941,29 @@ def main() -> None:
         sub.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
         sub.add_argument("--kv-mb", type=int, default=1024)
         sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument(
+            "--settings", nargs="+", choices=CONTEXT_SETTINGS, default=["full", "sliding", "cold"],
+            help="pruned: the cold setting with THERMOCLINE_ENGINE_COLD_PRUNE_TOKENS on",
+        )  # fmt: skip
     context.add_argument("--tail", type=int, default=128, help="teacher-forced decode steps scored")
     context.add_argument("--answer-tokens", type=int, default=12)
-    for sub in (rule, context, forced):
+    for sub in (rule, prune, context, forced):
         sub.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
         sub.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     env = environment()
-    if args.part == "thresholds":
+    if args.part in ("thresholds", "pruning"):
         engine = LLMEngine.load(
             DEFAULT_MODEL, device="cpu", dtype="float32", max_batch_size=1, max_seq_len=args.tokens,
             progress=False,
         )  # fmt: skip
-        markdown = thresholds_markdown(*thresholds(engine, args), args, env)
+        if args.part == "pruning":
+            markdown = pruning_markdown(*thresholds(engine, args, pruning_settings()), args, env)
+        else:
+            rows, samples = thresholds(engine, args, threshold_settings(args.cuts, args.keeps))
+            markdown = thresholds_markdown(rows, [attention_entropy(s.mass) for s in samples], args, env)
     elif args.part == "forced-passkey":
         markdown = forced_markdown(forced_passkeys(args), args)
     else:
