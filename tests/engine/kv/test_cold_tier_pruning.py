@@ -1,6 +1,7 @@
 """Token pruning in the cold tier: the key-norm proxy, which blocks are pruned, and what attention sees.
 
-Unit tests of the proxy and of `_decode` run on small tensors. The rest runs against a real kvstore
+Unit tests of the proxy and of `_decode` run on small tensors; a pruned block's layout goes through
+both attention backends (Triton in its CPU interpreter). The rest runs against a real kvstore
 process over a real redis-server (the fixture and helpers of test_cold_tier.py): a demoted block is
 pruned, a prompt block never is, and a pruned block in the auxiliary window is attended as its
 kept tokens only, with no attention weight on a dropped one.
@@ -18,9 +19,12 @@ from services.common.kv_codec.codec import CodecSettings, SparsityRule, decode_b
 from services.common.kv_codec.sparsity import attention_entropy
 from services.common.kvstore_api import BlockHash, BlockSource, Codec, FetchedBlock, MissReason
 from services.engine.attention.metadata import AttentionMetadata, RowInput
-from services.engine.attention.reference import dense_context
+from services.engine.attention.reference import ReferenceBackend, dense_context
+from services.engine.attention.triton_backend import TritonBackend
 from services.engine.config import EngineConfig
 from services.engine.kv.block_pool import SCRATCH_BLOCK
+from services.engine.kv.block_table import BlockTable
+from services.engine.kv.cold_moves import ColdLoad
 from services.engine.kv.cold_tier import (
     DEFAULT_TENANT,
     BlockToStore,
@@ -34,6 +38,7 @@ from services.engine.kv.cold_tier import (
     key_norm_mass,
 )
 from services.engine.kv.tiers import TierConfig
+from services.engine.model.config import ModelConfig
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.serving.generation_result import ResultCollector
 from tests.engine.kv.test_cold_tier import (
@@ -47,6 +52,7 @@ from tests.engine.kv.test_cold_tier import (
     run,
     step_until_a_window_loads,
 )
+from tests.engine.paged_helpers import CPU, make_cache
 from tests.kvstore.conftest import KVStoreProcess
 
 __all__ = ["kvstore"]  # the fixture, imported for the tests below
@@ -128,6 +134,52 @@ def test_decode_still_refuses_a_corrupt_block() -> None:
     payload[20] ^= 0xFF  # the kept-token bitmask now disagrees with the header's count
     assert _decode(fetched(bytes(payload)), page_tokens=16) is None
     assert _decode(fetched(bytes(payload[:40])), page_tokens=16) is None  # truncated
+
+
+# --- the two attention backends ------------------------------------------------------------------
+
+
+def test_both_backends_give_the_dropped_half_of_a_pruned_block_no_weight() -> None:
+    """A pruned cold group as the window maps it (its 16 kept tokens in one page, the group's
+    second page unmapped) between a hot sink block and a hot recent block: the reference gather and
+    the Triton kernel (its CPU interpreter here) both attend exactly the 48 mapped tokens."""
+    config = ModelConfig(
+        vocab_size=4, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=16,
+    )  # fmt: skip
+    cache = make_cache(config, num_blocks=8, block_size=BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(0)
+    cache.hot.keys.normal_(generator=generator)
+    cache.hot.values.normal_(generator=generator)
+    table = BlockTable(TierConfig())
+    cache.grow(table, 4 * BLOCK_SIZE)  # blocks 0 (sink), 1-2 (the cold group), 3 (recent)
+    kept = torch.randn(2, 1, BLOCK_SIZE, 2, 16, generator=generator)  # keys, values [L, K, KVH, D]
+    cache.write_loaded([ColdLoad((table.hot_block_ids[1],), kept[0], kept[1])])
+    table.hot_block_ids[2] = SCRATCH_BLOCK  # the dropped half: no page
+
+    query = torch.randn(1, 4, 16, generator=generator)  # one decode token [T, H, D]
+    metadata = AttentionMetadata.for_rows([RowInput(table, 4 * BLOCK_SIZE - 1, 1)], BLOCK_SIZE, 1, CPU)
+    mapped = [table.hot_block_ids[i] for i in (0, 1, 3)]
+    keys = cache.hot.keys[0, mapped].flatten(0, 1)  # [48, KVH, D]
+    values = cache.hot.values[0, mapped].flatten(0, 1)
+    expected = dense_attention(query[0], keys, values)  # [H, D]
+    reference = ReferenceBackend(cache).forward(query, query, query, 0, metadata)[0]
+    fused = TritonBackend(cache, num_heads=4, max_decode_rows=1).forward(query, query, query, 0, metadata)[0]
+    assert torch.allclose(reference, expected, atol=1e-5)
+    assert torch.allclose(fused, expected, atol=1e-4)
+    # what "zero key, zero value" for the dropped tokens would have given instead
+    zeros = torch.zeros(BLOCK_SIZE, 2, 16)
+    padded = dense_attention(query[0], torch.cat([keys, zeros]), torch.cat([values, zeros]))
+    assert not torch.allclose(padded, expected, atol=1e-3)
+
+
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of one token's query `[H, D]` over keys/values `[N, KVH, D]` (GQA) -> `[H, D]`."""
+    groups = query.shape[0] // keys.shape[1]
+    k = keys.repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, N, D]
+    v = values.repeat_interleave(groups, dim=1).transpose(0, 1)
+    weights = (query.unsqueeze(1) @ k.transpose(-1, -2) / query.shape[-1] ** 0.5).softmax(-1)  # [H, 1, N]
+    return (weights @ v)[:, 0]
 
 
 # --- against a real kvstore ------------------------------------------------------------------------
