@@ -892,7 +892,8 @@ def context_markdown(rows: list[ContextRow], args: argparse.Namespace, env: dict
     lines += ["", "| setting | depth | key | answer |", "| --- | ---: | --- | --- |"]
     for r in rows:
         for k in r.passkeys:
-            lines.append(f"| {r.setting.name} | {k.depth:g} | {k.key} | `{k.answer}` |")
+            answer = k.answer.replace("\n", " ⏎ ")  # a line break would end the table row
+            lines.append(f"| {r.setting.name} | {k.depth:g} | {k.key} | `{answer}` |")
     return "\n".join(lines) + "\n"
 
 
