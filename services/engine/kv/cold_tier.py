@@ -87,8 +87,10 @@ class ColdTierConfig:
     aux_window_tokens: int = 2048  # cold tokens one sequence attends at most (whole cold blocks)
     score_every_steps: int = 16  # decode steps between two scorings of the cold blocks
     # Drop the tokens of demoted blocks that the key-norm proxy ranks least attended (the codec's
-    # entropy rule sets how many). Off by default: the proxy is measured only on stories260K, and
-    # a dropped token is gone for good, the needle a retrieval window exists for included.
+    # entropy rule sets how many). Off by default: it saved a third of the cold bytes and window
+    # pages with a lower KL where measured, but a dropped token is gone for good, the proxy ranked
+    # no better than chance on SmolLM2, and retrieval was checked once
+    # (bench/results/cold_tier_pruning_2026-12-02.md).
     prune_tokens: bool = False
     codec: CodecSettings = field(default_factory=CodecSettings)
 
