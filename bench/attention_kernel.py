@@ -44,7 +44,7 @@ def time_decode(
     context: int,
     tiered: bool,
     tile_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     segments: int | None = None,
     prefill: int = 0,
     pages: bool = False,

@@ -643,11 +643,14 @@ class WarmPrefixPages(NamedTuple):
     tables: torch.Tensor  # [B, MB] int32, laid out as the plan's block tables
 
 
-# The warm decode launch's register cap per thread. Uncapped, ptxas gives the 4-warp program 206
+# The register cap per thread of a 4-warp warm decode launch. Uncapped, ptxas gives it 206
 # registers, so two fit on an SM; at 168 three fit, with no spills in the warm loop
 # (tools/kernel_sass.py). On the H200 (bench/results/decode_gpu_2026-12-02b.md) that took a 32K,
 # batch-16 layer call from 837 to 764 us and 1K batch 256 from 499 to 447; at 128 the loop spills.
 WARM_DECODE_MAX_REGISTERS = 168
+# A warm decode launch with at least this many programs (about 8 per SM of an H200) runs one warp a
+# program (see _warm_decode_launch).
+SINGLE_WARP_MIN_PROGRAMS = 1024
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -664,7 +667,7 @@ def paged_attention(
     num_segments: int = 1,
     partials: Partials | None = None,
     tile_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
     prefix_pages: WarmPrefixPages | None = None,
@@ -674,8 +677,8 @@ def paged_attention(
     With `num_segments > 1` the context splits across programs (flash-decoding) and `partials` must
     hold at least `[T, H, num_segments, D_PADDED]`. `tile_n` (positions per loop step, a multiple of
     the block size), `num_warps`, `num_stages` (loads in flight in the software pipeline; Triton's
-    default when None) and `maxnreg` (a register cap per thread; WARM_DECODE_MAX_REGISTERS for a warm
-    decode on a GPU when None) override the launch shape;
+    default when None) and `maxnreg` (a register cap per thread) override the launch shape, which
+    otherwise is 64 positions and 4 warps, or for a warm decode on a GPU _warm_decode_launch's pick;
     bench/attention_kernel.py compares them. `prefix_pages` (with a layer without a warm tier) is a
     prefill's warm prefix already dequantized: the kernel reads it as hot pages.
     """
@@ -689,7 +692,12 @@ def paged_attention(
     block_q = block_m // queries_per_kv
     padded = head_dim_padded(head_dim)
     warm = layer.warm
+    if warm is not None and is_decode and q.is_cuda and tile_n is None and num_warps is None:
+        tile_n, num_warps, maxnreg = _warm_decode_launch(
+            num_kv_heads * num_segments * plan.seq_lens.shape[0], block_size, maxnreg
+        )
     tile_n = tile_n or _tile_n(block_size)
+    num_warps = num_warps or 4
     if tile_n % block_size or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power-of-two multiple of the block size {block_size}: {tile_n}")
     if num_segments > 1:
@@ -698,8 +706,6 @@ def paged_attention(
         needed = num_tokens * num_heads * num_segments
         if partials is None or partials.max.numel() < needed or partials.out.numel() < needed * padded:
             raise ValueError(f"flash-decoding over {num_segments} segments needs a larger Partials workspace")
-    if maxnreg is None and warm is not None and is_decode and q.is_cuda:
-        maxnreg = WARM_DECODE_MAX_REGISTERS
     grid = (num_kv_heads * num_segments, triton.cdiv(plan.max_query_len, block_q), plan.seq_lens.shape[0])
     warm_args = _warm_args(warm, layer.hot_keys)
     # without prefix pages, stand-ins that are never read (HAS_PREFIX_PAGES is False)
@@ -759,6 +765,19 @@ def paged_attention(
             HEAD_DIM_PADDED=padded,
         )
     return out
+
+
+def _warm_decode_launch(programs: int, block_size: int, maxnreg: int | None) -> tuple[int, int, int | None]:
+    """(tile positions, warps, register cap) of a warm decode launch of `programs` programs on a GPU.
+
+    With enough programs to fill the GPU, one warp a program over one-block tiles: it has no
+    cross-warp softmax and no barrier between warps, and on the H200 it beat four warps by 15-21%
+    at 32K batch 16 and 1K batch 256 (bench/results/decode_gpu_2026-12-02b.md). With fewer programs
+    (a few long rows) one warp each would leave SMs idle, so four warps share a 64-position tile,
+    with a register cap that lets three programs share an SM."""
+    if programs >= SINGLE_WARP_MIN_PROGRAMS:
+        return block_size, 1, maxnreg
+    return _tile_n(block_size), 4, WARM_DECODE_MAX_REGISTERS if maxnreg is None else maxnreg
 
 
 def _tile_n(block_size: int) -> int:

@@ -270,7 +270,7 @@ def test_split_decode_matches_reference(num_segments, with_warm):
     run_case(Shape(2, 4, 64), rows, torch.float32, with_warm, num_segments, seed=2)
 
 
-@pytest.mark.parametrize(("tile_n", "num_warps"), [(32, 4), (64, 8), (16, 2)])
+@pytest.mark.parametrize(("tile_n", "num_warps"), [(32, 4), (64, 8), (16, 2), (16, 1)])
 def test_every_launch_shape_the_benchmark_compares_matches_reference(tile_n, num_warps):
     """Tiles of one block or several, with fewer or more warps: the same answer (decode and prefill)."""
     rows = [(1, 1), (1, 33), (1, 150), (20, 120)]
