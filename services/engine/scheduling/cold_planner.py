@@ -186,6 +186,8 @@ class ColdPlanner:
         table = seq.block_table
         by_slot = {b.slot: (first, b) for first, b in table.cold_blocks.items()}
         chosen = [by_slot[s] for s in slots if s in by_slot and by_slot[s][1].is_stored]
+        if not chosen:  # the query's best blocks are still being stored: score again next step
+            self._scored.discard(seq.request_id)
         wanted = {first for first, _ in chosen}
         self._window_wanted[seq.request_id] = wanted
         for first in [f for f in table.aux_blocks if f not in wanted]:

@@ -21,11 +21,17 @@ from services.common.kvstore_api import BlockHash, KVStoreClient, MissReason, Na
 from services.engine.errors import UnknownRetrievalMode
 from services.engine.kv.block_pool import BlockHash as BlockHashBytes
 from services.engine.kv.block_pool import hash_prefix_blocks
-from services.engine.kv.cold_tier import DEFAULT_TENANT, ColdTierConfig
+from services.engine.kv.block_table import ColdBlock
+from services.engine.kv.cold_moves import ColdSummaries
+from services.engine.kv.cold_tier import DEFAULT_TENANT, ColdTier, ColdTierConfig
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
+from services.engine.scheduling.cold_planner import ColdPlanner
 from services.engine.scheduling.sampling_params import SamplingParams
+from services.engine.scheduling.sequence import RequestId, Sequence
 from services.engine.serving.generation_result import GenerationResult, ResultCollector
+from services.engine.text.detokenizer import IncrementalDetokenizer
+from tests.engine.paged_helpers import ONE_HEAD, make_cache
 from tests.kvstore.conftest import KVStoreProcess, RedisServer
 
 STORY = (
@@ -266,6 +272,26 @@ def test_a_window_is_scored_as_soon_as_its_request_has_stored_cold_blocks(
         engine.step()
     assert collector.result().error is None
     engine.stop()
+
+
+def test_a_window_whose_best_block_is_not_stored_yet_is_scored_again_at_the_next_step() -> None:
+    """Demotions are acknowledged a step or two after they are queued. A first scoring whose choice
+    is only unstored blocks loads nothing; it must not wait `score_every_steps` for another try."""
+    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
+    cache = make_cache(ONE_HEAD, block_size=BLOCK_SIZE, tiers=tiers)
+    config = ColdTierConfig(target="127.0.0.1:9", score_every_steps=1000, aux_window_tokens=16)
+    tier = ColdTier(config, "m", page_tokens=BLOCK_SIZE)  # never called: nothing stored is chosen
+    planner = ColdPlanner(tier, cache, ColdSummaries(0, 1, 2, torch.device("cpu")))
+    detokenizer = IncrementalDetokenizer(lambda ids: "", [1])
+    seq = Sequence(RequestId("r"), [1, 2], SamplingParams(), lambda e: None, detokenizer, None, tiers)
+    seq.uses_aux_window = True
+    seq.block_table.cold_blocks = {1: ColdBlock("aa" * 8, 0, is_stored=True), 2: ColdBlock("bb" * 8, 1)}
+    assert [row.owner for row in planner.rows_to_score([seq])] == ["r"]
+    planner.choose_window(seq, [1])  # the query's best block is the one still on its way
+    assert [row.owner for row in planner.rows_to_score([seq])] == ["r"]
+    planner.choose_window(seq, [0])
+    assert planner.rows_to_score([seq]) == []  # a choice was made: the cadence takes over
+    tier.close()
 
 
 def test_a_retrieval_mode_the_engine_does_not_know_is_refused(
