@@ -270,6 +270,15 @@ def test_split_decode_matches_reference(num_segments, with_warm):
     run_case(Shape(2, 4, 64), rows, torch.float32, with_warm, num_segments, seed=2)
 
 
+@pytest.mark.parametrize("num_segments", [1, 2])
+def test_hot_pass_finds_the_hot_tiles_across_scan_chunks(num_segments):
+    """One-block tiles over rows of up to 44 tiles: the hot pass reads the tables 16 tiles at a time,
+    so it meets the sink in a segment's first chunk, the recent blocks in its last, and nothing hot
+    in the chunks between."""
+    rows = [(1, 700), (1, 300), (1, 40)]
+    run_case(Shape(1, 4, 64), rows, torch.float32, True, num_segments, seed=7, tile_n=16, num_warps=1)
+
+
 @pytest.mark.parametrize(("tile_n", "num_warps"), [(32, 4), (64, 8), (16, 2), (16, 1)])
 def test_every_launch_shape_the_benchmark_compares_matches_reference(tile_n, num_warps):
     """Tiles of one block or several, with fewer or more warps: the same answer (decode and prefill)."""
