@@ -46,9 +46,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "protos"))
 
 from bench.machine import cpu_name, git_commit  # noqa: E402
+from services.engine.kv.tiers import KVCacheSpec, TierConfig  # noqa: E402
 from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.model.registry import resolve_model  # noqa: E402
 from services.engine.scheduling.sampling_params import SamplingParams  # noqa: E402
+
+# --tiers: the GPU benchmark's tiers-on setting (bench/decode_gpu.py), warm covering the context
+TIERS = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=40_000, group_size=32)
 
 # (label, object path on the engine, method): each is timed per step. `model` and `text` are the
 # split the report is about; the others break the critical host time down.
@@ -118,6 +122,7 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "model": "stories260K (the shared TinyStories Llama), float32, CPU",
+        "tiers": str(TIERS) if args.tiers else "off",
         "prompt tokens": str(args.prompt_tokens),
         "new tokens": f"{args.new_tokens} (greedy, EOS ignored); a 1-token generate first, untimed",
         "batch sizes": ", ".join(map(str, args.batch_sizes)),
@@ -161,17 +166,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the host work is Python)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--suffix", default="", help="appended to the result file's name")
+    parser.add_argument(
+        "--tiers", action="store_true",
+        help="tiers on (sink 4, hot window 128, INT4 warm, group 32): give a prompt past 128 tokens",
+    )  # fmt: skip
     args = parser.parse_args()
     args.load_at_start = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     model = resolve_model("stories260K")
+    kv = KVCacheSpec(tiers=TIERS) if args.tiers else KVCacheSpec()
     rows: dict[int, dict[str, float]] = {}
     for batch_size in args.batch_sizes:
         runs = []
         for _ in range(args.repeats):
             engine = LLMEngine.load(
                 model, device="cpu", dtype="float32", max_batch_size=batch_size,
-                max_seq_len=args.prompt_tokens + args.new_tokens + 8, progress=False,
+                max_seq_len=args.prompt_tokens + args.new_tokens + 8, progress=False, kv=kv,
             )  # fmt: skip
             try:
                 runs.append(measure(engine, batch_size, args.prompt_tokens, args.new_tokens))

@@ -98,12 +98,12 @@ def _fill_tables(table: BlockTable, hot_row: np.ndarray, warm_row: np.ndarray, b
     hot_row[: len(hot_ids)] = hot_ids
     if not table.warm_groups:
         return
-    firsts = np.fromiter(table.warm_groups.keys(), dtype=np.int64, count=len(table.warm_groups))
-    groups = np.fromiter(table.warm_groups.values(), dtype=np.int64, count=len(table.warm_groups))
-    within = np.arange(blocks_per_group)
-    logical = (firsts[:, None] + within).ravel()
-    keep = logical < len(warm_row)
-    warm_row[logical[keep]] = (groups[:, None] * blocks_per_group + within).ravel()[keep]
+    logical, warm = table.warm_groups.block_arrays(blocks_per_group)  # kept until the groups change
+    if logical[-1] < len(warm_row):  # the usual case: every warm block lies inside the step's width
+        warm_row[logical] = warm
+        return
+    end = int(np.searchsorted(logical, len(warm_row)))
+    warm_row[logical[:end]] = warm[:end]
 
 
 @dataclass(frozen=True)

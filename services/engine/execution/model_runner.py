@@ -16,7 +16,7 @@ from services.engine.attention.metadata import AttentionMetadata, HostMetadata, 
 from services.engine.attention.probe import AttentionProbe
 from services.engine.attention.reference import ReferenceBackend
 from services.engine.execution.cuda_graphs import DecodeGraphs
-from services.engine.kv.block_table import BlockTable
+from services.engine.kv.block_table import BlockTable, WarmGroups
 from services.engine.kv.cache import KVCache, WarmCopy
 from services.engine.kv.cold_moves import ColdMoves, ColdStore, ColdSummaries, ScoreRow
 from services.engine.kv.cold_tier import BlockToStore, ColdTier, Job, Operation
@@ -356,4 +356,4 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def _attention_view(table: BlockTable) -> BlockTable:
     """The parts of a block table that `HostMetadata.build` reads."""
-    return BlockTable(table.tiers, list(table.hot_block_ids), dict(table.warm_groups))
+    return BlockTable(table.tiers, list(table.hot_block_ids), WarmGroups(table.warm_groups))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.attention.metadata import AttentionMetadata, RowInput
+from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
 from services.engine.attention.reference import dense_context
 from services.engine.kv import kivi
 from services.engine.kv.block_pool import SCRATCH_BLOCK
-from services.engine.kv.block_table import BlockTable
+from services.engine.kv.block_table import BlockTable, WarmGroupId
 from services.engine.kv.tiers import TierConfig
 from services.engine.model.config import ModelConfig
 from tests.engine.paged_helpers import CPU, ONE_HEAD, make_cache
@@ -207,3 +207,30 @@ def test_a_long_prefill_keeps_its_newest_warm_groups_and_sends_the_rest_cold_fro
     assert [s.hot_block_ids for s in result.to_cold] == [tuple(hot_ids[f : f + 2]) for f in (1, 3, 5, 7)]
     copies = cache.take_warm_copies()  # only the surviving groups are quantized
     assert sorted(c.block_ids for c in copies) == [tuple(hot_ids[9:11]), tuple(hot_ids[11:13])]
+
+
+def test_the_warm_tables_follow_every_change_to_a_rows_warm_groups() -> None:
+    """The step metadata keeps each row's warm blocks as arrays until its groups change: after each
+    kind of change (a group added, replaced, evicted, all cleared) the tables equal a fresh table's."""
+    table = BlockTable(TierConfig(enabled=True))
+    table.hot_block_ids = [SCRATCH_BLOCK] * 12
+
+    def warm_row() -> list[int]:
+        metadata = HostMetadata.build([RowInput(table, 23, 1)], block_size=2, blocks_per_group=2)
+        return metadata.warm_block_tables[0].tolist()
+
+    def expected() -> list[int]:  # from the groups as they are now, with no arrays kept
+        row = [-1] * 12
+        for first, group in table.warm_groups.items():
+            row[first : first + 2] = [2 * group, 2 * group + 1]
+        return row
+
+    table.warm_groups[4] = WarmGroupId(3)
+    table.warm_groups[0] = WarmGroupId(5)  # added out of logical order
+    assert warm_row() == expected() == [10, 11, -1, -1, 6, 7] + [-1] * 6
+    table.warm_groups[4] = WarmGroupId(1)  # the same blocks, another group
+    assert warm_row() == expected()
+    table.warm_groups.pop(0)
+    assert warm_row() == expected() == [-1] * 4 + [2, 3] + [-1] * 6
+    table.warm_groups.clear()
+    assert warm_row() == [-1] * 12
