@@ -90,30 +90,28 @@ def compile_variant(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def registers(compiled: triton.compiler.CompiledKernel) -> int:
-    """Registers per thread that ptxas gave the kernel (its resource usage in the cubin)."""
+def _cuobjdump(compiled: triton.compiler.CompiledKernel, flag: str) -> str:
+    """cuobjdump's output for the kernel's cubin (`-sass`, `-res-usage`)."""
     cuobjdump = Path(triton.backends.nvidia.__path__[0]) / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        text = subprocess.run(
-            [str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True, check=True
-        )
-    match = re.search(r"REG:(\d+)", text.stdout)
+        return subprocess.run(
+            [str(cuobjdump), flag, cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def registers(compiled: triton.compiler.CompiledKernel) -> int:
+    """Registers per thread that ptxas gave the kernel (its resource usage in the cubin)."""
+    match = re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage"))
     return int(match.group(1)) if match else 0
 
 
 def disassemble(compiled: triton.compiler.CompiledKernel) -> list[tuple[int, str]]:
     """(address, instruction) of the cubin's SASS."""
-    cuobjdump = Path(triton.backends.nvidia.__path__[0]) / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        text = subprocess.run(
-            [str(cuobjdump), "-sass", cubin.name], capture_output=True, text=True, check=True
-        )
+    text = _cuobjdump(compiled, "-sass")
     rows = []
-    for line in text.stdout.splitlines():
+    for line in text.splitlines():
         match = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", line)
         if match:
             rows.append((int(match.group(1), 16), match.group(2)))
