@@ -743,9 +743,10 @@ def environment() -> dict[str, str]:
 
 
 def thresholds_markdown(
-    rows: list[ThresholdRow], entropies: list[float], args: argparse.Namespace, env: dict[str, str]
+    rows: list[ThresholdRow], samples: list[ColdSample], args: argparse.Namespace, env: dict[str, str]
 ) -> str:
     """The thresholds results page."""
+    entropies = [attention_entropy(s.mass) for s in samples]
     deciles = statistics.quantiles(entropies, n=10) if len(entropies) > 1 else entropies
     lines = [
         "# Cold tier: the entropy rule's thresholds, quality against codec time (SmolLM2-135M, CPU)",
@@ -773,20 +774,31 @@ def thresholds_markdown(
         "| vs BF16 | encode ms | decode ms |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    bf16 = 2 * 2 * 30 * 3 * 64  # keys and values, 30 layers, 3 kv heads, head dim 64
+    bf16 = _bf16_bytes_per_token(samples)
     for r in rows:
-        coded = not math.isnan(r.bytes_per_cold_token)
-        lines.append(
-            f"| {r.setting.name} | {r.perplexity:.3f} | {r.mean_kl:.5f} | {r.p99_kl:.4f} | "
-            f"{r.kept_share:.0%} | {_num(r.bytes_per_cold_token, 1)} | "
-            f"{f'{bf16 / r.bytes_per_cold_token:.1f}x' if coded else '—'} | {_num(r.encode_ms, 2)} | "
-            f"{_num(r.decode_ms, 2)} |"
-        )
+        lines.append(f"{_codec_cells(r, bf16)} {_num(r.encode_ms, 2)} | {_num(r.decode_ms, 2)} |")
     return "\n".join(lines) + "\n"
 
 
 def _num(value: float, digits: int) -> str:
     return "—" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _bf16_bytes_per_token(samples: list[ColdSample]) -> int:
+    """Keys and values of one token in BF16, all layers (a cold block's keys are `[L, G, KVH, D]`)."""
+    layers, _, heads, dim = samples[0].keys.shape
+    return 2 * 2 * layers * heads * dim
+
+
+def _codec_cells(r: ThresholdRow, bf16_bytes_per_token: int) -> str:
+    """The cells both codec tables share, from setting to the size against BF16, with a trailing `|`."""
+    ratio = (
+        "—" if math.isnan(r.bytes_per_cold_token) else f"{bf16_bytes_per_token / r.bytes_per_cold_token:.1f}x"
+    )
+    return (
+        f"| {r.setting.name} | {r.perplexity:.3f} | {r.mean_kl:.5f} | {r.p99_kl:.4f} | "
+        f"{r.kept_share:.0%} | {_num(r.bytes_per_cold_token, 1)} | {ratio} |"
+    )
 
 
 def pruning_markdown(
@@ -818,14 +830,8 @@ def pruning_markdown(
         "| setting | perplexity | mean KL | p99 KL | tokens kept | bytes/cold token | vs BF16 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    bf16 = 2 * 2 * 30 * 3 * 64  # keys and values, 30 layers, 3 kv heads, head dim 64
-    for r in rows:
-        coded = not math.isnan(r.bytes_per_cold_token)
-        lines.append(
-            f"| {r.setting.name} | {r.perplexity:.3f} | {r.mean_kl:.5f} | {r.p99_kl:.4f} | "
-            f"{r.kept_share:.0%} | {_num(r.bytes_per_cold_token, 1)} | "
-            f"{f'{bf16 / r.bytes_per_cold_token:.1f}x' if coded else '—'} |"
-        )
+    bf16 = _bf16_bytes_per_token(samples)
+    lines += [_codec_cells(r, bf16) for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -964,7 +970,7 @@ def main() -> None:
             markdown = pruning_markdown(*thresholds(engine, args, pruning_settings()), args, env)
         else:
             rows, samples = thresholds(engine, args, threshold_settings(args.cuts, args.keeps))
-            markdown = thresholds_markdown(rows, [attention_entropy(s.mass) for s in samples], args, env)
+            markdown = thresholds_markdown(rows, samples, args, env)
     elif args.part == "forced-passkey":
         markdown = forced_markdown(forced_passkeys(args), args)
     else:
