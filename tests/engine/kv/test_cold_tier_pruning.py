@@ -240,11 +240,7 @@ def test_a_pruned_window_block_is_attended_as_its_kept_tokens_only(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
     """The engine's own demotion, store, window load and reference attention, end to end."""
-    cold = ColdTierConfig(
-        target=kvstore.target, score_every_steps=1000, aux_window_tokens=32, prune_tokens=True, codec=HALF,
-        **HEALTHY,
-    )  # fmt: skip
-    engine = load_engine(stories_hf_dir, cold, PAGED_TIERS)
+    engine = load_engine(stories_hf_dir, pruning_config(kvstore), PAGED_TIERS)
     assert engine.cold is not None
     prompt = engine.tokenizer.encode(STORY * 2)
     collector = ResultCollector(prompt)
@@ -284,6 +280,14 @@ def test_a_pruned_window_block_is_attended_as_its_kept_tokens_only(
     engine.stop()
 
 
+def pruning_config(kvstore: KVStoreProcess) -> ColdTierConfig:
+    """Pruning on, a 32-token window that the first scoring fills, and no rescoring after it."""
+    return ColdTierConfig(
+        target=kvstore.target, score_every_steps=1000, aux_window_tokens=32, prune_tokens=True, codec=HALF,
+        **HEALTHY,
+    )  # fmt: skip
+
+
 def attention_weights(query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Softmax weights of one query `[H, D]` over keys `[KVH, L, D]` where `visible` `[L]` (GQA)."""
     groups = query.shape[0] // keys.shape[0]
@@ -296,11 +300,7 @@ def test_prompt_blocks_stay_whole_while_demoted_blocks_are_pruned(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
     """A reused prefix from a store where pruning is on gives the output of computing it."""
-    pruning = ColdTierConfig(
-        target=kvstore.target, score_every_steps=1000, aux_window_tokens=32, prune_tokens=True, codec=HALF,
-        **HEALTHY,
-    )  # fmt: skip
-    first = load_engine(stories_hf_dir, pruning, PAGED_TIERS)
+    first = load_engine(stories_hf_dir, pruning_config(kvstore), PAGED_TIERS)
     assert first.cold is not None
     prompt = long_prompt(first)
     collector = ResultCollector(prompt)
@@ -325,7 +325,7 @@ def test_prompt_blocks_stay_whole_while_demoted_blocks_are_pruned(
     plain = load_engine(stories_hf_dir, ColdTierConfig())  # no cold tier: the prompt is computed
     computed = run(plain, prompt).result()
     plain.stop()
-    second = load_engine(stories_hf_dir, pruning)
+    second = load_engine(stories_hf_dir, pruning_config(kvstore))
     reused = run(second, prompt).result()
     assert second.stats().cold.prompt_tokens_loaded == num_blocks * BLOCK_SIZE  # type: ignore[union-attr]
     assert reused.token_ids == computed.token_ids
