@@ -483,8 +483,9 @@ def _paged_attention_kernel(
         # Two passes over the segment's tiles: first the hot pass, which attends only the tiles with
         # hot positions (the sink and the recent window, a few tiles of a long row), then the warm
         # pass, straight-line. Apart, the warm loop carries none of the hot path's registers (the
-        # model-dtype query and tiles): on sm_90 that is 184 registers a thread against 238, so a
-        # third more programs fit on an SM (tools/kernel_sass.py).
+        # model-dtype query and tiles): on sm_90 the 4-warp program needs 206 registers a thread
+        # against 238, and 168 with no spills under WARM_DECODE_MAX_REGISTERS (tools/kernel_sass.py).
+        #
         # The scan reads the tables SCAN_TILES tiles at a time and visits only the tiles with hot
         # positions: a tile-by-tile scan waits on a table load per tile, which at 32K cost a long
         # row's programs more than the hot tiles themselves. A block in both tiers is read as warm.
