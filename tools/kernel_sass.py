@@ -76,7 +76,10 @@ def compile_variant(
         "HEAD_DIM_PADDED": 128, "QUERIES_PER_KV": 4, "BLOCK_M": block_m, "TILE_N": tile_n,
         "NUM_SEGMENTS": 8 if block_m == 16 else 1, "HAS_WARM": has_warm, "HAS_PREFIX_PAGES": has_pages,
         "IEEE_DOT": False, "DECODE": block_m == 16, "ASM_DEQUANT": True,
+        "MMA_LAYOUT": has_warm and block_m == 16 and num_warps == 1,
     }  # fmt: skip
+    if constants["MMA_LAYOUT"]:
+        constants["BLOCK_M"] = 8
     names = kernel.arg_names
     signature = {
         n: "constexpr" if n in constants else POINTERS.get(n, "fp32" if n == "sm_scale_log2" else "i32")

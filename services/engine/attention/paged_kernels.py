@@ -343,6 +343,86 @@ def _warm_tile_loads(
 
 
 @triton.jit
+def _tile_loads(
+    MMA_LAYOUT: tl.constexpr,
+    warm_block,
+    kv_head,
+    key_codes_ptr,
+    key_scale_ptr,
+    key_zero_ptr,
+    value_codes_ptr,
+    value_scale_ptr,
+    value_zero_ptr,
+    stride_codes_b,
+    stride_codes_t,
+    stride_codes_h,
+    stride_kscale_g,
+    stride_kscale_h,
+    stride_vscale_b,
+    stride_vscale_t,
+    stride_vscale_h,
+    dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCKS_PER_GROUP: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+):
+    """One warm tile's loads, in MMA_LAYOUT shapes or not."""
+    if MMA_LAYOUT:
+        loads = _mma_tile_loads(
+            warm_block,
+            kv_head,
+            key_codes_ptr,
+            key_scale_ptr,
+            key_zero_ptr,
+            value_codes_ptr,
+            value_scale_ptr,
+            value_zero_ptr,
+            stride_codes_b,
+            stride_codes_t,
+            stride_codes_h,
+            stride_kscale_g,
+            stride_kscale_h,
+            stride_vscale_b,
+            stride_vscale_t,
+            stride_vscale_h,
+            dtype,
+            BLOCK_SIZE,
+            BLOCKS_PER_GROUP,
+            VALUE_GROUP,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+        )
+    else:
+        loads = _warm_tile_loads(
+            warm_block,
+            kv_head,
+            key_codes_ptr,
+            key_scale_ptr,
+            key_zero_ptr,
+            value_codes_ptr,
+            value_scale_ptr,
+            value_zero_ptr,
+            stride_codes_b,
+            stride_codes_t,
+            stride_codes_h,
+            stride_kscale_g,
+            stride_kscale_h,
+            stride_vscale_b,
+            stride_vscale_t,
+            stride_vscale_h,
+            dtype,
+            BLOCK_SIZE,
+            BLOCKS_PER_GROUP,
+            VALUE_GROUP,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+        )
+    return loads
+
+
+@triton.jit
 def _warm_update(
     q,  # [M, D] in the warm tier's arithmetic dtype
     acc,  # [M, D] fp32 (rescaled here)
@@ -380,6 +460,232 @@ def _warm_update(
     v = tl.reshape(v, (TILE_N, HEAD_DIM_PADDED))
     acc = acc * rescale[:, None] + tl.dot(probs.to(dtype), v, input_precision=DOT_PRECISION)
     return acc, running_max, running_sum
+
+
+def _word_to_f16_pairs_asm() -> str:
+    """PTX: one word of packed codes -> four fp16 pairs, exact. Output $j holds nibble j (low half) and
+    nibble j + 4 (high half) of the word $4. A nibble is masked into the mantissa of 1024.0 (lop3, two
+    values); the pairs masked in place subtract 1024.0, those masked four bits up scale by 1/16 and
+    subtract 64 in one fma (exact: the values are small integers): 9 instructions for eight values."""
+    return """{
+.reg .b32 y, bias, sixteenth, shift;
+mov.b32 bias, 0x64006400;
+mov.b32 sixteenth, 0x2C002C00;
+mov.b32 shift, 0xD400D400;
+shr.b32 y, $4, 8;
+lop3.b32 $0, $4, 0x000F000F, bias, 0xEA;
+lop3.b32 $1, $4, 0x00F000F0, bias, 0xEA;
+lop3.b32 $2, y, 0x000F000F, bias, 0xEA;
+lop3.b32 $3, y, 0x00F000F0, bias, 0xEA;
+sub.f16x2 $0, $0, bias;
+fma.rn.f16x2 $1, $1, sixteenth, shift;
+sub.f16x2 $2, $2, bias;
+fma.rn.f16x2 $3, $3, sixteenth, shift;
+}"""
+
+
+_WORD_TO_F16_PAIRS_ASM = tl.constexpr(_word_to_f16_pairs_asm())
+
+
+@triton.jit
+def _half(pairs, HIGH: tl.constexpr):
+    """The low or high fp16 of int32 registers that each hold an fp16 pair."""
+    bits = (pairs >> 16) if HIGH else pairs
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _unpack_words_paired(words, dtype: tl.constexpr, ASM: tl.constexpr):
+    """int32 words of packed codes `[..., W]` -> the codes `[..., W, 2, 2, 2]` as exact values in `dtype`;
+    index (a, b, c) holds nibble 2a + b + 4c.
+
+    The last axis pairs nibbles j and j + 4 of one word, which with `ASM` are the two halves of one
+    register out of the PTX (_WORD_TO_F16_PAIRS_ASM): a tensor-core operand that takes the pair as
+    neighbouring channels reads that register as it is. (_unpack_words pairs two words instead.)"""
+    if ASM:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            asm=_WORD_TO_F16_PAIRS_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[words],
+            dtype=(tl.int32,) * 4,
+            is_pure=True,
+            pack=1,
+        )
+        low = tl.join(
+            tl.join(_half(r0, False), _half(r2, False)), tl.join(_half(r1, False), _half(r3, False))
+        )
+        high = tl.join(tl.join(_half(r0, True), _half(r2, True)), tl.join(_half(r1, True), _half(r3, True)))
+    else:
+        low = tl.join(tl.join(_nibble(words, 0, dtype), _nibble(words, 2, dtype)),
+                      tl.join(_nibble(words, 1, dtype), _nibble(words, 3, dtype)))  # fmt: skip
+        high = tl.join(tl.join(_nibble(words, 4, dtype), _nibble(words, 6, dtype)),
+                       tl.join(_nibble(words, 5, dtype), _nibble(words, 7, dtype)))  # fmt: skip
+    return tl.join(low, high)
+
+
+# The operand layout of a one-warp warm decode (MMA_LAYOUT). The tensor cores take a key tile
+# `[positions, channels]` with lane l holding positions l/4 and l/4 + 8 and, of each 16 channels, four
+# chosen by l % 4; the values `[channels, positions]` with lane l holding channels l/4 + 8i and four
+# positions chosen by l % 4. A dot product does not care in which order it meets the channels, as long
+# as both sides agree, so the kernel numbers the channels its own way: the keys' so that lane l % 4
+# loads a quarter of each position's code words (one 16-byte load), the values' so that lane l / 4
+# loads an eighth of them; the query is read in the keys' order, and the accumulator is kept in the
+# values' order and put back at the end. Then every warm operand goes from its load to the tensor
+# cores in registers, with no trip through shared memory (tools/kernel_sass.py counts them).
+
+
+@triton.jit
+def _key_channels(HEAD_DIM_PADDED: tl.constexpr):
+    """The stored channel of each key channel in MMA_LAYOUT order: [A, F1, T, F0, F2] for word
+    A_PER_LANE * T + A and nibble 4 * F2 + 2 * F1 + F0."""
+    d = tl.arange(0, HEAD_DIM_PADDED)
+    A_PER_LANE: tl.constexpr = HEAD_DIM_PADDED // 32
+    word = A_PER_LANE * ((d // 4) % 4) + d // 32
+    return 8 * word + 4 * (d % 2) + 2 * ((d // 16) % 2) + (d // 2) % 2
+
+
+@triton.jit
+def _to_value_order(x, M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+    """`[M, D]` in stored channel order -> MMA_LAYOUT value order [W2, F, G] (channel 8 (W2 g + w2) + f)."""
+    G: tl.constexpr = min(8, HEAD_DIM_PADDED // 8)
+    x = tl.reshape(x, (M, G, HEAD_DIM_PADDED // 8 // G, 8))
+    return tl.reshape(tl.permute(x, (0, 2, 3, 1)), (M, HEAD_DIM_PADDED))
+
+
+@triton.jit
+def _from_value_order(x, M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+    """The inverse of _to_value_order."""
+    G: tl.constexpr = min(8, HEAD_DIM_PADDED // 8)
+    x = tl.reshape(x, (M, HEAD_DIM_PADDED // 8 // G, 8, G))
+    return tl.reshape(tl.permute(x, (0, 3, 1, 2)), (M, HEAD_DIM_PADDED))
+
+
+@triton.jit
+def _mma_tile_loads(
+    warm_block,  # [K] int: from _warm_tile_table
+    kv_head,
+    key_codes_ptr,
+    key_scale_ptr,
+    key_zero_ptr,
+    value_codes_ptr,
+    value_scale_ptr,
+    value_zero_ptr,
+    stride_codes_b,
+    stride_codes_t,
+    stride_codes_h,
+    stride_kscale_g,
+    stride_kscale_h,
+    stride_vscale_b,
+    stride_vscale_t,
+    stride_vscale_h,
+    dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCKS_PER_GROUP: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+):
+    """_warm_tile_loads in MMA_LAYOUT shapes: key words `[K, BS, W]`, key scale/zero `[K, D]` in key
+    order, value words `[K, PH, G, PL, W2]` (position PL * ph + pl of the block, word W2 * g + w2) and
+    value scale/zero `[K, PH, G, PL, SW, SF]` (one per lane group when its words share a value group,
+    else one per word, else per nibble)."""
+    WORDS: tl.constexpr = HEAD_DIM_PADDED // 8
+    UNPADDED: tl.constexpr = HEAD_DIM == HEAD_DIM_PADDED
+    PL: tl.constexpr = min(4, BLOCK_SIZE)
+    PH: tl.constexpr = BLOCK_SIZE // PL
+    G: tl.constexpr = min(8, WORDS)
+    W2: tl.constexpr = WORDS // G
+    SW: tl.constexpr = 1 if VALUE_GROUP >= 8 * W2 else W2
+    SF: tl.constexpr = 1 if VALUE_GROUP >= 8 else 8
+    is_warm_block = warm_block >= 0
+    warm_block = tl.where(is_warm_block, warm_block, 0).to(tl.int64)
+    block_base = warm_block * stride_codes_b + kv_head * stride_codes_h  # [K]
+    token = tl.arange(0, BLOCK_SIZE)
+    word = tl.arange(0, WORDS)
+    slots = block_base[:, None, None] + (token * stride_codes_t)[None, :, None] + word[None, None, :]
+    key_words = _load_codes(key_codes_ptr + slots, word[None, None, :] < HEAD_DIM // 8, UNPADDED)
+    position = (PL * tl.arange(0, PH))[None, :, None, None, None] + tl.arange(0, PL)[
+        None, None, None, :, None
+    ]
+    value_word = (W2 * tl.arange(0, G))[None, None, :, None, None] + tl.arange(0, W2)[
+        None, None, None, None, :
+    ]
+    value_slots = block_base[:, None, None, None, None] + position * stride_codes_t + value_word
+    value_words = _load_codes(value_codes_ptr + value_slots, value_word < HEAD_DIM // 8, UNPADDED)
+    group_base = (warm_block // BLOCKS_PER_GROUP) * stride_kscale_g + kv_head * stride_kscale_h
+    channel = _key_channels(HEAD_DIM_PADDED)
+    row_mask = is_warm_block[:, None] & (channel < HEAD_DIM)[None, :]
+    key_scale = tl.load(key_scale_ptr + group_base[:, None] + channel[None, :], mask=row_mask, other=0.0)
+    key_zero = tl.load(key_zero_ptr + group_base[:, None] + channel[None, :], mask=row_mask, other=0.0)
+    scale_word = (W2 * tl.arange(0, G))[None, None, :, None, None, None] + tl.arange(0, SW)[
+        None, None, None, None, :, None
+    ]
+    group = (8 * scale_word + tl.arange(0, SF)[None, None, None, None, None, :]) // VALUE_GROUP
+    scale_base = warm_block * stride_vscale_b + kv_head * stride_vscale_h
+    scales = (
+        scale_base[:, None, None, None, None, None] + position[:, :, :, :, :, None] * stride_vscale_t + group
+    )
+    scale_mask = is_warm_block[:, None, None, None, None, None] & (group < HEAD_DIM // VALUE_GROUP)
+    value_scale = tl.load(value_scale_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
+    value_zero = tl.load(value_zero_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
+    return key_words, key_scale.to(dtype), key_zero.to(dtype), value_words, value_scale, value_zero
+
+
+@triton.jit
+def _mma_warm_update(
+    q_t,  # [D, M] the query in key order, transposed, in the warm tier's arithmetic dtype
+    acc_t,  # [D, M] fp32 in value order, transposed (rescaled here)
+    running_max,
+    running_sum,
+    key_words,  # ... value_zero: one tile's _mma_tile_loads
+    key_scale,
+    key_zero,
+    value_words,
+    value_scale,
+    value_zero,
+    is_warm,  # [N] bool
+    sm_scale_log2,
+    TILE_N: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """_warm_update for one decode query per row, in MMA_LAYOUT and transposed: the tile's positions are
+    the rows of the tensor-core tile and the query heads its columns, so a group of four heads pads to
+    eight columns (not sixteen rows) and the accumulator takes half the registers."""
+    dtype = q_t.dtype
+    A_PER_LANE: tl.constexpr = HEAD_DIM_PADDED // 32
+    PL: tl.constexpr = min(4, BLOCK_SIZE)
+    G: tl.constexpr = min(8, HEAD_DIM_PADDED // 8)
+    W2: tl.constexpr = HEAD_DIM_PADDED // 8 // G
+    SW: tl.constexpr = 1 if VALUE_GROUP >= 8 * W2 else W2
+    SF: tl.constexpr = 1 if VALUE_GROUP >= 8 else 8
+    k = _unpack_words_paired(key_words, dtype, ASM)  # [K, BS, W, F1, F0, F2]
+    k = tl.reshape(k, (TILE_BLOCKS, BLOCK_SIZE, 4, A_PER_LANE, 2, 2, 2))  # [K, BS, T, A, F1, F0, F2]
+    k = tl.reshape(tl.permute(k, (0, 1, 3, 4, 2, 5, 6)), (TILE_BLOCKS, BLOCK_SIZE, HEAD_DIM_PADDED))
+    k = tl.reshape(k * key_scale[:, None, :] + key_zero[:, None, :], (TILE_N, HEAD_DIM_PADDED))
+    scores = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [N, M]
+    scores = tl.where(is_warm[:, None], scores * sm_scale_log2, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 0))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(running_max - safe_max)
+    probs = tl.exp2(scores - safe_max[None, :])
+    running_sum = running_sum * rescale + tl.sum(probs, 0)
+    v = tl.reshape(_unpack_words(value_words, dtype, ASM), (TILE_BLOCKS, BLOCK_SIZE // PL, G, PL, W2, 8))
+    if SW == W2 and SF == 8:
+        v = v * value_scale + value_zero
+    else:
+        v = tl.reshape(v, (TILE_BLOCKS, BLOCK_SIZE // PL, G, PL, SW, W2 // SW, SF, 8 // SF))
+        v = v * tl.expand_dims(tl.expand_dims(value_scale, 5), 7) + tl.expand_dims(
+            tl.expand_dims(value_zero, 5), 7
+        )
+        v = tl.reshape(v, (TILE_BLOCKS, BLOCK_SIZE // PL, G, PL, W2, 8))
+    v_t = tl.reshape(tl.permute(v, (4, 5, 2, 0, 1, 3)), (HEAD_DIM_PADDED, TILE_N))  # [D, N]
+    acc_t = acc_t * rescale[None, :] + tl.dot(v_t, probs.to(dtype), input_precision=DOT_PRECISION)
+    return acc_t, new_max, running_sum
 
 
 @triton.jit
@@ -437,6 +743,7 @@ def _paged_attention_kernel(
     IEEE_DOT: tl.constexpr,
     DECODE: tl.constexpr,  # one query token per row
     ASM_DEQUANT: tl.constexpr,  # unpack the warm codes in PTX (fp16 on a GPU; see _unpack_words)
+    MMA_LAYOUT: tl.constexpr,  # one-warp decode: warm tiles built in the tensor cores' layout (see above)
 ):
     # the KV heads of one (row, segment) are neighbours in launch order: they run together and read
     # neighbouring bytes (a position's heads are adjacent in every cache layout)
@@ -513,13 +820,20 @@ def _paged_attention_kernel(
         # The warm tier is dequantized and multiplied in fp16 for a 16-bit model (see _unpack_words), so
         # the query meets it in fp16: exact for a bf16 query inside fp16's range, which is clamped to it.
         WARM_DTYPE: tl.constexpr = tl.float32 if IEEE_DOT else tl.float16
-        q_warm = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(WARM_DTYPE)
+        if MMA_LAYOUT:
+            key_channel = _key_channels(HEAD_DIM_PADDED)
+            key_mask = is_query[:, None] & (key_channel < HEAD_DIM)[None, :]
+            q_keyed = tl.load(q_rows + key_channel[None, :], mask=key_mask, other=0.0)
+            q_warm = tl.trans(tl.clamp(q_keyed.to(tl.float32), -65504.0, 65504.0).to(WARM_DTYPE))  # [D, M]
+            acc = tl.trans(_to_value_order(acc, BLOCK_M, HEAD_DIM_PADDED))  # [D, M]
+        else:
+            q_warm = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(WARM_DTYPE)
         # Software pipeline by hand: while a tile's math runs, the next tile's codes are already in
         # flight (their table entries one tile further ahead), so the loop never waits on a load
         # it has just issued.
         next_table = _warm_tile_table(warm_row, tile_begin, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
-        key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
-            next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
+        key_words, key_scale, key_zero, value_words, value_scale, value_zero = _tile_loads(
+            MMA_LAYOUT, next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
             value_codes_ptr, value_scale_ptr, value_zero_ptr,
             stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
             stride_vscale_b, stride_vscale_t, stride_vscale_h,
@@ -531,8 +845,8 @@ def _paged_attention_kernel(
             in_context = position < kv_end
             tile_key_words, tile_key_scale, tile_key_zero = key_words, key_scale, key_zero
             tile_value_words, tile_value_scale, tile_value_zero = value_words, value_scale, value_zero
-            key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
-                next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
+            key_words, key_scale, key_zero, value_words, value_scale, value_zero = _tile_loads(
+                MMA_LAYOUT, next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
                 value_codes_ptr, value_scale_ptr, value_zero_ptr,
                 stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
                 stride_vscale_b, stride_vscale_t, stride_vscale_h,
@@ -541,13 +855,24 @@ def _paged_attention_kernel(
             next_table = _warm_tile_table(warm_row, tile + 2, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
             warm_entry = tl.load(warm_row + position // BLOCK_SIZE, mask=in_context, other=-1)
             is_warm = in_context & (warm_entry >= 0)
-            acc, running_max, running_sum = _warm_update(
-                q_warm, acc, running_max, running_sum,
-                tile_key_words, tile_key_scale, tile_key_zero,
-                tile_value_words, tile_value_scale, tile_value_zero,
-                is_warm, position, q_position, sm_scale_log2, TILE_N, TILE_BLOCKS, BLOCK_SIZE,
-                HEAD_DIM_PADDED, VALUE_GROUP, CAUSAL, DOT_PRECISION, ASM_DEQUANT,
-            )  # fmt: skip
+            if MMA_LAYOUT:
+                acc, running_max, running_sum = _mma_warm_update(
+                    q_warm, acc, running_max, running_sum,
+                    tile_key_words, tile_key_scale, tile_key_zero,
+                    tile_value_words, tile_value_scale, tile_value_zero,
+                    is_warm, sm_scale_log2, TILE_N, TILE_BLOCKS, BLOCK_SIZE,
+                    HEAD_DIM_PADDED, VALUE_GROUP, DOT_PRECISION, ASM_DEQUANT,
+                )  # fmt: skip
+            else:
+                acc, running_max, running_sum = _warm_update(
+                    q_warm, acc, running_max, running_sum,
+                    tile_key_words, tile_key_scale, tile_key_zero,
+                    tile_value_words, tile_value_scale, tile_value_zero,
+                    is_warm, position, q_position, sm_scale_log2, TILE_N, TILE_BLOCKS, BLOCK_SIZE,
+                    HEAD_DIM_PADDED, VALUE_GROUP, CAUSAL, DOT_PRECISION, ASM_DEQUANT,
+                )  # fmt: skip
+        if MMA_LAYOUT:
+            acc = _from_value_order(tl.trans(acc), BLOCK_M, HEAD_DIM_PADDED)
     else:
         for tile in range(tile_begin, tile_end):
             position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
@@ -688,9 +1013,6 @@ def paged_attention(
     _check_inputs(q, layer, plan, out, prefix_pages)
     queries_per_kv = num_heads // num_kv_heads
     is_decode = plan.max_query_len == 1
-    # decode: one query token, so M is just the group's heads; prefill: 64 rows of (token, head)
-    block_m = max(16 if is_decode else 64, triton.next_power_of_2(queries_per_kv))
-    block_q = block_m // queries_per_kv
     padded = head_dim_padded(head_dim)
     warm = layer.warm
     if warm is not None and is_decode and q.is_cuda and tile_n is None and num_warps is None:
@@ -699,6 +1021,12 @@ def paged_attention(
         )
     tile_n = tile_n or _tile_n(block_size)
     num_warps = num_warps or 4
+    # a one-warp warm decode builds its tiles in the tensor cores' layout, with the heads as the
+    # columns of a transposed tile: eight at least (see _mma_warm_update)
+    mma_layout = warm is not None and is_decode and num_warps == 1
+    # decode: one query token, so M is just the group's heads; prefill: 64 rows of (token, head)
+    block_m = max(8 if mma_layout else 16 if is_decode else 64, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
     if tile_n % block_size or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power-of-two multiple of the block size {block_size}: {tile_n}")
     if num_segments > 1:
@@ -749,6 +1077,7 @@ def paged_attention(
         IEEE_DOT=q.dtype == torch.float32,
         DECODE=is_decode,
         ASM_DEQUANT=q.is_cuda and q.dtype != torch.float32,
+        MMA_LAYOUT=mma_layout,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),

@@ -279,6 +279,29 @@ def test_hot_pass_finds_the_hot_tiles_across_scan_chunks(num_segments):
     run_case(Shape(1, 4, 64), rows, torch.float32, True, num_segments, seed=7, tile_n=16, num_warps=1)
 
 
+# shapes that take each branch of the one-warp decode's tensor-core layout: head dims of 8 (padded),
+# 64 and 128; value groups covering a lane's channels, a word, or less than a word; blocks of 4 to 32
+MMA_SHAPES = [
+    Shape(2, 4, 128),
+    Shape(1, 4, 128, group_size=16),
+    Shape(1, 2, 128, block_size=8, group_size=8),
+    Shape(1, 8, 64, block_size=32, group_size=64),
+    Shape(1, 2, 64, block_size=4, group_size=4),
+    Shape(2, 1, 8),
+]
+
+
+@pytest.mark.parametrize("shape", MMA_SHAPES, ids=str)
+@pytest.mark.parametrize("tile_blocks", [1, 2])
+def test_one_warp_decode_in_the_tensor_core_layout_matches_reference(shape, tile_blocks):
+    """A one-warp warm decode numbers the channels its own way (MMA_LAYOUT): the query, the scales and
+    the accumulator must follow, at every head dim, value group and block size, split or not."""
+    rows = [(1, 1), (1, 40), (1, 150)]
+    tile_n = shape.block_size * tile_blocks
+    for num_segments in (1, 2):
+        run_case(shape, rows, torch.float32, True, num_segments, seed=9, tile_n=tile_n, num_warps=1)
+
+
 @pytest.mark.parametrize(("tile_n", "num_warps"), [(32, 4), (64, 8), (16, 2), (16, 1)])
 def test_every_launch_shape_the_benchmark_compares_matches_reference(tile_n, num_warps):
     """Tiles of one block or several, with fewer or more warps: the same answer (decode and prefill)."""
@@ -329,3 +352,12 @@ def test_bf16_matches_reference(with_warm):
 def test_bf16_prefill_over_dequantized_warm_pages_matches_reference():
     """bf16 pages of the warm prefix: within bf16 rounding of the float64 answer."""
     run_case(Shape(2, 4, 64), [(9, 90), (20, 120)], torch.bfloat16, True, 1, seed=7, prefix_pages=True)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton's CPU interpreter has no bf16 arithmetic")
+@pytest.mark.parametrize("shape", MMA_SHAPES, ids=str)
+def test_bf16_one_warp_decode_unpacks_codes_in_ptx_matches_reference(shape):
+    """bf16 on a GPU unpacks the warm codes in PTX, pairs of nibbles straight into tensor-core
+    registers (MMA_LAYOUT): within bf16 rounding of the float64 answer."""
+    rows = [(1, 40), (1, 150), (1, 300)]
+    run_case(shape, rows, torch.bfloat16, True, 2, seed=10, tile_n=shape.block_size, num_warps=1)

@@ -1,6 +1,6 @@
-"""The fused backend inside the engine, on the CPU through Triton's interpreter: greedy output equals
-the reference backend's with the tiers on, where later prefill chunks read their warm prefix from
-dequantized pages and decode reads the warm tier in place."""
+"""The fused backend inside the engine, on the CPU through Triton's interpreter (or on a GPU where there
+is one): greedy output equals the reference backend's with the tiers on, where later prefill chunks
+read their warm prefix from dequantized pages and decode reads the warm tier in place."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from services.engine.model.config import ModelConfig
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.serving.generation_result import ResultCollector
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton takes no CPU tensors
+
 # A hot window small enough that a 300-token prompt, prefilled 64 tokens at a time, has warm groups
 # before its later chunks.
 TIERED = KVCacheSpec(
@@ -28,7 +30,7 @@ TIERED = KVCacheSpec(
 
 def _greedy(path: Path, attention: str) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine.load(
-        path, device="cpu", dtype="float32", max_batch_size=2, max_seq_len=512, kv=TIERED,
+        path, device=DEVICE, dtype="float32", max_batch_size=2, max_seq_len=512, kv=TIERED,
         max_prefill_tokens=64, attention=attention, progress=False,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(11)
