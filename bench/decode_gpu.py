@@ -392,6 +392,10 @@ def check_cuda_equals_cpu(rows: list[str]) -> None:
                                     kv=kv, cuda_graphs=graphs)  # fmt: skip
             outputs[name] = greedy_ids(engine, STORIES_PROMPTS, new_tokens)
             engine.stop()
+            # the next engine sizes its pools from the memory left: this one's must be gone first
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
         for name in ("cuda eager", "cuda graphs"):
             agree = [_common_prefix(a, b) for a, b in zip(outputs["cpu"], outputs[name], strict=True)]
             same = outputs["cpu"] == outputs[name]

@@ -115,6 +115,33 @@ def _words_to_f16_asm() -> str:
 _WORDS_TO_F16_ASM = tl.constexpr(_words_to_f16_asm())
 
 
+def _scaled_words_to_f16_asm() -> str:
+    """_words_to_f16_asm with each value's scale and zero applied in the same pass: $10 holds the two
+    words' scales (low half for word 0) and $11 their zeros, one fma per register."""
+    body = _words_to_f16_asm().rstrip("}").rstrip()
+    lines = [f"fma.rn.f16x2 ${i}, ${i}, $10, $11;" for i in range(8)]
+    return body + "\n" + "\n".join(lines) + "\n}"
+
+
+_SCALED_WORDS_TO_F16_ASM = tl.constexpr(_scaled_words_to_f16_asm())
+
+
+@triton.jit
+def _unpack_scaled_words(words, scale, zero):
+    """Words of packed codes `[...]` and each word's fp16 scale and zero `[...]` -> the dequantized
+    values `[..., 2, 2, 2]` in fp16 (GPU only), index (a, b, c) holding nibble 4a + 2b + c. The PTX
+    pairs neighbouring words, so each register it returns holds one channel of the two."""
+    p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+        asm=_SCALED_WORDS_TO_F16_ASM,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+        args=[words, scale, zero],
+        dtype=(tl.float16,) * 8,
+        is_pure=True,
+        pack=2,
+    )
+    return tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+
+
 @triton.jit
 def _nibble(words, index: tl.constexpr, dtype: tl.constexpr):
     """Nibble `index` (0-7, from the low bits) of each int32 word, as an exact value in `dtype`."""
@@ -611,7 +638,20 @@ def _mma_tile_loads(
         None, None, None, None, :
     ]
     value_slots = block_base[:, None, None, None, None] + position * stride_codes_t + value_word
-    value_words = _load_codes(value_codes_ptr + value_slots, value_word < HEAD_DIM // 8, UNPADDED)
+    if W2 == 2:
+        # two word loads, each a [K, PH, G, PL] tensor whose neighbouring registers are neighbouring
+        # positions: unpacked two words at a time (_unpack_words), a register then holds one
+        # channel of two positions, as the value operand wants (one load of both words would pair
+        # a position's two words instead, and every register would need regrouping)
+        even_word = (2 * tl.arange(0, G))[None, None, :, None]
+        even_slots = block_base[:, None, None, None] + tl.reshape(position, (1, PH, 1, PL)) * stride_codes_t
+        even_slots += even_word
+        value_words = tl.join(
+            _load_codes(value_codes_ptr + even_slots, even_word < HEAD_DIM // 8, UNPADDED),
+            _load_codes(value_codes_ptr + even_slots + 1, even_word + 1 < HEAD_DIM // 8, UNPADDED),
+        )
+    else:
+        value_words = _load_codes(value_codes_ptr + value_slots, value_word < HEAD_DIM // 8, UNPADDED)
     group_base = (warm_block // BLOCKS_PER_GROUP) * stride_kscale_g + kv_head * stride_kscale_h
     channel = _key_channels(HEAD_DIM_PADDED)
     row_mask = is_warm_block[:, None] & (channel < HEAD_DIM)[None, :]
@@ -674,15 +714,24 @@ def _mma_warm_update(
     rescale = tl.exp2(running_max - safe_max)
     probs = tl.exp2(scores - safe_max[None, :])
     running_sum = running_sum * rescale + tl.sum(probs, 0)
-    v = tl.reshape(_unpack_words(value_words, dtype, ASM), (TILE_BLOCKS, BLOCK_SIZE // PL, G, PL, W2, 8))
-    if SW == W2 and SF == 8:
-        v = v * value_scale + value_zero
+    PH: tl.constexpr = BLOCK_SIZE // PL
+    if W2 == 2:
+        # the two word loads apart (see _mma_tile_loads), each unpacked two positions at a time
+        low, high = tl.split(value_words)
+        if ASM and SW == 1 and SF == 1:
+            # one scale and zero a position: the PTX applies them to the register pairs it makes,
+            # which are then the value operand's as they stand (regrouping them for a separate
+            # multiply took 60 byte permutes a tile)
+            scale = tl.reshape(value_scale, (TILE_BLOCKS, PH, G, PL))
+            zero = tl.reshape(value_zero, (TILE_BLOCKS, PH, G, PL))
+            v = tl.join(_unpack_scaled_words(low, scale, zero), _unpack_scaled_words(high, scale, zero))
+        else:
+            v = tl.join(_unpack_words(low, dtype, ASM), _unpack_words(high, dtype, ASM))
+        v = tl.permute(tl.reshape(v, (TILE_BLOCKS, PH, G, PL, 8, W2)), (0, 1, 2, 3, 5, 4))  # [..., W2, 8]
     else:
-        v = tl.reshape(v, (TILE_BLOCKS, BLOCK_SIZE // PL, G, PL, SW, W2 // SW, SF, 8 // SF))
-        v = v * tl.expand_dims(tl.expand_dims(value_scale, 5), 7) + tl.expand_dims(
-            tl.expand_dims(value_zero, 5), 7
-        )
-        v = tl.reshape(v, (TILE_BLOCKS, BLOCK_SIZE // PL, G, PL, W2, 8))
+        v = tl.reshape(_unpack_words(value_words, dtype, ASM), (TILE_BLOCKS, PH, G, PL, W2, 8))
+    if not (W2 == 2 and ASM and SW == 1 and SF == 1):
+        v = v * value_scale + value_zero  # [K, PH, G, PL, SW, SF] broadcasts: SW is 1 or W2, SF 1 or 8
     v_t = tl.reshape(tl.permute(v, (4, 5, 2, 0, 1, 3)), (HEAD_DIM_PADDED, TILE_N))  # [D, N]
     acc_t = acc_t * rescale[None, :] + tl.dot(v_t, probs.to(dtype), input_precision=DOT_PRECISION)
     return acc_t, new_max, running_sum
@@ -977,6 +1026,9 @@ WARM_DECODE_MAX_REGISTERS = 168
 # A warm decode launch with at least this many programs (about 8 per SM of an H200) runs one warp a
 # program (see _warm_decode_launch).
 SINGLE_WARP_MIN_PROGRAMS = 1024
+# The fewest positions in a tile on a GPU: the probabilities-times-values product reduces over the
+# tile's positions, and a tensor-core reduction is at least 16 long (`tl.dot` refuses less).
+MIN_GPU_TILE = 16
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -1029,6 +1081,8 @@ def paged_attention(
     block_q = block_m // queries_per_kv
     if tile_n % block_size or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power-of-two multiple of the block size {block_size}: {tile_n}")
+    if q.is_cuda and tile_n < MIN_GPU_TILE:
+        raise ValueError(f"tile_n must be at least {MIN_GPU_TILE} on a GPU (see MIN_GPU_TILE)")
     if num_segments > 1:
         if num_segments & (num_segments - 1):
             raise ValueError(f"num_segments must be a power of two, got {num_segments}")
@@ -1106,7 +1160,7 @@ def _warm_decode_launch(programs: int, block_size: int, maxnreg: int | None) -> 
     (a few long rows) one warp each would leave SMs idle, so four warps share a 64-position tile,
     with a register cap that lets three programs share an SM."""
     if programs >= SINGLE_WARP_MIN_PROGRAMS:
-        return block_size, 1, maxnreg
+        return max(block_size, MIN_GPU_TILE), 1, maxnreg
     return _tile_n(block_size), 4, WARM_DECODE_MAX_REGISTERS if maxnreg is None else maxnreg
 
 

@@ -14,6 +14,7 @@ import torch
 
 from services.engine.attention.metadata import prefix_plan_arrays
 from services.engine.attention.paged_kernels import (
+    MIN_GPU_TILE,
     PagedAttentionPlan,
     PagedLayer,
     Partials,
@@ -298,6 +299,8 @@ def test_one_warp_decode_in_the_tensor_core_layout_matches_reference(shape, tile
     the accumulator must follow, at every head dim, value group and block size, split or not."""
     rows = [(1, 1), (1, 40), (1, 150)]
     tile_n = shape.block_size * tile_blocks
+    if DEVICE.type == "cuda":
+        tile_n = max(MIN_GPU_TILE, tile_n)  # the tensor cores' shortest reduction
     for num_segments in (1, 2):
         run_case(shape, rows, torch.float32, True, num_segments, seed=9, tile_n=tile_n, num_warps=1)
 
@@ -360,4 +363,5 @@ def test_bf16_one_warp_decode_unpacks_codes_in_ptx_matches_reference(shape):
     """bf16 on a GPU unpacks the warm codes in PTX, pairs of nibbles straight into tensor-core
     registers (MMA_LAYOUT): within bf16 rounding of the float64 answer."""
     rows = [(1, 40), (1, 150), (1, 300)]
-    run_case(shape, rows, torch.bfloat16, True, 2, seed=10, tile_n=shape.block_size, num_warps=1)
+    tile_n = max(MIN_GPU_TILE, shape.block_size)
+    run_case(shape, rows, torch.bfloat16, True, 2, seed=10, tile_n=tile_n, num_warps=1)
