@@ -16,6 +16,11 @@ positions of a tiered row (the sink and the recent window) are read in a pass of
 the warm loop, so the warm loop carries none of their registers. The program order puts the KV
 heads of one (row, segment) side by side, so they read a position's neighbouring bytes together.
 
+A warm decode launch with enough programs to fill the GPU runs one warp a program (MMA_LAYOUT, see
+the comment above _key_channels): its warm tiles are built straight in the tensor cores' operand
+registers, transposed (positions as rows, query heads as columns), and never pass through shared
+memory. Four-warp decode and prefill keep the layout above.
+
 Cache layouts (one layer; the caller slices the layer off):
 - hot keys/values `[N, BS, KVH, D]`, model dtype; block 0 is scratch and never read.
 - warm codes `[WB, BS, KVH, D/2]` uint8 (a warm group of G tokens viewed as G/BS warm blocks; the low
