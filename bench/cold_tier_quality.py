@@ -446,7 +446,7 @@ def load_engine(setting: ContextSetting, target: str, args: argparse.Namespace) 
     if setting.uses_cold:
         cold = ColdTierConfig(
             target=target, deadline_ms=10_000, prefix_reuse=False, aux_window_tokens=args.window,
-            score_every_steps=args.score_every, prune_tokens=setting.prunes,
+            score_every_steps=args.score_every, prune_tokens=setting.prunes, score_layer=args.score_layer,
         )  # fmt: skip
     return LLMEngine.load(
         resolve_model(DEFAULT_MODEL), device="cpu", dtype="float32", max_batch_size=1,
@@ -945,6 +945,7 @@ def main() -> None:
         sub.add_argument("--warm", type=int, default=512)
         sub.add_argument("--window", type=int, default=512)
         sub.add_argument("--score-every", type=int, default=1)
+        sub.add_argument("--score-layer", type=int, default=-1, help="-1: middle layer")
         sub.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
         sub.add_argument("--kv-mb", type=int, default=1024)
         sub.add_argument("--seed", type=int, default=0)

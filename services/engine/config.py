@@ -51,7 +51,8 @@ class EngineConfig:
     (store prompt blocks, load stored prefixes; default on),
     `_RETRIEVAL_MODE` (off or semantic: the default of requests and classes that set none),
     `_AUX_WINDOW_TOKENS` (cold tokens attended per sequence, default 2048),
-    `_AUX_SCORE_EVERY_STEPS` (decode steps between scorings, default 16) and `_COLD_PRUNE_TOKENS`
+    `_AUX_SCORE_EVERY_STEPS` (decode steps between scorings, default 16), `_AUX_SCORE_LAYER` (the
+    layer whose query scores the cold blocks; default -1, the middle layer) and `_COLD_PRUNE_TOKENS`
     (drop the least-attended tokens of demoted blocks, by the key-norm proxy; default off).
     """
 
@@ -159,6 +160,7 @@ def _cold_from_env(prefix: str, environ: Mapping[str, str] | None) -> ColdTierCo
         retrieval_mode=_choice(prefix + "RETRIEVAL_MODE", RetrievalMode, defaults.retrieval_mode, environ),
         aux_window_tokens=env.get_int(prefix + "AUX_WINDOW_TOKENS", defaults.aux_window_tokens, environ),
         score_every_steps=env.get_int(prefix + "AUX_SCORE_EVERY_STEPS", defaults.score_every_steps, environ),
+        score_layer=env.get_int(prefix + "AUX_SCORE_LAYER", defaults.score_layer, environ),
         prune_tokens=env.get_bool(prefix + "COLD_PRUNE_TOKENS", defaults.prune_tokens, environ),
     )
 

@@ -258,6 +258,12 @@ class LLMEngine:
 
     def attach_cold_tier(self, config: ColdTierConfig) -> None:
         """Use the kvstore at `config.target` for prefix reuse, demotion and the auxiliary window."""
+        num_layers = self.runner.model.rank_config.num_layers
+        if config.score_layer >= num_layers:
+            raise ValueError(
+                f"the cold tier's score layer {config.score_layer} is past the model's {num_layers} layers "
+                "(THERMOCLINE_ENGINE_AUX_SCORE_LAYER; -1 picks the middle layer)"
+            )
         tier = ColdTier(config, self.model_id, wake=self._wake, page_tokens=self.runner.kv_cache.block_size)
         self.runner.attach_cold_tier(tier)
         assert self.runner.cold_summaries is not None

@@ -148,13 +148,15 @@ class ModelRunner:
                 self.graphs.capture()
 
     def attach_cold_tier(self, tier: ColdTier) -> None:
-        """Carry out cold-tier moves through `tier`; summary keys are kept at the middle layer."""
+        """Carry out cold-tier moves through `tier`; summary keys are kept at the tier's scoring layer
+        (the middle layer unless `score_layer` says otherwise)."""
         if self.model.tp.is_parallel:
             raise ValueError("the cold tier runs at tensor parallelism 1 only; unset the kvstore target")
         config = self.model.rank_config
+        layer = tier.config.score_layer  # checked against the model by LLMEngine.attach_cold_tier
         self.cold_tier = tier
         self.cold_summaries = ColdSummaries(
-            config.num_layers // 2, config.num_kv_heads, config.head_dim, self.device
+            config.num_layers // 2 if layer < 0 else layer, config.num_kv_heads, config.head_dim, self.device
         )
 
     def prepare(

@@ -86,6 +86,9 @@ class ColdTierConfig:
     retrieval_mode: RetrievalMode = RetrievalMode.OFF  # default for requests and classes that set none
     aux_window_tokens: int = 2048  # cold tokens one sequence attends at most (whole cold blocks)
     score_every_steps: int = 16  # decode steps between two scorings of the cold blocks
+    # The layer whose query scores the cold blocks and whose keys their summaries hold; -1: the
+    # middle layer (num_layers // 2).
+    score_layer: int = -1
     # Drop the tokens of demoted blocks that the key-norm proxy ranks least attended (the codec's
     # entropy rule sets how many). Off by default: it saved a third of the cold bytes and window
     # pages with a lower KL where measured, but a dropped token is gone for good, the proxy ranked
@@ -101,6 +104,8 @@ class ColdTierConfig:
             )
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.score_layer < -1:
+            raise ValueError(f"score_layer must be a layer index or -1 (the middle), got {self.score_layer}")
         if self.aux_window_tokens < 0 or self.score_every_steps < 1:
             raise ValueError(
                 "the auxiliary window must be >= 0 tokens and scored every >= 1 steps, got "

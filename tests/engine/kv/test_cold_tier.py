@@ -328,3 +328,21 @@ def test_a_running_engine_serves_every_request_while_the_kvstore_is_down_and_aft
     kvstore.start()
     assert all(r.error is None for r in serve("back"))
     engine.stop()
+
+
+def test_the_cold_blocks_are_scored_at_the_layer_the_config_names(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """`score_layer` picks the layer whose keys the summaries hold (-1: the middle one); a layer past
+    the model is refused at load with the setting's name."""
+    default = load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target, **HEALTHY))
+    assert default.runner.cold_summaries is not None
+    assert default.runner.cold_summaries.layer == default.config.num_layers // 2
+    default.stop()
+    first = load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target, score_layer=0, **HEALTHY))
+    assert first.runner.cold_summaries is not None and first.runner.cold_summaries.layer == 0
+    first.stop()
+    with pytest.raises(ValueError, match="AUX_SCORE_LAYER"):
+        load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target, score_layer=99, **HEALTHY))
+    with pytest.raises(ValueError, match="score_layer"):
+        ColdTierConfig(score_layer=-2)
