@@ -13,7 +13,8 @@ loads), and the shared memory the software pipeline takes. Use the Triton versio
 
 A variant is `KIND:TILExWARPS`, KIND one of decode (16-row blocks, one query token, warm tier),
 prefill (64-row blocks over a warm tier read in place), pages (prefill over dequantized prefix
-pages), hot (decode, no warm tier) or prefill-hot (prefill, no warm tier). The shapes are the
+pages), hot (decode, no warm tier) or prefill-hot (prefill, no warm tier); a one-warp decode compiles
+the tensor-core layout the engine launches there (MMA_LAYOUT, 8-column transposed tiles). The shapes are the
 Llama-3.1-8B attention's (32 query heads, 8 KV heads, head dim 128, block 16, warm group 32).
 Counts are static: the loop body once, both sides of its branches included; `branch` is the longest
 forward branch inside the loop (the hot tile's path in a warm loop, skipped on most tiles). What
