@@ -340,13 +340,20 @@ def _warm_tile_loads(
     VALUE_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    MMA_LAYOUT: tl.constexpr,
 ):
     """Issue every load of one warm tile: the packed code words and their scales and zeros, not yet used.
 
     A block's codes are one contiguous `[BLOCK_SIZE, D/8]` slab of int32 words with a single
     key-scale row (its group's), so keys and values are read as `[K, BLOCK_SIZE, D/8]` from per-block
     base offsets, with no per-position gathers. A block that is not warm reads warm block 0 (valid
-    memory) with zeroed scales and zeros, so it dequantizes to exactly 0 and needs no predicate."""
+    memory) with zeroed scales and zeros, so it dequantizes to exactly 0 and needs no predicate.
+
+    With MMA_LAYOUT the key scale/zero come as `[K, D]` in key order, the value words as
+    `[K, PH, G, PL, W2]` (position PL * ph + pl of the block, word W2 * g + w2) and the value
+    scale/zero as `[K, PH, G, PL, SW, SF]` (one per lane group when its words share a value group,
+    else one per word, else per nibble); otherwise key scale/zero are `[K, 1, D]`, value words
+    `[K, BS, W]` and value scale/zero `[K, BS, D/VG]`."""
     WORDS: tl.constexpr = HEAD_DIM_PADDED // 8
     NUM_GROUPS: tl.constexpr = HEAD_DIM_PADDED // VALUE_GROUP  # value groups covering the padded channels
     UNPADDED: tl.constexpr = HEAD_DIM == HEAD_DIM_PADDED
@@ -358,100 +365,59 @@ def _warm_tile_loads(
     slots = block_base[:, None, None] + (token * stride_codes_t)[None, :, None] + word[None, None, :]
     has_word = word[None, None, :] < HEAD_DIM // 8
     key_words = _load_codes(key_codes_ptr + slots, has_word, UNPADDED)  # [K, BS, W]
-    value_words = _load_codes(value_codes_ptr + slots, has_word, UNPADDED)
     group_base = (warm_block // BLOCKS_PER_GROUP) * stride_kscale_g + kv_head * stride_kscale_h
-    channel = tl.arange(0, HEAD_DIM_PADDED)
-    channels = group_base[:, None, None] + channel[None, None, :]  # [K, 1, D]
-    row_mask = is_warm_block[:, None, None] & (channel < HEAD_DIM)[None, None, :]
+    scale_base = warm_block * stride_vscale_b + kv_head * stride_vscale_h
+    if MMA_LAYOUT:
+        PL: tl.constexpr = min(4, BLOCK_SIZE)
+        PH: tl.constexpr = BLOCK_SIZE // PL
+        G: tl.constexpr = min(8, WORDS)
+        W2: tl.constexpr = WORDS // G
+        SW: tl.constexpr = 1 if VALUE_GROUP >= 8 * W2 else W2
+        SF: tl.constexpr = 1 if VALUE_GROUP >= 8 else 8
+        position = (PL * tl.arange(0, PH))[None, :, None, None, None] + tl.arange(0, PL)[
+            None, None, None, :, None
+        ]
+        if W2 == 2:
+            # two word loads, each a [K, PH, G, PL] tensor whose neighbouring registers are
+            # neighbouring positions: unpacked two words at a time (_unpack_words), a register then
+            # holds one channel of two positions, as the value operand wants (one load of both words
+            # would pair a position's two words instead, and every register would need regrouping)
+            even_word = (2 * tl.arange(0, G))[None, None, :, None]
+            even_position = tl.reshape(position, (1, PH, 1, PL))
+            even_slots = block_base[:, None, None, None] + even_position * stride_codes_t + even_word
+            value_words = tl.join(
+                _load_codes(value_codes_ptr + even_slots, even_word < HEAD_DIM // 8, UNPADDED),
+                _load_codes(value_codes_ptr + even_slots + 1, even_word + 1 < HEAD_DIM // 8, UNPADDED),
+            )
+        else:
+            value_word = (W2 * tl.arange(0, G))[None, None, :, None, None] + tl.arange(0, W2)[
+                None, None, None, None, :
+            ]
+            value_slots = block_base[:, None, None, None, None] + position * stride_codes_t + value_word
+            value_words = _load_codes(value_codes_ptr + value_slots, value_word < HEAD_DIM // 8, UNPADDED)
+        channel = _key_channels(HEAD_DIM_PADDED)
+        channels = group_base[:, None] + channel[None, :]  # [K, D]
+        row_mask = is_warm_block[:, None] & (channel < HEAD_DIM)[None, :]
+        scale_word = (W2 * tl.arange(0, G))[None, None, :, None, None, None] + tl.arange(0, SW)[
+            None, None, None, None, :, None
+        ]
+        group = (8 * scale_word + tl.arange(0, SF)[None, None, None, None, None, :]) // VALUE_GROUP
+        scale_position = position[:, :, :, :, :, None] * stride_vscale_t
+        scales = scale_base[:, None, None, None, None, None] + scale_position + group
+        scale_mask = is_warm_block[:, None, None, None, None, None] & (group < HEAD_DIM // VALUE_GROUP)
+    else:
+        value_words = _load_codes(value_codes_ptr + slots, has_word, UNPADDED)
+        channel = tl.arange(0, HEAD_DIM_PADDED)
+        channels = group_base[:, None, None] + channel[None, None, :]  # [K, 1, D]
+        row_mask = is_warm_block[:, None, None] & (channel < HEAD_DIM)[None, None, :]
+        group = tl.arange(0, NUM_GROUPS)
+        scales = scale_base[:, None, None] + (token * stride_vscale_t)[None, :, None] + group[None, None, :]
+        scale_mask = is_warm_block[:, None, None] & (group < HEAD_DIM // VALUE_GROUP)[None, None, :]
     key_scale = tl.load(key_scale_ptr + channels, mask=row_mask, other=0.0).to(dtype)
     key_zero = tl.load(key_zero_ptr + channels, mask=row_mask, other=0.0).to(dtype)
-    group = tl.arange(0, NUM_GROUPS)
-    scale_base = warm_block * stride_vscale_b + kv_head * stride_vscale_h
-    scales = scale_base[:, None, None] + (token * stride_vscale_t)[None, :, None] + group[None, None, :]
-    scale_mask = is_warm_block[:, None, None] & (group < HEAD_DIM // VALUE_GROUP)[None, None, :]
-    value_scale = tl.load(value_scale_ptr + scales, mask=scale_mask, other=0.0).to(dtype)  # [K, BS, G]
+    value_scale = tl.load(value_scale_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
     value_zero = tl.load(value_zero_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
     return key_words, key_scale, key_zero, value_words, value_scale, value_zero
-
-
-@triton.jit
-def _tile_loads(
-    MMA_LAYOUT: tl.constexpr,
-    warm_block,
-    kv_head,
-    key_codes_ptr,
-    key_scale_ptr,
-    key_zero_ptr,
-    value_codes_ptr,
-    value_scale_ptr,
-    value_zero_ptr,
-    stride_codes_b,
-    stride_codes_t,
-    stride_codes_h,
-    stride_kscale_g,
-    stride_kscale_h,
-    stride_vscale_b,
-    stride_vscale_t,
-    stride_vscale_h,
-    dtype: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCKS_PER_GROUP: tl.constexpr,
-    VALUE_GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PADDED: tl.constexpr,
-):
-    """One warm tile's loads, in MMA_LAYOUT shapes or not."""
-    if MMA_LAYOUT:
-        loads = _mma_tile_loads(
-            warm_block,
-            kv_head,
-            key_codes_ptr,
-            key_scale_ptr,
-            key_zero_ptr,
-            value_codes_ptr,
-            value_scale_ptr,
-            value_zero_ptr,
-            stride_codes_b,
-            stride_codes_t,
-            stride_codes_h,
-            stride_kscale_g,
-            stride_kscale_h,
-            stride_vscale_b,
-            stride_vscale_t,
-            stride_vscale_h,
-            dtype,
-            BLOCK_SIZE,
-            BLOCKS_PER_GROUP,
-            VALUE_GROUP,
-            HEAD_DIM,
-            HEAD_DIM_PADDED,
-        )
-    else:
-        loads = _warm_tile_loads(
-            warm_block,
-            kv_head,
-            key_codes_ptr,
-            key_scale_ptr,
-            key_zero_ptr,
-            value_codes_ptr,
-            value_scale_ptr,
-            value_zero_ptr,
-            stride_codes_b,
-            stride_codes_t,
-            stride_codes_h,
-            stride_kscale_g,
-            stride_kscale_h,
-            stride_vscale_b,
-            stride_vscale_t,
-            stride_vscale_h,
-            dtype,
-            BLOCK_SIZE,
-            BLOCKS_PER_GROUP,
-            VALUE_GROUP,
-            HEAD_DIM,
-            HEAD_DIM_PADDED,
-        )
-    return loads
 
 
 @triton.jit
@@ -593,96 +559,12 @@ def _from_value_order(x, M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
 
 
 @triton.jit
-def _mma_tile_loads(
-    warm_block,  # [K] int: from _warm_tile_table
-    kv_head,
-    key_codes_ptr,
-    key_scale_ptr,
-    key_zero_ptr,
-    value_codes_ptr,
-    value_scale_ptr,
-    value_zero_ptr,
-    stride_codes_b,
-    stride_codes_t,
-    stride_codes_h,
-    stride_kscale_g,
-    stride_kscale_h,
-    stride_vscale_b,
-    stride_vscale_t,
-    stride_vscale_h,
-    dtype: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCKS_PER_GROUP: tl.constexpr,
-    VALUE_GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PADDED: tl.constexpr,
-):
-    """_warm_tile_loads in MMA_LAYOUT shapes: key words `[K, BS, W]`, key scale/zero `[K, D]` in key
-    order, value words `[K, PH, G, PL, W2]` (position PL * ph + pl of the block, word W2 * g + w2) and
-    value scale/zero `[K, PH, G, PL, SW, SF]` (one per lane group when its words share a value group,
-    else one per word, else per nibble)."""
-    WORDS: tl.constexpr = HEAD_DIM_PADDED // 8
-    UNPADDED: tl.constexpr = HEAD_DIM == HEAD_DIM_PADDED
-    PL: tl.constexpr = min(4, BLOCK_SIZE)
-    PH: tl.constexpr = BLOCK_SIZE // PL
-    G: tl.constexpr = min(8, WORDS)
-    W2: tl.constexpr = WORDS // G
-    SW: tl.constexpr = 1 if VALUE_GROUP >= 8 * W2 else W2
-    SF: tl.constexpr = 1 if VALUE_GROUP >= 8 else 8
-    is_warm_block = warm_block >= 0
-    warm_block = tl.where(is_warm_block, warm_block, 0).to(tl.int64)
-    block_base = warm_block * stride_codes_b + kv_head * stride_codes_h  # [K]
-    token = tl.arange(0, BLOCK_SIZE)
-    word = tl.arange(0, WORDS)
-    slots = block_base[:, None, None] + (token * stride_codes_t)[None, :, None] + word[None, None, :]
-    key_words = _load_codes(key_codes_ptr + slots, word[None, None, :] < HEAD_DIM // 8, UNPADDED)
-    position = (PL * tl.arange(0, PH))[None, :, None, None, None] + tl.arange(0, PL)[
-        None, None, None, :, None
-    ]
-    value_word = (W2 * tl.arange(0, G))[None, None, :, None, None] + tl.arange(0, W2)[
-        None, None, None, None, :
-    ]
-    value_slots = block_base[:, None, None, None, None] + position * stride_codes_t + value_word
-    if W2 == 2:
-        # two word loads, each a [K, PH, G, PL] tensor whose neighbouring registers are neighbouring
-        # positions: unpacked two words at a time (_unpack_words), a register then holds one
-        # channel of two positions, as the value operand wants (one load of both words would pair
-        # a position's two words instead, and every register would need regrouping)
-        even_word = (2 * tl.arange(0, G))[None, None, :, None]
-        even_slots = block_base[:, None, None, None] + tl.reshape(position, (1, PH, 1, PL)) * stride_codes_t
-        even_slots += even_word
-        value_words = tl.join(
-            _load_codes(value_codes_ptr + even_slots, even_word < HEAD_DIM // 8, UNPADDED),
-            _load_codes(value_codes_ptr + even_slots + 1, even_word + 1 < HEAD_DIM // 8, UNPADDED),
-        )
-    else:
-        value_words = _load_codes(value_codes_ptr + value_slots, value_word < HEAD_DIM // 8, UNPADDED)
-    group_base = (warm_block // BLOCKS_PER_GROUP) * stride_kscale_g + kv_head * stride_kscale_h
-    channel = _key_channels(HEAD_DIM_PADDED)
-    row_mask = is_warm_block[:, None] & (channel < HEAD_DIM)[None, :]
-    key_scale = tl.load(key_scale_ptr + group_base[:, None] + channel[None, :], mask=row_mask, other=0.0)
-    key_zero = tl.load(key_zero_ptr + group_base[:, None] + channel[None, :], mask=row_mask, other=0.0)
-    scale_word = (W2 * tl.arange(0, G))[None, None, :, None, None, None] + tl.arange(0, SW)[
-        None, None, None, None, :, None
-    ]
-    group = (8 * scale_word + tl.arange(0, SF)[None, None, None, None, None, :]) // VALUE_GROUP
-    scale_base = warm_block * stride_vscale_b + kv_head * stride_vscale_h
-    scales = (
-        scale_base[:, None, None, None, None, None] + position[:, :, :, :, :, None] * stride_vscale_t + group
-    )
-    scale_mask = is_warm_block[:, None, None, None, None, None] & (group < HEAD_DIM // VALUE_GROUP)
-    value_scale = tl.load(value_scale_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
-    value_zero = tl.load(value_zero_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
-    return key_words, key_scale.to(dtype), key_zero.to(dtype), value_words, value_scale, value_zero
-
-
-@triton.jit
 def _mma_warm_update(
     q_t,  # [D, M] the query in key order, transposed, in the warm tier's arithmetic dtype
     acc_t,  # [D, M] fp32 in value order, transposed (rescaled here)
     running_max,
     running_sum,
-    key_words,  # ... value_zero: one tile's _mma_tile_loads
+    key_words,  # ... value_zero: one tile's _warm_tile_loads
     key_scale,
     key_zero,
     value_words,
@@ -721,7 +603,7 @@ def _mma_warm_update(
     running_sum = running_sum * rescale + tl.sum(probs, 0)
     PH: tl.constexpr = BLOCK_SIZE // PL
     if W2 == 2:
-        # the two word loads apart (see _mma_tile_loads), each unpacked two positions at a time
+        # the two word loads apart (see _warm_tile_loads), each unpacked two positions at a time
         low, high = tl.split(value_words)
         if ASM and SW == 1 and SF == 1:
             # one scale and zero a position: the PTX applies them to the register pairs it makes,
@@ -886,12 +768,12 @@ def _paged_attention_kernel(
         # flight (their table entries one tile further ahead), so the loop never waits on a load
         # it has just issued.
         next_table = _warm_tile_table(warm_row, tile_begin, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
-        key_words, key_scale, key_zero, value_words, value_scale, value_zero = _tile_loads(
-            MMA_LAYOUT, next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
+        key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
+            next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
             value_codes_ptr, value_scale_ptr, value_zero_ptr,
             stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
             stride_vscale_b, stride_vscale_t, stride_vscale_h,
-            WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED,
+            WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED, MMA_LAYOUT,
         )  # fmt: skip
         next_table = _warm_tile_table(warm_row, tile_begin + 1, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
         for tile in range(tile_begin, tile_end):
@@ -899,12 +781,12 @@ def _paged_attention_kernel(
             in_context = position < kv_end
             tile_key_words, tile_key_scale, tile_key_zero = key_words, key_scale, key_zero
             tile_value_words, tile_value_scale, tile_value_zero = value_words, value_scale, value_zero
-            key_words, key_scale, key_zero, value_words, value_scale, value_zero = _tile_loads(
-                MMA_LAYOUT, next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
+            key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
+                next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
                 value_codes_ptr, value_scale_ptr, value_zero_ptr,
                 stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
                 stride_vscale_b, stride_vscale_t, stride_vscale_h,
-                WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED,
+                WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED, MMA_LAYOUT,
             )  # fmt: skip
             next_table = _warm_tile_table(warm_row, tile + 2, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
             warm_entry = tl.load(warm_row + position // BLOCK_SIZE, mask=in_context, other=-1)
