@@ -92,12 +92,17 @@ def test_tampering_fails_verification(tmp_path: Path, tamper: str) -> None:
 
 def test_the_cli_reports_tampering_with_its_exit_status(tmp_path: Path) -> None:
     _write(tmp_path, 5).close()
-    command = [sys.executable, "-m", "services.cli.main", "audit", "verify", str(tmp_path)]
-    ok = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    # an empty state dir and no key setting: a local mesh's key (./var/keys after `make demo`) is not
+    # this log's, and would make the untampered log fail to verify
+    state = tmp_path / "state"
+    cli = [sys.executable, "-m", "services.cli.main", "--state-dir", str(state)]
+    command = [*cli, "audit", "verify", str(tmp_path)]
+    clean_env = {k: v for k, v in os.environ.items() if k != "THERMOCLINE_GATEWAY_AUDIT_KEY_FILE"}
+    ok = subprocess.run(command, capture_output=True, text=True, timeout=60, env=clean_env)
     assert ok.returncode == 0 and "decisions: 5 events" in ok.stdout, ok.stderr
     path = segment_paths(tmp_path, DECISIONS)[0]
     path.write_text(path.read_text().replace("user-2", "user-9"))
-    bad = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(command, capture_output=True, text=True, timeout=60, env=clean_env)
     assert bad.returncode == 1 and "edited" in bad.stderr
 
 
