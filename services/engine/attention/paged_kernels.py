@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+LAZY_RESCALE_LOG2: tl.constexpr = tl.constexpr(8.0)
 
 
 class WarmLayer(NamedTuple):
@@ -596,11 +597,20 @@ def _mma_warm_update(
     k = tl.reshape(k * key_scale[:, None, :] + key_zero[:, None, :], (TILE_N, HEAD_DIM_PADDED))
     scores = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [N, M]
     scores = tl.where(is_warm[:, None], scores * sm_scale_log2, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 0))
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp2(running_max - safe_max)
+    # Lazy rescaling: the running max moves only when a head's tile max passes it by more than
+    # LAZY_RESCALE_LOG2 (the probabilities then stay below 2^LAZY_RESCALE_LOG2, well inside fp16), so
+    # most tiles skip the accumulator's rescale (a multiply per accumulator register). The branch
+    # is uniform: the program is one warp.
+    tile_max = tl.max(scores, 0)
+    if tl.max(tile_max - running_max) > LAZY_RESCALE_LOG2:
+        new_max = tl.maximum(running_max, tile_max)
+        rescale = tl.exp2(running_max - tl.where(new_max == float("-inf"), 0.0, new_max))
+        acc_t = acc_t * rescale[None, :]
+        running_sum = running_sum * rescale
+        running_max = new_max
+    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
     probs = tl.exp2(scores - safe_max[None, :])
-    running_sum = running_sum * rescale + tl.sum(probs, 0)
+    running_sum = running_sum + tl.sum(probs, 0)
     PH: tl.constexpr = BLOCK_SIZE // PL
     if W2 == 2:
         # the two word loads apart (see _warm_tile_loads), each unpacked two positions at a time
@@ -620,8 +630,8 @@ def _mma_warm_update(
     if not (W2 == 2 and ASM and SW == 1 and SF == 1):
         v = v * value_scale + value_zero  # [K, PH, G, PL, SW, SF] broadcasts: SW is 1 or W2, SF 1 or 8
     v_t = tl.reshape(tl.permute(v, (4, 5, 2, 0, 1, 3)), (HEAD_DIM_PADDED, TILE_N))  # [D, N]
-    acc_t = acc_t * rescale[None, :] + tl.dot(v_t, probs.to(dtype), input_precision=DOT_PRECISION)
-    return acc_t, new_max, running_sum
+    acc_t = tl.dot(v_t, probs.to(dtype), acc_t, input_precision=DOT_PRECISION)
+    return acc_t, running_max, running_sum
 
 
 @triton.jit

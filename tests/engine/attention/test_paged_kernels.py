@@ -178,6 +178,7 @@ def run_case(
     num_segments: int,
     seed: int,
     prefix_pages: bool = False,
+    q_scale: float = 1.0,
     **launch,
 ):
     """The kernel on random tables against the float64 reference. With `prefix_pages`, the warm blocks
@@ -191,7 +192,7 @@ def run_case(
     layouts = random_layouts(shape, rows, with_warm, total_blocks, num_groups, rng)
     num_tokens = sum(q for q, _ in rows)
     num_heads = shape.num_kv_heads * shape.queries_per_kv
-    q = torch.randn(num_tokens, num_heads, shape.head_dim, generator=gen).to(dtype)
+    q = (torch.randn(num_tokens, num_heads, shape.head_dim, generator=gen) * q_scale).to(dtype)
     width = max(len(lay.blocks) for lay in layouts) + 1
     block_tables = torch.zeros(len(rows), width, dtype=torch.int32)
     warm_tables = torch.full((len(rows), width), -1, dtype=torch.int32)
@@ -303,6 +304,20 @@ def test_one_warp_decode_in_the_tensor_core_layout_matches_reference(shape, tile
         tile_n = max(MIN_GPU_TILE, tile_n)  # the tensor cores' shortest reduction
     for num_segments in (1, 2):
         run_case(shape, rows, torch.float32, True, num_segments, seed=9, tile_n=tile_n, num_warps=1)
+
+
+@pytest.mark.parametrize("q_scale", [6.0, 40.0])
+def test_one_warp_decode_rescales_lazily_when_scores_climb(q_scale):
+    """The one-warp decode moves its running max only when a tile's max passes it by more than
+    LAZY_RESCALE_LOG2: with a large query the scores span tens of log2 units, so over a long row the
+    max climbs by small steps (skipped rescales, probabilities above 1) and by large ones (rescaled)."""
+    rows = [(1, 300), (1, 500), (1, 64)]
+    tile_n = MIN_GPU_TILE if DEVICE.type == "cuda" else 16
+    for num_segments in (1, 4):
+        run_case(
+            Shape(2, 4, 64), rows, torch.float32, True, num_segments, seed=11, q_scale=q_scale,
+            tile_n=tile_n, num_warps=1,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(("tile_n", "num_warps"), [(32, 4), (64, 8), (16, 2), (16, 1)])
