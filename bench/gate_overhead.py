@@ -7,7 +7,7 @@ Two readings, both on the engine's own code:
 - decode ms/step: whole decode runs (greedy, EOS ignored) with the gate installed and not,
   interleaved (off/on, then on/off, ...) so drift hits both; the median over the repeats;
 - fetch us: the end of a step in isolation, `sampled ids -> host` against `gate flags + ids -> host`
-  (llm_engine._fetch), the median of many calls; its difference is the gate's whole added work.
+  (llm_engine.PendingFetch), the median of many calls; its difference is the gate's whole added work.
 The gate runs the shipped gate's engine head when it fits the model's hidden size (SmolLM2),
 otherwise a random head of the same form; its thresholds are set to 1 so it never fires and both
 modes decode the same tokens (the work per step does not depend on the thresholds).
@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from services.common.gate_file import ENGINE_HEAD, HeadWeights, load_gate  # noqa: E402
 from services.engine.gate.gate_loader import DEFAULT_GATE_FILE  # noqa: E402
 from services.engine.gate.safety_gate import GateReport, GateStatus, InLoopGate  # noqa: E402
-from services.engine.llm_engine import LLMEngine, _fetch  # noqa: E402
+from services.engine.llm_engine import LLMEngine, PendingFetch  # noqa: E402
 from services.engine.scheduling.sampling_params import SamplingParams  # noqa: E402
 from services.engine.scheduling.sequence import StreamEvent  # noqa: E402
 
@@ -121,7 +121,7 @@ def fetch_us(gate: InLoopGate | None, batch: int, engine: LLMEngine, num_calls: 
     times = []
     for _ in range(num_calls):
         start = time.perf_counter()
-        _fetch(token_ids, gate.flags(hidden) if gate else None)
+        PendingFetch(token_ids, gate.flags(hidden) if gate else None).wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times[num_calls // 10 :]) * 1e6
 

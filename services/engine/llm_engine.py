@@ -26,7 +26,7 @@ from services.engine.errors import (
     UnknownRetrievalMode,
 )
 from services.engine.execution.memory_profile import GRAPH_AND_WORKSPACE_RESERVE_BYTES, profile_memory
-from services.engine.execution.model_runner import ModelRunner, PreparedStep, RunnerOptions
+from services.engine.execution.model_runner import ModelRunner, PreparedStep, RunnerOptions, StepOutput
 from services.engine.execution.sampler import FAULT, sample
 from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
 from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus, InLoopGate, refusal
@@ -130,10 +130,11 @@ class PendingText(NamedTuple):
 
 
 class Ahead(NamedTuple):
-    """A step scheduled and prepared while the one before it ran."""
+    """A step scheduled and prepared while the one before it ran, and maybe launched already."""
 
     batch: ScheduledBatch
     step: PreparedStep
+    output: StepOutput | None = None  # launched on the last step's sampled ids, not yet synced (overlap)
 
 
 class LLMEngine:
@@ -154,8 +155,14 @@ class LLMEngine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         tiers: TierConfig | None = None,
         classes: IntentClasses | None = None,
+        overlap: bool | None = None,
     ) -> None:
         self.model_id = model_id
+        # Overlapped steps: a decode step whose rows all sampled in the step before is launched on
+        # those sampled ids while they are still on the device, before the host syncs on them, so
+        # the device never waits for the host's work between steps (committing tokens, scheduling,
+        # launching). Default: with CUDA graphs, where that host work is the gap between steps.
+        self.overlap = runner.graphs is not None if overlap is None else overlap
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -174,6 +181,7 @@ class LLMEngine:
             ("steps", "prompt_tokens", "generated_tokens", "finished", "dropped", "row_faults"), 0
         )
         self._num_decode_steps = 0
+        self._num_overlapped_steps = 0  # steps launched before the last one's sync (tests read it)
         self._lost_rank: str | None = None  # set when a tensor-parallel rank has exited
         self._hot_attention_mass = 1.0
         self._gate: InLoopGate | None = None
@@ -202,6 +210,7 @@ class LLMEngine:
         cuda_graphs: bool = True,
         checkpoint: Checkpoint | None = None,
         cold: ColdTierConfig | None = None,
+        overlap: bool | None = None,
     ) -> LLMEngine:
         """Load an HF directory, a `.gguf` file or a registered model name.
 
@@ -210,6 +219,8 @@ class LLMEngine:
         `attention` picks the backend ("auto": fused Triton on CUDA, the reference elsewhere) and
         `cuda_graphs` whether decode steps are captured (CUDA only). A `checkpoint` already opened
         (benchmarks pass random weights this way) is used instead of reading `path` (TP=1 only).
+        `overlap` launches a decode step before the last one's sync (see `LLMEngine.overlap`; None:
+        with CUDA graphs).
         """
         kv = kv or KVCacheSpec()
         classes = classes or IntentClasses.builtin()
@@ -247,7 +258,7 @@ class LLMEngine:
         logger.info("%s", plan.describe())
         engine = cls(
             checkpoint.model_id, runner, checkpoint.tokenizer, max_batch_size, plan.max_seq_len,
-            max_prefill_tokens, kv.tiers, classes,
+            max_prefill_tokens, kv.tiers, classes, overlap,
         )  # fmt: skip
         engine.capacity = plan
         if cold is not None and cold.enabled and tp > 1:
@@ -473,7 +484,7 @@ class LLMEngine:
                 ahead = Ahead(batch, self._prepare(batch))
             batch = ahead.batch
             try:
-                token_ids = self._run(batch, ahead.step)
+                token_ids = self._run(batch, ahead.step, ahead.output)
             except RankLost as exc:  # the group is gone: fail fast now and refuse new work
                 logger.critical("%s", exc)
                 self._lost_rank = str(exc)
@@ -523,9 +534,14 @@ class LLMEngine:
         self._record_queue_waits()
         return None if upcoming is None else Ahead(upcoming, self._prepare(upcoming))
 
-    def _run(self, batch: ScheduledBatch, step: PreparedStep) -> list[Sampled]:
-        tables_changed, self._tables_changed = self._tables_changed, False
-        output = self.runner.launch(step, tables_changed)
+    def _run(
+        self, batch: ScheduledBatch, step: PreparedStep, launched: StepOutput | None = None
+    ) -> list[Sampled]:
+        if launched is None:
+            tables_changed, self._tables_changed = self._tables_changed, False
+            output = self.runner.launch(step, tables_changed)
+        else:  # overlapped: launched during the last step, before its sync
+            output = launched
         self._record_attention(batch)
         done = self.scheduler.commit_computed(batch)
         self._counters["dropped"] += self.scheduler.num_dropped_tokens_last_step
@@ -544,7 +560,17 @@ class LLMEngine:
         flags = self._gate_flags(output.hidden_states, rows)  # [B, C] bool on the device, or None
         self._flush_text()  # the last step's text, while the device runs this one
         self._ahead = self._schedule_ahead(batch, done)  # and the next step
-        token_list, flag_rows = _fetch(token_ids, flags)  # the step's one host sync
+        fetch = PendingFetch(token_ids, flags)  # the copy is queued before the next step's launch
+        # after the sync, a probe reads its mass, cold scoring its scores, and a tenant's gate policy
+        # the hidden states, which the next step's graph replay would overwrite: those steps wait
+        reads_output = (
+            output.hot_mass is not None
+            or output.window_scores is not None
+            or (self._gate is not None and any(seq.gate_policy is not None for seq in done))
+        )
+        if self._ahead is not None and not reads_output:
+            self._ahead = self._launch_ahead(self._ahead, done, token_ids)
+        token_list, flag_rows = fetch.wait()  # the step's one host sync
         if output.hot_mass is not None:  # sampled step: the sync above already waited for it
             self._hot_attention_mass = float(output.hot_mass.item())
             probed = batch.rows[output.probe_row % len(batch.rows)].seq
@@ -557,6 +583,37 @@ class LLMEngine:
             fired = self._apply_gate_policies(done, fired, output.hidden_states, rows)
         self._choose_cold_windows(batch, output.window_scores)
         return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
+
+    def _launch_ahead(self, ahead: Ahead, sampled: list[Sequence], token_ids: torch.Tensor) -> Ahead:
+        """Launch the next step now, on this step's sampled ids still on the device, when it can be.
+
+        It can when overlap is on, every row of it decodes the token this step sampled for it, and
+        nothing after this step's sync must change it first: no tensor-parallel ranks (they take ids
+        from the plan), no cold tier (its window loads remap tables after the sync), no probe or
+        cold scoring in it. A row that this step's token ends (EOS, a fault, the gate) computes as a
+        dead row, as in any step prepared ahead; a fault's id is clamped to a valid one for that.
+        """
+        plan = ahead.step.plan
+        if (
+            not self.overlap
+            or self._tables_changed
+            or self.cold is not None
+            or self.runner.followers is not None
+            or plan.probe_layer is not None
+            or plan.score_rows
+        ):
+            return ahead
+        index = {id(seq): i for i, seq in enumerate(sampled)}
+        rows = [index.get(id(row.seq), -1) if row.num_new == 1 else -1 for row in ahead.step.rows]
+        if -1 in rows:
+            return ahead
+        if rows == list(range(len(sampled))):
+            ids = token_ids
+        else:
+            ids = token_ids[_to_device_index(rows, token_ids.device)]
+        output = self.runner.launch(ahead.step, input_ids=ids.clamp(min=0))
+        self._num_overlapped_steps += 1
+        return ahead._replace(output=output)
 
     def _apply_gate_policies(
         self,
@@ -922,14 +979,36 @@ def _timeout_message(item: ExpiredRequest) -> str:
     )
 
 
-def _fetch(token_ids: torch.Tensor, flags: torch.Tensor | None) -> tuple[list[int], list[list[int]]]:
-    """Sampled ids `[B]` and gate flags `[B, C]` cross to the host in one copy: one sync per step."""
-    if flags is None:
-        return token_ids.tolist(), []
-    num_rows, num_categories = flags.shape
-    values = torch.cat([token_ids, flags.flatten()]).tolist()  # [B + B * C]
-    ids, bits = values[:num_rows], values[num_rows:]
-    return ids, [bits[r * num_categories : (r + 1) * num_categories] for r in range(num_rows)]
+class PendingFetch:
+    """Sampled ids `[B]` and gate flags `[B, C]` on their way to the host in one copy: one sync per step.
+
+    The copy is queued at once; `wait` blocks on it alone, not on work queued after it (an
+    overlapped next step)."""
+
+    def __init__(self, token_ids: torch.Tensor, flags: torch.Tensor | None) -> None:
+        self.num_categories = 0 if flags is None else flags.shape[1]
+        values = token_ids if flags is None else torch.cat([token_ids, flags.flatten()])  # [B + B * C]
+        self.num_rows = token_ids.shape[0]
+        self.event: torch.cuda.Event | None = None
+        if values.is_cuda:
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = values
+
+    def wait(self) -> tuple[list[int], list[list[int]]]:
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.values.tolist()
+        ids, bits, width = values[: self.num_rows], values[self.num_rows :], self.num_categories
+        return ids, [bits[r * width : (r + 1) * width] for r in range(self.num_rows)] if width else []
+
+
+def _to_device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    index = torch.tensor(rows, dtype=torch.int64)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 def _emit(seq: Sequence, event: StreamEvent) -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.kv.tiers import KVCacheSpec, TierConfig
+from services.engine.kv.tiers import KVCacheSpec
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.sampling_params import SamplingParams
-from services.engine.serving.generation_result import ResultCollector
 from tests.conftest import STORIES_GOLDEN_IDS, STORIES_PROMPT_IDS
+from tests.engine.mixed_workload import mixed_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -88,51 +88,13 @@ def test_kv_pools_sized_from_gpu_memory_stay_inside_the_utilization(stories_hf_d
     torch.cuda.empty_cache()
 
 
-# Tiers small enough that stories260K's 512 positions cross sink, warm and hot; a hot pool small enough
-# that the critical request preempts a batch one mid-decode.
-MIXED_KV = KVCacheSpec(
-    block_size=16,
-    num_hot_blocks=1 + 24,
-    num_warm_groups=64,
-    tiers=TierConfig(enabled=True, sink_tokens=4, hot_tokens=48, warm_tokens=4096, group_size=32),
-)
-
-
-def _mixed_run(path: Path, device: str, graphs: bool) -> tuple[list[tuple[int, ...]], int, int]:
-    """Requests join and leave mid-decode, a critical one preempts, the tiers demote throughout."""
-    engine = LLMEngine.load(
-        path, device=device, dtype="float32", max_batch_size=6, max_seq_len=512, kv=MIXED_KV,
-        cuda_graphs=graphs, progress=False,
-    )  # fmt: skip
-    generator = torch.Generator().manual_seed(3)
-    plan = [  # (step to submit at, prompt length, new tokens, class)
-        (0, 40, 200, "batch"), (0, 7, 60, "standard"), (0, 120, 150, "batch"),
-        (30, 25, 90, "standard"), (45, 60, 120, "critical"), (80, 5, 40, "interactive"),
-    ]  # fmt: skip
-    collectors = []
-    step = 0
-    pending = list(plan)
-    while pending or not all(c.done.is_set() for c in collectors):
-        while pending and pending[0][0] <= step:
-            _, length, new, cls = pending.pop(0)
-            prompt = torch.randint(1, 512, (length,), generator=generator).tolist()
-            collectors.append(ResultCollector(prompt))
-            params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-            engine.submit(prompt, params, collectors[-1], intent_class=cls)
-        engine.step()
-        step += 1
-    results = [c.result() for c in collectors]
-    assert all(r.error is None for r in results)
-    replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
-    return [r.token_ids for r in results], engine.stats().num_preemptions, replays
-
-
 def test_graphs_on_equal_graphs_off_and_the_cpu_under_joins_preemption_and_tiers(
     stories_hf_dir: Path,
 ) -> None:
-    cpu, preempted, _ = _mixed_run(stories_hf_dir, "cpu", graphs=False)
-    eager, _, no_replays = _mixed_run(stories_hf_dir, "cuda", graphs=False)
-    graphs, _, replays = _mixed_run(stories_hf_dir, "cuda", graphs=True)
-    assert preempted >= 1 and no_replays == 0 and replays > 100
-    assert eager == cpu
-    assert graphs == cpu
+    cpu = mixed_run(stories_hf_dir, "cpu", graphs=False)
+    eager = mixed_run(stories_hf_dir, "cuda", graphs=False)
+    graphs = mixed_run(stories_hf_dir, "cuda", graphs=True)  # overlapped steps too: on with graphs
+    assert cpu.preemptions >= 1 and eager.replays == 0 and graphs.replays > 100
+    assert graphs.overlapped > 100 and eager.overlapped == 0
+    assert eager.outputs == cpu.outputs
+    assert graphs.outputs == cpu.outputs

@@ -227,6 +227,9 @@ class StaticMetadata:
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self.warm_block_tables = torch.full((max_rows, max_blocks), -1, dtype=torch.int32, device=device)
         self._staging = torch.zeros(3 * max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # recorded after the staging buffer's copy: an overlapped step fills it again before the
+        # last one has synced, so it waits for that copy (long done in practice) before writing
+        self._staged: torch.cuda.Event | None = None
 
     def view(self, num_rows: int, num_segments: int) -> AttentionMetadata:
         """Metadata over the first `num_rows` rows of the buffers (one decode token per row)."""
@@ -249,11 +252,16 @@ class StaticMetadata:
         """Write a decode step of `host.num_rows <= num_rows` rows; rows past it become padding."""
         rows = host.num_rows
         staging = self._staging
+        if self._staged is not None:
+            self._staged.synchronize()
         staging[: 3 * num_rows].zero_()  # padding rows: position 0, scratch slot 0, no context
         staging[:rows] = torch.from_numpy(host.positions)
         staging[num_rows : num_rows + rows] = torch.from_numpy(host.slot_mapping)
         staging[2 * num_rows : 2 * num_rows + rows] = torch.from_numpy(host.seq_lens.astype(np.int64))
         device_copy = staging[: 3 * num_rows].to(self.positions.device, non_blocking=True)
+        if device_copy.is_cuda:
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         self.positions[:num_rows].copy_(device_copy[:num_rows])
         self.slot_mapping[:num_rows].copy_(device_copy[num_rows : 2 * num_rows])
         self.seq_lens[:num_rows].copy_(device_copy[2 * num_rows :])

@@ -76,14 +76,20 @@ class DecodeGraphs:
             and host.block_tables.shape[1] <= self.static.max_blocks
         )
 
-    def replay(self, token_ids: list[int], host: HostMetadata) -> GraphOutput:
-        """Run the captured step for `host`'s rows; outputs are views of the graph's static buffers."""
+    def replay(self, token_ids: list[int] | torch.Tensor, host: HostMetadata) -> GraphOutput:
+        """Run the captured step for `host`'s rows; outputs are views of the graph's static buffers.
+
+        `token_ids` come from the host, or (an overlapped step) are the last step's sampled ids still
+        on the device, copied in stream order."""
         num_rows = host.num_rows
         size = next(s for s in self.sizes if s >= num_rows)
         graph, output = self.graphs[size]
         self.static.fill(host, size)
-        self._staging_ids[:num_rows] = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
-        self.input_ids[:num_rows].copy_(self._staging_ids[:num_rows], non_blocking=True)
+        if isinstance(token_ids, torch.Tensor):
+            self.input_ids[:num_rows].copy_(token_ids)
+        else:  # launched after the last step's sync: its staging copy has run
+            self._staging_ids[:num_rows] = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
+            self.input_ids[:num_rows].copy_(self._staging_ids[:num_rows], non_blocking=True)
         graph.replay()
         self.num_replays += 1
         logits = None if output.logits is None else output.logits[:num_rows]

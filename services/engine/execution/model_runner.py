@@ -182,8 +182,12 @@ class ModelRunner:
         return PreparedStep(tuple(rows), plan, host, self.kv_cache.hot.pool.num_allocated_total)
 
     @torch.inference_mode()
-    def launch(self, step: PreparedStep, tables_changed: bool = False) -> StepOutput:
-        """Run a prepared step: its input ids are read now (the last step's tokens are committed).
+    def launch(
+        self, step: PreparedStep, tables_changed: bool = False, input_ids: torch.Tensor | None = None
+    ) -> StepOutput:
+        """Run a prepared step: its input ids are read now (the last step's tokens are committed), or
+        are `input_ids` `[T]` on the device (an overlapped step: the last step's sampled ids, not yet
+        synced; TP=1 only, since the other ranks take their ids from the plan).
 
         Tier moves decided since `prepare` join this step's (a demotion never waits a step more).
         The metadata is built again when hot blocks were handed out since `prepare` (cold-tier
@@ -192,7 +196,12 @@ class ModelRunner:
         """
         if self.model.tp.is_parallel and self.followers is None:
             raise RuntimeError("the other tensor-parallel ranks are stopped; load the engine again")
-        plan = step.plan._replace(input_ids=[token for r in step.rows for token in _row_tokens(r)])
+        if input_ids is None:
+            plan = step.plan._replace(input_ids=[token for r in step.rows for token in _row_tokens(r)])
+        elif self.followers is not None:
+            raise ValueError("an overlapped step (device input ids) runs at tensor parallelism 1 only")
+        else:
+            plan = step.plan
         late_copies, late_moves = self.kv_cache.take_warm_copies(), self.kv_cache.take_cold_moves()
         if late_copies or late_moves:
             plan = plan._replace(
@@ -206,7 +215,7 @@ class ModelRunner:
             host = HostMetadata.build(plan.rows, self.kv_cache.block_size, self._blocks_per_group())
         if self.followers is not None:
             self.followers.send(plan.portable())
-        return self._forward(plan, host)
+        return self._forward(plan, host, input_ids)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
@@ -223,7 +232,9 @@ class ModelRunner:
             self.followers.close()
             self.followers = None
 
-    def _forward(self, plan: StepPlan, host: HostMetadata) -> StepOutput:
+    def _forward(
+        self, plan: StepPlan, host: HostMetadata, device_ids: torch.Tensor | None = None
+    ) -> StepOutput:
         """Carry out the plan's tier moves, then the forward; outputs at each row's last new token.
 
         Order matters: cold stores read their warm groups before this step's warm copies may reuse
@@ -234,7 +245,7 @@ class ModelRunner:
         self.kv_cache.write_loaded(plan.cold_moves.loads)
         is_eager = plan.probe_layer is not None or bool(plan.score_rows)
         if self.graphs is not None and not is_eager and self.graphs.can_replay(host):  # decode
-            hidden, logits = self.graphs.replay(plan.input_ids, host)
+            hidden, logits = self.graphs.replay(plan.input_ids if device_ids is None else device_ids, host)
             return StepOutput(logits if logits is not None else hidden, hidden)
         probe = None
         if plan.probe_layer is not None:
@@ -245,7 +256,10 @@ class ModelRunner:
         metadata = AttentionMetadata.to_device(
             host, self.device, segments, probe, tap, self.attention.max_prefix_blocks
         )
-        input_ids = _to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
+        if device_ids is None:
+            input_ids = _to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
+        else:
+            input_ids = device_ids
         hidden = self.model(input_ids, self.kv_cache, self.attention, metadata)  # [T, E]
         if not host.is_decode:  # prefill: each row's last new token
             hidden = hidden[_to_device(host.last_token_index(), self.device)]
