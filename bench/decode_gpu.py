@@ -64,8 +64,8 @@ TIERS_ON = TierConfig(enabled=True, sink_tokens=4, hot_tokens=128, warm_tokens=4
 OFF, ON = "ours, tiers off", "ours, tiers on (hot 128, INT4 g32)"
 
 
-def random_checkpoint(shape: dict, tokenizer_dir: Path) -> Checkpoint:
-    """A checkpoint whose weights are drawn on the GPU as they are loaded (no file of 16 GB)."""
+def random_checkpoint(shape: dict, tokenizer_dir: Path, device: str = "cuda") -> Checkpoint:
+    """A checkpoint whose weights are drawn on `device` as they are loaded (no file of 16 GB)."""
     config = ModelConfig.from_hf_config(shape)
     e, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     names = {"embed_tokens.weight": (config.vocab_size, e), "norm.weight": (e,)}
@@ -80,10 +80,10 @@ def random_checkpoint(shape: dict, tokenizer_dir: Path) -> Checkpoint:
             names[f"layers.{layer}.{name}.weight"] = size
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        generator = torch.Generator(device="cuda").manual_seed(0)
+        generator = torch.Generator(device=device).manual_seed(0)
         for name, size in names.items():
             scale = 1.0 if len(size) == 1 else 0.02
-            yield name, torch.randn(size, device="cuda", generator=generator, dtype=torch.bfloat16) * scale
+            yield name, torch.randn(size, device=device, generator=generator, dtype=torch.bfloat16) * scale
 
     return Checkpoint("random", config, Tokenizer.from_hf_dir(tokenizer_dir), tensors, len(names))
 

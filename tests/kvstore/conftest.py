@@ -29,11 +29,16 @@ STARTUP_TIMEOUT_S = 60.0
 
 @dataclass
 class RedisServer:
-    """A redis-server on a free loopback port, with no persistence (a restart loses everything)."""
+    """A redis-server on a free loopback port, with no persistence (a restart loses everything).
+
+    `binary` names the program to run (a carried one, e.g. `tools/carry_redis.sh`'s wrapper, on a
+    machine without Redis); None takes `redis-server` from the PATH and skips the test without it.
+    """
 
     directory: Path
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    binary: Path | None = None
 
     @property
     def url(self) -> str:
@@ -46,11 +51,8 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         """Starts the server and waits until it answers PING."""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
         command = [
-            binary,
+            self._program(),
             "--port",
             str(self.port),
             "--bind",
@@ -77,6 +79,19 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(30)
+
+    def _program(self) -> str:
+        """The absolute path to run (the server starts in `directory`, where a relative one would miss)."""
+        if self.binary is not None:
+            if not os.access(self.binary, os.X_OK):
+                raise FileNotFoundError(
+                    f"redis-server binary {self.binary} does not exist or is not executable"
+                )
+            return str(self.binary.resolve())
+        found = shutil.which("redis-server")
+        if found is None:
+            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        return found
 
 
 @dataclass
