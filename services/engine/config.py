@@ -71,6 +71,7 @@ class EngineConfig:
     tp: int = 1
     attention: str = "auto"  # attention backend: auto (Triton on CUDA, reference on CPU), reference, triton
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    overlap: bool | None = None  # launch a decode step before the last one's sync; None: with CUDA graphs
     cold: ColdTierConfig = field(default_factory=ColdTierConfig)  # the kvstore tier (off: no target)
 
     def intent_classes(self) -> IntentClasses:
@@ -112,8 +113,16 @@ class EngineConfig:
             tp=env.get_int(prefix + "TP", 1, environ),
             attention=env.get_str(prefix + "ATTENTION", "auto", environ),
             cuda_graphs=env.get_bool(prefix + "CUDA_GRAPHS", True, environ),
+            overlap=_overlap_from_env(prefix + "OVERLAP", environ),
             cold=_cold_from_env(prefix, environ),
         )
+
+
+def _overlap_from_env(name: str, environ: Mapping[str, str] | None) -> bool | None:
+    """`auto` (the default: on with CUDA graphs), or a boolean."""
+    if env.get_str(name, "auto", environ).strip().lower() == "auto":
+        return None
+    return env.get_bool(name, False, environ)
 
 
 def _kv_from_env(prefix: str, environ: Mapping[str, str] | None) -> KVCacheSpec:

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from services.common.env import EnvError
+from services.engine.config import EngineConfig
 from tests.engine.mixed_workload import CANCEL, mixed_run
 
 
@@ -19,3 +23,12 @@ def test_overlapped_steps_equal_plain_ones_under_joins_cancels_preemption_and_ti
     cancelled = plain.outputs[CANCEL[1]]
     assert 0 < len(cancelled) < 90  # cancelled mid-decode
     assert overlapped.outputs == plain.outputs
+
+
+def test_overlap_setting_is_auto_unless_forced() -> None:
+    assert EngineConfig.from_env({}).overlap is None
+    assert EngineConfig.from_env({"THERMOCLINE_ENGINE_OVERLAP": "auto"}).overlap is None
+    assert EngineConfig.from_env({"THERMOCLINE_ENGINE_OVERLAP": "true"}).overlap is True
+    assert EngineConfig.from_env({"THERMOCLINE_ENGINE_OVERLAP": "off"}).overlap is False
+    with pytest.raises(EnvError, match="THERMOCLINE_ENGINE_OVERLAP"):
+        EngineConfig.from_env({"THERMOCLINE_ENGINE_OVERLAP": "sometimes"})
