@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
-from services.engine.attention.paged_kernels import paged_attention
+from services.engine.attention.paged_kernels import Partials, paged_attention
 from services.engine.attention.triton_backend import TritonBackend
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
@@ -88,7 +88,9 @@ def time_decode(
         raise SystemExit("--prefix-pages needs a prefill (--prefill) over a warm prefix that fits the pages")
     q = torch.randn(batch * new_tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     layer = backend.layers[0]
-    partials = backend.partials if segments > 1 else None
+    partials = None
+    if segments > 1:  # an override may split further than the engine's workspace holds
+        partials = Partials.empty(batch * new_tokens, HEADS, segments, DIM, torch.device("cuda"))
     out = torch.empty_like(q)
 
     def call() -> None:

@@ -877,16 +877,21 @@ def _merge_segments_kernel(
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    part = (token * NUM_HEADS + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)  # [S]
-    seg_max = tl.load(part_max_ptr + part)
-    seg_sum = tl.load(part_sum_ptr + part)
-    top = tl.max(seg_max, 0)
+    first = (token * NUM_HEADS + head) * NUM_SEGMENTS
+    top = tl.max(tl.load(part_max_ptr + first + tl.arange(0, NUM_SEGMENTS)), 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # a padding row: no segment saw a key
-    weight = tl.exp2(seg_max - top)  # [S]: 0 for empty segments
+    # the segments' outputs in chunks of at most 32 `[C, D]` tiles (a one-row decode splits 128 ways)
+    CHUNK: tl.constexpr = min(32, NUM_SEGMENTS)
     channel = tl.arange(0, HEAD_DIM_PADDED)
-    seg_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PADDED + channel[None, :])  # [S, D]
-    total = tl.sum(seg_sum * weight, 0)
-    out = tl.sum(seg_out * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    acc = tl.zeros([HEAD_DIM_PADDED], dtype=tl.float32)
+    total = 0.0
+    for chunk in range(0, NUM_SEGMENTS, CHUNK):
+        part = first + chunk + tl.arange(0, CHUNK)  # [C]
+        weight = tl.exp2(tl.load(part_max_ptr + part) - top)  # [C]: 0 for empty segments
+        total += tl.sum(tl.load(part_sum_ptr + part) * weight, 0)
+        seg_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PADDED + channel[None, :])  # [C, D]
+        acc += tl.sum(seg_out * weight[:, None], 0)
+    out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(
         out_ptr + token * stride_o_t + head * stride_o_h + channel,
         out.to(out_ptr.dtype.element_ty),

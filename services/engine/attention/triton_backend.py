@@ -12,6 +12,7 @@ from services.engine.attention.backend import (
 )
 from services.engine.attention.metadata import AttentionMetadata, PrefixPlan
 from services.engine.attention.paged_kernels import (
+    SINGLE_WARP_MIN_PROGRAMS,
     PagedLayer,
     Partials,
     WarmPrefixPages,
@@ -26,6 +27,12 @@ MIN_TOKENS_PER_SEGMENT = 256  # below this a split costs more in merging than it
 # Enough programs to keep ~8 resident per SM of an H100/H200 (132 SMs): a decode program's loop is
 # latency-bound (block-table load, then the tile's loads), so occupancy is what hides memory latency.
 TARGET_PROGRAMS = 8 * 132
+# With a warm tier, a decode splits until it has the programs of the one-warp launch, which reads the
+# warm tier in the tensor cores' layout (paged_kernels: SINGLE_WARP_MIN_PROGRAMS), where the context
+# gives each segment at least 8 one-block tiles: one row at 32K takes 128 segments, 16 rows at 1K 8.
+# Fewer programs take the four-warp launch, which costs about 1.4x the instructions per position.
+MAX_WARM_SEGMENTS = 128
+MIN_WARM_TOKENS_PER_SEGMENT = 128
 
 
 class TritonBackend(AttentionBackend):
@@ -45,9 +52,10 @@ class TritonBackend(AttentionBackend):
         self.num_kv_heads = kv_cache.hot.keys.shape[-2]
         head_dim = kv_cache.hot.keys.shape[-1]
         device = kv_cache.hot.keys.device
-        self.partials = Partials.empty(
-            max_decode_rows, num_heads, MAX_SEGMENTS, head_dim_padded(head_dim), device
-        )
+        # flash-decoding workspace: one entry per (row, head, segment) of the largest split a decode
+        # of up to max_decode_rows rows takes (few rows split many ways, many rows few)
+        self.max_split_rows = max(r * self._segments(r, 1 << 30) for r in range(1, max_decode_rows + 1))
+        self.partials = Partials.empty(self.max_split_rows, num_heads, 1, head_dim_padded(head_dim), device)
         self.max_prefix_blocks = 0
         self.num_prefix_layer_calls = 0  # layer calls that read a prefill's warm prefix from pages
         self.num_split_layer_calls = 0  # eager decode layer calls split across programs (flash-decoding)
@@ -77,12 +85,19 @@ class TritonBackend(AttentionBackend):
         return paged_attention(q, paged_layer, metadata.paged, out, metadata.num_segments, partials)
 
     def num_segments(self, num_rows: int, max_seq_len: int) -> int:
-        """Enough programs to fill the GPU, but no segment under MIN_TOKENS_PER_SEGMENT positions."""
-        if num_rows > self.partials.out.shape[0]:
-            return 1
-        by_occupancy = triton.cdiv(TARGET_PROGRAMS, num_rows * self.num_kv_heads)
-        by_length = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SEGMENT)
-        wanted = max(1, min(MAX_SEGMENTS, by_occupancy, by_length))
+        """Enough programs to fill the GPU (with a warm tier: to take the one-warp launch), but no
+        segment under MIN_TOKENS_PER_SEGMENT (MIN_WARM_TOKENS_PER_SEGMENT) positions."""
+        segments = self._segments(num_rows, max_seq_len)
+        return segments if num_rows * segments <= self.max_split_rows else 1
+
+    def _segments(self, num_rows: int, max_seq_len: int) -> int:
+        if self.kv_cache.warm is not None:
+            target, cap, shortest = SINGLE_WARP_MIN_PROGRAMS, MAX_WARM_SEGMENTS, MIN_WARM_TOKENS_PER_SEGMENT
+        else:
+            target, cap, shortest = TARGET_PROGRAMS, MAX_SEGMENTS, MIN_TOKENS_PER_SEGMENT
+        by_occupancy = triton.cdiv(target, num_rows * self.num_kv_heads)
+        by_length = triton.cdiv(max_seq_len, shortest)
+        wanted = max(1, min(cap, by_occupancy, by_length))
         return 1 << (wanted.bit_length() - 1)  # the merge kernel needs a power of two
 
     def _dequantize_prefix(self, layer: PagedLayer, prefix: PrefixPlan) -> WarmPrefixPages:

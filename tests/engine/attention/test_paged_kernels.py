@@ -272,6 +272,14 @@ def test_split_decode_matches_reference(num_segments, with_warm):
     run_case(Shape(2, 4, 64), rows, torch.float32, with_warm, num_segments, seed=2)
 
 
+@pytest.mark.parametrize("with_warm", [False, True], ids=["hot", "tiered"])
+def test_a_split_into_more_segments_than_one_merge_chunk_matches_reference(with_warm):
+    """A one-row decode splits up to 128 ways (MAX_WARM_SEGMENTS); the merge reads the segments 32 at
+    a time. Here 38 one-tile segments hold positions, across both merge chunks."""
+    rows = [(1, 600), (1, 40)]
+    run_case(Shape(1, 4, 64), rows, torch.float32, with_warm, num_segments=64, seed=12, tile_n=16)
+
+
 @pytest.mark.parametrize("num_segments", [1, 2])
 def test_hot_pass_finds_the_hot_tiles_across_scan_chunks(num_segments):
     """One-block tiles over rows of up to 44 tiles: the hot pass reads the tables 16 tiles at a time,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from services.engine.attention.triton_backend import MAX_SEGMENTS, TritonBackend
-from services.engine.kv.cache import HotTier, KVCache
+from services.engine.attention.triton_backend import MAX_SEGMENTS, MAX_WARM_SEGMENTS, TritonBackend
+from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model.config import ModelConfig
@@ -59,8 +59,8 @@ def test_chunked_prefill_over_a_warm_prefix_equals_the_reference(stories_hf_dir:
 
 
 def test_decode_splits_long_contexts_to_fill_the_gpu() -> None:
-    """Flash-decoding: few rows over long contexts get many programs each; short contexts, or more rows
-    than the workspace holds, get none."""
+    """Flash-decoding: few rows over long contexts get many programs each; short contexts get none.
+    With a warm tier the split goes on to the one-warp launch's programs, in segments of 8 tiles."""
     config = ModelConfig(vocab_size=8, hidden_size=32 * 128, intermediate_size=8, num_layers=1,
                          num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
     cache = KVCache(HotTier(config, 4, 16, torch.device("cpu"), torch.float32), None)
@@ -69,4 +69,12 @@ def test_decode_splits_long_contexts_to_fill_the_gpu() -> None:
     assert backend.num_segments(1, 32768) == MAX_SEGMENTS
     assert backend.num_segments(1, 1024) == 4  # segments of MIN_TOKENS_PER_SEGMENT positions, no shorter
     assert backend.num_segments(1, 200) == 1
-    assert backend.num_segments(17, 32768) == 1  # past the workspace
+    assert backend.partials.max.numel() >= 16 * 32 * 8  # the largest split of up to 16 rows fits
+    warm = WarmTier(config, 4, 32, torch.device("cpu"))
+    tiered = TritonBackend(KVCache(HotTier(config, 4, 16, torch.device("cpu"), torch.float32), warm), 32, 16)
+    assert tiered.num_segments(1, 32768) == MAX_WARM_SEGMENTS  # 8 KV heads x 128: the one-warp launch
+    assert tiered.num_segments(16, 1024) == 8  # 1,024 programs of 8 tiles
+    assert tiered.num_segments(16, 32768) == 8
+    assert tiered.num_segments(1, 1024) == 8  # no segment under MIN_WARM_TOKENS_PER_SEGMENT
+    assert tiered.num_segments(1, 100) == 1
+    assert tiered.partials.max.numel() >= 32 * max(r * tiered.num_segments(r, 1 << 20) for r in range(1, 17))
