@@ -149,6 +149,16 @@ def _unpack_scaled_words(words, scale, zero):
 
 
 @triton.jit
+def _unpack_scaled(words, scale, zero, dtype: tl.constexpr, ASM: tl.constexpr):
+    """`[K, A, B, C]` words and each word's scale and zero -> the dequantized values `[K, A, B, C, 2, 2, 2]`
+    (see _unpack_scaled_words); without `ASM` (the interpreter) the same values in portable form."""
+    if ASM:
+        return _unpack_scaled_words(words, scale, zero)
+    codes = _unpack_words(words, dtype, False)
+    return codes * scale[:, :, :, :, None, None, None] + zero[:, :, :, :, None, None, None]
+
+
+@triton.jit
 def _nibble(words, index: tl.constexpr, dtype: tl.constexpr):
     """Nibble `index` (0-7, from the low bits) of each int32 word, as an exact value in `dtype`."""
     return ((words >> (4 * index)) & 15).to(dtype)
@@ -625,9 +635,17 @@ def _mma_warm_update(
         else:
             v = tl.join(_unpack_words(low, dtype, ASM), _unpack_words(high, dtype, ASM))
         v = tl.permute(tl.reshape(v, (TILE_BLOCKS, PH, G, PL, 8, W2)), (0, 1, 2, 3, 5, 4))  # [..., W2, 8]
+    elif SW == 1 and SF == 1:
+        # one word a position (head dim 64), one scale a position: scaled as the words unpack (in the
+        # PTX on a GPU), pairing neighbouring positions as the value operand wants (applied after
+        # the unpacking, the scales took 30 byte permutes and shuffles a tile more)
+        words = tl.reshape(value_words, (TILE_BLOCKS, PH, G, PL))
+        scale = tl.reshape(value_scale, (TILE_BLOCKS, PH, G, PL))
+        zero = tl.reshape(value_zero, (TILE_BLOCKS, PH, G, PL))
+        v = tl.reshape(_unpack_scaled(words, scale, zero, dtype, ASM), (TILE_BLOCKS, PH, G, PL, W2, 8))
     else:
         v = tl.reshape(_unpack_words(value_words, dtype, ASM), (TILE_BLOCKS, PH, G, PL, W2, 8))
-    if not (W2 == 2 and ASM and SW == 1 and SF == 1):
+    if not (SW == 1 and SF == 1 and (ASM or W2 == 1)):
         v = v * value_scale + value_zero  # [K, PH, G, PL, SW, SF] broadcasts: SW is 1 or W2, SF 1 or 8
     v_t = tl.reshape(tl.permute(v, (4, 5, 2, 0, 1, 3)), (HEAD_DIM_PADDED, TILE_N))  # [D, N]
     acc_t = tl.dot(v_t, probs.to(dtype), acc_t, input_precision=DOT_PRECISION)
