@@ -15,7 +15,8 @@ A variant is `KIND:TILExWARPS`, KIND one of decode (16-row blocks, one query tok
 prefill (64-row blocks over a warm tier read in place), pages (prefill over dequantized prefix
 pages), hot (decode, no warm tier) or prefill-hot (prefill, no warm tier); a one-warp decode compiles
 the tensor-core layout the engine launches there (MMA_LAYOUT, 8-column transposed tiles). The shapes are the
-Llama-3.1-8B attention's (32 query heads, 8 KV heads, head dim 128, block 16, warm group 32).
+Llama-3.1-8B attention's (32 query heads, 8 KV heads, head dim 128, block 16, warm group 32);
+`--head-dim 64` gives the Llama-3.2-1B's.
 Counts are static: the loop body once, both sides of its branches included; `branch` is the longest
 forward branch inside the loop (the hot tile's path in a warm loop, skipped on most tiles). What
 they predict was checked against the H200 in bench/results/decode_gpu_2026-12-01c.md and
@@ -68,13 +69,13 @@ DEFAULT_VARIANTS = (
 
 
 def compile_variant(
-    kind: str, tile_n: int, num_warps: int, maxnreg: int | None = None
+    kind: str, tile_n: int, num_warps: int, maxnreg: int | None = None, head_dim: int = 128
 ) -> triton.compiler.CompiledKernel:
     block_m, has_warm, has_pages = KINDS[kind]
     kernel = paged_kernels._paged_attention_kernel
     constants = {
-        "NUM_KV_HEADS": 8, "BLOCK_SIZE": 16, "BLOCKS_PER_GROUP": 2, "VALUE_GROUP": 32, "HEAD_DIM": 128,
-        "HEAD_DIM_PADDED": 128, "QUERIES_PER_KV": 4, "BLOCK_M": block_m, "TILE_N": tile_n,
+        "NUM_KV_HEADS": 8, "BLOCK_SIZE": 16, "BLOCKS_PER_GROUP": 2, "VALUE_GROUP": 32, "HEAD_DIM": head_dim,
+        "HEAD_DIM_PADDED": head_dim, "QUERIES_PER_KV": 4, "BLOCK_M": block_m, "TILE_N": tile_n,
         "NUM_SEGMENTS": 8 if block_m == 16 else 1, "HAS_WARM": has_warm, "HAS_PREFIX_PAGES": has_pages,
         "IEEE_DOT": False, "DECODE": block_m == 16, "ASM_DEQUANT": True,
         "MMA_LAYOUT": has_warm and block_m == 16 and num_warps == 1,
@@ -155,8 +156,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="KIND:TILExWARPS, comma-separated")
     parser.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas)")
+    parser.add_argument("--head-dim", type=int, default=128, help="64: the Llama-3.2-1B attention shape")
     args = parser.parse_args()
-    print(f"Triton {triton.__version__}, sm_90, 8B attention shape")
+    print(f"Triton {triton.__version__}, sm_90, 8 KV heads x 4 queries, head dim {args.head_dim}")
     columns = ("variant", "loop instructions per warp", "branch", "per tile, branch skipped",
                "per position, all warps", "spills (STL/LDL)", "barriers", "shared loads/stores", "shared KB",
                "registers")  # fmt: skip
@@ -165,7 +167,7 @@ def main() -> None:
     for variant in args.variants.split(","):
         kind, launch = variant.split(":")
         tile_n, num_warps = (int(x) for x in launch.split("x"))
-        compiled = compile_variant(kind, tile_n, num_warps, args.maxnreg)
+        compiled = compile_variant(kind, tile_n, num_warps, args.maxnreg, args.head_dim)
         stats = loop_stats(disassemble(compiled))
         per_tile = stats["loop"] - stats["branch"]
         shared_kb = compiled.metadata.shared / 1024
