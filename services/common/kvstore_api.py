@@ -102,6 +102,19 @@ class FetchedBlock:
 
 
 @dataclass(frozen=True)
+class BlockLocation:
+    """Where a block's record lies on the store's host (LocateBlocks); services/common/kv_record.py
+    says what its bytes are."""
+
+    block_hash: str
+    codec: Codec
+    segment_path: str
+    segment_id: int
+    offset: int
+    length: int  # the whole record, header and payload
+
+
+@dataclass(frozen=True)
 class CallOptions:
     """Per-call overrides: another namespace, a tighter deadline, metadata (a trace's `traceparent`)."""
 
@@ -193,6 +206,51 @@ class KVStoreClient:
                     header.block_hash, Codec(header.codec), tuple(header.shape), payload, source
                 )
         return results
+
+    def get_into(
+        self,
+        block_hashes: list[str],
+        buffers: list[memoryview],
+        call: CallOptions = NO_OPTIONS,
+        codec: Codec = Codec.RAW,
+    ) -> list[MissReason | None]:
+        """Streams each block's payload straight into its buffer (bytes, exactly the payload's size),
+        with no per-block objects; per hash, None once filled, else why not (ABSENT when not served,
+        CORRUPT when served in another codec or size: its bytes are not written)."""
+        position = {h: i for i, h in enumerate(block_hashes)}
+        results: list[MissReason | None] = [MissReason.ABSENT] * len(block_hashes)
+        request = pb.GetBlocksRequest(namespace=self._namespace_pb(call.namespace), block_hashes=block_hashes)
+        target: memoryview | None = None
+        index = filled = 0
+        for reply in self.stub.GetBlocks(request, **self._call_kwargs(call)):
+            if reply.missing_hash:
+                results[position[reply.missing_hash]] = MissReason(reply.miss_reason)
+                continue
+            if reply.HasField("header"):
+                index, filled = position[reply.header.block_hash], 0
+                fits = reply.header.codec == codec and reply.header.payload_bytes == len(buffers[index])
+                target = buffers[index] if fits else None
+                results[index] = MissReason.ABSENT if fits else MissReason.CORRUPT
+            if target is not None and filled + len(reply.data) > len(target):
+                results[index], target = MissReason.CORRUPT, None  # more bytes than its header said
+            if target is not None:
+                target[filled : filled + len(reply.data)] = reply.data
+                filled += len(reply.data)
+                if filled == len(target):
+                    results[index], target = None, None
+        return results
+
+    def locate(self, block_hashes: list[str], call: CallOptions = NO_OPTIONS) -> list[BlockLocation]:
+        """Where the present blocks' records lie, in request order (FAILED_PRECONDITION when the
+        store does not hand out locations)."""
+        request = pb.LocateBlocksRequest(
+            namespace=self._namespace_pb(call.namespace), block_hashes=block_hashes
+        )
+        reply = self.stub.LocateBlocks(request, **self._call_kwargs(call))
+        return [
+            BlockLocation(b.block_hash, Codec(b.codec), b.segment_path, b.segment_id, b.offset, b.length)
+            for b in reply.locations
+        ]
 
     def lookup(self, block_hashes: list[str], call: CallOptions = NO_OPTIONS) -> list[str]:
         """The hashes that are stored."""

@@ -34,6 +34,10 @@ class StoreConfig:
     max_hashes_per_call: int = 4096
     compact_live_ratio: float = 0.5
     maintenance_interval_s: float = 10.0
+    # Hand out record locations (LocateBlocks) so a caller on this host reads segments itself. Off by
+    # default: the caller must see this store's data dir at the same path, and can then read every
+    # tenant's records from the files; only the engine should be given that (docs/kvstore.md).
+    serve_locations: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -112,4 +116,5 @@ def _store_from_env(environ: Mapping[str, str] | None, max_message_bytes: int) -
         max_hashes_per_call=env.get_int(prefix + "MAX_HASHES", 4096, environ),
         compact_live_ratio=env.get_float(prefix + "COMPACT_LIVE_RATIO", 0.5, environ),
         maintenance_interval_s=env.get_float(prefix + "MAINTENANCE_S", 10.0, environ),
+        serve_locations=env.get_bool(prefix + "SERVE_LOCATIONS", False, environ),
     )

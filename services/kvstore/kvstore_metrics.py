@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-OPERATIONS = ("put", "get", "lookup", "prefetch", "delete", "compact")
+OPERATIONS = ("put", "get", "lookup", "locate", "prefetch", "delete", "compact")
 
 READ_BYTES = Counter("thermocline_kvstore_read_bytes", "Block payload bytes read from segment files.")
 WRITTEN_BYTES = Counter(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.kvstore_api import PrefetchResult, PutResult
 from services.kvstore.index import IndexEntry
 from services.kvstore.keys import BlockHash, StoreKey
+from services.kvstore.segments import Location
 
-__all__ = ["PendingWrite", "PrefetchResult", "PutResult", "StoreCounters", "StoreStats"]
+__all__ = ["BlockLocated", "PendingWrite", "PrefetchResult", "PutResult", "StoreCounters", "StoreStats"]
 
 
 @dataclass
@@ -22,6 +24,7 @@ class StoreCounters:
     staging_hits: int = 0
     disk_reads: int = 0
     index_rebuilds: int = 0
+    located_blocks: int = 0  # locations handed out by LocateBlocks (the caller read the bytes)
 
 
 @dataclass(frozen=True)
@@ -46,3 +49,13 @@ class PendingWrite:
     key: StoreKey
     entry: IndexEntry
     seq: int
+
+
+@dataclass(frozen=True)
+class BlockLocated:
+    """Where a present block's record lies, for a caller that reads the segment file itself."""
+
+    block_hash: BlockHash
+    codec: int
+    segment_path: Path
+    location: Location

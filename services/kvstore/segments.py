@@ -182,11 +182,16 @@ def _pread(path: Path, location: Location) -> bytes:
         os.close(descriptor)
 
 
+def _read_and_decode(directory: Path, location: Location) -> Record:
+    data = _pread(segment_path(directory, location.segment_id), location)
+    return records.decode(data, location.segment_id, location.offset)
+
+
 async def read_record(directory: Path, location: Location) -> Record:
     """The record at `location`, checked; RecordError when corrupt or short, FileNotFoundError when
-    its segment has been compacted away (the caller looks the key up again)."""
-    data = await asyncio.to_thread(_pread, segment_path(directory, location.segment_id), location)
-    return records.decode(data, location.segment_id, location.offset)
+    its segment has been compacted away (the caller looks the key up again). The read and the CRC
+    run on a worker thread (zlib releases the GIL), off the event loop that sends replies."""
+    return await asyncio.to_thread(_read_and_decode, directory, location)
 
 
 @dataclass(frozen=True)

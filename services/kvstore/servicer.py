@@ -19,7 +19,7 @@ from services.kvstore.blocks import BlockFound, BlockIn, Codec
 from services.kvstore.compactor import Compactor
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.keys import Namespace, check_hash
-from services.kvstore.results import PendingWrite, StoreStats
+from services.kvstore.results import BlockLocated, PendingWrite, StoreStats
 from services.kvstore.store import BlockStore
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -135,11 +135,24 @@ def stats_to_pb(stats: StoreStats) -> pb.GetStatsResponse:
         staging_hits=c.staging_hits,
         disk_reads=c.disk_reads,
         index_rebuilds=c.index_rebuilds,
+        located_blocks=c.located_blocks,
+    )
+
+
+def location_to_pb(located: BlockLocated) -> pb.BlockLocation:
+    """A located block as the wire carries it."""
+    return pb.BlockLocation(
+        block_hash=located.block_hash,
+        codec=located.codec,
+        segment_path=str(located.segment_path),
+        segment_id=located.location.segment_id,
+        offset=located.location.offset,
+        length=located.location.length,
     )
 
 
 class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
-    """The six block RPCs over one BlockStore."""
+    """The block RPCs over one BlockStore."""
 
     def __init__(self, config: KVStoreConfig) -> None:
         self.config = config
@@ -221,6 +234,14 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
                 namespace_from_pb(request.namespace), list(request.block_hashes)
             )
         return pb.DeleteResponse(deleted=deleted)
+
+    async def LocateBlocks(self, request: pb.LocateBlocksRequest, context: Any) -> Any:
+        _annotate(len(request.block_hashes))
+        with metrics.OPERATION_DURATION.labels("locate").time():
+            located = await self.store.locate(
+                namespace_from_pb(request.namespace), list(request.block_hashes)
+            )
+        return pb.LocateBlocksResponse(locations=[location_to_pb(b) for b in located])
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> Any:
         return stats_to_pb(await self.store.stats())

@@ -7,8 +7,8 @@ corrupt or torn record is a miss, never a served block. When the index is gone (
 empty, FLUSHALL), the next call that notices rebuilds it from the segments.
 
 The engine reaches this class through the gRPC service; `services/kvstore/client.py` is its
-client. State changes: append, commit, put, delete, prefetch (staging), get and lookup (last
-access; a corrupt record's entry is dropped), rebuild_index; eviction and compaction live in
+client. State changes: append, commit, put, delete, prefetch (staging), get, lookup and locate
+(last access; a corrupt record's entry is dropped), rebuild_index; eviction and compaction live in
 compactor.py.
 """
 
@@ -19,6 +19,7 @@ import contextlib
 import errno
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
@@ -26,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.kvstore import kvstore_metrics as metrics
 from services.kvstore.blocks import BlockFound, BlockIn, BlockMissing, BlockSource, MissReason, check_block
 from services.kvstore.config import StoreConfig
@@ -34,12 +35,22 @@ from services.kvstore.index import IndexEntry, IndexLost, RedisIndex
 from services.kvstore.keys import BlockHash, Namespace, StoreKey, TenantSalts, check_hash
 from services.kvstore.record import Record, RecordError
 from services.kvstore.recovery import scan_live_entries
-from services.kvstore.results import PendingWrite, PrefetchResult, PutResult, StoreCounters, StoreStats
-from services.kvstore.segments import SegmentWriter, list_segments, read_record, segment_bytes
+from services.kvstore.results import (
+    BlockLocated,
+    PendingWrite,
+    PrefetchResult,
+    PutResult,
+    StoreCounters,
+    StoreStats,
+)
+from services.kvstore.segments import SegmentWriter, list_segments, read_record, segment_bytes, segment_path
 from services.kvstore.staging import StagingCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Blocks a GetBlocks reads ahead of the one it is sending: reads (and their CRCs, on worker threads)
+# overlap the replies instead of waiting for each to be sent.
+READ_AHEAD_BLOCKS = 4
 
 
 @contextlib.contextmanager
@@ -81,6 +92,7 @@ class BlockStore:
         self.relocation_lock = asyncio.Lock()  # a compactor's copy and a delete's tombstone keep their order
         self._prefetch_queue: asyncio.Queue[tuple[StoreKey, IndexEntry]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._touches: set[asyncio.Task[None]] = set()  # LRU updates of located blocks, in flight
         # set by the compactor: eviction after each commit
         self.on_commit: Callable[[], Awaitable[object]] | None = None
 
@@ -286,6 +298,47 @@ class BlockStore:
         metrics.BLOCK_LOOKUPS.labels("miss").inc(len(hashes) - len(present))
         return present
 
+    async def locate(self, namespace: Namespace, block_hashes: list[str]) -> list[BlockLocated]:
+        """Where the present blocks' records lie, in request order, for a caller on this host that
+        reads the segment files itself (and checks each record's CRC, which covers its place).
+
+        Keys are salted with the caller's tenant exactly as for `get`, so a namespace locates its own
+        blocks only. A location can go stale (compaction moves the record, a delete drops it); the
+        caller then reads a file that is gone or bytes that fail its checks, and asks `get` instead.
+        """
+        if not self.config.serve_locations:
+            raise FailedPrecondition(
+                "this kvstore does not hand out record locations; set "
+                "THERMOCLINE_KVSTORE_SERVE_LOCATIONS=true where the engine shares its host and data dir, "
+                "or read blocks with GetBlocks"
+            )
+        hashes = self.check_hashes(block_hashes)
+        keys = [self.key(namespace, h) for h in hashes]
+        entries = await self.live_entries(keys)
+        directory = self.config.segments_dir.resolve()
+        located = [
+            BlockLocated(h, e.codec, segment_path(directory, e.location.segment_id), e.location)
+            for h, e in zip(hashes, entries, strict=True)
+            if e is not None
+        ]
+        metrics.BLOCK_LOOKUPS.labels("hit").inc(len(located))
+        metrics.BLOCK_LOOKUPS.labels("miss").inc(len(hashes) - len(located))
+        self.counters.located_blocks += len(located)
+        touched = [k for k, e in zip(keys, entries, strict=True) if e is not None]
+        self._touch_later(touched)
+        return located
+
+    def _touch_later(self, keys: list[StoreKey]) -> None:
+        """Mark keys used off the reply's path (a long prefix is thousands of keys; LRU order can wait)."""
+        task = asyncio.create_task(self.guarded(lambda: self.index.touch(keys, now_us())))
+        self._touches.add(task)
+        task.add_done_callback(self._touched)
+
+    def _touched(self, task: asyncio.Task[None]) -> None:
+        self._touches.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("marking located blocks used failed: %s", task.exception())
+
     async def get(
         self, namespace: Namespace, block_hashes: list[str]
     ) -> AsyncIterator[BlockFound | BlockMissing]:
@@ -297,13 +350,27 @@ class BlockStore:
         if unstaged:
             entries = dict(zip(unstaged, await self.live_entries(unstaged), strict=True))
         served: list[StoreKey] = []
-        for block_hash, key in zip(hashes, keys, strict=True):
-            outcome = await self._get_one(block_hash, key, entries)
-            metrics.BLOCK_LOOKUPS.labels("hit" if isinstance(outcome, BlockFound) else "miss").inc()
-            if isinstance(outcome, BlockFound):
-                served.append(key)
-            yield outcome
+        reads: deque[asyncio.Task[BlockFound | BlockMissing]] = deque()
+        try:
+            for block_hash, key in zip(hashes, keys, strict=True):
+                reads.append(asyncio.ensure_future(self._get_one(block_hash, key, entries)))
+                if len(reads) > READ_AHEAD_BLOCKS:
+                    yield await self._served(reads.popleft(), served)
+            while reads:
+                yield await self._served(reads.popleft(), served)
+        finally:
+            for read in reads:  # the caller went away mid-stream
+                read.cancel()
         await self.guarded(lambda: self.index.touch(served, now_us()))
+
+    async def _served(
+        self, read: asyncio.Task[BlockFound | BlockMissing], served: list[StoreKey]
+    ) -> BlockFound | BlockMissing:
+        outcome = await read
+        metrics.BLOCK_LOOKUPS.labels("hit" if isinstance(outcome, BlockFound) else "miss").inc()
+        if isinstance(outcome, BlockFound):
+            served.append(outcome.record.key)
+        return outcome
 
     async def _get_one(
         self, block_hash: BlockHash, key: StoreKey, entries: dict[StoreKey, IndexEntry | None]

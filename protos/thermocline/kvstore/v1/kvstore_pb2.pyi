@@ -138,12 +138,42 @@ class DeleteResponse(_message.Message):
     deleted: int
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
+class LocateBlocksRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    block_hashes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BlockLocation(_message.Message):
+    __slots__ = ("block_hash", "codec", "segment_path", "segment_id", "offset", "length")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    block_hash: str
+    codec: Codec
+    segment_path: str
+    segment_id: int
+    offset: int
+    length: int
+    def __init__(self, block_hash: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., segment_path: _Optional[str] = ..., segment_id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class LocateBlocksResponse(_message.Message):
+    __slots__ = ("locations",)
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    def __init__(self, locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "staged_blocks", "staged_bytes", "disk_bytes", "num_segments", "evicted_blocks", "expired_blocks", "corrupt_records", "compacted_segments", "staging_hits", "disk_reads", "index_rebuilds")
+    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "staged_blocks", "staged_bytes", "disk_bytes", "num_segments", "evicted_blocks", "expired_blocks", "corrupt_records", "compacted_segments", "staging_hits", "disk_reads", "index_rebuilds", "located_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +188,7 @@ class GetStatsResponse(_message.Message):
     STAGING_HITS_FIELD_NUMBER: _ClassVar[int]
     DISK_READS_FIELD_NUMBER: _ClassVar[int]
     INDEX_REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    LOCATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     used_bytes: int
     capacity_bytes: int
@@ -172,4 +203,5 @@ class GetStatsResponse(_message.Message):
     staging_hits: int
     disk_reads: int
     index_rebuilds: int
-    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., staged_blocks: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., num_segments: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., compacted_segments: _Optional[int] = ..., staging_hits: _Optional[int] = ..., disk_reads: _Optional[int] = ..., index_rebuilds: _Optional[int] = ...) -> None: ...
+    located_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., staged_blocks: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., num_segments: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., corrupt_records: _Optional[int] = ..., compacted_segments: _Optional[int] = ..., staging_hits: _Optional[int] = ..., disk_reads: _Optional[int] = ..., index_rebuilds: _Optional[int] = ..., located_blocks: _Optional[int] = ...) -> None: ...

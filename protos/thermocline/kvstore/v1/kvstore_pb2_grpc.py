@@ -65,6 +65,11 @@ class KVStoreServiceStub:
                 request_serializer=thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.LocateBlocks = channel.unary_unary(
+                '/thermocline.kvstore.v1.KVStoreService/LocateBlocks',
+                request_serializer=thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.LocateBlocksRequest.SerializeToString,
+                response_deserializer=thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.LocateBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServiceServicer:
@@ -113,6 +118,15 @@ class KVStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocateBlocks(self, request, context):
+        """Says where the requested blocks' records lie in the segment files, so a caller on the same
+        host reads them itself (docs/kvstore.md, "Same-host reads"). Only for the caller's namespace;
+        FAILED_PRECONDITION unless the store is set to hand out locations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +159,11 @@ def add_KVStoreServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.GetStatsRequest.FromString,
                     response_serializer=thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'LocateBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateBlocks,
+                    request_deserializer=thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.LocateBlocksRequest.FromString,
+                    response_serializer=thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.LocateBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +329,33 @@ class KVStoreService:
             '/thermocline.kvstore.v1.KVStoreService/GetStats',
             thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.GetStatsRequest.SerializeToString,
             thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/thermocline.kvstore.v1.KVStoreService/LocateBlocks',
+            thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.LocateBlocksRequest.SerializeToString,
+            thermocline_dot_kvstore_dot_v1_dot_kvstore__pb2.LocateBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
