@@ -21,6 +21,9 @@ from services.engine.model.config import ModelConfig
 # Bytes of model-dtype keys read per batched demotion chunk (the quantizer's fp32 temporaries are a
 # few times this); the engine's memory profile runs one full chunk, so the KV budget accounts for it.
 WARM_COPY_CHUNK_BYTES = 64 << 20
+# Bytes of loaded cold blocks copied to the device at a time: bounds the transient device copy of a
+# long loaded prefix (a 32K-token 8B prefix is 4.3 GB) while each copy stays large.
+LOAD_CHUNK_BYTES = 256 << 20
 
 
 class KVTier(ABC):
@@ -400,9 +403,24 @@ class KVCache:
     def write_loaded(self, loads: list[ColdLoad]) -> None:
         """Write blocks back from the kvstore into their hot blocks, all layers (changes state)."""
         for load in loads:
-            index = torch.tensor(load.hot_block_ids, device=self.hot.keys.device)
-            shape = (load.keys.shape[0], len(load.hot_block_ids), self.block_size, *load.keys.shape[2:])
-            keys = load.keys.view(shape).to(self.hot.keys.device, self.hot.keys.dtype, non_blocking=True)
-            values = load.values.view(shape).to(self.hot.keys.device, self.hot.keys.dtype, non_blocking=True)
-            self.hot.keys[:, index] = keys
-            self.hot.values[:, index] = values
+            if self.hot.keys.device.type == "cpu":
+                self._copy_blocks(load.hot_block_ids, load.kv)
+                continue
+            step = max(1, LOAD_CHUNK_BYTES // (load.kv[0].numel() * load.kv.element_size()))
+            for start in range(0, len(load.hot_block_ids), step):
+                chunk = load.kv[start : start + step].to(self.hot.keys.device, non_blocking=True)
+                self._scatter_blocks(load.hot_block_ids[start : start + step], chunk)
+
+    def _copy_blocks(self, block_ids: tuple[BlockId, ...], kv: torch.Tensor) -> None:
+        """On the host, block by block: an index_put would convert the dtype into a temporary first
+        (five times slower for an 8K-token prefix)."""
+        for block_kv, block_id in zip(kv, block_ids, strict=True):  # [L, 2, BS, KVH, D]
+            self.hot.keys[:, block_id].copy_(block_kv[:, 0])
+            self.hot.values[:, block_id].copy_(block_kv[:, 1])
+
+    def _scatter_blocks(self, block_ids: tuple[BlockId, ...], kv: torch.Tensor) -> None:
+        """On the device, one scatter per tensor: kv `[n, L, 2, BS, KVH, D]` already there."""
+        index = torch.tensor(block_ids, device=self.hot.keys.device)
+        dtype = self.hot.keys.dtype
+        self.hot.keys[:, index] = kv[:, :, 0].transpose(0, 1).to(dtype)  # [L, n, BS, KVH, D]
+        self.hot.values[:, index] = kv[:, :, 1].transpose(0, 1).to(dtype)

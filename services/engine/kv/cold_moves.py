@@ -44,11 +44,23 @@ class ColdStore:
 
 @dataclass(frozen=True)
 class ColdLoad:
-    """Write a block that came back from the store into hot blocks `[n]`: keys/values `[L, n*BS, KVH, D]`."""
+    """Write blocks that came back from the store into hot blocks `[n]`: `kv` `[n, L, 2, BS, KVH, D]`.
+
+    Block-major, as prompt blocks are stored: a loaded prefix is one contiguous host buffer (pinned
+    for a CUDA engine), so it reaches the device in one copy and is scattered there.
+    """
 
     hot_block_ids: tuple[BlockId, ...]
-    keys: torch.Tensor
-    values: torch.Tensor
+    kv: torch.Tensor
+
+    @classmethod
+    def of_tokens(
+        cls, hot_block_ids: tuple[BlockId, ...], keys: torch.Tensor, values: torch.Tensor
+    ) -> ColdLoad:
+        """From keys and values `[L, n*BS, KVH, D]` (a window block's kept tokens); a view, no copy."""
+        stacked = torch.stack([keys, values], dim=1)  # [L, 2, n*BS, KVH, D]
+        blocks = stacked.unflatten(2, (len(hot_block_ids), -1))  # [L, 2, n, BS, KVH, D]
+        return cls(hot_block_ids, blocks.permute(2, 0, 1, 3, 4, 5))
 
 
 class ScoreRow(NamedTuple):

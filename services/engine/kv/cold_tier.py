@@ -60,6 +60,7 @@ from services.common.kvstore_api import (
     MissReason,
     Namespace,
 )
+from services.engine.kv.prefix_fetch import PrefixFetcher, PrefixLayout
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,10 @@ class ColdTierConfig:
     # no better than chance on SmolLM2, and retrieval was checked once
     # (bench/results/cold_tier_pruning_2026-12-02.md).
     prune_tokens: bool = False
+    # Read a prefix's records straight from the kvstore's segment files (same host, same path; the
+    # kvstore must hand out locations: THERMOCLINE_KVSTORE_SERVE_LOCATIONS). Each record is checked
+    # here; any that fails, and everything after it, comes by the GetBlocks stream (docs/kvstore.md).
+    local_reads: bool = False
     codec: CodecSettings = field(default_factory=CodecSettings)
 
     def __post_init__(self) -> None:
@@ -159,6 +164,8 @@ class Outcome:
     loaded: tuple[LoadedBlock, ...] = ()
     degraded: Degradation | None = None
     detail: str = ""
+    prefix_kv: torch.Tensor | None = None  # LOAD_PREFIX: its leading run of blocks `[n, L, 2, BS, KVH, D]`
+    num_read_locally: int = 0  # LOAD_PREFIX: of those, blocks read from the segment files directly
 
 
 class BlockToStore(NamedTuple):
@@ -181,6 +188,7 @@ class Job:
     hashes: tuple[BlockHash, ...] = ()
     blocks: tuple[BlockToStore, ...] = ()
     ready: Callable[[], None] | None = None  # waits for the device copies of `blocks` (CUDA event)
+    layout: PrefixLayout | None = None  # LOAD_PREFIX: how its blocks land on the host
 
 
 class ColdTier:
@@ -206,6 +214,7 @@ class ColdTier:
             config.codec, sparsity=dataclasses.replace(config.codec.sparsity, keep_multiple=page_tokens)
         )
         self._client = KVStoreClient(config.target, Namespace(DEFAULT_TENANT, model_id))
+        self._prefixes = PrefixFetcher(self._client, config.local_reads)
         self._wake = wake
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._writes: queue.Queue[Job | None] = queue.Queue()
@@ -273,6 +282,7 @@ class ColdTier:
             jobs.put(None)
         for thread in self._threads:
             thread.join(timeout=max(1.0, 4 * self.config.deadline_ms / 1000))
+        self._prefixes.close()
         self._client.close()
 
     # --- the threads ---------------------------------------------------------------------------
@@ -327,36 +337,32 @@ class ColdTier:
         return Outcome(job.operation, job.owner, stored=(*result.stored, *result.duplicates))
 
     def _load_prefix(self, job: Job, call: CallOptions) -> Outcome:
-        """The longest run of `job.hashes` the store holds, from the first."""
-        present = set(self._client.lookup(list(job.hashes), call))
-        run: list[str] = []
-        for block_hash in job.hashes:
-            if block_hash not in present:
-                break
-            run.append(block_hash)
-        if not run:
-            return Outcome(job.operation, job.owner)
+        """The longest run of `job.hashes` the store holds and serves intact, from the first."""
+        assert job.layout is not None, "a prefix load says how its blocks land"
         transfer = dataclasses.replace(call, timeout_s=self.config.transfer_deadline_ms / 1000)
-        return self._loaded(job, self._client.get(run, transfer), require_all=run)
+        fetched = self._prefixes.fetch(job.hashes, job.layout, call, transfer)
+        loaded = fetched.kv if len(fetched.kv) else None
+        if fetched.first_bad is None:
+            return Outcome(
+                job.operation, job.owner, prefix_kv=loaded, num_read_locally=fetched.num_read_locally
+            )
+        return Outcome(
+            job.operation, job.owner, degraded=Degradation.CORRUPT, prefix_kv=loaded,
+            num_read_locally=fetched.num_read_locally,
+            detail=f"block {fetched.first_bad[:16]} missing or corrupt: the loaded prefix ends before it",
+        )  # fmt: skip
 
     def _loaded(
-        self,
-        job: Job,
-        fetched: Mapping[str, FetchedBlock | MissReason],
-        require_all: list[str] | None = None,
-        page_tokens: int | None = None,
+        self, job: Job, fetched: Mapping[str, FetchedBlock | MissReason], page_tokens: int
     ) -> Outcome:
-        """Decoded blocks; a prefix keeps its leading run of good blocks, a window every good one.
-        Pruned blocks are taken only with `page_tokens` (a window); a prefix must be whole."""
+        """A window's decoded blocks, every good one (pruned ones too: their kept tokens fill pages)."""
         blocks: list[LoadedBlock] = []
         bad: list[str] = []
-        for block_hash in require_all or job.hashes:
+        for block_hash in job.hashes:
             item = fetched.get(block_hash, MissReason.ABSENT)
             decoded = None if isinstance(item, MissReason) else _decode(item, page_tokens)
             if decoded is None:
                 bad.append(block_hash)
-                if require_all is not None:
-                    break
                 continue
             blocks.append(LoadedBlock(BlockHash(block_hash), *decoded))
         if bad:
@@ -416,13 +422,13 @@ def store_tenant(cache_salt: str) -> str:
     return hashlib.sha256(cache_salt.encode(errors="surrogatepass")).hexdigest()
 
 
-def _decode(block: FetchedBlock, page_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Keys and values `[L, T, KVH, D]` (fp32 or bf16) of a served block, or of its K kept tokens
-    `[L, K, KVH, D]` when it was pruned; None when it does not decode, or is pruned and unusable.
+def _decode(block: FetchedBlock, page_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Keys and values `[L, T, KVH, D]` (fp32 or bf16) of a served window block, or of its K kept
+    tokens `[L, K, KVH, D]` when it was pruned; None when it does not decode, or is pruned unusably.
 
-    A pruned block is usable only with `page_tokens` (an auxiliary window; a prefix must be whole)
-    and when its kept tokens fill whole pages (what `_encode` writes): a partial page would attend
-    whatever its other slots hold.
+    A pruned block is usable only when its kept tokens fill whole pages of `page_tokens` (what
+    `_encode` writes): a partial page would attend whatever its other slots hold. (Prefix blocks
+    never come through here: services/engine/kv/prefix_fetch.py writes them into one buffer.)
     """
     try:
         if block.codec is Codec.RAW:
@@ -431,7 +437,7 @@ def _decode(block: FetchedBlock, page_tokens: int | None = None) -> tuple[torch.
             return stacked[:, 0], stacked[:, 1]
         decoded = decode_block(block.payload)
         num_kept = decoded.keys.shape[1]
-        if num_kept < decoded.token_mask.numel() and (page_tokens is None or num_kept % page_tokens):
+        if num_kept < decoded.token_mask.numel() and num_kept % page_tokens:
             return None
         return decoded.keys, decoded.values
     except (CodecError, ValueError, RuntimeError):

@@ -18,8 +18,6 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from services.engine import metrics
 from services.engine.kv.block_pool import SCRATCH_BLOCK
 from services.engine.kv.block_table import ColdBlock
@@ -35,6 +33,7 @@ from services.engine.kv.cold_tier import (
     Operation,
     Outcome,
 )
+from services.engine.kv.prefix_fetch import PrefixLayout
 from services.engine.scheduling.sequence import ColdPrefix, RequestId, Sequence
 
 MAX_REMEMBERED_PREFIX_BLOCKS = 1 << 16  # prompt blocks known stored, so they are not put again
@@ -47,6 +46,7 @@ class ColdStats:
     prefix_blocks_stored: int = 0
     prefix_blocks_loaded: int = 0
     prompt_tokens_loaded: int = 0
+    prefix_blocks_read_locally: int = 0  # fetched from the segment files directly (same-host reads)
     blocks_demoted: int = 0
     window_loads: int = 0
     window_loads_in_time: int = 0  # mapped by the step after they were chosen: nothing waited
@@ -69,6 +69,8 @@ class ColdPlanner:
         self._scored: set[str] = set()  # requests whose window has been scored at least once
         self._window_asked_at: dict[tuple[RequestId, int], int] = {}
         self._stored_prefix: OrderedDict[BlockHash, None] = OrderedDict()
+        keys = kv_cache.hot.keys  # [L, N, BS, KVH, D]
+        self._prefix_layout = PrefixLayout((keys.shape[0], 2, *keys.shape[2:]), keys.device.type == "cuda")
 
     @property
     def num_held(self) -> int:
@@ -92,7 +94,10 @@ class ColdPlanner:
         self._loading[seq.request_id] = first
         self._held[seq.request_id] = seq
         names = tuple(BlockHash(h.hex()) for h in hashes[first:])
-        self.tier.submit(Job(Operation.LOAD_PREFIX, seq, seq.cache_salt, seq.trace_metadata, names))
+        job = Job(
+            Operation.LOAD_PREFIX, seq, seq.cache_salt, seq.trace_metadata, names, layout=self._prefix_layout
+        )
+        self.tier.submit(job)
         return True
 
     def take_held(self, request_id: RequestId) -> Sequence | None:
@@ -109,19 +114,17 @@ class ColdPlanner:
         prefix = seq.cold_prefix
         if prefix is None or not prefix.first_block <= num_hot_blocks < prefix.end_block:
             return 0
-        blocks = prefix.blocks[num_hot_blocks - prefix.first_block : max_blocks - prefix.first_block]
+        kv = prefix.kv[num_hot_blocks - prefix.first_block : max_blocks - prefix.first_block]  # a view
         pool = self.kv_cache.hot.pool
-        if not blocks or not pool.can_allocate(len(blocks)):
+        if not len(kv) or not pool.can_allocate(len(kv)):
             return 0
-        block_ids = pool.allocate(len(blocks))
+        block_ids = pool.allocate(len(kv))
         table = seq.block_table
         table.hot_block_ids.extend(block_ids)
         for offset, block_id in enumerate(block_ids):
             pool.register(block_id, table.prefix_hashes[num_hot_blocks + offset])
-        keys = torch.cat([b.keys for b in blocks], dim=1)  # [L, n*BS, KVH, D]
-        values = torch.cat([b.values for b in blocks], dim=1)
-        self.kv_cache.pending_cold.loads.append(ColdLoad(tuple(block_ids), keys, values))
-        return len(blocks)
+        self.kv_cache.pending_cold.loads.append(ColdLoad(tuple(block_ids), kv))
+        return len(kv)
 
     def on_started(self, seq: Sequence) -> None:
         """A request was admitted: count what its prefix load saved and let the blocks go."""
@@ -218,7 +221,9 @@ class ColdPlanner:
             for offset, block_id in enumerate(block_ids):
                 table.hot_block_ids[first + offset] = block_id
             table.aux_blocks[first] = tuple(block_ids)
-            self.kv_cache.pending_cold.loads.append(ColdLoad(tuple(block_ids), block.keys, block.values))
+            self.kv_cache.pending_cold.loads.append(
+                ColdLoad.of_tokens(tuple(block_ids), block.keys, block.values)
+            )
             self.stats.window_loads += 1
             self.stats.window_loads_in_time += int(asked is not None and self.num_steps - asked <= 1)
             metrics.COLD_BLOCKS.labels(Operation.LOAD_WINDOW.value).inc()
@@ -269,8 +274,9 @@ class ColdPlanner:
         first = self._loading.pop(seq.request_id, None)
         if self._held.pop(seq.request_id, None) is None or first is None:
             return  # cancelled while its prefix was loading
-        if outcome.loaded:
-            seq.cold_prefix = ColdPrefix(first, outcome.loaded)
+        if outcome.prefix_kv is not None:
+            seq.cold_prefix = ColdPrefix(first, outcome.prefix_kv)
+            self.stats.prefix_blocks_read_locally += outcome.num_read_locally
         ready.append(seq)
 
     def _prefix_stored(self, outcome: Outcome) -> None:

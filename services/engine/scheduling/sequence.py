@@ -9,9 +9,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import NewType
 
+import torch
+
 from services.engine.gate.safety_gate import GatePolicy
 from services.engine.kv.block_table import BlockTable
-from services.engine.kv.cold_tier import LoadedBlock
 from services.engine.kv.tiers import TierConfig
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.text.detokenizer import IncrementalDetokenizer
@@ -150,15 +151,16 @@ EventCallback = Callable[[StreamEvent], None]
 
 @dataclass(frozen=True)
 class ColdPrefix:
-    """Prompt blocks `[first_block, first_block + len(blocks))` as the kvstore gave them back."""
+    """Prompt blocks `[first_block, first_block + n)` as the kvstore gave them back: `kv`
+    `[n, L, 2, BS, KVH, D]` BF16 on the host, one buffer."""
 
     first_block: int
-    blocks: tuple[LoadedBlock, ...]
+    kv: torch.Tensor
 
     @property
     def end_block(self) -> int:
         """One past the last block covered."""
-        return self.first_block + len(self.blocks)
+        return self.first_block + self.kv.shape[0]
 
 
 class Sequence:

@@ -37,6 +37,7 @@ from services.engine.kv.cold_tier import (
     _decode,
     key_norm_mass,
 )
+from services.engine.kv.prefix_fetch import PrefixLayout
 from services.engine.kv.tiers import TierConfig
 from services.engine.model.config import ModelConfig
 from services.engine.scheduling.sampling_params import SamplingParams
@@ -114,7 +115,7 @@ def fetched(payload: bytes) -> FetchedBlock:
     return FetchedBlock("h", Codec.INT2_SPARSE, (LAYERS, 2, TOKENS, HEADS, DIM), payload, BlockSource.DISK)
 
 
-def test_decode_takes_a_pruned_block_for_a_window_and_refuses_it_for_a_prefix() -> None:
+def test_decode_takes_a_pruned_block_for_a_window_only_when_its_kept_tokens_fill_pages() -> None:
     keys, values = low_norm_block(list(range(16)))
     paged = dataclasses.replace(HALF.sparsity, keep_multiple=16)
     payload = encode_block(keys, values, key_norm_mass(keys), dataclasses.replace(HALF, sparsity=paged))
@@ -123,7 +124,6 @@ def test_decode_takes_a_pruned_block_for_a_window_and_refuses_it_for_a_prefix() 
     decoded = decode_block(payload)
     assert torch.equal(decoded.token_mask, torch.arange(TOKENS) < 16)  # the low-norm half
     assert torch.equal(window[0], decoded.keys) and window[0].shape[1] == 16
-    assert _decode(fetched(payload)) is None  # a prefix must come back whole
     assert _decode(fetched(payload), page_tokens=32) is None  # 16 kept tokens cannot fill a page of 32
 
 
@@ -154,7 +154,7 @@ def test_both_backends_give_the_dropped_half_of_a_pruned_block_no_weight() -> No
     table = BlockTable(TierConfig())
     cache.grow(table, 4 * BLOCK_SIZE)  # blocks 0 (sink), 1-2 (the cold group), 3 (recent)
     kept = torch.randn(2, 1, BLOCK_SIZE, 2, 16, generator=generator)  # keys, values [L, K, KVH, D]
-    cache.write_loaded([ColdLoad((table.hot_block_ids[1],), kept[0], kept[1])])
+    cache.write_loaded([ColdLoad.of_tokens((table.hot_block_ids[1],), kept[0], kept[1])])
     table.hot_block_ids[2] = SCRATCH_BLOCK  # the dropped half: no page
 
     query = torch.randn(1, 4, 16, generator=generator)  # one decode token [T, H, D]
@@ -221,8 +221,9 @@ def test_only_demoted_blocks_are_pruned_and_a_pruned_block_loads_as_its_kept_tok
     kept = keys[:, low]
     half_step = (kept.amax(1, keepdim=True) - kept.amin(1, keepdim=True)) / 6  # INT2 over the kept 16
     assert bool(((loaded.keys - kept).abs() <= half_step + 1e-2).all())
-    prefix = run_job(tier, Job(Operation.LOAD_PREFIX, None, "", (), hashes=(demoted,)))
-    assert prefix.degraded is Degradation.CORRUPT and not prefix.loaded  # a prefix is never pruned
+    layout = PrefixLayout((LAYERS, 2, TOKENS, HEADS, DIM))
+    prefix = run_job(tier, Job(Operation.LOAD_PREFIX, None, "", (), hashes=(demoted,), layout=layout))
+    assert prefix.degraded is Degradation.CORRUPT and prefix.prefix_kv is None  # a prefix is raw, whole
     tier.close()
 
 
