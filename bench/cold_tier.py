@@ -8,11 +8,15 @@ Starts a redis-server and a kvstore process (the test suite's helpers), then:
   (recompute: the baseline), one with it (computes, looks up and misses, stores its prompt blocks
   in the background; the bench waits for them to be durable), and a third with it, as a new
   replica would be (nothing of these prompts in its GPU prefix cache: it looks up, loads the
-  stored prefix and computes the last block). Each engine first runs a short warm-up pair (a
-  prompt, then it extended), so compilation is not timed. TTFT is submit -> first token, on the
-  engine's own thread; `--max-new` greedy tokens after it say whether the hit's output equals
-  the recompute's (reported, not asserted: prompt blocks are stored as BF16, so an FP32 engine
-  attends a rounded prefix, and a BF16 one computes the last block in another kernel shape).
+  stored prefix and computes the last block). The kvstore runs on this host, so by default the hit
+  reads the stored records from its segment files itself (LocateBlocks, then the engine's own
+  preads and CRC checks; `--no-local-reads`: the GetBlocks stream, as a remote kvstore would
+  serve it). Each engine first runs a short warm-up pair (a prompt, then it extended), so
+  compilation is not timed; on CUDA also a full-length prompt (the first long load pins its host
+  buffer; its TTFT is in the notes). TTFT is submit -> first token, on the engine's own thread;
+  `--max-new` greedy tokens after it say whether the hit's output equals the recompute's
+  (reported, not asserted: prompt blocks are stored as BF16, so an FP32 engine attends a rounded
+  prefix, and a BF16 one computes the last block in another kernel shape).
 - **Prefetch** (SmolLM2 only; `--skip-window` leaves it out). One long generation in retrieval
   mode `semantic` with the tiers on: warm overflow is demoted to the store, every
   `--score-every` decode steps the query scores the cold blocks, and the chosen ones are loaded
@@ -118,7 +122,8 @@ class Reading(NamedTuple):
     prefill_tokens_computed: int
     degradations: int
     store_used_bytes: int
-    blocks_served: int  # by the kvstore, from its RAM staging or from disk
+    blocks_served: int  # by the kvstore's GetBlocks stream, from its RAM staging or from disk
+    blocks_read_locally: int  # by the engine from the segment files (same-host reads)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,7 @@ class Request:
     degradations: int
     bytes_stored: int  # growth of the kvstore's live bytes (records with headers), after a flush
     blocks_served: int
+    blocks_read_locally: int
 
 
 @dataclass(frozen=True)
@@ -190,7 +196,7 @@ def cold_config(args: argparse.Namespace, target: str, **overrides: object) -> C
     """The engine's cold tier on the bench's kvstore."""
     return ColdTierConfig(
         target=target, deadline_ms=args.deadline_ms, transfer_deadline_ms=args.transfer_deadline_ms,
-        **overrides,  # type: ignore[arg-type]
+        local_reads=args.local_reads, **overrides,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -265,27 +271,45 @@ def prefix_reuse(
     kv, cold = kv_spec(args), cold_config(args, target)
     with KVStoreClient(target, Namespace("bench", "bench")) as store:
         recompute = on_fresh_engine(
-            source, args, None, kv, "recompute engine", notes, lambda e: run_prompts(e, store, args)
-        )
+            source, args, None, kv, "recompute engine", notes,
+            lambda e: run_prompts(e, store, args, notes, "recompute engine"),
+        )  # fmt: skip
         miss = on_fresh_engine(
-            source, args, cold, kv, "miss engine", notes, lambda e: run_prompts(e, store, args, flush=True)
-        )
+            source, args, cold, kv, "miss engine", notes,
+            lambda e: run_prompts(e, store, args, notes, "miss engine", flush=True),
+        )  # fmt: skip
         hit, per_token = on_fresh_engine(
             source, args, cold, kv, "hit engine", notes,
-            lambda e: (run_prompts(e, store, args), kv_bytes_per_token(e.config)),
+            lambda e: (run_prompts(e, store, args, notes, "hit engine"), kv_bytes_per_token(e.config)),
         )  # fmt: skip
     return [PrefixRun(*requests, per_token) for requests in zip(recompute, miss, hit, strict=True)]
 
 
 def run_prompts(
-    engine: LLMEngine, store: KVStoreClient, args: argparse.Namespace, flush: bool = False
+    engine: LLMEngine,
+    store: KVStoreClient,
+    args: argparse.Namespace,
+    notes: list[str],
+    label: str,
+    flush: bool = False,
 ) -> list[Request]:
-    """The warm-up pair, then each repeat's prompt; `flush` waits until its blocks are stored."""
+    """The warm-up pair, then each repeat's prompt; `flush` waits until its blocks are stored.
+
+    On CUDA a full-length prompt warms up too: a hit's first long load pins its host buffer
+    (cudaHostAlloc, about a second per few GB), which torch's pinned-memory cache then reuses for
+    loads of the same size class; its TTFT goes into the notes, the repeats time the steady state.
+    """  # fmt: skip
     vocab = engine.config.vocab_size
     params = SamplingParams(max_new_tokens=args.max_new, temperature=0.0, ignore_eos=True)
     warmup = prompt_of(vocab, WARMUP_TOKENS + WARMUP_EXTRA_TOKENS, seed=WARMUP_SEED)
     for prompt in (warmup[:WARMUP_TOKENS], warmup):  # the second hits the first's blocks
         run_one(engine, store, prompt, params, flush)
+    if args.device == "cuda":
+        first = run_one(engine, store, prompt_of(vocab, args.prefix, seed=WARMUP_SEED + 1), params, flush)
+        notes.append(
+            f"- {label}, full-length warm-up prompt: TTFT {first.ttft_ms:.0f} ms, "
+            f"{first.tokens_loaded} tokens loaded ({first.blocks_read_locally} blocks read locally)"
+        )
     requests = []
     for repeat in range(args.repeats):
         requests.append(run_one(engine, store, prompt_of(vocab, args.prefix, seed=repeat), params, flush))
@@ -316,6 +340,7 @@ def reading(engine: LLMEngine, store: KVStoreClient) -> Reading:
     return Reading(
         cold.prompt_tokens_loaded if cold else 0, stats.num_prefill_tokens_computed,
         cold.degradations if cold else 0, served.used_bytes, served.staging_hits + served.disk_reads,
+        cold.prefix_blocks_read_locally if cold else 0,
     )  # fmt: skip
 
 
@@ -391,6 +416,8 @@ def command_line(args: argparse.Namespace) -> str:
     words = ["python", "bench/cold_tier.py"]
     for name, value in vars(args).items():
         flag = "--" + name.replace("_", "-")
+        if name == "local_reads" and value is False:
+            words.append("--no-local-reads")
         if name in ("out", "redis_server", "data_dir") or value is None or value is False:
             continue
         words += [flag] if value is True else [flag, str(value)]
@@ -418,7 +445,12 @@ def to_markdown(
         f"- settings: device {args.device}, dtype {args.dtype}, prefill chunks of {args.max_prefill_tokens} "
         f"tokens, max_seq_len {args.max_seq_len}, CUDA graphs {'on' if args.cuda_graphs else 'off'}, "
         f"GPU memory utilization {args.gpu_memory_utilization} (CPU KV budget {args.kv_mb} MB), kvstore "
-        f"deadlines {args.deadline_ms} ms (lookups) and {args.transfer_deadline_ms} ms (transfers)",
+        f"deadlines {args.deadline_ms} ms (lookups) and {args.transfer_deadline_ms} ms (transfers); prefix "
+        + (
+            "loads by same-host reads (LocateBlocks, then the engine reads and checks the segment records)"
+            if args.local_reads
+            else "loads by the GetBlocks stream"
+        ),
         f"- reproduce: `{command_line(args)}`",
     ]
     if runs:
@@ -441,19 +473,21 @@ def prefix_section(args: argparse.Namespace, runs: list[PrefixRun]) -> list[str]
         "without a cold tier (recompute), with it (computes, misses, stores its prompt blocks in the",
         "background; the bench waits for them), and a third with it (a new replica: loads the stored",
         "prefix and computes the last block). Each engine ran a short warm-up pair first. The hit reads",
-        "segments the miss has just written: from the page cache and the store's RAM staging, not the disk.",
+        "segments the miss has just written, from the page cache, not the disk: "
+        + ("by its own reads of the segment files." if args.local_reads else "through the GetBlocks stream."),
         "",
         "| repeat | recompute (ms) | miss + store (ms) | hit (ms) | speed-up | tokens loaded | "
-        "prefill tokens computed on the hit | bytes stored (MB) | bytes loaded (MB) | blocks served | "
-        "load rate (GB/s of hit TTFT) | degradations (miss, hit) | greedy equal (hit, miss) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "prefill tokens computed on the hit | bytes stored (MB) | bytes loaded (MB) | blocks read locally "
+        "| blocks streamed | load rate (GB/s of hit TTFT) | degradations (miss, hit) | "
+        "greedy equal (hit, miss) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for n, r in enumerate(runs):
         lines.append(
             f"| {n} | {r.recompute.ttft_ms:.0f} | {r.miss.ttft_ms:.0f} | {r.hit.ttft_ms:.0f} | "
             f"{r.recompute.ttft_ms / r.hit.ttft_ms:.1f}x | {r.hit.tokens_loaded} | "
             f"{r.hit.prefill_tokens_computed} | {r.miss.bytes_stored / 1e6:.1f} | "
-            f"{r.bytes_loaded / 1e6:.1f} | "
+            f"{r.bytes_loaded / 1e6:.1f} | {r.hit.blocks_read_locally} | "
             f"{r.hit.blocks_served} | {r.bytes_loaded / 1e6 / r.hit.ttft_ms:.2f} | "
             f"{r.miss.degradations}, {r.hit.degradations} | "
             f"{r.hit.token_ids == r.recompute.token_ids}, {r.miss.token_ids == r.recompute.token_ids} |"
@@ -520,6 +554,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--score-every", type=int, default=16)
+    parser.add_argument(
+        "--local-reads", action=argparse.BooleanOptionalAction, default=True,
+        help="hits read the stored prefix from the segment files (the kvstore runs on this host); "
+        "--no-local-reads: by the GetBlocks stream",
+    )  # fmt: skip
     parser.add_argument("--skip-prefix", action="store_true")
     parser.add_argument("--skip-window", action="store_true", help="prefix reuse alone (any shape)")
     parser.add_argument(
@@ -564,7 +603,8 @@ def main() -> None:
         data_dir = args.data_dir or directory / "kvstore"
         source = model_source(args, directory)
         redis = RedisServer(directory, binary=args.redis_server).start()
-        kvstore = KVStoreProcess(data_dir, redis.url).start()
+        serving = {"THERMOCLINE_KVSTORE_SERVE_LOCATIONS": "true"} if args.local_reads else {}
+        kvstore = KVStoreProcess(data_dir, redis.url, serving).start()
         try:
             started = time.perf_counter()
             window = None if args.skip_window else prefetch(source, kvstore.target, args, notes)
