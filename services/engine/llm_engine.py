@@ -55,7 +55,7 @@ from services.engine.model.tensor_parallel import SINGLE
 from services.engine.scheduling.cold_planner import ColdPlanner, ColdStats
 from services.engine.scheduling.intent_class import IntentClass, IntentClasses
 from services.engine.scheduling.sampling_params import SamplingParams
-from services.engine.scheduling.scheduler import ExpiredRequest, ScheduledBatch, Scheduler
+from services.engine.scheduling.scheduler import ExpiredRequest, ScheduledBatch, Scheduler, StepKind
 from services.engine.scheduling.sequence import EventCallback, FinishReason, RequestId, Sequence, StreamEvent
 from services.engine.serving.generation_result import GenerationResult, ResultCollector
 from services.engine.text.tokenizer import Tokenizer
@@ -596,22 +596,33 @@ class LLMEngine:
         plan = ahead.step.plan
         if (
             not self.overlap
+            or ahead.batch.kind is not StepKind.DECODE
             or self._tables_changed
             or self.cold is not None
-            or self.runner.followers is not None
+            or self.runner.model.tp.is_parallel
             or plan.probe_layer is not None
             or plan.score_rows
         ):
             return ahead
         index = {id(seq): i for i, seq in enumerate(sampled)}
-        rows = [index.get(id(row.seq), -1) if row.num_new == 1 else -1 for row in ahead.step.rows]
+        # a row's input is the in-flight token only when every token it holds is computed: a row
+        # re-admitted after a preemption, with its prompt's last token left, is not (its input is
+        # that prompt token)
+        rows = [
+            index.get(id(row.seq), -1) if row.seq.num_computed_tokens == row.seq.num_tokens else -1
+            for row in ahead.step.rows
+        ]
         if -1 in rows:
             return ahead
         if rows == list(range(len(sampled))):
             ids = token_ids
         else:
             ids = token_ids[_to_device_index(rows, token_ids.device)]
-        output = self.runner.launch(ahead.step, input_ids=ids.clamp(min=0))
+        try:
+            output = self.runner.launch(ahead.step, input_ids=ids.clamp(min=0))
+        except Exception:  # launched again after the sync, where a failure fails that step alone
+            logger.exception("an overlapped launch failed; the step launches again after the sync")
+            return ahead
         self._num_overlapped_steps += 1
         return ahead._replace(output=output)
 
@@ -673,8 +684,9 @@ class LLMEngine:
 
     def _row_index(self, is_done: list[bool]) -> torch.Tensor:
         """`[B]` rows that sample this step (a batch where some rows are still mid-prompt)."""
-        rows = torch.tensor([i for i, d in enumerate(is_done) if d])
-        return rows.to(self.runner.device)  # one copy, shared by the logits and the gate
+        # one copy, shared by the logits and the gate; pinned, so that it does not wait for an
+        # overlapped step already queued
+        return _to_device_index([i for i, d in enumerate(is_done) if d], self.runner.device)
 
     def _gate_flags(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The gate on every sampling row's final normed state (prompt end and each decode step)."""

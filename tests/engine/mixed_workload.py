@@ -38,7 +38,9 @@ class MixedRun(NamedTuple):
     overlapped: int  # steps launched before the last one's sync
 
 
-def mixed_run(path: Path, device: str, graphs: bool, overlap: bool | None = None) -> MixedRun:
+def mixed_run(
+    path: Path, device: str, graphs: bool, overlap: bool | None = None, plan: list[tuple] | None = None
+) -> MixedRun:
     engine = LLMEngine.load(
         path, device=device, dtype="float32", max_batch_size=6, max_seq_len=512, kv=MIXED_KV,
         cuda_graphs=graphs, progress=False, overlap=overlap,
@@ -46,7 +48,7 @@ def mixed_run(path: Path, device: str, graphs: bool, overlap: bool | None = None
     generator = torch.Generator().manual_seed(3)
     collectors, handles = [], []
     step = 0
-    pending = list(PLAN)
+    pending = list(PLAN if plan is None else plan)
     while pending or not all(c.done.is_set() for c in collectors):
         while pending and pending[0][0] <= step:
             _, length, new, cls, ignore_eos = pending.pop(0)

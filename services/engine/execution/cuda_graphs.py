@@ -50,6 +50,7 @@ class DecodeGraphs:
         self.static = StaticMetadata(self.sizes[-1], max_blocks, kv_cache.block_size, device)
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
         self._staging_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=True)
+        self._staged: torch.cuda.Event | None = None  # recorded after each copy out of _staging_ids
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
         self.num_replays = 0  # decode steps served by a graph (tests and stats read it)
 
@@ -87,9 +88,13 @@ class DecodeGraphs:
         self.static.fill(host, size)
         if isinstance(token_ids, torch.Tensor):
             self.input_ids[:num_rows].copy_(token_ids)
-        else:  # launched after the last step's sync: its staging copy has run
+        else:
+            if self._staged is not None:  # the last host-id copy out of the staging buffer has run
+                self._staged.synchronize()
             self._staging_ids[:num_rows] = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
             self.input_ids[:num_rows].copy_(self._staging_ids[:num_rows], non_blocking=True)
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         graph.replay()
         self.num_replays += 1
         logits = None if output.logits is None else output.logits[:num_rows]

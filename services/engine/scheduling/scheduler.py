@@ -313,6 +313,13 @@ class Scheduler:
         self.kv_cache.release(seq.block_table)
         if seq in self.running:
             self.running.remove(seq)
+            return
+        # preempted while the token that ends it was in flight (its step was prepared ahead): it sits
+        # in a waiting queue, and must not be admitted again
+        queue = self.waiting[seq.intent_class]
+        if any(waiting is seq for waiting in queue):
+            queue.remove(seq)
+            self.enqueued_s.pop(seq.request_id, None)
 
     def remove(self, request_id: RequestId, reason: FinishReason) -> Sequence | None:
         """Finish and drop a request wherever it is (cancel); None when it is unknown or done."""
