@@ -7,8 +7,9 @@ import torch
 from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
 from services.engine.attention.reference import dense_context
 from services.engine.kv import kivi
-from services.engine.kv.block_pool import SCRATCH_BLOCK
+from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId
 from services.engine.kv.block_table import BlockTable, WarmGroupId
+from services.engine.kv.cold_moves import ColdLoad
 from services.engine.kv.tiers import TierConfig
 from services.engine.model.config import ModelConfig
 from tests.engine.paged_helpers import CPU, ONE_HEAD, make_cache
@@ -234,3 +235,26 @@ def test_the_warm_tables_follow_every_change_to_a_rows_warm_groups() -> None:
     assert warm_row() == expected() == [-1] * 4 + [2, 3] + [-1] * 6
     table.warm_groups.clear()
     assert warm_row() == [-1] * 12
+
+
+def test_loaded_blocks_land_the_same_through_the_host_copy_and_the_device_scatter() -> None:
+    """`write_loaded` copies block by block on the host and scatters per chunk on a device; both
+    put block i of a block-major `[n, L, 2, BS, KVH, D]` load into hot block `ids[i]`, all layers."""
+    config = ModelConfig(
+        vocab_size=4, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=2, num_kv_heads=2,
+        head_dim=4,
+    )  # fmt: skip
+    host, device = (make_cache(config, num_blocks=8, block_size=4) for _ in range(2))
+    kv = torch.randn(3, 3, 2, 4, 2, 4).to(torch.bfloat16)  # [n, L, 2, BS, KVH, D]
+    block_ids = (BlockId(5), BlockId(2), BlockId(6))
+    host.write_loaded([ColdLoad(block_ids, kv)])
+    device._scatter_blocks(block_ids, kv)  # the CUDA branch's scatter, run on the host
+    for cache in (host, device):
+        for position, block_id in enumerate(block_ids):
+            assert torch.equal(cache.hot.keys[:, block_id], kv[position, :, 0].float())
+            assert torch.equal(cache.hot.values[:, block_id], kv[position, :, 1].float())
+        assert not cache.hot.keys[:, [0, 1, 3, 4, 7]].any()
+    keys, values = kv[1, :, 0], kv[1, :, 1]  # a window block's tokens `[L, BS, KVH, D]`
+    host.write_loaded([ColdLoad.of_tokens((BlockId(7),), keys, values)])
+    assert torch.equal(host.hot.keys[:, 7], keys.float())
+    assert torch.equal(host.hot.values[:, 7], values.float())
