@@ -98,15 +98,24 @@ def instrument() -> None:
         (kvstore_api.KVStoreClient, "get_into", "fetch: GetBlocks stream into the buffer"),
         (segment_reader.SegmentReader, "read_run", "fetch: same-host reads + CRC"),
         (cold_tier, "_decode", "decode blocks into tensors"),
-        (cold_tier.ColdTier, "_run", "loader job, all of it"),
         (cold_planner.ColdPlanner, "take_ready", "take outcomes (engine thread)"),
         (cold_planner.ColdPlanner, "attach_prefix", "attach_prefix (engine thread)"),
         (cache.KVCache, "write_loaded", "write_loaded: into the KV cache"),
+        (model_runner.ModelRunner, "prepare", "prepare the step (host metadata)"),
         (model_runner.ModelRunner, "_forward", "forward, write_loaded included"),
+        (LLMEngine, "_run", "engine: run the step, sample"),
+        (LLMEngine, "_commit", "engine: commit the step, emit tokens"),
     ]
     for owner, attribute, name in wraps:
         if hasattr(owner, attribute):
             SPANS.wrap(owner, attribute, name)
+    run_job = cold_tier.ColdTier._run
+
+    def timed_job(tier: cold_tier.ColdTier, job: cold_tier.Job) -> cold_tier.Outcome:
+        with SPANS.span(f"kvstore job {job.operation.value}, all of it"):
+            return run_job(tier, job)
+
+    cold_tier.ColdTier._run = timed_job  # type: ignore[method-assign]
 
 
 def store_side_ms(data_dir: Path, repeats: int = 2) -> dict[str, float]:
@@ -217,8 +226,9 @@ def report(ttft_ms: float, before: EngineStats, after: EngineStats) -> None:
     for name, spans in SPANS.by_name.items():
         first, last = spans[0][0] * 1e3, spans[-1][1] * 1e3
         total = f"{SPANS.total_ms(name):8.1f} ms in {len(spans):4d} calls"
-        first_call = (spans[0][1] - spans[0][0]) * 1e3
-        print(f"  {name:44s} {total}, {first:7.1f} -> {last:7.1f} (first call {first_call:.1f} ms)")
+        calls = ", ".join(f"{b * 1e3:.0f}-{e * 1e3:.0f}" for b, e in spans[:3])
+        more = ", ..." if len(spans) > 3 else ""
+        print(f"  {name:44s} {total}, {first:7.1f} -> {last:7.1f} (calls {calls}{more})")
 
 
 def parse_args() -> argparse.Namespace:
