@@ -166,7 +166,7 @@ def test_health_and_reflection(stories_mesh: Mesh, service: str) -> None:
         "gateway": {"Generate", "ListModels"},
         "engine": {"Generate", "GetStats", "GetModelInfo", "CountTokens"},
         "safety": {"CheckPrompt", "CheckOutput", "GetGate"},
-        "kvstore": {"PutBlocks", "GetBlocks", "Lookup", "Prefetch", "Delete", "GetStats"},
+        "kvstore": {"PutBlocks", "GetBlocks", "Lookup", "Prefetch", "Delete", "GetStats", "LocateBlocks"},
     }[service]
     assert methods == expected
 
