@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from services.engine.attention.backend import prefix_page_bytes
@@ -26,7 +27,13 @@ from services.engine.errors import (
     UnknownRetrievalMode,
 )
 from services.engine.execution.memory_profile import GRAPH_AND_WORKSPACE_RESERVE_BYTES, profile_memory
-from services.engine.execution.model_runner import ModelRunner, PreparedStep, RunnerOptions, StepOutput
+from services.engine.execution.model_runner import (
+    ModelRunner,
+    PreparedStep,
+    RunnerOptions,
+    StepOutput,
+    to_device,
+)
 from services.engine.execution.sampler import FAULT, sample
 from services.engine.execution.tp_workers import CacheShape, RankLost, WorkerGroup
 from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus, InLoopGate, refusal
@@ -617,7 +624,7 @@ class LLMEngine:
         if rows == list(range(len(sampled))):
             ids = token_ids
         else:
-            ids = token_ids[_to_device_index(rows, token_ids.device)]
+            ids = token_ids[to_device(np.asarray(rows, dtype=np.int64), token_ids.device)]
         try:
             output = self.runner.launch(ahead.step, input_ids=ids.clamp(min=0))
         except Exception:  # launched again after the sync, where a failure fails that step alone
@@ -686,7 +693,8 @@ class LLMEngine:
         """`[B]` rows that sample this step (a batch where some rows are still mid-prompt)."""
         # one copy, shared by the logits and the gate; pinned, so that it does not wait for an
         # overlapped step already queued
-        return _to_device_index([i for i, d in enumerate(is_done) if d], self.runner.device)
+        rows = np.asarray([i for i, d in enumerate(is_done) if d], dtype=np.int64)
+        return to_device(rows, self.runner.device)
 
     def _gate_flags(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The gate on every sampling row's final normed state (prompt end and each decode step)."""
@@ -1016,11 +1024,6 @@ class PendingFetch:
         values = self.values.tolist()
         ids, bits, width = values[: self.num_rows], values[self.num_rows :], self.num_categories
         return ids, [bits[r * width : (r + 1) * width] for r in range(self.num_rows)] if width else []
-
-
-def _to_device_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    index = torch.tensor(rows, dtype=torch.int64)
-    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 def _emit(seq: Sequence, event: StreamEvent) -> None:

@@ -257,12 +257,12 @@ class ModelRunner:
             host, self.device, segments, probe, tap, self.attention.max_prefix_blocks
         )
         if device_ids is None:
-            input_ids = _to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
+            input_ids = to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
         else:
             input_ids = device_ids
         hidden = self.model(input_ids, self.kv_cache, self.attention, metadata)  # [T, E]
         if not host.is_decode:  # prefill: each row's last new token
-            hidden = hidden[_to_device(host.last_token_index(), self.device)]
+            hidden = hidden[to_device(host.last_token_index(), self.device)]
         logits = self.model.compute_logits(hidden) if self.model.tp.rank == 0 else hidden
         window = None if tap is None else self._score_cold(plan.score_rows, tap)
         hot_mass, probe_row = (None, 0) if probe is None else (probe.hot_mass, probe.row)
@@ -363,7 +363,8 @@ def _device_copies_done(device: torch.device) -> Callable[[], None] | None:
     return event.synchronize
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; to a GPU through pinned memory, so the copy waits for nothing queued."""
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
