@@ -8,7 +8,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
+from services.common.ports import free_port
 from services.gateway.audit_checkpoint import ensure_key
 from services.gateway.tokens import ensure_dev_keys
 
@@ -28,13 +28,6 @@ SERVICES = ("kvstore", "safety", "engine", "gateway")
 AUDIT_KEY_NAME = "audit.key"  # the audit signing key, in the keys directory
 # The engine's intent classes as deployed (reserved slots, per-class timeouts and tier sizes).
 ENGINE_INTENT_CLASSES = Path(__file__).resolve().parents[2] / "deploy" / "engine" / "intent_classes.toml"
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

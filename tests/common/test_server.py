@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import ServerConfig
+from services.common.ports import free_port
 from services.common.server import RunningServer, ServiceSpec
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_health_is_not_serving_until_on_start_has_finished() -> None:
@@ -27,7 +21,7 @@ def test_health_is_not_serving_until_on_start_has_finished() -> None:
             opened.set()
             await release.wait()
 
-        port = _free_port()
+        port = free_port()
         config = ServerConfig(service="probe", port=port)
         running = RunningServer(ServiceSpec(config=config, register=lambda server: [], on_start=on_start))
         starting = asyncio.create_task(running.start())

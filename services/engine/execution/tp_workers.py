@@ -15,7 +15,6 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
-import socket
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -23,6 +22,7 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.distributed as dist
 
+from services.common.ports import free_port
 from services.engine.execution.model_runner import ModelRunner, RunnerOptions, StepPlan
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.model.config import ModelConfig
@@ -115,9 +115,7 @@ class WorkerGroup:
         """Spawn ranks 1..tp-1 and join the process group as rank 0 (returns once all ranks joined)."""
         check_divisible(config, tp)
         _check_devices(device, tp)
-        spec = WorkerSpec(
-            model_path, device.type, dtype, max_positions, tp, f"tcp://127.0.0.1:{_free_port()}"
-        )
+        spec = WorkerSpec(model_path, device.type, dtype, max_positions, tp, f"tcp://127.0.0.1:{free_port()}")
         context = mp.get_context("spawn")  # CUDA cannot be forked; spawn on the CPU too, one code path
         processes: list[BaseProcess] = []
         pipes: list[Connection] = []
@@ -248,10 +246,3 @@ def _check_devices(device: torch.device, tp: int) -> None:
         raise TensorParallelError(f"tp={tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
     if device.type not in ("cpu", "cuda"):
         raise TensorParallelError(f"tensor parallelism runs on cpu (gloo) or cuda (NCCL), not {device.type}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
