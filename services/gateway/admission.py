@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from services.common.errors import ResourceExhausted
+from services.gateway.metrics import STREAMS_IN_FLIGHT
 from services.gateway.rate_limiter import retry_metadata
 
 
@@ -36,7 +37,9 @@ class StreamSlots:
                 trailing_metadata=retry_metadata(self.pushback_ms),
             )
         self.num_in_flight += 1
+        STREAMS_IN_FLIGHT.inc()
         try:
             yield
         finally:
             self.num_in_flight -= 1
+            STREAMS_IN_FLIGHT.dec()

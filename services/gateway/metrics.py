@@ -14,6 +14,11 @@ AUDIT_UNWRITABLE = Gauge(
     "thermocline_gateway_audit_unwritable_seconds",
     "How long the audit log has been failing to write (0 while writes succeed): alert when above 0.",
 )
+STREAMS_IN_FLIGHT = Gauge(
+    "thermocline_gateway_in_flight_requests",
+    "Generate streams holding one of the gateway's admission slots now; past "
+    "THERMOCLINE_GATEWAY_MAX_CONCURRENT_STREAMS new ones are shed with RESOURCE_EXHAUSTED.",
+)
 
 
 class AuditHealth:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from thermocline.gateway.v1 import gateway_pb2 as pb
 
 MAX_STREAMS = 2
 LONG_TOKENS = 1500  # about 2 s of decoding on a laptop core
-STREAM_TOKENS = 64  # more than one screening window: a stream waits on the safety service to finish
+STREAM_TOKENS = 64  # more than one screening window
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +39,47 @@ def mesh(
     started.stop()
 
 
+def _streams_in_flight(mesh: Mesh) -> float:
+    url = f"http://127.0.0.1:{mesh.config.ports.metrics['gateway']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    line = next(
+        line for line in text.splitlines() if line.startswith("thermocline_gateway_in_flight_requests ")
+    )
+    return float(line.split()[1])
+
+
+def _wait_for_streams_in_flight(mesh: Mesh, count: int, timeout_s: float = 60.0) -> None:
+    """Polls the gateway's gauge until `count` streams hold admission slots."""
+    deadline = time.monotonic() + timeout_s
+    while (now := _streams_in_flight(mesh)) != count:
+        assert time.monotonic() < deadline, f"{now:.0f} streams in flight, expected {count}"
+
+
 def test_streams_beyond_the_cap_are_shed_while_admitted_ones_complete(mesh: Mesh) -> None:
     metadata = call_metadata(token(mesh))
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
-        streams = [
-            stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=STREAM_TOKENS), metadata, 300)
-            for _ in range(MAX_STREAMS)
-        ]
-        firsts = [next(stream) for stream in streams]  # both admitted and streaming
-        # each stream's next window waits on the stopped safety service: both slots stay taken
-        with stopped(mesh.processes["safety"]), pytest.raises(grpc.RpcError) as shed:
-            collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 30))
-        rests = [collect(stream) for stream in streams]
+        # With the safety service stopped, an admitted stream cannot finish (its prompt or its first
+        # window waits on screening), so both slots stay taken however fast or slow the machine is.
+        with stopped(mesh.processes["safety"]):
+            streams = [
+                stream_generate(
+                    channel, build_request(STORIES_PROMPT, max_tokens=STREAM_TOKENS), metadata, 300
+                )
+                for _ in range(MAX_STREAMS)
+            ]
+            _wait_for_streams_in_flight(mesh, MAX_STREAMS)
+            with pytest.raises(grpc.RpcError) as shed:
+                collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 30))
+        results = [collect(stream) for stream in streams]
     assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"limit of {MAX_STREAMS} concurrent streams" in shed.value.details()
     assert dict(shed.value.trailing_metadata() or ())["grpc-retry-pushback-ms"] == "750"
-    for first, rest in zip(firsts, rests, strict=True):
-        assert rest.done is not None and rest.done.finish_reason == pb.FINISH_REASON_LENGTH
-        assert len(first.delta.token_ids) + len(rest.token_ids) == STREAM_TOKENS
-    with grpc.insecure_channel(mesh.target("gateway")) as channel:  # the slots are free again
+    for result in results:
+        assert result.done is not None and result.done.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(result.token_ids) == STREAM_TOKENS
+    _wait_for_streams_in_flight(mesh, 0)  # the slots are free again
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
         again = collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 30))
     assert again.done is not None
 
