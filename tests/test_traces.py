@@ -23,6 +23,7 @@ from services.cli.trace_collector import (
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_PROMPT, STORIES_PROMPT_IDS
 
+GATEWAY_COUNT = ("thermocline-gateway", "/thermocline.engine.v1.EngineService/CountTokens")
 ENGINE_QUEUE = ("thermocline-engine", "engine.queue_wait")
 ENGINE_PREFILL = ("thermocline-engine", "engine.prefill")
 ENGINE_DECODE = ("thermocline-engine", "engine.decode")
@@ -40,12 +41,12 @@ def _traceparent(trace_id: str, is_sampled: bool) -> tuple[str, str]:
     return ("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-{'01' if is_sampled else '00'}")
 
 
-def _generate(mesh: Mesh, traceparent: tuple[str, str] | None = None) -> str:
+def _generate(mesh: Mesh, traceparent: tuple[str, str] | None = None, prompt: str = STORIES_PROMPT) -> str:
     """Runs one request through the gateway; returns the trace id the gateway reports."""
     token = mint_token(mesh.private_key_path.read_bytes(), subject="tracer", tenant="acme")
     metadata = call_metadata(token) + ([traceparent] if traceparent else [])
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
-        request = build_request(STORIES_PROMPT, max_tokens=MAX_TOKENS)
+        request = build_request(prompt, max_tokens=MAX_TOKENS)
         result = collect(stream_generate(channel, request, metadata, timeout_s=120))
     assert result.done is not None
     return result.done.trace_id
@@ -117,3 +118,13 @@ def test_the_callers_sampled_flag_is_honoured(stories_mesh: Mesh, collector: Tra
     spans = collector.wait_for_spans(sampled_id, FULL_PATH, timeout_s=30)
     assert _one(spans, GATEWAY_GENERATE).parent_span_id != ""  # continues the caller's span
     assert collector.spans(unsampled_id) == []
+
+
+def test_the_prompt_screen_runs_beside_the_rest_of_admission(
+    stories_mesh: Mesh, collector: TraceCollector
+) -> None:
+    # a prompt the gateway has not counted before, so its count is a round trip to the engine
+    trace_id = _generate(stories_mesh, prompt=f"{STORIES_PROMPT} {secrets.token_hex(4)}")
+    spans = collector.wait_for_spans(trace_id, FULL_PATH | {GATEWAY_COUNT}, timeout_s=30)
+    count, screen = _one(spans, GATEWAY_COUNT), _one(spans, GATEWAY_TO_SAFETY)
+    assert screen.start_ns < count.end_ns, "the prompt screen waited for the token count"

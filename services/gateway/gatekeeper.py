@@ -10,7 +10,9 @@ Authentication and the rate limit come before any other work, so every later ref
 the caller budget; sizes are checked before any field reaches a message or the tokenizer; RBAC
 comes before NOT_FOUND, so a caller without a role learns nothing about which models are served.
 The first refusal ends the call with its status; allow or deny, the decision is in the audit log
-(fsynced) before the caller hears of it.
+(fsynced) before the caller hears of it. Once a Generate call is authorized and valid, the
+servicer's `on_prompt_ready` starts the prompt's safety screen, which then runs beside the token
+count, the token budget and the audit write instead of after them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ from thermocline.gateway.v1 import gateway_pb2 as pb
 log = logging.getLogger(__name__)
 
 ModelResolver = Callable[[str], Awaitable[str]]
+# Called once a Generate call is authenticated, authorized and validated, with the prompt text:
+# the servicer starts the prompt's safety screen there, so that it runs beside the remaining
+# checks (the engine's token count, the token budget and bucket, the audit write).
+PromptReady = Callable[[str, "Principal", "TenantLimits"], None]
 ModelLister = Callable[[], Awaitable[list[str]]]
 DEFAULT_MAX_TOKENS = 256  # what the engine uses for max_tokens 0; the gateway sends it explicitly
 _MAX_REQUEST_ID_CHARS = 128
@@ -158,11 +164,18 @@ class Gatekeeper:
         return replace(principal, roles=self.policy.roles_of(principal.claims))
 
     async def admit_generate(
-        self, request: pb.GenerateRequest, metadata: CallMetadata, resolve: ModelResolver
+        self,
+        request: pb.GenerateRequest,
+        metadata: CallMetadata,
+        resolve: ModelResolver,
+        on_prompt_ready: PromptReady | None = None,
     ) -> Admission:
-        """Every check for one Generate call; the decision is durable when this returns or raises."""
+        """Every check for one Generate call; the decision is durable when this returns or raises.
+        `on_prompt_ready` runs once the call is authorized and its fields valid, before the token
+        count: a refusal after it (budget, token rate) may follow a screen already started."""
         facts = _Facts("invoke", "model:?", request_id_of(metadata))
-        admission = await self._audited(facts, self._check_generate(request, metadata, resolve, facts))
+        checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
+        admission = await self._audited(facts, checks)
         await self.audit.record(facts.event(ALLOW, "all checks passed"))
         return admission
 
@@ -179,7 +192,12 @@ class Gatekeeper:
             raise
 
     async def _check_generate(
-        self, request: pb.GenerateRequest, metadata: CallMetadata, resolve: ModelResolver, facts: _Facts
+        self,
+        request: pb.GenerateRequest,
+        metadata: CallMetadata,
+        resolve: ModelResolver,
+        facts: _Facts,
+        on_prompt_ready: PromptReady | None,
     ) -> Admission:
         check_prompt_size(request, self.bounds)
         principal, limits = await self._identify(metadata, facts)
@@ -195,6 +213,8 @@ class Gatekeeper:
         priority_class = self.intents.priority_class(intent, limits.intent_classes)
         facts.details |= {"intent": intent, "priority_class": priority_class}
         check_sampling(request.sampling)
+        if on_prompt_ready is not None:
+            on_prompt_ready(text, principal, limits)
         max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
         prompt_tokens = await self._take_prompt(request, model, principal.tenant, limits, max_tokens, facts)
         return Admission(

@@ -12,6 +12,7 @@ from services.common import telemetry
 from services.common.errors import NotFound, Unavailable
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import ALLOW, DENY, AuditEvent, prompt_sha256
+from services.gateway.auth import Principal
 from services.gateway.call_metadata import CallMetadata
 from services.gateway.config import GatewayConfig, ReleasePolicy
 from services.gateway.gatekeeper import Admission, Gatekeeper
@@ -25,6 +26,7 @@ from services.gateway.output_screen import (
 )
 from services.gateway.relay import relay
 from services.gateway.router import affinity_key
+from services.gateway.tenants import TenantLimits
 from services.gateway.upstream import Upstreams, tenant_policy_pb
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -90,15 +92,29 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         resolve = lambda name: self._resolve_model(name, context.time_remaining())  # noqa: E731
         metadata = CallMetadata.of(context)
-        admission = await self.gatekeeper.admit_generate(request, metadata, resolve)
+        screens: list[asyncio.Future[safety_pb2.CheckResponse]] = []
+
+        def screen_prompt(text: str, principal: Principal, limits: TenantLimits) -> None:
+            # The prompt's screen starts as soon as the call is authorized and valid, and runs
+            # beside the rest of admission (token count, budget, audit write).
+            timeout_s = self._safety_timeout_s(context.time_remaining())
+            policy = tenant_policy_pb(limits.safety)
+            screens.append(
+                asyncio.ensure_future(self.upstreams.check_prompt(text, principal.tenant, policy, timeout_s))
+            )
+
+        try:
+            admission = await self.gatekeeper.admit_generate(request, metadata, resolve, screen_prompt)
+        except BaseException:
+            for screen in screens:
+                _discard(screen)
+            raise
+        (check,) = screens
         text = admission.prompt_text
         settings = self._settings(text, admission, context.time_remaining())
         self._annotate_span(request, admission)
         tenant = admission.principal.tenant
         audit = lambda layer, verdict: self._record_verdict(admission, layer, verdict)  # noqa: E731
-        check = asyncio.ensure_future(
-            self.upstreams.check_prompt(text, tenant, settings.safety_policy, settings.safety_timeout_s)
-        )
         # trailing: the engine starts on the prompt while safety screens it (see _behind_prompt_check)
         is_overlapped = settings.screening.release is ReleasePolicy.TRAILING
         if not is_overlapped and (blocked := await self._screen_prompt(check, admission, settings, audit)):
@@ -247,10 +263,14 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             raise NotFound(f"model {requested!r} is not served here; available: {info.model}")
         return info.model
 
+    def _safety_timeout_s(self, deadline_s: float | None) -> float:
+        """The safety service's timeout for a call with `deadline_s` left."""
+        if deadline_s is None:
+            return self.config.safety_timeout_s
+        return min(self.config.safety_timeout_s, deadline_s)
+
     def _settings(self, text: str, admission: Admission, deadline_s: float | None) -> RelaySettings:
-        safety_timeout_s = self.config.safety_timeout_s
-        if deadline_s is not None:
-            safety_timeout_s = min(safety_timeout_s, deadline_s)
+        safety_timeout_s = self._safety_timeout_s(deadline_s)
         return RelaySettings(
             prompt_text=text,
             tenant=admission.principal.tenant,
@@ -272,3 +292,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         span.set_attribute("thermocline.tenant", admission.principal.tenant)
         span.set_attribute("thermocline.intent", admission.intent)
         span.set_attribute("thermocline.priority_class", admission.priority_class)
+
+
+def _discard(screen: asyncio.Future[Any]) -> None:
+    """Cancels the prompt screen of a call that admission refused; a screen that already failed has
+    its error read, so that asyncio does not log it as never retrieved."""
+    if not screen.done():
+        screen.cancel()
+    elif not screen.cancelled():
+        screen.exception()
