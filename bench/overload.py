@@ -129,6 +129,12 @@ def read_knee(args: argparse.Namespace, sweep_dir: Path) -> Knee:
         document = json.loads(args.knee_from.read_text())
         source = str(args.knee_from.relative_to(REPO))
     knees = [k for k in document["knees"].values() if k is not None]
+    highest = max(level["load"] for level in document["levels"])
+    if knees and min(knees) == highest:  # every class passed every level: the knee lies above
+        raise SystemExit(
+            f"the sweep found no level past the knee (every class met its SLA up to {highest:g} req/s): "
+            "the knee is above it, so twice it would be a guess; sweep higher levels"
+        )
     if knees:
         rate = min(knees)
     else:
