@@ -135,8 +135,13 @@ def read_knee(args: argparse.Namespace, sweep_dir: Path) -> Knee:
             f"the sweep found no level past the knee (every class met its SLA up to {highest:g} req/s): "
             "the knee is above it, so twice it would be a guess; sweep higher levels"
         )
+    missing = sorted(name for name, knee in document["knees"].items() if knee is None)
     if knees:
         rate = min(knees)
+        if missing:  # such a class failed even the lowest level: its knee lies below the sweep
+            lowest = min(level["load"] for level in document["levels"])
+            below = f"its knee is below {lowest:g} req/s"
+            source += f"; {', '.join(missing)} met its SLA at no level swept ({below})"
     else:
         rate = min(level["load"] for level in document["levels"])
         source += f", which found no level inside the SLA: its lowest level, {rate:g} req/s, stands in"
