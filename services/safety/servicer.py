@@ -42,7 +42,6 @@ GATE_INFO = Gauge(
     "1 for the gate this service serves and screens with.",
     ["version", "sha256"],
 )
-HEAP_TRIM_INTERVAL_S = 1.0  # the most often freed heap memory is handed back (services/common/heap.py)
 # Texts longer than this are refused rather than screened slowly; the gateway never sends more.
 MAX_TEXT_CHARS = 1_000_000
 
@@ -97,11 +96,12 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         return self._to_pb(verdict, policy)
 
     def _trim_now_and_then(self) -> None:
-        """Queues a heap trim behind this check, at most once every HEAP_TRIM_INTERVAL_S: the reply
+        """Queues a heap trim behind this check, at most once every `heap_trim_interval_s`: the reply
         does not wait for it, and memory handed back is faulted in again by the next check (about
         2 ms on a short one), so trimming after every check would tax every check."""
+        interval_s = self.config.heap_trim_interval_s
         now = time.monotonic()
-        if now - self._last_trim_s >= HEAP_TRIM_INTERVAL_S:
+        if interval_s >= 0 and now - self._last_trim_s >= interval_s:
             self._last_trim_s = now
             self._checker.submit(trim_heap)
 
