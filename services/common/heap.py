@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 from collections.abc import Callable
-
-log = logging.getLogger(__name__)
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -32,11 +29,6 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 
 
 _malloc_trim = _load_malloc_trim()
-
-
-def can_trim_heap() -> bool:
-    """Whether this process's C library can hand free heap memory back."""
-    return _malloc_trim is not None
 
 
 def trim_heap() -> None:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -229,3 +230,10 @@ def stopped(process: subprocess.Popen[bytes]) -> Iterator[None]:
         yield
     finally:
         process.send_signal(signal.SIGCONT)
+
+
+def gauge_value(metrics_port: int, name: str) -> float:
+    """An unlabelled gauge's value on a process's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from services.cli.client import build_request, call_metadata, collect, stream_ge
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
 from tests.conftest import STORIES_PROMPT, start_mesh
-from tests.gateway.conftest import refusal, stopped, token
+from tests.gateway.conftest import gauge_value, refusal, stopped, token
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
@@ -40,13 +39,7 @@ def mesh(
 
 
 def _streams_in_flight(mesh: Mesh) -> float:
-    url = f"http://127.0.0.1:{mesh.config.ports.metrics['gateway']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    line = next(
-        line for line in text.splitlines() if line.startswith("thermocline_gateway_in_flight_requests ")
-    )
-    return float(line.split()[1])
+    return gauge_value(mesh.config.ports.metrics["gateway"], "thermocline_gateway_in_flight_requests")
 
 
 def _wait_for_streams_in_flight(mesh: Mesh, count: int, timeout_s: float = 60.0) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from services.cli.mesh import Mesh, free_port
 from services.cli.trace_collector import TraceCollector
 from tests.conftest import start_mesh
-from tests.gateway.conftest import call, fill, refusal, token
+from tests.gateway.conftest import call, fill, gauge_value, refusal, token
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +27,7 @@ def mesh(
 
 
 def _unwritable_s(metrics_port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    name = "thermocline_gateway_audit_unwritable_seconds "
-    line = next(line for line in text.splitlines() if line.startswith(name))
-    return float(line.split()[1])
+    return gauge_value(metrics_port, "thermocline_gateway_audit_unwritable_seconds")
 
 
 def _calls_until_refused(target: str, bearer: str) -> int:
