@@ -13,6 +13,7 @@ pool of threads reads several records at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 from services.common.kv_record import FIXED, RecordError, parse_header
 from services.common.kvstore_api import BlockLocation, Codec
+
+logger = logging.getLogger(__name__)
 
 BLOCKS_PER_TASK = 8  # records one pool task reads: fewer tasks than blocks, still spread over threads
 
@@ -97,10 +100,15 @@ class SegmentReader:
                 self._pool.submit(self._read_some, files, locations, payloads, expected, start)
                 for start in starts
             ]
-            failed = [
-                bad for bad in (t.result() for t in tasks) if bad is not None
-            ]  # all done: files close after
-            return min(failed, default=len(locations))
+            failures = [failure for failure in (t.result() for t in tasks) if failure is not None]
+            if not failures:  # all done: files close after
+                return len(locations)
+            index, error = min(failures)
+            logger.warning(
+                "same-host read of block %d of %d failed (the rest goes by the store's stream): %s",
+                index, len(locations), error,
+            )  # fmt: skip
+            return index
         finally:
             files.close()
 
@@ -111,13 +119,13 @@ class SegmentReader:
         payloads: Sequence[memoryview],
         expected: ExpectedRecord,
         start: int,
-    ) -> int | None:
-        """Read up to BLOCKS_PER_TASK records from `start`; the index of the first that failed, or None."""
+    ) -> tuple[int, str] | None:
+        """Read up to BLOCKS_PER_TASK records from `start`; the first that failed and why, or None."""
         for index in range(start, min(start + BLOCKS_PER_TASK, len(locations))):
             try:
                 read_record_into(files, locations[index], expected, payloads[index])
-            except (RecordError, OSError, ValueError):
-                return index
+            except (RecordError, OSError, ValueError) as error:
+                return index, f"{type(error).__name__}: {error}"
         return None
 
     def close(self) -> None:
