@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from services.engine.attention.backend import prefix_page_bytes
+from services.engine.attention.probe import probe_layer
 from services.engine.errors import (
     EmptyPrompt,
     EngineStopped,
@@ -708,7 +709,7 @@ class LLMEngine:
         self._num_decode_steps += 1
         if self._num_decode_steps % PROBE_EVERY_DECODE_STEPS:
             return None
-        return self.config.num_layers - 1
+        return probe_layer(self.config.num_layers)
 
     def _record_attention(self, batch: ScheduledBatch) -> None:
         cache = self.runner.kv_cache

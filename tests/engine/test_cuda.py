@@ -12,8 +12,9 @@ import torch
 from services.engine.kv.tiers import KVCacheSpec
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.sampling_params import SamplingParams
+from services.engine.serving.generation_result import ResultCollector
 from tests.conftest import STORIES_GOLDEN_IDS, STORIES_PROMPT_IDS
-from tests.engine.mixed_workload import mixed_run
+from tests.engine.mixed_workload import MIXED_KV, mixed_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -98,3 +99,33 @@ def test_graphs_on_equal_graphs_off_and_the_cpu_under_joins_preemption_and_tiers
     assert graphs.overlapped > 100 and eager.overlapped == 0
     assert eager.outputs == cpu.outputs
     assert graphs.outputs == cpu.outputs
+
+
+def probed_masses(path: Path, graphs: bool) -> tuple[list[float], int, int]:
+    """(hot mass of each probe, decode steps, decode steps a graph replayed) of two 150-token decodes."""
+    engine = LLMEngine.load(
+        path, device="cuda", dtype="float32", max_batch_size=2, max_seq_len=512, kv=MIXED_KV,
+        cuda_graphs=graphs, progress=False,
+    )  # fmt: skip
+    prompts = [list(range(3, 203)), list(range(7, 127))]
+    collectors = [ResultCollector(p) for p in prompts]
+    for prompt, collector in zip(prompts, collectors, strict=True):
+        engine.submit(prompt, SamplingParams(max_new_tokens=150, ignore_eos=True), collector)
+    masses = []
+    while not all(c.done.is_set() for c in collectors):
+        probes = engine.runner._num_probes
+        engine.step()
+        if engine.runner._num_probes > probes:
+            masses.append(engine._hot_attention_mass)
+    replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
+    decode_steps = engine._num_decode_steps  # counted as each decode step is prepared (tiers on)
+    engine.stop()
+    return masses, decode_steps, replays
+
+
+def test_a_probed_step_replays_its_graph_and_measures_what_the_eager_step_does(stories_hf_dir: Path) -> None:
+    eager, _, no_replays = probed_masses(stories_hf_dir, graphs=False)
+    replayed, decode_steps, replays = probed_masses(stories_hf_dir, graphs=True)
+    assert len(eager) >= 2 and no_replays == 0
+    assert replays == decode_steps  # probed steps replay too
+    assert replayed == pytest.approx(eager, abs=1e-4)

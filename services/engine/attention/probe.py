@@ -12,6 +12,11 @@ from services.engine.attention.reference import dense_context
 from services.engine.kv.cache import KVCache
 
 
+def probe_layer(num_layers: int) -> int:
+    """The layer the probe measures: the last (the engine samples it, captured graphs keep its queries)."""
+    return num_layers - 1
+
+
 @dataclass(frozen=True)
 class AttentionProbe:
     """Where one layer writes one row's share of attention mass on hot positions (decode steps).

@@ -1,19 +1,25 @@
 """CUDA graphs for decode: one captured forward (and LM head) per batch size, replayed with new metadata.
 
 A decode step of B rows replays the graph of the smallest captured size >= B, padding the rest with
-empty rows (no context; their K/V go to the scratch slot). Prefill, and decode steps that sample the
-attention probe, stay eager. The graphs share one memory pool, captured largest first.
+empty rows (no context; their K/V go to the scratch slot). Prefill, and decode steps that score cold
+blocks, stay eager. The graphs share one memory pool, captured largest first.
+
+With a warm tier, every replay also leaves the probe layer's queries in a static buffer (one small
+copy per step), so a step that samples the attention probe replays too and the probe reads them
+afterwards (`ModelRunner`): an eager 8B step costs several times a replayed one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from services.engine.attention.backend import AttentionBackend
-from services.engine.attention.metadata import HostMetadata, StaticMetadata
+from services.engine.attention.metadata import HostMetadata, QueryTap, StaticMetadata
+from services.engine.attention.probe import AttentionProbe
 from services.engine.kv.cache import KVCache
 from services.engine.model.llama import LlamaModel
 
@@ -38,7 +44,9 @@ class DecodeGraphs:
         max_rows: int,
         max_seq_len: int,
         compute_logits: bool,
+        probe_layer: int | None = None,
     ) -> None:
+        """`probe_layer`: the layer whose queries each replay keeps for the attention probe (None: none)."""
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
@@ -52,6 +60,13 @@ class DecodeGraphs:
         self._staging_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=True)
         self._staged: torch.cuda.Event | None = None  # recorded after each copy out of _staging_ids
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
+        self.probe_layer = probe_layer
+        config = model.rank_config
+        self.probe_queries = (  # [max_rows, H, D] fp32: the probe layer's queries of the last replay
+            None
+            if probe_layer is None
+            else torch.zeros(self.sizes[-1], config.num_heads, config.head_dim, device=device)
+        )
         self.num_replays = 0  # decode steps served by a graph (tests and stats read it)
 
     def capture(self) -> None:
@@ -59,6 +74,9 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.sizes):
             metadata = self.static.view(size, self.attention.num_segments(size, self.max_seq_len))
+            if self.probe_queries is not None:
+                tap = QueryTap(self.probe_layer, self.probe_queries[:size])  # type: ignore[arg-type]
+                metadata = dataclasses.replace(metadata, query_tap=tap)
             self._run(size, metadata)  # warm-up: compiles the kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -66,6 +84,10 @@ class DecodeGraphs:
                 output = self._run(size, metadata)
             pool = graph.pool()
             self.graphs[size] = (graph, output)
+        if self.probe_queries is not None:  # the probe's first run loads its kernels (~150 ms on an
+            # H200): at load, not in the first sampled step of some request (on an empty row here)
+            probe = AttentionProbe.build(self.probe_layer, self.input_ids.device)  # type: ignore[arg-type]
+            probe.record(self.kv_cache, self.probe_queries[:1], self.static.view(1, 1))
         torch.cuda.synchronize()
 
     def can_replay(self, host: HostMetadata) -> bool:

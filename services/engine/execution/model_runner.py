@@ -13,7 +13,7 @@ import torch
 
 from services.engine.attention.backend import AttentionBackend
 from services.engine.attention.metadata import AttentionMetadata, HostMetadata, QueryTap, RowInput
-from services.engine.attention.probe import AttentionProbe
+from services.engine.attention.probe import AttentionProbe, probe_layer
 from services.engine.attention.reference import ReferenceBackend
 from services.engine.execution.cuda_graphs import DecodeGraphs
 from services.engine.kv.block_table import BlockTable, WarmGroups
@@ -137,6 +137,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, kv_cache, self.attention, options.max_decode_rows,
                 options.max_seq_len or model.rotary.max_positions, compute_logits=model.tp.rank == 0,
+                probe_layer=probe_layer(model.rank_config.num_layers) if kv_cache.warm is not None else None,
             )  # fmt: skip
 
     def capture_graphs(self) -> None:
@@ -243,14 +244,23 @@ class ModelRunner:
         self._store_cold(plan.cold_moves.stores)
         self.kv_cache.copy_to_warm(plan.warm_copies)
         self.kv_cache.write_loaded(plan.cold_moves.loads)
-        is_eager = plan.probe_layer is not None or bool(plan.score_rows)
-        if self.graphs is not None and not is_eager and self.graphs.can_replay(host):  # decode
-            hidden, logits = self.graphs.replay(plan.input_ids if device_ids is None else device_ids, host)
-            return StepOutput(logits if logits is not None else hidden, hidden)
-        probe = None
-        if plan.probe_layer is not None:
-            self._num_probes += 1  # rotate the measured row through the batch
-            probe = AttentionProbe.build(plan.probe_layer, self.device, row=self._num_probes)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and not plan.score_rows
+            and plan.probe_layer in (None, graphs.probe_layer)
+            and graphs.can_replay(host)
+        ):  # decode
+            hidden, logits = graphs.replay(plan.input_ids if device_ids is None else device_ids, host)
+            output = StepOutput(logits if logits is not None else hidden, hidden)
+            if plan.probe_layer is None:
+                return output
+            assert graphs.probe_queries is not None
+            sampled = self._next_probe(plan.probe_layer)  # over the replay's queries, in stream order
+            queries = graphs.probe_queries[: host.num_rows]
+            sampled.record(self.kv_cache, queries, AttentionMetadata.to_device(host, self.device))
+            return output._replace(hot_mass=sampled.hot_mass, probe_row=sampled.row)
+        probe = None if plan.probe_layer is None else self._next_probe(plan.probe_layer)
         tap = self._query_tap(host.num_rows) if plan.score_rows and host.is_decode else None
         segments = self.attention.num_segments(host.num_rows, host.max_seq_len) if host.is_decode else 1
         metadata = AttentionMetadata.to_device(
@@ -267,6 +277,11 @@ class ModelRunner:
         window = None if tap is None else self._score_cold(plan.score_rows, tap)
         hot_mass, probe_row = (None, 0) if probe is None else (probe.hot_mass, probe.row)
         return StepOutput(logits, hidden, hot_mass, window, probe_row)
+
+    def _next_probe(self, layer: int) -> AttentionProbe:
+        """A probe of `layer`; each one measures the next row of the batch (rotating through it)."""
+        self._num_probes += 1
+        return AttentionProbe.build(layer, self.device, row=self._num_probes)
 
     def _query_tap(self, num_rows: int) -> QueryTap:
         assert self.cold_summaries is not None
