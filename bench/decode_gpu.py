@@ -140,12 +140,28 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
         engine.step()
     torch.cuda.synchronize()
     start_tokens, started = engine.stats().num_generated_tokens_total, time.perf_counter()
+    step_ms = []
     while not all(c.done.is_set() for c in collectors):
+        before = time.perf_counter()
         engine.step()
+        step_ms.append((time.perf_counter() - before) * 1e3)
     elapsed_s = time.perf_counter() - started
+    print(f"batch {batch}, prompt {prompt_len}: {step_summary(step_ms)}", flush=True)
     ttft = statistics.median(c.result().ttft_ms for c in collectors)
     tokens = engine.stats().num_generated_tokens_total - start_tokens
     return tokens / elapsed_s, ttft, torch.cuda.max_memory_allocated() / 2**30
+
+
+def step_summary(step_ms: list[float]) -> str:
+    """The spread of one run's decode steps (host wall time of each `engine.step`), and its slowest."""
+    ordered = sorted(step_ms)
+    slowest = sorted(range(len(step_ms)), key=step_ms.__getitem__)[-5:]
+    return (
+        f"{len(step_ms)} steps, p50 {statistics.median(step_ms):.2f} ms, "
+        f"p90 {ordered[int(0.9 * (len(ordered) - 1))]:.2f}, max {ordered[-1]:.2f}, "
+        f"sum over p50 {sum(step_ms) - statistics.median(step_ms) * len(step_ms):.1f} ms; slowest (step: ms) "
+        + ", ".join(f"{i}: {step_ms[i]:.1f}" for i in reversed(slowest))
+    )
 
 
 def hf_decode(model: torch.nn.Module, vocab: int, batch: int, prompt_len: int, new_tokens: int) -> tuple:
