@@ -121,6 +121,9 @@ class Compactor:
     def _is_candidate(self, segment_id: int, live_bytes: int) -> bool:
         if segment_id >= self.store.writer.segment_id:
             return False  # the active segment (and any opened during this pass)
+        floor = self.store.oldest_write_floor
+        if floor is not None and segment_id >= floor:
+            return False  # a put in flight may have records here with no index entry yet
         size = segment_path(self.store.config.segments_dir, segment_id).stat().st_size
         return live_bytes < self.store.config.compact_live_ratio * size
 

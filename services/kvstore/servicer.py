@@ -184,17 +184,18 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
         assembler = BlockAssembler(self.config.store.max_block_bytes)
         pending: list[PendingWrite] = []
         duplicates: list[str] = []
-        async for request in request_iterator:
-            block = assembler.feed(request)
-            if block is not None:
-                assert assembler.namespace is not None
-                write = await store.append(assembler.namespace, block)
-                if write is None:
-                    duplicates.append(block.block_hash)
-                else:
-                    pending.append(write)
-        assembler.finish()
-        result = await store.commit(pending)
+        with store.writing():  # the compactor leaves this put's segments until it has committed
+            async for request in request_iterator:
+                block = assembler.feed(request)
+                if block is not None:
+                    assert assembler.namespace is not None
+                    write = await store.append(assembler.namespace, block)
+                    if write is None:
+                        duplicates.append(block.block_hash)
+                    else:
+                        pending.append(write)
+            assembler.finish()
+            result = await store.commit(pending)
         _annotate(len(pending) + len(duplicates))
         metrics.OPERATION_DURATION.labels("put").observe(time.perf_counter() - started)
         return pb.PutBlocksResponse(

@@ -19,7 +19,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
@@ -95,6 +95,8 @@ class BlockStore:
         self._touches: set[asyncio.Task[None]] = set()  # LRU updates of located blocks, in flight
         # set by the compactor: eviction after each commit
         self.on_commit: Callable[[], Awaitable[object]] | None = None
+        # puts in flight, by the active segment when each began (see `writing`)
+        self._write_floors: Counter[int] = Counter()
 
     @classmethod
     async def open(cls, config: StoreConfig) -> BlockStore:
@@ -181,8 +183,32 @@ class BlockStore:
 
     # --- writes -------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold this around a put, from its first `append` to its `commit` (or its failure).
+
+        A put's records get their index entries only at the commit, after its last block, so until
+        then they look dead to the compactor, and a long put's first records lie in segments that
+        rotation has sealed meanwhile. The compactor leaves every segment from the one active when
+        the put began (`oldest_write_floor`) until it ends.
+        """
+        floor = self.writer.segment_id
+        self._write_floors[floor] += 1
+        try:
+            yield
+        finally:
+            self._write_floors[floor] -= 1
+            if not self._write_floors[floor]:
+                del self._write_floors[floor]
+
+    @property
+    def oldest_write_floor(self) -> int | None:
+        """The oldest segment a put in flight may have written to; None when none is in flight."""
+        return min(self._write_floors, default=None)
+
     async def append(self, namespace: Namespace, block: BlockIn) -> PendingWrite | None:
-        """Writes one block's record; None when the block is stored already (nothing is written)."""
+        """Writes one block's record; None when the block is stored already (nothing is written).
+        Call it inside `writing`, and `commit` what it returns there."""
         check_block(block, self.config.max_block_bytes)
         key = self.key(namespace, block.block_hash)
         (existing,) = await self.guarded(lambda: self.index.get_many([key]))
@@ -235,13 +261,14 @@ class BlockStore:
         """Stores blocks; returns once the stored ones are durable."""
         pending: list[PendingWrite] = []
         duplicates: list[BlockHash] = []
-        for block in blocks:
-            write = await self.append(namespace, block)
-            if write is None:
-                duplicates.append(block.block_hash)
-            else:
-                pending.append(write)
-        result = await self.commit(pending)
+        with self.writing():
+            for block in blocks:
+                write = await self.append(namespace, block)
+                if write is None:
+                    duplicates.append(block.block_hash)
+                else:
+                    pending.append(write)
+            result = await self.commit(pending)
         return PutResult(result.stored, duplicates + result.duplicates)
 
     async def delete(self, namespace: Namespace, block_hashes: list[str]) -> int:

@@ -99,6 +99,30 @@ def test_compaction_reclaims_dead_space_and_keeps_every_live_block(
     run(tmp_path, redis_server, scenario, max_segment_bytes=8192)
 
 
+def test_compaction_during_a_long_put_leaves_its_unindexed_records_alone(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A put's records get their index entries only at its commit, after the last block: until then
+    they look dead to the compactor, in segments that rotation has already sealed."""
+
+    async def scenario(store: BlockStore, compactor: Compactor) -> None:
+        blocks = [raw_block(f"block-{n}") for n in range(12)]  # two records fill an 8 KiB segment
+        with store.writing():
+            pending = [await store.append(NAMESPACE, block) for block in blocks]
+            assert store.writer.segment_id >= 5  # sealed segments hold the put's records
+            result = await compactor.compact()  # the maintenance pass runs mid-put
+            stored = await store.commit([w for w in pending if w is not None])
+        assert result.num_segments == 0
+        assert sorted(stored.stored) == sorted(b.block_hash for b in blocks)
+        hashes = [b.block_hash for b in blocks]
+        assert await read_all(store, hashes) == {b.block_hash: b.payload for b in blocks}
+        # once the put has committed, its segments are ordinary ones again
+        assert await store.delete(NAMESPACE, hashes[:10]) == 10
+        assert (await compactor.compact()).num_segments >= 4
+
+    run(tmp_path, redis_server, scenario, max_segment_bytes=8192)
+
+
 def test_blocks_idle_past_the_ttl_expire(tmp_path: Path, redis_server: RedisServer) -> None:
     async def scenario(store: BlockStore, compactor: Compactor) -> None:
         blocks = [raw_block(f"block-{n}") for n in range(4)]
