@@ -39,6 +39,7 @@ class Compactor:
         store.on_commit = self.evict_to_capacity
         self._evict_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         """Runs expiry and compaction every maintenance interval until `stop`."""
@@ -46,17 +47,23 @@ class Compactor:
 
     async def stop(self) -> None:
         """Stops the background pass (a pass in flight is cancelled between records)."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
-        while True:
+        # The flag, not only the cancel, ends the loop: a cancel that lands inside a Redis call can
+        # come out as a connection error (UNAVAILABLE here), which the loop survives by design; the
+        # process then hung on SIGTERM, its drain waiting for this task.
+        while not self._stopping:
             await asyncio.sleep(self.store.config.maintenance_interval_s)
             try:
                 await self.expire_idle()
                 await self.compact()
             except Exception:  # the loop outlives one failed pass; the next interval tries again
+                if self._stopping:
+                    return
                 log.exception("maintenance pass failed")
                 metrics.ERRORS.labels("compact").inc()
 

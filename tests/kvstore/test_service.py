@@ -43,6 +43,26 @@ def test_get_replies_stay_under_the_chunk_size(tmp_path, redis_server: RedisServ
         process.stop()
 
 
+def test_a_long_put_survives_maintenance_passes_while_it_streams(tmp_path, redis_server: RedisServer) -> None:
+    """Segments of 16 KiB (two records each) sealed under a 300-record put, and a maintenance pass
+    every 50 ms: no pass may take the put's records, indexed only at its commit, for dead."""
+    settings = {
+        "THERMOCLINE_KVSTORE_SEGMENT_MB": str(16 / 1024),
+        "THERMOCLINE_KVSTORE_MAINTENANCE_S": "0.05",
+    }
+    process = KVStoreProcess(tmp_path / "kv", redis_server.url, settings).start()
+    try:
+        blocks = [raw_block(f"long-put-{n}") for n in range(300)]
+        with process.client() as client:
+            assert client.put(blocks).stored == [b.block_hash for b in blocks]
+            fetched = client.get([b.block_hash for b in blocks])
+        missing = [b.block_hash for b in blocks if not isinstance(fetched[b.block_hash], FetchedBlock)]
+        assert not missing, f"{len(missing)} acknowledged blocks lost"
+        assert all(fetched[b.block_hash].payload == b.payload for b in blocks)  # type: ignore[union-attr]
+    finally:
+        process.stop()
+
+
 def test_one_tenant_never_reads_another_tenants_blocks(shared_kvstore: KVStoreProcess) -> None:
     blocks = [raw_block(name) for name in NAMES]
     hashes = [b.block_hash for b in blocks]
