@@ -92,6 +92,7 @@ class BlockStore:
         self.relocation_lock = asyncio.Lock()  # a compactor's copy and a delete's tombstone keep their order
         self._prefetch_queue: asyncio.Queue[tuple[StoreKey, IndexEntry]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False  # set by `close`: the workers end even where a cancel was swallowed
         self._touches: set[asyncio.Task[None]] = set()  # LRU updates of located blocks, in flight
         # set by the compactor: eviction after each commit
         self.on_commit: Callable[[], Awaitable[object]] | None = None
@@ -122,6 +123,7 @@ class BlockStore:
 
     async def close(self) -> None:
         """Stops the workers, then fsyncs and closes the active segment."""
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -459,14 +461,18 @@ class BlockStore:
         return PrefetchResult(queued, already)
 
     async def _prefetch_worker(self) -> None:
-        while True:
+        # `_closing`, not only the cancel, ends the loop: a cancel landing in a Redis call can come
+        # out as a connection error, which the worker would survive and `close` then wait on forever
+        while not self._closing:
             key, entry = await self._prefetch_queue.get()
             try:
                 outcome = await self.read(key, entry)
                 self.staging.end_load(key, outcome if isinstance(outcome, Record) else None)
             except Exception:  # a worker outlives any one failed load
-                log.exception("prefetch of %s… failed", key.hex()[:12])
                 self.staging.end_load(key, None)
+                if self._closing:
+                    return
+                log.exception("prefetch of %s… failed", key.hex()[:12])
 
     # --- stats --------------------------------------------------------------------------------
 
