@@ -155,12 +155,13 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
 def step_summary(step_ms: list[float]) -> str:
     """The spread of one run's decode steps (host wall time of each `engine.step`), and its slowest."""
     ordered = sorted(step_ms)
-    slowest = sorted(range(len(step_ms)), key=step_ms.__getitem__)[-5:]
+    median = statistics.median(ordered)
+    slowest = sorted(range(len(step_ms)), key=step_ms.__getitem__, reverse=True)[:5]
     return (
-        f"{len(step_ms)} steps, p50 {statistics.median(step_ms):.2f} ms, "
+        f"{len(step_ms)} steps, p50 {median:.2f} ms, "
         f"p90 {ordered[int(0.9 * (len(ordered) - 1))]:.2f}, max {ordered[-1]:.2f}, "
-        f"sum over p50 {sum(step_ms) - statistics.median(step_ms) * len(step_ms):.1f} ms; slowest (step: ms) "
-        + ", ".join(f"{i}: {step_ms[i]:.1f}" for i in reversed(slowest))
+        f"sum over p50 {sum(step_ms) - median * len(step_ms):.1f} ms; slowest (step: ms) "
+        + ", ".join(f"{i}: {step_ms[i]:.1f}" for i in slowest)
     )
 
 

@@ -211,6 +211,7 @@ class BlockStore:
     async def append(self, namespace: Namespace, block: BlockIn) -> PendingWrite | None:
         """Writes one block's record; None when the block is stored already (nothing is written).
         Call it inside `writing`, and `commit` what it returns there."""
+        assert self._write_floors, "append outside `writing`: compaction could take the record for dead"
         check_block(block, self.config.max_block_bytes)
         key = self.key(namespace, block.block_hash)
         (existing,) = await self.guarded(lambda: self.index.get_many([key]))
