@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cold_tier import SHAPES, cold_config, kv_spec, model_source, prompt_of, timed
 from services.common import kvstore_api, segment_reader
 from services.engine.execution import model_runner
-from services.engine.kv import cache, cold_tier
+from services.engine.kv import cache, cold_tier, prefix_fetch
 from services.engine.llm_engine import EngineStats, LLMEngine
 from services.engine.scheduling import cold_planner
 from services.engine.scheduling.sampling_params import SamplingParams
@@ -96,6 +96,7 @@ def instrument() -> None:
         (kvstore_api.KVStoreClient, "locate", "locate (LocateBlocks RPC)"),
         (kvstore_api.KVStoreClient, "get", "fetch: GetBlocks stream, whole blocks"),
         (kvstore_api.KVStoreClient, "get_into", "fetch: GetBlocks stream into the buffer"),
+        (prefix_fetch.PrefixFetcher, "_host_buffer", "fetch: allocate the host buffer"),
         (segment_reader.SegmentReader, "read_run", "fetch: same-host reads + CRC"),
         (cold_tier, "_decode", "decode blocks into tensors"),
         (cold_planner.ColdPlanner, "take_ready", "take outcomes (engine thread)"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import platform
@@ -125,17 +126,25 @@ def roofline(shape: dict, batch: int, context: int, bandwidth_gbs: float, tiers:
     return batch / ((params_count(shape) * 2 + batch * kv) / (bandwidth_gbs * 1e9))
 
 
+# Every run draws prompts no run drew before: an engine keeps the full prompt blocks of finished
+# requests for prefix reuse, so a repeat of the same prompts would time a prefix hit as TTFT (the
+# tiers-off engine did until 2026-12-03: 26 ms for sixteen 1K prompts at 8B).
+_PROMPT_SEEDS = itertools.count(1)
+
+
 def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_tokens: int) -> tuple:
     """(decode tok/s, median TTFT ms, peak GiB): decode timed over pure decode steps, stepped by hand."""
-    generator = torch.Generator().manual_seed(batch)
+    generator = torch.Generator().manual_seed(next(_PROMPT_SEEDS))
+    warm_up = torch.randint(2, vocab, (2, 64), generator=generator).tolist()
     prompts = torch.randint(2, vocab, (batch, prompt_len), generator=generator).tolist()
-    engine.generate([p[:64] for p in prompts[:2]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.generate(warm_up, SamplingParams(max_new_tokens=4, ignore_eos=True))
     torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     collectors = [ResultCollector(p) for p in prompts]
     for prompt, collector in zip(prompts, collectors, strict=True):
         engine.submit(prompt, params, collector)
-    first = engine.stats().num_generated_tokens_total
+    stats_before = engine.stats()
+    first = stats_before.num_generated_tokens_total
     while engine.stats().num_generated_tokens_total < first + batch:  # prefill: every first token
         engine.step()
     torch.cuda.synchronize()
@@ -146,7 +155,11 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
         engine.step()
         step_ms.append((time.perf_counter() - before) * 1e3)
     elapsed_s = time.perf_counter() - started
-    print(f"batch {batch}, prompt {prompt_len}: {step_summary(step_ms)}", flush=True)
+    cached = engine.stats().num_prompt_tokens_cached - stats_before.num_prompt_tokens_cached
+    print(
+        f"batch {batch}, prompt {prompt_len} ({cached} prompt tokens cached): {step_summary(step_ms)}",
+        flush=True,
+    )
     ttft = statistics.median(c.result().ttft_ms for c in collectors)
     tokens = engine.stats().num_generated_tokens_total - start_tokens
     return tokens / elapsed_s, ttft, torch.cuda.max_memory_allocated() / 2**30

@@ -77,7 +77,7 @@ class PrefixFetcher:
         else:
             present = {b.block_hash for b in locations}
         run = _leading(hashes, present)
-        kv = torch.empty((len(run), *layout.block_shape), dtype=torch.bfloat16, pin_memory=layout.pin_memory)
+        kv = self._host_buffer(len(run), layout)
         payloads = _payload_views(kv, layout.payload_bytes)
         num_local = (
             self._read_locally(_in_order(run, locations), payloads, transfer, layout) if locations else 0
@@ -85,6 +85,11 @@ class PrefixFetcher:
         num_good = num_local + self._stream(run[num_local:], payloads[num_local:], transfer)
         first_bad = run[num_good] if num_good < len(run) else None
         return FetchedPrefix(kv[:num_good], num_local, first_bad)
+
+    def _host_buffer(self, num_blocks: int, layout: PrefixLayout) -> torch.Tensor:
+        """Where `num_blocks` blocks land: `[n, *block_shape]` BF16, pinned for a CUDA engine."""
+        shape = (num_blocks, *layout.block_shape)
+        return torch.empty(shape, dtype=torch.bfloat16, pin_memory=layout.pin_memory)
 
     def _locate(self, hashes: Sequence[str], call: CallOptions) -> list[BlockLocation] | None:
         """The present blocks' places; None (and same-host reads off) when the store refuses."""
