@@ -346,11 +346,10 @@ class BlockStore:
         keys = [self.key(namespace, h) for h in hashes]
         entries = await self.live_entries(keys)
         directory = self.config.segments_dir.resolve()
-        located = [
-            BlockLocated(h, e.codec, segment_path(directory, e.location.segment_id), e.location)
-            for h, e in zip(hashes, entries, strict=True)
-            if e is not None
-        ]
+        present = [(h, e) for h, e in zip(hashes, entries, strict=True) if e is not None]
+        # a long prefix spans a few segments: one path each, not one per block
+        paths = {seg: segment_path(directory, seg) for seg in {e.location.segment_id for _, e in present}}
+        located = [BlockLocated(h, e.codec, paths[e.location.segment_id], e.location) for h, e in present]
         metrics.BLOCK_LOOKUPS.labels("hit").inc(len(located))
         metrics.BLOCK_LOOKUPS.labels("miss").inc(len(hashes) - len(located))
         self.counters.located_blocks += len(located)

@@ -138,3 +138,22 @@ def test_blocks_idle_past_the_ttl_expire(tmp_path: Path, redis_server: RedisServ
         assert store.counters.expired_blocks == 2
 
     run(tmp_path, redis_server, scenario, ttl_s=3600.0)
+
+
+def test_a_touch_after_a_delete_leaves_no_entry_behind(tmp_path: Path, redis_server: RedisServer) -> None:
+    """Locate and Get mark blocks used after they answer; a delete can land in between. The late
+    touch must not bring back part of the entry (an orphan hash, or an LRU member eviction counts)."""
+
+    async def scenario(store: BlockStore, compactor: Compactor) -> None:
+        blocks = [raw_block(f"block-{n}") for n in range(3)]
+        await store.put(NAMESPACE, blocks)
+        keys = [store.key(NAMESPACE, b.block_hash) for b in blocks]
+        assert await store.delete(NAMESPACE, [blocks[0].block_hash]) == 1
+        await store.index.touch(keys, now_us())
+        entries = await store.index.get_many(keys)
+        assert entries[0] is None and all(e is not None for e in entries[1:])
+        assert not await store.index.client.exists(store.index._entry_key(keys[0]))
+        assert set(await store.index.least_recent(10)) == set(keys[1:])
+        assert (await store.index.totals()).num_blocks == 2
+
+    run(tmp_path, redis_server, scenario)
