@@ -52,7 +52,9 @@ class EngineConfig:
     `_RETRIEVAL_MODE` (off or semantic: the default of requests and classes that set none),
     `_AUX_WINDOW_TOKENS` (cold tokens attended per sequence, default 2048),
     `_AUX_SCORE_EVERY_STEPS` (decode steps between scorings, default 16), `_AUX_SCORE_LAYER` (the
-    layer whose query scores the cold blocks; default -1, the middle layer), `_COLD_PRUNE_TOKENS`
+    layer whose query scores the cold blocks; default -1, the middle layer), `_AUX_PREFETCH_BLOCKS`
+    (runner-up cold blocks staged in the kvstore's RAM at each scoring; default -1, as many as the
+    window holds; 0 off), `_COLD_PRUNE_TOKENS`
     (drop the least-attended tokens of demoted blocks, by the key-norm proxy; default off) and
     `_KVSTORE_LOCAL_READS` (read a prefix's records from the kvstore's segment files directly; needs
     a kvstore on this host that serves locations; default off).
@@ -172,6 +174,7 @@ def _cold_from_env(prefix: str, environ: Mapping[str, str] | None) -> ColdTierCo
         aux_window_tokens=env.get_int(prefix + "AUX_WINDOW_TOKENS", defaults.aux_window_tokens, environ),
         score_every_steps=env.get_int(prefix + "AUX_SCORE_EVERY_STEPS", defaults.score_every_steps, environ),
         score_layer=env.get_int(prefix + "AUX_SCORE_LAYER", defaults.score_layer, environ),
+        prefetch_blocks=env.get_int(prefix + "AUX_PREFETCH_BLOCKS", defaults.prefetch_blocks, environ),
         prune_tokens=env.get_bool(prefix + "COLD_PRUNE_TOKENS", defaults.prune_tokens, environ),
         local_reads=env.get_bool(prefix + "KVSTORE_LOCAL_READS", defaults.local_reads, environ),
     )

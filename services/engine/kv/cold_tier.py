@@ -87,6 +87,10 @@ class ColdTierConfig:
     retrieval_mode: RetrievalMode = RetrievalMode.OFF  # default for requests and classes that set none
     aux_window_tokens: int = 2048  # cold tokens one sequence attends at most (whole cold blocks)
     score_every_steps: int = 16  # decode steps between two scorings of the cold blocks
+    # At each scoring, the cold blocks ranked just below the window's are staged in the kvstore's RAM
+    # (Prefetch), so that the next scoring's new picks come from RAM, not the disk. -1: as many as
+    # the window holds; 0: none.
+    prefetch_blocks: int = -1
     # The layer whose query scores the cold blocks and whose keys their summaries hold; -1: the
     # middle layer (num_layers // 2).
     score_layer: int = -1
@@ -111,6 +115,10 @@ class ColdTierConfig:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.score_layer < -1:
             raise ValueError(f"score_layer must be a layer index or -1 (the middle), got {self.score_layer}")
+        if self.prefetch_blocks < -1:
+            raise ValueError(
+                f"prefetch_blocks must be >= 0, or -1 (the window's size), got {self.prefetch_blocks}"
+            )
         if self.aux_window_tokens < 0 or self.score_every_steps < 1:
             raise ValueError(
                 "the auxiliary window must be >= 0 tokens and scored every >= 1 steps, got "
@@ -130,10 +138,12 @@ class Operation(enum.Enum):
     LOAD_PREFIX = "load_prefix"
     DEMOTE = "demote"
     LOAD_WINDOW = "load_window"
+    PREFETCH = "prefetch"  # stage a window's runner-up blocks in the kvstore's RAM (no reply awaited)
     DELETE = "delete"
 
 
-LOADS = frozenset({Operation.LOAD_PREFIX, Operation.LOAD_WINDOW})  # on the loader thread
+# on the loader thread, and skipped while backing off
+LOADS = frozenset({Operation.LOAD_PREFIX, Operation.LOAD_WINDOW, Operation.PREFETCH})
 
 
 class Degradation(enum.Enum):
@@ -326,6 +336,9 @@ class ColdTier:
             return self._load_prefix(job, call)
         if job.operation is Operation.LOAD_WINDOW:
             return self._loaded(job, self._client.get(list(job.hashes), call), page_tokens=self.page_tokens)
+        if job.operation is Operation.PREFETCH:
+            self._client.prefetch(list(job.hashes), call)
+            return Outcome(job.operation, job.owner)
         if job.operation is Operation.DELETE:
             self._client.delete(list(job.hashes), call)
             return Outcome(job.operation, job.owner)

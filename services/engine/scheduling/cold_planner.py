@@ -50,6 +50,7 @@ class ColdStats:
     blocks_demoted: int = 0
     window_loads: int = 0
     window_loads_in_time: int = 0  # mapped by the step after they were chosen: nothing waited
+    blocks_prefetched: int = 0  # runner-ups of a scoring the kvstore was asked to stage in RAM
     degradations: int = 0
 
 
@@ -68,6 +69,7 @@ class ColdPlanner:
         self._window_wanted: dict[RequestId, set[int]] = {}
         self._scored: set[str] = set()  # requests whose window has been scored at least once
         self._window_asked_at: dict[tuple[RequestId, int], int] = {}
+        self._prefetched: dict[RequestId, set[str]] = {}  # runner-ups already staged, per request
         self._stored_prefix: OrderedDict[BlockHash, None] = OrderedDict()
         keys = kv_cache.hot.keys  # [L, N, BS, KVH, D]
         self._prefix_layout = PrefixLayout((keys.shape[0], 2, *keys.shape[2:]), keys.device.type == "cuda")
@@ -171,10 +173,10 @@ class ColdPlanner:
         """
         self.num_steps += 1
         is_cadence = self.num_steps % self.config.score_every_steps == 0
-        group_size = seqs[0].block_table.tiers.group_size if seqs else 1
-        num_blocks = self.config.aux_window_tokens // max(group_size, 1)
+        num_blocks = self._window_blocks(seqs[0]) if seqs else 0
+        num_ranked = num_blocks + self._prefetch_blocks(num_blocks)
         rows = [
-            ScoreRow(row, seq.request_id, len(seq.block_table.cold_blocks), num_blocks)
+            ScoreRow(row, seq.request_id, len(seq.block_table.cold_blocks), num_ranked)
             for row, seq in enumerate(seqs)
             if seq.uses_aux_window
             and num_blocks
@@ -184,11 +186,23 @@ class ColdPlanner:
         self._scored.update(row.owner for row in rows)
         return rows
 
+    def _window_blocks(self, seq: Sequence) -> int:
+        """Cold blocks (warm groups) the auxiliary window holds."""
+        return self.config.aux_window_tokens // max(seq.block_table.tiers.group_size, 1)
+
+    def _prefetch_blocks(self, num_window_blocks: int) -> int:
+        """Runner-up blocks staged at each scoring."""
+        setting = self.config.prefetch_blocks
+        return num_window_blocks if setting == -1 else setting
+
     def choose_window(self, seq: Sequence, slots: list[int]) -> None:
-        """The blocks a query chose (best first): unmap the others, load the missing ones."""
+        """The blocks a query ranked (best first): the window's share is attended (unmap the others,
+        load the missing ones); the runner-ups after it are staged in the kvstore's RAM."""
         table = seq.block_table
         by_slot = {b.slot: (first, b) for first, b in table.cold_blocks.items()}
-        chosen = [by_slot[s] for s in slots if s in by_slot and by_slot[s][1].is_stored]
+        num_window = self._window_blocks(seq)
+        self._prefetch(seq, [by_slot[s] for s in slots[num_window:] if s in by_slot])
+        chosen = [by_slot[s] for s in slots[:num_window] if s in by_slot and by_slot[s][1].is_stored]
         if not chosen:  # the query's best blocks are still being stored: score again next step
             self._scored.discard(seq.request_id)
         wanted = {first for first, _ in chosen}
@@ -202,6 +216,22 @@ class ColdPlanner:
             self._window_asked_at[(seq.request_id, first)] = self.num_steps
         names = tuple(BlockHash(b.block_hash) for _, b in missing)
         self.tier.submit(Job(Operation.LOAD_WINDOW, seq, seq.cache_salt, seq.trace_metadata, names))
+
+    def _prefetch(self, seq: Sequence, runner_ups: list[tuple[int, ColdBlock]]) -> None:
+        """Ask the store to stage stored runner-ups (first block, block) not attended and not asked
+        for before."""
+        asked = self._prefetched.setdefault(seq.request_id, set())
+        names = tuple(
+            BlockHash(b.block_hash)
+            for first, b in runner_ups
+            if b.is_stored and b.block_hash not in asked and first not in seq.block_table.aux_blocks
+        )
+        if not names:
+            return
+        asked.update(names)
+        self.stats.blocks_prefetched += len(names)
+        metrics.COLD_BLOCKS.labels(Operation.PREFETCH.value).inc(len(names))
+        self.tier.submit(Job(Operation.PREFETCH, seq, seq.cache_salt, seq.trace_metadata, names))
 
     def _map_window(self, seq: Sequence, loaded: tuple[LoadedBlock, ...]) -> None:
         table = seq.block_table
@@ -242,6 +272,7 @@ class ColdPlanner:
     def release(self, seq: Sequence) -> None:
         """A request ended: forget its window and delete its demoted blocks from the store."""
         self._window_wanted.pop(seq.request_id, None)
+        self._prefetched.pop(seq.request_id, None)
         self._scored.discard(seq.request_id)
         self.summaries.forget(seq.request_id)
         for key in [k for k in self._window_asked_at if k[0] == seq.request_id]:
@@ -258,7 +289,8 @@ class ColdPlanner:
         for outcome in self.tier.take_outcomes():
             seq = outcome.owner
             assert isinstance(seq, Sequence)
-            if outcome.degraded is not None:
+            if outcome.degraded is not None and outcome.operation is not Operation.PREFETCH:
+                # a failed prefetch costs the request nothing; the store's failure is the backoff's
                 self._degrade(seq, outcome.operation, outcome.degraded, outcome.detail)
             if outcome.operation is Operation.LOAD_PREFIX:
                 self._prefix_loaded(seq, outcome, ready)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from services.common.kvstore_api import BlockHash, KVStoreClient, MissReason, Namespace
+from services.common.kvstore_api import BlockHash, BlockSource, KVStoreClient, MissReason, Namespace
 from services.engine.errors import UnknownRetrievalMode
 from services.engine.kv.block_pool import BlockHash as BlockHashBytes
 from services.engine.kv.block_pool import hash_prefix_blocks
@@ -291,6 +291,60 @@ def test_a_window_whose_best_block_is_not_stored_yet_is_scored_again_at_the_next
     assert [row.owner for row in planner.rows_to_score([seq])] == ["r"]
     planner.choose_window(seq, [0])
     assert planner.rows_to_score([seq]) == []  # a choice was made: the cadence takes over
+    tier.close()
+
+
+def test_the_blocks_ranked_after_the_window_are_staged_in_the_stores_ram(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """A scoring ranks the window's blocks and as many runner-ups; the runner-ups go to the store in
+    one Prefetch, so the scoring that later picks one reads it from RAM."""
+    cold = ColdTierConfig(target=kvstore.target, score_every_steps=4, aux_window_tokens=16, **HEALTHY)
+    engine = load_engine(stories_hf_dir, cold, WINDOW_TIERS)
+    assert engine.cold is not None
+    prompt = engine.tokenizer.encode(STORY)
+    collector = ResultCollector(prompt)
+    engine.submit(
+        prompt, SamplingParams(max_new_tokens=60, temperature=0.0), collector, retrieval_mode="semantic"
+    )
+    while engine.cold.stats.blocks_prefetched == 0:
+        assert not collector.done.is_set(), "the request ended before a scoring had a runner-up to stage"
+        engine.step()
+    engine.cold.tier.flush()  # the Prefetch call has returned: the store has queued the blocks
+    (staged,) = engine.cold._prefetched.values()  # the names the engine asked for
+    assert len(staged) == engine.cold.stats.blocks_prefetched
+    with KVStoreClient(kvstore.target, Namespace(DEFAULT_TENANT, engine.model_id)) as client:
+        fetched = client.get(sorted(staged))
+    assert {block.source for block in fetched.values()} == {BlockSource.STAGING}  # type: ignore[union-attr]
+    while not collector.done.is_set():
+        engine.step()
+    assert collector.result().error is None
+    engine.stop()
+
+
+def test_a_scoring_stages_each_runner_up_once_and_only_stored_ones() -> None:
+    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
+    cache = make_cache(ONE_HEAD, block_size=BLOCK_SIZE, tiers=tiers)
+    config = ColdTierConfig(target="127.0.0.1:9", score_every_steps=1000, aux_window_tokens=16)
+    tier = ColdTier(config, "m", page_tokens=BLOCK_SIZE)  # its calls fail: only what is asked counts
+    planner = ColdPlanner(tier, cache, ColdSummaries(0, 1, 2, torch.device("cpu")))
+    detokenizer = IncrementalDetokenizer(lambda ids: "", [1])
+    seq = Sequence(RequestId("r"), [1, 2], SamplingParams(), lambda e: None, detokenizer, None, tiers)
+    seq.uses_aux_window = True
+    seq.block_table.cold_blocks = {
+        first: ColdBlock(name * 8, slot, is_stored=name != "cc")
+        for slot, (first, name) in enumerate([(1, "aa"), (2, "bb"), (3, "cc"), (4, "dd")])
+    }
+    (row,) = planner.rows_to_score([seq])
+    assert row.num_blocks == 2  # the window's one block and one runner-up (-1: as many again)
+    planner.choose_window(seq, [0, 1])
+    assert planner.stats.blocks_prefetched == 1  # slot 1 ("bb")
+    planner.choose_window(seq, [0, 1])
+    assert planner.stats.blocks_prefetched == 1  # asked once per request
+    planner.choose_window(seq, [3, 2])  # "cc" is not stored yet: nothing to stage
+    assert planner.stats.blocks_prefetched == 1
+    planner.choose_window(seq, [0, 3])
+    assert planner.stats.blocks_prefetched == 2
     tier.close()
 
 
