@@ -165,6 +165,9 @@ class WindowRun:
     tpot_window_ms: float
     tpot_off_ms: float
     degradations: int
+    blocks_prefetched: int  # runner-ups the engine asked the store to stage (Prefetch)
+    served_from_ram: int  # the store's GetBlocks answers from RAM staging during the window-on run
+    served_from_disk: int
 
 
 # --- engines --------------------------------------------------------------------------------------
@@ -358,25 +361,34 @@ def prefetch(source: ModelSource, target: str, args: argparse.Namespace, notes: 
         enabled=True, sink_tokens=4, hot_tokens=args.hot, warm_tokens=args.warm, group_size=args.group
     )
     cold = cold_config(
-        args, target, prefix_reuse=False, aux_window_tokens=args.window, score_every_steps=args.score_every
-    )
+        args, target, prefix_reuse=False, aux_window_tokens=args.window, score_every_steps=args.score_every,
+        prefetch_blocks=args.prefetch_blocks,
+    )  # fmt: skip
     return on_fresh_engine(
-        source, args, cold, kv_spec(args, tiers), "window engine", notes, lambda e: window_run(e, args)
-    )
+        source, args, cold, kv_spec(args, tiers), "window engine", notes,
+        lambda e: window_run(e, args, target),
+    )  # fmt: skip
 
 
-def window_run(engine: LLMEngine, args: argparse.Namespace) -> WindowRun:
+def window_run(engine: LLMEngine, args: argparse.Namespace, target: str) -> WindowRun:
     """The window-off request, then the window-on one, on one engine."""
     prompt = prompt_of(engine.config.vocab_size, args.window_prompt, seed=1000)
     params = SamplingParams(max_new_tokens=args.window_new, temperature=0.0, ignore_eos=True)
     off = timed(engine, prompt, params, mode="off")
-    on = timed(engine, prompt, params, mode="semantic")
+    with KVStoreClient(target, Namespace("bench", "bench")) as store:
+        before = store.stats()
+        on = timed(engine, prompt, params, mode="semantic")
+        assert engine.cold is not None
+        engine.cold.tier.flush()
+        after = store.stats()
     stats = engine.stats().cold
     assert stats is not None
     steps = args.window_new - 1
     return WindowRun(
         stats.window_loads, stats.window_loads_in_time, stats.blocks_demoted,
         (on.latency_ms - on.ttft_ms) / steps, (off.latency_ms - off.ttft_ms) / steps, stats.degradations,
+        stats.blocks_prefetched, after.staging_hits - before.staging_hits,
+        after.disk_reads - before.disk_reads,
     )  # fmt: skip
 
 
@@ -511,10 +523,12 @@ def window_section(args: argparse.Namespace, window: WindowRun) -> list[str]:
         f"{args.score_every} decode steps.",
         "",
         "| cold blocks demoted | window loads | loads hidden (mapped by the next step) | hidden share | "
+        "runner-ups prefetched | blocks the store served from RAM / disk | "
         "TPOT window on (ms) | TPOT window off (ms) | degradations |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         f"| {window.blocks_demoted} | {window.window_loads} | {window.hidden_loads} | "
-        f"{window.hidden_loads / max(window.window_loads, 1):.0%} | {window.tpot_window_ms:.1f} | "
+        f"{window.hidden_loads / max(window.window_loads, 1):.0%} | {window.blocks_prefetched} | "
+        f"{window.served_from_ram} / {window.served_from_disk} | {window.tpot_window_ms:.1f} | "
         f"{window.tpot_off_ms:.1f} | {window.degradations} |",
     ]
 
@@ -554,6 +568,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--score-every", type=int, default=16)
+    parser.add_argument(
+        "--prefetch-blocks", type=int, default=-1,
+        help="runner-ups staged at each scoring (-1: as many as the window holds; 0: none)",
+    )  # fmt: skip
     parser.add_argument(
         "--local-reads", action=argparse.BooleanOptionalAction, default=True,
         help="hits read the stored prefix from the segment files (the kvstore runs on this host); "
