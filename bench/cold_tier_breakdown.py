@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 import tempfile
 import threading
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
 
 from bench.cold_tier import SHAPES, cold_config, kv_spec, model_source, prompt_of, timed
 from services.common import kvstore_api, segment_reader
@@ -186,6 +189,7 @@ def measure(args: argparse.Namespace, source: Any, kvstore: KVStoreProcess, dire
         print(f"stored: {len(prompt)} tokens, TTFT {result.ttft_ms:.0f} ms", flush=True)
     miss.stop()
     del miss
+    free_device_memory()
     print("store side:", store_side_ms(directory / "kvstore"), flush=True)
     instrument()
     for mode in args.paths:
@@ -193,6 +197,14 @@ def measure(args: argparse.Namespace, source: Any, kvstore: KVStoreProcess, dire
         on_path = dataclasses.replace(cold, local_reads=mode == "local")
         for prompt in prompts:
             time_hit(args, source, on_path, prompt, warmup, params)
+
+
+def free_device_memory() -> None:
+    """Give a stopped engine's device memory back before the next one loads (its KV pools fill
+    90% of the GPU: two at once do not fit)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def time_hit(
@@ -213,6 +225,8 @@ def time_hit(
     result = timed(hit, prompt, params)
     report(result.ttft_ms, before, hit.stats())
     hit.stop()
+    del hit
+    free_device_memory()
 
 
 def report(ttft_ms: float, before: EngineStats, after: EngineStats) -> None:
