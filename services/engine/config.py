@@ -55,9 +55,10 @@ class EngineConfig:
     layer whose query scores the cold blocks; default -1, the middle layer), `_AUX_PREFETCH_BLOCKS`
     (runner-up cold blocks staged in the kvstore's RAM at each scoring; default -1, as many as the
     window holds; 0 off), `_COLD_PRUNE_TOKENS`
-    (drop the least-attended tokens of demoted blocks, by the key-norm proxy; default off) and
+    (drop the least-attended tokens of demoted blocks, by the key-norm proxy; default off),
     `_KVSTORE_LOCAL_READS` (read a prefix's records from the kvstore's segment files directly; needs
-    a kvstore on this host that serves locations; default off).
+    a kvstore on this host that serves locations; default off) and `_COLD_PREFIX_STAGING_MB` (the
+    host buffer prefix hits land in, kept for the engine's life; default 8192, 0 = one per hit).
     """
 
     server: ServerConfig
@@ -177,6 +178,7 @@ def _cold_from_env(prefix: str, environ: Mapping[str, str] | None) -> ColdTierCo
         prefetch_blocks=env.get_int(prefix + "AUX_PREFETCH_BLOCKS", defaults.prefetch_blocks, environ),
         prune_tokens=env.get_bool(prefix + "COLD_PRUNE_TOKENS", defaults.prune_tokens, environ),
         local_reads=env.get_bool(prefix + "KVSTORE_LOCAL_READS", defaults.local_reads, environ),
+        prefix_staging_mb=env.get_int(prefix + "COLD_PREFIX_STAGING_MB", defaults.prefix_staging_mb, environ),
     )
 
 

@@ -286,7 +286,8 @@ class LLMEngine:
         tier = ColdTier(config, self.model_id, wake=self._wake, page_tokens=self.runner.kv_cache.block_size)
         self.runner.attach_cold_tier(tier)
         assert self.runner.cold_summaries is not None
-        self.cold = ColdPlanner(tier, self.runner.kv_cache, self.runner.cold_summaries)
+        max_prefix_blocks = (self.max_seq_len - 1) // self.runner.kv_cache.block_size
+        self.cold = ColdPlanner(tier, self.runner.kv_cache, self.runner.cold_summaries, max_prefix_blocks)
         self.scheduler.cold = self.cold
 
     def _wake(self) -> None:

@@ -405,11 +405,17 @@ class KVCache:
         for load in loads:
             if self.hot.keys.device.type == "cpu":
                 self._copy_blocks(load.hot_block_ids, load.kv)
+                if load.lease is not None:
+                    load.lease.drop()  # copied already
                 continue
             step = max(1, LOAD_CHUNK_BYTES // (load.kv[0].numel() * load.kv.element_size()))
             for start in range(0, len(load.hot_block_ids), step):
                 chunk = load.kv[start : start + step].to(self.hot.keys.device, non_blocking=True)
                 self._scatter_blocks(load.hot_block_ids[start : start + step], chunk)
+            if load.lease is not None:  # the host buffer is free once the copies above have run
+                copied = torch.cuda.Event()
+                copied.record()
+                load.lease.drop(copied)
 
     def _copy_blocks(self, block_ids: tuple[BlockId, ...], kv: torch.Tensor) -> None:
         """On the host, block by block: an index_put would convert the dtype into a temporary first

@@ -20,6 +20,7 @@ from services.common.kvstore_api import BlockHash, Codec
 from services.engine.kv.block_pool import BlockId
 from services.engine.kv.block_table import WarmGroupId
 from services.engine.kv.cold_tier import Operation
+from services.engine.kv.prefix_fetch import StagingLease
 
 if TYPE_CHECKING:
     from services.engine.scheduling.sequence import Sequence
@@ -52,6 +53,7 @@ class ColdLoad:
 
     hot_block_ids: tuple[BlockId, ...]
     kv: torch.Tensor
+    lease: StagingLease | None = None  # a loaded prefix's buffer: dropped once the copies are queued
 
     @classmethod
     def of_tokens(

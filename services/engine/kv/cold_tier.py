@@ -60,7 +60,7 @@ from services.common.kvstore_api import (
     MissReason,
     Namespace,
 )
-from services.engine.kv.prefix_fetch import PrefixFetcher, PrefixLayout
+from services.engine.kv.prefix_fetch import PrefixFetcher, PrefixLayout, StagingLease
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,11 @@ class ColdTierConfig:
     # kvstore must hand out locations: THERMOCLINE_KVSTORE_SERVE_LOCATIONS). Each record is checked
     # here; any that fails, and everything after it, comes by the GetBlocks stream (docs/kvstore.md).
     local_reads: bool = False
+    # The host buffer prefix hits land in, kept for the engine's life so that no hit page-locks
+    # memory on its path (pinned on CUDA; torch rounds a pinned allocation up to a power of two):
+    # sized for a max_seq_len prompt, at most this many MiB. A longer hit, or one that finds it in
+    # use, gets a buffer of its own. 0: a buffer per hit.
+    prefix_staging_mb: int = 8192
     codec: CodecSettings = field(default_factory=CodecSettings)
 
     def __post_init__(self) -> None:
@@ -115,6 +120,8 @@ class ColdTierConfig:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.score_layer < -1:
             raise ValueError(f"score_layer must be a layer index or -1 (the middle), got {self.score_layer}")
+        if self.prefix_staging_mb < 0:
+            raise ValueError(f"prefix_staging_mb must be >= 0, got {self.prefix_staging_mb}")
         if self.prefetch_blocks < -1:
             raise ValueError(
                 f"prefetch_blocks must be >= 0, or -1 (the window's size), got {self.prefetch_blocks}"
@@ -176,6 +183,7 @@ class Outcome:
     detail: str = ""
     prefix_kv: torch.Tensor | None = None  # LOAD_PREFIX: its leading run of blocks `[n, L, 2, BS, KVH, D]`
     num_read_locally: int = 0  # LOAD_PREFIX: of those, blocks read from the segment files directly
+    prefix_lease: StagingLease | None = None  # LOAD_PREFIX: `prefix_kv`'s buffer, held for the taker
 
 
 class BlockToStore(NamedTuple):
@@ -236,6 +244,11 @@ class ColdTier:
         ]
         for thread in self._threads:
             thread.start()
+
+    def reserve_prefix_staging(self, num_blocks: int, layout: PrefixLayout) -> None:
+        """Keep the host buffer that prefix hits of up to `num_blocks` blocks land in (before the
+        first load is submitted: the loader thread uses it afterwards)."""
+        self._prefixes.reserve(num_blocks, layout)
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """What a thread calls after it reports an outcome (the engine wakes its loop)."""
@@ -355,13 +368,18 @@ class ColdTier:
         transfer = dataclasses.replace(call, timeout_s=self.config.transfer_deadline_ms / 1000)
         fetched = self._prefixes.fetch(job.hashes, job.layout, call, transfer)
         loaded = fetched.kv if len(fetched.kv) else None
+        lease: StagingLease | None = fetched.lease
+        if loaded is None:
+            fetched.lease.drop()  # nothing landed: nobody reads the buffer
+            lease = None
         if fetched.first_bad is None:
             return Outcome(
-                job.operation, job.owner, prefix_kv=loaded, num_read_locally=fetched.num_read_locally
-            )
+                job.operation, job.owner, prefix_kv=loaded, num_read_locally=fetched.num_read_locally,
+                prefix_lease=lease,
+            )  # fmt: skip
         return Outcome(
             job.operation, job.owner, degraded=Degradation.CORRUPT, prefix_kv=loaded,
-            num_read_locally=fetched.num_read_locally,
+            num_read_locally=fetched.num_read_locally, prefix_lease=lease,
             detail=f"block {fetched.first_bad[:16]} missing or corrupt: the loaded prefix ends before it",
         )  # fmt: skip
 

@@ -5,6 +5,14 @@ Its blocks land in one buffer `[n, L, 2, BS, KVH, D]` (pinned for a CUDA engine)
 written in place, so the engine thread gets a view it copies to the device once and scatters there;
 no block becomes a Python object or a tensor of its own.
 
+The buffer is the fetcher's for the engine's life (`reserve`, at start-up, sized for a
+`max_seq_len` prompt): page-locking it per hit cost 1.7 of a 2.2 s hit of a 32K-token 8B prefix
+on the H200 (bench/results/cold_tier_h200_2026-12-03_breakdown.md). A hit's blocks are a view of
+it, handed to the engine thread with a `StagingLease`; the next hit reuses the buffer only once
+the lease says nobody reads the view any more (the sequence let the prefix go, and the device
+copies out of it have run). A hit that finds it still leased, or too small, gets a buffer of its
+own, as every hit did before.
+
 Two ways in, the first preferred when it is on (`ColdTierConfig.local_reads`):
 - **same-host reads:** LocateBlocks (which also says which blocks are present: it replaces the
   Lookup) gives each record's place; the engine reads the segment files itself on a pool of
@@ -20,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -50,12 +59,58 @@ class PrefixLayout:
         return math.prod(self.block_shape) * BF16_BYTES
 
 
+class StagingLease:
+    """Who still reads a fetched prefix's host buffer: the sequence that holds it (from the fetch)
+    and each load queued out of it (`hold`), each until it `drop`s. The buffer may be written again
+    once nobody holds it and the device copies out of it that were dropped with an event have run.
+    Any thread may call it; a holder that never drops only costs the next hit a buffer of its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 1  # the fetch's own, passed to the sequence that takes the prefix
+        self._copies: list[torch.cuda.Event] = []
+
+    def hold(self) -> None:
+        """One more reader (a load queued out of the buffer)."""
+        with self._lock:
+            self._holders += 1
+
+    def drop(self, copied: torch.cuda.Event | None = None) -> None:
+        """A reader is done; `copied`: its device copies are queued and end with this event."""
+        with self._lock:
+            self._holders -= 1
+            if copied is not None:
+                self._copies.append(copied)
+
+    def is_released(self) -> bool:
+        """Nobody holds the buffer (its copies may still be running: `wait_for_copies`)."""
+        with self._lock:
+            return self._holders <= 0
+
+    def wait_for_copies(self) -> None:
+        """Block until the device copies out of the buffer have run."""
+        with self._lock:
+            copies, self._copies = self._copies, []
+        for event in copies:
+            event.synchronize()
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        # A step plan carries its loads to the TP followers: they get a copy of the blocks (read
+        # before rank 0 drops its hold) and no lease, which stays with rank 0's buffer.
+        return _no_lease, ()
+
+
+def _no_lease() -> None:
+    return None
+
+
 class FetchedPrefix(NamedTuple):
     """The leading run of a prompt's blocks that came back intact, and how."""
 
     kv: torch.Tensor  # [n, L, 2, BS, KVH, D] BF16 on the host
     num_read_locally: int  # of the n, read from the segment files by this process
     first_bad: str | None  # the first present block not served intact (it ends the run); None: none
+    lease: StagingLease  # the holder of `kv`'s buffer (the caller's until it drops it)
 
 
 class PrefixFetcher:
@@ -65,6 +120,16 @@ class PrefixFetcher:
         self.client = client
         self.local_reads = local_reads
         self._reader = SegmentReader(min(MAX_READ_THREADS, os.cpu_count() or 1)) if local_reads else None
+        self._staging: torch.Tensor | None = None  # [capacity, *block_shape], kept (`reserve`)
+        self._staging_lease: StagingLease | None = None  # of the last hit served from it
+
+    def reserve(self, num_blocks: int, layout: PrefixLayout) -> None:
+        """Keep a host buffer for prefixes of up to `num_blocks` blocks (pinned for a CUDA engine);
+        call before the first fetch. Page-locking happens here, once, not on a hit's path."""
+        if num_blocks > 0:
+            self._staging = torch.empty(
+                (num_blocks, *layout.block_shape), dtype=torch.bfloat16, pin_memory=layout.pin_memory
+            )
 
     def fetch(
         self, hashes: Sequence[str], layout: PrefixLayout, call: CallOptions, transfer: CallOptions
@@ -77,19 +142,31 @@ class PrefixFetcher:
         else:
             present = {b.block_hash for b in locations}
         run = _leading(hashes, present)
-        kv = self._host_buffer(len(run), layout)
-        payloads = _payload_views(kv, layout.payload_bytes)
-        num_local = (
-            self._read_locally(_in_order(run, locations), payloads, transfer, layout) if locations else 0
-        )
-        num_good = num_local + self._stream(run[num_local:], payloads[num_local:], transfer)
+        kv, lease = self._host_buffer(len(run), layout)
+        try:
+            payloads = _payload_views(kv, layout.payload_bytes)
+            num_local = (
+                self._read_locally(_in_order(run, locations), payloads, transfer, layout) if locations else 0
+            )
+            num_good = num_local + self._stream(run[num_local:], payloads[num_local:], transfer)
+        except BaseException:
+            lease.drop()  # nobody will read what landed
+            raise
         first_bad = run[num_good] if num_good < len(run) else None
-        return FetchedPrefix(kv[:num_good], num_local, first_bad)
+        return FetchedPrefix(kv[:num_good], num_local, first_bad, lease)
 
-    def _host_buffer(self, num_blocks: int, layout: PrefixLayout) -> torch.Tensor:
-        """Where `num_blocks` blocks land: `[n, *block_shape]` BF16, pinned for a CUDA engine."""
+    def _host_buffer(self, num_blocks: int, layout: PrefixLayout) -> tuple[torch.Tensor, StagingLease]:
+        """Where `num_blocks` blocks land, `[n, *block_shape]` BF16, and its lease: the kept buffer
+        when it fits and nobody reads it any more, else a new one (pinned for a CUDA engine)."""
+        staging, last = self._staging, self._staging_lease
+        fits = staging is not None and staging.shape[1:] == layout.block_shape and num_blocks <= len(staging)
+        if staging is not None and fits and (last is None or last.is_released()):
+            if last is not None:
+                last.wait_for_copies()
+            self._staging_lease = StagingLease()
+            return staging[:num_blocks], self._staging_lease
         shape = (num_blocks, *layout.block_shape)
-        return torch.empty(shape, dtype=torch.bfloat16, pin_memory=layout.pin_memory)
+        return torch.empty(shape, dtype=torch.bfloat16, pin_memory=layout.pin_memory), StagingLease()
 
     def _locate(self, hashes: Sequence[str], call: CallOptions) -> list[BlockLocation] | None:
         """The present blocks' places; None (and same-host reads off) when the store refuses."""

@@ -57,7 +57,9 @@ class ColdStats:
 class ColdPlanner:
     """Owns the engine's view of the cold tier; every call runs on the engine thread."""
 
-    def __init__(self, tier: ColdTier, kv_cache: KVCache, summaries: ColdSummaries) -> None:
+    def __init__(
+        self, tier: ColdTier, kv_cache: KVCache, summaries: ColdSummaries, max_prefix_blocks: int = 0
+    ) -> None:
         self.tier = tier
         self.summaries = summaries
         self.config: ColdTierConfig = tier.config
@@ -73,6 +75,11 @@ class ColdPlanner:
         self._stored_prefix: OrderedDict[BlockHash, None] = OrderedDict()
         keys = kv_cache.hot.keys  # [L, N, BS, KVH, D]
         self._prefix_layout = PrefixLayout((keys.shape[0], 2, *keys.shape[2:]), keys.device.type == "cuda")
+        staging_blocks = min(
+            max_prefix_blocks, self.config.prefix_staging_mb * 2**20 // self._prefix_layout.payload_bytes
+        )
+        if self.config.prefix_reuse and staging_blocks > 0:  # the host buffer hits land in, kept
+            tier.reserve_prefix_staging(staging_blocks, self._prefix_layout)
 
     @property
     def num_held(self) -> int:
@@ -125,7 +132,9 @@ class ColdPlanner:
         table.hot_block_ids.extend(block_ids)
         for offset, block_id in enumerate(block_ids):
             pool.register(block_id, table.prefix_hashes[num_hot_blocks + offset])
-        self.kv_cache.pending_cold.loads.append(ColdLoad(tuple(block_ids), kv))
+        if prefix.lease is not None:
+            prefix.lease.hold()  # until the load's copies are queued (KVCache.write_loaded)
+        self.kv_cache.pending_cold.loads.append(ColdLoad(tuple(block_ids), kv, prefix.lease))
         return len(kv)
 
     def on_started(self, seq: Sequence) -> None:
@@ -136,7 +145,7 @@ class ColdPlanner:
             metrics.COLD_BLOCKS.labels(Operation.LOAD_PREFIX.value).inc(
                 seq.num_cold_prompt_tokens // self.kv_cache.block_size
             )
-        seq.cold_prefix = None
+        _let_go(seq)
 
     def store_prefix(self, seq: Sequence, indexes: list[int]) -> None:
         """Store newly computed prompt blocks that the store does not hold yet."""
@@ -271,6 +280,7 @@ class ColdPlanner:
 
     def release(self, seq: Sequence) -> None:
         """A request ended: forget its window and delete its demoted blocks from the store."""
+        _let_go(seq)  # ended before it started: its loaded prefix is not read
         self._window_wanted.pop(seq.request_id, None)
         self._prefetched.pop(seq.request_id, None)
         self._scored.discard(seq.request_id)
@@ -305,9 +315,11 @@ class ColdPlanner:
     def _prefix_loaded(self, seq: Sequence, outcome: Outcome, ready: list[Sequence]) -> None:
         first = self._loading.pop(seq.request_id, None)
         if self._held.pop(seq.request_id, None) is None or first is None:
+            if outcome.prefix_lease is not None:
+                outcome.prefix_lease.drop()
             return  # cancelled while its prefix was loading
         if outcome.prefix_kv is not None:
-            seq.cold_prefix = ColdPrefix(first, outcome.prefix_kv)
+            seq.cold_prefix = ColdPrefix(first, outcome.prefix_kv, outcome.prefix_lease)
             self.stats.prefix_blocks_read_locally += outcome.num_read_locally
         ready.append(seq)
 
@@ -341,6 +353,13 @@ class ColdPlanner:
                 "thermocline.kv.fallback": "hot+warm",
             },
         )
+
+
+def _let_go(seq: Sequence) -> None:
+    """The sequence no longer needs its loaded prefix: its hold on the host buffer ends."""
+    if seq.cold_prefix is not None and seq.cold_prefix.lease is not None:
+        seq.cold_prefix.lease.drop()
+    seq.cold_prefix = None
 
 
 def _has_stored(seq: Sequence) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from services.engine.gate.safety_gate import GatePolicy
 from services.engine.kv.block_table import BlockTable
+from services.engine.kv.prefix_fetch import StagingLease
 from services.engine.kv.tiers import TierConfig
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.text.detokenizer import IncrementalDetokenizer
@@ -156,6 +157,7 @@ class ColdPrefix:
 
     first_block: int
     kv: torch.Tensor
+    lease: StagingLease | None = None  # the buffer's hold for this sequence; dropped when it lets go
 
     @property
     def end_block(self) -> int:

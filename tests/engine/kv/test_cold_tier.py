@@ -9,6 +9,7 @@ Synchronisation is by the cold tier's own barrier (`ColdTier.flush`) and health 
 
 from __future__ import annotations
 
+import pickle
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +23,9 @@ from services.engine.errors import UnknownRetrievalMode
 from services.engine.kv.block_pool import BlockHash as BlockHashBytes
 from services.engine.kv.block_pool import hash_prefix_blocks
 from services.engine.kv.block_table import ColdBlock
-from services.engine.kv.cold_moves import ColdSummaries
+from services.engine.kv.cold_moves import ColdLoad, ColdSummaries
 from services.engine.kv.cold_tier import DEFAULT_TENANT, ColdTier, ColdTierConfig
+from services.engine.kv.prefix_fetch import StagingLease
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.cold_planner import ColdPlanner
@@ -147,6 +149,45 @@ def test_a_second_replica_loads_a_long_shared_prefix_instead_of_computing_it(
         a = first.runner.kv_cache.hot.keys[:, first.scheduler.kv_cache.hot.pool._by_hash[block_hash]]
         b = second.runner.kv_cache.hot.keys[:, hashes[block_hash]]
         assert torch.equal(a, b)
+    first.stop()
+    second.stop()
+
+
+def test_hits_one_after_another_reuse_the_kept_host_buffer_and_each_loads_its_own_prefix(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """The buffer a hit lands in is kept and reused by the next hit, once the first one's blocks
+    are in the KV cache; a hit that comes while it is still held gets a buffer of its own."""
+    cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
+    first = load_engine(stories_hf_dir, cold)
+    prompts = [
+        long_prompt(first),
+        *(first.tokenizer.encode(STORY.replace("Lily", n) * 5)[:280] for n in "BS"),
+    ]
+    expected = [store_prefix(first, prompt).token_ids for prompt in prompts]
+    second = load_engine(stories_hf_dir, cold)
+    assert second.cold is not None
+    fetcher = second.cold.tier._prefixes  # the loader thread's; read between steps only
+    staging = fetcher._staging
+    assert staging is not None and len(staging) == (512 - 1) // BLOCK_SIZE  # a max_seq_len prompt
+
+    leases = []
+    for prompt, tokens in zip(prompts[:2], expected[:2], strict=True):
+        assert run(second, prompt).result().token_ids == tokens
+        lease = fetcher._staging_lease
+        assert lease is not None and lease.is_released()  # the blocks are in the cache: let go
+        leases.append(lease)
+    assert leases[0] is not leases[1]  # the second hit took the buffer again, under a new lease
+    num_blocks = sum((len(p) - 1) // BLOCK_SIZE for p in prompts[:2])
+    assert second.stats().cold.prompt_tokens_loaded == num_blocks * BLOCK_SIZE  # type: ignore[union-attr]
+
+    # a hit while the buffer is still held lands elsewhere, and the held blocks stay as they were
+    held, before = leases[1], staging.clone()
+    held.hold()
+    assert run(second, prompts[2]).result().token_ids == expected[2]
+    assert second.stats().cold.prompt_tokens_loaded > num_blocks * BLOCK_SIZE  # type: ignore[union-attr]
+    assert fetcher._staging_lease is leases[1] and torch.equal(staging, before)
+    held.drop()
     first.stop()
     second.stop()
 
@@ -400,3 +441,10 @@ def test_the_cold_blocks_are_scored_at_the_layer_the_config_names(
         load_engine(stories_hf_dir, ColdTierConfig(target=kvstore.target, score_layer=99, **HEALTHY))
     with pytest.raises(ValueError, match="score_layer"):
         ColdTierConfig(score_layer=-2)
+
+
+def test_a_load_sent_to_tensor_parallel_followers_carries_its_blocks_and_no_lease() -> None:
+    """The step plan is pickled to TP ranks 1..N-1: they copy the blocks; the lease stays on rank 0."""
+    kv = torch.arange(6, dtype=torch.bfloat16).view(1, 1, 2, 3, 1, 1)
+    sent = pickle.loads(pickle.dumps(ColdLoad((7,), kv, StagingLease())))
+    assert sent.lease is None and sent.hot_block_ids == (7,) and torch.equal(sent.kv, kv)
