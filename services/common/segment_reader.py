@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from services.common.kv_record import FIXED, RecordError, parse_header
@@ -100,6 +100,7 @@ class SegmentReader:
                 self._pool.submit(self._read_some, files, locations, payloads, expected, start)
                 for start in starts
             ]
+            wait(tasks)  # every task is done before any error surfaces: none writes into the buffers after
             failures = [failure for failure in (t.result() for t in tasks) if failure is not None]
             if not failures:  # all done: files close after
                 return len(locations)

@@ -726,6 +726,8 @@ class LLMEngine:
     def _expire_waiting(self) -> None:
         for item in self.scheduler.expire():
             self._counters["finished"] += 1
+            if self.cold is not None:
+                self.cold.release(item.seq)  # its loaded prefix and cold blocks, if any
             item.seq.finish(FinishReason.ERROR)
             _emit(
                 item.seq,

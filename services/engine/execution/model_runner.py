@@ -374,7 +374,7 @@ def _device_copies_done(device: torch.device) -> Callable[[], None] | None:
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(device))  # the engine's GPU, which need not be the current one
     return event.synchronize
 
 

@@ -404,18 +404,23 @@ class KVCache:
         """Write blocks back from the kvstore into their hot blocks, all layers (changes state)."""
         for load in loads:
             if self.hot.keys.device.type == "cpu":
-                self._copy_blocks(load.hot_block_ids, load.kv)
-                if load.lease is not None:
-                    load.lease.drop()  # copied already
+                try:
+                    self._copy_blocks(load.hot_block_ids, load.kv)
+                finally:
+                    if load.lease is not None:
+                        load.lease.drop()  # copied (or failed) already
                 continue
+            device = self.hot.keys.device
             step = max(1, LOAD_CHUNK_BYTES // (load.kv[0].numel() * load.kv.element_size()))
-            for start in range(0, len(load.hot_block_ids), step):
-                chunk = load.kv[start : start + step].to(self.hot.keys.device, non_blocking=True)
-                self._scatter_blocks(load.hot_block_ids[start : start + step], chunk)
-            if load.lease is not None:  # the host buffer is free once the copies above have run
-                copied = torch.cuda.Event()
-                copied.record()
-                load.lease.drop(copied)
+            try:
+                for start in range(0, len(load.hot_block_ids), step):
+                    chunk = load.kv[start : start + step].to(device, non_blocking=True)
+                    self._scatter_blocks(load.hot_block_ids[start : start + step], chunk)
+            finally:
+                if load.lease is not None:  # the host buffer is free once the copies queued have run
+                    copied = torch.cuda.Event()
+                    copied.record(torch.cuda.current_stream(device))  # the cache's GPU, not the current one
+                    load.lease.drop(copied)
 
     def _copy_blocks(self, block_ids: tuple[BlockId, ...], kv: torch.Tensor) -> None:
         """On the host, block by block: an index_put would convert the dtype into a temporary first

@@ -149,8 +149,9 @@ class Operation(enum.Enum):
     DELETE = "delete"
 
 
-# on the loader thread, and skipped while backing off
-LOADS = frozenset({Operation.LOAD_PREFIX, Operation.LOAD_WINDOW, Operation.PREFETCH})
+# on the loader thread, and skipped while backing off; the rest (PREFETCH too: nothing waits for
+# it) go on the writer thread, so that no load queues behind them
+LOADS = frozenset({Operation.LOAD_PREFIX, Operation.LOAD_WINDOW})
 
 
 class Degradation(enum.Enum):

@@ -182,13 +182,11 @@ class ColdPlanner:
         """
         self.num_steps += 1
         is_cadence = self.num_steps % self.config.score_every_steps == 0
-        num_blocks = self._window_blocks(seqs[0]) if seqs else 0
-        num_ranked = num_blocks + self._prefetch_blocks(num_blocks)
         rows = [
-            ScoreRow(row, seq.request_id, len(seq.block_table.cold_blocks), num_ranked)
+            ScoreRow(row, seq.request_id, len(seq.block_table.cold_blocks), self._num_ranked(seq))
             for row, seq in enumerate(seqs)
             if seq.uses_aux_window
-            and num_blocks
+            and self._window_blocks(seq)
             and (is_cadence or seq.request_id not in self._scored)
             and _has_stored(seq)
         ]
@@ -199,10 +197,11 @@ class ColdPlanner:
         """Cold blocks (warm groups) the auxiliary window holds."""
         return self.config.aux_window_tokens // max(seq.block_table.tiers.group_size, 1)
 
-    def _prefetch_blocks(self, num_window_blocks: int) -> int:
-        """Runner-up blocks staged at each scoring."""
+    def _num_ranked(self, seq: Sequence) -> int:
+        """Blocks a scoring ranks: the window's, then the runner-ups staged in the store's RAM."""
+        num_window = self._window_blocks(seq)
         setting = self.config.prefetch_blocks
-        return num_window_blocks if setting == -1 else setting
+        return num_window + (num_window if setting == -1 else setting)
 
     def choose_window(self, seq: Sequence, slots: list[int]) -> None:
         """The blocks a query ranked (best first): the window's share is attended (unmap the others,
@@ -210,7 +209,7 @@ class ColdPlanner:
         table = seq.block_table
         by_slot = {b.slot: (first, b) for first, b in table.cold_blocks.items()}
         num_window = self._window_blocks(seq)
-        self._prefetch(seq, [by_slot[s] for s in slots[num_window:] if s in by_slot])
+        runner_ups = [by_slot[s] for s in slots[num_window:] if s in by_slot]
         chosen = [by_slot[s] for s in slots[:num_window] if s in by_slot and by_slot[s][1].is_stored]
         if not chosen:  # the query's best blocks are still being stored: score again next step
             self._scored.discard(seq.request_id)
@@ -219,12 +218,12 @@ class ColdPlanner:
         for first in [f for f in table.aux_blocks if f not in wanted]:
             self._unmap(seq, first)
         missing = [(first, b) for first, b in chosen if first not in table.aux_blocks]
-        if not missing:
-            return
         for first, _ in missing:
             self._window_asked_at[(seq.request_id, first)] = self.num_steps
-        names = tuple(BlockHash(b.block_hash) for _, b in missing)
-        self.tier.submit(Job(Operation.LOAD_WINDOW, seq, seq.cache_salt, seq.trace_metadata, names))
+        if missing:
+            names = tuple(BlockHash(b.block_hash) for _, b in missing)
+            self.tier.submit(Job(Operation.LOAD_WINDOW, seq, seq.cache_salt, seq.trace_metadata, names))
+        self._prefetch(seq, runner_ups)  # after the window's own load, on the writer thread
 
     def _prefetch(self, seq: Sequence, runner_ups: list[tuple[int, ColdBlock]]) -> None:
         """Ask the store to stage stored runner-ups (first block, block) not attended and not asked
@@ -300,7 +299,8 @@ class ColdPlanner:
             seq = outcome.owner
             assert isinstance(seq, Sequence)
             if outcome.degraded is not None and outcome.operation is not Operation.PREFETCH:
-                # a failed prefetch costs the request nothing; the store's failure is the backoff's
+                # a failed prefetch leaves the request's attention as it was (not a degradation);
+                # like any failed call, it starts the loads' backoff
                 self._degrade(seq, outcome.operation, outcome.degraded, outcome.detail)
             if outcome.operation is Operation.LOAD_PREFIX:
                 self._prefix_loaded(seq, outcome, ready)
