@@ -29,6 +29,7 @@ from services.engine.kv.prefix_fetch import StagingLease
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.cold_planner import ColdPlanner
+from services.engine.scheduling.intent_class import DEFAULT_CLASS, IntentClass, IntentClasses
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.sequence import RequestId, Sequence
 from services.engine.serving.generation_result import GenerationResult, ResultCollector
@@ -448,3 +449,33 @@ def test_a_load_sent_to_tensor_parallel_followers_carries_its_blocks_and_no_leas
     kv = torch.arange(6, dtype=torch.bfloat16).view(1, 1, 2, 3, 1, 1)
     sent = pickle.loads(pickle.dumps(ColdLoad((7,), kv, StagingLease())))
     assert sent.lease is None and sent.hot_block_ids == (7,) and torch.equal(sent.kv, kv)
+
+
+def test_a_request_that_expires_in_the_queue_lets_its_loaded_prefix_go(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """Its prefix came back, but the batch was full and its queue timeout ran out: the kept host
+    buffer must be free for the next hit, not held by a request that will never read it."""
+    cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
+    first = load_engine(stories_hf_dir, cold)
+    prompt = long_prompt(first)
+    store_prefix(first, prompt)
+    impatient = IntentClasses({DEFAULT_CLASS: IntentClass(DEFAULT_CLASS, queue_timeout_s=1e-9)})
+    second = LLMEngine.load(
+        stories_hf_dir, device="cpu", dtype="bfloat16", max_batch_size=1, max_seq_len=512, progress=False,
+        kv=KVCacheSpec(block_size=BLOCK_SIZE), cold=cold, classes=impatient,
+    )  # fmt: skip
+    assert second.cold is not None
+    busy = ResultCollector([1, 2, 3])
+    second.submit([1, 2, 3], SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True), busy)
+    second.step()  # the only batch slot is taken
+    waiting = ResultCollector(prompt)
+    second.submit(prompt, GREEDY, waiting)
+    while not waiting.done.is_set():
+        second.step()
+        second.cold.tier.flush()
+    assert waiting.result().error is not None  # expired in the queue
+    lease = second.cold.tier._prefixes._staging_lease
+    assert lease is not None and lease.is_released()  # the hit's hold on the buffer ended with it
+    second.stop()
+    first.stop()
