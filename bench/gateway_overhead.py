@@ -109,13 +109,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
-def start_mesh(state_dir: Path, model: str, **env: str) -> Mesh:
-    """A mesh with high tenant limits, so the benchmark measures work, not refusals."""
+def start_mesh(state_dir: Path, model: str, otlp_endpoint: str | None = None, **env: str) -> Mesh:
+    """A mesh with high tenant limits, so the benchmark measures work, not refusals; its spans go
+    to `otlp_endpoint` when one is given."""
     tenants = state_dir / "tenants.json"
     tenants.parent.mkdir(parents=True, exist_ok=True)
     tenants.write_text(json.dumps(HIGH_LIMITS))
     settings = {"THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants), "THERMOCLINE_LOG_LEVEL": "WARNING", **env}
-    config = MeshConfig(model=model, state_dir=state_dir, ports=Ports.free(), env=settings)
+    config = MeshConfig(
+        model=model, state_dir=state_dir, ports=Ports.free(), env=settings, otlp_endpoint=otlp_endpoint
+    )
     mesh = Mesh(config)
     mesh.start()
     return mesh

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -30,15 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from bench.machine import cpu_name
+from bench.gateway_overhead import percentile, start_mesh
+from bench.machine import cpu_name, git_commit
 from services.cli.client import build_request, call_metadata, collect, stream_generate
-from services.cli.mesh import Mesh, MeshConfig, Ports
 from services.cli.trace_collector import GATEWAY_GENERATE, CollectedSpan, TraceCollector
 from services.engine.model.registry import resolve_model
 from services.gateway.tokens import mint_token
 
 POLICIES = ("strict", "growing", "trailing")
-HIGH_LIMITS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
 PROMPT = "Once upon a time"
 WARM_UP = 5
 
@@ -69,19 +66,12 @@ def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) ->
     """Per request: the gateway span, the gateway's own time and each call's time, in ms."""
     samples: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="gateway-spans-") as tmp:
-        state = Path(tmp)
-        tenants = state / "tenants.json"
-        tenants.write_text(json.dumps(HIGH_LIMITS))
-        env = {
-            "THERMOCLINE_LOG_LEVEL": "WARNING",
-            "THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants),
-            "THERMOCLINE_GATEWAY_OUTPUT_RELEASE": policy,
-        }
-        config = MeshConfig(
-            model=str(resolve_model("stories260k")), state_dir=state, ports=Ports.free(),
-            otlp_endpoint=collector.endpoint, env=env, startup_timeout_s=300,
-        )  # fmt: skip
-        with Mesh(config) as mesh, grpc.insecure_channel(mesh.target("gateway")) as channel:
+        model = str(resolve_model("stories260k"))
+        release = {"THERMOCLINE_GATEWAY_OUTPUT_RELEASE": policy}
+        with (
+            start_mesh(Path(tmp), model, otlp_endpoint=collector.endpoint, **release) as mesh,
+            grpc.insecure_channel(mesh.target("gateway")) as channel,
+        ):
             token = mint_token(mesh.private_key_path.read_bytes(), subject="bench", tenant="acme")
             metadata = call_metadata(token)
             request = build_request(PROMPT, max_tokens=args.max_tokens)
@@ -99,11 +89,6 @@ def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) ->
     return samples
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
-
-
 def table(results: dict[str, dict[str, list[float]]]) -> str:
     lines = [
         "| policy | span | requests | p50 ms | p90 ms | p99 ms |",
@@ -111,7 +96,7 @@ def table(results: dict[str, dict[str, list[float]]]) -> str:
     ]
     for policy, samples in results.items():
         for name, values in samples.items():
-            p50, p90, p99 = (percentile(values, q) for q in (0.5, 0.9, 0.99))
+            p50, p90, p99 = (percentile(values, q) for q in (50, 90, 99))
             lines.append(f"| {policy} | {name} | {len(values)} | {p50:.2f} | {p90:.2f} | {p99:.2f} |")
     return "\n".join(lines)
 
@@ -130,8 +115,7 @@ def main() -> None:
         results = {policy: measure(policy, args, collector) for policy in args.policies}
     finally:
         collector.stop()
-    git = ["git", "rev-parse", "--short", "HEAD"]
-    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     text = "\n".join(
         [
             "# The gateway's own time per request, from its spans",

@@ -16,7 +16,6 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.machine import cpu_name
+from bench.machine import cpu_name, git_commit
 from tests.kvstore.conftest import KVStoreProcess, RedisServer, raw_block
 
 
@@ -89,9 +88,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here too")
     args = parser.parse_args()
     rows = measure(args)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = git_commit()
     load = os.getloadavg()[0]
     text = "\n".join(
         [
