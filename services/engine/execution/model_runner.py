@@ -17,7 +17,7 @@ from services.engine.attention.probe import AttentionProbe, probe_layer
 from services.engine.attention.reference import ReferenceBackend
 from services.engine.execution.cuda_graphs import DecodeGraphs
 from services.engine.kv.block_table import BlockTable, WarmGroups
-from services.engine.kv.cache import KVCache, WarmCopy
+from services.engine.kv.cache import KVCache, WarmCopy, queued_copies
 from services.engine.kv.cold_moves import ColdMoves, ColdStore, ColdSummaries, ScoreRow
 from services.engine.kv.cold_tier import BlockToStore, ColdTier, Job, Operation
 from services.engine.model.llama import LlamaModel
@@ -371,11 +371,8 @@ def _to_host(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _device_copies_done(device: torch.device) -> Callable[[], None] | None:
     """What the kvstore writer waits on before it reads host copies queued so far (CUDA: an event)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))  # the engine's GPU, which need not be the current one
-    return event.synchronize
+    event = queued_copies(device)
+    return None if event is None else event.synchronize
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -402,25 +402,19 @@ class KVCache:
 
     def write_loaded(self, loads: list[ColdLoad]) -> None:
         """Write blocks back from the kvstore into their hot blocks, all layers (changes state)."""
+        device = self.hot.keys.device
         for load in loads:
-            if self.hot.keys.device.type == "cpu":
-                try:
-                    self._copy_blocks(load.hot_block_ids, load.kv)
-                finally:
-                    if load.lease is not None:
-                        load.lease.drop()  # copied (or failed) already
-                continue
-            device = self.hot.keys.device
-            step = max(1, LOAD_CHUNK_BYTES // (load.kv[0].numel() * load.kv.element_size()))
             try:
+                if device.type == "cpu":
+                    self._copy_blocks(load.hot_block_ids, load.kv)
+                    continue
+                step = max(1, LOAD_CHUNK_BYTES // (load.kv[0].numel() * load.kv.element_size()))
                 for start in range(0, len(load.hot_block_ids), step):
                     chunk = load.kv[start : start + step].to(device, non_blocking=True)
                     self._scatter_blocks(load.hot_block_ids[start : start + step], chunk)
-            finally:
-                if load.lease is not None:  # the host buffer is free once the copies queued have run
-                    copied = torch.cuda.Event()
-                    copied.record(torch.cuda.current_stream(device))  # the cache's GPU, not the current one
-                    load.lease.drop(copied)
+            finally:  # the host buffer is free once the copies queued (or failed) have run
+                if load.lease is not None:
+                    load.lease.drop(queued_copies(device))
 
     def _copy_blocks(self, block_ids: tuple[BlockId, ...], kv: torch.Tensor) -> None:
         """On the host, block by block: an index_put would convert the dtype into a temporary first
@@ -435,3 +429,13 @@ class KVCache:
         dtype = self.hot.keys.dtype
         self.hot.keys[:, index] = kv[:, :, 0].transpose(0, 1).to(dtype)  # [L, n, BS, KVH, D]
         self.hot.values[:, index] = kv[:, :, 1].transpose(0, 1).to(dtype)
+
+
+def queued_copies(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the work queued so far on `device`'s current stream (None on the CPU, where
+    copies are done when they return). Recorded on `device`, which need not be the current GPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -369,10 +369,9 @@ class ColdTier:
         transfer = dataclasses.replace(call, timeout_s=self.config.transfer_deadline_ms / 1000)
         fetched = self._prefixes.fetch(job.hashes, job.layout, call, transfer)
         loaded = fetched.kv if len(fetched.kv) else None
-        lease: StagingLease | None = fetched.lease
         if loaded is None:
             fetched.lease.drop()  # nothing landed: nobody reads the buffer
-            lease = None
+        lease = fetched.lease if loaded is not None else None
         if fetched.first_bad is None:
             return Outcome(
                 job.operation, job.owner, prefix_kv=loaded, num_read_locally=fetched.num_read_locally,
