@@ -95,8 +95,9 @@ class StagingLease:
             event.synchronize()
 
     def __reduce__(self) -> tuple[object, tuple[()]]:
-        # A step plan carries its loads to the TP followers: they get a copy of the blocks (read
-        # before rank 0 drops its hold) and no lease, which stays with rank 0's buffer.
+        # Step plans are pickled to TP followers. The cold tier runs at TP 1 only today (LLMEngine.load
+        # turns it off above), but a load that does travel carries a copy of its blocks (read before
+        # rank 0 drops its hold) and no lease, which stays with rank 0's buffer and its lock.
         return _no_lease, ()
 
 
