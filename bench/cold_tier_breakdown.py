@@ -6,7 +6,8 @@ engine (a new replica) that loads it. The hit's phases are timed by wrapping the
 carry them out, on whichever thread runs them:
 
 - loader thread: the Lookup (or LocateBlocks), the block fetch (the GetBlocks stream, or the
-  same-host reads and their CRC checks), and at older commits the decode of each block;
+  same-host reads and their CRC checks), the copies into the KV cache (since they moved onto the
+  loader thread, a piece at a time), and at older commits the decode of each block;
 - engine thread: taking the outcome, placing the blocks (`attach_prefix`), the copy into the KV
   cache (`write_loaded`), and the forward (its first call is the prefill of the last block);
 - the store side, in this process on the same segment files: reading the records (pread) and
@@ -101,6 +102,10 @@ def instrument() -> None:
         (kvstore_api.KVStoreClient, "get_into", "fetch: GetBlocks stream into the buffer"),
         (prefix_fetch.PrefixFetcher, "_host_buffer", "fetch: allocate the host buffer"),
         (segment_reader.SegmentReader, "read_run", "fetch: same-host reads + CRC"),
+        (prefix_fetch.PrefixFetcher, "_read_locally", "fetch: locate, read, copy, a piece at a time"),
+        (getattr(segment_reader, "PendingRun", None), "wait", "fetch: wait for a piece's reads"),
+        (getattr(cache, "PrefixWriter", None), "write", "fetch: queue a piece's device copies"),
+        (getattr(cache, "PrefixWriter", None), "finish", "fetch: wait for the device copies"),
         (cold_tier, "_decode", "decode blocks into tensors"),
         (cold_planner.ColdPlanner, "take_ready", "take outcomes (engine thread)"),
         (cold_planner.ColdPlanner, "attach_prefix", "attach_prefix (engine thread)"),

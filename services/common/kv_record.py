@@ -47,9 +47,17 @@ def record_crc(
 
     zlib releases the GIL on large buffers, so readers can check payloads on several threads.
     """
-    crc = zlib.crc32(fixed)
-    crc = zlib.crc32(variable, crc)
-    crc = zlib.crc32(payload, crc)
+    return place_crc(zlib.crc32(payload, header_crc(fixed, variable)), segment_id, offset)
+
+
+def header_crc(fixed: bytes, variable: bytes) -> int:
+    """The running CRC after a record's header: continue it over the payload with `zlib.crc32`
+    (in pieces, as they are read), then end it with `place_crc`."""
+    return zlib.crc32(variable, zlib.crc32(fixed))
+
+
+def place_crc(crc: int, segment_id: int, offset: int) -> int:
+    """The record's checksum: the running CRC over header and payload, ended with its place."""
     return zlib.crc32(_PLACE.pack(segment_id, offset), crc)
 
 
@@ -100,6 +108,10 @@ class RecordHeader:
         """Whether `payload` completes this header into the intact record at this place."""
         crc = record_crc(self.zeroed_fixed, self.variable, payload, segment_id, offset)
         return crc == self.checksum
+
+    def running_crc(self) -> int:
+        """The CRC over this header, to continue over the payload (`header_crc`)."""
+        return header_crc(self.zeroed_fixed, self.variable)
 
 
 def parse_header(head: bytes | bytearray | memoryview) -> RecordHeader:

@@ -221,6 +221,10 @@ class KVCache:
         # device; the runner takes these into the next step's plan and every rank performs them.
         self.pending_warm_copies: list[WarmCopy] = []
         self.pending_cold = ColdMoves()  # the same for the cold tier (stores and loads)
+        # A loaded prefix's copies (PrefixWriter, on the kvstore loader thread): their stream, and the
+        # device buffer each chunk lands in before its scatter; both made on the first prefix hit.
+        self._load_stream: torch.cuda.Stream | None = None
+        self._landing: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -404,17 +408,30 @@ class KVCache:
         """Write blocks back from the kvstore into their hot blocks, all layers (changes state)."""
         device = self.hot.keys.device
         for load in loads:
-            try:
-                if device.type == "cpu":
-                    self._copy_blocks(load.hot_block_ids, load.kv)
-                    continue
-                step = max(1, LOAD_CHUNK_BYTES // (load.kv[0].numel() * load.kv.element_size()))
-                for start in range(0, len(load.hot_block_ids), step):
-                    chunk = load.kv[start : start + step].to(device, non_blocking=True)
-                    self._scatter_blocks(load.hot_block_ids[start : start + step], chunk)
-            finally:  # the host buffer is free once the copies queued (or failed) have run
-                if load.lease is not None:
-                    load.lease.drop(queued_copies(device))
+            if device.type == "cpu":
+                self._copy_blocks(load.hot_block_ids, load.kv)
+                continue
+            step = max(1, LOAD_CHUNK_BYTES // (load.kv[0].numel() * load.kv.element_size()))
+            for start in range(0, len(load.hot_block_ids), step):
+                chunk = load.kv[start : start + step].to(device, non_blocking=True)
+                index = torch.tensor(load.hot_block_ids[start : start + step], device=device)
+                self._scatter_blocks(index, chunk)
+
+    def prefix_writer(self, block_ids: tuple[BlockId, ...]) -> PrefixWriter:
+        """A writer of a loaded prefix into `block_ids` (allocated, and owned by nobody else until the
+        writer has finished), for the kvstore loader thread."""
+        if self.hot.keys.device.type == "cuda" and self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(self.hot.keys.device)
+        return PrefixWriter(self, block_ids, self._load_stream)
+
+    def load_landing(self, dtype: torch.dtype) -> torch.Tensor:
+        """The device buffer a loaded prefix's chunks land in, flat, LOAD_CHUNK_BYTES (at least one
+        block); made once, by the first writer to need it, and kept."""
+        block_bytes = self.hot.keys[:, 0].numel() * 2 * dtype.itemsize
+        size = max(LOAD_CHUNK_BYTES, block_bytes) // dtype.itemsize
+        if self._landing is None or self._landing.dtype != dtype or len(self._landing) < size:
+            self._landing = torch.empty(size, dtype=dtype, device=self.hot.keys.device)
+        return self._landing
 
     def _copy_blocks(self, block_ids: tuple[BlockId, ...], kv: torch.Tensor) -> None:
         """On the host, block by block: an index_put would convert the dtype into a temporary first
@@ -423,12 +440,67 @@ class KVCache:
             self.hot.keys[:, block_id].copy_(block_kv[:, 0])
             self.hot.values[:, block_id].copy_(block_kv[:, 1])
 
-    def _scatter_blocks(self, block_ids: tuple[BlockId, ...], kv: torch.Tensor) -> None:
-        """On the device, one scatter per tensor: kv `[n, L, 2, BS, KVH, D]` already there."""
-        index = torch.tensor(block_ids, device=self.hot.keys.device)
+    def _scatter_blocks(self, index: torch.Tensor, kv: torch.Tensor) -> None:
+        """On the device, one scatter per tensor: kv `[n, L, 2, BS, KVH, D]` into blocks `index`
+        `[n]`, both already there."""
         dtype = self.hot.keys.dtype
         self.hot.keys[:, index] = kv[:, :, 0].transpose(0, 1).to(dtype)  # [L, n, BS, KVH, D]
         self.hot.values[:, index] = kv[:, :, 1].transpose(0, 1).to(dtype)
+
+
+class PrefixWriter:
+    """Writes a prefix's blocks into their hot blocks, piece by piece, as the kvstore loader thread
+    gets them off the store: `write` block-major pieces `[n, L, 2, BS, KVH, D]` (BF16 on the host,
+    pinned for a CUDA engine), then `finish`, after which every write has landed and the host pieces
+    may be reused.
+
+    On a GPU the copies run on a stream of their own, through one landing buffer of LOAD_CHUNK_BYTES
+    on the device (a chunk goes up, then is scattered into its blocks), so the copy of one piece
+    overlaps the reads of the next and a hit pays only for the last piece's copy. The blocks are the
+    writer's alone while it writes (nothing maps them yet), so nothing on the engine's stream
+    touches them; the engine maps them only after `finish`. On the CPU a write copies at once.
+    """
+
+    def __init__(
+        self, cache: KVCache, block_ids: tuple[BlockId, ...], stream: torch.cuda.Stream | None
+    ) -> None:
+        self.block_ids = block_ids
+        self._cache = cache
+        self._stream = stream
+        self._landing: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None  # block_ids on the device (made on the first write)
+
+    def write(self, first: int, kv: torch.Tensor) -> None:
+        """Blocks `[first, first + n)` of the prefix, `kv` `[n, L, 2, BS, KVH, D]` on the host; the
+        host memory must stay as it is until `finish`."""
+        block_ids = self.block_ids[first : first + len(kv)]
+        if not block_ids:
+            return
+        if self._stream is None:
+            self._cache._copy_blocks(block_ids, kv)
+            return
+        with torch.cuda.stream(self._stream):
+            if self._index is None:  # from pinned memory: the copy queues, the thread goes on
+                ids = torch.tensor(self.block_ids, dtype=torch.long).pin_memory()
+                self._index = ids.to(self._cache.hot.keys.device, non_blocking=True)
+            step = max(1, LOAD_CHUNK_BYTES // (kv[0].numel() * kv.element_size()))
+            for start in range(0, len(block_ids), step):
+                part = kv[start : start + step]
+                landing = self._landing_for(part)
+                landing.copy_(part, non_blocking=True)
+                index = self._index[first + start : first + start + len(part)]
+                self._cache._scatter_blocks(index, landing)
+
+    def _landing_for(self, part: torch.Tensor) -> torch.Tensor:
+        """A device view shaped like `part` over the landing buffer (allocated on the first write)."""
+        if self._landing is None:
+            self._landing = self._cache.load_landing(part.dtype)
+        return self._landing[: part.numel()].view(part.shape)
+
+    def finish(self) -> None:
+        """Block until every write has landed in the cache."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
 
 def queued_copies(device: torch.device) -> torch.cuda.Event | None:

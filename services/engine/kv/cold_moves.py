@@ -20,7 +20,6 @@ from services.common.kvstore_api import BlockHash, Codec
 from services.engine.kv.block_pool import BlockId
 from services.engine.kv.block_table import WarmGroupId
 from services.engine.kv.cold_tier import Operation
-from services.engine.kv.prefix_fetch import StagingLease
 
 if TYPE_CHECKING:
     from services.engine.scheduling.sequence import Sequence
@@ -45,15 +44,13 @@ class ColdStore:
 
 @dataclass(frozen=True)
 class ColdLoad:
-    """Write blocks that came back from the store into hot blocks `[n]`: `kv` `[n, L, 2, BS, KVH, D]`.
-
-    Block-major, as prompt blocks are stored: a loaded prefix is one contiguous host buffer (pinned
-    for a CUDA engine), so it reaches the device in one copy and is scattered there.
+    """Write an auxiliary window's blocks that came back from the store into hot blocks `[n]`:
+    `kv` `[n, L, 2, BS, KVH, D]`, on the host; the runner copies them in on every rank. (A loaded
+    prefix does not come this way: the loader thread writes it itself, `KVCache.prefix_writer`.)
     """
 
     hot_block_ids: tuple[BlockId, ...]
     kv: torch.Tensor
-    lease: StagingLease | None = None  # a loaded prefix's buffer: dropped once the copies are queued
 
     @classmethod
     def of_tokens(

@@ -60,7 +60,7 @@ from services.common.kvstore_api import (
     MissReason,
     Namespace,
 )
-from services.engine.kv.prefix_fetch import PrefixFetcher, PrefixLayout, StagingLease
+from services.engine.kv.prefix_fetch import PrefixFetcher, PrefixLayout, PrefixSink
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +182,8 @@ class Outcome:
     loaded: tuple[LoadedBlock, ...] = ()
     degraded: Degradation | None = None
     detail: str = ""
-    prefix_kv: torch.Tensor | None = None  # LOAD_PREFIX: its leading run of blocks `[n, L, 2, BS, KVH, D]`
+    prefix_blocks: int = 0  # LOAD_PREFIX: its leading run of blocks, written into the job's sink
     num_read_locally: int = 0  # LOAD_PREFIX: of those, blocks read from the segment files directly
-    prefix_lease: StagingLease | None = None  # LOAD_PREFIX: `prefix_kv`'s buffer, held for the taker
 
 
 class BlockToStore(NamedTuple):
@@ -208,6 +207,7 @@ class Job:
     blocks: tuple[BlockToStore, ...] = ()
     ready: Callable[[], None] | None = None  # waits for the device copies of `blocks` (CUDA event)
     layout: PrefixLayout | None = None  # LOAD_PREFIX: how its blocks land on the host
+    sink: PrefixSink | None = None  # LOAD_PREFIX: where they go (hot blocks allocated for them)
 
 
 class ColdTier:
@@ -364,22 +364,21 @@ class ColdTier:
         return Outcome(job.operation, job.owner, stored=(*result.stored, *result.duplicates))
 
     def _load_prefix(self, job: Job, call: CallOptions) -> Outcome:
-        """The longest run of `job.hashes` the store holds and serves intact, from the first."""
-        assert job.layout is not None, "a prefix load says how its blocks land"
+        """Write the longest run of `job.hashes` the store holds and serves intact, from the first,
+        into the job's sink; the outcome comes once it has all landed."""
+        assert job.layout is not None and job.sink is not None, "a prefix load says where its blocks go"
         transfer = dataclasses.replace(call, timeout_s=self.config.transfer_deadline_ms / 1000)
-        fetched = self._prefixes.fetch(job.hashes, job.layout, call, transfer)
-        loaded = fetched.kv if len(fetched.kv) else None
-        if loaded is None:
-            fetched.lease.drop()  # nothing landed: nobody reads the buffer
-        lease = fetched.lease if loaded is not None else None
+        fetched = self._prefixes.fetch(job.hashes, job.layout, job.sink, call, transfer)
         if fetched.first_bad is None:
             return Outcome(
-                job.operation, job.owner, prefix_kv=loaded, num_read_locally=fetched.num_read_locally,
-                prefix_lease=lease,
-            )  # fmt: skip
+                job.operation,
+                job.owner,
+                prefix_blocks=fetched.num_blocks,
+                num_read_locally=fetched.num_read_locally,
+            )
         return Outcome(
-            job.operation, job.owner, degraded=Degradation.CORRUPT, prefix_kv=loaded,
-            num_read_locally=fetched.num_read_locally, prefix_lease=lease,
+            job.operation, job.owner, degraded=Degradation.CORRUPT, prefix_blocks=fetched.num_blocks,
+            num_read_locally=fetched.num_read_locally,
             detail=f"block {fetched.first_bad[:16]} missing or corrupt: the loaded prefix ends before it",
         )  # fmt: skip
 

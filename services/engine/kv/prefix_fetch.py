@@ -1,23 +1,26 @@
-"""A new prompt's stored prefix, fetched from the kvstore into one block-major host buffer.
+"""A new prompt's stored prefix, fetched from the kvstore and written into the hot blocks that wait
+for it, piece by piece as it comes.
 
 A prefix hit is one long read: every stored prompt block of a prompt, in order, BF16 (CODEC_RAW).
-Its blocks land in one buffer `[n, L, 2, BS, KVH, D]` (pinned for a CUDA engine), each payload
-written in place, so the engine thread gets a view it copies to the device once and scatters there;
-no block becomes a Python object or a tensor of its own.
+Its blocks land in one block-major host buffer `[n, L, 2, BS, KVH, D]` (pinned for a CUDA engine),
+each payload written in place (no block becomes a Python object or a tensor of its own), and go on
+to the device in pieces of PIECE_BLOCKS: a `PrefixSink` (services/engine/kv/cache.py's
+PrefixWriter) copies each piece into its hot blocks as soon as its reads are done, while the next
+pieces are still being located and read. The blocks reach the cache with the last read, not one
+whole copy after it.
 
-The buffer is the fetcher's for the engine's life (`reserve`, at start-up, sized for a
+The host buffer is the fetcher's for the engine's life (`reserve`, at start-up, sized for a
 `max_seq_len` prompt): page-locking it per hit cost 1.7 of a 2.2 s hit of a 32K-token 8B prefix
-on the H200 (bench/results/cold_tier_h200_2026-12-03_breakdown.md). A hit's blocks are a view of
-it, handed to the engine thread with a `StagingLease`; the next hit reuses the buffer only once
-the lease says nobody reads the view any more (the sequence let the prefix go, and the device
-copies out of it have run). A hit that finds it still leased, or too small, gets a buffer of its
-own, as every hit did before.
+on the H200 (bench/results/cold_tier_h200_2026-12-03_breakdown.md). A fetch returns only once every
+copy out of it has landed, so the next fetch (the same loader thread) may write it again at once. A
+prefix longer than the kept buffer gets a buffer of its own.
 
 Two ways in, the first preferred when it is on (`ColdTierConfig.local_reads`):
-- **same-host reads:** LocateBlocks (which also says which blocks are present: it replaces the
-  Lookup) gives each record's place; the engine reads the segment files itself on a pool of
-  threads and checks every record (services/common/segment_reader.py). From the first record
-  that fails (a stale location, a file it cannot see, a flipped byte), the rest goes by the stream;
+- **same-host reads:** LocateBlocks, a piece at a time (which also says which blocks are present:
+  it replaces the Lookup), gives each record's place; the engine reads the segment files itself on
+  a pool of threads and checks every record (services/common/segment_reader.py). From the first
+  record that fails (a stale location, a file it cannot see, a flipped byte), the rest goes by the
+  stream;
 - **the GetBlocks stream:** Lookup, then each chunk's bytes copied straight into the buffer.
 A store that refuses locations (not set to hand them out, or too old to know the RPC) turns
 same-host reads off for this engine's life, after one warning.
@@ -28,22 +31,26 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import grpc
 import torch
 
 from services.common.kvstore_api import BlockLocation, CallOptions, Codec, KVStoreClient, MissReason
-from services.common.segment_reader import ExpectedRecord, SegmentReader
+from services.common.segment_reader import ExpectedRecord, PendingRun, SegmentFiles, SegmentReader
 
 logger = logging.getLogger(__name__)
 
 MAX_READ_THREADS = 16  # same-host readers; page-cache copies and CRCs scale about to the core count
 REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)  # no locations here
 BF16_BYTES = 2
+# Blocks located, read and handed to the sink as one piece: 128 blocks of the 8B shape are 268 MB,
+# about 20 ms of same-host reads on the H200 (so the first copy starts early) and one LocateBlocks
+# call of a few ms (so the reads start early).
+PIECE_BLOCKS = 128
 
 
 @dataclass(frozen=True)
@@ -59,59 +66,31 @@ class PrefixLayout:
         return math.prod(self.block_shape) * BF16_BYTES
 
 
-class StagingLease:
-    """Who still reads a fetched prefix's host buffer: the sequence that holds it (from the fetch)
-    and each load queued out of it (`hold`), each until it `drop`s. The buffer may be written again
-    once nobody holds it and the device copies out of it that were dropped with an event have run.
-    Any thread may call it; a holder that never drops only costs the next hit a buffer of its own."""
+class PrefixSink(Protocol):
+    """Where a fetched prefix's blocks go (the KV cache's hot blocks, `KVCache.prefix_writer`)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 1  # the fetch's own, passed to the sequence that takes the prefix
-        self._copies: list[torch.cuda.Event] = []
+    def write(self, first: int, kv: torch.Tensor) -> None:
+        """Blocks `[first, first + n)` of the prefix, `kv` `[n, *block_shape]` on the host; the host
+        memory stays as it is until `finish`."""
 
-    def hold(self) -> None:
-        """One more reader (a load queued out of the buffer)."""
-        with self._lock:
-            self._holders += 1
-
-    def drop(self, copied: torch.cuda.Event | None = None) -> None:
-        """A reader is done; `copied`: its device copies are queued and end with this event."""
-        with self._lock:
-            self._holders -= 1
-            if copied is not None:
-                self._copies.append(copied)
-
-    def is_released(self) -> bool:
-        """Nobody holds the buffer (its copies may still be running: `wait_for_copies`)."""
-        with self._lock:
-            return self._holders <= 0
-
-    def wait_for_copies(self) -> None:
-        """Block until the device copies out of the buffer have run."""
-        with self._lock:
-            copies, self._copies = self._copies, []
-        for event in copies:
-            event.synchronize()
-
-    def __reduce__(self) -> tuple[object, tuple[()]]:
-        # Step plans are pickled to TP followers. The cold tier runs at TP 1 only today (LLMEngine.load
-        # turns it off above), but a load that does travel carries a copy of its blocks (read before
-        # rank 0 drops its hold) and no lease, which stays with rank 0's buffer and its lock.
-        return _no_lease, ()
-
-
-def _no_lease() -> None:
-    return None
+    def finish(self) -> None:
+        """Block until every write has landed."""
 
 
 class FetchedPrefix(NamedTuple):
-    """The leading run of a prompt's blocks that came back intact, and how."""
+    """The leading run of a prompt's blocks that came back intact and went to the sink, and how."""
 
-    kv: torch.Tensor  # [n, L, 2, BS, KVH, D] BF16 on the host
+    num_blocks: int  # blocks `[0, n)` of the hashes asked for, written into the sink
     num_read_locally: int  # of the n, read from the segment files by this process
     first_bad: str | None  # the first present block not served intact (it ends the run); None: none
-    lease: StagingLease  # the holder of `kv`'s buffer (the caller's until it drops it)
+
+
+class _Piece(NamedTuple):
+    """One piece's reads in flight: blocks `[start, start + count)` of the prefix."""
+
+    start: int
+    num_blocks: int
+    reads: PendingRun
 
 
 class PrefixFetcher:
@@ -122,7 +101,6 @@ class PrefixFetcher:
         self.local_reads = local_reads
         self._reader = SegmentReader(min(MAX_READ_THREADS, os.cpu_count() or 1)) if local_reads else None
         self._staging: torch.Tensor | None = None  # [capacity, *block_shape], kept (`reserve`)
-        self._staging_lease: StagingLease | None = None  # of the last hit served from it
 
     def reserve(self, num_blocks: int, layout: PrefixLayout) -> None:
         """Keep a host buffer for prefixes of up to `num_blocks` blocks (pinned for a CUDA engine);
@@ -133,41 +111,104 @@ class PrefixFetcher:
             )
 
     def fetch(
-        self, hashes: Sequence[str], layout: PrefixLayout, call: CallOptions, transfer: CallOptions
+        self,
+        hashes: Sequence[str],
+        layout: PrefixLayout,
+        sink: PrefixSink,
+        call: CallOptions,
+        transfer: CallOptions,
     ) -> FetchedPrefix:
-        """The longest run of `hashes`, from the first, that the store holds and serves intact.
-        `call` bounds the lookup, `transfer` the reads."""
-        locations = self._locate(hashes, call) if self.local_reads else None
-        if locations is None:
-            present = set(self.client.lookup(list(hashes), call))
-        else:
-            present = {b.block_hash for b in locations}
-        run = _leading(hashes, present)
-        kv, lease = self._host_buffer(len(run), layout)
+        """Write the longest run of `hashes`, from the first, that the store holds and serves
+        intact into `sink`; returns once all of it has landed. `call` bounds each lookup, `transfer`
+        the reads."""
+        kv = self._host_buffer(len(hashes), layout)
+        payloads = _payload_views(kv, layout.payload_bytes)
         try:
-            payloads = _payload_views(kv, layout.payload_bytes)
-            num_local = (
-                self._read_locally(_in_order(run, locations), payloads, transfer, layout) if locations else 0
+            num_local: int = 0
+            stream_from: int | None = 0  # with no same-host reads, the stream serves it all
+            if self.local_reads:
+                num_local, stream_from = self._read_locally(
+                    hashes, kv, payloads, sink, layout, call, transfer
+                )
+            if stream_from is None:
+                return FetchedPrefix(num_local, num_local, None)
+            num_streamed, first_bad = self._stream(
+                hashes[stream_from:], payloads[stream_from:], call, transfer
             )
-            num_good = num_local + self._stream(run[num_local:], payloads[num_local:], transfer)
-        except BaseException:
-            lease.drop()  # nobody will read what landed
-            raise
-        first_bad = run[num_good] if num_good < len(run) else None
-        return FetchedPrefix(kv[:num_good], num_local, first_bad, lease)
+            if num_streamed:
+                sink.write(stream_from, kv[stream_from : stream_from + num_streamed])
+            return FetchedPrefix(stream_from + num_streamed, num_local, first_bad)
+        finally:  # nothing reads the host buffer once this returns, and the blocks are in place
+            sink.finish()
 
-    def _host_buffer(self, num_blocks: int, layout: PrefixLayout) -> tuple[torch.Tensor, StagingLease]:
-        """Where `num_blocks` blocks land, `[n, *block_shape]` BF16, and its lease: the kept buffer
-        when it fits and nobody reads it any more, else a new one (pinned for a CUDA engine)."""
-        staging, last = self._staging, self._staging_lease
-        fits = staging is not None and staging.shape[1:] == layout.block_shape and num_blocks <= len(staging)
-        if staging is not None and fits and (last is None or last.is_released()):
-            if last is not None:
-                last.wait_for_copies()
-            self._staging_lease = StagingLease()
-            return staging[:num_blocks], self._staging_lease
+    def _host_buffer(self, num_blocks: int, layout: PrefixLayout) -> torch.Tensor:
+        """Where `num_blocks` blocks land, `[n, *block_shape]` BF16: the kept buffer when it fits,
+        else a new one (pinned for a CUDA engine)."""
+        staging = self._staging
+        if staging is not None and staging.shape[1:] == layout.block_shape and num_blocks <= len(staging):
+            return staging[:num_blocks]
         shape = (num_blocks, *layout.block_shape)
-        return torch.empty(shape, dtype=torch.bfloat16, pin_memory=layout.pin_memory), StagingLease()
+        return torch.empty(shape, dtype=torch.bfloat16, pin_memory=layout.pin_memory)
+
+    def _read_locally(
+        self,
+        hashes: Sequence[str],
+        kv: torch.Tensor,
+        payloads: list[memoryview],
+        sink: PrefixSink,
+        layout: PrefixLayout,
+        call: CallOptions,
+        transfer: CallOptions,
+    ) -> tuple[int, int | None]:
+        """Locate and read the prefix a piece at a time, each piece going to the sink once its reads
+        are done (while later pieces are located and read). Returns how many leading blocks were
+        read intact and written, and where the stream must go on from (None: the run ended there)."""
+        assert self._reader is not None
+        namespace = transfer.namespace or self.client.namespace
+        expected = ExpectedRecord(namespace.tenant, namespace.model, Codec.RAW, layout.block_shape)
+        files = SegmentFiles()
+        pending: deque[_Piece] = deque()
+        written = 0
+        try:
+            for start in range(0, len(hashes), PIECE_BLOCKS):
+                piece = hashes[start : start + PIECE_BLOCKS]
+                locations = self._locate(piece, call)
+                if locations is None:  # refused: the stream serves the rest
+                    written, failed = self._write_done(pending, kv, sink, written, wait=True)
+                    return written, start if failed is None else failed
+                run = _leading(piece, {b.block_hash for b in locations})
+                if run:
+                    reads = self._reader.start(
+                        files, _in_order(run, locations), payloads[start : start + len(run)], expected, start
+                    )
+                    pending.append(_Piece(start, len(run), reads))
+                written, failed = self._write_done(pending, kv, sink, written, wait=False)
+                if failed is not None:
+                    return written, failed
+                if len(run) < len(piece):  # the stored prefix ends in this piece
+                    break
+            written, failed = self._write_done(pending, kv, sink, written, wait=True)
+            return written, failed
+        finally:  # no read still writes into the host buffer once this returns
+            for left in pending:
+                left.reads.wait()
+            files.close()
+
+    @staticmethod
+    def _write_done(
+        pending: deque[_Piece], kv: torch.Tensor, sink: PrefixSink, written: int, wait: bool
+    ) -> tuple[int, int | None]:
+        """Hand the sink each leading piece whose reads are done (all of them, waiting, when `wait`).
+        Returns the blocks written so far, and the first block that failed its read (None: none)."""
+        while pending and (wait or pending[0].reads.done()):
+            start, num_blocks, reads = pending.popleft()
+            num_good = reads.wait()
+            if num_good:
+                sink.write(start, kv[start : start + num_good])
+            written = start + num_good
+            if num_good < num_blocks:
+                return written, written
+        return written, None
 
     def _locate(self, hashes: Sequence[str], call: CallOptions) -> list[BlockLocation] | None:
         """The present blocks' places; None (and same-host reads off) when the store refuses."""
@@ -184,25 +225,17 @@ class PrefixFetcher:
             self.local_reads = False
             return None
 
-    def _read_locally(
-        self,
-        locations: list[BlockLocation],
-        payloads: list[memoryview],
-        transfer: CallOptions,
-        layout: PrefixLayout,
-    ) -> int:
-        """How many leading blocks were read from the segment files intact."""
-        assert self._reader is not None
-        namespace = transfer.namespace or self.client.namespace
-        expected = ExpectedRecord(namespace.tenant, namespace.model, Codec.RAW, layout.block_shape)
-        return self._reader.read_run(locations, payloads[: len(locations)], expected)
-
-    def _stream(self, run: list[str], payloads: list[memoryview], transfer: CallOptions) -> int:
-        """How many leading blocks of `run` the GetBlocks stream served intact, into their payloads."""
+    def _stream(
+        self, hashes: Sequence[str], payloads: list[memoryview], call: CallOptions, transfer: CallOptions
+    ) -> tuple[int, str | None]:
+        """Lookup, then the GetBlocks stream into the payloads: how many leading blocks of `hashes`
+        came back intact, and the first present one that did not (None: none)."""
+        run = _leading(hashes, set(self.client.lookup(list(hashes), call))) if hashes else []
         if not run:
-            return 0
+            return 0, None
         results = self.client.get_into(run, payloads[: len(run)], transfer)
-        return next((i for i, miss in enumerate(results) if isinstance(miss, MissReason)), len(run))
+        num_good = next((i for i, miss in enumerate(results) if isinstance(miss, MissReason)), len(run))
+        return num_good, run[num_good] if num_good < len(run) else None
 
     def close(self) -> None:
         """Stop the reader threads."""

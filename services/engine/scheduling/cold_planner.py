@@ -3,8 +3,11 @@
 Three uses of the kvstore, each falling back to hot + warm when the store is down, slow or wrong:
 - **Prefix reuse.** A computed prompt block is stored raw (BF16) under its content hash (chained,
   tenant-salted). A new prompt waits, off the step loop, for a lookup and a get of its longest
-  stored prefix past what the hot prefix cache holds; those blocks are written into hot blocks
-  instead of being computed.
+  stored prefix past what the hot prefix cache holds. Hot blocks for all of it are allocated when
+  the load starts, and the loader thread writes the blocks into them as they come off the store
+  (services/engine/kv/prefix_fetch.py); the request then maps them instead of computing them. The
+  blocks are the load's alone until its outcome is taken, even when the request is cancelled
+  meanwhile: the loader may still be writing them.
 - **Demotion.** With the auxiliary window on, a warm group that leaves the warm tier is stored
   INT2 instead of being dropped, and its summary key stays in device memory.
 - **The auxiliary window** (Quest). Every `score_every_steps` decode steps, the query of one layer
@@ -19,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.engine import metrics
-from services.engine.kv.block_pool import SCRATCH_BLOCK
+from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId
 from services.engine.kv.block_table import ColdBlock
 from services.engine.kv.cache import ColdSource, KVCache
 from services.engine.kv.cold_moves import ColdLoad, ColdStore, ColdSummaries, ScoreRow
@@ -37,6 +40,15 @@ from services.engine.kv.prefix_fetch import PrefixLayout
 from services.engine.scheduling.sequence import ColdPrefix, RequestId, Sequence
 
 MAX_REMEMBERED_PREFIX_BLOCKS = 1 << 16  # prompt blocks known stored, so they are not put again
+
+
+@dataclass(frozen=True)
+class PrefixLoad:
+    """A prefix load in flight: prompt blocks from `first_block` on, and the hot blocks allocated
+    for them (one each, in order), which the loader thread writes."""
+
+    first_block: int
+    block_ids: tuple[BlockId, ...]
 
 
 @dataclass
@@ -66,7 +78,7 @@ class ColdPlanner:
         self.kv_cache = kv_cache
         self.stats = ColdStats()
         self.num_steps = 0
-        self._loading: dict[RequestId, int] = {}  # request -> first prompt block asked for
+        self._loading: dict[RequestId, PrefixLoad] = {}  # until its outcome is taken (cancelled too)
         self._held: dict[RequestId, Sequence] = {}
         self._window_wanted: dict[RequestId, set[int]] = {}
         self._scored: set[str] = set()  # requests whose window has been scored at least once
@@ -89,29 +101,36 @@ class ColdPlanner:
     # --- prefix reuse --------------------------------------------------------------------------
 
     def start_prefix_load(self, seq: Sequence) -> bool:
-        """Ask the store for the prompt's blocks past the hot cache's; True when `seq` waits for them."""
+        """Ask the store for the prompt's blocks past the hot cache's; True when `seq` waits for them.
+
+        Hot blocks for every block asked for are allocated here, so that the blocks land in place as
+        they come; with no room for them, the prompt is computed (it would need the room anyway).
+        """
         if not self.config.prefix_reuse:
             return False
         max_blocks = (len(seq.prompt_ids) - 1) // self.kv_cache.block_size
         hashes = seq.block_table.prefix_hashes[:max_blocks]
-        first = self.kv_cache.hot.pool.num_cached_prefix(hashes)
-        if first >= len(hashes):
+        pool = self.kv_cache.hot.pool
+        first = pool.num_cached_prefix(hashes)
+        if first >= len(hashes) or not pool.can_allocate(len(hashes) - first):
             return False
         if self.tier.is_backing_off:
             self._degrade(seq, Operation.LOAD_PREFIX, Degradation.UNAVAILABLE, "backing off after a failure")
             return False
-        self._loading[seq.request_id] = first
+        block_ids = tuple(pool.allocate(len(hashes) - first))
+        self._loading[seq.request_id] = PrefixLoad(first, block_ids)
         self._held[seq.request_id] = seq
         names = tuple(BlockHash(h.hex()) for h in hashes[first:])
         job = Job(
-            Operation.LOAD_PREFIX, seq, seq.cache_salt, seq.trace_metadata, names, layout=self._prefix_layout
-        )
+            Operation.LOAD_PREFIX, seq, seq.cache_salt, seq.trace_metadata, names,
+            layout=self._prefix_layout, sink=self.kv_cache.prefix_writer(block_ids),
+        )  # fmt: skip
         self.tier.submit(job)
         return True
 
     def take_held(self, request_id: RequestId) -> Sequence | None:
-        """Stop waiting for a held request's prefix (cancel); its load's outcome is then ignored."""
-        self._loading.pop(request_id, None)
+        """Stop waiting for a held request's prefix (cancel). Its load's blocks are freed when its
+        outcome comes: until then the loader may be writing them."""
         return self._held.pop(request_id, None)
 
     def held(self) -> list[Sequence]:
@@ -119,33 +138,39 @@ class ColdPlanner:
         return list(self._held.values())
 
     def attach_prefix(self, seq: Sequence, num_hot_blocks: int, max_blocks: int) -> int:
-        """Place loaded prompt blocks right after the hot hits; returns how many (changes state)."""
+        """Map loaded prompt blocks right after the hot hits; returns how many (changes state). The
+        blocks become the table's (a later release frees them, registered, as cached blocks); blocks
+        the hot hits already cover are freed."""
         prefix = seq.cold_prefix
         if prefix is None or not prefix.first_block <= num_hot_blocks < prefix.end_block:
+            self._let_go(seq)
             return 0
-        kv = prefix.kv[num_hot_blocks - prefix.first_block : max_blocks - prefix.first_block]  # a view
+        skip = num_hot_blocks - prefix.first_block
+        block_ids = prefix.block_ids[skip : max_blocks - prefix.first_block]
         pool = self.kv_cache.hot.pool
-        if not len(kv) or not pool.can_allocate(len(kv)):
-            return 0
-        block_ids = pool.allocate(len(kv))
+        pool.free([*prefix.block_ids[:skip], *prefix.block_ids[skip + len(block_ids) :]])
+        seq.cold_prefix = None
         table = seq.block_table
         table.hot_block_ids.extend(block_ids)
         for offset, block_id in enumerate(block_ids):
             pool.register(block_id, table.prefix_hashes[num_hot_blocks + offset])
-        if prefix.lease is not None:
-            prefix.lease.hold()  # until the load's copies are queued (KVCache.write_loaded)
-        self.kv_cache.pending_cold.loads.append(ColdLoad(tuple(block_ids), kv, prefix.lease))
-        return len(kv)
+        return len(block_ids)
 
     def on_started(self, seq: Sequence) -> None:
-        """A request was admitted: count what its prefix load saved and let the blocks go."""
+        """A request was admitted: count what its prefix load saved."""
         if seq.num_cold_prompt_tokens:
             self.stats.prompt_tokens_loaded += seq.num_cold_prompt_tokens
             self.stats.prefix_blocks_loaded += seq.num_cold_prompt_tokens // self.kv_cache.block_size
             metrics.COLD_BLOCKS.labels(Operation.LOAD_PREFIX.value).inc(
                 seq.num_cold_prompt_tokens // self.kv_cache.block_size
             )
-        _let_go(seq)
+        self._let_go(seq)
+
+    def _let_go(self, seq: Sequence) -> None:
+        """The sequence will not map its loaded prefix (any more): free the blocks it still holds."""
+        if seq.cold_prefix is not None:
+            self.kv_cache.hot.pool.free(seq.cold_prefix.block_ids)
+        seq.cold_prefix = None
 
     def store_prefix(self, seq: Sequence, indexes: list[int]) -> None:
         """Store newly computed prompt blocks that the store does not hold yet."""
@@ -279,7 +304,7 @@ class ColdPlanner:
 
     def release(self, seq: Sequence) -> None:
         """A request ended: forget its window and delete its demoted blocks from the store."""
-        _let_go(seq)  # ended before it started: its loaded prefix is not read
+        self._let_go(seq)  # ended before it started: its loaded prefix is not mapped
         self._window_wanted.pop(seq.request_id, None)
         self._prefetched.pop(seq.request_id, None)
         self._scored.discard(seq.request_id)
@@ -313,13 +338,15 @@ class ColdPlanner:
         return ready
 
     def _prefix_loaded(self, seq: Sequence, outcome: Outcome, ready: list[Sequence]) -> None:
-        first = self._loading.pop(seq.request_id, None)
-        if self._held.pop(seq.request_id, None) is None or first is None:
-            if outcome.prefix_lease is not None:
-                outcome.prefix_lease.drop()
+        """The loader is done with the load's blocks: the written run waits for the request's
+        admission; the rest (all of it when the request was cancelled meanwhile) goes back."""
+        load = self._loading.pop(seq.request_id)
+        num_blocks = outcome.prefix_blocks if seq.request_id in self._held else 0
+        self.kv_cache.hot.pool.free(load.block_ids[num_blocks:])
+        if self._held.pop(seq.request_id, None) is None:
             return  # cancelled while its prefix was loading
-        if outcome.prefix_kv is not None:
-            seq.cold_prefix = ColdPrefix(first, outcome.prefix_kv, outcome.prefix_lease)
+        if num_blocks:
+            seq.cold_prefix = ColdPrefix(load.first_block, load.block_ids[:num_blocks])
             self.stats.prefix_blocks_read_locally += outcome.num_read_locally
         ready.append(seq)
 
@@ -353,13 +380,6 @@ class ColdPlanner:
                 "thermocline.kv.fallback": "hot+warm",
             },
         )
-
-
-def _let_go(seq: Sequence) -> None:
-    """The sequence no longer needs its loaded prefix: its hold on the host buffer ends."""
-    if seq.cold_prefix is not None and seq.cold_prefix.lease is not None:
-        seq.cold_prefix.lease.drop()
-    seq.cold_prefix = None
 
 
 def _has_stored(seq: Sequence) -> bool:

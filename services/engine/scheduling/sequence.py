@@ -9,11 +9,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import NewType
 
-import torch
-
 from services.engine.gate.safety_gate import GatePolicy
+from services.engine.kv.block_pool import BlockId
 from services.engine.kv.block_table import BlockTable
-from services.engine.kv.prefix_fetch import StagingLease
 from services.engine.kv.tiers import TierConfig
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.text.detokenizer import IncrementalDetokenizer
@@ -152,17 +150,16 @@ EventCallback = Callable[[StreamEvent], None]
 
 @dataclass(frozen=True)
 class ColdPrefix:
-    """Prompt blocks `[first_block, first_block + n)` as the kvstore gave them back: `kv`
-    `[n, L, 2, BS, KVH, D]` BF16 on the host, one buffer."""
+    """Prompt blocks `[first_block, first_block + n)` as the kvstore gave them back, already written
+    into hot blocks `block_ids` (allocated for the load, not yet in the request's table)."""
 
     first_block: int
-    kv: torch.Tensor
-    lease: StagingLease | None = None  # the buffer's hold for this sequence; dropped when it lets go
+    block_ids: tuple[BlockId, ...]
 
     @property
     def end_block(self) -> int:
         """One past the last block covered."""
-        return self.first_block + self.kv.shape[0]
+        return self.first_block + len(self.block_ids)
 
 
 class Sequence:

@@ -9,7 +9,7 @@ Synchronisation is by the cold tier's own barrier (`ColdTier.flush`) and health 
 
 from __future__ import annotations
 
-import pickle
+import dataclasses
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +23,8 @@ from services.engine.errors import UnknownRetrievalMode
 from services.engine.kv.block_pool import BlockHash as BlockHashBytes
 from services.engine.kv.block_pool import hash_prefix_blocks
 from services.engine.kv.block_table import ColdBlock
-from services.engine.kv.cold_moves import ColdLoad, ColdSummaries
+from services.engine.kv.cold_moves import ColdSummaries
 from services.engine.kv.cold_tier import DEFAULT_TENANT, ColdTier, ColdTierConfig
-from services.engine.kv.prefix_fetch import StagingLease
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.cold_planner import ColdPlanner
@@ -157,38 +156,72 @@ def test_a_second_replica_loads_a_long_shared_prefix_instead_of_computing_it(
 def test_hits_one_after_another_reuse_the_kept_host_buffer_and_each_loads_its_own_prefix(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
-    """The buffer a hit lands in is kept and reused by the next hit, once the first one's blocks
-    are in the KV cache; a hit that comes while it is still held gets a buffer of its own."""
+    """The host buffer a hit lands in is kept and reused by the next hit (a fetch returns only once
+    its blocks are in the cache); an engine that keeps none gives each hit a buffer of its own."""
     cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
     first = load_engine(stories_hf_dir, cold)
-    prompts = [
-        long_prompt(first),
-        *(first.tokenizer.encode(STORY.replace("Lily", n) * 5)[:280] for n in "BS"),
-    ]
+    prompts = [long_prompt(first), first.tokenizer.encode(STORY.replace("Lily", "Sam") * 5)[:280]]
     expected = [store_prefix(first, prompt).token_ids for prompt in prompts]
+    num_blocks = sum((len(p) - 1) // BLOCK_SIZE for p in prompts)
+    for staging_mb in (cold.prefix_staging_mb, 0):
+        second = load_engine(stories_hf_dir, dataclasses.replace(cold, prefix_staging_mb=staging_mb))
+        assert second.cold is not None
+        staging = second.cold.tier._prefixes._staging  # the loader thread's; read between steps only
+        if staging_mb:
+            assert staging is not None and len(staging) == (512 - 1) // BLOCK_SIZE  # a max_seq_len prompt
+        else:
+            assert staging is None
+        for prompt, tokens in zip(prompts, expected, strict=True):
+            assert run(second, prompt).result().token_ids == tokens
+        assert second.cold.stats.prompt_tokens_loaded == num_blocks * BLOCK_SIZE
+        assert second.scheduler.kv_cache.hot.pool.num_used_blocks() == 0  # every loaded block went back
+        second.stop()
+    first.stop()
+
+
+def test_a_prefix_load_keeps_its_blocks_until_the_loader_is_done_even_when_cancelled(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """The loader thread writes the hot blocks allocated for a load: a request cancelled while its
+    load is in flight must not give them back (another request could be handed them under the
+    loader's writes) until the load's outcome comes."""
+    cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
+    first = load_engine(stories_hf_dir, cold)
+    prompt = long_prompt(first)
+    store_prefix(first, prompt)
     second = load_engine(stories_hf_dir, cold)
-    assert second.cold is not None
-    fetcher = second.cold.tier._prefixes  # the loader thread's; read between steps only
-    staging = fetcher._staging
-    assert staging is not None and len(staging) == (512 - 1) // BLOCK_SIZE  # a max_seq_len prompt
+    assert second.cold is not None and kvstore.process is not None
+    pool = second.scheduler.kv_cache.hot.pool
 
-    leases = []
-    for prompt, tokens in zip(prompts[:2], expected[:2], strict=True):
-        assert run(second, prompt).result().token_ids == tokens
-        lease = fetcher._staging_lease
-        assert lease is not None and lease.is_released()  # the blocks are in the cache: let go
-        leases.append(lease)
-    assert leases[0] is not leases[1]  # the second hit took the buffer again, under a new lease
-    num_blocks = sum((len(p) - 1) // BLOCK_SIZE for p in prompts[:2])
-    assert second.stats().cold.prompt_tokens_loaded == num_blocks * BLOCK_SIZE  # type: ignore[union-attr]
+    def loaders_blocks() -> int:
+        """Blocks allocated but in no running request's table."""
+        return pool.num_used_blocks() - sum(
+            len(s.block_table.hot_block_ids) for s in second.scheduler.running
+        )
 
-    # a hit while the buffer is still held lands elsewhere, and the held blocks stay as they were
-    held, before = leases[1], staging.clone()
-    held.hold()
-    assert run(second, prompts[2]).result().token_ids == expected[2]
-    assert second.stats().cold.prompt_tokens_loaded > num_blocks * BLOCK_SIZE  # type: ignore[union-attr]
-    assert fetcher._staging_lease is leases[1] and torch.equal(staging, before)
-    held.drop()
+    busy = ResultCollector([1, 2, 3])  # work to step, so that no step waits for the frozen load
+    busy_handle = second.submit(
+        [1, 2, 3], SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True), busy
+    )
+    second.step()
+    kvstore.process.send_signal(signal.SIGSTOP)  # the load waits on the store, its blocks allocated
+    collector = ResultCollector(prompt)
+    handle = second.submit(prompt, GREEDY, collector)
+    second.step()
+    num_blocks = (len(prompt) - 1) // BLOCK_SIZE
+    assert second.cold.num_held == 1 and loaders_blocks() == num_blocks
+    second.cancel(handle)
+    second.step()
+    assert collector.done.is_set() and second.cold.num_held == 0
+    assert loaders_blocks() == num_blocks  # still the loader's
+    kvstore.process.send_signal(signal.SIGCONT)
+    second.cold.tier.flush()
+    second.step()  # takes the load's outcome
+    assert loaders_blocks() == 0
+    second.cancel(busy_handle)
+    while not busy.done.is_set():
+        second.step()
+    assert pool.num_used_blocks() == 0
     first.stop()
     second.stop()
 
@@ -444,18 +477,11 @@ def test_the_cold_blocks_are_scored_at_the_layer_the_config_names(
         ColdTierConfig(score_layer=-2)
 
 
-def test_a_load_sent_to_tensor_parallel_followers_carries_its_blocks_and_no_lease() -> None:
-    """The step plan is pickled to TP ranks 1..N-1: they copy the blocks; the lease stays on rank 0."""
-    kv = torch.arange(6, dtype=torch.bfloat16).view(1, 1, 2, 3, 1, 1)
-    sent = pickle.loads(pickle.dumps(ColdLoad((7,), kv, StagingLease())))
-    assert sent.lease is None and sent.hot_block_ids == (7,) and torch.equal(sent.kv, kv)
-
-
 def test_a_request_that_expires_in_the_queue_lets_its_loaded_prefix_go(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
-    """Its prefix came back, but the batch was full and its queue timeout ran out: the kept host
-    buffer must be free for the next hit, not held by a request that will never read it."""
+    """Its prefix came back, but the batch was full and its queue timeout ran out: the hot blocks
+    its prefix was loaded into must go back to the pool, not stay with a request that never maps them."""
     cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
     first = load_engine(stories_hf_dir, cold)
     prompt = long_prompt(first)
@@ -467,7 +493,9 @@ def test_a_request_that_expires_in_the_queue_lets_its_loaded_prefix_go(
     )  # fmt: skip
     assert second.cold is not None
     busy = ResultCollector([1, 2, 3])
-    second.submit([1, 2, 3], SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True), busy)
+    handle = second.submit(
+        [1, 2, 3], SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True), busy
+    )
     second.step()  # the only batch slot is taken
     waiting = ResultCollector(prompt)
     second.submit(prompt, GREEDY, waiting)
@@ -475,7 +503,12 @@ def test_a_request_that_expires_in_the_queue_lets_its_loaded_prefix_go(
         second.step()
         second.cold.tier.flush()
     assert waiting.result().error is not None  # expired in the queue
-    lease = second.cold.tier._prefixes._staging_lease
-    assert lease is not None and lease.is_released()  # the hit's hold on the buffer ended with it
+    with KVStoreClient(kvstore.target, Namespace(DEFAULT_TENANT, first.model_id)) as client:
+        served = client.stats()
+    assert served.staging_hits + served.disk_reads >= (len(prompt) - 1) // BLOCK_SIZE  # it came back first
+    second.cancel(handle)
+    while not busy.done.is_set():
+        second.step()
+    assert second.scheduler.kv_cache.hot.pool.num_used_blocks() == 0
     second.stop()
     first.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -222,8 +223,13 @@ def test_only_demoted_blocks_are_pruned_and_a_pruned_block_loads_as_its_kept_tok
     half_step = (kept.amax(1, keepdim=True) - kept.amin(1, keepdim=True)) / 6  # INT2 over the kept 16
     assert bool(((loaded.keys - kept).abs() <= half_step + 1e-2).all())
     layout = PrefixLayout((LAYERS, 2, TOKENS, HEADS, DIM))
-    prefix = run_job(tier, Job(Operation.LOAD_PREFIX, None, "", (), hashes=(demoted,), layout=layout))
-    assert prefix.degraded is Degradation.CORRUPT and prefix.prefix_kv is None  # a prefix is raw, whole
+    written: list[torch.Tensor] = []
+    sink = SimpleNamespace(write=lambda first, kv: written.append(kv), finish=lambda: None)
+    prefix = run_job(
+        tier, Job(Operation.LOAD_PREFIX, None, "", (), hashes=(demoted,), layout=layout, sink=sink)
+    )
+    assert prefix.degraded is Degradation.CORRUPT and prefix.prefix_blocks == 0  # a prefix is raw, whole
+    assert not written
     tier.close()
 
 

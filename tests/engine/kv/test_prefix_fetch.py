@@ -1,8 +1,9 @@
 """Prefix loads read from the kvstore's segment files (same-host reads), against a real kvstore
 process over a real redis-server and real files.
 
-A second replica with `local_reads` loads a stored prefix by LocateBlocks and its own reads: the
-pages equal what the first replica computed and the output equals a recompute. A record with a
+A second replica with `local_reads` loads a stored prefix by LocateBlocks and its own reads, a
+piece at a time, each piece written into its hot blocks while the next is read: the pages equal
+what the first replica computed and the output equals a recompute, whatever the piece size. A record with a
 flipped byte fails the engine's own check, goes to the GetBlocks stream, where the store refuses
 it too: the prefix ends there and the rest is computed, so the bad bytes are never attended. A
 store that hands out no locations costs nothing but the fast path.
@@ -18,6 +19,7 @@ import torch
 
 from services.common.kvstore_api import BlockHash, KVStoreClient, Namespace
 from services.engine.config import EngineConfig
+from services.engine.kv import prefix_fetch
 from services.engine.kv.cold_tier import DEFAULT_TENANT, ColdTierConfig
 from services.engine.kv.prefix_fetch import PrefixLayout
 from services.engine.llm_engine import LLMEngine
@@ -64,9 +66,15 @@ def same_pages(first: LLMEngine, second: LLMEngine, prompt: list[int], num_block
     return torch.equal(keys_a, keys_b) and torch.equal(values_a, values_b)
 
 
+# one block a piece; pieces that do not divide the 18-block prefix; the whole prefix in one piece
+PIECES = [1, 4, prefix_fetch.PIECE_BLOCKS]
+
+
+@pytest.mark.parametrize("piece_blocks", PIECES)
 def test_a_prefix_read_from_the_segment_files_equals_a_recompute(
-    stories_hf_dir: Path, locating: KVStoreProcess
+    stories_hf_dir: Path, locating: KVStoreProcess, monkeypatch: pytest.MonkeyPatch, piece_blocks: int
 ) -> None:
+    monkeypatch.setattr(prefix_fetch, "PIECE_BLOCKS", piece_blocks)
     first = load_engine(stories_hf_dir, local(locating))
     prompt = long_prompt(first)
     store_prefix(first, prompt)
@@ -89,9 +97,13 @@ def test_a_prefix_read_from_the_segment_files_equals_a_recompute(
         engine.stop()
 
 
+@pytest.mark.parametrize("piece_blocks", PIECES)
 def test_a_corrupt_record_falls_back_to_the_stream_and_is_never_attended(
-    stories_hf_dir: Path, locating: KVStoreProcess
+    stories_hf_dir: Path, locating: KVStoreProcess, monkeypatch: pytest.MonkeyPatch, piece_blocks: int
 ) -> None:
+    """Block 5 fails its check: with later pieces already read (pieces of 1 and 4), in flight or
+    in the same piece, the prefix still ends exactly there."""
+    monkeypatch.setattr(prefix_fetch, "PIECE_BLOCKS", piece_blocks)
     first = load_engine(stories_hf_dir, local(locating))
     prompt = long_prompt(first)
     expected = store_prefix(first, prompt)
