@@ -22,12 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from services.common.kv_record import FIXED, RecordError, parse_header, place_crc
+from services.common.kv_record import FIXED, RecordError, extend_crc, parse_header, place_crc
 from services.common.kvstore_api import BlockLocation, Codec
 
 logger = logging.getLogger(__name__)
@@ -88,12 +87,12 @@ def read_record_into(
     found = (header.tenant, header.model, header.block_hash, header.codec, header.shape)
     if header.is_tombstone or found != wanted or header.payload_bytes != len(payload):
         raise RecordError(f"the record at {location.segment_path}:{location.offset} is another block's")
-    crc = zlib.crc32(payload[:piece], header.running_crc())
+    crc = extend_crc(header.version, payload[:piece], header.running_crc())
     for start in range(piece, len(payload), piece):
         part = payload[start : start + piece]
         _read_exactly(descriptor, [part], location.offset + len(head) + start, location)
-        crc = zlib.crc32(part, crc)
-    if place_crc(crc, location.segment_id, location.offset) != header.checksum:
+        crc = extend_crc(header.version, part, crc)
+    if place_crc(crc, location.segment_id, location.offset, header.version) != header.checksum:
         raise RecordError(f"the record at {location.segment_path}:{location.offset} fails its checksum")
 
 

@@ -190,7 +190,7 @@ def _read_and_decode(directory: Path, location: Location) -> Record:
 async def read_record(directory: Path, location: Location) -> Record:
     """The record at `location`, checked; RecordError when corrupt or short, FileNotFoundError when
     its segment has been compacted away (the caller looks the key up again). The read and the CRC
-    run on a worker thread (zlib releases the GIL), off the event loop that sends replies."""
+    run on a worker thread (the CRC releases the GIL), off the event loop that sends replies."""
     return await asyncio.to_thread(_read_and_decode, directory, location)
 
 
