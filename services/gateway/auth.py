@@ -5,6 +5,8 @@ is the one that key pins: the token's `alg` must equal it, so `none` and HS256-w
 tricks fail before any signature check. `exp`, `iss`, `aud` and `sub` are required, `nbf` is
 honoured, both with a small leeway, and `typ` must be the configured one (explicit typing).
 Header fields that point at other keys (`jku`, `x5u`, `jwk`, `x5c`) are refused, never followed.
+A token that passed is remembered (verified_tokens.py): its repeats skip the signature check but
+not the clock or the key set.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jwt
 from services.common.errors import Unauthenticated
 from services.gateway.config import JwtConfig
 from services.gateway.jwks import KeySet, VerificationKey
+from services.gateway.verified_tokens import VerifiedToken, VerifiedTokens
 
 _REMOTE_KEY_HEADERS = ("jku", "x5u", "jwk", "x5c")
 MAX_TOKEN_CHARS = 16 * 1024
@@ -59,12 +62,21 @@ class JwtVerifier:
     def __init__(self, config: JwtConfig) -> None:
         self.config = config
         self.keys = KeySet(config.key_file, config.algorithm)
+        self.verified = VerifiedTokens(config.leeway_s, config.max_cached_tokens)
 
     def verify(self, authorization: str | None) -> Principal:
         """The caller's principal; Unauthenticated with the reason when the token fails."""
         token = bearer_token(authorization)
-        key = self._key_for(self._header(token))
-        claims = self._decode(token, key)
+        if (principal := self.verified.get(token, self.keys.find)) is not None:
+            return principal
+        header = self._header(token)
+        key = self._key_for(header)
+        principal = self._principal(self._decode(token, key))
+        self.verified.put(token, VerifiedToken(principal, header.get("kid"), key))
+        return principal
+
+    def _principal(self, claims: dict[str, Any]) -> Principal:
+        """The principal a verified token's claims name, once their types and sizes pass."""
         _check_numeric_dates(claims)
         subject = claims.get("sub")
         if not isinstance(subject, str) or not subject:

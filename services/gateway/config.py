@@ -31,7 +31,8 @@ class JwtConfig:
     secret (at least 32 bytes) for HS256. The file is re-read when it changes (key rotation).
     `_JWT_ALGORITHM` (pinned for a PEM or secret; a JWKS pins per key), `_JWT_ISSUER`,
     `_JWT_AUDIENCE`, `_JWT_LEEWAY_S` (clock skew allowed on exp and nbf), `_JWT_TYP` (the
-    required `typ` header).
+    required `typ` header). `max_cached_tokens`: how many verified tokens are remembered so their
+    repeats skip the signature check (verified_tokens.py); 0 verifies every call in full.
     """
 
     key_file: Path
@@ -40,6 +41,7 @@ class JwtConfig:
     audience: str = "thermocline"
     leeway_s: float = 30.0
     typ: str = "JWT"
+    max_cached_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALLOWED_ALGORITHMS:
@@ -51,6 +53,8 @@ class JwtConfig:
             raise ValueError(f"THERMOCLINE_GATEWAY_JWT_LEEWAY_S must lie in 0..300, got {self.leeway_s}")
         if not self.typ:
             raise ValueError("THERMOCLINE_GATEWAY_JWT_TYP must not be empty")
+        if self.max_cached_tokens < 0:
+            raise ValueError(f"max_cached_tokens must be >= 0, got {self.max_cached_tokens}")
 
 
 @dataclass(frozen=True)
