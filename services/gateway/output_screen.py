@@ -64,8 +64,17 @@ NO_FINAL_MESSAGE = "engine ended the stream without a final message; retry the r
 VerdictAudit = Callable[[str, safety_pb2.CheckResponse], Awaitable[None]]
 
 
+# Told the completion's token count when the engine's last message arrives, before its text is
+# screened (the servicer starts charging it there; see completion_charge.py).
+CompletionCounted = Callable[[int], None]
+
+
 async def no_audit(layer: str, verdict: safety_pb2.CheckResponse) -> None:
     """A VerdictAudit that records nothing."""
+
+
+def ignore_count(num_tokens: int) -> None:
+    """A CompletionCounted that does nothing."""
 
 
 def needs_audit(verdict: safety_pb2.CheckResponse) -> bool:
@@ -147,9 +156,10 @@ def screened(
     first: Any,
     settings: RelaySettings,
     audit: VerdictAudit,
+    on_counted: CompletionCounted = ignore_count,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The engine stream from its first message, released as the settings' policy says."""
-    stream = _OutputStream(upstreams, call, settings, audit)
+    stream = _OutputStream(upstreams, call, settings, audit, on_counted)
     if settings.screening.release is ReleasePolicy.TRAILING:
         return stream.trailing(first)
     return stream.held(first)
@@ -164,8 +174,10 @@ class _OutputStream:
         call: grpc.aio.UnaryStreamCall,
         settings: RelaySettings,
         audit: VerdictAudit,
+        on_counted: CompletionCounted,
     ) -> None:
         self.upstreams, self.call, self.settings, self.audit = upstreams, call, settings, audit
+        self.on_counted = on_counted
         self.output = HeldOutput()
         self.final: engine_pb2.GenerateResponse | None = None
         self.num_screened = 0  # tokens of the longest prefix that passed the screen
@@ -248,6 +260,7 @@ class _OutputStream:
         self.output.add(message)
         if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
             self.final = message
+            self.on_counted(message.usage.completion_tokens)
 
     def _passed(self, num_tokens: int, num_chars: int) -> None:
         self.num_screened, self.num_chars_screened = num_tokens, num_chars

@@ -6,8 +6,9 @@ from Redis's own clock, and charges both or neither. Because Redis runs a script
 number of gateways share the buckets without races. A call is charged in two steps: one request
 right after authentication (`take_request`), before any other work, so that every later refusal
 has cost the caller; then its prompt tokens once they are counted (`take_tokens`). The
-completion's tokens are charged after the stream ends (`charge_tokens`) and may push the token
-bucket below zero; the tenant then waits until it refills.
+completion's tokens are charged when the engine reports them, before the stream's done message
+(`charge_tokens`, driven by completion_charge.py), and may push the token bucket below zero; the
+tenant then waits until it refills.
 
 When Redis cannot be reached within the timeout, the tenant's `on_redis_down` rule decides:
 "open" lets the call through (and says so in the audit log), "closed" refuses it UNAVAILABLE.

@@ -13,7 +13,14 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from services.gateway.output_screen import RelaySettings, VerdictAudit, no_audit, screened
+from services.gateway.output_screen import (
+    CompletionCounted,
+    RelaySettings,
+    VerdictAudit,
+    ignore_count,
+    no_audit,
+    screened,
+)
 from services.gateway.router import Replica
 from services.gateway.upstream import Upstreams, upstream_error
 from thermocline.engine.v1 import engine_pb2
@@ -39,6 +46,7 @@ async def relay(
     settings: RelaySettings,
     replicas: list[Replica],
     audit: VerdictAudit = no_audit,
+    on_counted: CompletionCounted = ignore_count,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """Streams the engine's answer to `request`, released against the output screen.
 
@@ -59,7 +67,7 @@ async def relay(
             trace.get_current_span().add_event("engine.retry", {"thermocline.engine.replica": replica.target})
             continue
         trace.get_current_span().set_attribute("thermocline.engine.replica", replica.target)
-        async for message in screened(upstreams, call, first, settings, audit):
+        async for message in screened(upstreams, call, first, settings, audit, on_counted):
             yield message
         return
     assert last_error is not None

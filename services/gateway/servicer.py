@@ -14,6 +14,7 @@ from services.gateway.admission import StreamSlots
 from services.gateway.audit import ALLOW, DENY, AuditEvent, prompt_sha256
 from services.gateway.auth import Principal
 from services.gateway.call_metadata import CallMetadata
+from services.gateway.completion_charge import CompletionCharge
 from services.gateway.config import GatewayConfig, ReleasePolicy
 from services.gateway.gatekeeper import Admission, Gatekeeper
 from services.gateway.in_flight import InFlightStream, InFlightStreams
@@ -115,12 +116,15 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self._annotate_span(request, admission)
         tenant = admission.principal.tenant
         audit = lambda layer, verdict: self._record_verdict(admission, layer, verdict)  # noqa: E731
+        charge = CompletionCharge(self.gatekeeper.limiter, tenant, admission.limits)
         # trailing: the engine starts on the prompt while safety screens it (see _behind_prompt_check)
         is_overlapped = settings.screening.release is ReleasePolicy.TRAILING
-        if not is_overlapped and (blocked := await self._screen_prompt(check, admission, settings, audit)):
-            for message in blocked:
-                yield message
-            return
+        if not is_overlapped:
+            if blocked := await self._screen_prompt(check, admission, settings, audit):
+                for message in blocked:
+                    yield message
+                return
+            charge.prompt_passed()
         replicas = self.upstreams.router.candidates(
             affinity_key(admission.principal.tenant, text, self.config.routing.prefix_chars),
             admission.priority_class,
@@ -131,14 +135,15 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             settings,
             replicas,
             audit,
+            charge.engine_counted,
         )
         if is_overlapped:
-            relayed = self._behind_prompt_check(check, relayed, admission, settings, audit)
+            relayed = self._behind_prompt_check(check, relayed, admission, settings, audit, charge)
         with self.in_flight.track(admission.request_id, tenant) as stream:
             try:
                 async for message in relayed:
                     if message.HasField("done"):
-                        await self._charge_completion(admission, message.done.usage.completion_tokens)
+                        await charge.settle(message.done.usage.completion_tokens)
                     stream.num_tokens += len(message.delta.token_ids)
                     yield message
             except asyncio.CancelledError:
@@ -175,10 +180,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         admission: Admission,
         settings: RelaySettings,
         audit: VerdictAudit,
+        charge: CompletionCharge,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """trailing: the engine prefills while safety screens the prompt, so the prompt check is
         not added to the first token's time; nothing is sent before the prompt passed, and a
-        blocked prompt cancels the engine request. The engine does see a prompt that is blocked."""
+        blocked prompt cancels the engine request and is charged no completion. The engine does
+        see a prompt that is blocked."""
         is_screened = False
         try:
             async for message in relayed:
@@ -188,14 +195,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                             yield replacement
                         return
                     is_screened = True
+                    charge.prompt_passed()
                 yield message
         finally:
             check.cancel()
             await relayed.aclose()  # type: ignore[attr-defined]
-
-    async def _charge_completion(self, admission: Admission, num_tokens: int) -> None:
-        tenant = admission.principal.tenant
-        await self.gatekeeper.limiter.charge_tokens(tenant, admission.limits, num_tokens)
 
     async def _record_verdict(
         self, admission: Admission, layer: str, verdict: safety_pb2.CheckResponse

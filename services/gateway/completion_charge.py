@@ -1,0 +1,72 @@
+"""Charging a stream's completion tokens to its tenant as soon as the engine has counted them.
+
+The engine's last message carries the completion's token count, and the output screen of the
+last text comes after it. The charge (one Redis script, a round trip of about 0.5-1 ms) starts
+at that message, so it runs beside the last screen instead of after it; the done message still
+goes out only once the charge is written, so a caller's next call sees it as before.
+
+What a stream that reaches its done message is charged does not change. A stream cut by an
+output block is charged the tokens generated until then: the engine's count when its last message
+came, else the gateway's, at the done message. A prompt blocked under the trailing policy is
+charged no completion, as before, though the engine may have finished first: the charge starts
+only once the prompt passed. One change at the edges: a stream that the caller cancels, or that
+fails, after the engine's last message came is now charged its completion (before, only a stream
+that reached its done message was), and a charge once started completes even when the caller
+goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar
+
+from services.gateway.rate_limiter import RateLimiter
+from services.gateway.tenants import TenantLimits
+
+
+class CompletionCharge:
+    """One stream's completion charge: started by `engine_counted` and `prompt_passed` together,
+    awaited by `settle` before the done message. Only the first count is charged, and only once."""
+
+    # Charges in flight, held so none is collected before it completes (the loop keeps weak references).
+    _running: ClassVar[set[asyncio.Task[None]]] = set()
+
+    def __init__(self, limiter: RateLimiter, tenant: str, limits: TenantLimits) -> None:
+        self.limiter = limiter
+        self.tenant = tenant
+        self.limits = limits
+        self.is_prompt_passed = False
+        self.num_tokens: int | None = None  # the engine's count, once its last message came
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def is_started(self) -> bool:
+        """Whether the charge has gone out (it then completes even if the stream is cut)."""
+        return self._task is not None
+
+    def engine_counted(self, num_tokens: int) -> None:
+        """The engine's last message came with `num_tokens`; charges them once the prompt passed."""
+        if self.num_tokens is None:
+            self.num_tokens = num_tokens
+            self._start_when_due()
+
+    def prompt_passed(self) -> None:
+        """The prompt's screen passed; charges the engine's count when it came already."""
+        self.is_prompt_passed = True
+        self._start_when_due()
+
+    async def settle(self, num_tokens: int) -> None:
+        """Waits for the charge; starts it with `num_tokens`, the done message's count, if none started."""
+        if self._task is None:
+            self._start(num_tokens)
+        assert self._task is not None
+        await asyncio.shield(self._task)
+
+    def _start_when_due(self) -> None:
+        if self._task is None and self.is_prompt_passed and self.num_tokens is not None:
+            self._start(self.num_tokens)
+
+    def _start(self, num_tokens: int) -> None:
+        self._task = asyncio.ensure_future(self.limiter.charge_tokens(self.tenant, self.limits, num_tokens))
+        self._running.add(self._task)
+        self._task.add_done_callback(self._running.discard)

@@ -1,0 +1,70 @@
+"""A stream's completion charge against a real redis-server: when it starts, and what it charges."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+import redis
+
+from services.gateway.completion_charge import CompletionCharge
+from services.gateway.rate_limiter import RateLimiter, bucket_keys
+from services.gateway.tenants import TenantLimits
+
+# One token a minute: within a test the bucket refills by well under one token.
+LIMITS = TenantLimits(tokens_per_min=1, burst_tokens=100)
+
+
+def _charged(redis_url: str, scenario: Callable[[CompletionCharge], Awaitable[None]]) -> int:
+    """Runs `scenario` on a fresh tenant's charge; the tokens charged to its bucket."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def run() -> None:
+        limiter = RateLimiter(redis_url, timeout_s=2.0)
+        try:
+            await scenario(CompletionCharge(limiter, tenant, LIMITS))
+        finally:
+            await limiter.close()
+
+    asyncio.run(run())
+    level = redis.Redis.from_url(redis_url).hget(bucket_keys(tenant)[1], "level")
+    return 0 if level is None else LIMITS.token_capacity - round(float(level))
+
+
+def test_the_engine_count_is_charged_once_the_prompt_passed_and_before_settle(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.engine_counted(7)
+        assert not charge.is_started  # the prompt's screen has not passed yet
+        charge.prompt_passed()
+        assert charge.is_started  # beside the output screen, not after it
+        await charge.settle(7)
+
+    assert _charged(redis_url, scenario) == 7
+
+
+def test_a_prompt_passed_first_starts_the_charge_at_the_engine_count(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.prompt_passed()
+        assert not charge.is_started
+        charge.engine_counted(4)
+        charge.engine_counted(9)  # only the first count is charged
+        await charge.settle(4)
+
+    assert _charged(redis_url, scenario) == 4
+
+
+def test_a_blocked_prompt_is_charged_no_completion_though_the_engine_finished(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.engine_counted(12)  # trailing: the engine may finish before the prompt's verdict
+        await charge.settle(0)  # the blocked prompt's done message reports no completion
+
+    assert _charged(redis_url, scenario) == 0
+
+
+def test_a_stream_cut_before_the_engine_count_is_charged_at_settle(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.prompt_passed()
+        await charge.settle(3)  # an output block mid-stream: the tokens the gateway saw
+
+    assert _charged(redis_url, scenario) == 3
