@@ -6,7 +6,8 @@ segment file with the store's own record format, then reads all of them back int
 SegmentReader, every record checked, once per setting (best of `--repeats`, after one warm-up read).
 The file was just written, so the reads come from the page cache, as a prefix hit's reads of a store
 that wrote them recently. Two lines without checks bound it from above: plain `preadv` into the same
-buffer (the copy alone), and `zlib.crc32` over the buffer once it is read (the checksum alone).
+buffer (the copy alone), and each record version's checksum over the buffer once it is read
+(the checksum alone: zlib's CRC-32 for version 1, CRC-32C for version 2, which the store writes).
 
     .venv/bin/python bench/segment_reads.py --blocks 256
     python3 bench/segment_reads.py --blocks 2047 --out $OUT/segment_reads.md   # on the H200
@@ -119,14 +120,17 @@ def main() -> None:
                     def crc_only(pool: ThreadPoolExecutor = pool) -> None:
                         list(pool.map(zlib.crc32, payloads))
 
-                    rows = [("preadv only, no check", plain), ("CRC only, of read payloads", crc_only)]
-                    try:  # hardware CRC32C, for comparison only (not a dependency of the store)
-                        import crc32c  # type: ignore[import-not-found]
+                    rows = [
+                        ("preadv only, no check", plain),
+                        ("CRC-32 (zlib, record version 1) only, of read payloads", crc_only),
+                    ]
+                    try:  # the version 2 checksum (a dependency of the store since 8fc5526)
+                        import crc32c
 
                         def crc32c_only(pool: ThreadPoolExecutor = pool) -> None:
                             list(pool.map(crc32c.crc32c, payloads))
 
-                        rows.append(("CRC32C only (the crc32c package), of read payloads", crc32c_only))
+                        rows.append(("CRC-32C (crc32c, version 2) only, of read payloads", crc32c_only))
                     except ImportError:
                         pass
                     for piece_kb in args.pieces_kb:

@@ -80,7 +80,7 @@ def read_record_into(
     if len(head) < FIXED.size:
         raise RecordError(f"a {location.length} B record cannot hold a {len(payload)} B payload")
     descriptor = files.descriptor(location.segment_path)
-    piece = len(payload) if piece_bytes <= 0 else piece_bytes
+    piece = max(1, len(payload) if piece_bytes <= 0 else piece_bytes)
     _read_exactly(descriptor, [head, payload[:piece]], location.offset, location)
     header = parse_header(head)
     wanted = (expected.tenant, expected.model, location.block_hash, int(expected.codec), expected.shape)

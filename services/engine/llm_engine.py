@@ -489,6 +489,7 @@ class LLMEngine:
                 self._record_queue_waits()
                 if batch is None:
                     self._flush_text()
+                    self.runner.carry_out_moves()  # no step comes to start held prefix loads
                     return
                 ahead = Ahead(batch, self._prepare(batch))
             batch = ahead.batch
@@ -515,6 +516,7 @@ class LLMEngine:
         if self.cold is None:
             return
         if self._thread is None and not self.scheduler.has_work and self.cold.num_held:
+            self.runner.carry_out_moves()  # no step comes to start the held loads
             self.cold.tier.wait_for_outcome(timeout_s=2 * self.cold.config.deadline_ms / 1000)
         for seq in self.cold.take_ready():
             self.scheduler.add(seq)

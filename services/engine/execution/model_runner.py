@@ -244,6 +244,7 @@ class ModelRunner:
         self._store_cold(plan.cold_moves.stores)
         self.kv_cache.copy_to_warm(plan.warm_copies)
         self.kv_cache.write_loaded(plan.cold_moves.loads)
+        self._release_prefix_loads()
         graphs = self.graphs
         if (
             graphs is not None
@@ -277,6 +278,23 @@ class ModelRunner:
         window = None if tap is None else self._score_cold(plan.score_rows, tap)
         hot_mass, probe_row = (None, 0) if probe is None else (probe.hot_mass, probe.row)
         return StepOutput(logits, hidden, hot_mass, window, probe_row)
+
+    def carry_out_moves(self) -> None:
+        """Carry out the tier moves decided so far without a step, then start the prefix loads that
+        wait for them (an engine with no step to run; TP=1, where the cold tier runs)."""
+        if self.cold_tier is None or not self.cold_tier.has_fenced:
+            return
+        moves = self.kv_cache.take_cold_moves()
+        self._store_cold(moves.stores)
+        self.kv_cache.copy_to_warm(self.kv_cache.take_warm_copies())
+        self.kv_cache.write_loaded(moves.loads)
+        self._release_prefix_loads()
+
+    def _release_prefix_loads(self) -> None:
+        """Start the prefix loads held for this step's moves: their writes go after every device
+        operation queued so far, which includes all work on the blocks they were given."""
+        if self.cold_tier is not None and self.cold_tier.has_fenced:
+            self.cold_tier.release_fenced(queued_copies(self.kv_cache.hot.keys.device))
 
     def _next_probe(self, layer: int) -> AttentionProbe:
         """A probe of `layer`; each one measures the next row of the batch (rotating through it)."""

@@ -457,8 +457,10 @@ class PrefixWriter:
     On a GPU the copies run on a stream of their own, through one landing buffer of LOAD_CHUNK_BYTES
     on the device (a chunk goes up, then is scattered into its blocks), so the copy of one piece
     overlaps the reads of the next and a hit pays only for the last piece's copy. The blocks are the
-    writer's alone while it writes (nothing maps them yet), so nothing on the engine's stream
-    touches them; the engine maps them only after `finish`. On the CPU a write copies at once.
+    writer's alone while it writes (nothing maps them yet), and its first write waits (`wait_for`)
+    for the device work queued before they were handed to it, which may still read or write them
+    (ColdTier.submit_after_moves); the engine maps them only after `finish`. On the CPU a write
+    copies at once: there that work has run before the load starts.
     """
 
     def __init__(
@@ -496,6 +498,12 @@ class PrefixWriter:
         if self._landing is None:
             self._landing = self._cache.load_landing(part.dtype)
         return self._landing[: part.numel()].view(part.shape)
+
+    def wait_for(self, fence: torch.cuda.Event) -> None:
+        """Make every write go after the device work `fence` ends: work the engine queued on these
+        blocks before they were freed and allocated to this prefix (ColdTier.submit_after_moves)."""
+        if self._stream is not None:
+            self._stream.wait_event(fence)
 
     def finish(self) -> None:
         """Block until every write has landed in the cache."""

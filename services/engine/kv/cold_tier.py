@@ -208,6 +208,7 @@ class Job:
     ready: Callable[[], None] | None = None  # waits for the device copies of `blocks` (CUDA event)
     layout: PrefixLayout | None = None  # LOAD_PREFIX: how its blocks land on the host
     sink: PrefixSink | None = None  # LOAD_PREFIX: where they go (hot blocks allocated for them)
+    fence: torch.cuda.Event | None = None  # LOAD_PREFIX: device work its blocks' writes go after
 
 
 class ColdTier:
@@ -239,6 +240,7 @@ class ColdTier:
         self._writes: queue.Queue[Job | None] = queue.Queue()
         self._loads: queue.Queue[Job | None] = queue.Queue()
         self._down_until = 0.0
+        self._fenced: list[Job] = []  # prefix loads held until the tier moves before them are queued
         self._threads = [
             threading.Thread(target=self._serve, args=(self._writes,), name="kvstore-writer", daemon=True),
             threading.Thread(target=self._serve, args=(self._loads,), name="kvstore-loader", daemon=True),
@@ -282,6 +284,30 @@ class ColdTier:
                 found.append(self._outcomes.get_nowait())
             except queue.Empty:
                 return found
+
+    def submit_after_moves(self, job: Job) -> None:
+        """Hold a prefix load until the engine has carried out the tier moves decided so far
+        (`release_fenced`, from the model runner; engine thread only).
+
+        Its hot blocks were free when allocated, but device work queued before may still touch them
+        (a cold store or a warm copy reading a freed block at the next launch, or the step in flight
+        writing the last token of a request that just ended). The loader writes them outside any
+        step, so it must come after all of that: the runner records an event once the moves are
+        queued, and the loader's copies wait for it.
+        """
+        self._fenced.append(job)
+
+    @property
+    def has_fenced(self) -> bool:
+        """Prefix loads wait for the next tier moves to be queued."""
+        return bool(self._fenced)
+
+    def release_fenced(self, fence: torch.cuda.Event | None) -> None:
+        """Submit the held prefix loads; their device writes go after `fence` (None: the work
+        before is done already, as on the CPU)."""
+        jobs, self._fenced = self._fenced, []
+        for job in jobs:
+            self.submit(dataclasses.replace(job, fence=fence))
 
     @property
     def has_outcomes(self) -> bool:
@@ -368,6 +394,8 @@ class ColdTier:
         into the job's sink; the outcome comes once it has all landed."""
         assert job.layout is not None and job.sink is not None, "a prefix load says where its blocks go"
         transfer = dataclasses.replace(call, timeout_s=self.config.transfer_deadline_ms / 1000)
+        if job.fence is not None:
+            job.sink.wait_for(job.fence)
         fetched = self._prefixes.fetch(job.hashes, job.layout, job.sink, call, transfer)
         if fetched.first_bad is None:
             return Outcome(

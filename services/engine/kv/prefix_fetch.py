@@ -76,6 +76,9 @@ class PrefixSink(Protocol):
     def finish(self) -> None:
         """Block until every write has landed."""
 
+    def wait_for(self, fence: torch.cuda.Event) -> None:
+        """Make every write go after the device work `fence` ends (without blocking the caller)."""
+
 
 class FetchedPrefix(NamedTuple):
     """The leading run of a prompt's blocks that came back intact and went to the sink, and how."""

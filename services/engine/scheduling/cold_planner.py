@@ -18,6 +18,7 @@ Three uses of the kvstore, each falling back to hot + warm when the store is dow
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ from services.engine.kv.cold_tier import (
 )
 from services.engine.kv.prefix_fetch import PrefixLayout
 from services.engine.scheduling.sequence import ColdPrefix, RequestId, Sequence
+
+logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED_PREFIX_BLOCKS = 1 << 16  # prompt blocks known stored, so they are not put again
 
@@ -125,7 +128,7 @@ class ColdPlanner:
             Operation.LOAD_PREFIX, seq, seq.cache_salt, seq.trace_metadata, names,
             layout=self._prefix_layout, sink=self.kv_cache.prefix_writer(block_ids),
         )  # fmt: skip
-        self.tier.submit(job)
+        self.tier.submit_after_moves(job)  # the blocks' earlier device work first
         return True
 
     def take_held(self, request_id: RequestId) -> Sequence | None:
@@ -340,7 +343,10 @@ class ColdPlanner:
     def _prefix_loaded(self, seq: Sequence, outcome: Outcome, ready: list[Sequence]) -> None:
         """The loader is done with the load's blocks: the written run waits for the request's
         admission; the rest (all of it when the request was cancelled meanwhile) goes back."""
-        load = self._loading.pop(seq.request_id)
+        load = self._loading.pop(seq.request_id, None)
+        if load is None:  # not a load of ours (never expected): nothing to free, nobody waits
+            logger.error("a prefix load's outcome for %s, which started no load", seq.request_id)
+            return
         num_blocks = outcome.prefix_blocks if seq.request_id in self._held else 0
         self.kv_cache.hot.pool.free(load.block_ids[num_blocks:])
         if self._held.pop(seq.request_id, None) is None:

@@ -226,6 +226,37 @@ def test_a_prefix_load_keeps_its_blocks_until_the_loader_is_done_even_when_cance
     second.stop()
 
 
+def test_a_prefix_load_starts_only_after_the_tier_moves_decided_before_it(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """Its blocks were free when allocated, but a store or warm copy decided before may still read
+    them at the next launch: the load is held until the runner has carried the moves out (in the
+    next step, or at once when no step comes), and only then reaches the loader thread."""
+    cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
+    first = load_engine(stories_hf_dir, cold)
+    prompt = long_prompt(first)
+    expected = store_prefix(first, prompt)
+    second = load_engine(stories_hf_dir, cold)
+    assert second.cold is not None
+    tier = second.cold.tier
+    collector = ResultCollector(prompt)
+    second.submit(prompt, GREEDY, collector)
+    second._drain_inbox()  # the request arrives: its load is decided, its blocks allocated
+    assert second.cold.num_held == 1 and tier.has_fenced
+    tier.flush()
+    assert not tier.has_outcomes  # never reached the loader
+    second.runner.carry_out_moves()  # what an idle engine does (a step does it in its launch)
+    assert not tier.has_fenced
+    tier.flush()
+    assert tier.has_outcomes
+    while not collector.done.is_set():
+        second.step()
+    assert collector.result().token_ids == expected.token_ids
+    assert second.cold.stats.prompt_tokens_loaded == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    first.stop()
+    second.stop()
+
+
 def test_a_prefix_stored_by_a_tiered_engine_reloads_as_it_was_computed(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
