@@ -44,7 +44,9 @@ from services.common.segment_reader import ExpectedRecord, PendingRun, SegmentFi
 
 logger = logging.getLogger(__name__)
 
-MAX_READ_THREADS = 16  # same-host readers; page-cache copies and CRCs scale about to the core count
+# Same-host readers: on the H200's 16-vCPU host, 8 read and check 19 GB/s, 12 and 16 only 15
+# (memory bandwidth, not cores; bench/results/segment_reads_h200_2026-12-03.md).
+MAX_READ_THREADS = 8
 REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)  # no locations here
 BF16_BYTES = 2
 # Blocks located, read and handed to the sink as one piece: 128 blocks of the 8B shape are 268 MB,
