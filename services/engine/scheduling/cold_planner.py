@@ -43,6 +43,11 @@ from services.engine.scheduling.sequence import ColdPrefix, RequestId, Sequence
 logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED_PREFIX_BLOCKS = 1 << 16  # prompt blocks known stored, so they are not put again
+# At most this share of the hot pool is held by prefix loads and by loaded prefixes that wait for
+# their request's admission (one load always goes through); past it a new prompt is computed
+# instead. Those blocks belong to no running request, so preemption cannot take them back: without
+# a bound, a burst of long prefix hits could leave running requests no room to grow.
+MAX_PREFIX_LOAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class ColdPlanner:
         self.stats = ColdStats()
         self.num_steps = 0
         self._loading: dict[RequestId, PrefixLoad] = {}  # until its outcome is taken (cancelled too)
+        self._num_load_blocks = 0  # hot blocks of loads in flight and of loaded prefixes not mapped
         self._held: dict[RequestId, Sequence] = {}
         self._window_wanted: dict[RequestId, set[int]] = {}
         self._scored: set[str] = set()  # requests whose window has been scored at least once
@@ -97,6 +103,11 @@ class ColdPlanner:
             tier.reserve_prefix_staging(staging_blocks, self._prefix_layout)
 
     @property
+    def num_load_blocks(self) -> int:
+        """Hot blocks held by prefix loads in flight and by loaded prefixes not mapped yet."""
+        return self._num_load_blocks
+
+    @property
     def num_held(self) -> int:
         """New requests waiting for their prefix to come back from the store."""
         return len(self._held)
@@ -107,7 +118,8 @@ class ColdPlanner:
         """Ask the store for the prompt's blocks past the hot cache's; True when `seq` waits for them.
 
         Hot blocks for every block asked for are allocated here, so that the blocks land in place as
-        they come; with no room for them, the prompt is computed (it would need the room anyway).
+        they come. With no room for them, or when loads would hold more than MAX_PREFIX_LOAD_SHARE of
+        the pool, the prompt is computed.
         """
         if not self.config.prefix_reuse:
             return False
@@ -115,12 +127,16 @@ class ColdPlanner:
         hashes = seq.block_table.prefix_hashes[:max_blocks]
         pool = self.kv_cache.hot.pool
         first = pool.num_cached_prefix(hashes)
-        if first >= len(hashes) or not pool.can_allocate(len(hashes) - first):
+        wanted = len(hashes) - first
+        if first >= len(hashes) or not pool.can_allocate(wanted):
             return False
+        if self._num_load_blocks and self._num_load_blocks + wanted > MAX_PREFIX_LOAD_SHARE * pool.num_blocks:
+            return False  # one load is always let through: it holds what its request would need anyway
         if self.tier.is_backing_off:
             self._degrade(seq, Operation.LOAD_PREFIX, Degradation.UNAVAILABLE, "backing off after a failure")
             return False
-        block_ids = tuple(pool.allocate(len(hashes) - first))
+        block_ids = tuple(pool.allocate(wanted))
+        self._num_load_blocks += wanted
         self._loading[seq.request_id] = PrefixLoad(first, block_ids)
         self._held[seq.request_id] = seq
         names = tuple(BlockHash(h.hex()) for h in hashes[first:])
@@ -152,6 +168,7 @@ class ColdPlanner:
         block_ids = prefix.block_ids[skip : max_blocks - prefix.first_block]
         pool = self.kv_cache.hot.pool
         pool.free([*prefix.block_ids[:skip], *prefix.block_ids[skip + len(block_ids) :]])
+        self._num_load_blocks -= len(prefix.block_ids)
         seq.cold_prefix = None
         table = seq.block_table
         table.hot_block_ids.extend(block_ids)
@@ -173,6 +190,7 @@ class ColdPlanner:
         """The sequence will not map its loaded prefix (any more): free the blocks it still holds."""
         if seq.cold_prefix is not None:
             self.kv_cache.hot.pool.free(seq.cold_prefix.block_ids)
+            self._num_load_blocks -= len(seq.cold_prefix.block_ids)
         seq.cold_prefix = None
 
     def store_prefix(self, seq: Sequence, indexes: list[int]) -> None:
@@ -349,6 +367,7 @@ class ColdPlanner:
             return
         num_blocks = outcome.prefix_blocks if seq.request_id in self._held else 0
         self.kv_cache.hot.pool.free(load.block_ids[num_blocks:])
+        self._num_load_blocks -= len(load.block_ids) - num_blocks
         if self._held.pop(seq.request_id, None) is None:
             return  # cancelled while its prefix was loading
         if num_blocks:

@@ -217,7 +217,7 @@ def test_a_prefix_load_keeps_its_blocks_until_the_loader_is_done_even_when_cance
     kvstore.process.send_signal(signal.SIGCONT)
     second.cold.tier.flush()
     second.step()  # takes the load's outcome
-    assert loaders_blocks() == 0
+    assert loaders_blocks() == 0 and second.cold.num_load_blocks == 0
     second.cancel(busy_handle)
     while not busy.done.is_set():
         second.step()
@@ -253,6 +253,34 @@ def test_a_prefix_load_starts_only_after_the_tier_moves_decided_before_it(
         second.step()
     assert collector.result().token_ids == expected.token_ids
     assert second.cold.stats.prompt_tokens_loaded == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    first.stop()
+    second.stop()
+
+
+def test_prefix_loads_hold_at_most_half_the_hot_pool_and_the_rest_is_computed(
+    stories_hf_dir: Path, kvstore: KVStoreProcess
+) -> None:
+    """Blocks held by loads belong to no running request, so preemption cannot take them back: two
+    18-block loads at once would hold 36 of the 64-block pool, so the second prompt is computed.
+    (One load always goes through, whatever its size: the expiry test's 18 blocks of a 32-block pool.)"""
+    cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
+    first = load_engine(stories_hf_dir, cold)
+    prompts = [long_prompt(first), first.tokenizer.encode(STORY.replace("Lily", "Sam") * 5)[:300]]
+    expected = [store_prefix(first, prompt).token_ids for prompt in prompts]
+    second = load_engine(stories_hf_dir, cold)
+    assert second.cold is not None
+    pool = second.scheduler.kv_cache.hot.pool
+    assert pool.num_blocks == 64 and all((len(p) - 1) // BLOCK_SIZE == 18 for p in prompts)
+    collectors = [ResultCollector(prompt) for prompt in prompts]
+    for prompt, collector in zip(prompts, collectors, strict=True):
+        second.submit(prompt, GREEDY, collector)
+    second._drain_inbox()  # both arrive in one step
+    assert second.cold.num_held == 1 and second.cold.num_load_blocks == 18
+    while not all(c.done.is_set() for c in collectors):
+        second.step()
+    assert [c.result().token_ids for c in collectors] == expected
+    assert second.cold.stats.prompt_tokens_loaded == 18 * BLOCK_SIZE  # one loaded, one computed
+    assert second.cold.num_load_blocks == 0 and pool.num_used_blocks() == 0
     first.stop()
     second.stop()
 
