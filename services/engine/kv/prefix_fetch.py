@@ -28,9 +28,11 @@ same-host reads off for this engine's life, after one warning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,10 +176,11 @@ class PrefixFetcher:
         files = SegmentFiles()
         pending: deque[_Piece] = deque()
         written = 0
+        began = time.monotonic()  # the pieces' LocateBlocks share `call`'s one deadline
         try:
             for start in range(0, len(hashes), PIECE_BLOCKS):
                 piece = hashes[start : start + PIECE_BLOCKS]
-                locations = self._locate(piece, call)
+                locations = self._locate(piece, _remaining(call, began))
                 if locations is None:  # refused: the stream serves the rest
                     written, failed = self._write_done(pending, kv, sink, written, wait=True)
                     return written, start if failed is None else failed
@@ -246,6 +249,15 @@ class PrefixFetcher:
         """Stop the reader threads."""
         if self._reader is not None:
             self._reader.close()
+
+
+def _remaining(call: CallOptions, began: float) -> CallOptions:
+    """`call` with what is left of its deadline since `began` (a slow store must not cost a long
+    prefix one deadline per piece)."""
+    if call.timeout_s is None:
+        return call
+    left = call.timeout_s - (time.monotonic() - began)
+    return dataclasses.replace(call, timeout_s=max(left, 1e-3))
 
 
 def _leading(hashes: Sequence[str], present: set[str]) -> list[str]:

@@ -11,13 +11,14 @@ store that hands out no locations costs nothing but the fast path.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from services.common.kvstore_api import BlockHash, KVStoreClient, Namespace
+from services.common.kvstore_api import BlockHash, CallOptions, KVStoreClient, Namespace
 from services.engine.config import EngineConfig
 from services.engine.kv import prefix_fetch
 from services.engine.kv.cold_tier import DEFAULT_TENANT, ColdTierConfig
@@ -158,3 +159,14 @@ def test_local_reads_are_a_setting_and_off_by_default() -> None:
 def test_a_prefix_layout_is_a_stored_prompt_block() -> None:
     layout = PrefixLayout((30, 2, 16, 3, 64))  # SmolLM2-135M: 368,640 B of BF16 per 16-token block
     assert layout.payload_bytes == 30 * 2 * 16 * 3 * 64 * 2
+
+
+def test_the_pieces_of_one_load_share_one_lookup_deadline() -> None:
+    """Each piece's LocateBlocks gets what is left of the load's deadline, not a deadline of its
+    own: a slow store costs a 16-piece prefix one deadline, not sixteen."""
+    call = CallOptions(timeout_s=1.0)
+    now = time.monotonic()
+    left = prefix_fetch._remaining(call, now - 0.4).timeout_s
+    assert left is not None and 0.5 < left <= 0.6
+    assert prefix_fetch._remaining(call, now - 5.0).timeout_s == 1e-3  # spent: fails at once
+    assert prefix_fetch._remaining(CallOptions(), now - 5.0).timeout_s is None  # the client's default
