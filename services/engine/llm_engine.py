@@ -465,12 +465,13 @@ class LLMEngine:
                 logger.exception("engine loop error")
 
     def _has_work(self) -> bool:
-        """Something to schedule, text to emit, or a kvstore outcome to take."""
+        """Something to schedule, text to emit, a kvstore outcome to take, or a prefix load to start
+        (held until tier moves are carried out: with no step coming, `step` carries them out)."""
         return (
             self.scheduler.has_work
             or bool(self._pending_text)
             or self._ahead is not None
-            or (self.cold is not None and self.cold.tier.has_outcomes)
+            or (self.cold is not None and (self.cold.tier.has_outcomes or self.cold.tier.has_fenced))
         )
 
     def step(self) -> None:

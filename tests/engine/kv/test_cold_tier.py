@@ -243,6 +243,9 @@ def test_a_prefix_load_starts_only_after_the_tier_moves_decided_before_it(
     second.submit(prompt, GREEDY, collector)
     second._drain_inbox()  # the request arrives: its load is decided, its blocks allocated
     assert second.cold.num_held == 1 and tier.has_fenced
+    # the step thread sleeps only when there is no work: a held load is work (a step with nothing
+    # to run carries the moves out); else a load decided while no next step came would never start
+    assert second._has_work()
     tier.flush()
     assert not tier.has_outcomes  # never reached the loader
     second.runner.carry_out_moves()  # what an idle engine does (a step does it in its launch)
