@@ -21,8 +21,9 @@ from services.engine.model.config import ModelConfig
 # Bytes of model-dtype keys read per batched demotion chunk (the quantizer's fp32 temporaries are a
 # few times this); the engine's memory profile runs one full chunk, so the KV budget accounts for it.
 WARM_COPY_CHUNK_BYTES = 64 << 20
-# Bytes of loaded cold blocks copied to the device at a time: bounds the transient device copy of a
-# long loaded prefix (a 32K-token 8B prefix is 4.3 GB) while each copy stays large.
+# Bytes of loaded cold blocks copied to the device at a time, each copy still large: the device
+# landing buffer a loaded prefix goes through (PrefixWriter; kept once the first hit makes it, and
+# outside the memory profile), and the transient copy of an auxiliary window's blocks.
 LOAD_CHUNK_BYTES = 256 << 20
 
 
