@@ -236,15 +236,8 @@ class ModelRunner:
     def _forward(
         self, plan: StepPlan, host: HostMetadata, device_ids: torch.Tensor | None = None
     ) -> StepOutput:
-        """Carry out the plan's tier moves, then the forward; outputs at each row's last new token.
-
-        Order matters: cold stores read their warm groups before this step's warm copies may reuse
-        them, and cold loads write their hot blocks after the warm copies have read the ones they free.
-        """
-        self._store_cold(plan.cold_moves.stores)
-        self.kv_cache.copy_to_warm(plan.warm_copies)
-        self.kv_cache.write_loaded(plan.cold_moves.loads)
-        self._release_prefix_loads()
+        """Carry out the plan's tier moves, then the forward; outputs at each row's last new token."""
+        self._apply_moves(plan.cold_moves, plan.warm_copies)
         graphs = self.graphs
         if (
             graphs is not None
@@ -282,17 +275,19 @@ class ModelRunner:
     def carry_out_moves(self) -> None:
         """Carry out the tier moves decided so far without a step, then start the prefix loads that
         wait for them (an engine with no step to run; TP=1, where the cold tier runs)."""
-        if self.cold_tier is None or not self.cold_tier.has_fenced:
-            return
-        moves = self.kv_cache.take_cold_moves()
-        self._store_cold(moves.stores)
-        self.kv_cache.copy_to_warm(self.kv_cache.take_warm_copies())
-        self.kv_cache.write_loaded(moves.loads)
-        self._release_prefix_loads()
+        if self.cold_tier is not None and self.cold_tier.has_fenced:
+            self._apply_moves(self.kv_cache.take_cold_moves(), self.kv_cache.take_warm_copies())
 
-    def _release_prefix_loads(self) -> None:
-        """Start the prefix loads held for this step's moves: their writes go after every device
-        operation queued so far, which includes all work on the blocks they were given."""
+    def _apply_moves(self, cold_moves: ColdMoves, warm_copies: list[WarmCopy]) -> None:
+        """Queue the tier moves, then start the prefix loads held for them: their writes go after
+        every device operation queued so far, which includes all work on the blocks they were given.
+
+        Order matters: cold stores read their warm groups before these warm copies may reuse them,
+        and cold loads write their hot blocks after the warm copies have read the ones they free.
+        """
+        self._store_cold(cold_moves.stores)
+        self.kv_cache.copy_to_warm(warm_copies)
+        self.kv_cache.write_loaded(cold_moves.loads)
         if self.cold_tier is not None and self.cold_tier.has_fenced:
             self.cold_tier.release_fenced(queued_copies(self.kv_cache.hot.keys.device))
 

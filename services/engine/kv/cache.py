@@ -470,7 +470,6 @@ class PrefixWriter:
         self.block_ids = block_ids
         self._cache = cache
         self._stream = stream
-        self._landing: torch.Tensor | None = None
         self._index: torch.Tensor | None = None  # block_ids on the device (made on the first write)
 
     def write(self, first: int, kv: torch.Tensor) -> None:
@@ -495,10 +494,8 @@ class PrefixWriter:
                 self._cache._scatter_blocks(index, landing)
 
     def _landing_for(self, part: torch.Tensor) -> torch.Tensor:
-        """A device view shaped like `part` over the landing buffer (allocated on the first write)."""
-        if self._landing is None:
-            self._landing = self._cache.load_landing(part.dtype)
-        return self._landing[: part.numel()].view(part.shape)
+        """A device view shaped like `part` over the cache's landing buffer."""
+        return self._cache.load_landing(part.dtype)[: part.numel()].view(part.shape)
 
     def wait_for(self, fence: torch.cuda.Event) -> None:
         """Make every write go after the device work `fence` ends: work the engine queued on these

@@ -106,8 +106,8 @@ class ColdTierConfig:
     local_reads: bool = False
     # The host buffer prefix hits land in, kept for the engine's life so that no hit page-locks
     # memory on its path (pinned on CUDA; torch rounds a pinned allocation up to a power of two):
-    # sized for a max_seq_len prompt, at most this many MiB. A longer hit, or one that finds it in
-    # use, gets a buffer of its own. 0: a buffer per hit.
+    # sized for a max_seq_len prompt, at most this many MiB. A longer hit gets a buffer of its own.
+    # 0: a buffer per hit.
     prefix_staging_mb: int = 8192
     codec: CodecSettings = field(default_factory=CodecSettings)
 

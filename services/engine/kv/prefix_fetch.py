@@ -195,8 +195,7 @@ class PrefixFetcher:
                     return written, failed
                 if len(run) < len(piece):  # the stored prefix ends in this piece
                     break
-            written, failed = self._write_done(pending, kv, sink, written, wait=True)
-            return written, failed
+            return self._write_done(pending, kv, sink, written, wait=True)
         finally:  # no read still writes into the host buffer once this returns
             for left in pending:
                 left.reads.wait()

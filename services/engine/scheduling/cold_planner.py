@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.engine import metrics
-from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId
+from services.engine.kv.block_pool import SCRATCH_BLOCK
 from services.engine.kv.block_table import ColdBlock
 from services.engine.kv.cache import ColdSource, KVCache
 from services.engine.kv.cold_moves import ColdLoad, ColdStore, ColdSummaries, ScoreRow
@@ -48,15 +48,6 @@ MAX_REMEMBERED_PREFIX_BLOCKS = 1 << 16  # prompt blocks known stored, so they ar
 # instead. Those blocks belong to no running request, so preemption cannot take them back: without
 # a bound, a burst of long prefix hits could leave running requests no room to grow.
 MAX_PREFIX_LOAD_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class PrefixLoad:
-    """A prefix load in flight: prompt blocks from `first_block` on, and the hot blocks allocated
-    for them (one each, in order), which the loader thread writes."""
-
-    first_block: int
-    block_ids: tuple[BlockId, ...]
 
 
 @dataclass
@@ -86,7 +77,9 @@ class ColdPlanner:
         self.kv_cache = kv_cache
         self.stats = ColdStats()
         self.num_steps = 0
-        self._loading: dict[RequestId, PrefixLoad] = {}  # until its outcome is taken (cancelled too)
+        # Loads in flight: the prompt blocks asked for and the hot blocks allocated for them, which
+        # the loader thread writes; until the outcome is taken (for a cancelled request too).
+        self._loading: dict[RequestId, ColdPrefix] = {}
         self._num_load_blocks = 0  # hot blocks of loads in flight and of loaded prefixes not mapped
         self._held: dict[RequestId, Sequence] = {}
         self._window_wanted: dict[RequestId, set[int]] = {}
@@ -137,7 +130,7 @@ class ColdPlanner:
             return False
         block_ids = tuple(pool.allocate(wanted))
         self._num_load_blocks += wanted
-        self._loading[seq.request_id] = PrefixLoad(first, block_ids)
+        self._loading[seq.request_id] = ColdPrefix(first, block_ids)
         self._held[seq.request_id] = seq
         names = tuple(BlockHash(h.hex()) for h in hashes[first:])
         job = Job(

@@ -150,8 +150,9 @@ EventCallback = Callable[[StreamEvent], None]
 
 @dataclass(frozen=True)
 class ColdPrefix:
-    """Prompt blocks `[first_block, first_block + n)` as the kvstore gave them back, already written
-    into hot blocks `block_ids` (allocated for the load, not yet in the request's table)."""
+    """Prompt blocks `[first_block, first_block + n)` of a prefix load and the hot blocks allocated
+    for them, one each in order, in no request's table: the loader writes them while the load runs,
+    and once its outcome came they hold what the kvstore gave back, waiting to be mapped."""
 
     first_block: int
     block_ids: tuple[BlockId, ...]
