@@ -21,6 +21,7 @@ hot layout (the "warm prefix as pages" row, dequantization included in its time)
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -79,7 +80,10 @@ def time_decode(
         tables.append(table)
     rows = [RowInput(t, total - new_tokens, new_tokens) for t in tables]
     backend = TritonBackend(cache, HEADS, batch)  # flash-decoding workspace: decode rows only
-    segments = 1 if prefill else segments or backend.num_segments(batch, total)
+    if segments is None:
+        tokens = batch * new_tokens
+        split = backend.prefill_segments(tokens, batch, new_tokens, total) if prefill else None
+        segments = split or backend.num_segments(batch, total)
     host = HostMetadata.build(rows, BLOCK, TIERS.group_size // BLOCK)
     metadata = AttentionMetadata.to_device(
         host, torch.device("cuda"), segments, max_prefix_blocks=backend.max_prefix_blocks if pages else 0
@@ -95,7 +99,7 @@ def time_decode(
 
     def call() -> None:
         if pages:
-            backend.forward(q, q, q, 0, metadata)  # k and v are unused: the cache holds them
+            backend.forward(q, q, q, 0, metadata)  # k, v unused (the cache holds them); own workspace
             return
         paged_attention(
             q, layer, metadata.paged, out, segments, partials, tile_n=tile_n, num_warps=num_warps, **launch
@@ -134,12 +138,15 @@ def main() -> None:
         default="",
         help="launch shapes to compare, e.g. 32x4,64x8x2,64x4x3x128 (see the module docstring)",
     )
-    parser.add_argument("--segments", type=int, default=None, help="flash-decoding split (default: engine)")
+    parser.add_argument(
+        "--segments", default="", help="splits to compare, e.g. 8,16,32 (default: the engine's)"
+    )
     parser.add_argument("--hot-variants", action="store_true", help="time the variants with tiers off too")
     parser.add_argument("--prefill", type=int, default=0, help="new tokens per row; 0: decode")
     parser.add_argument("--prefix-pages", action="store_true", help="prefill: also time the pages path")
     args = parser.parse_args()
     variants = [None] + [v for v in args.variants.split(",") if v]
+    splits = [int(x) or None for x in args.segments.split(",") if x] or [None]  # 0: the engine's
     print("| context | batch | tiers | launch | segments | µs per layer call | MB read | GB/s |")
     print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for context in (int(c) for c in args.contexts.split(",")):
@@ -148,12 +155,11 @@ def main() -> None:
             runs = [(True, v, False) for v in variants] + [(False, v, False) for v in hot]
             if args.prefix_pages:
                 runs.insert(1, (True, None, True))
-            for tiered, variant, pages in runs:
+            for (tiered, variant, pages), split in itertools.product(runs, splits):
                 launch = _launch(variant)
                 us, read, segments = time_decode(
-                    batch, context, tiered, segments=args.segments,
-                    prefill=args.prefill, pages=pages, **launch,
-                )  # fmt: skip
+                    batch, context, tiered, segments=split, prefill=args.prefill, pages=pages, **launch
+                )
                 shape = "warm prefix as pages" if pages else variant or "default"
                 tiers = "on" if tiered else "off"
                 print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | "

@@ -44,3 +44,7 @@ class AttentionBackend(ABC):
     def num_segments(self, num_rows: int, max_seq_len: int) -> int:
         """How many programs split each row's context in a decode step (1: no split)."""
         return 1
+
+    def prefill_segments(self, num_tokens: int, num_rows: int, max_query_len: int, max_seq_len: int) -> int:
+        """How many programs split each row's context in a prefill step (1: no split)."""
+        return 1

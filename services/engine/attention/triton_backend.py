@@ -33,6 +33,13 @@ TARGET_PROGRAMS = 8 * 132
 # Fewer programs take the four-warp launch, which costs about 1.4x the instructions per position.
 MAX_WARM_SEGMENTS = 128
 MIN_WARM_TOKENS_PER_SEGMENT = 128
+# A prefill splits too when it has few query blocks over a long context: a 16-token chunk after a
+# 32K-token prefix (a prefix-cache or cold-tier hit, a short follow-up turn) is one query block per
+# KV head, and unsplit its 8 programs each scan all 32K positions. The split is capped by the
+# flash-decoding workspace, which holds PREFILL_SPLIT_TOKENS (token, segment) pairs at least.
+MAX_PREFILL_SEGMENTS = 64
+PREFILL_SPLIT_TOKENS = 2048
+PREFILL_BLOCK_M = 64  # (token, head) rows per prefill program (paged_attention's block_m)
 
 
 class TritonBackend(AttentionBackend):
@@ -55,7 +62,9 @@ class TritonBackend(AttentionBackend):
         # flash-decoding workspace: one entry per (row, head, segment) of the largest split a decode
         # of up to max_decode_rows rows takes (few rows split many ways, many rows few)
         self.max_split_rows = max(r * self._segments(r, 1 << 30) for r in range(1, max_decode_rows + 1))
-        self.partials = Partials.empty(self.max_split_rows, num_heads, 1, head_dim_padded(head_dim), device)
+        self.max_split_tokens = max(self.max_split_rows, PREFILL_SPLIT_TOKENS)  # prefill splits too
+        self.queries_per_kv = num_heads // self.num_kv_heads
+        self.partials = Partials.empty(self.max_split_tokens, num_heads, 1, head_dim_padded(head_dim), device)
         self.max_prefix_blocks = 0
         self.num_prefix_layer_calls = 0  # layer calls that read a prefill's warm prefix from pages
         self.num_split_layer_calls = 0  # eager decode layer calls split across programs (flash-decoding)
@@ -79,7 +88,10 @@ class TritonBackend(AttentionBackend):
         if metadata.prefix is not None and paged_layer.warm is not None:
             pages = self._dequantize_prefix(paged_layer, metadata.prefix)
             in_place = paged_layer._replace(warm=None)  # the warm blocks are read from the pages
-            return paged_attention(q, in_place, metadata.paged, out, prefix_pages=pages)
+            partials = self.partials if metadata.num_segments > 1 else None
+            return paged_attention(
+                q, in_place, metadata.paged, out, metadata.num_segments, partials, prefix_pages=pages
+            )
         partials = self.partials if metadata.num_segments > 1 else None
         self.num_split_layer_calls += metadata.num_segments > 1
         return paged_attention(q, paged_layer, metadata.paged, out, metadata.num_segments, partials)
@@ -89,6 +101,19 @@ class TritonBackend(AttentionBackend):
         segment under MIN_TOKENS_PER_SEGMENT (MIN_WARM_TOKENS_PER_SEGMENT) positions."""
         segments = self._segments(num_rows, max_seq_len)
         return segments if num_rows * segments <= self.max_split_rows else 1
+
+    def prefill_segments(self, num_tokens: int, num_rows: int, max_query_len: int, max_seq_len: int) -> int:
+        """The split of a prefill step: enough programs to fill the GPU when its query blocks are few
+        and its contexts long, no segment under MIN_TOKENS_PER_SEGMENT positions, and no more
+        (token, segment) pairs than the workspace holds. A whole prompt is rarely split: its own
+        query blocks fill the GPU."""
+        block_q = max(1, PREFILL_BLOCK_M // self.queries_per_kv)
+        programs = self.num_kv_heads * triton.cdiv(max_query_len, block_q) * num_rows
+        by_occupancy = triton.cdiv(TARGET_PROGRAMS, programs)
+        by_length = max_seq_len // MIN_TOKENS_PER_SEGMENT
+        by_workspace = self.max_split_tokens // max(1, num_tokens)
+        wanted = min(MAX_PREFILL_SEGMENTS, by_occupancy, by_length, by_workspace)
+        return 1 if wanted < 2 else 1 << (wanted.bit_length() - 1)
 
     def _segments(self, num_rows: int, max_seq_len: int) -> int:
         if self.kv_cache.warm is not None:

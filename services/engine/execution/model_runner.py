@@ -256,7 +256,12 @@ class ModelRunner:
             return output._replace(hot_mass=sampled.hot_mass, probe_row=sampled.row)
         probe = None if plan.probe_layer is None else self._next_probe(plan.probe_layer)
         tap = self._query_tap(host.num_rows) if plan.score_rows and host.is_decode else None
-        segments = self.attention.num_segments(host.num_rows, host.max_seq_len) if host.is_decode else 1
+        if host.is_decode:
+            segments = self.attention.num_segments(host.num_rows, host.max_seq_len)
+        else:
+            segments = self.attention.prefill_segments(
+                host.num_tokens, host.num_rows, host.max_query_len, host.max_seq_len
+            )
         metadata = AttentionMetadata.to_device(
             host, self.device, segments, probe, tap, self.attention.max_prefix_blocks
         )

@@ -345,6 +345,23 @@ def test_prefill_matches_reference(shape, with_warm):
     run_case(shape, rows, torch.float32, with_warm, num_segments=1, seed=3)
 
 
+@pytest.mark.parametrize("num_segments", [2, 8])
+@pytest.mark.parametrize("with_warm", [False, True], ids=["hot", "tiered"])
+def test_split_prefill_matches_reference(num_segments, with_warm):
+    """A prefill split across programs (short chunks over long contexts): the causal edge falls
+    inside a segment, later segments of a query block see none of its early queries' keys, and a
+    decode row and a whole prompt ride in the same step."""
+    rows = [(16, 300), (5, 150), (1, 90), (40, 40)]
+    run_case(Shape(2, 4, 64), rows, torch.float32, with_warm, num_segments, seed=13)
+
+
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_split_prefill_over_dequantized_warm_pages_matches_reference(num_segments):
+    """The pages path splits the same way."""
+    rows = [(16, 300), (20, 120)]
+    run_case(Shape(1, 4, 64), rows, torch.float32, True, num_segments, seed=14, prefix_pages=True)
+
+
 @pytest.mark.parametrize("shape", [Shape(2, 1, 64), Shape(1, 4, 128), Shape(1, 2, 8)], ids=str)
 def test_prefill_over_dequantized_warm_pages_matches_reference(shape):
     """A prefill whose warm prefix was dequantized once into pages: the same answer as the float64

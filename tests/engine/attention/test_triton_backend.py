@@ -8,7 +8,12 @@ from pathlib import Path
 
 import torch
 
-from services.engine.attention.triton_backend import MAX_SEGMENTS, MAX_WARM_SEGMENTS, TritonBackend
+from services.engine.attention.triton_backend import (
+    MAX_PREFILL_SEGMENTS,
+    MAX_SEGMENTS,
+    MAX_WARM_SEGMENTS,
+    TritonBackend,
+)
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
@@ -78,3 +83,21 @@ def test_decode_splits_long_contexts_to_fill_the_gpu() -> None:
     assert tiered.num_segments(1, 1024) == 8  # no segment under MIN_WARM_TOKENS_PER_SEGMENT
     assert tiered.num_segments(1, 100) == 1
     assert tiered.partials.max.numel() >= 32 * max(r * tiered.num_segments(r, 1 << 20) for r in range(1, 17))
+
+
+def test_prefill_splits_only_short_chunks_over_long_contexts() -> None:
+    """A 16-token chunk after a 32K prefix is one query block per KV head: it splits into segments of
+    a few tiles. A whole 32K prompt, or a short prompt, does not split. The workspace bounds the
+    (token, segment) pairs."""
+    config = ModelConfig(vocab_size=8, hidden_size=32 * 128, intermediate_size=8, num_layers=1,
+                         num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
+    cache = KVCache(HotTier(config, 4, 16, torch.device("cpu"), torch.float32), None)
+    backend = TritonBackend(cache, num_heads=32, max_decode_rows=16)
+    assert backend.prefill_segments(16, 1, 16, 32784) == MAX_PREFILL_SEGMENTS
+    assert backend.prefill_segments(16, 1, 16, 1040) == 4  # segments of at least 256 positions
+    assert backend.prefill_segments(200, 1, 200, 300) == 1
+    assert backend.prefill_segments(16384, 1, 16384, 32768) == 1  # 8,192 programs already
+    assert backend.prefill_segments(512, 1, 512, 33280) == 4  # 256 programs; the workspace caps it
+    for tokens in (1, 16, 100, 512, 2048):
+        segments = backend.prefill_segments(tokens, 1, tokens, 1 << 20)
+        assert tokens * segments <= backend.partials.max.numel() // 32
