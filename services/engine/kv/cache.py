@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention.paged_kernels import WarmLayer
-from services.engine.kv import kivi
+from services.engine.kv import demote_kernel, kivi
 from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId, BlockPool
 from services.engine.kv.block_table import BlockTable, WarmGroupId
 from services.engine.kv.cold_moves import ColdLoad, ColdMoves
@@ -344,16 +344,29 @@ class KVCache:
     def copy_to_warm(self, copies: list[WarmCopy]) -> None:
         """Quantize hot blocks into their allocated warm groups: the device work of a step's demotions.
 
-        Batched: a chunk of groups costs the same few launches as one group, so a long prompt's
-        prefill (hundreds of demotions in one step) does not become a launch storm. Chunks keep the
-        float temporaries near WARM_COPY_CHUNK_BYTES (changes state).
+        On CUDA one fused launch quantizes every group in place (demote_kernel). Elsewhere the
+        reference runs batched: a chunk of groups costs the same few launches as one group, so a long
+        prompt's prefill (hundreds of demotions in one step) does not become a launch storm, and chunks
+        keep the float temporaries near WARM_COPY_CHUNK_BYTES (changes state).
         """
         assert self.warm is not None or not copies
         if not copies:
             return
         assert self.warm is not None
-        chunk = self.hot.warm_copy_chunk(self.warm.group_size)
         device = self.hot.keys.device
+        if device.type == "cuda" and demote_kernel.supports(self.hot.keys, self.warm.group_size):
+            warm = self.warm
+            block_ids = torch.tensor([copy.block_ids for copy in copies], dtype=torch.int32)
+            group_ids = torch.tensor([copy.group_id for copy in copies], dtype=torch.int32)
+            demote_kernel.demote(
+                self.hot.keys, self.hot.values,
+                block_ids.pin_memory().to(device, non_blocking=True),
+                group_ids.pin_memory().to(device, non_blocking=True),
+                warm.key_codes, warm.key_scale, warm.key_zero,
+                warm.value_codes, warm.value_scale, warm.value_zero,
+            )  # fmt: skip
+            return
+        chunk = self.hot.warm_copy_chunk(self.warm.group_size)
         for start in range(0, len(copies), chunk):
             part = copies[start : start + chunk]
             block_ids = [b for copy in part for b in copy.block_ids]
