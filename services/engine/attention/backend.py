@@ -12,6 +12,11 @@ from services.engine.attention.metadata import AttentionMetadata
 # once per layer (a 32K prompt's second 16K chunk reads a 16K prefix; bench/attention_kernel.py
 # --prefill compares the two ways). A longer prefix is read in place, dequantized per query block.
 PREFIX_PAGE_TOKENS = 32_768
+# ... but only for a step with at least this many new tokens in a row: a shorter chunk reads the warm
+# prefix in place, split across programs (on the H200 over a 32K prefix, in place took 88 / 933 /
+# 1,821 / 3,572 us a layer for 16 / 256 / 512 / 1,024 new tokens against 1,186 / 1,766 / 2,462 /
+# 3,798 through pages; from 2,048 tokens the pages win, 6,543 against 7,558 us).
+PREFIX_PAGES_MIN_QUERY_TOKENS = 2048
 PREFIX_DEQUANT_CHUNK_BLOCKS = 256  # warm blocks dequantized at once (bounds the fp32 temporaries)
 
 
@@ -34,12 +39,19 @@ class AttentionBackend(ABC):
     # Warm blocks a prefill step may have read as dequantized pages (`AttentionMetadata.prefix`);
     # 0: the backend reads the warm tier in place.
     max_prefix_blocks: int = 0
+    # The fewest new tokens in a row for which a prefill step reads its warm prefix as pages.
+    min_prefix_page_tokens: int = PREFIX_PAGES_MIN_QUERY_TOKENS
 
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """Packed queries `q` `[T, H, D]` (new `k`, `v` `[T, KVH, D]` already stored) -> `[T, H, D]`."""
+
+    def prefix_page_blocks(self, max_query_len: int) -> int:
+        """Warm blocks a prefill step with up to `max_query_len` new tokens in a row may read as pages
+        (0: it reads the warm tier in place)."""
+        return self.max_prefix_blocks if max_query_len >= self.min_prefix_page_tokens else 0
 
     def num_segments(self, num_rows: int, max_seq_len: int) -> int:
         """How many programs split each row's context in a decode step (1: no split)."""

@@ -263,7 +263,7 @@ class ModelRunner:
                 host.num_tokens, host.num_rows, host.max_query_len, host.max_seq_len
             )
         metadata = AttentionMetadata.to_device(
-            host, self.device, segments, probe, tap, self.attention.max_prefix_blocks
+            host, self.device, segments, probe, tap, self.attention.prefix_page_blocks(host.max_query_len)
         )
         if device_ids is None:
             input_ids = to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.engine.attention.triton_backend import (
@@ -33,11 +34,15 @@ TIERED = KVCacheSpec(
 )
 
 
-def _greedy(path: Path, attention: str) -> tuple[list[list[int]], LLMEngine]:
+def _greedy(
+    path: Path, attention: str, min_prefix_page_tokens: int | None = None
+) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine.load(
         path, device=DEVICE, dtype="float32", max_batch_size=2, max_seq_len=512, kv=TIERED,
         max_prefill_tokens=64, attention=attention, progress=False,
     )  # fmt: skip
+    if min_prefix_page_tokens is not None:
+        engine.runner.attention.min_prefix_page_tokens = min_prefix_page_tokens
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (300, 150)]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -53,12 +58,15 @@ def _greedy(path: Path, attention: str) -> tuple[list[list[int]], LLMEngine]:
     return [list(r.token_ids) for r in results], engine
 
 
-def test_chunked_prefill_over_a_warm_prefix_equals_the_reference(stories_hf_dir: Path) -> None:
+@pytest.mark.parametrize("pages", [True, False], ids=["pages", "in-place"])
+def test_chunked_prefill_over_a_warm_prefix_equals_the_reference(stories_hf_dir: Path, pages: bool) -> None:
+    """64-token chunks over a warm prefix, read from dequantized pages or (as the engine reads chunks
+    under PREFIX_PAGES_MIN_QUERY_TOKENS) in place: the reference's greedy tokens either way."""
     reference, _ = _greedy(stories_hf_dir, "reference")
-    fused, engine = _greedy(stories_hf_dir, "triton")
+    fused, engine = _greedy(stories_hf_dir, "triton", min_prefix_page_tokens=1 if pages else None)
     backend = engine.runner.attention
     assert isinstance(backend, TritonBackend)
-    assert backend.num_prefix_layer_calls > 0  # the warm prefix really was read from pages
+    assert (backend.num_prefix_layer_calls > 0) == pages  # the warm prefix really was read from pages
     assert backend.num_split_layer_calls > 0  # and decode split the rows' contexts (flash-decoding)
     assert fused == reference
 
