@@ -18,8 +18,8 @@ from services.engine.kv.block_table import BlockTable, WarmGroupId
 from services.engine.kv.cold_moves import ColdLoad, ColdMoves
 from services.engine.model.config import ModelConfig
 
-# Bytes of model-dtype keys read per batched demotion chunk (the quantizer's fp32 temporaries are a
-# few times this); the engine's memory profile runs one full chunk, so the KV budget accounts for it.
+# Bytes of model-dtype keys read per batched demotion chunk of the reference quantizer (its fp32
+# temporaries are a few times this; CUDA runs the fused kernel, which has none).
 WARM_COPY_CHUNK_BYTES = 64 << 20
 # Bytes of loaded cold blocks copied to the device at a time, each copy still large: the device
 # landing buffer a loaded prefix goes through (PrefixWriter; kept once the first hit makes it, and
