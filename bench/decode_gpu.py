@@ -478,7 +478,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--long-prompt", type=int, default=32_768)
     parser.add_argument("--long-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
-    parser.add_argument("--long-prefill", type=int, default=16_384, help="max prefill tokens per step")
+    parser.add_argument(
+        "--long-prefill", type=int, default=4096, help="max prefill tokens per step (the engine default)"
+    )
     parser.add_argument(
         "--long-tiers",
         default="on,off",
