@@ -314,8 +314,11 @@ def bench_short(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth
         flush()  # a shape's table survives a later timeout
         if args.profile:
             for label, engine in engines.items():
+                label_text = f"{shape_name}, {label}"
                 notes.append(
-                    profile_decode(engine, shape, max(batches), args.prompt_len, f"{shape_name}, {label}")
+                    profile_decode(
+                        engine, shape, max(batches), args.prompt_len, label_text, args.profile_skip
+                    )
                 )
                 flush()
         for engine in engines.values():
@@ -369,8 +372,9 @@ def bench_long(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth:
         torch.cuda.empty_cache()
 
 
-def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int, label: str) -> str:
-    """torch.profiler over 8 decode steps of a running batch: where a step's GPU time goes.
+def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int, label: str, skip: int = 4) -> str:
+    """torch.profiler over 8 decode steps of a running batch, after `skip` of them: where a step's GPU
+    time goes (a `skip` of 12 puts the first demotion after the prompt's, step 15, among the eight).
 
     Device activity only: recording host ops too made the profile of 8 batch-256 steps run past a
     300 s command limit on the H200. The plain wall time per step beside the device's kernel time
@@ -384,7 +388,7 @@ def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int, labe
         engine.submit(p, params, c)
     while engine.stats().num_running < batch or engine.stats().num_waiting:
         engine.step()
-    for _ in range(4):
+    for _ in range(skip):
         engine.step()
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -392,6 +396,8 @@ def profile_decode(engine: LLMEngine, shape: dict, batch: int, prompt: int, labe
         engine.step()
     torch.cuda.synchronize()
     plain_ms = (time.perf_counter() - started) * 1000 / 8
+    for _ in range(24):  # back to the same place in the demotion cycle (every 32 tokens)
+        engine.step()
     started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
@@ -488,6 +494,7 @@ def main() -> None:
         help="which 32K engines to load: on, off or both (each takes minutes)",
     )
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-skip", type=int, default=4, help="decode steps before the 8 profiled")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     parts = args.parts.split(",")
