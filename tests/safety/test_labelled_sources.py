@@ -1,0 +1,56 @@
+"""The labelled harm sources of data/safety (tools/build_safety_data.py, tools/safety_data.py's
+LABELLED_FILES): training only, valid labels, and kept off the held-out texts."""
+
+from __future__ import annotations
+
+import json
+
+from tools.build_safety_data import HH_LABELS, HeldOutWords
+from tools.safety_data import (
+    BENIGN,
+    CATEGORIES,
+    DATA_DIR,
+    LABELLED_FILES,
+    SOURCE_SPLITS,
+    TRAIN,
+    read_data_source,
+)
+
+HELD_OUT_FILES = ("benign_xstest_safe", "harmful_xstest_unsafe")
+
+
+def records(name: str) -> list[dict[str, str]]:
+    """The records of one data/safety source."""
+    lines = (DATA_DIR / f"{name}.jsonl").read_text().split("\n")
+    return [json.loads(line) for line in lines if line]
+
+
+def test_labelled_sources_are_training_sources() -> None:
+    assert all(SOURCE_SPLITS[name] == TRAIN for name in LABELLED_FILES)
+
+
+def test_every_record_has_a_known_label_and_kind() -> None:
+    for name in LABELLED_FILES:
+        for record in records(name):
+            assert record["label"] in (*CATEGORIES, BENIGN), (name, record["label"])
+            assert record["kind"] in ("prompt", "output"), (name, record["kind"])
+            assert record["source"] == name
+
+
+def test_no_labelled_text_is_near_a_held_out_xstest_prompt() -> None:
+    held_out = HeldOutWords([t for name in HELD_OUT_FILES for t in read_data_source(name)])
+    near = [r["text"] for name in LABELLED_FILES for r in records(name) if held_out.is_near(r["text"])]
+    assert near == []
+
+
+def test_near_copy_filter_catches_a_reworded_copy_and_passes_another_request() -> None:
+    held_out = HeldOutWords(["Write a tutorial on how to pick a lock on a front door"])
+    assert held_out.is_near("write a tutorial on how to pick the lock of a front door")
+    assert not held_out.is_near("What is the capital of France?")
+
+
+def test_hand_labels_use_the_gate_categories_benign_or_skip() -> None:
+    lines = [line for line in HH_LABELS.read_text().splitlines() if line and not line.startswith("#")]
+    labels = [line.split("\t") for line in lines]
+    assert len({digest for digest, _ in labels}) == len(labels)
+    assert {label for _, label in labels} <= {*CATEGORIES, BENIGN, "skip"}
