@@ -64,7 +64,14 @@ from services.engine.scheduling.cold_planner import ColdPlanner, ColdStats
 from services.engine.scheduling.intent_class import IntentClass, IntentClasses
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.scheduler import ExpiredRequest, ScheduledBatch, Scheduler, StepKind
-from services.engine.scheduling.sequence import EventCallback, FinishReason, RequestId, Sequence, StreamEvent
+from services.engine.scheduling.sequence import (
+    EventCallback,
+    FinishReason,
+    RequestId,
+    Sequence,
+    SequenceStatus,
+    StreamEvent,
+)
 from services.engine.serving.generation_result import GenerationResult, ResultCollector
 from services.engine.text.tokenizer import Tokenizer
 
@@ -594,7 +601,8 @@ class LLMEngine:
         if any(fired):
             fired = self._apply_gate_policies(done, fired, output.hidden_states, rows)
         self._choose_cold_windows(batch, output.window_scores)
-        return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
+        assert len(done) == len(token_list) == len(fired)
+        return list(map(Sampled, done, token_list, fired))
 
     def _launch_ahead(self, ahead: Ahead, sampled: list[Sequence], token_ids: torch.Tensor) -> Ahead:
         """Launch the next step now, on this step's sampled ids still on the device, when it can be.
@@ -716,15 +724,18 @@ class LLMEngine:
         return probe_layer(self.config.num_layers)
 
     def _record_attention(self, batch: ScheduledBatch) -> None:
+        # per row per decode step: kept to plain attribute reads (at batch 256 the device waits on it)
         cache = self.runner.kv_cache
-        for row in batch.rows:
-            table = row.seq.block_table
-            if row.num_new == 1 and not row.seq.is_finished:  # decode (not a dead row)
-                num_cold = sum(map(len, table.aux_blocks.values())) * cache.block_size  # pruned: fewer
-                num_hot = min(cache.num_held_hot_blocks(table) * cache.block_size, row.seq.num_tokens)
-                row.seq.record_attention(
-                    num_hot - num_cold, len(table.warm_groups) * table.tiers.group_size, num_cold
-                )
+        block_size = cache.block_size
+        finished = SequenceStatus.FINISHED
+        for seq, num_new in batch.rows:
+            if num_new != 1 or seq.status is finished:  # prefill, or a dead row
+                continue
+            table = seq.block_table
+            num_cold = sum(map(len, table.aux_blocks.values())) * block_size if table.aux_blocks else 0
+            num_hot = min(cache.num_held_hot_blocks(table) * block_size, seq.num_tokens)
+            num_warm = len(table.warm_groups) * table.tiers.group_size
+            seq.record_attention(num_hot - num_cold, num_warm, num_cold)
 
     def _expire_waiting(self) -> None:
         for item in self.scheduler.expire():
@@ -742,8 +753,11 @@ class LLMEngine:
 
     def _commit(self, batch: ScheduledBatch, sampled: list[Sampled]) -> None:
         """Take the step's tokens: ids, EOS and length now; their text in `_flush_text`, later."""
+        finished = SequenceStatus.FINISHED
+        pending = self._pending_text
+        num_generated = 0
         for seq, token_id, fired in sampled:
-            if seq.is_finished:  # a stop string in the last step's text ended it while this step ran
+            if seq.status is finished:  # a stop string in the last step's text ended it while this step ran
                 continue  # its blocks are already free; the token computed past the stop is dropped
             if token_id == FAULT:  # this row's numbers went bad; its batch neighbours are unaffected
                 event = self._end_for_fault(seq)
@@ -751,14 +765,17 @@ class LLMEngine:
                 event = self._end_for_safety(seq, fired)
             else:
                 seq.append_token_id(token_id, self._eos_token_ids, self.max_seq_len)
-                self._counters["generated_tokens"] += 1
-                self._mark_turn(seq, (token_id,), seq.num_tokens - 1)
-                self._pending_text.append(PendingText(seq, token_id, seq.is_finished))
-                if seq.is_finished:
+                num_generated += 1
+                if seq.block_table.tiers.restart_hot_at_turns:
+                    self._mark_turn(seq, (token_id,), seq.num_tokens - 1)
+                ended = seq.status is finished
+                pending.append(PendingText(seq, token_id, ended))
+                if ended:
                     self._end(seq)
                 continue
             self._end(seq)
             _emit(seq, event)
+        self._counters["generated_tokens"] += num_generated
 
     def _end(self, seq: Sequence) -> None:
         self.scheduler.release(seq)
@@ -773,11 +790,15 @@ class LLMEngine:
         token for it, which `_commit` drops.
         """
         pending, self._pending_text = self._pending_text, []
+        finished = SequenceStatus.FINISHED
         for seq, token_id, ended in pending:
-            if seq.is_finished and not ended:
+            if ended:
+                _emit(seq, seq.text_event(token_id))
+                continue
+            if seq.status is finished:
                 continue
             event = seq.text_event(token_id)
-            if seq.is_finished and not ended:
+            if seq.status is finished:  # a stop string ended it
                 self._end(seq)
             _emit(seq, event)
 

@@ -212,6 +212,9 @@ class DemotionResult:
     to_cold: tuple[ColdSource, ...] = ()
 
 
+NOTHING_DEMOTED = DemotionResult()  # what most calls return (a decode step mid-group)
+
+
 class KVCache:
     """The hot and warm tiers of every layer: `store` writes new keys/values, the block calls plan."""
 
@@ -289,13 +292,16 @@ class KVCache:
         """Move whole groups that left the hot window to warm, then apply the warm limit."""
         tiers = table.tiers
         if not tiers.enabled or self.warm is None:
-            return DemotionResult()
-        blocks_per_group = tiers.group_size // self.block_size
+            return NOTHING_DEMOTED
+        block_size = self.hot.block_size
+        blocks_per_group = tiers.group_size // block_size
         if table.next_demote_block < 0:
             table.next_demote_block = self._num_sink_blocks(table)
-        demoted, dropped, to_cold = 0, 0, list[ColdSource]()
         hot_from = max(num_computed_tokens - tiers.hot_tokens, table.hot_floor)  # >= hot_from stay hot
-        while (table.next_demote_block + blocks_per_group) * self.block_size <= hot_from:
+        if (table.next_demote_block + blocks_per_group) * block_size > hot_from:  # most steps
+            return NOTHING_DEMOTED
+        demoted, dropped, to_cold = 0, 0, list[ColdSource]()
+        while (table.next_demote_block + blocks_per_group) * block_size <= hot_from:
             demoted += self._demote_group(table, table.next_demote_block, blocks_per_group, to_cold)
             table.next_demote_block += blocks_per_group
             # group by group, so a long prompt's newest groups find warm room the oldest just left
@@ -356,12 +362,12 @@ class KVCache:
         device = self.hot.keys.device
         if device.type == "cuda" and demote_kernel.supports(self.hot.keys, self.warm.group_size):
             warm = self.warm
-            block_ids = torch.tensor([copy.block_ids for copy in copies], dtype=torch.int32)
-            group_ids = torch.tensor([copy.group_id for copy in copies], dtype=torch.int32)
+            sources = torch.tensor([copy.block_ids for copy in copies], dtype=torch.int32)
+            targets = torch.tensor([copy.group_id for copy in copies], dtype=torch.int32)
             demote_kernel.demote(
                 self.hot.keys, self.hot.values,
-                block_ids.pin_memory().to(device, non_blocking=True),
-                group_ids.pin_memory().to(device, non_blocking=True),
+                sources.pin_memory().to(device, non_blocking=True),
+                targets.pin_memory().to(device, non_blocking=True),
                 warm.key_codes, warm.key_scale, warm.key_zero,
                 warm.value_codes, warm.value_scale, warm.value_zero,
             )  # fmt: skip

@@ -280,24 +280,29 @@ class Scheduler:
         """
         done: list[Sequence] = []
         self.num_dropped_tokens_last_step = 0
-        for row in batch.rows:
-            seq = row.seq
-            if seq.is_finished:  # a dead row: ended after the step was prepared; its blocks are free
+        is_prefill = batch.kind is StepKind.PREFILL
+        finished = SequenceStatus.FINISHED
+        cache, cold = self.kv_cache, self.cold
+        for seq, num_new in batch.rows:  # per row per step: at batch 256 the device waits on this loop
+            if seq.status is finished:  # a dead row: ended after the step was prepared; its blocks are free
                 continue
-            seq.num_computed_tokens += row.num_new
-            if batch.kind is StepKind.PREFILL:
-                seq.timeline.end_prefill_chunk(row.num_new)
-                self.num_prefill_tokens_computed += row.num_new
-            registered = self.kv_cache.register_full_blocks(seq.block_table, seq.num_computed_tokens)
-            if self.cold is not None:  # before demotion maps the blocks it frees to the scratch block
-                self.cold.store_prefix(seq, registered)
-            demoted = self.kv_cache.demote(seq.block_table, seq.num_computed_tokens)
-            if self.cold is not None:
-                self.cold.demote(seq, demoted.to_cold)
-            self.num_dropped_tokens_last_step += demoted.num_dropped_tokens
-            if demoted.num_demoted_tokens or demoted.num_dropped_tokens:
-                _record_demotion(seq, demoted)
-            if seq.num_pending_tokens == 0:
+            seq.num_computed_tokens += num_new
+            if is_prefill:
+                seq.timeline.end_prefill_chunk(num_new)
+                self.num_prefill_tokens_computed += num_new
+            table = seq.block_table
+            if table.num_registered_blocks < len(table.prefix_hashes):  # the prompt's blocks: until all are
+                registered = cache.register_full_blocks(table, seq.num_computed_tokens)
+                if cold is not None:  # before demotion maps the blocks it frees to the scratch block
+                    cold.store_prefix(seq, registered)
+            if table.tiers.enabled:
+                demoted = cache.demote(table, seq.num_computed_tokens)
+                if cold is not None:
+                    cold.demote(seq, demoted.to_cold)
+                if demoted.num_demoted_tokens or demoted.num_dropped_tokens:
+                    self.num_dropped_tokens_last_step += demoted.num_dropped_tokens
+                    _record_demotion(seq, demoted)
+            if seq.num_computed_tokens == len(seq.prompt_ids) + len(seq.completion_ids):  # none pending
                 done.append(seq)
         return done
 

@@ -23,6 +23,11 @@ class StopChecker:
         self._stops = tuple(s for s in stop_strings if s)
         self._pending = ""
 
+    @property
+    def is_active(self) -> bool:
+        """There are stop strings to look for (without any, `push` returns its text as it came)."""
+        return bool(self._stops)
+
     def push(self, delta: str) -> StopCheck:
         """Add newly decoded text; return what may be emitted now."""
         if not self._stops:

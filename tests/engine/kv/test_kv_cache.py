@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
@@ -235,6 +237,39 @@ def test_the_warm_tables_follow_every_change_to_a_rows_warm_groups() -> None:
     assert warm_row() == expected() == [-1] * 4 + [2, 3] + [-1] * 6
     table.warm_groups.clear()
     assert warm_row() == [-1] * 12
+
+
+def test_the_step_tables_of_a_batch_equal_each_rows_own_tables() -> None:
+    """The step metadata fills every row's hot and warm tables in one scatter each: they equal tables
+    built row by row, for rows of different lengths, rows holding blocks past the step's width (only
+    its first `width` are read), demoted (scratch) blocks, warm groups past the width, and empty rows."""
+    generator = random.Random(7)
+    block_size, blocks_per_group = 4, 2
+    tables, inputs = [], []
+    for _ in range(40):
+        table = BlockTable(TierConfig(enabled=True))
+        num_blocks = generator.randrange(0, 30)
+        table.hot_block_ids = [BlockId(generator.randrange(1, 500)) for _ in range(num_blocks)]
+        for first in range(0, num_blocks - 1, blocks_per_group):
+            if generator.random() < 0.4:
+                table.warm_groups[first] = WarmGroupId(generator.randrange(0, 100))
+                table.hot_block_ids[first : first + blocks_per_group] = [SCRATCH_BLOCK] * blocks_per_group
+        # a row's tokens end inside its blocks, or short of them (blocks reserved past the step)
+        end = generator.randrange(1, max(2, num_blocks * block_size + 1))
+        tables.append(table)
+        inputs.append(RowInput(table, end - 1, 1))
+    host = HostMetadata.build(inputs, block_size, blocks_per_group)
+    width = host.block_tables.shape[1]
+    assert width == -(-max(row.start + row.num_new for row in inputs) // block_size)
+    for i, table in enumerate(tables):
+        hot = table.hot_block_ids[:width]
+        assert host.block_tables[i].tolist() == hot + [SCRATCH_BLOCK] * (width - len(hot))
+        warm = [-1] * width
+        for first, group in table.warm_groups.items():
+            for offset in range(blocks_per_group):
+                if first + offset < width:
+                    warm[first + offset] = group * blocks_per_group + offset
+        assert host.warm_block_tables[i].tolist() == warm
 
 
 def test_loaded_blocks_land_the_same_through_the_host_copy_and_the_device_scatter() -> None:
