@@ -122,12 +122,13 @@ def _warm_tables(tables: list[BlockTable], width: int, blocks_per_group: int) ->
     for i, table in enumerate(tables):
         if table.warm_groups:
             row_logical, row_warm = table.warm_groups.block_arrays(blocks_per_group)  # kept until changed
-            rows.append(np.full(len(row_logical), i))
+            rows.append(i)
             logical.append(row_logical)
             warm.append(row_warm)
     if not rows:
         return warm_tables
-    row, column, ids = np.concatenate(rows), np.concatenate(logical), np.concatenate(warm)
+    row = np.repeat(np.asarray(rows), np.fromiter(map(len, logical), dtype=np.int64, count=len(rows)))
+    column, ids = np.concatenate(logical), np.concatenate(warm)
     if int(column.max()) >= width:
         keep = column < width
         row, column, ids = row[keep], column[keep], ids[keep]

@@ -42,7 +42,18 @@ class WarmGroups(dict[int, WarmGroupId]):
         self._arrays = None
 
     def __setitem__(self, key: int, value: WarmGroupId) -> None:
-        self._changed()
+        arrays = self._arrays
+        if arrays is not None and key not in self and (not self or key > arrays[1][-1]):
+            # a group demoted after every other (decode's usual change): extend the kept arrays
+            blocks_per_group, logical, warm = arrays
+            within = np.arange(blocks_per_group)
+            self._arrays = (
+                blocks_per_group,
+                np.concatenate((logical, key + within)),
+                np.concatenate((warm, value * blocks_per_group + within)),
+            )
+        else:
+            self._changed()
         super().__setitem__(key, value)
 
     def __delitem__(self, key: int) -> None:

@@ -214,7 +214,8 @@ def test_a_long_prefill_keeps_its_newest_warm_groups_and_sends_the_rest_cold_fro
 
 def test_the_warm_tables_follow_every_change_to_a_rows_warm_groups() -> None:
     """The step metadata keeps each row's warm blocks as arrays until its groups change: after each
-    kind of change (a group added, replaced, evicted, all cleared) the tables equal a fresh table's."""
+    kind of change (a group added out of order or after the others, replaced, evicted, all cleared)
+    the tables equal a fresh table's."""
     table = BlockTable(TierConfig(enabled=True))
     table.hot_block_ids = [SCRATCH_BLOCK] * 12
 
@@ -233,6 +234,12 @@ def test_the_warm_tables_follow_every_change_to_a_rows_warm_groups() -> None:
     assert warm_row() == expected() == [10, 11, -1, -1, 6, 7] + [-1] * 6
     table.warm_groups[4] = WarmGroupId(1)  # the same blocks, another group
     assert warm_row() == expected()
+    table.warm_groups[8] = WarmGroupId(2)  # after every other group: the kept arrays are extended
+    assert warm_row() == expected() == [10, 11, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1]
+    table.warm_groups[6] = WarmGroupId(0)  # between two groups: built again
+    assert warm_row() == expected()
+    table.warm_groups.pop(6)
+    table.warm_groups.pop(8)
     table.warm_groups.pop(0)
     assert warm_row() == expected() == [-1] * 4 + [2, 3] + [-1] * 6
     table.warm_groups.clear()
