@@ -132,6 +132,36 @@ def roofline(shape: dict, batch: int, context: int, bandwidth_gbs: float, tiers:
 _PROMPT_SEEDS = itertools.count(1)
 
 
+class GcPauses:
+    """Python's cyclic garbage collections while it is entered: how many per generation, and their
+    total pause. A full (generation 2) collection walks every tracked object of the process, which
+    in a benchmark that holds two engines, an HF model and every earlier run's requests is many."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms[info["generation"]] += (time.perf_counter() - self._started) * 1e3
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def __str__(self) -> str:
+        return "gc " + ", ".join(
+            f"gen{g} {n}x {ms:.1f} ms" for g, (n, ms) in enumerate(zip(self.count, self.ms, strict=True))
+        )
+
+
 def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_tokens: int) -> tuple:
     """(decode tok/s, median TTFT ms, peak GiB): decode timed over pure decode steps, stepped by hand."""
     generator = torch.Generator().manual_seed(next(_PROMPT_SEEDS))
@@ -150,14 +180,15 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
     torch.cuda.synchronize()
     start_tokens, started = engine.stats().num_generated_tokens_total, time.perf_counter()
     step_ms = []
-    while not all(c.done.is_set() for c in collectors):
-        before = time.perf_counter()
-        engine.step()
-        step_ms.append((time.perf_counter() - before) * 1e3)
+    with GcPauses() as pauses:
+        while not all(c.done.is_set() for c in collectors):
+            before = time.perf_counter()
+            engine.step()
+            step_ms.append((time.perf_counter() - before) * 1e3)
     elapsed_s = time.perf_counter() - started
     cached = engine.stats().num_prompt_tokens_cached - stats_before.num_prompt_tokens_cached
     print(
-        f"batch {batch}, prompt {prompt_len} ({cached} prompt tokens cached): {step_summary(step_ms)}",
+        f"batch {batch}, prompt {prompt_len} ({cached} prompt tokens cached): {step_summary(step_ms)}; {pauses}",
         flush=True,
     )
     ttft = statistics.median(c.result().ttft_ms for c in collectors)
@@ -271,6 +302,11 @@ def bench_short(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth
                     hf_model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
             finally:
                 torch.set_default_dtype(default_dtype)
+        if (
+            args.gc_freeze == "on"
+        ):  # as the engine service does once it has loaded (services/engine/__main__.py)
+            gc.collect()
+            gc.freeze()
         runs: dict = {}
         for _ in range(args.repeats):
             for b in batches:
@@ -324,6 +360,7 @@ def bench_short(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth
         for engine in engines.values():
             engine.stop()
         del engines, engine, hf_model, checkpoint  # `engine` too: the loop name keeps the last one alive
+        gc.unfreeze()  # the next shape's engines need this one's memory back
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -482,6 +519,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--gc-freeze", choices=("on", "off"), default="on",
+        help="freeze the garbage collector's view of the loaded engines before timing, as the engine service does",
+    )  # fmt: skip
     parser.add_argument("--long-prompt", type=int, default=32_768)
     parser.add_argument("--long-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
     parser.add_argument(
