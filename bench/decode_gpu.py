@@ -175,8 +175,11 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
         engine.submit(prompt, params, collector)
     stats_before = engine.stats()
     first = stats_before.num_generated_tokens_total
+    prefill_ms = []
     while engine.stats().num_generated_tokens_total < first + batch:  # prefill: every first token
+        before = time.perf_counter()
         engine.step()
+        prefill_ms.append((time.perf_counter() - before) * 1e3)
     torch.cuda.synchronize()
     start_tokens, started = engine.stats().num_generated_tokens_total, time.perf_counter()
     step_ms = []
@@ -188,7 +191,9 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
     elapsed_s = time.perf_counter() - started
     cached = engine.stats().num_prompt_tokens_cached - stats_before.num_prompt_tokens_cached
     print(
-        f"batch {batch}, prompt {prompt_len} ({cached} prompt tokens cached): {step_summary(step_ms)}; {pauses}",
+        f"batch {batch}, prompt {prompt_len} ({cached} prompt tokens cached): prefill steps (ms) "
+        + " ".join(f"{ms:.1f}" for ms in prefill_ms[:8])
+        + f"; decode {step_summary(step_ms)}; {pauses}",
         flush=True,
     )
     ttft = statistics.median(c.result().ttft_ms for c in collectors)
