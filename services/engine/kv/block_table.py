@@ -42,7 +42,8 @@ class WarmGroups(dict[int, WarmGroupId]):
         self._arrays = None
 
     def __setitem__(self, key: int, value: WarmGroupId) -> None:
-        arrays = self._arrays
+        # unpickling (a plan sent to the other tensor-parallel ranks) sets items before the attributes
+        arrays = getattr(self, "_arrays", None)
         if arrays is not None and key not in self and (not self or key > arrays[1][-1]):
             # a group demoted after every other (decode's usual change): extend the kept arrays
             blocks_per_group, logical, warm = arrays

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import torch
@@ -10,7 +11,7 @@ from services.engine.attention.metadata import AttentionMetadata, HostMetadata, 
 from services.engine.attention.reference import dense_context
 from services.engine.kv import kivi
 from services.engine.kv.block_pool import SCRATCH_BLOCK, BlockId
-from services.engine.kv.block_table import BlockTable, WarmGroupId
+from services.engine.kv.block_table import BlockTable, WarmGroupId, WarmGroups
 from services.engine.kv.cold_moves import ColdLoad
 from services.engine.kv.tiers import TierConfig
 from services.engine.model.config import ModelConfig
@@ -244,6 +245,19 @@ def test_the_warm_tables_follow_every_change_to_a_rows_warm_groups() -> None:
     assert warm_row() == expected() == [-1] * 4 + [2, 3] + [-1] * 6
     table.warm_groups.clear()
     assert warm_row() == [-1] * 12
+
+
+def test_warm_groups_survive_the_pickle_that_carries_a_plan_to_the_other_ranks() -> None:
+    """Unpickling sets a dict subclass's items before its attributes (tensor parallelism sends each
+    step's tables to the other ranks this way): the copy has the same groups and the same arrays."""
+    groups = WarmGroups({0: WarmGroupId(3), 2: WarmGroupId(5)})
+    groups.block_arrays(2)  # kept arrays travel too
+    groups[4] = WarmGroupId(1)  # extended in place
+    copy = pickle.loads(pickle.dumps(groups))
+    assert dict(copy) == dict(groups)
+    for ours, theirs in zip(copy.block_arrays(2), groups.block_arrays(2), strict=True):
+        assert ours.tolist() == theirs.tolist()
+    assert copy.block_arrays(2)[1].tolist() == [6, 7, 10, 11, 2, 3]
 
 
 def test_the_step_tables_of_a_batch_equal_each_rows_own_tables() -> None:
