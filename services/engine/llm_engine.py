@@ -601,8 +601,7 @@ class LLMEngine:
         if any(fired):
             fired = self._apply_gate_policies(done, fired, output.hidden_states, rows)
         self._choose_cold_windows(batch, output.window_scores)
-        assert len(done) == len(token_list) == len(fired)
-        return list(map(Sampled, done, token_list, fired))
+        return [Sampled(*item) for item in zip(done, token_list, fired, strict=True)]
 
     def _launch_ahead(self, ahead: Ahead, sampled: list[Sequence], token_ids: torch.Tensor) -> Ahead:
         """Launch the next step now, on this step's sampled ids still on the device, when it can be.
@@ -792,13 +791,10 @@ class LLMEngine:
         pending, self._pending_text = self._pending_text, []
         finished = SequenceStatus.FINISHED
         for seq, token_id, ended in pending:
-            if ended:
-                _emit(seq, seq.text_event(token_id))
-                continue
-            if seq.status is finished:
+            if seq.status is finished and not ended:
                 continue
             event = seq.text_event(token_id)
-            if seq.status is finished:  # a stop string ended it
+            if seq.status is finished and not ended:  # a stop string ended it
                 self._end(seq)
             _emit(seq, event)
 

@@ -324,11 +324,10 @@ class KVCache:
         """
         if table.next_demote_block < 0:  # nothing demoted yet
             return len(table.hot_block_ids)
-        num_sink_blocks = -(-table.tiers.sink_tokens // self.hot.block_size)  # _num_sink_blocks, inline
-        return len(table.hot_block_ids) - (table.next_demote_block - num_sink_blocks)
+        return len(table.hot_block_ids) - (table.next_demote_block - self._num_sink_blocks(table))
 
     def _num_sink_blocks(self, table: BlockTable) -> int:
-        return -(-table.tiers.sink_tokens // self.block_size)
+        return -(-table.tiers.sink_tokens // self.hot.block_size)
 
     def _demote_group(
         self, table: BlockTable, first: int, blocks_per_group: int, to_cold: list[ColdSource]

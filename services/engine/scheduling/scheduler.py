@@ -302,7 +302,7 @@ class Scheduler:
                 if demoted.num_demoted_tokens or demoted.num_dropped_tokens:
                     self.num_dropped_tokens_last_step += demoted.num_dropped_tokens
                     _record_demotion(seq, demoted)
-            if seq.num_computed_tokens == len(seq.prompt_ids) + len(seq.completion_ids):  # none pending
+            if seq.num_pending_tokens == 0:
                 done.append(seq)
         return done
 
