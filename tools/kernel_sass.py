@@ -14,7 +14,9 @@ loads), and the shared memory the software pipeline takes. Use the Triton versio
 A variant is `KIND:TILExWARPS`, KIND one of decode (16-row blocks, one query token, warm tier),
 prefill (64-row blocks over a warm tier read in place), pages (prefill over dequantized prefix
 pages), hot (decode, no warm tier) or prefill-hot (prefill, no warm tier); a one-warp decode compiles
-the tensor-core layout the engine launches there (MMA_LAYOUT, 8-column transposed tiles). The shapes are the
+the tensor-core layout the engine launches there (MMA_LAYOUT, 8-column transposed tiles, with the
+engine's pipeline stages and unrolled warm loop: its body then holds SINGLE_WARP_UNROLL tiles, and
+the per-tile column divides by that). The shapes are the
 Llama-3.1-8B attention's (32 query heads, 8 KV heads, head dim 128, block 16, warm group 32);
 `--head-dim 64` gives the Llama-3.2-1B's.
 Counts are static: the loop body once, both sides of its branches included; `branch` is the longest
@@ -80,6 +82,7 @@ def compile_variant(
         "IEEE_DOT": False, "DECODE": block_m == 16, "ASM_DEQUANT": True,
         "MMA_LAYOUT": has_warm and block_m == 16 and num_warps == 1,
     }  # fmt: skip
+    constants["WARM_UNROLL"] = paged_kernels.SINGLE_WARP_UNROLL if constants["MMA_LAYOUT"] else 1
     if constants["MMA_LAYOUT"]:
         constants["BLOCK_M"] = 8
     names = kernel.arg_names
@@ -92,6 +95,8 @@ def compile_variant(
         kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()}, attrs=attrs
     )
     options = {"num_warps": num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+    if constants["MMA_LAYOUT"]:  # as the engine launches it (paged_kernels._warm_decode_launch)
+        options["num_stages"] = paged_kernels.SINGLE_WARP_STAGES
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -169,7 +174,8 @@ def main() -> None:
         tile_n, num_warps = (int(x) for x in launch.split("x"))
         compiled = compile_variant(kind, tile_n, num_warps, args.maxnreg, args.head_dim)
         stats = loop_stats(disassemble(compiled))
-        per_tile = stats["loop"] - stats["branch"]
+        unroll = paged_kernels.SINGLE_WARP_UNROLL if kind == "decode" and num_warps == 1 else 1
+        per_tile = (stats["loop"] - stats["branch"]) // unroll
         shared_kb = compiled.metadata.shared / 1024
         cells = (variant, stats["loop"], stats["branch"], per_tile, f"{per_tile * num_warps / tile_n:.1f}",
                  f"{stats['STL']}/{stats['LDL']}", stats["BAR"], stats["shared"], f"{shared_kb:.0f}",

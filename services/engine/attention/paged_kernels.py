@@ -25,8 +25,8 @@ Cache layouts (one layer; the caller slices the layer off):
 - hot keys/values `[N, BS, KVH, D]`, model dtype; block 0 is scratch and never read.
 - warm codes `[WB, BS, KVH, D/2]` uint8 (a warm group of G tokens viewed as G/BS warm blocks; the low
   nibble is the even channel), read by the kernel as `[WB, BS, KVH, D/8]` int32 words; key
-  scale/zero `[W, KVH, D]` fp16 (per channel, one per group); value scale/zero `[WB, BS, KVH, D/VG]`
-  fp16 (per token, per VG channels).
+  scale/zero `[W, KVH, D]` fp16 (per channel, one per group, in kivi.key_param_channels order);
+  value scale/zero `[WB, BS, KVH, D/VG]` fp16 (per token, per VG channels).
 Metadata (int32): `query_start_loc [B+1]` into the packed queries, `seq_lens [B]` (context length
 including the new tokens), `block_tables [B, MB]` (hot block per logical block, 0 = not hot),
 `warm_block_tables [B, MB]` (warm block per logical block, -1 = not warm). A logical block in
@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kv.demote_kernel import key_param_slot
+
 LOG2_E = 1.4426950408889634
 LAZY_RESCALE_LOG2: tl.constexpr = tl.constexpr(8.0)
 
@@ -50,8 +52,8 @@ class WarmLayer(NamedTuple):
     """One layer of the INT4 warm tier, in the views the kernel reads."""
 
     key_codes: torch.Tensor  # [WB, BS, KVH, D/2] uint8
-    key_scale: torch.Tensor  # [W, KVH, D] fp16
-    key_zero: torch.Tensor  # [W, KVH, D] fp16
+    key_scale: torch.Tensor  # [W, KVH, D] fp16, in kivi.key_param_channels order
+    key_zero: torch.Tensor  # [W, KVH, D] fp16, in kivi.key_param_channels order
     value_codes: torch.Tensor  # [WB, BS, KVH, D/2] uint8
     value_scale: torch.Tensor  # [WB, BS, KVH, D/VG] fp16
     value_zero: torch.Tensor  # [WB, BS, KVH, D/VG] fp16
@@ -360,7 +362,8 @@ def _warm_tile_loads(
     base offsets, with no per-position gathers. A block that is not warm reads warm block 0 (valid
     memory) with zeroed scales and zeros, so it dequantizes to exactly 0 and needs no predicate.
 
-    With MMA_LAYOUT the key scale/zero come as `[K, D]` in key order, the value words as
+    With MMA_LAYOUT the key scale and zero come as fp16 pairs in the key words' layout
+    (_mma_key_params), the value words as
     `[K, PH, G, PL, W2]` (position PL * ph + pl of the block, word W2 * g + w2) and the value
     scale/zero as `[K, PH, G, PL, SW, SF]` (one per lane group when its words share a value group,
     else one per word, else per nibble); otherwise key scale/zero are `[K, 1, D]`, value words
@@ -406,9 +409,6 @@ def _warm_tile_loads(
             ]
             value_slots = block_base[:, None, None, None, None] + position * stride_codes_t + value_word
             value_words = _load_codes(value_codes_ptr + value_slots, value_word < HEAD_DIM // 8, UNPADDED)
-        channel = _key_channels(HEAD_DIM_PADDED)
-        channels = group_base[:, None] + channel[None, :]  # [K, D]
-        row_mask = is_warm_block[:, None] & (channel < HEAD_DIM)[None, :]
         scale_word = (W2 * tl.arange(0, G))[None, None, :, None, None, None] + tl.arange(0, SW)[
             None, None, None, None, :, None
         ]
@@ -419,13 +419,18 @@ def _warm_tile_loads(
     else:
         value_words = _load_codes(value_codes_ptr + slots, has_word, UNPADDED)
         channel = tl.arange(0, HEAD_DIM_PADDED)
-        channels = group_base[:, None, None] + channel[None, None, :]  # [K, 1, D]
+        channels = group_base[:, None, None] + key_param_slot(channel, HEAD_DIM)[None, None, :]  # [K, 1, D]
         row_mask = is_warm_block[:, None, None] & (channel < HEAD_DIM)[None, None, :]
         group = tl.arange(0, NUM_GROUPS)
         scales = scale_base[:, None, None] + (token * stride_vscale_t)[None, :, None] + group[None, None, :]
         scale_mask = is_warm_block[:, None, None] & (group < HEAD_DIM // VALUE_GROUP)[None, None, :]
-    key_scale = tl.load(key_scale_ptr + channels, mask=row_mask, other=0.0).to(dtype)
-    key_zero = tl.load(key_zero_ptr + channels, mask=row_mask, other=0.0).to(dtype)
+    if MMA_LAYOUT:
+        key_scale, key_zero = _mma_key_params(
+            group_base, key_scale_ptr, key_zero_ptr, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED
+        )
+    else:
+        key_scale = tl.load(key_scale_ptr + channels, mask=row_mask, other=0.0).to(dtype)
+        key_zero = tl.load(key_zero_ptr + channels, mask=row_mask, other=0.0).to(dtype)
     value_scale = tl.load(value_scale_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
     value_zero = tl.load(value_zero_ptr + scales, mask=scale_mask, other=0.0).to(dtype)
     return key_words, key_scale, key_zero, value_words, value_scale, value_zero
@@ -496,11 +501,56 @@ fma.rn.f16x2 $3, $3, sixteenth, shift;
 _WORD_TO_F16_PAIRS_ASM = tl.constexpr(_word_to_f16_pairs_asm())
 
 
+def _scaled_word_to_f16_pairs_asm() -> str:
+    """_word_to_f16_pairs_asm with each pair's scale and zero applied in the same pass: inputs $4-$7
+    hold pair j's two scales (as fp16 pairs), $8-$11 its zeros, $12 the word; one fma per pair."""
+    body = _word_to_f16_pairs_asm().replace("$4", "$12").rstrip("}").rstrip()
+    lines = [f"fma.rn.f16x2 ${j}, ${j}, ${4 + j}, ${8 + j};" for j in range(4)]
+    return body + "\n" + "\n".join(lines) + "\n}"
+
+
+_SCALED_WORD_TO_F16_PAIRS_ASM = tl.constexpr(_scaled_word_to_f16_pairs_asm())
+
+
 @triton.jit
 def _half(pairs, HIGH: tl.constexpr):
     """The low or high fp16 of int32 registers that each hold an fp16 pair."""
     bits = (pairs >> 16) if HIGH else pairs
     return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pairs_as_nibbles(r0, r1, r2, r3, dtype: tl.constexpr):
+    """Four `[...]` int32 tensors of fp16 pairs, pair j holding (nibble j, nibble j + 4) of a word ->
+    `[..., 2, 2, 2]` in `dtype`, index (a, b, c) holding nibble 2a + b + 4c (as _unpack_words_paired)."""
+    low = tl.join(tl.join(_half(r0, False), _half(r2, False)), tl.join(_half(r1, False), _half(r3, False)))
+    high = tl.join(tl.join(_half(r0, True), _half(r2, True)), tl.join(_half(r1, True), _half(r3, True)))
+    return tl.join(low, high).to(dtype)
+
+
+@triton.jit
+def _unpack_scaled_words_paired(words, scale, zero, dtype: tl.constexpr, ASM: tl.constexpr):
+    """_unpack_words_paired with the key scale and zero applied: `scale` and `zero` `[..., W, 2, 2]`
+    int32 hold each word's four fp16 pairs (pair j = 2a + b at index (a, b), see
+    _mma_key_params), which scale and shift the code pairs that one fma each (with `ASM`)."""
+    even, odd = tl.split(scale)
+    s0, s2 = tl.split(even)
+    s1, s3 = tl.split(odd)
+    even, odd = tl.split(zero)
+    z0, z2 = tl.split(even)
+    z1, z3 = tl.split(odd)
+    if ASM:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            asm=_SCALED_WORD_TO_F16_PAIRS_ASM,
+            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+            args=[s0, s1, s2, s3, z0, z1, z2, z3, words],
+            dtype=(tl.int32,) * 4,
+            is_pure=True,
+            pack=1,
+        )
+        return _pairs_as_nibbles(r0, r1, r2, r3, dtype)
+    codes = _unpack_words_paired(words, dtype, False)
+    return codes * _pairs_as_nibbles(s0, s1, s2, s3, dtype) + _pairs_as_nibbles(z0, z1, z2, z3, dtype)
 
 
 @triton.jit
@@ -570,6 +620,48 @@ def _from_value_order(x, M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
 
 
 @triton.jit
+def _mma_key_params(
+    param_base,  # [K] int64: each block's group's key parameters, in fp16 elements
+    key_scale_ptr,
+    key_zero_ptr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+):
+    """A tile's key scales and zeros as fp16 pairs in the code words' own layout: two `[K, BS, W, 2, 2]`
+    int32, index (a, b) of word w holding the pair for channels 8w + j and 8w + j + 4 with j = 2a + b.
+
+    The stored order (kivi.key_param_channels) puts pair j of every word in one contiguous run, so
+    each of the eight loads has the shape and the contiguity of the code words' `[K, BS, W]` load
+    (constant along the positions), and Triton gives it their register layout: the parameters meet
+    the codes with no shuffle. (Loaded as `[K, D]` in channel order, bringing them into the tile's
+    layout took 89 permutes and shared-memory moves a tile.) A block that is not warm reads group
+    0's parameters, which are finite; its scores are masked."""
+    STORED_WORDS: tl.constexpr = HEAD_DIM // 8
+    word = tl.arange(0, HEAD_DIM_PADDED // 8)
+    same_for_each_position = (0 * tl.arange(0, BLOCK_SIZE))[None, :, None]
+    slots = (param_base // 2)[:, None, None] + word[None, None, :] + same_for_each_position
+    has_word = word[None, None, :] < STORED_WORDS
+    scales = key_scale_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + slots
+    zeros = key_zero_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + slots
+    return (
+        _pair_runs(scales, has_word, STORED_WORDS, HEAD_DIM == HEAD_DIM_PADDED),
+        _pair_runs(zeros, has_word, STORED_WORDS, HEAD_DIM == HEAD_DIM_PADDED),
+    )
+
+
+@triton.jit
+def _pair_runs(pointers, has_word, STORED_WORDS: tl.constexpr, UNPADDED: tl.constexpr):
+    """The four runs of pairs (j = 0..3, each STORED_WORDS long) at `pointers` `[K, BS, W]` ->
+    `[K, BS, W, 2, 2]`, pair j at index (j // 2, j % 2)."""
+    run0 = _load_codes(pointers, has_word, UNPADDED)
+    run1 = _load_codes(pointers + STORED_WORDS, has_word, UNPADDED)
+    run2 = _load_codes(pointers + 2 * STORED_WORDS, has_word, UNPADDED)
+    run3 = _load_codes(pointers + 3 * STORED_WORDS, has_word, UNPADDED)
+    return tl.join(tl.join(run0, run2), tl.join(run1, run3))
+
+
+@triton.jit
 def _mma_warm_update(
     q_t,  # [D, M] the query in key order, transposed, in the warm tier's arithmetic dtype
     acc_t,  # [D, M] fp32 in value order, transposed (rescaled here)
@@ -586,6 +678,7 @@ def _mma_warm_update(
     TILE_N: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     VALUE_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -593,7 +686,8 @@ def _mma_warm_update(
 ):
     """_warm_update for one decode query per row, in MMA_LAYOUT and transposed: the tile's positions are
     the rows of the tensor-core tile and the query heads its columns, so a group of four heads pads to
-    eight columns (not sixteen rows) and the accumulator takes half the registers."""
+    eight columns (not sixteen rows) and the accumulator takes half the registers. The key scale and
+    zero are applied as the codes unpack (_unpack_scaled_words_paired)."""
     dtype = q_t.dtype
     A_PER_LANE: tl.constexpr = HEAD_DIM_PADDED // 32
     PL: tl.constexpr = min(4, BLOCK_SIZE)
@@ -601,10 +695,9 @@ def _mma_warm_update(
     W2: tl.constexpr = HEAD_DIM_PADDED // 8 // G
     SW: tl.constexpr = 1 if VALUE_GROUP >= 8 * W2 else W2
     SF: tl.constexpr = 1 if VALUE_GROUP >= 8 else 8
-    k = _unpack_words_paired(key_words, dtype, ASM)  # [K, BS, W, F1, F0, F2]
+    k = _unpack_scaled_words_paired(key_words, key_scale, key_zero, dtype, ASM)  # [K, BS, W, F1, F0, F2]
     k = tl.reshape(k, (TILE_BLOCKS, BLOCK_SIZE, 4, A_PER_LANE, 2, 2, 2))  # [K, BS, T, A, F1, F0, F2]
-    k = tl.reshape(tl.permute(k, (0, 1, 3, 4, 2, 5, 6)), (TILE_BLOCKS, BLOCK_SIZE, HEAD_DIM_PADDED))
-    k = tl.reshape(k * key_scale[:, None, :] + key_zero[:, None, :], (TILE_N, HEAD_DIM_PADDED))
+    k = tl.reshape(tl.permute(k, (0, 1, 3, 4, 2, 5, 6)), (TILE_N, HEAD_DIM_PADDED))
     scores = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [N, M]
     scores = tl.where(is_warm[:, None], scores * sm_scale_log2, float("-inf"))
     # Lazy rescaling: the running max moves only when a head's tile max passes it by more than
@@ -708,6 +801,7 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,  # one query token per row
     ASM_DEQUANT: tl.constexpr,  # unpack the warm codes in PTX (fp16 on a GPU; see _unpack_words)
     MMA_LAYOUT: tl.constexpr,  # one-warp decode: warm tiles built in the tensor cores' layout (see above)
+    WARM_UNROLL: tl.constexpr,  # warm loop iterations unrolled together (see SINGLE_WARP_UNROLL)
 ):
     # the KV heads of one (row, segment) are neighbours in launch order: they run together and read
     # neighbouring bytes (a position's heads are adjacent in every cache layout)
@@ -804,7 +898,7 @@ def _paged_attention_kernel(
             WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED, MMA_LAYOUT,
         )  # fmt: skip
         next_table = _warm_tile_table(warm_row, tile_begin + 1, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
-        for tile in range(tile_begin, tile_end):
+        for tile in tl.range(tile_begin, tile_end, loop_unroll_factor=WARM_UNROLL):
             position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
             in_context = position < kv_end
             tile_key_words, tile_key_scale, tile_key_zero = key_words, key_scale, key_zero
@@ -825,7 +919,7 @@ def _paged_attention_kernel(
                     tile_key_words, tile_key_scale, tile_key_zero,
                     tile_value_words, tile_value_scale, tile_value_zero,
                     is_warm, sm_scale_log2, TILE_N, TILE_BLOCKS, BLOCK_SIZE,
-                    HEAD_DIM_PADDED, VALUE_GROUP, DOT_PRECISION, ASM_DEQUANT,
+                    HEAD_DIM, HEAD_DIM_PADDED, VALUE_GROUP, DOT_PRECISION, ASM_DEQUANT,
                 )  # fmt: skip
             else:
                 acc, running_max, running_sum = _warm_update(
@@ -946,6 +1040,13 @@ WARM_DECODE_MAX_REGISTERS = 168
 # A warm decode launch with at least this many programs (about 8 per SM of an H200) runs one warp a
 # program (see _warm_decode_launch).
 SINGLE_WARP_MIN_PROGRAMS = 1024
+# Pipeline stages of that one-warp launch (see _warm_decode_launch).
+SINGLE_WARP_STAGES = 1
+# Warm-loop iterations the one-warp launch unrolls together. Its loop carries the next tile's loads
+# in registers (the software pipeline); unrolled, consecutive iterations take turns with two sets of
+# registers, and the moves from one set into the other at every back edge go away. (A four-warp
+# launch, capped at WARM_DECODE_MAX_REGISTERS, spills when unrolled: it stays at 1.)
+SINGLE_WARP_UNROLL = 2
 # The fewest positions in a tile on a GPU: the probabilities-times-values product reduces over the
 # tile's positions, and a tensor-core reduction is at least 16 long (`tl.dot` refuses less).
 MIN_GPU_TILE = 16
@@ -988,9 +1089,10 @@ def paged_attention(
     padded = head_dim_padded(head_dim)
     warm = layer.warm
     if warm is not None and is_decode and q.is_cuda and tile_n is None and num_warps is None:
-        tile_n, num_warps, maxnreg = _warm_decode_launch(
+        tile_n, num_warps, stages, maxnreg = _warm_decode_launch(
             num_kv_heads * num_segments * plan.seq_lens.shape[0], block_size, maxnreg
         )
+        num_stages = num_stages or stages
     tile_n = tile_n or _tile_n(block_size)
     num_warps = num_warps or 4
     # a one-warp warm decode builds its tiles in the tensor cores' layout, with the heads as the
@@ -1052,6 +1154,7 @@ def paged_attention(
         DECODE=is_decode,
         ASM_DEQUANT=q.is_cuda and q.dtype != torch.float32,
         MMA_LAYOUT=mma_layout,
+        WARM_UNROLL=SINGLE_WARP_UNROLL if mma_layout else 1,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
@@ -1071,17 +1174,23 @@ def paged_attention(
     return out
 
 
-def _warm_decode_launch(programs: int, block_size: int, maxnreg: int | None) -> tuple[int, int, int | None]:
-    """(tile positions, warps, register cap) of a warm decode launch of `programs` programs on a GPU.
+def _warm_decode_launch(
+    programs: int, block_size: int, maxnreg: int | None
+) -> tuple[int, int, int | None, int | None]:
+    """(tile positions, warps, pipeline stages, register cap) of a warm decode launch of `programs`
+    programs on a GPU (None: Triton's default).
 
     With enough programs to fill the GPU, one warp a program over one-block tiles: it has no
     cross-warp softmax and no barrier between warps, and on the H200 it beat four warps by 15-21%
-    at 32K batch 16 and 1K batch 256 (bench/results/decode_gpu_2026-12-02b.md). With fewer programs
-    (a few long rows) one warp each would leave SMs idle, so four warps share a 64-position tile,
-    with a register cap that lets three programs share an SM."""
+    at 32K batch 16 and 1K batch 256 (bench/results/decode_gpu_2026-12-02b.md). Its loop pipelines
+    its own loads a tile ahead (see _paged_attention_kernel), so it takes one stage: Triton's own
+    pipeliner only adds a trip through shared memory for them (a 32K batch-16 layer call: 363 µs at
+    Triton's default stages, 340 at one, bench/results/decode_gpu_2026-12-04_key-params.md). With
+    fewer programs (a few long rows) one warp each would leave SMs idle, so four warps share a
+    64-position tile, with a register cap that lets three programs share an SM."""
     if programs >= SINGLE_WARP_MIN_PROGRAMS:
-        return max(block_size, MIN_GPU_TILE), 1, maxnreg
-    return _tile_n(block_size), 4, WARM_DECODE_MAX_REGISTERS if maxnreg is None else maxnreg
+        return max(block_size, MIN_GPU_TILE), 1, SINGLE_WARP_STAGES, maxnreg
+    return _tile_n(block_size), 4, None, WARM_DECODE_MAX_REGISTERS if maxnreg is None else maxnreg
 
 
 def _tile_n(block_size: int) -> int:

@@ -24,6 +24,15 @@ MIN_SCALE = tl.constexpr(1e-6)  # kivi's clamp on the scale
 
 
 @triton.jit
+def key_param_slot(channel, HEAD_DIM: tl.constexpr):
+    """The stored slot of each channel's key scale and zero (kivi.key_param_channels, inverted)."""
+    if HEAD_DIM % 8 != 0:
+        return channel
+    within = channel % 8
+    return 2 * ((within % 4) * (HEAD_DIM // 8) + channel // 8) + within // 4
+
+
+@triton.jit
 def _round_half_even(x):
     """Round non-negative `x` to the nearest integer, ties to even (torch.round)."""
     floor = tl.floor(x)
@@ -98,7 +107,8 @@ def _demote_kernel(
     code_rows = layer * stride_codes_l + group * stride_codes_w + row * (HEAD_DIM // 2)
     code_offsets = code_rows[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :]  # [G, D/2]
     tl.store(key_codes_ptr + code_offsets, _pack(codes, GROUP_SIZE, HEAD_DIM))
-    key_params = layer * stride_kscale_l + group * stride_kscale_w + kv_head * HEAD_DIM + channel
+    key_params = layer * stride_kscale_l + group * stride_kscale_w + kv_head * HEAD_DIM
+    key_params += key_param_slot(channel, HEAD_DIM)
     tl.store(key_scale_ptr + key_params, tl.reshape(scale, (HEAD_DIM,)))
     tl.store(key_zero_ptr + key_params, tl.reshape(zero, (HEAD_DIM,)))
 

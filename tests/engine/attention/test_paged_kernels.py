@@ -24,6 +24,7 @@ from services.engine.attention.paged_kernels import (
     paged_attention,
 )
 from services.engine.attention.triton_backend import dequantize_prefix
+from services.engine.kv.kivi import key_params_natural
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -136,8 +137,8 @@ def dense_row(layer: PagedLayer, shape: Shape, layout: RowLayout, dtype):
             group = index // shape.blocks_per_group
             k = dequantize(
                 warm.key_codes[index],
-                warm.key_scale[group].unsqueeze(0),
-                warm.key_zero[group].unsqueeze(0),
+                key_params_natural(warm.key_scale[group]).unsqueeze(0),
+                key_params_natural(warm.key_zero[group]).unsqueeze(0),
                 1,
             )
             v = dequantize(

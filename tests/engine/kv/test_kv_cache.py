@@ -53,13 +53,25 @@ def test_kivi_round_trip_error_is_within_half_a_step() -> None:
     qk = kivi.quantize_keys(x)
     assert qk.codes.dtype == torch.uint8 and qk.codes.shape == (32, 3, 4) and qk.scale.dtype == torch.float16
     keys = kivi.dequantize_keys(qk.codes[None], qk.scale[None], qk.zero[None])[0]
-    assert ((keys - x).abs() <= qk.scale.float() / 2 + 1e-2).all()  # per channel
+    assert ((keys - x).abs() <= kivi.key_params_natural(qk.scale).float() / 2 + 1e-2).all()  # per channel
     qv = kivi.quantize_values(x, group_size=4)
     assert qv.scale.shape == (32, 3, 2)  # per token, two groups of 4 channels
     values = kivi.dequantize_values(qv.codes[None], qv.scale[None], qv.zero[None])[0]
     step = qv.scale.float().repeat_interleave(4, dim=-1)
     assert ((values - x).abs() <= step / 2 + 1e-2).all()
     assert (kivi.unpack_int4(kivi.pack_int4(torch.arange(16).view(1, 16))) == torch.arange(16)).all()
+
+
+def test_key_parameters_are_stored_as_the_fused_kernel_pairs_them() -> None:
+    """Slot 2 (j * D/8 + w) + h holds channel 8w + j + 4h: the pairs one word's unpacked codes form,
+    pair j of every word side by side (kivi.key_param_channels)."""
+    assert kivi.key_param_channels(16).tolist() == [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15]
+    assert kivi.key_param_channels(12).tolist() == list(range(12))  # not a multiple of 8: channel order
+    channels = torch.arange(128.0).expand(2, 128)
+    assert (kivi.key_params_natural(kivi.key_params_stored(channels)) == channels).all()
+    keys = torch.arange(16.0).repeat(2, 1).unsqueeze(1)  # [G=2, KVH=1, D=16]: key k in channel k
+    keys[1] += 15 * (torch.arange(16.0) + 1)  # channel c spans 15 (c + 1): its scale is c + 1
+    assert kivi.quantize_keys(keys).scale[0].tolist() == (kivi.key_param_channels(16) + 1).tolist()
 
 
 def test_demotion_moves_groups_out_of_the_hot_window_and_frees_their_blocks() -> None:
