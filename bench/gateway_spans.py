@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import platform
 import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,26 +42,54 @@ PROMPT = "Once upon a time"
 WARM_UP = 5
 
 
-def own_ms(spans: list[CollectedSpan]) -> tuple[float, float, dict[str, float]]:
-    """(root span ms, the gateway's own ms, ms per child RPC) of one request's trace."""
+class OwnTime(NamedTuple):
+    """One request's gateway span split: its total, its own part, and where the own part lies."""
+
+    total_ms: float
+    own_ms: float
+    before_first_call_ms: float  # root start to the first RPC's start
+    between_calls_ms: float  # gaps between RPCs
+    after_last_call_ms: float  # the last RPC's end to the root's end
+    redis_before_first_call_ms: float  # Redis commands inside the first part
+    by_call: dict[str, float]
+
+
+def _clipped(spans: list[CollectedSpan], start_ns: int, end_ns: int) -> list[tuple[int, int]]:
+    return [(max(s.start_ns, start_ns), min(s.end_ns, end_ns)) for s in spans if s.end_ns > start_ns]
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > start:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def own_ms(spans: list[CollectedSpan]) -> OwnTime:
+    """One request's trace: the root span, the gateway's own time and where it lies, ms per RPC."""
     (root,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
-    calls = [
-        s
-        for s in spans
-        if s.service == root.service and s.parent_span_id == root.span_id and "Service/" in s.name
-    ]
-    covered, current = 0, None
-    for start, end in sorted((max(s.start_ns, root.start_ns), min(s.end_ns, root.end_ns)) for s in calls):
-        if current is None or start > current[1]:
-            covered += 0 if current is None else current[1] - current[0]
-            current = [start, end]
-        else:
-            current[1] = max(current[1], end)
-    covered += 0 if current is None else current[1] - current[0]
+    children = [s for s in spans if s.service == root.service and s.parent_span_id == root.span_id]
+    calls = [s for s in children if "Service/" in s.name]
+    covered = _union(_clipped(calls, root.start_ns, root.end_ns))
+    first_ns = covered[0][0] if covered else root.end_ns
+    last_ns = covered[-1][1] if covered else root.end_ns
+    gaps_ns = sum(b[0] - a[1] for a, b in itertools.pairwise(covered))
+    redis = _clipped([s for s in children if "Service/" not in s.name], root.start_ns, first_ns)
     by_call: dict[str, float] = defaultdict(float)
     for s in calls:
         by_call[s.name.rsplit("/", 1)[-1]] += s.duration_ms
-    return root.duration_ms, (root.end_ns - root.start_ns - covered) / 1e6, dict(by_call)
+    return OwnTime(
+        total_ms=root.duration_ms,
+        own_ms=(root.end_ns - root.start_ns - sum(end - start for start, end in covered)) / 1e6,
+        before_first_call_ms=(first_ns - root.start_ns) / 1e6,
+        between_calls_ms=gaps_ns / 1e6,
+        after_last_call_ms=(root.end_ns - last_ns) / 1e6,
+        redis_before_first_call_ms=sum(end - start for start, end in _union(redis)) / 1e6,
+        by_call=dict(by_call),
+    )
 
 
 def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) -> dict[str, list[float]]:
@@ -81,10 +111,14 @@ def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) ->
                 if index < WARM_UP:
                     continue
                 spans = collector.wait_for_spans(result.done.trace_id, {GATEWAY_GENERATE}, timeout_s=60)
-                total, own, by_call = own_ms(spans)
-                samples["gateway span"].append(total)
-                samples["gateway's own"].append(own)
-                for name, ms in by_call.items():
+                split = own_ms(spans)
+                samples["gateway span"].append(split.total_ms)
+                samples["gateway's own"].append(split.own_ms)
+                samples["own: before the first call"].append(split.before_first_call_ms)
+                samples["own: Redis before the first call"].append(split.redis_before_first_call_ms)
+                samples["own: between calls"].append(split.between_calls_ms)
+                samples["own: after the last call"].append(split.after_last_call_ms)
+                for name, ms in split.by_call.items():
                     samples[name].append(ms)
     return samples
 
