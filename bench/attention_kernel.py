@@ -6,8 +6,9 @@ warm group 32); every row's context is sink + warm + a 128-token hot window (tie
 (tiers off). Times `paged_attention` (with its flash-decoding merge) per layer call, 20 calls
 captured in one CUDA graph as the engine's decode runs them, and reports the
 bytes it must read against the measured copy bandwidth. Needs CUDA. A launch variant
-`TILExWARPS[xSTAGES[xREGS]]` overrides the kernel's launch shape (tile positions, warps, software-
-pipeline stages, register cap), so one run can compare them; "default" is what the engine launches.
+`TILExWARPS[xSTAGES[xREGS[xUNROLL]]]` overrides the kernel's launch shape (tile positions, warps,
+software-pipeline stages, register cap, warm-loop unrolling; a 0 keeps that field's default), so one
+run can compare them; "default" is what the engine launches.
 
     python bench/attention_kernel.py --contexts 1024,32768 --batches 1,16
     python bench/attention_kernel.py --contexts 16384 --batches 1 --prefill 2048 --prefix-pages
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="",
-        help="launch shapes to compare, e.g. 32x4,64x8x2,64x4x3x128 (see the module docstring)",
+        help="launch shapes to compare, e.g. 32x4,64x8x2,64x4x3x128,16x1x1x0x4 (see the module docstring)",
     )
     parser.add_argument(
         "--segments", default="", help="splits to compare, e.g. 8,16,32 (default: the engine's)"
@@ -168,11 +169,13 @@ def main() -> None:
 
 
 def _launch(variant: str | None) -> dict:
-    """`64x4x3x128` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg)."""
+    """`64x4x3x128x2` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg,
+    warm_unroll); a 0 field is left to the default."""
     if variant is None:
         return {}
-    names = ("tile_n", "num_warps", "num_stages", "maxnreg")
-    return dict(zip(names, (int(x) for x in variant.split("x")), strict=False))
+    names = ("tile_n", "num_warps", "num_stages", "maxnreg", "warm_unroll")
+    fields = zip(names, (int(x) for x in variant.split("x")), strict=False)
+    return {name: value for name, value in fields if value or name in ("tile_n", "num_warps")}
 
 
 if __name__ == "__main__":

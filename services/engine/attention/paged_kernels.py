@@ -1070,16 +1070,19 @@ def paged_attention(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     prefix_pages: WarmPrefixPages | None = None,
+    warm_unroll: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries `q` `[T, H, D]` over each row's paged context; writes `out` `[T, H, D]`.
 
     With `num_segments > 1` the context splits across programs (flash-decoding) and `partials` must
     hold at least `[T, H, num_segments, D_PADDED]`. `tile_n` (positions per loop step, a multiple of
     the block size), `num_warps`, `num_stages` (loads in flight in the software pipeline; Triton's
-    default when None) and `maxnreg` (a register cap per thread) override the launch shape, which
-    otherwise is 64 positions and 4 warps, or for a warm decode on a GPU _warm_decode_launch's pick;
-    bench/attention_kernel.py compares them. `prefix_pages` (with a layer without a warm tier) is a
-    prefill's warm prefix already dequantized: the kernel reads it as hot pages.
+    default when None), `maxnreg` (a register cap per thread) and `warm_unroll` (warm-loop iterations
+    unrolled together; SINGLE_WARP_UNROLL for a one-warp warm decode when None, else 1) override the
+    launch shape, which otherwise is 64 positions and 4 warps, or for a warm decode on a GPU
+    _warm_decode_launch's pick; bench/attention_kernel.py compares them. `prefix_pages` (with a layer
+    without a warm tier) is a prefill's warm prefix already dequantized: the kernel reads it as hot
+    pages.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = layer.hot_keys.shape
@@ -1154,7 +1157,7 @@ def paged_attention(
         DECODE=is_decode,
         ASM_DEQUANT=q.is_cuda and q.dtype != torch.float32,
         MMA_LAYOUT=mma_layout,
-        WARM_UNROLL=SINGLE_WARP_UNROLL if mma_layout else 1,
+        WARM_UNROLL=warm_unroll or (SINGLE_WARP_UNROLL if mma_layout else 1),
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),

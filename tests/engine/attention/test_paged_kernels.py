@@ -315,6 +315,19 @@ def test_one_warp_decode_in_the_tensor_core_layout_matches_reference(shape, tile
         run_case(shape, rows, torch.float32, True, num_segments, seed=9, tile_n=tile_n, num_warps=1)
 
 
+@pytest.mark.parametrize("warm_unroll", [1, 3])
+def test_one_warp_decode_unrolled_any_way_matches_reference(warm_unroll):
+    """The one-warp warm loop unrolled by other factors than the engine's (SINGLE_WARP_UNROLL): each
+    segment's tile count, odd or even, leaves a remainder that runs unrolled less."""
+    rows = [(1, 1), (1, 40), (1, 150), (1, 300)]
+    tile_n = MIN_GPU_TILE if DEVICE.type == "cuda" else 16
+    for num_segments in (1, 2):
+        run_case(
+            Shape(2, 4, 64), rows, torch.float32, True, num_segments, seed=12, tile_n=tile_n, num_warps=1,
+            warm_unroll=warm_unroll,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("q_scale", [6.0, 40.0])
 def test_one_warp_decode_rescales_lazily_when_scores_climb(q_scale):
     """The one-warp decode moves its running max only when a tile's max passes it by more than
