@@ -244,6 +244,7 @@ class LLMEngine:
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         positions = _check_max_seq_len(checkpoint.config, max_seq_len)
+        kv.tiers.check_head_dim(checkpoint.config.head_dim)  # before any weight is read
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         workers = None
@@ -1003,6 +1004,7 @@ def _build_kv_cache(
 ) -> KVCache:
     """The pools of `plan`; a warm tier only when the tiers are on."""
     kv.tiers.check_block_size(kv.block_size)
+    kv.tiers.check_head_dim(config.head_dim)
     hot = HotTier(config, plan.num_hot_blocks, kv.block_size, device, dtype)
     if not kv.tiers.enabled:
         return KVCache(hot, None)

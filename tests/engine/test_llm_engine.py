@@ -273,6 +273,28 @@ def test_refuse_policy_says_how_many_tokens_fit(tiny_dir: Path) -> None:
     assert len(engine.generate([[5] * 70], GREEDY_20)[0].token_ids) == 20
 
 
+def test_a_warm_group_that_does_not_tile_the_head_is_refused_at_load(tmp_path: Path) -> None:
+    """Head dim 24 with the tiers on and group size 16: values would be quantized in groups of 16
+    channels, which do not tile 24, and the first demotion would fail mid-request. The load says
+    so instead; a group of 32 (one group of 24 channels a token) loads and demotes."""
+    from services.engine.kv.tiers import TierConfig
+
+    path = make_tiny_llama(tmp_path / "head24", TinySpec(hidden_size=96))  # 4 heads of 24
+    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=16, warm_tokens=256, group_size=16)
+    with pytest.raises(ValueError, match="groups of min\\(group_size, head dim\\) = 16 channels"):
+        LLMEngine.load(path, device="cpu", max_batch_size=1, progress=False, kv=KVCacheSpec(tiers=tiers))
+    tiers = TierConfig(enabled=True, sink_tokens=4, hot_tokens=16, warm_tokens=256, group_size=32)
+    engine = LLMEngine.load(path, device="cpu", max_batch_size=1, progress=False, kv=KVCacheSpec(tiers=tiers))
+    prompt = _prompts(engine.config.vocab_size, (100,), seed=3)[0]
+    events: list[StreamEvent] = []
+    engine.submit(prompt, GREEDY_20, events.append)
+    warm_held = 0
+    while not any(e.finished for e in events):
+        engine.step()
+        warm_held = max(warm_held, engine.stats().num_warm_tokens)
+    assert warm_held > 0 and sum(len(e.token_ids) for e in events) == 20
+
+
 def test_a_cached_prefix_row_batched_with_a_full_prompt_stays_within_max_seq_len(tiny_dir: Path) -> None:
     # the cached row starts at 32 with 8 new tokens next to a 40-token prompt: its padding must
     # not run past position 63 (found on CUDA as an out-of-range RoPE gather)

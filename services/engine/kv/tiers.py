@@ -59,6 +59,18 @@ class TierConfig:
         """Tokens a sequence may hold under the `refuse` policy."""
         return self.sink_tokens + self.hot_tokens_cap + self.warm_tokens
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """Values are quantized per token in groups of min(group_size, head dim) channels, which must
+        tile the head: a group that does not would fail at the first demotion, mid-request."""
+        value_group = min(self.group_size, head_dim)
+        if self.enabled and head_dim % value_group:
+            raise ValueError(
+                f"INT4 group_size {self.group_size} does not fit this model's head dim {head_dim}: each "
+                f"token's values are quantized in groups of min(group_size, head dim) = {value_group} "
+                f"channels, which must divide {head_dim}. Pick a group size that divides {head_dim} (and "
+                "is a multiple of the KV block size), or one at least as large, or turn the tiers off"
+            )
+
     def check_block_size(self, block_size: int) -> None:
         """Warm groups are whole blocks: the group size must be a multiple of the block size."""
         if self.enabled and self.group_size % block_size:
