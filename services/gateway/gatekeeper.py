@@ -46,10 +46,11 @@ from thermocline.gateway.v1 import gateway_pb2 as pb
 log = logging.getLogger(__name__)
 
 ModelResolver = Callable[[str], Awaitable[str]]
-# Called once a Generate call is authenticated, authorized and validated, with the prompt text:
-# the servicer starts the prompt's safety screen there, so that it runs beside the remaining
-# checks (the engine's token count, the token budget and bucket, the audit write).
-PromptReady = Callable[[str, "Principal", "TenantLimits"], None]
+# Awaited once a Generate call is authenticated, authorized and validated, with the prompt text:
+# the servicer starts the prompt's safety screen there and returns once its request is sent, so
+# that it runs beside the remaining checks (the engine's token count, the token budget and
+# bucket, the audit write) instead of waiting behind their CPU work.
+PromptReady = Callable[[str, "Principal", "TenantLimits"], Awaitable[None]]
 ModelLister = Callable[[], Awaitable[list[str]]]
 DEFAULT_MAX_TOKENS = 256  # what the engine uses for max_tokens 0; the gateway sends it explicitly
 _MAX_REQUEST_ID_CHARS = 128
@@ -171,8 +172,8 @@ class Gatekeeper:
         on_prompt_ready: PromptReady | None = None,
     ) -> Admission:
         """Every check for one Generate call; the decision is durable when this returns or raises.
-        `on_prompt_ready` runs once the call is authorized and its fields valid, before the token
-        count: a refusal after it (budget, token rate) may follow a screen already started."""
+        `on_prompt_ready` is awaited once the call is authorized and its fields valid, before the
+        token count: a refusal after it (budget, token rate) may follow a screen already started."""
         facts = _Facts("invoke", "model:?", request_id_of(metadata))
         checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
         admission = await self._audited(facts, checks)
@@ -214,7 +215,7 @@ class Gatekeeper:
         facts.details |= {"intent": intent, "priority_class": priority_class}
         check_sampling(request.sampling)
         if on_prompt_ready is not None:
-            on_prompt_ready(text, principal, limits)
+            await on_prompt_ready(text, principal, limits)
         max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
         prompt_tokens = await self._take_prompt(request, model, principal.tenant, limits, max_tokens, facts)
         return Admission(

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.cli.mesh import Mesh
-from services.cli.trace_collector import TraceCollector
+from services.cli.trace_collector import GATEWAY_GENERATE, GATEWAY_TO_SAFETY, TraceCollector
 from services.gateway.audit_chain import segment_paths
 from tests.conftest import start_mesh
 from tests.gateway.conftest import call, refusal, token, write_policy_files
@@ -98,6 +98,24 @@ def test_a_prompt_over_the_request_budget_gets_both_counts(mesh: Mesh) -> None:
     error = refusal(mesh.target("gateway"), bearer, intent="chat", prompt="Once upon a time " * 10)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt of 42 tokens" in error.details() and "token bucket of 30 tokens" in error.details()
+
+
+def test_the_request_bucket_is_taken_before_the_screen_and_the_screen_sent_before_the_token_bucket(
+    mesh: Mesh, collector: TraceCollector
+) -> None:
+    bearer = _user(mesh, "open-tenant")
+    call(mesh.target("gateway"), bearer, intent="chat", max_tokens=1)  # the channels are connected
+    result = call(mesh.target("gateway"), bearer, intent="chat", max_tokens=1)
+    assert result.done is not None
+    spans = collector.wait_for_spans(result.done.trace_id, {GATEWAY_GENERATE, GATEWAY_TO_SAFETY}, 60)
+    (root,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
+    (screen,) = [s for s in spans if (s.service, s.name) == GATEWAY_TO_SAFETY]
+    # The bucket scripts in the order the gatekeeper runs them: the request, then the prompt's tokens.
+    take_request, take_tokens = [
+        s for s in spans if s.parent_span_id == root.span_id and s.name == "EVALSHA"
+    ][:2]
+    assert take_request.end_ns <= screen.start_ns, "the screen started before the request bucket answered"
+    assert screen.start_ns <= take_tokens.start_ns, "the token bucket's round trip went ahead of the screen"
 
 
 def test_redis_down_fails_open_or_closed_per_tenant(mesh: Mesh) -> None:
