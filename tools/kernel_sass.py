@@ -16,9 +16,8 @@ prefill (64-row blocks over a warm tier read in place), pages (prefill over dequ
 pages), hot (decode, no warm tier) or prefill-hot (prefill, no warm tier); a one-warp decode compiles
 the tensor-core layout the engine launches there (MMA_LAYOUT, 8-column transposed tiles, with the
 engine's pipeline stages and unrolled warm loop: its body then holds SINGLE_WARP_UNROLL tiles, and
-the per-tile column divides by that). The shapes are the
-Llama-3.1-8B attention's (32 query heads, 8 KV heads, head dim 128, block 16, warm group 32);
-`--head-dim 64` gives the Llama-3.2-1B's.
+the per-tile column divides by that). The shapes are the Llama-3.1-8B attention's (32 query
+heads, 8 KV heads, head dim 128, block 16, warm group 32); `--head-dim 64` gives the Llama-3.2-1B's.
 Counts are static: the loop body once, both sides of its branches included; `branch` is the longest
 forward branch inside the loop (the hot tile's path in a warm loop, skipped on most tiles). What
 they predict was checked against the H200 in bench/results/decode_gpu_2026-12-01c.md and

@@ -531,8 +531,8 @@ def _pairs_as_nibbles(r0, r1, r2, r3, dtype: tl.constexpr):
 @triton.jit
 def _unpack_scaled_words_paired(words, scale, zero, dtype: tl.constexpr, ASM: tl.constexpr):
     """_unpack_words_paired with the key scale and zero applied: `scale` and `zero` `[..., W, 2, 2]`
-    int32 hold each word's four fp16 pairs (pair j = 2a + b at index (a, b), see
-    _mma_key_params), which scale and shift the code pairs that one fma each (with `ASM`)."""
+    int32 hold each word's four fp16 pairs (pair j = 2a + b at index (a, b), see _mma_key_params).
+    With `ASM` each pair of codes is scaled and shifted by one fma in the unpacking PTX."""
     even, odd = tl.split(scale)
     s0, s2 = tl.split(even)
     s1, s3 = tl.split(odd)
