@@ -72,6 +72,11 @@ def test_key_parameters_are_stored_as_the_fused_kernel_pairs_them() -> None:
     keys = torch.arange(16.0).repeat(2, 1).unsqueeze(1)  # [G=2, KVH=1, D=16]: key k in channel k
     keys[1] += 15 * (torch.arange(16.0) + 1)  # channel c spans 15 (c + 1): its scale is c + 1
     assert kivi.quantize_keys(keys).scale[0].tolist() == (kivi.key_param_channels(16) + 1).tolist()
+    # the gather index is made once per (head dim, device): rebuilt per call, a GPU prefill would
+    # copy it from the host on every layer, and each copy waits for the stream
+    assert kivi._key_param_index(128, torch.device("cpu"), stored=False) is kivi._key_param_index(
+        128, torch.device("cpu"), stored=False
+    )
 
 
 def test_demotion_moves_groups_out_of_the_hot_window_and_frees_their_blocks() -> None:
