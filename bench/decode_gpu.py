@@ -8,7 +8,8 @@ on, against Hugging Face `generate` in the same run; greedy CUDA (Triton + CUDA 
     python bench/decode_gpu.py --parts long --out long.md          # only the 8B 32K-context part
 
 Needs a CUDA GPU, torch and transformers; no network. Each part runs on its own: a failure is
-written into the table and the run goes on.
+written into the table and the run goes on. On a machine without the mesh's own packages (the lent
+GPU machine), carry them from here: `tools/carry_wheels.sh` fills `.whl` and prints how to install it.
 """
 
 from __future__ import annotations
