@@ -312,9 +312,8 @@ def bench_short(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth
                     hf_model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
             finally:
                 torch.set_default_dtype(default_dtype)
-        if (
-            args.gc_freeze == "on"
-        ):  # as the engine service does once it has loaded (services/engine/__main__.py)
+        # as the engine service does once it has loaded (services/engine/__main__.py)
+        if args.gc_freeze == "on":
             gc.collect()
             gc.freeze()
         runs: dict = {}

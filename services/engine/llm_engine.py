@@ -1004,7 +1004,6 @@ def _build_kv_cache(
 ) -> KVCache:
     """The pools of `plan`; a warm tier only when the tiers are on."""
     kv.tiers.check_block_size(kv.block_size)
-    kv.tiers.check_head_dim(config.head_dim)
     hot = HotTier(config, plan.num_hot_blocks, kv.block_size, device, dtype)
     if not kv.tiers.enabled:
         return KVCache(hot, None)

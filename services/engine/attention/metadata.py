@@ -107,11 +107,7 @@ def _hot_tables(tables: list[BlockTable], width: int) -> np.ndarray:
     ids = np.fromiter(chain.from_iterable(t.hot_block_ids for t in tables), dtype=np.int32, count=total)
     row = np.repeat(np.arange(len(tables)), lengths)
     column = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    if int(lengths.max()) > width:  # a row holds blocks past the step's width: they are not read
-        keep = column < width
-        row, column, ids = row[keep], column[keep], ids[keep]
-    block_tables[row, column] = ids
-    return block_tables
+    return _scatter_within(block_tables, row, column, ids)
 
 
 def _warm_tables(tables: list[BlockTable], width: int, blocks_per_group: int) -> np.ndarray:
@@ -128,12 +124,17 @@ def _warm_tables(tables: list[BlockTable], width: int, blocks_per_group: int) ->
     if not rows:
         return warm_tables
     row = np.repeat(np.asarray(rows), np.fromiter(map(len, logical), dtype=np.int64, count=len(rows)))
-    column, ids = np.concatenate(logical), np.concatenate(warm)
-    if int(column.max()) >= width:
-        keep = column < width
+    return _scatter_within(warm_tables, row, np.concatenate(logical), np.concatenate(warm))
+
+
+def _scatter_within(out: np.ndarray, row: np.ndarray, column: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """`out[row, column] = ids`, leaving out the entries past `out`'s width (a row may hold blocks
+    past the step's width: they are not read)."""
+    if int(column.max()) >= out.shape[1]:
+        keep = column < out.shape[1]
         row, column, ids = row[keep], column[keep], ids[keep]
-    warm_tables[row, column] = ids
-    return warm_tables
+    out[row, column] = ids
+    return out
 
 
 @dataclass(frozen=True)

@@ -476,37 +476,31 @@ def _warm_update(
     return acc, running_max, running_sum
 
 
-def _word_to_f16_pairs_asm() -> str:
-    """PTX: one word of packed codes -> four fp16 pairs, exact. Output $j holds nibble j (low half) and
-    nibble j + 4 (high half) of the word $4. A nibble is masked into the mantissa of 1024.0 (lop3, two
-    values); the pairs masked in place subtract 1024.0, those masked four bits up scale by 1/16 and
-    subtract 64 in one fma (exact: the values are small integers): 9 instructions for eight values."""
+def _scaled_word_to_f16_pairs_asm() -> str:
+    """PTX: one word of packed codes -> four fp16 pairs, scaled and shifted. Output $j holds nibble j
+    (low half) and nibble j + 4 (high half) of the word $12, times pair j's scales $(4 + j) plus its
+    zeros $(8 + j). A nibble is masked into the mantissa of 1024.0 (lop3, two values); the pairs
+    masked in place subtract 1024.0, those masked four bits up scale by 1/16 and subtract 64 in one
+    fma (exact: the values are small integers); then one fma per pair applies its scale and zero."""
     return """{
 .reg .b32 y, bias, sixteenth, shift;
 mov.b32 bias, 0x64006400;
 mov.b32 sixteenth, 0x2C002C00;
 mov.b32 shift, 0xD400D400;
-shr.b32 y, $4, 8;
-lop3.b32 $0, $4, 0x000F000F, bias, 0xEA;
-lop3.b32 $1, $4, 0x00F000F0, bias, 0xEA;
+shr.b32 y, $12, 8;
+lop3.b32 $0, $12, 0x000F000F, bias, 0xEA;
+lop3.b32 $1, $12, 0x00F000F0, bias, 0xEA;
 lop3.b32 $2, y, 0x000F000F, bias, 0xEA;
 lop3.b32 $3, y, 0x00F000F0, bias, 0xEA;
 sub.f16x2 $0, $0, bias;
 fma.rn.f16x2 $1, $1, sixteenth, shift;
 sub.f16x2 $2, $2, bias;
 fma.rn.f16x2 $3, $3, sixteenth, shift;
+fma.rn.f16x2 $0, $0, $4, $8;
+fma.rn.f16x2 $1, $1, $5, $9;
+fma.rn.f16x2 $2, $2, $6, $10;
+fma.rn.f16x2 $3, $3, $7, $11;
 }"""
-
-
-_WORD_TO_F16_PAIRS_ASM = tl.constexpr(_word_to_f16_pairs_asm())
-
-
-def _scaled_word_to_f16_pairs_asm() -> str:
-    """_word_to_f16_pairs_asm with each pair's scale and zero applied in the same pass: inputs $4-$7
-    hold pair j's two scales (as fp16 pairs), $8-$11 its zeros, $12 the word; one fma per pair."""
-    body = _word_to_f16_pairs_asm().replace("$4", "$12").rstrip("}").rstrip()
-    lines = [f"fma.rn.f16x2 ${j}, ${j}, ${4 + j}, ${8 + j};" for j in range(4)]
-    return body + "\n" + "\n".join(lines) + "\n}"
 
 
 _SCALED_WORD_TO_F16_PAIRS_ASM = tl.constexpr(_scaled_word_to_f16_pairs_asm())
@@ -522,7 +516,7 @@ def _half(pairs, HIGH: tl.constexpr):
 @triton.jit
 def _pairs_as_nibbles(r0, r1, r2, r3, dtype: tl.constexpr):
     """Four `[...]` int32 tensors of fp16 pairs, pair j holding (nibble j, nibble j + 4) of a word ->
-    `[..., 2, 2, 2]` in `dtype`, index (a, b, c) holding nibble 2a + b + 4c (as _unpack_words_paired)."""
+    `[..., 2, 2, 2]` in `dtype`, index (a, b, c) holding nibble 2a + b + 4c (as _nibbles_paired)."""
     low = tl.join(tl.join(_half(r0, False), _half(r2, False)), tl.join(_half(r1, False), _half(r3, False)))
     high = tl.join(tl.join(_half(r0, True), _half(r2, True)), tl.join(_half(r1, True), _half(r3, True)))
     return tl.join(low, high).to(dtype)
@@ -530,9 +524,15 @@ def _pairs_as_nibbles(r0, r1, r2, r3, dtype: tl.constexpr):
 
 @triton.jit
 def _unpack_scaled_words_paired(words, scale, zero, dtype: tl.constexpr, ASM: tl.constexpr):
-    """_unpack_words_paired with the key scale and zero applied: `scale` and `zero` `[..., W, 2, 2]`
+    """int32 words of packed codes `[..., W]` -> the keys `[..., W, 2, 2, 2]` in `dtype`, index (a, b, c)
+    holding nibble 2a + b + 4c times its scale plus its zero. `scale` and `zero` `[..., W, 2, 2]`
     int32 hold each word's four fp16 pairs (pair j = 2a + b at index (a, b), see _mma_key_params).
-    With `ASM` each pair of codes is scaled and shifted by one fma in the unpacking PTX."""
+
+    The last axis pairs nibbles j and j + 4 of one word, which with `ASM` are the two halves of one
+    register out of the PTX (_SCALED_WORD_TO_F16_PAIRS_ASM, one fma a pair for the scale and zero):
+    a tensor-core operand that takes the pair as neighbouring channels reads that register as it is.
+    (_unpack_words pairs two words instead.) Without `ASM` (the interpreter), the same values in
+    portable form."""
     even, odd = tl.split(scale)
     s0, s2 = tl.split(even)
     s1, s3 = tl.split(odd)
@@ -549,36 +549,18 @@ def _unpack_scaled_words_paired(words, scale, zero, dtype: tl.constexpr, ASM: tl
             pack=1,
         )
         return _pairs_as_nibbles(r0, r1, r2, r3, dtype)
-    codes = _unpack_words_paired(words, dtype, False)
+    codes = _nibbles_paired(words, dtype)
     return codes * _pairs_as_nibbles(s0, s1, s2, s3, dtype) + _pairs_as_nibbles(z0, z1, z2, z3, dtype)
 
 
 @triton.jit
-def _unpack_words_paired(words, dtype: tl.constexpr, ASM: tl.constexpr):
-    """int32 words of packed codes `[..., W]` -> the codes `[..., W, 2, 2, 2]` as exact values in `dtype`;
-    index (a, b, c) holds nibble 2a + b + 4c.
-
-    The last axis pairs nibbles j and j + 4 of one word, which with `ASM` are the two halves of one
-    register out of the PTX (_WORD_TO_F16_PAIRS_ASM): a tensor-core operand that takes the pair as
-    neighbouring channels reads that register as it is. (_unpack_words pairs two words instead.)"""
-    if ASM:
-        r0, r1, r2, r3 = tl.inline_asm_elementwise(
-            asm=_WORD_TO_F16_PAIRS_ASM,
-            constraints="=r,=r,=r,=r,r",
-            args=[words],
-            dtype=(tl.int32,) * 4,
-            is_pure=True,
-            pack=1,
-        )
-        low = tl.join(
-            tl.join(_half(r0, False), _half(r2, False)), tl.join(_half(r1, False), _half(r3, False))
-        )
-        high = tl.join(tl.join(_half(r0, True), _half(r2, True)), tl.join(_half(r1, True), _half(r3, True)))
-    else:
-        low = tl.join(tl.join(_nibble(words, 0, dtype), _nibble(words, 2, dtype)),
-                      tl.join(_nibble(words, 1, dtype), _nibble(words, 3, dtype)))  # fmt: skip
-        high = tl.join(tl.join(_nibble(words, 4, dtype), _nibble(words, 6, dtype)),
-                       tl.join(_nibble(words, 5, dtype), _nibble(words, 7, dtype)))  # fmt: skip
+def _nibbles_paired(words, dtype: tl.constexpr):
+    """int32 words of packed codes `[..., W]` -> the codes `[..., W, 2, 2, 2]` as exact values in `dtype`,
+    index (a, b, c) holding nibble 2a + b + 4c (the PTX's pairing, in portable form)."""
+    low = tl.join(tl.join(_nibble(words, 0, dtype), _nibble(words, 2, dtype)),
+                  tl.join(_nibble(words, 1, dtype), _nibble(words, 3, dtype)))  # fmt: skip
+    high = tl.join(tl.join(_nibble(words, 4, dtype), _nibble(words, 6, dtype)),
+                   tl.join(_nibble(words, 5, dtype), _nibble(words, 7, dtype)))  # fmt: skip
     return tl.join(low, high)
 
 
