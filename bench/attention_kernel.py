@@ -6,9 +6,10 @@ warm group 32); every row's context is sink + warm + a 128-token hot window (tie
 (tiers off). Times `paged_attention` (with its flash-decoding merge) per layer call, 20 calls
 captured in one CUDA graph as the engine's decode runs them, and reports the
 bytes it must read against the measured copy bandwidth. Needs CUDA. A launch variant
-`TILExWARPS[xSTAGES[xREGS[xUNROLL]]]` overrides the kernel's launch shape (tile positions, warps,
-software-pipeline stages, register cap, warm-loop unrolling; a 0 keeps that field's default), so one
-run can compare them; "default" is what the engine launches.
+`TILExWARPS[xSTAGES[xREGS[xUNROLL[xROWS]]]]` overrides the kernel's launch shape (tile positions, warps,
+software-pipeline stages, register cap, warm-loop unrolling, (token, head) rows a program; a 0 keeps
+that field's default), so one run can compare them; "default" is what the engine launches. With
+`--prefix-pages` the variants apply to the pages path too.
 
     python bench/attention_kernel.py --contexts 1024,32768 --batches 1,16
     python bench/attention_kernel.py --contexts 16384 --batches 1 --prefill 2048 --prefix-pages
@@ -99,8 +100,13 @@ def time_decode(
     out = torch.empty_like(q)
 
     def call() -> None:
-        if pages:
-            backend.forward(q, q, q, 0, metadata)  # k, v unused (the cache holds them); own workspace
+        if pages:  # TritonBackend.forward's prefill over pages, with the launch overrides
+            assert metadata.prefix is not None
+            prefix = backend._dequantize_prefix(layer, metadata.prefix)
+            paged_attention(
+                q, layer._replace(warm=None), metadata.paged, out, segments, partials, tile_n=tile_n,
+                num_warps=num_warps, prefix_pages=prefix, **launch,
+            )  # fmt: skip
             return
         paged_attention(
             q, layer, metadata.paged, out, segments, partials, tile_n=tile_n, num_warps=num_warps, **launch
@@ -155,13 +161,13 @@ def main() -> None:
             hot = variants if args.hot_variants else [None]
             runs = [(True, v, False) for v in variants] + [(False, v, False) for v in hot]
             if args.prefix_pages:
-                runs.insert(1, (True, None, True))
+                runs[1:1] = [(True, v, True) for v in variants]
             for (tiered, variant, pages), split in itertools.product(runs, splits):
                 launch = _launch(variant)
                 us, read, segments = time_decode(
                     batch, context, tiered, segments=split, prefill=args.prefill, pages=pages, **launch
                 )
-                shape = "warm prefix as pages" if pages else variant or "default"
+                shape = (variant or "default") + (" (warm prefix as pages)" if pages else "")
                 tiers = "on" if tiered else "off"
                 print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | "
                       f"{read / 1e6:.1f} | {read / us / 1e3:.0f} |", flush=True)  # fmt: skip
@@ -169,11 +175,11 @@ def main() -> None:
 
 
 def _launch(variant: str | None) -> dict:
-    """`64x4x3x128x2` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg,
-    warm_unroll); a 0 field is left to the default."""
+    """`64x4x3x128x2x128` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg,
+    warm_unroll, block_m); a 0 field is left to the default."""
     if variant is None:
         return {}
-    names = ("tile_n", "num_warps", "num_stages", "maxnreg", "warm_unroll")
+    names = ("tile_n", "num_warps", "num_stages", "maxnreg", "warm_unroll", "block_m")
     fields = zip(names, (int(x) for x in variant.split("x")), strict=False)
     return {name: value for name, value in fields if value or name in ("tile_n", "num_warps")}
 

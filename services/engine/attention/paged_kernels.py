@@ -102,20 +102,25 @@ def _words_to_f16_asm() -> str:
     """PTX: two words of packed codes (eight nibbles each) -> the eight nibble planes as fp16 pairs, exact.
 
     Output $f holds nibble f of word 0 (low half) and of word 1 (high half); inputs $8 and $9 are the
-    two words. Per byte k, prmt moves byte k of both words into the two halves of one register; a
-    nibble is masked into the mantissa of 1024.0 (lop3, two values), and 1024.0 is subtracted
-    (sub.f16x2, two values): 1.5 instructions per value, all at full rate."""
-    lines = [".reg .b32 t, h, bias;", "mov.b32 bias, 0x64006400;"]
+    two words. Per byte k, prmt moves byte k of both words into the two halves of one register; the
+    low nibbles are masked into the mantissa of 1024.0 and 1024.0 is subtracted (lop3, sub.f16x2),
+    the high nibbles masked where they stand, giving 1024 + 16c, and brought down by one fma (times
+    1/16, minus 64; exact, the values are small integers): 1.25 instructions per value."""
+    lines = [
+        ".reg .b32 t, bias, sixteenth, shift;",
+        "mov.b32 bias, 0x64006400;",
+        "mov.b32 sixteenth, 0x2C002C00;",
+        "mov.b32 shift, 0xD400D400;",
+    ]
     for byte in range(4):
         low, high = f"${2 * byte}", f"${2 * byte + 1}"
         selector = 0x4400 + 0x1111 * byte  # byte k of word 0 to the low half, of word 1 to the high
         lines += [
             f"prmt.b32 t, $8, $9, {selector:#06x};",
-            "shr.b32 h, t, 4;",
             f"lop3.b32 {low}, t, 0x000F000F, bias, 0xEA;",
-            f"lop3.b32 {high}, h, 0x000F000F, bias, 0xEA;",
+            f"lop3.b32 {high}, t, 0x00F000F0, bias, 0xEA;",
             f"sub.f16x2 {low}, {low}, bias;",
-            f"sub.f16x2 {high}, {high}, bias;",
+            f"fma.rn.f16x2 {high}, {high}, sixteenth, shift;",
         ]
     return "{\n" + "\n".join(lines) + "\n}"
 
@@ -135,19 +140,44 @@ _SCALED_WORDS_TO_F16_ASM = tl.constexpr(_scaled_words_to_f16_asm())
 
 
 @triton.jit
+def _pack_halves(low, high):
+    """Two fp16 tensors -> int32 registers holding (low, high) as an fp16 pair."""
+    low_bits = low.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    high_bits = high.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return low_bits | high_bits
+
+
+@triton.jit
 def _unpack_scaled_words(words, scale, zero):
-    """Words of packed codes `[...]` and each word's fp16 scale and zero `[...]` -> the dequantized
-    values `[..., 2, 2, 2]` in fp16 (GPU only), index (a, b, c) holding nibble 4a + 2b + c. The PTX
-    pairs neighbouring words, so each register it returns holds one channel of the two."""
-    p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+    """Words of packed codes `[..., 2P]` and each word's fp16 scale and zero `[..., 2P]` -> the dequantized
+    values `[..., 2P, 2, 2, 2]` in fp16 (GPU only), index (a, b, c) holding nibble 4a + 2b + c. The PTX
+    takes neighbouring words along the last axis as a pair, so each register it returns holds one
+    channel of the two.
+
+    The pairs are made here, not by `inline_asm_elementwise(pack=2)`: packed by Triton, each call's
+    two scales and two zeros were paired anew, 64 byte permutes a tile where 8 do (tools/kernel_sass.py)."""
+    shape: tl.constexpr = words.shape
+    paired: tl.constexpr = shape[:-1] + [shape[-1] // 2, 2]  # noqa: RUF005 (Triton parses no starred list)
+    w0, w1 = tl.split(tl.reshape(words, paired))
+    s0, s1 = tl.split(tl.reshape(scale, paired))
+    z0, z1 = tl.split(tl.reshape(zero, paired))
+    p = tl.inline_asm_elementwise(
         asm=_SCALED_WORDS_TO_F16_ASM,
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-        args=[words, scale, zero],
-        dtype=(tl.float16,) * 8,
+        args=[w0, w1, _pack_halves(s0, s1), _pack_halves(z0, z1)],
+        dtype=(tl.int32,) * 8,
         is_pure=True,
-        pack=2,
+        pack=1,
     )
-    return tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    n0 = tl.reshape(tl.join(_half(p[0], False), _half(p[0], True)), shape)
+    n1 = tl.reshape(tl.join(_half(p[1], False), _half(p[1], True)), shape)
+    n2 = tl.reshape(tl.join(_half(p[2], False), _half(p[2], True)), shape)
+    n3 = tl.reshape(tl.join(_half(p[3], False), _half(p[3], True)), shape)
+    n4 = tl.reshape(tl.join(_half(p[4], False), _half(p[4], True)), shape)
+    n5 = tl.reshape(tl.join(_half(p[5], False), _half(p[5], True)), shape)
+    n6 = tl.reshape(tl.join(_half(p[6], False), _half(p[6], True)), shape)
+    n7 = tl.reshape(tl.join(_half(p[7], False), _half(p[7], True)), shape)
+    return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
 
 
 @triton.jit
@@ -354,6 +384,7 @@ def _warm_tile_loads(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     MMA_LAYOUT: tl.constexpr,
+    KEY_ROWS: tl.constexpr,
 ):
     """Issue every load of one warm tile: the packed code words and their scales and zeros, not yet used.
 
@@ -374,7 +405,7 @@ def _warm_tile_loads(
     is_warm_block = warm_block >= 0
     warm_block = tl.where(is_warm_block, warm_block, 0).to(tl.int64)
     block_base = warm_block * stride_codes_b + kv_head * stride_codes_h  # [K]
-    token = tl.arange(0, BLOCK_SIZE)
+    token = _operand_rows(BLOCK_SIZE) if KEY_ROWS else tl.arange(0, BLOCK_SIZE)
     word = tl.arange(0, WORDS)
     slots = block_base[:, None, None] + (token * stride_codes_t)[None, :, None] + word[None, None, :]
     has_word = word[None, None, :] < HEAD_DIM // 8
@@ -665,6 +696,7 @@ def _mma_warm_update(
     VALUE_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ASM: tl.constexpr,
+    PROBS_IN_REGISTERS: tl.constexpr,
 ):
     """_warm_update for one decode query per row, in MMA_LAYOUT and transposed: the tile's positions are
     the rows of the tensor-core tile and the query heads its columns, so a group of four heads pads to
@@ -682,20 +714,6 @@ def _mma_warm_update(
     k = tl.reshape(tl.permute(k, (0, 1, 3, 4, 2, 5, 6)), (TILE_N, HEAD_DIM_PADDED))
     scores = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [N, M]
     scores = tl.where(is_warm[:, None], scores * sm_scale_log2, float("-inf"))
-    # Lazy rescaling: the running max moves only when a head's tile max passes it by more than
-    # LAZY_RESCALE_LOG2 (the probabilities then stay below 2^LAZY_RESCALE_LOG2, well inside fp16), so
-    # most tiles skip the accumulator's rescale (a multiply per accumulator register). The branch
-    # is uniform: the program is one warp.
-    tile_max = tl.max(scores, 0)
-    if tl.max(tile_max - running_max) > LAZY_RESCALE_LOG2:
-        new_max = tl.maximum(running_max, tile_max)
-        rescale = tl.exp2(running_max - tl.where(new_max == float("-inf"), 0.0, new_max))
-        acc_t = acc_t * rescale[None, :]
-        running_sum = running_sum * rescale
-        running_max = new_max
-    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-    probs = tl.exp2(scores - safe_max[None, :])
-    running_sum = running_sum + tl.sum(probs, 0)
     PH: tl.constexpr = BLOCK_SIZE // PL
     if W2 == 2:
         # the two word loads apart (see _warm_tile_loads), each unpacked two positions at a time
@@ -723,8 +741,68 @@ def _mma_warm_update(
     if not (SW == 1 and SF == 1 and (ASM or W2 == 1)):
         v = v * value_scale + value_zero  # [K, PH, G, PL, SW, SF] broadcasts: SW is 1 or W2, SF 1 or 8
     v_t = tl.reshape(tl.permute(v, (4, 5, 2, 0, 1, 3)), (HEAD_DIM_PADDED, TILE_N))  # [D, N]
-    acc_t = tl.dot(v_t, probs.to(dtype), acc_t, input_precision=DOT_PRECISION)
+    # Lazy rescaling: the running max moves only when a head's tile max passes it by more than
+    # LAZY_RESCALE_LOG2 (the probabilities then stay below 2^LAZY_RESCALE_LOG2, well inside fp16), so
+    # most tiles skip the accumulator's rescale (a multiply per accumulator register). The branch
+    # is uniform: the program is one warp. The test is one reduction over the whole tile (the heads'
+    # own maxima are needed only on the rare tile that moves them): the reduction's shuffles are a
+    # serial chain that every tile waits on before its probabilities. (A head that has seen nothing
+    # yet, running max -inf, reads +inf or, where the tile is masked too, NaN, which the max skips.)
+    if tl.max(scores - running_max[None, :]) > LAZY_RESCALE_LOG2:
+        tile_max = tl.max(scores, 0)
+        new_max = tl.maximum(running_max, tile_max)
+        rescale = tl.exp2(running_max - tl.where(new_max == float("-inf"), 0.0, new_max))
+        acc_t = acc_t * rescale[None, :]
+        running_sum = running_sum * rescale
+        running_max = new_max
+    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    probs = tl.exp2(scores - safe_max[None, :])
+    running_sum = running_sum + tl.sum(probs, 0)
+    probs = probs.to(dtype)
+    if PROBS_IN_REGISTERS:
+        probs = _probs_as_operand(probs, TILE_N, ASM)
+    acc_t = tl.dot(v_t, probs, acc_t, input_precision=DOT_PRECISION)
     return acc_t, running_max, running_sum
+
+
+@triton.jit
+def _operand_rows(N: tl.constexpr):
+    """The tile position that each row of a one-warp key tile holds when the probabilities reach the
+    second product in registers (_probs_as_operand): within each 16 rows, row r holds position
+    (r % 2) + 2 ((r // 8) % 2) + 4 ((r // 2) % 4). Softmax does not care in which order the rows
+    come, and this order is the one in which the registers that movmatrix leaves are the operand's."""
+    r = tl.arange(0, N)
+    return (r // 16) * 16 + r % 2 + 2 * ((r // 8) % 2) + 4 * ((r // 2) % 4)
+
+
+@triton.jit
+def _probs_as_operand(probs, TILE_N: tl.constexpr, ASM: tl.constexpr):
+    """The probabilities `[N, 8]` (rows in _operand_rows order, in the accumulator layout of the scores'
+    product) -> `[N, 8]` in position order, in the layout of the second product's right-hand operand.
+
+    In the accumulator, lane l holds rows l/4 (+ 8) of heads 2(l%4) and 2(l%4) + 1; the operand
+    (Triton gives 16-bit operands four neighbouring positions a lane) wants positions 4(l%4) + 0..3
+    of head l/4. `movmatrix.trans` transposes each 8x8 block of 16-bit values across the warp, one
+    register a lane, which puts every value in the right lane; the key rows' order (_operand_rows)
+    puts it in the right register. What is left is relabelling (reshape and permute, no data moved),
+    after which Triton finds the tensor already in the operand's layout. Otherwise the conversion
+    goes through shared memory: a store, a barrier and a load with bank conflicts, on the path to the
+    product. Without `ASM` (the interpreter), the same transposes as plain tensor ops."""
+    if ASM:
+        moved = tl.inline_asm_elementwise(
+            asm="movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+            constraints="=r,r",
+            args=[probs],
+            dtype=probs.dtype,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        moved = tl.reshape(tl.permute(tl.reshape(probs, (TILE_N // 8, 8, 8)), (0, 2, 1)), (TILE_N, 8))
+    # lane l, register (j, h) holds moved[l/4 + 8h, 2(l%4) + j] = row 2(l%4) + j + 8h of head l/4,
+    # which is position j + 2h + 4(l%4): exactly the operand's
+    moved = tl.reshape(moved, (TILE_N // 16, 2, 8, 4, 2))  # [U, H, N, L, J]
+    return tl.reshape(tl.permute(moved, (0, 3, 1, 4, 2)), (TILE_N, 8))  # [U, L, H, J, N]
 
 
 @triton.jit
@@ -860,6 +938,9 @@ def _paged_attention_kernel(
         # The warm tier is dequantized and multiplied in fp16 for a 16-bit model (see _unpack_words), so
         # the query meets it in fp16: exact for a bf16 query inside fp16's range, which is clamped to it.
         WARM_DTYPE: tl.constexpr = tl.float32 if IEEE_DOT else tl.float16
+        # a one-warp tile whose probabilities reach the second product in registers (_probs_as_operand):
+        # whole 16-row groups of one block each, and eight heads' columns
+        PROBS_IN_REGISTERS: tl.constexpr = MMA_LAYOUT and BLOCK_SIZE % 16 == 0 and BLOCK_M == 8
         if MMA_LAYOUT:
             key_channel = _key_channels(HEAD_DIM_PADDED)
             key_mask = is_query[:, None] & (key_channel < HEAD_DIM)[None, :]
@@ -871,37 +952,45 @@ def _paged_attention_kernel(
         # Software pipeline by hand: while a tile's math runs, the next tile's codes are already in
         # flight (their table entries one tile further ahead), so the loop never waits on a load
         # it has just issued.
-        next_table = _warm_tile_table(warm_row, tile_begin, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
+        table = _warm_tile_table(warm_row, tile_begin, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
         key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
-            next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
+            table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
             value_codes_ptr, value_scale_ptr, value_zero_ptr,
             stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
             stride_vscale_b, stride_vscale_t, stride_vscale_h,
             WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED, MMA_LAYOUT,
+            PROBS_IN_REGISTERS,
         )  # fmt: skip
         next_table = _warm_tile_table(warm_row, tile_begin + 1, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
         for tile in tl.range(tile_begin, tile_end, loop_unroll_factor=WARM_UNROLL):
-            position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
+            # [N]: the position of each of the tile's rows (in _operand_rows order where they come so)
+            position = tile * TILE_N + (_operand_rows(TILE_N) if PROBS_IN_REGISTERS else tl.arange(0, TILE_N))
             in_context = position < kv_end
             tile_key_words, tile_key_scale, tile_key_zero = key_words, key_scale, key_zero
             tile_value_words, tile_value_scale, tile_value_zero = value_words, value_scale, value_zero
+            tile_table, table = table, next_table
             key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
-                next_table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
+                table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
                 value_codes_ptr, value_scale_ptr, value_zero_ptr,
                 stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
                 stride_vscale_b, stride_vscale_t, stride_vscale_h,
                 WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED, MMA_LAYOUT,
+            PROBS_IN_REGISTERS,
             )  # fmt: skip
             next_table = _warm_tile_table(warm_row, tile + 2, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
-            warm_entry = tl.load(warm_row + position // BLOCK_SIZE, mask=in_context, other=-1)
-            is_warm = in_context & (warm_entry >= 0)
+            # the tile's table came in a tile ahead of its codes: no load here for the mask to wait on
+            if TILE_BLOCKS == 1:
+                is_warm = in_context & (tl.max(tile_table, 0) >= 0)
+            else:
+                block_is_warm = tl.broadcast_to((tile_table >= 0)[:, None], (TILE_BLOCKS, BLOCK_SIZE))
+                is_warm = in_context & tl.reshape(block_is_warm, (TILE_N,))
             if MMA_LAYOUT:
                 acc, running_max, running_sum = _mma_warm_update(
                     q_warm, acc, running_max, running_sum,
                     tile_key_words, tile_key_scale, tile_key_zero,
                     tile_value_words, tile_value_scale, tile_value_zero,
                     is_warm, sm_scale_log2, TILE_N, TILE_BLOCKS, BLOCK_SIZE,
-                    HEAD_DIM, HEAD_DIM_PADDED, VALUE_GROUP, DOT_PRECISION, ASM_DEQUANT,
+                    HEAD_DIM, HEAD_DIM_PADDED, VALUE_GROUP, DOT_PRECISION, ASM_DEQUANT, PROBS_IN_REGISTERS,
                 )  # fmt: skip
             else:
                 acc, running_max, running_sum = _warm_update(
@@ -1053,6 +1142,7 @@ def paged_attention(
     maxnreg: int | None = None,
     prefix_pages: WarmPrefixPages | None = None,
     warm_unroll: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries `q` `[T, H, D]` over each row's paged context; writes `out` `[T, H, D]`.
 
@@ -1060,8 +1150,9 @@ def paged_attention(
     hold at least `[T, H, num_segments, D_PADDED]`. `tile_n` (positions per loop step, a multiple of
     the block size), `num_warps`, `num_stages` (loads in flight in the software pipeline; Triton's
     default when None), `maxnreg` (a register cap per thread) and `warm_unroll` (warm-loop iterations
-    unrolled together; SINGLE_WARP_UNROLL for a one-warp warm decode when None, else 1) override the
-    launch shape, which otherwise is 64 positions and 4 warps, or for a warm decode on a GPU
+    unrolled together; SINGLE_WARP_UNROLL for a one-warp warm decode when None, else 1) and `block_m`
+    ((token, head) rows per program, a power of two) override the launch shape, which otherwise is
+    64 positions and 4 warps, or for a warm decode on a GPU
     _warm_decode_launch's pick; bench/attention_kernel.py compares them. `prefix_pages` (with a layer
     without a warm tier) is a prefill's warm prefix already dequantized: the kernel reads it as hot
     pages.
@@ -1084,7 +1175,10 @@ def paged_attention(
     # columns of a transposed tile: eight at least (see _mma_warm_update)
     mma_layout = warm is not None and is_decode and num_warps == 1
     # decode: one query token, so M is just the group's heads; prefill: 64 rows of (token, head)
-    block_m = max(8 if mma_layout else 16 if is_decode else 64, triton.next_power_of_2(queries_per_kv))
+    default_m = 8 if mma_layout else 16 if is_decode else 64
+    block_m = max(block_m or default_m, triton.next_power_of_2(queries_per_kv))
+    if block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two: {block_m}")
     block_q = block_m // queries_per_kv
     if tile_n % block_size or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power-of-two multiple of the block size {block_size}: {tile_n}")

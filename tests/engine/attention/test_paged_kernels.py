@@ -369,6 +369,18 @@ def test_split_prefill_matches_reference(num_segments, with_warm):
     run_case(Shape(2, 4, 64), rows, torch.float32, with_warm, num_segments, seed=13)
 
 
+@pytest.mark.parametrize(("block_m", "num_warps"), [(128, 8), (32, 4)])
+def test_prefill_with_more_or_fewer_rows_a_program_matches_reference(block_m, num_warps):
+    """`block_m` (the benchmark's sixth launch field): more or fewer (token, head) rows a program, on
+    the warm tier in place and over pages, split or not."""
+    rows = [(37, 37), (20, 120), (1, 90), (16, 300)]
+    for prefix_pages, num_segments in ((False, 1), (True, 1), (True, 2)):
+        run_case(
+            Shape(1, 4, 64), rows, torch.float32, True, num_segments, seed=15, prefix_pages=prefix_pages,
+            block_m=block_m, num_warps=num_warps,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("num_segments", [1, 4])
 def test_split_prefill_over_dequantized_warm_pages_matches_reference(num_segments):
     """The pages path splits the same way."""
@@ -419,3 +431,16 @@ def test_bf16_one_warp_decode_unpacks_codes_in_ptx_matches_reference(shape):
     rows = [(1, 40), (1, 150), (1, 300)]
     tile_n = max(MIN_GPU_TILE, shape.block_size)
     run_case(shape, rows, torch.bfloat16, True, 2, seed=10, tile_n=tile_n, num_warps=1)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton's CPU interpreter has no bf16 arithmetic")
+@pytest.mark.parametrize("q_scale", [6.0, 40.0])
+def test_bf16_one_warp_decode_rescales_lazily_when_scores_climb(q_scale):
+    """The PTX path's lazy rescale (the probabilities reach the second product through movmatrix): as
+    the fp32 test above, with bf16 operands, within bf16 rounding."""
+    rows = [(1, 300), (1, 500), (1, 64)]
+    for num_segments in (1, 4):
+        run_case(
+            Shape(2, 4, 128), rows, torch.bfloat16, True, num_segments, seed=11, q_scale=q_scale,
+            tile_n=MIN_GPU_TILE, num_warps=1,
+        )  # fmt: skip
