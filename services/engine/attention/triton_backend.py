@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from services.engine.attention import prefix_kernel
 from services.engine.attention.backend import (
     PREFIX_DEQUANT_CHUNK_BLOCKS,
     PREFIX_PAGE_TOKENS,
@@ -139,7 +140,20 @@ def dequantize_prefix(
     layer: PagedLayer, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> None:
     """Warm blocks `blocks` `[S]` of `layer` into pages 1..S of `keys` and `values` `[S + 1, BS, KVH, D]`
-    (kivi's dequantization, rounded once to the pages' dtype; page 0 is left as it is)."""
+    (kivi's dequantization, rounded once to the pages' dtype; page 0 is left as it is). On CUDA one
+    fused launch (prefix_kernel); elsewhere dequantize_prefix_reference."""
+    warm = layer.warm
+    assert warm is not None
+    if keys.is_cuda and prefix_kernel.supports(warm.key_codes, keys):
+        prefix_kernel.dequantize_prefix(*warm, layer.blocks_per_group, blocks, keys, values)
+    else:
+        dequantize_prefix_reference(layer, blocks, keys, values)
+
+
+def dequantize_prefix_reference(
+    layer: PagedLayer, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """dequantize_prefix with kivi's functions, a chunk of blocks at a time (the fused kernel's oracle)."""
     warm = layer.warm
     assert warm is not None
     for start in range(0, blocks.shape[0], PREFIX_DEQUANT_CHUNK_BLOCKS):
