@@ -6,10 +6,11 @@ warm group 32); every row's context is sink + warm + a 128-token hot window (tie
 (tiers off). Times `paged_attention` (with its flash-decoding merge) per layer call, 20 calls
 captured in one CUDA graph as the engine's decode runs them, and reports the
 bytes it must read against the measured copy bandwidth. Needs CUDA. A launch variant
-`TILExWARPS[xSTAGES[xREGS[xUNROLL[xROWS]]]]` overrides the kernel's launch shape (tile positions, warps,
-software-pipeline stages, register cap, warm-loop unrolling, (token, head) rows a program; a 0 keeps
-that field's default), so one run can compare them; "default" is what the engine launches. With
-`--prefix-pages` the variants apply to the pages path too.
+`TILExWARPS[xSTAGES[xREGS[xUNROLL[xROWS[xBRANCHFREE]]]]]` overrides the kernel's launch shape (tile
+positions, warps, software-pipeline stages, register cap, warm-loop unrolling, (token, head) rows a
+program, 1 for the one-warp decode's branch-free rescale; a 0 keeps that field's default), so one
+run can compare them; "default" is what the engine launches. With `--prefix-pages` the variants
+apply to the pages path too.
 
     python bench/attention_kernel.py --contexts 1024,32768 --batches 1,16
     python bench/attention_kernel.py --contexts 16384 --batches 1 --prefill 2048 --prefix-pages
@@ -175,11 +176,11 @@ def main() -> None:
 
 
 def _launch(variant: str | None) -> dict:
-    """`64x4x3x128x2x128` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg,
-    warm_unroll, block_m); a 0 field is left to the default."""
+    """`64x4x3x128x2x128x1` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg,
+    warm_unroll, block_m, branch_free_rescale); a 0 field is left to the default."""
     if variant is None:
         return {}
-    names = ("tile_n", "num_warps", "num_stages", "maxnreg", "warm_unroll", "block_m")
+    names = ("tile_n", "num_warps", "num_stages", "maxnreg", "warm_unroll", "block_m", "branch_free_rescale")
     fields = zip(names, (int(x) for x in variant.split("x")), strict=False)
     return {name: value for name, value in fields if value or name in ("tile_n", "num_warps")}
 

@@ -16,7 +16,8 @@ prefill (64-row blocks over a warm tier read in place), pages (prefill over dequ
 pages), hot (decode, no warm tier) or prefill-hot (prefill, no warm tier); a one-warp decode compiles
 the tensor-core layout the engine launches there (MMA_LAYOUT, 8-column transposed tiles, with the
 engine's pipeline stages and unrolled warm loop: its body then holds SINGLE_WARP_UNROLL tiles, and
-the per-tile column divides by that). The shapes are the Llama-3.1-8B attention's (32 query
+the per-tile column divides by that; `--unroll` and `--branch-free-rescale` set paged_attention's
+`warm_unroll` and `branch_free_rescale`). The shapes are the Llama-3.1-8B attention's (32 query
 heads, 8 KV heads, head dim 128, block 16, warm group 32); `--head-dim 64` gives the Llama-3.2-1B's.
 Counts are static: the loop body once, both sides of its branches included; `branch` is the longest
 forward branch inside the loop (the hot tile's path in a warm loop, skipped on most tiles). What
@@ -70,7 +71,13 @@ DEFAULT_VARIANTS = (
 
 
 def compile_variant(
-    kind: str, tile_n: int, num_warps: int, maxnreg: int | None = None, head_dim: int = 128
+    kind: str,
+    tile_n: int,
+    num_warps: int,
+    maxnreg: int | None = None,
+    head_dim: int = 128,
+    unroll: int | None = None,
+    branch_free_rescale: bool = False,
 ) -> triton.compiler.CompiledKernel:
     block_m, has_warm, has_pages = KINDS[kind]
     kernel = paged_kernels._paged_attention_kernel
@@ -81,7 +88,8 @@ def compile_variant(
         "IEEE_DOT": False, "DECODE": block_m == 16, "ASM_DEQUANT": True,
         "MMA_LAYOUT": has_warm and block_m == 16 and num_warps == 1,
     }  # fmt: skip
-    constants["WARM_UNROLL"] = paged_kernels.SINGLE_WARP_UNROLL if constants["MMA_LAYOUT"] else 1
+    constants["WARM_UNROLL"] = (unroll or paged_kernels.SINGLE_WARP_UNROLL) if constants["MMA_LAYOUT"] else 1
+    constants["BRANCH_FREE_RESCALE"] = branch_free_rescale
     if constants["MMA_LAYOUT"]:
         constants["BLOCK_M"] = 8
     names = kernel.arg_names
@@ -161,6 +169,10 @@ def main() -> None:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="KIND:TILExWARPS, comma-separated")
     parser.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas)")
     parser.add_argument("--head-dim", type=int, default=128, help="64: the Llama-3.2-1B attention shape")
+    parser.add_argument("--unroll", type=int, default=None, help="one-warp decode: warm-loop unrolling")
+    parser.add_argument(
+        "--branch-free-rescale", action="store_true", help="one-warp decode: per-head rescale, no branch"
+    )
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_90, 8 KV heads x 4 queries, head dim {args.head_dim}")
     columns = ("variant", "loop instructions per warp", "branch", "per tile, branch skipped",
@@ -171,9 +183,12 @@ def main() -> None:
     for variant in args.variants.split(","):
         kind, launch = variant.split(":")
         tile_n, num_warps = (int(x) for x in launch.split("x"))
-        compiled = compile_variant(kind, tile_n, num_warps, args.maxnreg, args.head_dim)
+        compiled = compile_variant(
+            kind, tile_n, num_warps, args.maxnreg, args.head_dim, args.unroll, args.branch_free_rescale
+        )
         stats = loop_stats(disassemble(compiled))
-        unroll = paged_kernels.SINGLE_WARP_UNROLL if kind == "decode" and num_warps == 1 else 1
+        one_warp = kind == "decode" and num_warps == 1
+        unroll = (args.unroll or paged_kernels.SINGLE_WARP_UNROLL) if one_warp else 1
         per_tile = (stats["loop"] - stats["branch"]) // unroll
         shared_kb = compiled.metadata.shared / 1024
         cells = (variant, stats["loop"], stats["branch"], per_tile, f"{per_tile * num_warps / tile_n:.1f}",

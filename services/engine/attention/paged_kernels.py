@@ -710,6 +710,7 @@ def _mma_warm_update(
     DOT_PRECISION: tl.constexpr,
     ASM: tl.constexpr,
     PROBS_IN_REGISTERS: tl.constexpr,
+    BRANCH_FREE_RESCALE: tl.constexpr,
 ):
     """_warm_update for one decode query per row, in MMA_LAYOUT and transposed: the tile's positions are
     the rows of the tensor-core tile and the query heads its columns, so a group of four heads pads to
@@ -761,7 +762,18 @@ def _mma_warm_update(
     # own maxima are needed only on the rare tile that moves them): the reduction's shuffles are a
     # serial chain that every tile waits on before its probabilities. (A head that has seen nothing
     # yet, running max -inf, reads +inf or, where the tile is masked too, NaN, which the max skips.)
-    if tl.max(scores - running_max[None, :]) > LAZY_RESCALE_LOG2:
+    if BRANCH_FREE_RESCALE:
+        # Each head's max moves on its own, and the accumulator is always multiplied (by exactly 1 for a
+        # head whose max stays): 32 multiplies a tile for no branch and no reduction across heads,
+        # so the unrolled tiles' work can interleave (bench/attention_kernel.py's seventh field).
+        tile_max = tl.max(scores, 0)
+        moves = tile_max - running_max > LAZY_RESCALE_LOG2
+        new_max = tl.where(moves, tl.maximum(running_max, tile_max), running_max)
+        rescale = tl.exp2(running_max - tl.where(new_max == float("-inf"), 0.0, new_max))
+        acc_t = acc_t * rescale[None, :]
+        running_sum = running_sum * rescale
+        running_max = new_max
+    elif tl.max(scores - running_max[None, :]) > LAZY_RESCALE_LOG2:
         tile_max = tl.max(scores, 0)
         new_max = tl.maximum(running_max, tile_max)
         rescale = tl.exp2(running_max - tl.where(new_max == float("-inf"), 0.0, new_max))
@@ -875,6 +887,7 @@ def _paged_attention_kernel(
     ASM_DEQUANT: tl.constexpr,  # unpack the warm codes in PTX (fp16 on a GPU; see _unpack_words)
     MMA_LAYOUT: tl.constexpr,  # one-warp decode: warm tiles built in the tensor cores' layout (see above)
     WARM_UNROLL: tl.constexpr,  # warm loop iterations unrolled together (see SINGLE_WARP_UNROLL)
+    BRANCH_FREE_RESCALE: tl.constexpr,  # one-warp decode: per-head rescale, no branch (_mma_warm_update)
 ):
     # the KV heads of one (row, segment) are neighbours in launch order: they run together and read
     # neighbouring bytes (a position's heads are adjacent in every cache layout)
@@ -1004,6 +1017,7 @@ def _paged_attention_kernel(
                     tile_value_words, tile_value_scale, tile_value_zero,
                     is_warm, sm_scale_log2, TILE_N, TILE_BLOCKS, BLOCK_SIZE,
                     HEAD_DIM, HEAD_DIM_PADDED, VALUE_GROUP, DOT_PRECISION, ASM_DEQUANT, PROBS_IN_REGISTERS,
+                    BRANCH_FREE_RESCALE,
                 )  # fmt: skip
             else:
                 acc, running_max, running_sum = _warm_update(
@@ -1156,6 +1170,7 @@ def paged_attention(
     prefix_pages: WarmPrefixPages | None = None,
     warm_unroll: int | None = None,
     block_m: int | None = None,
+    branch_free_rescale: bool = False,
 ) -> torch.Tensor:
     """Attention of packed queries `q` `[T, H, D]` over each row's paged context; writes `out` `[T, H, D]`.
 
@@ -1163,9 +1178,10 @@ def paged_attention(
     hold at least `[T, H, num_segments, D_PADDED]`. `tile_n` (positions per loop step, a multiple of
     the block size), `num_warps`, `num_stages` (loads in flight in the software pipeline; Triton's
     default when None), `maxnreg` (a register cap per thread) and `warm_unroll` (warm-loop iterations
-    unrolled together; SINGLE_WARP_UNROLL for a one-warp warm decode when None, else 1) and `block_m`
-    ((token, head) rows per program, a power of two) override the launch shape, which otherwise is
-    64 positions and 4 warps, or for a warm decode on a GPU
+    unrolled together; SINGLE_WARP_UNROLL for a one-warp warm decode when None, else 1), `block_m`
+    ((token, head) rows per program, a power of two) and `branch_free_rescale` (the one-warp warm
+    decode's softmax rescale per head without a branch; off: the warp's lazy branch) override the
+    launch shape, which otherwise is 64 positions and 4 warps, or for a warm decode on a GPU
     _warm_decode_launch's pick; bench/attention_kernel.py compares them. `prefix_pages` (with a layer
     without a warm tier) is a prefill's warm prefix already dequantized: the kernel reads it as hot
     pages.
@@ -1247,6 +1263,7 @@ def paged_attention(
         ASM_DEQUANT=q.is_cuda and q.dtype != torch.float32,
         MMA_LAYOUT=mma_layout,
         WARM_UNROLL=warm_unroll or (SINGLE_WARP_UNROLL if mma_layout else 1),
+        BRANCH_FREE_RESCALE=bool(branch_free_rescale),
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),

@@ -328,17 +328,19 @@ def test_one_warp_decode_unrolled_any_way_matches_reference(warm_unroll):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("branch_free", [False, True], ids=["branch", "branch-free"])
 @pytest.mark.parametrize("q_scale", [6.0, 40.0])
-def test_one_warp_decode_rescales_lazily_when_scores_climb(q_scale):
+def test_one_warp_decode_rescales_lazily_when_scores_climb(q_scale, branch_free):
     """The one-warp decode moves its running max only when a tile's max passes it by more than
     LAZY_RESCALE_LOG2: with a large query the scores span tens of log2 units, so over a long row the
-    max climbs by small steps (skipped rescales, probabilities above 1) and by large ones (rescaled)."""
+    max climbs by small steps (skipped rescales, probabilities above 1) and by large ones (rescaled).
+    Both rescales: the warp's branch (all heads together) and the branch-free one (each head alone)."""
     rows = [(1, 300), (1, 500), (1, 64)]
     tile_n = MIN_GPU_TILE if DEVICE.type == "cuda" else 16
     for num_segments in (1, 4):
         run_case(
             Shape(2, 4, 64), rows, torch.float32, True, num_segments, seed=11, q_scale=q_scale,
-            tile_n=tile_n, num_warps=1,
+            tile_n=tile_n, num_warps=1, branch_free_rescale=branch_free,
         )  # fmt: skip
 
 
@@ -434,13 +436,14 @@ def test_bf16_one_warp_decode_unpacks_codes_in_ptx_matches_reference(shape):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton's CPU interpreter has no bf16 arithmetic")
+@pytest.mark.parametrize("branch_free", [False, True], ids=["branch", "branch-free"])
 @pytest.mark.parametrize("q_scale", [6.0, 40.0])
-def test_bf16_one_warp_decode_rescales_lazily_when_scores_climb(q_scale):
+def test_bf16_one_warp_decode_rescales_lazily_when_scores_climb(q_scale, branch_free):
     """The PTX path's lazy rescale (the probabilities reach the second product through movmatrix): as
     the fp32 test above, with bf16 operands, within bf16 rounding."""
     rows = [(1, 300), (1, 500), (1, 64)]
     for num_segments in (1, 4):
         run_case(
             Shape(2, 4, 128), rows, torch.bfloat16, True, num_segments, seed=11, q_scale=q_scale,
-            tile_n=MIN_GPU_TILE, num_warps=1,
+            tile_n=MIN_GPU_TILE, num_warps=1, branch_free_rescale=branch_free,
         )  # fmt: skip
