@@ -2,12 +2,12 @@
 
 A prefill step of at least PREFIX_PAGES_MIN_QUERY_TOKENS new tokens reads its rows' warm prefix as
 pages (see TritonBackend): every layer of every such step first dequantizes that prefix. The
-reference (`dequantize_prefix`, kivi's functions behind gathers) runs about ten PyTorch kernels a
-chunk of 256 blocks over fp32 temporaries: on the H200 it took about 3 ms of a 12.5 ms layer call
-for a 4,096-token chunk over a 28K prefix (bench/attention_kernel.py --prefill 4096 --prefix-pages,
-against 9.3 ms with the same context hot). Here each program reads one warm block of one KV head
-and writes its keys and values straight into their page: the codes are read once, the pages written
-once, and nothing else moves.
+reference (`triton_backend.dequantize_prefix_reference`, kivi's functions behind gathers) runs
+about ten PyTorch kernels a chunk of 256 blocks over fp32 temporaries: on the H200 it took about
+3 ms of a 12.5 ms layer call for a 4,096-token chunk over a 28K prefix (bench/attention_kernel.py
+--prefill 4096 --prefix-pages, against 9.3 ms with the same context hot). Here each program reads
+one warm block of one KV head and writes its keys and values straight into their page: the codes
+are read once, the pages written once, and nothing else moves.
 
 The arithmetic is kivi's, operation for operation, in fp32 (`code * scale` rounded, then `+ zero`
 rounded: the launch turns off fused multiply-adds), rounded once to the pages' dtype, so the pages
