@@ -1001,7 +1001,7 @@ def _paged_attention_kernel(
                 stride_codes_b, stride_codes_t, stride_codes_h, stride_kscale_g, stride_kscale_h,
                 stride_vscale_b, stride_vscale_t, stride_vscale_h,
                 WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED, MMA_LAYOUT,
-            PROBS_IN_REGISTERS,
+                PROBS_IN_REGISTERS,
             )  # fmt: skip
             next_table = _warm_tile_table(warm_row, tile + 2, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
             # the tile's table came in a tile ahead of its codes: no load here for the mask to wait on
