@@ -169,15 +169,26 @@ def _unpack_scaled_words(words, scale, zero):
         is_pure=True,
         pack=1,
     )
-    n0 = tl.reshape(tl.join(_half(p[0], False), _half(p[0], True)), shape)
-    n1 = tl.reshape(tl.join(_half(p[1], False), _half(p[1], True)), shape)
-    n2 = tl.reshape(tl.join(_half(p[2], False), _half(p[2], True)), shape)
-    n3 = tl.reshape(tl.join(_half(p[3], False), _half(p[3], True)), shape)
-    n4 = tl.reshape(tl.join(_half(p[4], False), _half(p[4], True)), shape)
-    n5 = tl.reshape(tl.join(_half(p[5], False), _half(p[5], True)), shape)
-    n6 = tl.reshape(tl.join(_half(p[6], False), _half(p[6], True)), shape)
-    n7 = tl.reshape(tl.join(_half(p[7], False), _half(p[7], True)), shape)
-    return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    return _nibble_planes(
+        _unpaired(p[0], shape), _unpaired(p[1], shape), _unpaired(p[2], shape), _unpaired(p[3], shape),
+        _unpaired(p[4], shape), _unpaired(p[5], shape), _unpaired(p[6], shape), _unpaired(p[7], shape),
+    )  # fmt: skip
+
+
+@triton.jit
+def _unpaired(pairs, shape: tl.constexpr):
+    """int32 fp16 pairs `[..., P]` (as _pack_halves makes them) -> fp16 `shape` `[..., 2P]`, each pair's
+    low half first."""
+    return tl.reshape(tl.join(_half(pairs, False), _half(pairs, True)), shape)
+
+
+@triton.jit
+def _nibble_planes(p0, p1, p2, p3, p4, p5, p6, p7):
+    """The eight nibble planes of words `[...]` (p_f: nibble f of each) -> `[..., 2, 2, 2]`, index (a, b, c)
+    holding nibble 4a + 2b + c (tl.join stacks along a new last axis, so the last picks bit 0)."""
+    even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
+    odd = tl.join(tl.join(p1, p5), tl.join(p3, p7))
+    return tl.join(even, odd)
 
 
 @triton.jit
@@ -197,8 +208,7 @@ def _unpack_scaled(words, scale, zero, dtype: tl.constexpr, ASM: tl.constexpr):
             is_pure=True,
             pack=2,
         )
-        even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
-        return tl.join(even, tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+        return _nibble_planes(p0, p1, p2, p3, p4, p5, p6, p7)
     codes = _unpack_words(words, dtype, False)
     return codes * scale[:, :, :, :, None, None, None] + zero[:, :, :, :, None, None, None]
 
@@ -216,7 +226,7 @@ def _unpack_words(words, dtype: tl.constexpr, ASM: tl.constexpr):
     Word w holds channels 8w..8w+7 as nibbles 0-7 (each byte's low nibble is its even channel), so
     reshaping the result to `[..., 8W]` gives the channels in order. Codes travel through the loop as
     words (a register per four bytes, where a loaded uint8 takes a register per byte), and are
-    unpacked straight into fp16 pairs; with `ASM` (fp16 on a GPU) the unpacking is PTX, 1.5
+    unpacked straight into fp16 pairs; with `ASM` (fp16 on a GPU) the unpacking is PTX, 1.25
     instructions per value (see _WORDS_TO_F16_ASM). The interpreter, and so CI, runs the portable
     form, which gives the same values."""
     if ASM:
@@ -237,10 +247,7 @@ def _unpack_words(words, dtype: tl.constexpr, ASM: tl.constexpr):
         p5 = _nibble(words, 5, dtype)
         p6 = _nibble(words, 6, dtype)
         p7 = _nibble(words, 7, dtype)
-    # tl.join stacks along a new last axis, so the last axis picks bit 0 of the nibble index
-    even = tl.join(tl.join(p0, p4), tl.join(p2, p6))
-    odd = tl.join(tl.join(p1, p5), tl.join(p3, p7))
-    return tl.join(even, odd)  # [..., W, a, b, c] = nibble 4a + 2b + c
+    return _nibble_planes(p0, p1, p2, p3, p4, p5, p6, p7)  # [..., W, a, b, c] = nibble 4a + 2b + c
 
 
 @triton.jit
