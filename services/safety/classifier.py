@@ -4,8 +4,9 @@ the gate's window aggregation (window_aggregation.py: a text of one window is sc
 
 Prompts and outputs share the head but not the thresholds: each is judged against thresholds
 calibrated on benign texts of its own kind (the manifest's `thresholds` and `output_thresholds`).
-Prompts are also scored by the gate's jailbreak head (attack_head.py), from the same embeddings,
-as wholes and as windows; outputs are not (a model's answer is not an attack on the model).
+Prompts are also scored by the gate's attack heads (attack_head.py: jailbreak, prompt injection),
+from the same embeddings, as wholes and as windows; outputs are not (a model's answer is not an
+attack on the model).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class TextClassifier:
         self.max_windows = max_windows
         self.categories = gate.manifest.categories
         self.head: HeadWeights = gate.head_weights(PROMPT_HEAD)
-        self.attack_head = AttackHead.from_gate(gate)
+        self.attack_heads = AttackHead.all_from_gate(gate)
+        self.attack_head = AttackHead.from_gate(gate)  # the jailbreak head, or None
         self.aggregation = WindowAggregation.from_manifest(
             gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY)
         )
@@ -75,16 +77,17 @@ class TextClassifier:
 
     def score(self, text: str, kind: TextKind = "prompt") -> Scores:
         """The text's per-category scores (harm: the window aggregation, highest over views;
-        jailbreak, for prompts: see attack_head.py), with the thresholds for its kind."""
+        the attack heads, for prompts: see attack_head.py), with the thresholds for its kind."""
         per_view = self.view_windows_of(text)
         embeddings = self.embedder.embed_windows([row for rows in per_view for row in rows])  # [N, H]
         view_embeddings = list(embeddings.split([len(rows) for rows in per_view]))
         harm = self.aggregation.text_scores([gate_scores(e, self.head) for e in view_embeddings])  # [C]
         values = dict(zip(self.categories, harm.tolist(), strict=True))
         thresholds = self.thresholds[kind]
-        if kind == "prompt" and self.attack_head is not None:
-            values[self.attack_head.name] = self.attack_head.score(view_embeddings)
-            thresholds = thresholds | {self.attack_head.name: self.attack_head.threshold}
+        if kind == "prompt":
+            for head in self.attack_heads:
+                values[head.name] = head.score(view_embeddings)
+                thresholds = thresholds | {head.name: head.threshold}
         return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings))
 
 

@@ -65,9 +65,8 @@ class Screen:
     def categories(self) -> dict[str, CategoryThresholds]:
         """Every category the classifier decides on, with the gate's own thresholds."""
         output = self.classifier.thresholds["output"]
-        attack = self.classifier.attack_head
         table = {c: CategoryThresholds(t, output[c]) for c, t in self.classifier.thresholds["prompt"].items()}
-        if attack is not None:
+        for attack in self.classifier.attack_heads:
             table[attack.name] = CategoryThresholds(attack.threshold, None)
         return table
 
