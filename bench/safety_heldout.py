@@ -82,13 +82,14 @@ _PLACEHOLDER = re.compile(r"\[(insert|your) [^\]]*\]|\{prompt\}|<prompt>", re.I)
 HARM_CALIBRATION = ORDINARY + LONG + CODE + SENSITIVE  # the harm categories' calibration sources
 
 NOT_MEASURED = [
-    "- a fine-tuned or bigger encoder (no GPU time this session)",
+    "- the encoder's fine-tuning itself: tools/finetune_safety_encoder.py's run and the gate it writes "
+    "are compared in the results files, not here",
     "- toxic text; per-category harm recall on the held-out harmful sources of the wheels (HarmBench, "
     "Do-Not-Answer's information-hazard file, PyRIT's held-out files) is bench/safety_eval.py's",
     "- the default run takes hash samples (300 jailbreaks, 150 PEP prompts; embedding runs at a few "
     "hundred tokens a second on a shared CPU); the committed results use all of them",
-    "- prompt injection inside documents (indirect injection): no permissively licensed collection "
-    "was taken in; the in-the-wild set is direct jailbreaks",
+    "- prompt injection beyond BIPIA's emails and llm-guard's tests: tool outputs, web pages, retrieved "
+    "documents in agent loops",
     "- non-English text; identity statements only as a (hand-written) calibration source, not held out",
     "- the in-loop engine head: carried over unchanged from gate 2026.12.01.3, trained on the old "
     "split by example (its SmolLM2 features take about an hour of this CPU; tests/engine/gate covers it)",
@@ -303,7 +304,7 @@ class Report:
             f"- ROC AUC of the jailbreak score, {len(jail.texts)} held-out jailbreaks against "
             f"{len(benign)} pooled held-out benign prompts: **{roc_auc(jail.jailbreak, benign):.3f}**",
             f"- recall at the calibrated threshold {self.bench.head.threshold:.4f}: **{pct(blocked)}**; "
-            f"the whole screen (harm, jailbreak or deny pattern): {pct(self.bench.screen_blocked(jail))}",
+            f"the whole screen (harm, attack heads or deny pattern): {pct(self.bench.screen_blocked(jail))}",
             f"- recall at 1% FPR on the pooled held-out benign prompts (oracle threshold {threshold:.4f}, "
             f"chosen on the test set, for comparison only): {100 * recall:.1f}%",
             f"- templates that are not near copies of a training or choice template (under half of their "
@@ -354,7 +355,7 @@ class Report:
             f"{pct(alone.harm_blocked)}; "
             f"of the pairs blocked alone, passed when wrapped: "
             f"{pct(~wrapped.harm_blocked[harm_alone])}",
-            "- whole screen (harm, jailbreak, deny patterns): blocked alone "
+            "- whole screen (harm, attack heads, deny patterns): blocked alone "
             f"{pct(self.bench.screen_blocked(alone))}; "
             f"of the pairs blocked alone, passed when wrapped: "
             f"{pct(~self.bench.screen_blocked(wrapped)[screen_alone])}",
@@ -478,7 +479,7 @@ class Report:
                 "",
                 *self.wrapped,
                 "",
-                "## Latency of one prompt check (embedding, harm head, jailbreak head; this CPU)",
+                "## Latency of one prompt check (embedding, harm head, attack heads; this CPU)",
                 "",
                 *self.timing,
                 "",
