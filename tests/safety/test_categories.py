@@ -72,7 +72,9 @@ LOOK_ALIKES = {
 
 @pytest.fixture(scope="module")
 def classifier() -> TextClassifier:
-    return TextClassifier(load_gate(DEFAULT_GATE), MiniLMEmbedder.load(), DEFAULT_MAX_WINDOWS)
+    return TextClassifier(
+        load_gate(DEFAULT_GATE), MiniLMEmbedder.for_gate(load_gate(DEFAULT_GATE)), DEFAULT_MAX_WINDOWS
+    )
 
 
 def test_every_category_has_examples_both_ways(classifier: TextClassifier) -> None:

@@ -26,7 +26,9 @@ FILLER = "The committee met on Tuesday to review the quarterly budget and the ne
 
 @pytest.fixture(scope="module")
 def classifier() -> TextClassifier:
-    return TextClassifier(load_gate(DEFAULT_GATE), MiniLMEmbedder.load(), DEFAULT_MAX_WINDOWS)
+    return TextClassifier(
+        load_gate(DEFAULT_GATE), MiniLMEmbedder.for_gate(load_gate(DEFAULT_GATE)), DEFAULT_MAX_WINDOWS
+    )
 
 
 def _top(classifier: TextClassifier, text: str) -> float:
@@ -98,6 +100,8 @@ def test_one_sentence_of_a_long_prompt_counts_only_far_past_what_benign_sentence
 
 
 def test_past_the_window_limit_the_check_is_refused() -> None:
-    tight = TextClassifier(load_gate(DEFAULT_GATE), MiniLMEmbedder.load(), max_windows=2)
+    tight = TextClassifier(
+        load_gate(DEFAULT_GATE), MiniLMEmbedder.for_gate(load_gate(DEFAULT_GATE)), max_windows=2
+    )
     with pytest.raises(TextTooLong, match="limit is 2"):
         tight.score(FILLER * 60)
