@@ -28,7 +28,9 @@ from services.safety.config import DEFAULT_GATE
 def test_the_committed_gate_verifies_and_names_what_each_head_reads() -> None:
     gate = load_gate(DEFAULT_GATE)
     assert gate.sha256 == sha256_hex(DEFAULT_GATE.read_bytes())
-    assert DEFAULT_GATE.stat().st_size < 1_000_000
+    # One GetGate reply carries the file (the services' default message limit is 16 MiB); the
+    # fine-tuned encoder's adapters are most of it.
+    assert DEFAULT_GATE.stat().st_size < 2_000_000
     engine = gate.manifest.head(ENGINE_HEAD)
     assert engine.features["model"] == "smollm2-135m-instruct"
     assert engine.features["layer"] == "final_norm"
