@@ -233,8 +233,9 @@ def recalibrate_outputs(gate, examples: list[Example], args: argparse.Namespace,
     """`--outputs-only`: the shipped gate's heads, prompt thresholds and aggregation are kept; the
     output thresholds are set at `--target-fpr` (calibrate_per_category) on ordinary benign answers
     of the calibration split alone: OUTPUT_CALIBRATION_FILES (MedQuAD's long answers, the project's
-    docs). The calibration split's PyRIT refusals and safe answers name the harm topic; they held
-    2026.12.01.4's output thresholds at 0.96-0.999, so they are scored and reported, not calibrated on."""
+    docs, the standard library's code). The calibration split's PyRIT refusals and safe answers
+    name the harm topic; they held 2026.12.01.4's output thresholds at 0.96-0.999, so they are
+    scored and reported, not calibrated on."""
     head = gate.head_weights(PROMPT_HEAD)
     prompt = dict(gate.manifest.raw["heads"][PROMPT_HEAD])
     rule = WindowAggregation.from_manifest(prompt.get(AGGREGATION_KEY))

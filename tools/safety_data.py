@@ -277,9 +277,11 @@ CALIBRATION_FILES = (
     "benign_handmade_sensitive",
     "benign_handmade_identity",
 )
-# The data/safety documents that stand for ordinary long answers when the output thresholds are
-# calibrated (ShareGPT's replies are held out).
-OUTPUT_CALIBRATION_FILES = ("benign_medquad_long", "benign_project_docs")
+# The data/safety documents that stand for ordinary answers when the output thresholds are
+# calibrated: long prose and, since 2026-12-04, code (answers carry code as often as prose; with
+# prose alone, 1% of 371 texts left 3 false positives to set six thresholds). ShareGPT's replies
+# are held out.
+OUTPUT_CALIBRATION_FILES = ("benign_medquad_long", "benign_project_docs", "benign_stdlib_code")
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "safety"
 
 
