@@ -1,7 +1,11 @@
-"""Builds data/safety/: the jailbreak and broad-benign sources of the gate, split by source.
+"""Builds data/safety/: the harm, attack and broad-benign sources of the gate, split by source.
 
     .venv/bin/python tools/build_safety_data.py --mirrors /work/.mirror \
-        --wheels /tmp/thermocline-safety-wheels
+        --wheels /tmp/thermocline-safety-wheels [--garak-probes /tmp/garak_probes.json]
+
+`--garak-probes` is tools/dump_garak_probes.py's output (garak builds its probes' prompts in code,
+so they are dumped in a venv that has garak); without it the files built from it are kept as
+committed. `--only-harm` and `--only-attacks` rebuild one group of files.
 
 Reads git snapshots of public repositories (bare mirrors, one folder `owner+name/repo` each, read
 with `git show <commit>:<path>`) and the pinned PyRIT wheel, and writes one JSONL file per source:
@@ -338,7 +342,7 @@ def write_harm_sources(args: argparse.Namespace) -> None:
     questions = gptfuzz_questions(gptfuzz)
     write_labelled("harm_gptfuzz_questions", [q for q in questions.values() if not held_out.is_near(q.text)])
     write_source("jailbreak_gptfuzz", "jailbreak", gptfuzz_templates(gptfuzz))
-    for name, records in broad_harm_sources(Path(args.mirrors)).items():
+    for name, records in broad_harm_sources(args.mirrors).items():
         write_labelled(name, [r for r in records if not held_out.is_near(r.text)])
 
 
@@ -546,9 +550,9 @@ COCONOT_UNSAFE = {
     "dangerous or sensitive topics": None,
     "triggers for offensive language": "hate",
 }
-# CoCoNot's contrast sets: requests that look like noncompliance cases but should be answered.
+# CoCoNot's contrast sets: requests that look like noncompliance cases but should be answered
+# (every row of both files is kept).
 COCONOT_CONTRAST_FILES = ("data/coconot_contrast_eval.jsonl", "data/coconot_pref.jsonl")
-COCONOT_CONTRAST_KEPT = {"Requests with safety concerns", "Incomplete requests", "Unsupported requests"}
 CYBERSECEVAL_FRR = "CybersecurityBenchmarks/datasets/mitre_frr/mitre_frr.json"
 
 
@@ -604,7 +608,6 @@ def broad_harm_sources(mirrors: Path) -> dict[str, list[Labelled]]:
             Labelled(row["prompt"].strip(), "benign", "prompt")
             for path in COCONOT_CONTRAST_FILES
             for row in jsonl_rows(coconot.read(path))
-            if row["category"] in COCONOT_CONTRAST_KEPT and row["subcategory"] != "misinformation"
         ],
         "labelled_cyberseceval_frr": [
             Labelled(row["mutated_prompt"].strip(), "benign", "prompt") for row in frr
