@@ -5,7 +5,7 @@ SOURCE_SPLITS (no text of them trained or calibrated anything), each reported on
     .venv/bin/python bench/safety_eval.py --write-sample  # also rewrites tests/safety/heldout_*.json
 
 Screens every held-out text as the service does (views, windows, the gate's window aggregation;
-prompts against the prompt thresholds, with the jailbreak category; outputs against the output
+prompts against the prompt thresholds, with the attack categories; outputs against the output
 thresholds) and reports: recall and FPR overall, per source and per category (and per source and
 category), ROC AUC of the harm margin against each held-out benign source, check latency p50/p99
 for short and long prompts and for outputs on this CPU, and every dataset's split, size and
@@ -486,7 +486,7 @@ def render(env: dict[str, str], gate, rows, recalls, sections, args) -> str:
                 "PEPs and HumanEval; the in-the-wild jailbreaks are bench/safety_heldout.py's",
                 f"- settings: screen max windows {DEFAULT_MAX_WINDOWS}; embedder windows {EmbedderSpec()}; "
                 "prompts "
-                "against the prompt thresholds (harm categories and the jailbreak category), outputs against "
+                "against the prompt thresholds (harm categories and the attack categories), outputs against "
                 "the output thresholds (harm categories)",
                 "- reproduce: `.venv/bin/python bench/safety_eval.py --max-per-source "
                 f"{args.max_per_source}` with the gate file of this version (data "
@@ -499,7 +499,7 @@ def render(env: dict[str, str], gate, rows, recalls, sections, args) -> str:
                 "## Per source",
                 "",
                 "Block rate of each held-out source: recall for harmful sources, FPR for benign ones.",
-                "`harm alone`: the harm categories without the jailbreak category.",
+                "`harm alone`: the harm categories without the attack categories.",
                 "",
                 "| source | screened as | texts | median chars | measure | whole screen | harm alone |",
                 "| --- | --- | ---: | ---: | --- | ---: | ---: |",

@@ -222,6 +222,9 @@ def check_service_path(bench: Bench, classifier: TextClassifier, scored: Scored)
     for i in range(3):
         values = classifier.score(scored.texts[i]).values
         assert abs(values["jailbreak"] - float(scored.jailbreak[i])) < 1e-4, (values, scored.jailbreak[i])
+        if bench.injection is not None:
+            fired = values[PROMPT_INJECTION] >= bench.injection.threshold
+            assert fired == bool(scored.injection[i]), (values, scored.injection[i])
         harm = bench.harm_scores(scored.views[i]).tolist()
         assert all(
             abs(values[c] - h) < 1e-4 for c, h in zip(bench.gate.manifest.categories, harm, strict=True)
