@@ -22,7 +22,8 @@ OTHER_ROUTE = "other"
 
 class CountRequests:
     """ASGI middleware: counts each finished HTTP request by route and the status it was answered with
-    (500 if it ended before answering). A stream counts when it ends."""
+    (500 if it ended before answering). A stream counts when it ends. The count is taken before the
+    last body chunk goes out, so a client that has read the whole answer finds it counted."""
 
     def __init__(self, app: ASGIApp, routes: Collection[str]) -> None:
         self.app = app
@@ -33,15 +34,23 @@ class CountRequests:
             await self.app(scope, receive, send)
             return
         route = scope["path"] if scope["path"] in self.routes else OTHER_ROUTE
-        status = 500
+        status, counted = 500, False
+
+        def count() -> None:
+            nonlocal counted
+            if not counted:
+                counted = True
+                HTTP_HANDLED.labels(route, str(status)).inc()
 
         async def send_and_note(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                count()
             await send(message)
 
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            HTTP_HANDLED.labels(route, str(status)).inc()
+            count()  # ended before its last chunk (or before answering: 500)
