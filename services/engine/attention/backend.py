@@ -13,10 +13,11 @@ from services.engine.attention.metadata import AttentionMetadata
 # --prefill compares the two ways). A longer prefix is read in place, dequantized per query block.
 PREFIX_PAGE_TOKENS = 32_768
 # ... but only for a step with at least this many new tokens in a row: a shorter chunk reads the warm
-# prefix in place, split across programs (on the H200 over a 32K prefix, in place took 88 / 933 /
-# 1,821 / 3,572 us a layer for 16 / 256 / 512 / 1,024 new tokens against 1,186 / 1,766 / 2,462 /
-# 3,798 through pages; from 2,048 tokens the pages win, 6,543 against 7,558 us).
-PREFIX_PAGES_MIN_QUERY_TOKENS = 2048
+# prefix in place, split across programs. On the H200 over a 32K prefix, with the prefix dequantized
+# by one launch a layer (prefix_kernel), pages against in place, us a layer call: 1,493 / 1,500 at 512
+# new tokens, 2,828 / 2,975 at 1,024, 5,567 / 6,035 at 2,048, 11,351 / 12,622 at 4,096
+# (bench/results/decode_gpu_2026-12-05_sweeps.md). Below 512 in place wins (88 against 1,186 us at 16).
+PREFIX_PAGES_MIN_QUERY_TOKENS = 1024
 PREFIX_DEQUANT_CHUNK_BLOCKS = 256  # warm blocks dequantized at once (bounds the fp32 temporaries)
 
 
