@@ -55,7 +55,7 @@ from services.engine.gate.gate_loader import FINAL_NORM_LAYER
 from services.safety.classifier import screen_rows
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedder, default_model_dir
-from services.safety.encoder_adapters import EncoderAdapters
+from services.safety.encoder_adapters import ADAPTERS_KEY, EncoderAdapters
 from services.safety.normalizer import canonical
 from tools.safety_data import (
     BENIGN,
@@ -388,15 +388,26 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def carried_attack_heads(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """The attack heads (tensors, manifest entry) of the gate at `path`, kept as they are: they
-    are trained by tools/train_jailbreak_head.py, not here."""
+def carried_parts(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """What the gate at `path` holds that this tool does not train, kept as it is (tensors, manifest
+    entries): its attack heads (tools/train_jailbreak_head.py) and its encoder adapters
+    (tools/finetune_safety_encoder.py), which the embeddings here were computed through."""
     if not path.exists():
         return {}, {}
     gate = load_gate(path)
-    entry = gate.manifest.raw.get("attack_heads", {})
-    names = [spec["tensor"] for spec in entry.values()]
-    return {name: gate.tensors[name] for name in names}, ({"attack_heads": entry} if entry else {})
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, object] = {}
+    heads = gate.manifest.raw.get("attack_heads", {})
+    for name, spec in heads.items():
+        prefix = spec.get("tensor", name)
+        tensors |= {key: gate.tensors[key] for key in (f"{prefix}.weight", f"{prefix}.bias")}
+    if heads:
+        entries["attack_heads"] = heads
+    adapters = EncoderAdapters.from_gate(gate)
+    if adapters is not None:
+        tensors |= adapters.tensors()
+        entries[ADAPTERS_KEY] = gate.manifest.raw[ADAPTERS_KEY]
+    return tensors, entries
 
 
 def main() -> None:
@@ -426,9 +437,9 @@ def main() -> None:
     )
     print(f"output thresholds on {len(outputs)} benign outputs: {calibration.output_thresholds}")
     engine_hidden_size = fitted[ENGINE_HEAD].weight.shape[1]
-    attack_tensors, attack_manifest = carried_attack_heads(args.out)
-    gate_manifest = manifest(calibration, engine_hidden_size, decays, wheels, args) | attack_manifest
-    digest = write_gate(args.out, tensors | attack_tensors, gate_manifest)
+    carried_tensors, carried_manifest = carried_parts(args.out)
+    gate_manifest = manifest(calibration, engine_hidden_size, decays, wheels, args) | carried_manifest
+    digest = write_gate(args.out, tensors | carried_tensors, gate_manifest)
     print(f"wrote {args.out} (sha256 {digest}, {args.out.stat().st_size} bytes)")
     print(json.dumps(thresholds))
 
