@@ -219,3 +219,83 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block)
     return out
+
+
+# --- a weight product for a few rows (decode) -----------------------------------------------------
+
+# Decode steps of at most this many rows may run their projections through `skinny_linear` instead
+# of cuBLAS (0: never). Off until the H200 shows it faster end to end: bench/skinny_gemm.py times the
+# product alone, bench/decode_gpu.py --skinny-gemm-rows the step.
+SKINNY_MAX_ROWS = 0
+SKINNY_BLOCK_K = 256  # reduction positions a pipeline stage loads
+SKINNY_MIN_PROGRAMS = 264  # two programs an SM on the H200's 132: a narrower slice below this
+
+
+def skinny_block_n(out_features: int) -> int:
+    """The output slice of one program: the widest of 64, 32, 16 that still gives every SM two."""
+    for block_n in (64, 32):
+        if out_features % block_n == 0 and out_features // block_n >= SKINNY_MIN_PROGRAMS:
+            return block_n
+    return 16
+
+
+def skinny_linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear(x, weight)` applies: a 16-bit product of at most SKINNY_MAX_ROWS rows
+    whose shapes the kernel tiles without masks."""
+    return (
+        0 < x.shape[0] <= SKINNY_MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.shape[1] % SKINNY_BLOCK_K == 0
+        and weight.shape[0] % 16 == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+    )
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, out_ptr, rows, out_features, in_features,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # one program: a BLOCK_N slice of the outputs for every row, over the whole reduction (no split,
+    # so no second kernel to add partial sums); the rows pad to the tensor cores' 16
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m[:, None] * in_features + k[None, :], mask=m[:, None] < rows, other=0.0)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * in_features + k[None, :])
+        acc = tl.dot(x, tl.trans(w), acc)
+    out = out_ptr + m[:, None] * out_features + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m[:, None] < rows)
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_n: int | None = None,
+    stages: int = 4,
+    warps: int = 4,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x @ weight.t()` for a few rows `x` `[M, K]` (M <= 16) and `weight` `[N, K]`, accumulated in fp32
+    and rounded once, as cuBLAS does; see `skinny_linear_fits` for the shapes it takes."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    block_n = block_n or skinny_block_n(out_features)
+    if out is None:
+        out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    _skinny_linear_kernel[(out_features // block_n,)](
+        x, weight, out, rows, out_features, in_features, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=SKINNY_BLOCK_K,
+        num_stages=stages, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """`layer(x)`, through `skinny_linear` where it applies (see SKINNY_MAX_ROWS)."""
+    if layer.bias is None and skinny_linear_fits(x, layer.weight):
+        return skinny_linear(x, layer.weight)
+    return layer(x)
