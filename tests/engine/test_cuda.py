@@ -68,6 +68,9 @@ def test_seeded_sampling_on_cuda(tiny_dir: Path) -> None:
 
 
 def test_kv_pools_sized_from_gpu_memory_stay_inside_the_utilization(stories_hf_dir: Path) -> None:
+    """The setting bounds the whole device's memory in use, as the engine reads it: run this test with
+    the GPU to itself: other processes' allocations (tools/split_tests.sh's parts, side by side) move
+    both of its readings."""
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
