@@ -45,7 +45,6 @@ from gpu_first_reading import (
 
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine, SamplingParams
-from services.engine.model import fused_ops
 from services.engine.model.checkpoint import Checkpoint
 from services.engine.model.config import ModelConfig
 from services.engine.model.registry import resolve_model
@@ -508,7 +507,7 @@ def header(args) -> list[str]:
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; commit: {commit}",
         f"- GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs; "
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}",
-        f"- settings: {vars(args)}; skinny products up to {fused_ops.SKINNY_MAX_ROWS} rows",
+        f"- settings: {vars(args)}",
         f"- tiers on: {TIERS_ON}",
         "- decode tok/s (ours) = tokens generated after every request's first token / wall time of those "
         "pure decode steps; HF by differencing 1 and N new tokens; roofline = batch x measured copy bandwidth / "
@@ -544,16 +543,9 @@ def main() -> None:
         type=lambda s: s.split(","),
         help="which 32K engines to load: on, off or both (each takes minutes)",
     )
-    parser.add_argument(
-        "--skinny-gemm-rows", type=int, default=None,
-        help="decode steps of at most this many rows run their projections through fused_ops.skinny_linear "
-        "(0: cuBLAS always; default: the engine's SKINNY_MAX_ROWS)",
-    )  # fmt: skip
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-skip", type=int, default=4, help="decode steps before the 8 profiled")
     args = parser.parse_args()
-    if args.skinny_gemm_rows is not None:
-        fused_ops.SKINNY_MAX_ROWS = args.skinny_gemm_rows
     torch.backends.cuda.matmul.allow_tf32 = False
     parts = args.parts.split(",")
     rows, notes = header(args), []

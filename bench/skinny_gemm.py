@@ -1,9 +1,9 @@
 """The decode step's weight products alone: cuBLAS on the Llama projections at decode batch sizes, with
 the weight stored row-major (as the engine loads it) and column-major (the same matrix transposed in
-memory, so cuBLAS picks its kernels for the other operand layout), beside the engine's Triton kernel
-for a few rows (`fused_ops.skinny_linear`: each program one slice of the outputs for every row, over
-the whole reduction, its weight tiles streamed through a software pipeline; no split and no second
-kernel) at the launch shapes given.
+memory, so cuBLAS picks its kernels for the other operand layout), beside a candidate Triton kernel
+for a few rows (`skinny_linear`: each program one slice of the outputs for every row, over the whole
+reduction, its weight tiles streamed through a software pipeline; no split and no second kernel) at
+the launch shapes given. bench/results/skinny_gemm_2026-12-05.md says why the engine keeps cuBLAS.
 
 Random bf16 weights in the Llama-3.1-8B (and `--shape 1B` Llama-3.2-1B) projection shapes; each cell
 is one product per call, 20 calls captured in one CUDA graph and replayed, reported as µs per call
@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from services.engine.model import fused_ops
+import triton
+import triton.language as tl
 
 SHAPES = {  # name -> [(projection, out_features, in_features)], the merged projections the engine runs
     "8B": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -35,6 +31,37 @@ SHAPES = {  # name -> [(projection, out_features, in_features)], the merged proj
            ("lm_head", 128256, 2048)],
 }  # fmt: skip
 CALLS = 20
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, out_ptr, rows, out_features, in_features,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # one program: a BLOCK_N slice of the outputs for every row, over the whole reduction; the rows
+    # pad to the tensor cores' 16
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m[:, None] * in_features + k[None, :], mask=m[:, None] < rows, other=0.0)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * in_features + k[None, :])
+        acc = tl.dot(x, tl.trans(w), acc)
+    out = out_ptr + m[:, None] * out_features + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m[:, None] < rows)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, launch: tuple) -> None:
+    """`out = x @ weight.t()` for at most 16 rows; `launch` is (BLOCK_N, BLOCK_K, stages, warps), which
+    must tile the weight `[N, K]` whole."""
+    block_n, block_k, stages, warps = launch
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    _skinny_linear_kernel[(out_features // block_n,)](
+        x, weight, out, rows, out_features, in_features, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_stages=stages, num_warps=warps,
+    )  # fmt: skip
 
 
 def time_linear(x: torch.Tensor, weights: list[torch.Tensor], launch: tuple | None = None) -> float:
@@ -46,8 +73,7 @@ def time_linear(x: torch.Tensor, weights: list[torch.Tensor], launch: tuple | No
         if launch is None:
             torch.matmul(x, weight.t(), out=out)
         else:
-            block_n, fused_ops.SKINNY_BLOCK_K, stages, warps = launch
-            fused_ops.skinny_linear(x, weight, block_n, stages, warps, out=out)
+            skinny_linear(x, weight, out, launch)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -80,7 +80,7 @@ class Attention(nn.Module):
         `[P, D]` (the kernel looks up `metadata.positions` itself).
         """
         num_tokens = x.shape[0]
-        qkv = fused_ops.linear(x, self.qkv_proj) if self.fused else self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
         if self.fused:
             keys, values = kv_cache.hot_layer(self.layer)
             q, k, v = fused_ops.rotary_and_store(
@@ -98,8 +98,7 @@ class Attention(nn.Module):
         if metadata.query_tap is not None and metadata.query_tap.layer == self.layer:  # cold scoring
             metadata.query_tap.record(q)
         out = attention.forward(q, k, v, self.layer, metadata)  # [T, H, D]
-        out = out.reshape(num_tokens, -1)  # [T, H * D]
-        return self.tp.all_reduce(fused_ops.linear(out, self.o_proj) if self.fused else self.o_proj(out))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))  # [T, E]
 
 
 class MLP(nn.Module):
@@ -115,11 +114,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, E]` -> `[T, E]`."""
-        if not self.fused:
-            hidden = fused_ops.silu_mul_reference(self.gate_up_proj(x))  # gate then up
-            return self.tp.all_reduce(self.down_proj(hidden))
-        hidden = fused_ops.silu_mul(fused_ops.linear(x, self.gate_up_proj))
-        return self.tp.all_reduce(fused_ops.linear(hidden, self.down_proj))
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate then up
+        hidden = fused_ops.silu_mul(gate_up) if self.fused else fused_ops.silu_mul_reference(gate_up)
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):

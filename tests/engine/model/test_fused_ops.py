@@ -75,40 +75,6 @@ def test_silu_mul_matches_the_reference(dtype: torch.dtype, width: int) -> None:
     _close(fused_ops.silu_mul(gate_up), fused_ops.silu_mul_reference(gate_up))
 
 
-SKINNY_DTYPES = (
-    [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
-)  # no bf16 math on CPU
-
-
-@pytest.mark.parametrize("dtype", SKINNY_DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("out_features", [48, 64 * 264])
-def test_skinny_linear_matches_the_torch_product(dtype: torch.dtype, rows: int, out_features: int) -> None:
-    """A few rows against a weight, in fp32 and rounded once, for 16-wide slices and (past 264 of them)
-    64-wide ones, over a two-stage reduction."""
-    in_features = 2 * fused_ops.SKINNY_BLOCK_K
-    x = _randn(rows, in_features, dtype=dtype, seed=6)
-    weight = _randn(out_features, in_features, dtype=dtype, seed=7) / in_features**0.5
-    expected = (x.float() @ weight.float().t()).to(dtype)
-    torch.testing.assert_close(
-        fused_ops.skinny_linear(x, weight).float(), expected.float(), rtol=2**-7, atol=2**-7
-    )
-
-
-def test_linear_takes_the_skinny_product_only_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_ops, "SKINNY_MAX_ROWS", 16)
-    layer = torch.nn.Linear(fused_ops.SKINNY_BLOCK_K, 32, bias=False).to(DEVICE, torch.float16)
-    x = _randn(16, fused_ops.SKINNY_BLOCK_K, dtype=torch.float16, seed=8)
-    assert fused_ops.skinny_linear_fits(x, layer.weight)
-    assert not fused_ops.skinny_linear_fits(_randn(17, fused_ops.SKINNY_BLOCK_K, dtype=torch.float16, seed=8),
-                                            layer.weight)  # fmt: skip
-    assert not fused_ops.skinny_linear_fits(x.float(), layer.weight.float())  # fp32 stays exact: cuBLAS
-    assert not fused_ops.skinny_linear_fits(x[:, :100], layer.weight[:, :100])  # not whole stages
-    torch.testing.assert_close(fused_ops.linear(x, layer).float(), layer(x).float(), rtol=2**-7, atol=2**-7)
-    monkeypatch.setattr(fused_ops, "SKINNY_MAX_ROWS", 0)
-    assert not fused_ops.skinny_linear_fits(x, layer.weight)
-
-
 def test_greedy_output_is_the_same_with_the_fused_ops(tiny_dir: Path) -> None:
     engine = LLMEngine.load(
         tiny_dir, device=DEVICE, dtype="float32", max_batch_size=3, max_seq_len=128, cuda_graphs=False,
