@@ -167,8 +167,14 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
     """(decode tok/s, median TTFT ms, peak GiB): decode timed over pure decode steps, stepped by hand."""
     generator = torch.Generator().manual_seed(next(_PROMPT_SEEDS))
     # prompts of the timed length (up to a 4K prefill chunk): the first prefill at a new length
-    # compiles kernels (1-2.5 s at 8B), which must not land in a timed run's TTFT
+    # compiles kernels (1-2.5 s at 8B), which must not land in a timed run's TTFT. A longer prompt
+    # is prefilled in chunks over its cached (with the tiers on, warm) prefix, which launches other
+    # kernel variants: one warm-up prompt goes two chunks and a short tail past the first.
     warm_up = torch.randint(2, vocab, (2, min(prompt_len, 4096)), generator=generator).tolist()
+    if prompt_len > 4096:
+        warm_up.append(
+            torch.randint(2, vocab, (min(prompt_len, 2 * 4096 + 300),), generator=generator).tolist()
+        )
     prompts = torch.randint(2, vocab, (batch, prompt_len), generator=generator).tolist()
     engine.generate(warm_up, SamplingParams(max_new_tokens=4, ignore_eos=True))
     torch.cuda.reset_peak_memory_stats()
