@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.common.gate_file import Gate, GateFileError
+from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError
 
 ATTACK_HEADS = "attack_heads"  # the manifest key
 JAILBREAK = "jailbreak"
@@ -50,8 +50,10 @@ class AttackHead:
         spec = gate.manifest.raw.get(ATTACK_HEADS, {}).get(name)
         if spec is None:
             return None
+        if not isinstance(spec, dict):
+            raise GateFileError(f"gate {gate.version}: attack head {name!r} must be an object, got {spec!r}")
         weight, bias = _tensors(gate, name, spec)
-        return cls(name, weight, float(bias), _threshold(name, spec), int(spec.get("top_k", 1)))
+        return cls(name, weight, float(bias), _threshold(name, spec), _top_k(name, spec))
 
     @classmethod
     def all_from_gate(cls, gate: Gate) -> list[AttackHead]:
@@ -84,7 +86,20 @@ def _tensors(gate: Gate, name: str, spec: dict[str, Any]) -> tuple[torch.Tensor,
             f"gate {gate.version}: attack head {name!r} needs tensors {prefix}.weight [1, H] and "
             f"{prefix}.bias [1]"
         )
+    harm = gate.tensors.get(f"{PROMPT_HEAD}.weight")  # the embedder's width, which both heads read
+    if harm is not None and weight.shape[1] != harm.shape[1]:
+        raise GateFileError(
+            f"gate {gate.version}: attack head {name!r} reads {weight.shape[1]}-wide embeddings, the "
+            f"{PROMPT_HEAD} head {harm.shape[1]}-wide"
+        )
     return weight[0], bias[0]
+
+
+def _top_k(name: str, spec: dict[str, Any]) -> int:
+    top_k = spec.get("top_k", 1)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise GateFileError(f"attack head {name!r} top_k must be an integer >= 1, got {top_k!r}")
+    return top_k
 
 
 def _threshold(name: str, spec: dict[str, Any]) -> float:

@@ -163,3 +163,33 @@ def test_an_attack_head_without_its_tensors_or_with_a_bad_threshold_is_refused(t
     write_gate(tmp_path / "b.safetensors", dict(shipped.tensors), manifest)
     with pytest.raises(GateFileError, match="threshold"):
         AttackHead.from_gate(load_gate(tmp_path / "b.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"top_k": 0}, "top_k"),  # a head that would never fire
+        ({"top_k": "2"}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        (None, "must be an object"),
+    ],
+)
+def test_an_attack_head_spec_that_cannot_score_is_refused(
+    tmp_path: Path, change: dict | None, message: str
+) -> None:
+    shipped = load_gate(DEFAULT_GATE)
+    manifest = {k: v for k, v in shipped.manifest.raw.items() if k not in ("sha256", "format")}
+    spec = [3] if change is None else manifest[ATTACK_HEADS][JAILBREAK] | change
+    manifest[ATTACK_HEADS] = {JAILBREAK: spec}
+    write_gate(tmp_path / "gate.safetensors", dict(shipped.tensors), manifest)
+    with pytest.raises(GateFileError, match=message):
+        AttackHead.from_gate(load_gate(tmp_path / "gate.safetensors"))
+
+
+def test_an_attack_head_of_another_width_than_the_embeddings_is_refused(tmp_path: Path) -> None:
+    shipped = load_gate(DEFAULT_GATE)
+    manifest = {k: v for k, v in shipped.manifest.raw.items() if k not in ("sha256", "format")}
+    tensors = dict(shipped.tensors) | {f"{JAILBREAK}.weight": shipped.tensors[f"{JAILBREAK}.weight"][:, :100]}
+    write_gate(tmp_path / "gate.safetensors", tensors, manifest)
+    with pytest.raises(GateFileError, match="100-wide"):
+        AttackHead.from_gate(load_gate(tmp_path / "gate.safetensors"))
