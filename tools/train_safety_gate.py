@@ -18,7 +18,9 @@ cached beside the wheels; a rerun takes a minute).
   benign prompts and the broad benign calibration files of data/safety (`CALIBRATION_FILES`:
   GSM8K, MedQuAD questions and long answers, the project's docs, stdlib code, the hand-written
   sensitive and identity sets). By source, no benign prompt source of training calibrates;
-- the jailbreak head (tools/train_jailbreak_head.py) is carried over from the gate at `--out`;
+- the attack heads (tools/train_jailbreak_head.py) are carried over from the gate at `--out`, and
+  the encoder adapters (tools/finetune_safety_encoder.py) from the shipped gate, whose encoder
+  the embeddings here were computed through;
 - output thresholds (prompt head only; the safety service's CheckOutput): one per category, set
   on the benign calibration outputs (the calibration split's PyRIT refusals and safe answers,
   and the long documents of `OUTPUT_CALIBRATION_FILES`) scored as the service scores them
@@ -388,25 +390,29 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def carried_parts(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """What the gate at `path` holds that this tool does not train, kept as it is (tensors, manifest
-    entries): its attack heads (tools/train_jailbreak_head.py) and its encoder adapters
-    (tools/finetune_safety_encoder.py), which the embeddings here were computed through."""
-    if not path.exists():
-        return {}, {}
-    gate = load_gate(path)
+def carried_parts(
+    heads_from: Path, encoder_from: Path = DEFAULT_GATE
+) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """What a gate holds that this tool does not train, kept as it is (tensors, manifest entries):
+    the attack heads of the gate at `heads_from` (tools/train_jailbreak_head.py), and the encoder
+    adapters of the gate at `encoder_from` (tools/finetune_safety_encoder.py), the encoder that
+    `tool_embedder` computed the new heads' features through."""
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, object] = {}
-    heads = gate.manifest.raw.get("attack_heads", {})
-    for name, spec in heads.items():
-        prefix = spec.get("tensor", name)
-        tensors |= {key: gate.tensors[key] for key in (f"{prefix}.weight", f"{prefix}.bias")}
-    if heads:
-        entries["attack_heads"] = heads
-    adapters = EncoderAdapters.from_gate(gate)
-    if adapters is not None:
-        tensors |= adapters.tensors()
-        entries[ADAPTERS_KEY] = gate.manifest.raw[ADAPTERS_KEY]
+    if heads_from.exists():
+        gate = load_gate(heads_from)
+        heads = gate.manifest.raw.get("attack_heads", {})
+        for name, spec in heads.items():
+            prefix = spec.get("tensor", name)
+            tensors |= {key: gate.tensors[key] for key in (f"{prefix}.weight", f"{prefix}.bias")}
+        if heads:
+            entries["attack_heads"] = heads
+    if encoder_from.exists():
+        encoder_gate = load_gate(encoder_from)
+        adapters = EncoderAdapters.from_gate(encoder_gate)
+        if adapters is not None:
+            tensors |= adapters.tensors()
+            entries[ADAPTERS_KEY] = encoder_gate.manifest.raw[ADAPTERS_KEY]
     return tensors, entries
 
 

@@ -37,4 +37,7 @@ def test_a_rewritten_gate_keeps_the_attack_heads_and_the_encoder_adapters(tmp_pa
 
 
 def test_a_gate_with_nothing_to_carry_carries_nothing(tmp_path: Path) -> None:
-    assert carried_parts(tmp_path / "absent.safetensors") == ({}, {})
+    absent = tmp_path / "absent.safetensors"
+    assert carried_parts(absent, encoder_from=absent) == ({}, {})
+    tensors, entries = carried_parts(absent)  # a new gate still gets the encoder its heads were fitted on
+    assert set(entries) == {ADAPTERS_KEY} and all(name.startswith("encoder") for name in tensors)
