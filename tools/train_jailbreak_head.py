@@ -49,6 +49,7 @@ from services.safety.config import DEFAULT_GATE
 from tools.safety_data import (
     BENIGN,
     NUM_SHAREGPT_PROMPTS,
+    _is_usable_benign,
     _sharegpt_conversations,
     _sharegpt_first_turns,
     fetch_wheels,
@@ -119,14 +120,13 @@ def sharegpt_long_replies(wheel: Path) -> list[str]:
     replies = []
     with zipfile.ZipFile(wheel) as archive:
         trained = dict(itertools.islice(_sharegpt_first_turns(archive), NUM_SHAREGPT_PROMPTS))
-        for index, turns in enumerate(_sharegpt_conversations(archive)):
-            if index > max(trained) or len(replies) == NUM_SHAREGPT_REPLIES:
-                break
+        conversations = itertools.islice(_sharegpt_conversations(archive), max(trained) + 1)
+        for index, turns in enumerate(conversations):
             if index in trained and len(turns) > 1 and turns[1].get("from") == "gpt":
-                text = turns[1]["value"].strip()
-                if 600 <= len(text) <= 4000 and sum(c.isascii() for c in text) > 0.95 * len(text):
-                    replies.append(text)
-    return replies
+                text = turns[1]["value"]
+                if _is_usable_benign(text, max_chars=4000) and len(text.strip()) >= 600:
+                    replies.append(text.strip())
+    return replies[:NUM_SHAREGPT_REPLIES]
 
 
 class TextViews(NamedTuple):

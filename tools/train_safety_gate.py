@@ -54,6 +54,7 @@ from services.common.gate_file import (
     write_gate,
 )
 from services.engine.gate.gate_loader import FINAL_NORM_LAYER
+from services.safety.attack_head import ATTACK_HEADS
 from services.safety.classifier import screen_rows
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedder, default_model_dir
@@ -401,12 +402,12 @@ def carried_parts(
     entries: dict[str, object] = {}
     if heads_from.exists():
         gate = load_gate(heads_from)
-        heads = gate.manifest.raw.get("attack_heads", {})
+        heads = gate.manifest.raw.get(ATTACK_HEADS, {})
         for name, spec in heads.items():
             prefix = spec.get("tensor", name)
             tensors |= {key: gate.tensors[key] for key in (f"{prefix}.weight", f"{prefix}.bias")}
         if heads:
-            entries["attack_heads"] = heads
+            entries[ATTACK_HEADS] = heads
     if encoder_from.exists():
         encoder_gate = load_gate(encoder_from)
         adapters = EncoderAdapters.from_gate(encoder_gate)

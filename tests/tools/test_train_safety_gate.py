@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from services.common.gate_file import load_gate, write_gate
-from services.safety.attack_head import AttackHead
+from services.safety.attack_head import ATTACK_HEADS, AttackHead
 from services.safety.config import DEFAULT_GATE
 from services.safety.encoder_adapters import ADAPTERS_KEY, EncoderAdapters
 from tools.train_safety_gate import carried_parts
@@ -18,7 +18,7 @@ def test_a_rewritten_gate_keeps_the_attack_heads_and_the_encoder_adapters(tmp_pa
     category heads plus carried_parts loads with the same heads and adapters."""
     shipped = load_gate(DEFAULT_GATE)
     carried, entries = carried_parts(DEFAULT_GATE)
-    assert set(entries) == {"attack_heads", ADAPTERS_KEY}
+    assert set(entries) == {ATTACK_HEADS, ADAPTERS_KEY}
     own = {k: v for k, v in shipped.tensors.items() if k not in carried}
     manifest = {
         k: v for k, v in shipped.manifest.raw.items() if k not in entries and k not in ("format", "sha256")
