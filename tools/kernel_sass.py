@@ -51,13 +51,22 @@ POINTERS = {
     "value_scale_ptr": "*fp16", "value_zero_ptr": "*fp16", "block_tables_ptr": "*i32",
     "warm_tables_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
 }  # fmt: skip
-# Strides the launcher passes that are multiples of 16 at this shape (Triton specializes on that at a
-# real launch, and it decides vectorized loads): the table stride and the last value-scale stride are not.
-DIVISIBLE = {
-    "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_hot_b", "stride_hot_t",
-    "stride_hot_h", "stride_codes_b", "stride_codes_t", "stride_codes_h", "stride_kscale_g",
-    "stride_kscale_h", "stride_vscale_b", "stride_vscale_t", "stride_prefix_b",
-}  # fmt: skip
+# The runtime strides that are multiples of 16 at this shape (Triton specializes on that at a real
+# launch, and it decides vectorized loads); the table stride is not. The cache strides are constants.
+DIVISIBLE = {"stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_prefix_b"}
+
+
+def cache_strides(head_dim: int) -> dict[str, int]:
+    """The cache strides the kernel takes as compile-time constants, for this tool's shape (block 16,
+    8 KV heads, warm group 32; codes in int32 words), as the engine's pools have them."""
+    words, value_groups = head_dim // 8, head_dim // 32
+    return {
+        "stride_hot_b": 16 * 8 * head_dim, "stride_hot_t": 8 * head_dim, "stride_hot_h": head_dim,
+        "stride_codes_b": 16 * 8 * words, "stride_codes_t": 8 * words, "stride_codes_h": words,
+        "stride_kscale_g": 8 * head_dim, "stride_kscale_h": head_dim,
+        "stride_vscale_b": 16 * 8 * value_groups, "stride_vscale_t": 8 * value_groups,
+        "stride_vscale_h": value_groups,
+    }  # fmt: skip
 KINDS = {  # kind -> (BLOCK_M, warm tier in place, prefix pages)
     "decode": (16, True, False),
     "prefill": (64, True, False),
@@ -90,6 +99,7 @@ def compile_variant(
     }  # fmt: skip
     constants["WARM_UNROLL"] = (unroll or paged_kernels.SINGLE_WARP_UNROLL) if constants["MMA_LAYOUT"] else 1
     constants["BRANCH_FREE_RESCALE"] = branch_free_rescale
+    constants.update(cache_strides(head_dim))
     if constants["MMA_LAYOUT"]:
         constants["BLOCK_M"] = 8
     names = kernel.arg_names

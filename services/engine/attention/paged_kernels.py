@@ -699,7 +699,7 @@ def _mma_warm_update(
     q_t,  # [D, M] the query in key order, transposed, in the warm tier's arithmetic dtype
     acc_t,  # [D, M] fp32 in value order, transposed (rescaled here)
     running_max,
-    running_sum,
+    sums_t,  # [N, M] fp32: the running sum, spread over the tile's rows (summed once, after the loop)
     key_words,  # ... value_zero: one tile's _warm_tile_loads
     key_scale,
     key_zero,
@@ -778,23 +778,25 @@ def _mma_warm_update(
         new_max = tl.where(moves, tl.maximum(running_max, tile_max), running_max)
         rescale = tl.exp2(running_max - tl.where(new_max == float("-inf"), 0.0, new_max))
         acc_t = acc_t * rescale[None, :]
-        running_sum = running_sum * rescale
+        sums_t = sums_t * rescale[None, :]
         running_max = new_max
     elif tl.max(scores - running_max[None, :]) > LAZY_RESCALE_LOG2:
         tile_max = tl.max(scores, 0)
         new_max = tl.maximum(running_max, tile_max)
         rescale = tl.exp2(running_max - tl.where(new_max == float("-inf"), 0.0, new_max))
         acc_t = acc_t * rescale[None, :]
-        running_sum = running_sum * rescale
+        sums_t = sums_t * rescale[None, :]
         running_max = new_max
     safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
     probs = tl.exp2(scores - safe_max[None, :])
-    running_sum = running_sum + tl.sum(probs, 0)
+    # the sum over the tile's positions waits for the end of the loop: here an add per register,
+    # where a sum across the warp's lanes would take a chain of shuffles every tile
+    sums_t = sums_t + probs
     probs = probs.to(dtype)
     if PROBS_IN_REGISTERS:
         probs = _probs_as_operand(probs, TILE_N, ASM)
     acc_t = tl.dot(v_t, probs, acc_t, input_precision=DOT_PRECISION)
-    return acc_t, running_max, running_sum
+    return acc_t, running_max, sums_t
 
 
 @triton.jit
@@ -863,17 +865,17 @@ def _paged_attention_kernel(
     stride_q_h,
     stride_o_t,
     stride_o_h,
-    stride_hot_b,
-    stride_hot_t,
-    stride_hot_h,
-    stride_codes_b,
-    stride_codes_t,
-    stride_codes_h,
-    stride_kscale_g,
-    stride_kscale_h,
-    stride_vscale_b,
-    stride_vscale_t,
-    stride_vscale_h,
+    stride_hot_b: tl.constexpr,
+    stride_hot_t: tl.constexpr,
+    stride_hot_h: tl.constexpr,
+    stride_codes_b: tl.constexpr,
+    stride_codes_t: tl.constexpr,
+    stride_codes_h: tl.constexpr,
+    stride_kscale_g: tl.constexpr,
+    stride_kscale_h: tl.constexpr,
+    stride_vscale_b: tl.constexpr,
+    stride_vscale_t: tl.constexpr,
+    stride_vscale_h: tl.constexpr,
     stride_table_b,
     stride_prefix_b,
     sm_scale_log2,  # softmax scale times log2(e): the kernel works in base 2
@@ -980,6 +982,8 @@ def _paged_attention_kernel(
             q_keyed = tl.load(q_rows + key_channel[None, :], mask=key_mask, other=0.0)
             q_warm = tl.trans(tl.clamp(q_keyed.to(tl.float32), -65504.0, 65504.0).to(WARM_DTYPE))  # [D, M]
             acc = tl.trans(_to_value_order(acc, BLOCK_M, HEAD_DIM_PADDED))  # [D, M]
+            # [N, M]: the hot pass's sums in the first row (see _mma_warm_update's sums_t)
+            running_sum = tl.where(tl.arange(0, TILE_N)[:, None] == 0, running_sum[None, :], 0.0)
         else:
             q_warm = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(WARM_DTYPE)
         # Software pipeline by hand: while a tile's math runs, the next tile's codes are already in
@@ -1036,6 +1040,7 @@ def _paged_attention_kernel(
                 )  # fmt: skip
         if MMA_LAYOUT:
             acc = _from_value_order(tl.trans(acc), BLOCK_M, HEAD_DIM_PADDED)
+            running_sum = tl.sum(running_sum, 0)
     else:
         for tile in range(tile_begin, tile_end):
             position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
