@@ -949,12 +949,22 @@ def _paged_attention_kernel(
         # The scan reads the tables SCAN_TILES tiles at a time and visits only the tiles with hot
         # positions: a tile-by-tile scan waits on a table load per tile, which at 32K cost a long
         # row's programs more than the hot tiles themselves. A block in both tiers is read as warm.
+        #
+        # The scan also finds the segment's first and last tiles with warm positions, and the warm
+        # pass runs between them: the recent window's tiles, which end a long row's last segment,
+        # would otherwise go through the warm loop as well, masked, and make that segment the
+        # slowest of the launch.
+        warm_begin = tile_end
+        warm_end = tile_begin
         for chunk in range(tile_begin, tile_end, SCAN_TILES):
             tiles = chunk + tl.arange(0, SCAN_TILES)
             blocks = tiles[:, None] * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)[None, :]  # [S, K]
             scan_mask = (tiles < tile_end)[:, None] & (blocks * BLOCK_SIZE < kv_end)
             hot_entry = tl.load(table_row + blocks, mask=scan_mask, other=0)
             warm_entry = tl.load(warm_row + blocks, mask=scan_mask, other=-1)
+            has_warm = tl.max(warm_entry, 1) >= 0  # [S]
+            warm_begin = tl.minimum(warm_begin, tl.min(tl.where(has_warm, tiles, tile_end), 0))
+            warm_end = tl.maximum(warm_end, tl.max(tl.where(has_warm, tiles + 1, tile_begin), 0))
             has_hot = tl.max(tl.where(warm_entry >= 0, 0, hot_entry), 1) > 0  # [S]
             tile = tl.min(tl.where(has_hot, tiles, tile_end), 0)
             while tile < tile_end:
@@ -989,7 +999,7 @@ def _paged_attention_kernel(
         # Software pipeline by hand: while a tile's math runs, the next tile's codes are already in
         # flight (their table entries one tile further ahead), so the loop never waits on a load
         # it has just issued.
-        table = _warm_tile_table(warm_row, tile_begin, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
+        table = _warm_tile_table(warm_row, warm_begin, warm_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
         key_words, key_scale, key_zero, value_words, value_scale, value_zero = _warm_tile_loads(
             table, kv_head, key_codes_ptr, key_scale_ptr, key_zero_ptr,
             value_codes_ptr, value_scale_ptr, value_zero_ptr,
@@ -998,8 +1008,8 @@ def _paged_attention_kernel(
             WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED, MMA_LAYOUT,
             PROBS_IN_REGISTERS,
         )  # fmt: skip
-        next_table = _warm_tile_table(warm_row, tile_begin + 1, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
-        for tile in tl.range(tile_begin, tile_end, loop_unroll_factor=WARM_UNROLL):
+        next_table = _warm_tile_table(warm_row, warm_begin + 1, warm_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
+        for tile in tl.range(warm_begin, warm_end, loop_unroll_factor=WARM_UNROLL):
             # [N]: the position of each of the tile's rows (in _operand_rows order where they come so)
             position = tile * TILE_N + (_operand_rows(TILE_N) if PROBS_IN_REGISTERS else tl.arange(0, TILE_N))
             in_context = position < kv_end
@@ -1014,7 +1024,7 @@ def _paged_attention_kernel(
                 WARM_DTYPE, BLOCK_SIZE, BLOCKS_PER_GROUP, VALUE_GROUP, HEAD_DIM, HEAD_DIM_PADDED, MMA_LAYOUT,
                 PROBS_IN_REGISTERS,
             )  # fmt: skip
-            next_table = _warm_tile_table(warm_row, tile + 2, tile_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
+            next_table = _warm_tile_table(warm_row, tile + 2, warm_end, kv_end, BLOCK_SIZE, TILE_BLOCKS)
             # the tile's table came in a tile ahead of its codes: no load here for the mask to wait on
             if TILE_BLOCKS == 1:
                 is_warm = in_context & (tl.max(tile_table, 0) >= 0)
