@@ -930,8 +930,10 @@ def _paged_attention_kernel(
     kv_end = tl.where(q_block * BLOCK_Q < q_len, kv_end, 0)  # q blocks past the row's end do nothing
     num_tiles = tl.cdiv(kv_end, TILE_N)
     tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_begin = segment * tiles_per_segment
-    tile_end = tl.minimum(tile_begin + tiles_per_segment, num_tiles)
+    # the last segments can start past the row's last tile (2,057 tiles in 128 segments of 17 leave
+    # seven empty): such a segment's range is empty, begin == end, for the warm pass's bounds too
+    tile_end = tl.minimum((segment + 1) * tiles_per_segment, num_tiles)
+    tile_begin = tl.minimum(segment * tiles_per_segment, tile_end)
 
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
