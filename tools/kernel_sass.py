@@ -67,6 +67,8 @@ def cache_strides(head_dim: int) -> dict[str, int]:
         "stride_vscale_b": 16 * 8 * value_groups, "stride_vscale_t": 8 * value_groups,
         "stride_vscale_h": value_groups,
     }  # fmt: skip
+
+
 KINDS = {  # kind -> (BLOCK_M, warm tier in place, prefix pages)
     "decode": (16, True, False),
     "prefill": (64, True, False),

@@ -447,3 +447,44 @@ def test_bf16_one_warp_decode_rescales_lazily_when_scores_climb(q_scale, branch_
             Shape(2, 4, 128), rows, torch.bfloat16, True, num_segments, seed=11, q_scale=q_scale,
             tile_n=MIN_GPU_TILE, num_warps=1, branch_free_rescale=branch_free,
         )  # fmt: skip
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="counts the tiles through the CPU interpreter's calls")
+@pytest.mark.parametrize("num_warps", [4, 1], ids=["four-warp", "one-warp"])
+def test_warm_pass_visits_only_tiles_with_warm_positions(monkeypatch, num_warps):
+    """Work, not values: a decode row whose tiles are hot sink, six warm, two hot, split eight ways
+    (two tiles a segment, so the last three segments start past the row's end), runs the warm update
+    once per warm tile. The hot tiles and the empty segments' ranges cost no warm work: a masked
+    tile gives the right answer at the cost of a whole tile, so only a count can see it."""
+    from services.engine.attention import paged_kernels
+
+    shape = Shape(1, 4, 64)
+    tiers = ["hot"] + ["warm"] * 6 + ["hot"] * 2  # one tile per block (tile_n = block size)
+    seq_len = len(tiers) * shape.block_size
+    gen = torch.Generator().manual_seed(3)
+    layer = random_cache(shape, 4, 3, torch.float32, True, gen)
+    block_tables = torch.zeros(1, len(tiers) + 1, dtype=torch.int32)
+    warm_tables = torch.full((1, len(tiers) + 1), -1, dtype=torch.int32)
+    hot_blocks, warm_blocks = iter(range(1, 4)), iter(range(6))
+    for i, tier in enumerate(tiers):
+        if tier == "hot":
+            block_tables[0, i] = next(hot_blocks)
+        else:
+            warm_tables[0, i] = next(warm_blocks)
+    plan = PagedAttentionPlan(
+        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32),
+        block_tables, warm_tables, 1,
+    )  # fmt: skip
+    update = "_mma_warm_update" if num_warps == 1 else "_warm_update"
+    original, visits = getattr(paged_kernels, update), []
+
+    def counted(*args, **kwargs):
+        visits.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(paged_kernels, update, counted)
+    q = torch.randn(1, shape.num_kv_heads * shape.queries_per_kv, shape.head_dim, generator=gen)
+    out = torch.empty_like(q)
+    partials = Partials.empty(1, q.shape[1], 8, head_dim_padded(shape.head_dim), DEVICE)
+    paged_attention(q, layer, plan, out, 8, partials, tile_n=shape.block_size, num_warps=num_warps)
+    assert len(visits) == tiers.count("warm") * shape.num_kv_heads
