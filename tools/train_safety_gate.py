@@ -54,7 +54,7 @@ from services.common.gate_file import (
     write_gate,
 )
 from services.engine.gate.gate_loader import FINAL_NORM_LAYER
-from services.safety.attack_head import ATTACK_HEADS
+from services.safety.attack_head import ATTACK_HEADS, tensor_names
 from services.safety.classifier import screen_rows
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedder, default_model_dir
@@ -404,8 +404,7 @@ def carried_parts(
         gate = load_gate(heads_from)
         heads = gate.manifest.raw.get(ATTACK_HEADS, {})
         for name, spec in heads.items():
-            prefix = spec.get("tensor", name)
-            tensors |= {key: gate.tensors[key] for key in (f"{prefix}.weight", f"{prefix}.bias")}
+            tensors |= {key: gate.tensors[key] for key in tensor_names(name, spec)}
         if heads:
             entries[ATTACK_HEADS] = heads
     if encoder_from.exists():

@@ -78,13 +78,19 @@ class AttackHead:
         return max(self.view_score(rows) for rows in views)
 
 
-def _tensors(gate: Gate, name: str, spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def tensor_names(name: str, spec: dict[str, Any]) -> tuple[str, str]:
+    """The gate tensors (weight, bias) that hold the attack head `name` with manifest entry `spec`."""
     prefix = spec.get("tensor", name)
-    weight, bias = gate.tensors.get(f"{prefix}.weight"), gate.tensors.get(f"{prefix}.bias")
+    return f"{prefix}.weight", f"{prefix}.bias"
+
+
+def _tensors(gate: Gate, name: str, spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    weight_name, bias_name = tensor_names(name, spec)
+    weight, bias = gate.tensors.get(weight_name), gate.tensors.get(bias_name)
     if weight is None or bias is None or weight.ndim != 2 or weight.shape[0] != 1 or bias.numel() != 1:
         raise GateFileError(
-            f"gate {gate.version}: attack head {name!r} needs tensors {prefix}.weight [1, H] and "
-            f"{prefix}.bias [1]"
+            f"gate {gate.version}: attack head {name!r} needs tensors {weight_name} [1, H] and "
+            f"{bias_name} [1]"
         )
     harm = gate.tensors.get(f"{PROMPT_HEAD}.weight")  # the embedder's width, which both heads read
     if harm is not None and weight.shape[1] != harm.shape[1]:

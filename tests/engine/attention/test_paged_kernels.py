@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from services.engine.attention import paged_kernels
 from services.engine.attention.metadata import prefix_plan_arrays
 from services.engine.attention.paged_kernels import (
     MIN_GPU_TILE,
@@ -456,8 +457,6 @@ def test_warm_pass_visits_only_tiles_with_warm_positions(monkeypatch, num_warps)
     (two tiles a segment, so the last three segments start past the row's end), runs the warm update
     once per warm tile. The hot tiles and the empty segments' ranges cost no warm work: a masked
     tile gives the right answer at the cost of a whole tile, so only a count can see it."""
-    from services.engine.attention import paged_kernels
-
     shape = Shape(1, 4, 64)
     tiers = ["hot"] + ["warm"] * 6 + ["hot"] * 2  # one tile per block (tile_n = block size)
     seq_len = len(tiers) * shape.block_size
