@@ -85,12 +85,15 @@ class LimitsConfig:
     `THERMOCLINE_GATEWAY_MAX_CONCURRENT_STREAMS`: Generate calls in flight beyond this get
     RESOURCE_EXHAUSTED with `_PUSHBACK_MS` of pushback. `REDIS_URL` holds the rate-limit buckets;
     `_REDIS_TIMEOUT_S` bounds each limiter call before the tenant's Redis-down rule applies.
+    `_RATE_LEASE_HOLD_S`: how long this replica keeps a request it took from a tenant's bucket
+    ahead of the tenant's next call, before giving it back (0: no leases; rate_limiter.py).
     """
 
     max_concurrent_streams: int = 256
     pushback_ms: int = 1000
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_timeout_s: float = 0.25
+    rate_lease_hold_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_concurrent_streams < 1:
@@ -99,6 +102,8 @@ class LimitsConfig:
             raise ValueError(f"{PREFIX}PUSHBACK_MS must be >= 0, got {self.pushback_ms}")
         if not 0 < self.redis_timeout_s <= 10:
             raise ValueError(f"{PREFIX}REDIS_TIMEOUT_S must lie in (0, 10], got {self.redis_timeout_s}")
+        if not 0 <= self.rate_lease_hold_s <= 60:
+            raise ValueError(f"{PREFIX}RATE_LEASE_HOLD_S must lie in [0, 60], got {self.rate_lease_hold_s}")
 
 
 @dataclass(frozen=True)
@@ -286,6 +291,7 @@ def _limits_from_env(environ: Mapping[str, str] | None) -> LimitsConfig:
         pushback_ms=env.get_int(PREFIX + "PUSHBACK_MS", 1000, environ),
         redis_url=env.redis_url(environ),
         redis_timeout_s=env.get_float(PREFIX + "REDIS_TIMEOUT_S", 0.25, environ),
+        rate_lease_hold_s=env.get_float(PREFIX + "RATE_LEASE_HOLD_S", 5.0, environ),
     )
 
 

@@ -77,7 +77,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         policies = load_policies(config)
         self.audit = AuditLog(config.audit)
-        self.limiter = RateLimiter(config.limits.redis_url, config.limits.redis_timeout_s)
+        limits = config.limits
+        self.limiter = RateLimiter(limits.redis_url, limits.redis_timeout_s, limits.rate_lease_hold_s)
         self.upstreams = Upstreams(Router(config.routing), config.safety_target)
         gatekeeper = Gatekeeper(
             JwtVerifier(config.jwt),

@@ -12,10 +12,24 @@ tenant then waits until it refills.
 
 When Redis cannot be reached within the timeout, the tenant's `on_redis_down` rule decides:
 "open" lets the call through (and says so in the audit log), "closed" refuses it UNAVAILABLE.
+
+**Request leases.** The request bucket's round trip is the one Redis call in front of every
+other piece of a call's work. To take it off the path, the prompt's token charge (which runs while
+the screen is in flight) also takes one request ahead of the tenant's next call, when a whole
+request is left in the bucket after it, and this gateway holds it (`_Lease`). The tenant's next
+call here spends it with no Redis call. A lease is taken from the shared bucket before it is
+spent, so the replicas together never admit more than the bucket grants; a replica holds at most
+one per tenant, and gives it back to the bucket when it is not spent within `lease_hold_s`
+(`THERMOCLINE_GATEWAY_RATE_LEASE_HOLD_S`; 0 turns leases off). The price: a call may be admitted
+up to `lease_hold_s` after its request was taken from the bucket, and while a replica holds a
+tenant's lease, another replica can find that one request missing. A tenant in token debt is
+then refused at its token charge rather than at its request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import math
 from typing import NamedTuple
@@ -29,8 +43,10 @@ from services.gateway.tenants import FAIL_OPEN, TenantLimits
 log = logging.getLogger(__name__)
 
 # KEYS: requests bucket, tokens bucket. ARGV: request rate/s, request burst, token rate/s,
-# token capacity, requests to charge, tokens to charge. Each bucket is a hash {level, at_us}.
-# Returns {admitted (1/0), retry_after_ms, request level after, token level after}.
+# token capacity, requests to charge, tokens to charge, requests to lease (0 or 1: taken as well
+# when the call is admitted and a whole request is left in the bucket after the lease).
+# Each bucket is a hash {level, at_us}. Returns {admitted (1/0), retry_after_ms, request level
+# after, token level after, requests leased}.
 TAKE_SCRIPT = """
 local now = redis.call('TIME')
 local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -53,21 +69,27 @@ if tokens < cost then
   local tok_wait = tok_rate > 0 and math.ceil((cost - tokens) * 1000 / tok_rate) or -1
   if tok_wait < 0 or wait_ms < 0 then wait_ms = -1 else wait_ms = math.max(wait_ms, tok_wait) end
 end
-local admitted = 0
+local admitted, leased = 0, 0
 if wait_ms == 0 then
   requests = requests - req_cost
   tokens = tokens - cost
   admitted = 1
+  local lease = tonumber(ARGV[7] or '0')
+  if lease > 0 and requests >= lease + 1 then
+    requests = requests - lease
+    leased = lease
+  end
 end
 local ttl = 3600
 redis.call('HSET', KEYS[1], 'level', tostring(requests), 'at_us', now_us)
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('HSET', KEYS[2], 'level', tostring(tokens), 'at_us', now_us)
 redis.call('EXPIRE', KEYS[2], ttl)
-return {admitted, wait_ms, tostring(requests), tostring(tokens)}
+return {admitted, wait_ms, tostring(requests), tostring(tokens), leased}
 """
 
-# KEYS: tokens bucket. ARGV: token rate/s, token capacity, tokens to charge.
+# KEYS: one bucket. ARGV: its rate/s, its capacity, the amount to charge (negative: given back,
+# never past the capacity).
 CHARGE_SCRIPT = """
 local now = redis.call('TIME')
 local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -76,7 +98,7 @@ local rate, capacity = tonumber(ARGV[1]), tonumber(ARGV[2])
 local value, at = tonumber(state[1]), tonumber(state[2])
 if value == nil then value = capacity
 else value = math.min(capacity, value + math.max(0, now_us - at) * rate / 1000000) end
-value = value - tonumber(ARGV[3])
+value = math.min(capacity, value - tonumber(ARGV[3]))
 redis.call('HSET', KEYS[1], 'level', tostring(value), 'at_us', now_us)
 redis.call('EXPIRE', KEYS[1], 3600)
 return tostring(value)
@@ -104,35 +126,89 @@ def retry_metadata(retry_after_ms: int) -> tuple[tuple[str, str], ...]:
     return ((RETRY_AFTER_KEY, str(retry_after_ms)), (PUSHBACK_KEY, str(retry_after_ms)))
 
 
-class RateLimiter:
-    """Takes from and charges the tenants' buckets in Redis."""
+class _Lease(NamedTuple):
+    """One request a replica took ahead of its tenant's next call, and the timer that gives it back."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    limits: TenantLimits
+    expiry: asyncio.TimerHandle
+
+
+class RateLimiter:
+    """Takes from and charges the tenants' buckets in Redis; holds their request leases."""
+
+    def __init__(self, url: str, timeout_s: float, lease_hold_s: float = 0.0) -> None:
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
         )
         self._take = self._client.register_script(TAKE_SCRIPT)
         self._charge = self._client.register_script(CHARGE_SCRIPT)
+        self._lease_hold_s = lease_hold_s
+        self._leases: dict[str, _Lease] = {}
+        self._give_backs: set[asyncio.Task[None]] = set()
+
+    def holds_lease(self, tenant: str) -> bool:
+        """Whether this replica holds a request of `tenant`'s bucket for its next call."""
+        return tenant in self._leases
 
     async def take_request(self, tenant: str, limits: TenantLimits) -> RateDecision:
-        """One request from the tenant's bucket; refused too while its token bucket is in debt."""
+        """One request for the tenant: its lease when this replica holds one (no Redis call), else
+        one from its bucket, refused too while its token bucket is in debt."""
+        lease = self._leases.pop(tenant, None)
+        if lease is not None:
+            lease.expiry.cancel()
+            return RateDecision(is_admitted=True)
         return await self.take(tenant, limits, num_requests=1, num_tokens=0)
 
     async def take_tokens(self, tenant: str, limits: TenantLimits, num_tokens: int) -> RateDecision:
-        """`num_tokens` from the tenant's token bucket, or a refusal."""
-        return await self.take(tenant, limits, num_requests=0, num_tokens=num_tokens)
+        """`num_tokens` from the tenant's token bucket, or a refusal; when admitted, also leases
+        one request for the tenant's next call (see the module's docstring)."""
+        lease = int(self._lease_hold_s > 0 and tenant not in self._leases)
+        return await self.take(tenant, limits, num_requests=0, num_tokens=num_tokens, num_lease=lease)
 
     async def take(
-        self, tenant: str, limits: TenantLimits, num_requests: int, num_tokens: int
+        self, tenant: str, limits: TenantLimits, num_requests: int, num_tokens: int, num_lease: int = 0
     ) -> RateDecision:
-        """`num_requests` and `num_tokens` from the tenant's buckets, both or neither, or a refusal."""
+        """`num_requests` and `num_tokens` from the tenant's buckets, both or neither, or a refusal;
+        `num_lease` (0 or 1) more requests to hold for the tenant's next call, when there are spare."""
         args = [limits.requests_per_s, limits.burst_requests, limits.tokens_per_s]
-        args += [limits.token_capacity, num_requests, num_tokens]
+        args += [limits.token_capacity, num_requests, num_tokens, num_lease]
         try:
-            admitted, wait_ms, *_ = await self._take(keys=list(bucket_keys(tenant)), args=args)
+            admitted, wait_ms, _, _, leased = await self._take(keys=list(bucket_keys(tenant)), args=args)
         except (RedisError, OSError) as error:
             return self._redis_down(tenant, limits, error)
+        if int(leased) > 0:
+            self._hold(tenant, limits)
         return RateDecision(is_admitted=bool(admitted), retry_after_ms=int(wait_ms))
+
+    def _hold(self, tenant: str, limits: TenantLimits) -> None:
+        """Keeps a leased request for `lease_hold_s`; a second one (two calls leased at once) goes
+        straight back."""
+        if tenant in self._leases:
+            self._give_back_soon(tenant, limits)
+            return
+        expiry = asyncio.get_running_loop().call_later(self._lease_hold_s, self._expire, tenant)
+        self._leases[tenant] = _Lease(limits, expiry)
+
+    def _expire(self, tenant: str) -> None:
+        lease = self._leases.pop(tenant, None)
+        if lease is not None:
+            self._give_back_soon(tenant, lease.limits)
+
+    def _give_back_soon(self, tenant: str, limits: TenantLimits) -> None:
+        """Returns a request to the bucket in the background, outside any call's trace."""
+        task = asyncio.get_running_loop().create_task(
+            self._give_back(tenant, limits), context=contextvars.Context()
+        )
+        self._give_backs.add(task)
+        task.add_done_callback(self._give_backs.discard)
+
+    async def _give_back(self, tenant: str, limits: TenantLimits) -> None:
+        try:
+            await self._charge(
+                keys=[bucket_keys(tenant)[0]], args=[limits.requests_per_s, limits.burst_requests, -1]
+            )
+        except (RedisError, OSError) as error:
+            log.warning("could not give a leased request back to %s's bucket: %s", tenant, error)
 
     def _redis_down(self, tenant: str, limits: TenantLimits, error: Exception) -> RateDecision:
         log.warning("rate limiter unreachable (%s); tenant %s fails %s", error, tenant, limits.on_redis_down)
@@ -155,7 +231,13 @@ class RateLimiter:
             log.warning("could not charge %d tokens to %s: %s", num_tokens, tenant, error)
 
     async def close(self) -> None:
-        """Closes the connection pool."""
+        """Gives every held lease back to its bucket, then closes the connection pool."""
+        leases, self._leases = self._leases, {}
+        for tenant, lease in leases.items():
+            lease.expiry.cancel()
+            await self._give_back(tenant, lease.limits)
+        if self._give_backs:
+            await asyncio.gather(*self._give_backs, return_exceptions=True)
         await self._client.aclose()
 
 

@@ -86,3 +86,101 @@ def test_a_tenant_in_token_debt_is_refused_its_next_request(redis_url: str) -> N
 
     is_admitted, retry_after_ms = asyncio.run(scenario())
     assert not is_admitted and retry_after_ms > 0
+
+
+def _level(url: str, key: str) -> float:
+    return float(redis.Redis.from_url(url).hget(key, "level") or "nan")
+
+
+def test_a_lease_is_taken_from_the_bucket_and_spent_without_redis(redis_url: str) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    requests_key = bucket_keys(tenant)[0]
+
+    async def scenario() -> list[object]:
+        limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
+        try:
+            seen: list[object] = [(await limiter.take_request(tenant, LIMITS)).is_admitted]
+            seen.append((await limiter.take_tokens(tenant, LIMITS, 1)).is_admitted)
+            seen += [limiter.holds_lease(tenant), round(_level(redis_url, requests_key))]  # 5 - 1 - 1
+            redis.Redis.from_url(redis_url).delete(requests_key)  # the lease must not need the bucket
+            redis.Redis.from_url(redis_url).hset(requests_key, mapping={"level": "0", "at_us": 2**62})
+            seen.append((await limiter.take_request(tenant, LIMITS)).is_admitted)
+            seen += [limiter.holds_lease(tenant), (await limiter.take_request(tenant, LIMITS)).is_admitted]
+            return seen
+        finally:
+            await limiter.close()
+
+    assert asyncio.run(scenario()) == [True, True, True, 3, True, False, False]
+
+
+def test_the_replicas_together_never_admit_more_than_the_bucket(redis_url: str) -> None:
+    """Two limiters (two gateways) alternate calls of one tenant; each call is a request then its
+    prompt tokens, as the gatekeeper charges them. Leases shift when a request is taken, never
+    how many."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> int:
+        replicas = [RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60) for _ in range(2)]
+        admitted = 0
+        try:
+            for attempt in range(4 * BURST):
+                limiter = replicas[attempt % 2]
+                if (await limiter.take_request(tenant, LIMITS)).is_admitted:
+                    admitted += (await limiter.take_tokens(tenant, LIMITS, 1)).is_admitted
+            return admitted
+        finally:
+            for limiter in replicas:
+                await limiter.close()
+
+    assert asyncio.run(scenario()) == BURST
+
+
+def test_a_lease_not_spent_goes_back_to_the_bucket(redis_url: str) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    requests_key = bucket_keys(tenant)[0]
+
+    async def scenario() -> list[float]:
+        limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
+        try:
+            await limiter.take_request(tenant, LIMITS)
+            await limiter.take_tokens(tenant, LIMITS, 1)
+            levels = [_level(redis_url, requests_key)]
+        finally:
+            await limiter.close()  # gives held leases back, as a gateway that stops does
+        return [*levels, _level(redis_url, requests_key)]
+
+    held, given_back = asyncio.run(scenario())
+    assert round(held) == BURST - 2 and round(given_back) == BURST - 1
+
+
+def test_a_full_bucket_takes_no_more_back_than_its_burst(redis_url: str) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    requests_key = bucket_keys(tenant)[0]
+
+    async def scenario() -> float:
+        limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
+        try:
+            await limiter.take_request(tenant, LIMITS)
+            await limiter.take_tokens(tenant, LIMITS, 1)
+            _idle(redis_url, requests_key, 10 * 3600)  # refilled to the burst while the lease is held
+        finally:
+            await limiter.close()
+        return _level(redis_url, requests_key)
+
+    assert asyncio.run(scenario()) == BURST
+
+
+def test_no_lease_is_taken_from_the_last_request_in_the_bucket(redis_url: str) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    limits = TenantLimits(requests_per_s=0.001, burst_requests=2, tokens_per_min=1, burst_tokens=100)
+
+    async def scenario() -> list[bool]:
+        limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
+        try:
+            await limiter.take_request(tenant, limits)  # leaves 1
+            await limiter.take_tokens(tenant, limits, 1)
+            return [limiter.holds_lease(tenant), (await limiter.take_request(tenant, limits)).is_admitted]
+        finally:
+            await limiter.close()
+
+    assert asyncio.run(scenario()) == [False, True]

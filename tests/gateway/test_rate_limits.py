@@ -64,7 +64,10 @@ def test_two_gateways_together_admit_no_more_than_the_bucket(mesh: Mesh) -> None
     with ThreadPoolExecutor(16) as pool:
         outcomes = list(pool.map(lambda target: _attempt(target, bearer), targets))
     admitted = outcomes.count(grpc.StatusCode.OK)
-    assert BURST <= admitted <= BURST + 1, f"{admitted} of {len(targets)} admitted; the bucket holds {BURST}"
+    # Never more than the bucket (and the ~one request it refills during the test). Fewer by at
+    # most one per replica: each may hold a request leased for the tenant's next call, which it
+    # gives back after THERMOCLINE_GATEWAY_RATE_LEASE_HOLD_S (rate_limiter.py).
+    assert BURST - 2 <= admitted <= BURST + 1, f"{admitted} of {len(targets)} admitted; the bucket: {BURST}"
     assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == len(targets) - admitted
 
 
@@ -100,22 +103,28 @@ def test_a_prompt_over_the_request_budget_gets_both_counts(mesh: Mesh) -> None:
     assert "prompt of 42 tokens" in error.details() and "token bucket of 30 tokens" in error.details()
 
 
-def test_the_request_bucket_is_taken_before_the_screen_and_the_screen_sent_before_the_token_bucket(
+def test_the_request_bucket_is_taken_before_the_screen_or_leased_by_the_call_before(
     mesh: Mesh, collector: TraceCollector
 ) -> None:
-    bearer = _user(mesh, "open-tenant")
-    call(mesh.target("gateway"), bearer, intent="chat", max_tokens=1)  # the channels are connected
-    result = call(mesh.target("gateway"), bearer, intent="chat", max_tokens=1)
-    assert result.done is not None
-    spans = collector.wait_for_spans(result.done.trace_id, {GATEWAY_GENERATE, GATEWAY_TO_SAFETY}, 60)
-    (root,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
-    (screen,) = [s for s in spans if (s.service, s.name) == GATEWAY_TO_SAFETY]
-    # The bucket scripts in the order the gatekeeper runs them: the request, then the prompt's tokens.
-    take_request, take_tokens = [
-        s for s in spans if s.parent_span_id == root.span_id and s.name == "EVALSHA"
-    ][:2]
+    """A tenant's first call takes its request from the bucket before the screen starts; its
+    token charge, sent after the screen, leases a request, so the tenant's next call on the same
+    gateway makes no Redis call before its screen."""
+    bearer = _user(mesh, "lease-tenant")
+    root_and_redis = []
+    for _ in range(2):
+        result = call(mesh.target("gateway"), bearer, intent="chat", max_tokens=1)
+        assert result.done is not None
+        spans = collector.wait_for_spans(result.done.trace_id, {GATEWAY_GENERATE, GATEWAY_TO_SAFETY}, 60)
+        (root,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
+        (screen,) = [s for s in spans if (s.service, s.name) == GATEWAY_TO_SAFETY]
+        # The bucket scripts in the order the gatekeeper runs them (the completion's charge last).
+        scripts = [s for s in spans if s.parent_span_id == root.span_id and s.name == "EVALSHA"]
+        root_and_redis.append((screen, sorted(scripts, key=lambda s: s.start_ns)))
+    screen, (take_request, take_tokens, *_) = root_and_redis[0]
     assert take_request.end_ns <= screen.start_ns, "the screen started before the request bucket answered"
     assert screen.start_ns <= take_tokens.start_ns, "the token bucket's round trip went ahead of the screen"
+    screen, scripts = root_and_redis[1]  # the leased call: every script after the screen's start
+    assert scripts and screen.start_ns <= scripts[0].start_ns, "the leased call went to Redis first"
 
 
 def test_redis_down_fails_open_or_closed_per_tenant(mesh: Mesh) -> None:
