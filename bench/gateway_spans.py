@@ -98,6 +98,8 @@ def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) ->
     with tempfile.TemporaryDirectory(prefix="gateway-spans-") as tmp:
         model = str(resolve_model("stories260k"))
         release = {"THERMOCLINE_GATEWAY_OUTPUT_RELEASE": policy}
+        if args.rate_lease_hold_s is not None:
+            release["THERMOCLINE_GATEWAY_RATE_LEASE_HOLD_S"] = str(args.rate_lease_hold_s)
         with (
             start_mesh(Path(tmp), model, otlp_endpoint=collector.endpoint, **release) as mesh,
             grpc.insecure_channel(mesh.target("gateway")) as channel,
@@ -142,6 +144,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument(
+        "--rate-lease-hold-s", type=float, default=None, help="the gateway's request lease (0: off)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here too")
     args = parser.parse_args()
     collector = TraceCollector().start()
@@ -160,9 +165,12 @@ def main() -> None:
             f"Python {platform.python_version()}",
             f"- settings: stories260K on the CPU, prompt {PROMPT!r}, max_tokens {args.max_tokens}, "
             f"{args.requests} sequential requests per policy after {WARM_UP} warm-up, one mesh per "
-            "policy, default output screening windows",
+            "policy, default output screening windows, request lease hold "
+            f"{'default' if args.rate_lease_hold_s is None else args.rate_lease_hold_s} s",
             "- reproduce: `.venv/bin/python bench/gateway_spans.py --requests "
-            f"{args.requests} --max-tokens {args.max_tokens} --policies {' '.join(args.policies)}`",
+            f"{args.requests} --max-tokens {args.max_tokens} --policies {' '.join(args.policies)}"
+            + ("" if args.rate_lease_hold_s is None else f" --rate-lease-hold-s {args.rate_lease_hold_s:g}")
+            + "`",
             "- gateway's own: the gateway's Generate span minus the union of its RPC client spans",
             "",
             table(results),
