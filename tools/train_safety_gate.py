@@ -22,7 +22,10 @@ tools/finetune_safety_encoder.py, which this tool's L-BFGS refit would not repro
   the benign calibration prompts score at or above it in any category: the calibration split's
   benign prompts and the broad benign calibration files of data/safety (`CALIBRATION_FILES`:
   GSM8K, MedQuAD questions and long answers, the project's docs, stdlib code, the hand-written
-  sensitive and identity sets). By source, no benign prompt source of training calibrates;
+  sensitive and identity sets). By source, no benign prompt source of training calibrates.
+  The engine head's threshold is also held to the same rate over whole answers: the in-loop gate
+  judges every decode step, so it is at least the level that at most `--target-fpr` of the benign
+  calibration outputs reach at any of their first ENGINE_STEP_TOKENS steps (`engine_step_states`);
 - the attack heads (tools/train_jailbreak_head.py) are carried over from the gate at `--out`, and
   the encoder adapters (tools/finetune_safety_encoder.py) from the shipped gate, whose encoder
   the embeddings here were computed through;
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import hashlib
 import json
 import subprocess
@@ -130,6 +134,32 @@ def _in_length_order(rows: list[list[int]], run, batch_size: int) -> torch.Tenso
 
 ENGINE_PARITY_ROWS = 16  # texts run through both forwards before the features are trusted
 ENGINE_PARITY_ATOL = 2e-3  # fp32, two implementations of the same weights: summation order only
+ENGINE_STEP_TOKENS = 256  # tokens of each benign answer whose every step calibrates the engine head
+
+
+@functools.cache
+def _engine_and_reference(device: str = "cpu") -> tuple[Any, Any]:
+    """The engine (its tokenizer, and its model for the parity check) and transformers' Llama on
+    the same GGUF weights, loaded once per process."""
+    from transformers import AutoModelForCausalLM
+
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.model.registry import resolve_model
+
+    engine = LLMEngine.load(ENGINE_MODEL, device=device, dtype="float32", max_batch_size=ENGINE_PARITY_ROWS,
+                            max_seq_len=ENGINE_MAX_TOKENS, progress=False)  # fmt: skip
+    path = resolve_model(ENGINE_MODEL)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return engine, reference.model.eval().to(device)
+
+
+def _padded(batch: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids `[B, T]` right-padded with 0, and the mask of real tokens `[B, T]`."""
+    ids = torch.zeros(len(batch), max(len(row) for row in batch), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(batch):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    return ids.to(device), mask.to(device)
 
 
 @torch.inference_mode()
@@ -144,25 +174,12 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16, device: 
     ENGINE_PARITY_ROWS texts are run through the engine's own model as well (`_engine_states`)
     and must agree within ENGINE_PARITY_ATOL, so the head is trained on what the engine computes.
     """
-    from transformers import AutoModelForCausalLM
-
-    from services.engine.llm_engine import LLMEngine
-    from services.engine.model.registry import resolve_model
-
-    engine = LLMEngine.load(ENGINE_MODEL, device=device, dtype="float32", max_batch_size=batch_size,
-                            max_seq_len=ENGINE_MAX_TOKENS, progress=False)  # fmt: skip
-    path = resolve_model(ENGINE_MODEL)
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    reference = reference.model.eval().to(device)
+    engine, reference = _engine_and_reference(device)
 
     def run(batch: list[list[int]]) -> torch.Tensor:
-        width = max(len(row) for row in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, row in enumerate(batch):
-            ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
-        hidden = reference(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-        last = torch.tensor([len(row) - 1 for row in batch], device=device)
+        ids, mask = _padded(batch, device)
+        hidden = reference(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, E]
+        last = mask.sum(dim=1) - 1
         return hidden[torch.arange(len(batch), device=device), last].float().cpu()  # [B, E]
 
     rows = [engine.tokenizer.encode(canonical(e.text))[:ENGINE_MAX_TOKENS] for e in examples]
@@ -172,6 +189,59 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16, device: 
         raise RuntimeError(f"transformers' states differ from the engine's by {difference:.2e}")
     print(f"  the engine and transformers agree within {difference:.1e} on {len(check)} texts")
     return _in_length_order(rows, run, batch_size)
+
+
+@torch.inference_mode()
+def engine_step_states(
+    examples: list[Example], batch_size: int = 16, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Per text, the states `[T, E]` after each of its first ENGINE_STEP_TOKENS tokens: what the
+    in-loop gate sees over the steps of an answer that generates this text."""
+    engine, reference = _engine_and_reference(device)
+    rows = [engine.tokenizer.encode(canonical(e.text))[:ENGINE_STEP_TOKENS] for e in examples]
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    states: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        ids, mask = _padded([rows[i] for i in chunk], device)
+        hidden = reference(input_ids=ids, attention_mask=mask).last_hidden_state.float().cpu()
+        for j, i in enumerate(chunk):
+            states[i] = hidden[j, : len(rows[i])].clone()
+        print(f"  steps {start + len(chunk)}/{len(rows)}", end="\r", flush=True)
+    return states
+
+
+def engine_step_threshold(head: HeadWeights, answers: list[torch.Tensor], target_fpr: float) -> float:
+    """The smallest threshold at which at most `target_fpr` of the benign answers (their step
+    states, `engine_step_states`) fire at any step in any category; 1 (never fires) if none is."""
+    top = torch.stack([gate_scores(steps, head).max() for steps in answers]).sort(descending=True).values
+    return min(1.0, float(top[int(target_fpr * len(top))]) + 1e-6)
+
+
+def fit_engine_head(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    splits: Splits,
+    calib_features: torch.Tensor,
+    answers: list[torch.Tensor],
+    args: argparse.Namespace,
+) -> tuple[HeadWeights, float, float, float]:
+    """`fit_head` for the engine head, whose threshold is the larger of the prompts' and the
+    answers' (every step); the weight decay is chosen by calibration recall at that threshold.
+    Returns weights, threshold, the prompts' threshold and the weight decay chosen."""
+    best: tuple[float, HeadWeights, float, float, float] | None = None
+    for weight_decay in args.weight_decays:
+        weights = train_head(features[splits.train], labels[splits.train], weight_decay)
+        prompt_threshold = calibrate(weights, calib_features, args.target_fpr)
+        threshold = max(prompt_threshold, engine_step_threshold(weights, answers, args.target_fpr))
+        scores = gate_scores(features[splits.calib_harmful], weights)
+        recall = float((scores >= threshold).any(dim=1).float().mean()) if threshold < 1 else 0.0
+        print(f"  weight decay {weight_decay:g}: threshold {threshold:.4f} (prompts {prompt_threshold:.4f}), "
+              f"calib recall {recall:.3f}")  # fmt: skip
+        if best is None or recall > best[0]:
+            best = (recall, weights, threshold, prompt_threshold, weight_decay)
+    assert best is not None
+    return best[1], best[2], best[3], best[4]
 
 
 def _engine_states(engine: Any, batch: list[list[int]], device: str) -> torch.Tensor:
@@ -477,6 +547,17 @@ def carried_parts(
     return tensors, entries
 
 
+def step_calibration(prompt_threshold: float, threshold: float, answers: list[Example]) -> dict:
+    """The manifest's record of the engine head's two calibrations (its threshold is the larger)."""
+    return {
+        "threshold_prompts": round(prompt_threshold, 6),
+        "threshold": round(threshold, 6),
+        "answer_steps": f"{len(answers)} benign calibration outputs (the prompt head's output calibration "
+        f"set), every step of their first {ENGINE_STEP_TOKENS} tokens: at most the target FPR of "
+        "answers fire at any step",
+    }
+
+
 def retrain_engine_head(
     examples: list[Example], calib_prompts: list[Example], wheels: dict[str, Path], args: argparse.Namespace
 ) -> None:
@@ -487,7 +568,10 @@ def retrain_engine_head(
     rows, features = head_training_set(ENGINE_HEAD, examples, wheels, args.wheels / "features")
     labels = torch.tensor([label_index(e.label) for e in rows])
     calib_features = cached_features(ENGINE_HEAD, calib_prompts, args.wheels / "features")
-    weights, threshold, decay = fit_head(features, labels, Splits.of(rows), calib_features, args)
+    answers = calib_benign_outputs(examples, wheels)
+    answer_states = engine_step_states(answers)
+    fit = fit_engine_head(features, labels, Splits.of(rows), calib_features, answer_states, args)
+    weights, threshold, prompt_threshold, decay = fit
     print(f"{ENGINE_HEAD} head: weight decay {decay:g}, threshold {threshold:.4f}", flush=True)
     document = {key: value for key, value in gate.manifest.raw.items() if key not in ("format", "sha256")}
     document["version"] = args.version
@@ -507,6 +591,7 @@ def retrain_engine_head(
             "weight_decays_tried": args.weight_decays,
             "wheels": {WHEELS[name]: wheel_sha256(path) for name, path in wheels.items()},
         }
+        | step_calibration(prompt_threshold, threshold, answers)
     }
     tensors = dict(gate.tensors) | {
         f"{ENGINE_HEAD}.weight": weights.weight,
@@ -534,8 +619,14 @@ def main() -> None:
         rows, features = head_training_set(head, examples, wheels, args.wheels / "features")
         labels = torch.tensor([label_index(e.label) for e in rows])
         calib_features = cached_features(head, calib_prompts, args.wheels / "features")
-        fit = fit_head(features, labels, Splits.of(rows), calib_features, args)
-        fitted[head], thresholds[head], decays[head] = fit
+        if head == ENGINE_HEAD:
+            answers = engine_step_states(calib_benign_outputs(examples, wheels))
+            fit = fit_engine_head(features, labels, Splits.of(rows), calib_features, answers, args)
+            fitted[head], thresholds[head], _, decays[head] = fit
+        else:
+            fitted[head], thresholds[head], decays[head] = fit_head(
+                features, labels, Splits.of(rows), calib_features, args
+            )
         tensors |= {f"{head}.weight": fitted[head].weight, f"{head}.bias": fitted[head].bias}
         print(f"{head} head: weight decay {decays[head]:g}, threshold {thresholds[head]:.4f}", flush=True)
     outputs = calib_benign_outputs(examples, wheels)

@@ -51,9 +51,9 @@ def test_a_gate_with_nothing_to_carry_carries_nothing(tmp_path: Path) -> None:
 def test_engine_only_replaces_the_engine_head_and_keeps_the_rest_byte_for_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--engine-only` over a copy of the shipped gate, with small stand-in features (SmolLM2's
-    take minutes): every tensor and manifest entry but the engine head's, its version and its
-    training record is the shipped gate's."""
+    """`--engine-only` over a copy of the shipped gate, with small stand-in features and answer
+    states (SmolLM2's take minutes): every tensor and manifest entry but the engine head's, its
+    version and its training record is the shipped gate's."""
     out = tmp_path / "gate.safetensors"
     shutil.copy(DEFAULT_GATE, out)
     shutil.copy(manifest_path_for(DEFAULT_GATE), manifest_path_for(out))
@@ -73,6 +73,13 @@ def test_engine_only_replaces_the_engine_head_and_keeps_the_rest_byte_for_byte(
 
     monkeypatch.setattr(train_safety_gate, "cached_features", features)
     monkeypatch.setattr(train_safety_gate, "load_engine_training_replies", lambda wheels: [])
+    answers = [Example(f"answer {i}", BENIGN, "output", "benign_medquad_long") for i in range(100)]
+    monkeypatch.setattr(train_safety_gate, "calib_benign_outputs", lambda examples, wheels: answers)
+    monkeypatch.setattr(
+        train_safety_gate,
+        "engine_step_states",
+        lambda rows: [torch.randn(20, 576, generator=generator) for _ in rows],
+    )
     args = argparse.Namespace(
         out=out, version="test.1", wheels=tmp_path, target_fpr=0.01, weight_decays=[0.01]
     )
@@ -89,5 +96,7 @@ def test_engine_only_replaces_the_engine_head_and_keeps_the_rest_byte_for_byte(
     }
     assert rewritten.version == "test.1"
     assert rewritten.manifest.raw["heads"][PROMPT_HEAD] == shipped.manifest.raw["heads"][PROMPT_HEAD]
-    assert rewritten.manifest.raw["training"]["engine_head"]["script"].endswith("--engine-only")
+    record = rewritten.manifest.raw["training"]["engine_head"]
+    assert record["script"].endswith("--engine-only")
+    assert record["threshold"] >= record["threshold_prompts"]  # answers' steps may only raise it
     assert rewritten.head_weights(ENGINE_HEAD).weight.shape == shipped.head_weights(ENGINE_HEAD).weight.shape
