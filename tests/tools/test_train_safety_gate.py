@@ -81,7 +81,12 @@ def test_engine_only_replaces_the_engine_head_and_keeps_the_rest_byte_for_byte(
         lambda rows: [torch.randn(20, 576, generator=generator) for _ in rows],
     )
     args = argparse.Namespace(
-        out=out, version="test.1", wheels=tmp_path, target_fpr=0.01, weight_decays=[0.01]
+        out=out,
+        version="test.1",
+        wheels=tmp_path,
+        target_fpr=0.01,
+        weight_decays=[0.01],
+        engine_weight_decays=[0.01],
     )
     train_safety_gate.retrain_engine_head(examples, calib, {}, args)
 
