@@ -199,3 +199,43 @@ def test_concurrent_calls_of_a_tenant_lease_one_request_between_them(redis_url: 
             await limiter.close()
 
     assert round(asyncio.run(scenario())) == BURST - 1  # one lease out of five requests, not four
+
+
+def test_a_lease_held_past_its_hold_time_goes_back_on_its_own(redis_url: str) -> None:
+    """The expiry timer's callback (run here directly rather than waited for) returns the lease
+    to the bucket in the background, and the next call takes from the bucket again."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    requests_key = bucket_keys(tenant)[0]
+
+    async def scenario() -> list[object]:
+        limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
+        try:
+            await limiter.take_request(tenant, LIMITS)
+            await limiter.take_tokens(tenant, LIMITS, 1)
+            seen: list[object] = [limiter.holds_lease(tenant), round(_level(redis_url, requests_key))]
+            limiter._expire(tenant)  # what the timer calls when it fires
+            await asyncio.gather(*limiter._give_backs)
+            seen += [limiter.holds_lease(tenant), round(_level(redis_url, requests_key))]
+            await limiter.take_request(tenant, LIMITS)
+            return [*seen, round(_level(redis_url, requests_key))]
+        finally:
+            await limiter.close()
+
+    assert asyncio.run(scenario()) == [True, BURST - 2, False, BURST - 1, BURST - 2]
+
+
+def test_a_lease_is_spent_while_redis_is_down_and_its_give_back_only_logs() -> None:
+    """A lease needs no Redis to be spent; a give-back that cannot reach Redis logs and is dropped
+    (the bucket then misses that one request until it refills), and close() still returns."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> list[bool]:
+        limiter = RateLimiter("redis://127.0.0.1:9/0", timeout_s=0.2, lease_hold_s=60)
+        limits = TenantLimits(requests_per_s=0.001, burst_requests=BURST, on_redis_down="closed")
+        limiter._hold(tenant, limits)  # as a token charge that leased one before Redis went away
+        spent = await limiter.take_request(tenant, limits)
+        limiter._hold(tenant, limits)
+        await limiter.close()  # its give-back fails against the closed port
+        return [spent.is_admitted, spent.is_degraded, limiter.holds_lease(tenant)]
+
+    assert asyncio.run(scenario()) == [True, False, False]
