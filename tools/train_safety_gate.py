@@ -47,6 +47,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -138,7 +139,7 @@ ENGINE_STEP_TOKENS = 256  # tokens of each benign answer whose every step calibr
 
 
 @functools.cache
-def _engine_and_reference(device: str = "cpu") -> tuple[Any, Any]:
+def engine_and_reference(device: str = "cpu") -> tuple[Any, Any]:
     """The engine (its tokenizer, and its model for the parity check) and transformers' Llama on
     the same GGUF weights, loaded once per process."""
     from transformers import AutoModelForCausalLM
@@ -174,7 +175,7 @@ def engine_hidden_states(examples: list[Example], batch_size: int = 16, device: 
     ENGINE_PARITY_ROWS texts are run through the engine's own model as well (`_engine_states`)
     and must agree within ENGINE_PARITY_ATOL, so the head is trained on what the engine computes.
     """
-    engine, reference = _engine_and_reference(device)
+    engine, reference = engine_and_reference(device)
 
     def run(batch: list[list[int]]) -> torch.Tensor:
         ids, mask = _padded(batch, device)
@@ -197,7 +198,7 @@ def engine_step_states(
 ) -> list[torch.Tensor]:
     """Per text, the states `[T, E]` after each of its first ENGINE_STEP_TOKENS tokens: what the
     in-loop gate sees over the steps of an answer that generates this text."""
-    engine, reference = _engine_and_reference(device)
+    engine, reference = engine_and_reference(device)
     rows = [engine.tokenizer.encode(canonical(e.text))[:ENGINE_STEP_TOKENS] for e in examples]
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
     states: list[torch.Tensor] = [torch.empty(0)] * len(rows)
@@ -216,32 +217,6 @@ def engine_step_threshold(head: HeadWeights, answers: list[torch.Tensor], target
     states, `engine_step_states`) fire at any step in any category; 1 (never fires) if none is."""
     top = torch.stack([gate_scores(steps, head).max() for steps in answers]).sort(descending=True).values
     return min(1.0, float(top[int(target_fpr * len(top))]) + 1e-6)
-
-
-def fit_engine_head(
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    splits: Splits,
-    calib_features: torch.Tensor,
-    answers: list[torch.Tensor],
-    args: argparse.Namespace,
-) -> tuple[HeadWeights, float, float, float]:
-    """`fit_head` for the engine head, whose threshold is the larger of the prompts' and the
-    answers' (every step); the weight decay is chosen by calibration recall at that threshold.
-    Returns weights, threshold, the prompts' threshold and the weight decay chosen."""
-    best: tuple[float, HeadWeights, float, float, float] | None = None
-    for weight_decay in args.engine_weight_decays:
-        weights = train_head(features[splits.train], labels[splits.train], weight_decay)
-        prompt_threshold = calibrate(weights, calib_features, args.target_fpr)
-        threshold = max(prompt_threshold, engine_step_threshold(weights, answers, args.target_fpr))
-        scores = gate_scores(features[splits.calib_harmful], weights)
-        recall = float((scores >= threshold).any(dim=1).float().mean()) if threshold < 1 else 0.0
-        print(f"  weight decay {weight_decay:g}: threshold {threshold:.4f} (prompts {prompt_threshold:.4f}), "
-              f"calib recall {recall:.3f}")  # fmt: skip
-        if best is None or recall > best[0]:
-            best = (recall, weights, threshold, prompt_threshold, weight_decay)
-    assert best is not None
-    return best[1], best[2], best[3], best[4]
 
 
 def _engine_states(engine: Any, batch: list[list[int]], device: str) -> torch.Tensor:
@@ -310,17 +285,15 @@ def cached_features(head: str, examples: list[Example], cache_dir: Path) -> Any:
     return features
 
 
-def head_training_set(
-    head: str, examples: list[Example], wheels: dict[str, Path], cache_dir: Path
+def engine_training_set(
+    examples: list[Example], wheels: dict[str, Path], cache_dir: Path
 ) -> tuple[list[Example], torch.Tensor]:
-    """A head's training rows and their features: every example, and for the engine head also
-    the benign replies of `load_engine_training_replies` (its in-loop gate reads the states of
-    generated text, of which the examples hold few benign ones)."""
-    features = cached_features(head, examples, cache_dir)
-    if head != ENGINE_HEAD:
-        return examples, features
+    """The engine head's training rows and their features: every example, and the benign replies
+    of `load_engine_training_replies` (its in-loop gate reads the states of generated text, of
+    which the examples hold few benign ones)."""
     replies = load_engine_training_replies(wheels)
-    return examples + replies, torch.cat([features, cached_features(head, replies, cache_dir)])
+    features = [cached_features(ENGINE_HEAD, rows, cache_dir) for rows in (examples, replies)]
+    return examples + replies, torch.cat(features)
 
 
 def train_head(features: torch.Tensor, labels: torch.Tensor, weight_decay: float) -> HeadWeights:
@@ -401,16 +374,22 @@ def fit_head(
     splits: Splits,
     calib_benign: torch.Tensor,
     args: argparse.Namespace,
+    weight_decays: list[float] | None = None,
+    threshold_floor: Callable[[HeadWeights], float] | None = None,
 ) -> tuple[HeadWeights, float, float]:
-    """Trains one head per weight decay; keeps the one with the best calibration-split recall
-    at its calibrated threshold (the test split is never looked at). Returns weights, threshold
-    and the weight decay chosen."""
+    """Trains one head per weight decay (`args.weight_decays` unless given); keeps the one with
+    the best calibration-split recall at its calibrated threshold (the test split is never looked
+    at): the level that at most `target_fpr` of `calib_benign` reach, raised to `threshold_floor`
+    of the weights when given. A threshold of 1 never fires. Returns weights, threshold and the
+    weight decay chosen."""
     best: tuple[float, HeadWeights, float, float] | None = None
-    for weight_decay in args.weight_decays:
+    for weight_decay in args.weight_decays if weight_decays is None else weight_decays:
         weights = train_head(features[splits.train], labels[splits.train], weight_decay)
         threshold = calibrate(weights, calib_benign, args.target_fpr)
+        if threshold_floor is not None:
+            threshold = max(threshold, threshold_floor(weights))
         scores = gate_scores(features[splits.calib_harmful], weights)
-        recall = float((scores >= threshold).any(dim=1).float().mean())
+        recall = float((scores >= threshold).any(dim=1).float().mean()) if threshold < 1 else 0.0
         print(f"  weight decay {weight_decay:g}: threshold {threshold:.4f}, calib recall {recall:.3f}")
         if best is None or recall > best[0]:
             best = (recall, weights, threshold, weight_decay)
@@ -554,15 +533,39 @@ def carried_parts(
     return tensors, entries
 
 
-def step_calibration(prompt_threshold: float, threshold: float, answers: list[Example]) -> dict:
-    """The manifest's record of the engine head's two calibrations (its threshold is the larger)."""
-    return {
-        "threshold_prompts": round(prompt_threshold, 6),
+class EngineFit(NamedTuple):
+    """The engine head as `train_engine_head` fitted it, with the manifest's record of how."""
+
+    weights: HeadWeights
+    threshold: float
+    weight_decay: float
+    record: dict[str, object]  # its two calibrations
+
+
+def train_engine_head(
+    examples: list[Example], calib_prompts: list[Example], wheels: dict[str, Path], args: argparse.Namespace
+) -> EngineFit:
+    """The engine head on its training set (`engine_training_set`), its threshold the larger of the
+    prompts' (`calibrate` on `calib_prompts`) and the answers' (every step of the benign
+    calibration outputs, `engine_step_threshold`), the weight decay chosen at that threshold."""
+    rows, features = engine_training_set(examples, wheels, args.wheels / "features")
+    labels = torch.tensor([label_index(e.label) for e in rows])
+    calib_features = cached_features(ENGINE_HEAD, calib_prompts, args.wheels / "features")
+    answers = calib_benign_outputs(examples, wheels)
+    states = engine_step_states(answers)
+    weights, threshold, decay = fit_head(
+        features, labels, Splits.of(rows), calib_features, args, args.engine_weight_decays,
+        lambda head: engine_step_threshold(head, states, args.target_fpr),
+    )  # fmt: skip
+    record = {
+        "threshold_prompts": round(calibrate(weights, calib_features, args.target_fpr), 6),
         "threshold": round(threshold, 6),
         "answer_steps": f"{len(answers)} benign calibration outputs (the prompt head's output calibration "
         f"set), every step of their first {ENGINE_STEP_TOKENS} tokens: at most the target FPR of "
         "answers fire at any step",
     }
+    print(f"{ENGINE_HEAD} head: weight decay {decay:g}, threshold {threshold:.4f}", flush=True)
+    return EngineFit(weights, threshold, decay, record)
 
 
 def retrain_engine_head(
@@ -572,14 +575,7 @@ def retrain_engine_head(
     calibrated as `main` does it, and everything else (the prompt head and its thresholds, the
     attack heads, the encoder adapters) kept byte for byte."""
     gate = load_gate(args.out)
-    rows, features = head_training_set(ENGINE_HEAD, examples, wheels, args.wheels / "features")
-    labels = torch.tensor([label_index(e.label) for e in rows])
-    calib_features = cached_features(ENGINE_HEAD, calib_prompts, args.wheels / "features")
-    answers = calib_benign_outputs(examples, wheels)
-    answer_states = engine_step_states(answers)
-    fit = fit_engine_head(features, labels, Splits.of(rows), calib_features, answer_states, args)
-    weights, threshold, prompt_threshold, decay = fit
-    print(f"{ENGINE_HEAD} head: weight decay {decay:g}, threshold {threshold:.4f}", flush=True)
+    weights, threshold, decay, record = train_engine_head(examples, calib_prompts, wheels, args)
     document = {key: value for key, value in gate.manifest.raw.items() if key not in ("format", "sha256")}
     document["version"] = args.version
     document["heads"] = document["heads"] | {
@@ -598,7 +594,7 @@ def retrain_engine_head(
             "weight_decays_tried": args.engine_weight_decays,
             "wheels": {WHEELS[name]: wheel_sha256(path) for name, path in wheels.items()},
         }
-        | step_calibration(prompt_threshold, threshold, answers)
+        | record
     }
     if isinstance(document["training"].get("weight_decay"), dict):  # the full run's record, per head
         document["training"]["weight_decay"] = document["training"]["weight_decay"] | {ENGINE_HEAD: decay}
@@ -623,24 +619,21 @@ def main() -> None:
     if args.engine_only:
         retrain_engine_head(examples, calib_prompts, wheels, args)
         return
-    tensors, thresholds, decays, fitted = {}, {}, {}, {}
-    engine_record: dict[str, object] = {}
-    for head in (PROMPT_HEAD, ENGINE_HEAD):
-        rows, features = head_training_set(head, examples, wheels, args.wheels / "features")
-        labels = torch.tensor([label_index(e.label) for e in rows])
-        calib_features = cached_features(head, calib_prompts, args.wheels / "features")
-        if head == ENGINE_HEAD:
-            answers = calib_benign_outputs(examples, wheels)
-            answer_states = engine_step_states(answers)
-            fit = fit_engine_head(features, labels, Splits.of(rows), calib_features, answer_states, args)
-            fitted[head], thresholds[head], prompt_threshold, decays[head] = fit
-            engine_record = step_calibration(prompt_threshold, thresholds[head], answers)
-        else:
-            fitted[head], thresholds[head], decays[head] = fit_head(
-                features, labels, Splits.of(rows), calib_features, args
-            )
-        tensors |= {f"{head}.weight": fitted[head].weight, f"{head}.bias": fitted[head].bias}
-        print(f"{head} head: weight decay {decays[head]:g}, threshold {thresholds[head]:.4f}", flush=True)
+    prompt_weights, prompt_threshold, prompt_decay = fit_head(
+        cached_features(PROMPT_HEAD, examples, args.wheels / "features"),
+        torch.tensor([label_index(e.label) for e in examples]),
+        Splits.of(examples),
+        cached_features(PROMPT_HEAD, calib_prompts, args.wheels / "features"),
+        args,
+    )
+    print(f"{PROMPT_HEAD} head: weight decay {prompt_decay:g}, threshold {prompt_threshold:.4f}")
+    engine = train_engine_head(examples, calib_prompts, wheels, args)
+    fitted = {PROMPT_HEAD: prompt_weights, ENGINE_HEAD: engine.weights}
+    thresholds = {PROMPT_HEAD: prompt_threshold, ENGINE_HEAD: engine.threshold}
+    decays = {PROMPT_HEAD: prompt_decay, ENGINE_HEAD: engine.weight_decay}
+    tensors = {
+        f"{head}.{part}": getattr(w, part) for head, w in fitted.items() for part in ("weight", "bias")
+    }
     outputs = calib_benign_outputs(examples, wheels)
     prompt_sources = {e.source: sum(c.source == e.source for c in calib_prompts) for e in calib_prompts}
     calibration = Calibration(
@@ -650,7 +643,7 @@ def main() -> None:
     engine_hidden_size = fitted[ENGINE_HEAD].weight.shape[1]
     carried_tensors, carried_manifest = carried_parts(args.out)
     gate_manifest = manifest(calibration, engine_hidden_size, decays, wheels, args) | carried_manifest
-    gate_manifest["training"]["engine_head"] = engine_record
+    gate_manifest["training"]["engine_head"] = engine.record
     digest = write_gate(args.out, tensors | carried_tensors, gate_manifest)
     print(f"wrote {args.out} (sha256 {digest}, {args.out.stat().st_size} bytes)")
     print(json.dumps(thresholds))

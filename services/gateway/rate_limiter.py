@@ -188,11 +188,8 @@ class RateLimiter:
         return RateDecision(is_admitted=bool(admitted), retry_after_ms=int(wait_ms))
 
     def _hold(self, tenant: str, limits: TenantLimits) -> None:
-        """Keeps a leased request for `lease_hold_s`; a second one (two calls leased at once) goes
-        straight back."""
-        if tenant in self._leases:
-            self._give_back_soon(tenant, limits)
-            return
+        """Keeps a leased request for `lease_hold_s` (`take_tokens` asks for one only when none
+        is held or asked for)."""
         expiry = asyncio.get_running_loop().call_later(self._lease_hold_s, self._expire, tenant)
         self._leases[tenant] = _Lease(limits, expiry)
 

@@ -92,6 +92,13 @@ def _level(url: str, key: str) -> float:
     return float(redis.Redis.from_url(url).hget(key, "level") or "nan")
 
 
+async def _call(limiter: RateLimiter, tenant: str, limits: TenantLimits = LIMITS) -> None:
+    """One call as the gatekeeper charges it: its request, then its prompt's token (which leases
+    a request for the next call when the limiter leases)."""
+    await limiter.take_request(tenant, limits)
+    await limiter.take_tokens(tenant, limits, 1)
+
+
 def test_a_lease_is_taken_from_the_bucket_and_spent_without_redis(redis_url: str) -> None:
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     requests_key = bucket_keys(tenant)[0]
@@ -142,8 +149,7 @@ def test_a_lease_not_spent_goes_back_to_the_bucket(redis_url: str) -> None:
     async def scenario() -> list[float]:
         limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
         try:
-            await limiter.take_request(tenant, LIMITS)
-            await limiter.take_tokens(tenant, LIMITS, 1)
+            await _call(limiter, tenant)
             levels = [_level(redis_url, requests_key)]
         finally:
             await limiter.close()  # gives held leases back, as a gateway that stops does
@@ -160,8 +166,7 @@ def test_a_full_bucket_takes_no_more_back_than_its_burst(redis_url: str) -> None
     async def scenario() -> float:
         limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
         try:
-            await limiter.take_request(tenant, LIMITS)
-            await limiter.take_tokens(tenant, LIMITS, 1)
+            await _call(limiter, tenant)
             _idle(redis_url, requests_key, 10 * 3600)  # refilled to the burst while the lease is held
         finally:
             await limiter.close()
@@ -177,8 +182,7 @@ def test_no_lease_is_taken_from_the_last_request_in_the_bucket(redis_url: str) -
     async def scenario() -> list[bool]:
         limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
         try:
-            await limiter.take_request(tenant, limits)  # leaves 1
-            await limiter.take_tokens(tenant, limits, 1)
+            await _call(limiter, tenant, limits)  # leaves 1
             return [limiter.holds_lease(tenant), (await limiter.take_request(tenant, limits)).is_admitted]
         finally:
             await limiter.close()
@@ -210,8 +214,7 @@ def test_a_lease_held_past_its_hold_time_goes_back_on_its_own(redis_url: str) ->
     async def scenario() -> list[object]:
         limiter = RateLimiter(redis_url, timeout_s=2.0, lease_hold_s=60)
         try:
-            await limiter.take_request(tenant, LIMITS)
-            await limiter.take_tokens(tenant, LIMITS, 1)
+            await _call(limiter, tenant)
             seen: list[object] = [limiter.holds_lease(tenant), round(_level(redis_url, requests_key))]
             limiter._expire(tenant)  # what the timer calls when it fires
             await asyncio.gather(*limiter._give_backs)
