@@ -413,9 +413,18 @@ class Splits(NamedTuple):
 
 
 def git_commit() -> str:
-    """The commit the gate was trained at."""
+    """The commit the gate was trained at, `+dirty` when tracked files other than the gate's own
+    (which the gate tools rewrite in turn) differ from it: the manifest then names code that no
+    commit holds."""
     result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
+    commit = result.stdout.strip() or "unknown"
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!services/safety/gates"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return f"{commit}+dirty" if changed else commit
 
 
 def head_entry(threshold: float, features: dict[str, object]) -> dict[str, object]:

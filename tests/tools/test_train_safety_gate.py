@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,29 @@ def test_engine_only_replaces_the_engine_head_and_keeps_the_rest_byte_for_byte(
     assert record["script"].endswith("--engine-only")
     assert record["threshold"] >= record["threshold_prompts"]  # answers' steps may only raise it
     assert rewritten.head_weights(ENGINE_HEAD).weight.shape == shipped.head_weights(ENGINE_HEAD).weight.shape
+
+
+def test_the_recorded_commit_says_when_code_differs_from_it(tmp_path: Path, monkeypatch) -> None:
+    """A gate trained from uncommitted code names its commit `+dirty`; a rewritten gate file
+    alone (the gate tools rewrite it in turn) does not count."""
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "test@example.invalid")
+    git("config", "user.name", "test")
+    gates = tmp_path / "services" / "safety" / "gates"
+    gates.mkdir(parents=True)
+    (gates / "gate.json").write_text("{}")
+    (tmp_path / "tool.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    monkeypatch.setattr(train_safety_gate, "REPO", tmp_path)
+    clean = train_safety_gate.git_commit()
+    assert clean and not clean.endswith("+dirty") and clean != "unknown"
+
+    (gates / "gate.json").write_text('{"version": "new"}')
+    assert train_safety_gate.git_commit() == clean
+    (tmp_path / "tool.py").write_text("x = 2\n")
+    assert train_safety_gate.git_commit() == clean + "+dirty"
