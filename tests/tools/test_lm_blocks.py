@@ -1,5 +1,5 @@
-"""The gate's second encoder: our forward of a Llama's first blocks against transformers' own, its
-windows, and LoRA factors folded into the weights."""
+"""bench/lm_blocks.py: our forward of a Llama's first blocks against transformers' own, LoRA
+factors folded into the weights, and bench/safety_lm_finetune.py's GGUF dequantizers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.safety.lm_encoder import LlamaBlocks, framed_windows, padded, pooled, read_gguf_blocks
+from bench.lm_blocks import LlamaBlocks, padded, pooled, read_gguf_blocks
 from tests.engine.conftest import STORIES_DIR
 
 
@@ -59,13 +59,18 @@ def test_merged_lora_factors_equal_the_factors_applied_on_the_fly(stories_gguf: 
         assert not torch.allclose(LlamaBlocks(shape, tensors, 2)(ids), changed, atol=1e-3)
 
 
-def test_a_long_text_is_scored_in_framed_half_overlapping_windows() -> None:
-    head, tail = [100, 101], [102]
-    assert framed_windows(list(range(5)), head, tail, 16) == [head + list(range(5)) + tail]
-    body = list(range(30))
-    rows = framed_windows(body, head, tail, 13)  # 10 body tokens a window, stride 5
-    assert all(r[:2] == head and r[-1:] == tail and len(r) == 13 for r in rows)
-    assert [r[2] for r in rows] == [0, 5, 10, 15, 20]  # the last window ends at the text's end
-    assert rows[-1][2:-1] == body[-10:]
-    with pytest.raises(ValueError, match="no room"):
-        framed_windows(body, head, tail, 8)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F32"])
+def test_the_benchs_dequantizers_match_gguf(qtype: str) -> None:
+    """The GPU run rebuilds the trunk from raw GGUF blocks without the gguf package."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from bench.safety_lm_finetune import dequantize as ours
+
+    kind = GGMLQuantizationType[qtype]
+    values = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    raw = quantize(values, kind)
+    torch.testing.assert_close(
+        ours(raw, int(kind), (6, 64)), torch.from_numpy(dequantize(raw, kind).reshape(6, 64))
+    )
