@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from bench.lm_blocks import FRAME_HEAD, FRAME_TAIL, PROJECTIONS, LlamaBlocks, LlamaShape, unpermute_rope  # noqa: E402
 
 NUM_CLASSES = 7  # benign + tools/safety_data.py CATEGORIES, in label_index order
+LABELS = ("benign", "violence", "self_harm", "sexual", "hate", "cyber", "crime")  # label_index order
 # The calibration rule of tools/calibrate_safety_gate.py, for one harm score.
 SENSITIVE_LIMIT = 0.03
 ORDINARY_LIMIT = 0.01
@@ -165,9 +166,6 @@ def export(directory: Path, wheels_dir: Path, num_blocks: int, max_tokens: int) 
     size = sum(f.stat().st_size for f in directory.iterdir())
     print(f"{len(rows)} texts ({len(train)} training), {len(used)} token types, {ids.size} tokens; "
           f"{size / 2**20:.1f} MiB in {directory}")  # fmt: skip
-
-
-LABELS = ("benign", "violence", "self_harm", "sexual", "hate", "cyber", "crime")
 
 
 # ---------------------------------------------------------------- the trunk (any machine)
