@@ -91,8 +91,8 @@ NOT_MEASURED = [
     "- prompt injection beyond BIPIA's emails and llm-guard's tests: tool outputs, web pages, retrieved "
     "documents in agent loops",
     "- non-English text; identity statements only as a (hand-written) calibration source, not held out",
-    "- the in-loop engine head: carried over unchanged from gate 2026.12.01.3, trained on the old "
-    "split by example (its SmolLM2 features take about an hour of this CPU; tests/engine/gate covers it)",
+    "- the in-loop engine head: bench/safety_engine_head.py reads it on the held-out sources, at every "
+    "step of whole answers (`--answers`)",
 ]
 
 
