@@ -396,18 +396,18 @@ def calibrated_threshold(info: list[dict], harm: torch.Tensor) -> float:
 def shipped_margins(directory: Path, wheels_dir: Path) -> dict[str, torch.Tensor]:
     """The shipped gate's harm margin and whole-screen verdict for every scored text, screened as
     the service screens it (prompts against the prompt thresholds, outputs against the output
-    ones); cached beside the export."""
-    cache = directory / "shipped.pt"
-    if cache.exists():
-        return torch.load(cache)
+    ones); cached beside the export, by the gate's sha256."""
     from bench.safety_eval import judge
     from services.common.gate_file import load_gate
     from services.safety.classifier import TextClassifier
     from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
     from services.safety.embedder import MiniLMEmbedder
 
-    _, rows = eval_rows(wheels_dir)
     gate = load_gate(DEFAULT_GATE)
+    cache = directory / f"shipped-{gate.sha256[:12]}.pt"
+    if cache.exists():
+        return torch.load(cache)
+    _, rows = eval_rows(wheels_dir)
     classifier = TextClassifier(gate, MiniLMEmbedder.for_gate(gate), max_windows=DEFAULT_MAX_WINDOWS)
     margin, screen = torch.full((len(rows),), float("nan")), torch.zeros(len(rows), dtype=torch.bool)
     for kind in ("prompt", "output"):
@@ -448,7 +448,7 @@ def compare(directory: Path, out: Path, wheels_dir: Path) -> None:
     shipped = shipped_margins(directory, wheels_dir)
     offset = len(meta["rows"]) - len(info)
     if shipped["sha"] != [r["sha"] for r in meta["rows"][offset:]]:
-        raise ValueError("shipped.pt was written for another export")
+        raise ValueError(f"the cached shipped-gate scores in {directory} were written for another export")
     role = [r["role"] for r in info]
     source = [r["source"] for r in info]
 
