@@ -10,14 +10,10 @@ this forward to transformers' Llama on the same weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-TENSOR_PREFIX = "lm."
 FRAME_HEAD = "<|im_start|>user\n"
 FRAME_TAIL = "<|im_end|>\n<|im_start|>assistant\n"
 PROJECTIONS = {  # our short name -> the GGUF tensor's
@@ -44,64 +40,18 @@ class LlamaShape:
 
 
 def unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp's interleaved-RoPE row order of a Q or K projection back to the half-split one."""
+    """llama.cpp's interleaved-RoPE row order of a Q or K projection back to the half-split one.
+
+    The engine's loader has the same function; this copy serves bench/safety_lm_finetune.py's
+    `run`, which rebuilds the trunk on a GPU machine that has neither gguf nor the engine's deps."""
     out_features, in_features = weight.shape
     half = out_features // num_heads // 2
     return weight.reshape(num_heads, half, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
 
 
-def read_gguf_blocks(path: Path, num_blocks: int) -> tuple[LlamaShape, dict[str, torch.Tensor], Any]:
-    """The shape, the fp32 tensors `embed`, `<b>.attn_norm`, `<b>.ffn_norm`, `<b>.<proj>` (`[out,
-    in]`, Q and K in half-split RoPE order) of the first `num_blocks` blocks, and the GGUF reader
-    (its tokenizer metadata)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    from services.engine.model.gguf.loader import gguf_model_config
-    from services.engine.model.gguf.metadata import GGUFMetadata
-
-    reader = GGUFReader(str(path))
-    config = gguf_model_config(GGUFMetadata(reader))  # the engine's reading of the same metadata
-    shape = LlamaShape(
-        hidden=config.hidden_size,
-        heads=config.num_heads,
-        kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        rope_theta=config.rope_theta,
-        eps=config.rms_norm_eps,
-    )
-    if config.rope_scaling.rope_type not in ("default", "linear") or (
-        config.rope_scaling.rope_type == "linear" and config.rope_scaling.factor != 1.0
-    ):
-        raise ValueError(f"{path.name}: scaled RoPE is not supported by the safety encoder")
-    if num_blocks > config.num_layers:
-        raise ValueError(f"the gate reads {num_blocks} blocks; {path.name} has {config.num_layers}")
-    wanted = {"token_embd.weight": "embed"}
-    for b in range(num_blocks):
-        wanted |= {f"blk.{b}.{n}.weight": f"{b}.{n}" for n in ("attn_norm", "ffn_norm")}
-        wanted |= {f"blk.{b}.{g}.weight": f"{b}.{p}" for p, g in PROJECTIONS.items()}
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        if tensor.name not in wanted:
-            continue
-        values = dequantize(tensor.data, tensor.tensor_type)
-        dims = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the innermost first
-        weight = torch.from_numpy(np.array(values, dtype=np.float32, copy=True).reshape(dims))
-        name = wanted[tensor.name]
-        if name.endswith(".q"):
-            weight = unpermute_rope(weight, shape.heads)
-        elif name.endswith(".k"):
-            weight = unpermute_rope(weight, shape.kv_heads)
-        tensors[name] = weight
-    missing = sorted(set(wanted.values()) - set(tensors))
-    if missing:
-        raise ValueError(f"{path.name} lacks tensors {missing[:4]}")
-    return shape, tensors, reader
-
-
 class LlamaBlocks(torch.nn.Module):
     """The embedding and first blocks of a Llama, frozen, with optional LoRA factors per projection
-    (trained by tools/train_lm_prompt_head.py; merged into the weights for serving)."""
+    (`rank` > 0: `A` small random, `B` zero, so training starts from the model as it is)."""
 
     def __init__(
         self,
@@ -137,26 +87,6 @@ class LlamaBlocks(torch.nn.Module):
         self.frozen = {k: v.to(device) for k, v in self.frozen.items()}
         self.inv_freq = self.inv_freq.to(device)
         return self.to(device)
-
-    def lora_tensors(self) -> dict[str, torch.Tensor]:
-        """The factors as the gate stores them: `lm.lora.<block>.<proj>.a` / `.b`."""
-        return {
-            f"{TENSOR_PREFIX}lora.{b}.{p}.{side}": self.lora[f"{b}_{p}_{side}"].detach()
-            for b in range(self.num_blocks)
-            for p in PROJECTIONS
-            for side in "ab"
-        }
-
-    def merge(self, lora: dict[str, torch.Tensor], rank: int, alpha: float) -> None:
-        """Folds stored factors (`lora_tensors()`'s names) into the frozen weights."""
-        for b in range(self.num_blocks):
-            for p in PROJECTIONS:
-                a, bb = lora.get(f"{TENSOR_PREFIX}lora.{b}.{p}.a"), lora.get(f"{TENSOR_PREFIX}lora.{b}.{p}.b")
-                if a is None or bb is None:
-                    raise ValueError(f"the gate lacks LoRA factors of block {b}'s {p} projection")
-                weight = self.frozen[f"{b}.{p}"]
-                delta = (alpha / rank) * (bb.float() @ a.float())
-                self.frozen[f"{b}.{p}"] = (weight.float() + delta).to(weight.dtype)
 
     def _linear(self, x: torch.Tensor, block: int, proj: str) -> torch.Tensor:
         y = x @ self.frozen[f"{block}.{proj}"].T
@@ -194,12 +124,6 @@ class LlamaBlocks(torch.nn.Module):
             h = self._norm(x, self.frozen[f"{b}.ffn_norm"])
             x = x + self._linear(F.silu(self._linear(h, b, "gate")) * self._linear(h, b, "up"), b, "down")
         return x
-
-
-def pooled(states: torch.Tensor, lengths: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-    """Each row's state at its last real position (where the answer starts), RMS-normed `[B, H]`."""
-    last = states[torch.arange(len(states), device=states.device), lengths - 1].float()
-    return last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight
 
 
 def padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,11 +172,13 @@ def smoothing_lines(examples: list[Example], wheels: dict[str, Path], head, wind
         return [torch.logit(gate_scores(s, head).clamp(1e-6, 1 - 1e-6)) - limit for s in states]
 
     test = [e for e in examples if e.split == TEST and e.kind == "output"]
-    sets = {
-        "calibration": margins(engine_step_states(calib_benign_outputs(examples, wheels))),
-        "harmful": margins(engine_step_states([e for e in test if e.label != BENIGN])),
-        "safe": margins(engine_step_states([e for e in test if e.label == BENIGN])),
+    texts = {
+        "calibration": calib_benign_outputs(examples, wheels),
+        "harmful": [e for e in test if e.label != BENIGN],
+        "safe": [e for e in test if e.label == BENIGN],
     }
+    states = iter(margins(engine_step_states([e for group in texts.values() for e in group])))  # one load
+    sets = {name: [next(states) for _ in group] for name, group in texts.items()}
     lines = [
         "",
         f"Moving average of the margins over K steps (every step of the first {ENGINE_STEP_TOKENS} tokens,"

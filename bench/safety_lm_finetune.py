@@ -38,7 +38,15 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.lm_blocks import FRAME_HEAD, FRAME_TAIL, PROJECTIONS, LlamaBlocks, LlamaShape, unpermute_rope  # noqa: E402
+from bench.lm_blocks import (  # noqa: E402
+    FRAME_HEAD,
+    FRAME_TAIL,
+    PROJECTIONS,
+    LlamaBlocks,
+    LlamaShape,
+    padded,
+    unpermute_rope,
+)
 
 NUM_CLASSES = 7  # benign + tools/safety_data.py CATEGORIES, in label_index order
 LABELS = ("benign", "violence", "self_harm", "sexual", "hate", "cyber", "crime")  # label_index order
@@ -269,14 +277,6 @@ def batches(
     return out
 
 
-def padded(rows: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    for j, r in enumerate(rows):
-        ids[j, : len(r)] = torch.from_numpy(r.astype(np.int64))
-    return ids.to(device), torch.tensor([len(r) for r in rows], device=device)
-
-
 def run(
     directory: Path, out: Path, epochs: int, only: list[str] | None, batch_tokens: int, smoke: bool
 ) -> None:
@@ -285,7 +285,7 @@ def run(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta = json.loads((directory / "meta.json").read_text())
     ids, offsets = np.load(directory / "ids.npy"), np.load(directory / "offsets.npy")
-    rows = [ids[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+    rows = [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
     lengths = [len(r) for r in rows]
     arrays = dict(np.load(directory / "trunk.npz"))
     info = meta["rows"]
@@ -321,7 +321,7 @@ def run(
         step, losses = 0, []
         for epoch, epoch_batches in enumerate(plan):
             for batch in epoch_batches:
-                x, n = padded([rows[i] for i in batch], device)
+                x, n = (t.to(device) for t in padded([rows[i] for i in batch]))
                 with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
                     logits = model(x, n)
                 loss = F.cross_entropy(logits.float(), labels[batch], weight=class_weight)
@@ -337,7 +337,7 @@ def run(
         probs = torch.zeros(len(info), NUM_CLASSES)
         with torch.inference_mode():
             for batch in batches(lengths, scored, batch_tokens * 4, None):
-                x, n = padded([rows[i] for i in batch], device)
+                x, n = (t.to(device) for t in padded([rows[i] for i in batch]))
                 with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
                     probs[batch] = model(x, n).float().softmax(-1).cpu()
         results["variants"][name] = {
@@ -422,12 +422,6 @@ def shipped_margins(directory: Path, wheels_dir: Path) -> dict[str, torch.Tensor
     return out
 
 
-def roc_auc(positive: torch.Tensor, negative: torch.Tensor) -> float:
-    """P(a positive outscores a negative), ties counting half."""
-    greater = (positive[:, None] > negative[None, :]).float().mean()
-    return float(greater + 0.5 * (positive[:, None] == negative[None, :]).float().mean())
-
-
 def oracle_recall(positive: torch.Tensor, negative: torch.Tensor, fpr: float) -> float:
     """Recall with the threshold where the negatives give `fpr` (chosen on the test set)."""
     threshold = negative.sort(descending=True).values[math.floor(fpr * len(negative))]
@@ -440,6 +434,8 @@ def rate(mask: torch.Tensor) -> str:
 
 def compare(directory: Path, out: Path, wheels_dir: Path) -> None:
     """Prints the markdown tables: each variant at the calibration rule, beside the shipped gate."""
+    from bench.safety_eval import roc_auc
+
     meta = json.loads((directory / "meta.json").read_text())
     results = torch.load(out / "scores.pt")
     info = [r for r in meta["rows"] if r["role"] != "train"]
@@ -467,51 +463,44 @@ def compare(directory: Path, out: Path, wheels_dir: Path) -> None:
     out_replies = where(lambda r: r["role"] == "test_output" and r["source"] == "sharegpt/replies")
     output_calib = where(lambda r: r["role"].startswith("calib") and r["source"] in
                          ("benign_medquad_long", "benign_project_docs", "benign_stdlib_code"))  # fmt: skip
-    columns: dict[str, dict[str, str]] = {}
+
+    def column(score: torch.Tensor, block: torch.Tensor, out_block: torch.Tensor) -> dict[str, str]:
+        """One screen's figures: its prompt `block` and output `out_block` decisions, and `score`
+        (higher is more harmful) for the AUC and the oracle recalls."""
+        col = {
+            "recall": rate(block[harmful]),
+            "FPR": rate(block[benign]),
+            "AUC": f"{roc_auc(score[harmful], score[benign]):.3f}",
+            "oracle 1%": f"{100 * oracle_recall(score[harmful], score[benign], 0.01):.1f}%",
+            "oracle 5%": f"{100 * oracle_recall(score[harmful], score[benign], 0.05):.1f}%",
+        }
+        col |= {name: rate(block[of_source(name, is_harmful)]) for name, is_harmful in per_source}
+        col |= {name: rate(block[where(lambda r, n=name: r["source"] == n)]) for name in extra}
+        return col | {
+            "outputs: PyRIT harmful (recall)": rate(out_block[out_harm]),
+            "outputs: ShareGPT replies (FPR)": rate(out_block[out_replies]),
+            "outputs AUC": f"{roc_auc(score[out_harm], score[out_replies]):.3f}",
+        }
+
     margin = shipped["margin"]
-    ship_block = margin >= 0  # the harm categories' own decision
-    col = {
-        "threshold": "its calibrated per-category thresholds",
-        "recall": rate(ship_block[harmful]),
-        "FPR": rate(ship_block[benign]),
-        "AUC": f"{roc_auc(margin[harmful], margin[benign]):.3f}",
-        "oracle 1%": f"{100 * oracle_recall(margin[harmful], margin[benign], 0.01):.1f}%",
-        "oracle 5%": f"{100 * oracle_recall(margin[harmful], margin[benign], 0.05):.1f}%",
+    ship_block = margin >= 0  # the harm categories' own decision, on prompts and on outputs alike
+    columns = {
+        f"shipped gate {shipped['gate']} (MiniLM, LoRA, windows)": {
+            "threshold": "its calibrated per-category thresholds"
+        }
+        | column(margin, ship_block, ship_block)
     }
-    for name, is_harmful in per_source:
-        col[name] = rate(ship_block[of_source(name, is_harmful)])
-    for name in extra:
-        col[name] = rate(ship_block[where(lambda r, n=name: r["source"] == n)])
-    col["outputs: PyRIT harmful (recall)"] = rate(ship_block[out_harm])
-    col["outputs: ShareGPT replies (FPR)"] = rate(ship_block[out_replies])
-    col["outputs AUC"] = f"{roc_auc(margin[out_harm], margin[out_replies]):.3f}"
-    columns[f"shipped gate {shipped['gate']} (MiniLM, LoRA, windows)"] = col
     for name, variant in results["variants"].items():
         harm = 1 - variant["probs"][:, 0].float()
         threshold = calibrated_threshold(info, harm)
         block = harm >= threshold
-        out_threshold = (
-            float(harm[output_calib].sort(descending=True).values[math.floor(0.01 * len(output_calib))])
-            + 1e-6
+        ranked = harm[output_calib].sort(descending=True).values
+        out_threshold = float(ranked[math.floor(0.01 * len(ranked))]) + 1e-6
+        columns[name] = (
+            {"threshold": f"{threshold:.4f}"}
+            | column(harm, block, harm >= out_threshold)
+            | {"training": f"{variant['steps']} steps, {variant['train_seconds']} s"}
         )
-        col = {
-            "threshold": f"{threshold:.4f}",
-            "recall": rate(block[harmful]),
-            "FPR": rate(block[benign]),
-            "AUC": f"{roc_auc(harm[harmful], harm[benign]):.3f}",
-            "oracle 1%": f"{100 * oracle_recall(harm[harmful], harm[benign], 0.01):.1f}%",
-            "oracle 5%": f"{100 * oracle_recall(harm[harmful], harm[benign], 0.05):.1f}%",
-        }
-        for src, is_harmful in per_source:
-            col[src] = rate(block[of_source(src, is_harmful)])
-        for src in extra:
-            col[src] = rate(block[where(lambda r, n=src: r["source"] == n)])
-        out_block = harm >= out_threshold
-        col["outputs: PyRIT harmful (recall)"] = rate(out_block[out_harm])
-        col["outputs: ShareGPT replies (FPR)"] = rate(out_block[out_replies])
-        col["outputs AUC"] = f"{roc_auc(harm[out_harm], harm[out_replies]):.3f}"
-        col["training"] = f"{variant['steps']} steps, {variant['train_seconds']} s"
-        columns[name] = col
         either = block | ship_block  # the shipped harm decision or this one
         columns[name + " OR shipped"] = {
             "recall": rate(either[harmful]),

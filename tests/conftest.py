@@ -22,8 +22,10 @@ import pytest
 
 from services.cli.mesh import Mesh, MeshConfig, Ports
 from services.cli.trace_collector import TraceCollector
-from services.engine.model.registry import resolve_model
+from services.engine.model.registry import model_dirs, resolve_model
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
+
+STORIES_DIR = model_dirs().shared_dir / "models" / "stories260K"  # trained tiny Llama: HF and GGUF
 
 # Golden greedy continuation of "Once upon a time" (with BOS) from stories260K's SOURCE.md.
 STORIES_PROMPT = "Once upon a time"
@@ -78,6 +80,24 @@ def stories_model() -> Path:
         return resolve_model("stories260k")
     except (FileNotFoundError, ValueError) as error:
         skip_unless_ci(f"stories260K is not available: {error}")
+
+
+@pytest.fixture(scope="session")
+def stories_hf_dir() -> Path:
+    """stories260K in HF format (skips when the shared folder is absent)."""
+    path = STORIES_DIR / "hf"
+    if not (path / "config.json").exists():
+        pytest.skip(f"stories260K not found at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories_gguf() -> Path:
+    """stories260K as llama.cpp wrote it (skips when the shared folder is absent)."""
+    path = STORIES_DIR / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip(f"stories260K GGUF not found at {path}")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Shared fixtures for engine tests: tiny random Llamas, the shared stories260K model, SmolLM2."""
+"""Shared fixtures for engine tests: tiny random Llamas, SmolLM2 (stories260K's are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.engine.llm_engine import LLMEngine
-from services.engine.model.registry import DEFAULT_MODEL, model_dirs, resolve_model
+from services.engine.model.registry import DEFAULT_MODEL, resolve_model
 from tests.engine.tiny_llama import TinySpec, make_tiny_llama
-
-STORIES_DIR = model_dirs().shared_dir / "models" / "stories260K"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -39,24 +37,6 @@ def tiny_tied_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_engine(tiny_dir: Path) -> LLMEngine:
     """An engine over the untied tiny model; fp32 CPU."""
     return LLMEngine.load(tiny_dir, device="cpu", max_batch_size=4, max_seq_len=256, progress=False)
-
-
-@pytest.fixture(scope="session")
-def stories_hf_dir() -> Path:
-    """stories260K in HF format (skips when the shared folder is absent)."""
-    path = STORIES_DIR / "hf"
-    if not (path / "config.json").exists():
-        pytest.skip(f"stories260K not found at {path}")
-    return path
-
-
-@pytest.fixture(scope="session")
-def stories_gguf() -> Path:
-    """stories260K as llama.cpp wrote it (skips when the shared folder is absent)."""
-    path = STORIES_DIR / "stories260K.gguf"
-    if not path.exists():
-        pytest.skip(f"stories260K GGUF not found at {path}")
-    return path
 
 
 @pytest.fixture(scope="session")
