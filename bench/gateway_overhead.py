@@ -48,7 +48,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name, default_engine_device  # noqa: E402
 from services.cli.client import build_request, call_metadata  # noqa: E402
 from services.cli.mesh import Mesh, MeshConfig, Ports, free_port  # noqa: E402
 from services.common.channels import wait_until_serving  # noqa: E402
@@ -466,7 +466,7 @@ def ttft_section(args: argparse.Namespace, ttft: dict[str, list[float]]) -> list
     """Part 1's settings and table."""
     lines = ["", "## Time to first token of one-token requests", "", "| setting | value |", "| --- | --- |"]
     settings = {
-        "TTFT model": f"stories260K (engine on CPU), prompt {PROMPT!r}, max_tokens 1",
+        "TTFT model": f"stories260K (engine on {default_engine_device()}), prompt {PROMPT!r}, max_tokens 1",
         "TTFT requests": (
             f"{args.requests} per path, sequential, interleaved, after {NUM_WARMUP} warm-up each"
         ),

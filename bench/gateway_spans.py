@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc
 
 from bench.gateway_overhead import percentile, start_mesh
-from bench.machine import cpu_name, git_commit
+from bench.machine import cpu_name, default_engine_device, git_commit
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.trace_collector import GATEWAY_GENERATE, CollectedSpan, TraceCollector
 from services.engine.model.registry import resolve_model
@@ -163,7 +163,8 @@ def main() -> None:
             f"- hardware: {cpu_name()}, {os.cpu_count()} logical CPUs (gateway, safety, engine and "
             f"redis-server share them), load average {os.getloadavg()[0]:.1f} at the end; "
             f"Python {platform.python_version()}",
-            f"- settings: stories260K on the CPU, prompt {PROMPT!r}, max_tokens {args.max_tokens}, "
+            f"- settings: stories260K, engine on {default_engine_device()}, prompt {PROMPT!r}, "
+            f"max_tokens {args.max_tokens}, "
             f"{args.requests} sequential requests per policy after {WARM_UP} warm-up, one mesh per "
             "policy, default output screening windows, request lease hold "
             f"{'default' if args.rate_lease_hold_s is None else args.rate_lease_hold_s} s",

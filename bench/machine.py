@@ -32,3 +32,16 @@ def git_commit(*paths: str) -> str:
     changed = git("diff", "--name-only", "HEAD", "--", *paths).split()
     changed += git("ls-files", "--others", "--exclude-standard", "--", *paths).split()
     return commit + (f" (uncommitted changes: {' '.join(changed)})" if changed else "")
+
+
+def default_engine_device() -> str:
+    """Where a mesh's engine runs when the benchmark leaves its device setting alone: the
+    THERMOCLINE_ENGINE_DEVICE of the environment, else what `auto` picks on this machine."""
+    import os
+
+    import torch
+
+    chosen = os.environ.get("THERMOCLINE_ENGINE_DEVICE", "auto")
+    if chosen != "auto":
+        return chosen
+    return "CUDA (auto)" if torch.cuda.is_available() else "CPU (auto)"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import secrets
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh
@@ -128,3 +130,16 @@ def test_the_prompt_screen_runs_beside_the_rest_of_admission(
     spans = collector.wait_for_spans(trace_id, FULL_PATH | {GATEWAY_COUNT}, timeout_s=30)
     count, screen = _one(spans, GATEWAY_COUNT), _one(spans, GATEWAY_TO_SAFETY)
     assert screen.start_ns < count.end_ns, "the prompt screen waited for the token count"
+
+
+def test_health_checks_and_reflection_make_no_spans(stories_mesh: Mesh, collector: TraceCollector) -> None:
+    with grpc.insecure_channel(stories_mesh.target("gateway")) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert ProtoReflectionDescriptorDatabase(channel).get_services()
+    # The gateway exports its spans in the order they end: once this request's have arrived, so
+    # have any the health check and the reflection call made.
+    collector.wait_for_spans(_generate(stories_mesh), REQUEST_PATH, 30)
+    names = {name for _, name in collector.span_names()}
+    assert not [n for n in names if n.startswith(("/grpc.health.", "/grpc.reflection."))]
+    assert GATEWAY_GENERATE[1] in names

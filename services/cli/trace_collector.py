@@ -91,6 +91,11 @@ class TraceCollector(trace_service_pb2_grpc.TraceServiceServicer):
             self._changed.notify_all()
         return trace_service_pb2.ExportTraceServiceResponse()
 
+    def span_names(self) -> set[tuple[str, str]]:
+        """(service, span name) of every span received so far, of every trace."""
+        with self._changed:
+            return {(s.service, s.name) for s in self._spans}
+
     def spans(self, trace_id: str) -> list[CollectedSpan]:
         """The spans received so far for one trace, by start time."""
         with self._changed:

@@ -17,7 +17,6 @@ import logging
 import grpc
 from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
-from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -70,19 +69,32 @@ def shutdown_tracing() -> None:
         _provider.shutdown()
 
 
-def _skip_infrastructure() -> object:
-    """Health checks and reflection make no spans: they would drown the real traffic."""
-    return negate(any_of(health_check(), service_prefix("grpc.reflection")))
+# Health checks and reflection make no spans: they would drown the real traffic.
+_UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def _is_traced(details: object) -> bool:
+    """Whether a call (server handler details or client call details) gets a span.
+
+    The instrumentation's own filters find the method through isinstance checks against gRPC's
+    protocol classes; this reads `method`, which every details object the interceptors pass has
+    (str, or bytes on some client paths). In the gateway that took about 0.05 ms off each RPC's
+    share of its own time (bench/results/gateway_spans_2026-12-05_span-filter.md).
+    """
+    method = getattr(details, "method", "")
+    if isinstance(method, bytes):
+        method = method.decode()
+    return not method.startswith(_UNTRACED_PREFIXES)
 
 
 def server_interceptor() -> grpc.aio.ServerInterceptor:
     """A server interceptor that continues the caller's trace and opens a span per RPC."""
-    return aio_server_interceptor(filter_=_skip_infrastructure())
+    return aio_server_interceptor(filter_=_is_traced)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors that open a span per outgoing RPC and inject `traceparent`."""
-    return aio_client_interceptors(filter_=_skip_infrastructure())
+    return aio_client_interceptors(filter_=_is_traced)
 
 
 def tracer(name: str) -> trace.Tracer:
