@@ -25,6 +25,7 @@ class CollectedSpan:
     start_ns: int
     end_ns: int
     attributes: dict[str, Any] = field(default_factory=dict)
+    events: dict[str, int] = field(default_factory=dict)  # name -> time (ns) of its first occurrence
 
     @property
     def duration_ms(self) -> float:
@@ -37,6 +38,13 @@ def _value(any_value: Any) -> Any:
     if kind == "array_value":
         return [_value(v) for v in any_value.array_value.values]
     return getattr(any_value, kind) if kind else None
+
+
+def _first_events(events: Any) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for event in events:
+        first.setdefault(event.name, event.time_unix_nano)
+    return first
 
 
 def _flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[CollectedSpan]:
@@ -56,6 +64,7 @@ def _flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Colle
                         start_ns=span.start_time_unix_nano,
                         end_ns=span.end_time_unix_nano,
                         attributes={a.key: _value(a.value) for a in span.attributes},
+                        events=_first_events(span.events),
                     )
                 )
     return spans

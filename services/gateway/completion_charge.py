@@ -2,8 +2,9 @@
 
 The engine's last message carries the completion's token count, and the output screen of the
 last text comes after it. The charge (one Redis script, a round trip of about 0.5-1 ms) starts
-at that message, so it runs beside the last screen instead of after it; the done message still
-goes out only once the charge is written, so a caller's next call sees it as before.
+at that message, once the last screen's call has gone out, so it runs beside that screen instead
+of after it or ahead of it; the done message still goes out only once the charge is written, so a
+caller's next call sees it as before.
 
 What a stream that reaches its done message is charged does not change. A stream cut by an
 output block is charged the tokens generated until then: the engine's count when its last message
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
+from services.gateway.loop_turns import let_calls_go_out
 from services.gateway.rate_limiter import RateLimiter
 from services.gateway.tenants import TenantLimits
 
@@ -67,6 +69,12 @@ class CompletionCharge:
             self._start(self.num_tokens)
 
     def _start(self, num_tokens: int) -> None:
-        self._task = asyncio.ensure_future(self.limiter.charge_tokens(self.tenant, self.limits, num_tokens))
+        self._task = asyncio.ensure_future(self._charge(num_tokens))
         self._running.add(self._task)
         self._task.add_done_callback(self._running.discard)
+
+    async def _charge(self, num_tokens: int) -> None:
+        # The engine's last message starts the output screen's last check in the same loop turn;
+        # that call goes out first, and the charge has the whole check to finish in.
+        await let_calls_go_out()
+        await self.limiter.charge_tokens(self.tenant, self.limits, num_tokens)

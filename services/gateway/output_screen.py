@@ -58,6 +58,8 @@ _FINISH_FROM_ENGINE = {
 }
 
 NO_FINAL_MESSAGE = "engine ended the stream without a final message; retry the request"
+# The event on the gateway's Generate span when the engine's last message has reached it.
+ENGINE_FINISHED_EVENT = "engine.finished"
 
 # Writes the audit event of a verdict that blocked, or passed only under the tenant's policy;
 # called before the client sees the outcome. Arguments: the layer ("prompt", "output") and verdict.
@@ -226,11 +228,13 @@ class _OutputStream:
                     self._add(message)
                     release.arrive(message)
                 message = None
-                if (delta := release.take(self.num_screened)) is not None:
-                    yield delta
+                # The screen starts before the release: yielding waits for the caller (under this
+                # policy, for the prompt's verdict first), and the screen need not.
                 if screening is None and self._is_due():
                     covered = (self.output.num_tokens, len(self.output.full_text))
                     screening = asyncio.create_task(self._screen(self.output.full_text))
+                if (delta := release.take(self.num_screened)) is not None:
+                    yield delta
                 if is_ended and screening is None and not release.pending:
                     break
                 if not is_ended and reading is None:
@@ -260,6 +264,9 @@ class _OutputStream:
         self.output.add(message)
         if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
             self.final = message
+            # In a trace, what follows this event is the gateway's: the last screen, the release
+            # of held text and the done message (bench/gateway_spans.py reads it so).
+            trace.get_current_span().add_event(ENGINE_FINISHED_EVENT)
             self.on_counted(message.usage.completion_tokens)
 
     def _passed(self, num_tokens: int, num_chars: int) -> None:

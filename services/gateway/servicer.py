@@ -18,6 +18,7 @@ from services.gateway.completion_charge import CompletionCharge
 from services.gateway.config import GatewayConfig, ReleasePolicy
 from services.gateway.gatekeeper import Admission, Gatekeeper
 from services.gateway.in_flight import InFlightStream, InFlightStreams
+from services.gateway.loop_turns import let_calls_go_out
 from services.gateway.output_screen import (
     RelaySettings,
     VerdictAudit,
@@ -103,7 +104,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             screens.append(
                 asyncio.ensure_future(self.upstreams.check_prompt(text, principal.tenant, policy, timeout_s))
             )
-            await _let_the_call_go_out()
+            await let_calls_go_out()
 
         try:
             admission = await self.gatekeeper.admit_generate(request, metadata, resolve, screen_prompt)
@@ -180,7 +181,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         """trailing: the engine prefills while safety screens the prompt, so the prompt check is
         not added to the first token's time; nothing is sent before the prompt passed, and a
         blocked prompt cancels the engine request and is charged no completion. The engine does
-        see a prompt that is blocked."""
+        see a prompt that is blocked, and when it finishes before the prompt's verdict, the output
+        screen sees its answer (audited as any output block, if it blocks)."""
         is_screened = False
         try:
             async for message in relayed:
@@ -291,18 +293,6 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         span.set_attribute("thermocline.tenant", admission.principal.tenant)
         span.set_attribute("thermocline.intent", admission.intent)
         span.set_attribute("thermocline.priority_class", admission.priority_class)
-
-
-# Loop turns from starting a traced gRPC call until its request is on the wire: the caller's
-# coroutine creates the call, the client interceptor opens its span, the call sends.
-_TURNS_TO_SEND = 3
-
-
-async def _let_the_call_go_out() -> None:
-    """Yields the loop until a call started just now has sent its request, so that the work the
-    caller does next (a Redis round trip, the audit write) waits behind it, not the other way."""
-    for _ in range(_TURNS_TO_SEND):
-        await asyncio.sleep(0)
 
 
 def _discard(screen: asyncio.Future[Any]) -> None:
