@@ -197,7 +197,7 @@ class _OutputStream:
                 window = self.settings.screening.window_after(self.num_screened)
                 if self.final is not None or self.output.num_tokens - self.num_screened >= window:
                     verdict = await self._screen(self.output.full_text)
-                    if verdict.decision == safety_pb2.DECISION_BLOCK:
+                    if await self._act_on(verdict):
                         for blocked in await self._block(verdict):
                             yield blocked
                         return
@@ -243,7 +243,7 @@ class _OutputStream:
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if screening in done:
                     verdict, screening = screening.result(), None
-                    if verdict.decision == safety_pb2.DECISION_BLOCK:
+                    if await self._act_on(verdict):
                         await _cancelled(reading)  # the call has one reader: _block reads it out
                         for blocked in await self._block(verdict):
                             yield blocked
@@ -257,6 +257,8 @@ class _OutputStream:
             for task in (reading, screening):
                 if task is not None:
                     task.cancel()
+                    if task.done() and not task.cancelled():
+                        task.exception()  # read, so that asyncio does not log it as never retrieved
             self.call.cancel()
         yield self._finish()
 
@@ -281,16 +283,21 @@ class _OutputStream:
         return num_unscreened >= self.settings.screening.window_after(self.num_screened)
 
     async def _screen(self, text: str) -> safety_pb2.CheckResponse:
-        """The safety service's verdict on the text so far; audited when it blocked or was waived."""
+        """The safety service's verdict on the text so far."""
         settings = self.settings
-        verdict = await self.upstreams.check_output(
+        return await self.upstreams.check_output(
             text, settings.prompt_text, settings.tenant, settings.safety_policy, settings.safety_timeout_s
         )
+
+    async def _act_on(self, verdict: safety_pb2.CheckResponse) -> bool:
+        """Audits a verdict the stream acts on (a block, the first waiver); whether it blocked.
+        Not done inside the screen: under trailing a screen may finish before the prompt's verdict,
+        and a stream whose prompt is blocked never acts on its output's verdict."""
         is_blocked = verdict.decision == safety_pb2.DECISION_BLOCK
         if is_blocked or (verdict.waived and not self._has_audited_waiver):
             self._has_audited_waiver = True
             await self.audit("output", verdict)
-        return verdict
+        return is_blocked
 
     async def _block(self, verdict: safety_pb2.CheckResponse) -> list[pb.GenerateResponse]:
         """Ends a blocked stream: cancels the engine call; the safe message and a SAFETY finish."""

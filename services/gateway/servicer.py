@@ -182,7 +182,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         not added to the first token's time; nothing is sent before the prompt passed, and a
         blocked prompt cancels the engine request and is charged no completion. The engine does
         see a prompt that is blocked, and when it finishes before the prompt's verdict, the output
-        screen sees its answer (audited as any output block, if it blocks)."""
+        screen may check its answer; that verdict is acted on, and audited, only once the prompt
+        passed."""
         is_screened = False
         try:
             async for message in relayed:

@@ -164,6 +164,30 @@ def test_trailing_releases_the_first_token_before_any_verdict() -> None:
     assert _finish(sent) == pb.FINISH_REASON_LENGTH and _released(sent) == "abcdefghijkl"
 
 
+def test_trailing_screens_while_the_caller_waits_and_audits_only_what_it_acts_on() -> None:
+    # Under trailing the caller holds the first release until the prompt's verdict. The screen of
+    # the text due by then runs meanwhile; a caller that then ends the stream (its prompt blocked)
+    # leaves that verdict unacted on and unaudited, though it blocked.
+    async def scenario() -> tuple[list[str], list[str]]:
+        screen, audited = _Screen(), []
+        call = _Call(_stream("Xy"))
+
+        async def audit(layer: str, verdict: safety_pb2.CheckResponse) -> None:
+            audited.append(layer)
+
+        stream = screened(screen, call, await call.read(), _settings(ReleasePolicy.TRAILING), audit)  # type: ignore[arg-type]
+        first = await anext(stream)
+        assert first.delta.text == "X"  # within the window ahead of the screen, as trailing allows
+        for _ in range(5):  # the caller waits on something else for a few loop turns
+            await asyncio.sleep(0)
+        screened_while_held = list(screen.screened)
+        await stream.aclose()  # type: ignore[attr-defined]
+        return screened_while_held, audited
+
+    screened_while_held, audited = asyncio.run(scenario())
+    assert screened_while_held == ["X"] and audited == []
+
+
 def test_the_release_policy_is_a_validated_setting_with_strict_as_default() -> None:
     environ = {"THERMOCLINE_GATEWAY_JWT_KEY_FILE": "/nonexistent/key.pem"}
     default = GatewayConfig.from_env(environ).output
