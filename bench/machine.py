@@ -36,12 +36,10 @@ def git_commit(*paths: str) -> str:
 
 def default_engine_device() -> str:
     """Where a mesh's engine runs when the benchmark leaves its device setting alone: the
-    THERMOCLINE_ENGINE_DEVICE of the environment, else what `auto` picks on this machine."""
+    THERMOCLINE_ENGINE_DEVICE of the environment, resolved as the engine resolves it."""
     import os
 
-    import torch
+    from services.engine.model.loader import resolve_device
 
     chosen = os.environ.get("THERMOCLINE_ENGINE_DEVICE", "auto")
-    if chosen != "auto":
-        return chosen
-    return "CUDA (auto)" if torch.cuda.is_available() else "CPU (auto)"
+    return f"{resolve_device(chosen)} ({chosen})"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
-from services.gateway.loop_turns import let_calls_go_out
+from services.gateway.loop import let_calls_go_out
 from services.gateway.rate_limiter import RateLimiter
 from services.gateway.tenants import TenantLimits
 

@@ -42,6 +42,7 @@ from opentelemetry import trace
 
 from services.common.errors import Unavailable
 from services.gateway.config import OutputScreening, ReleasePolicy
+from services.gateway.loop import discard
 from services.gateway.upstream import Upstreams, upstream_error
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -256,9 +257,7 @@ class _OutputStream:
         finally:
             for task in (reading, screening):
                 if task is not None:
-                    task.cancel()
-                    if task.done() and not task.cancelled():
-                        task.exception()  # read, so that asyncio does not log it as never retrieved
+                    discard(task)
             self.call.cancel()
         yield self._finish()
 

@@ -18,7 +18,7 @@ from services.gateway.completion_charge import CompletionCharge
 from services.gateway.config import GatewayConfig, ReleasePolicy
 from services.gateway.gatekeeper import Admission, Gatekeeper
 from services.gateway.in_flight import InFlightStream, InFlightStreams
-from services.gateway.loop_turns import let_calls_go_out
+from services.gateway.loop import discard, let_calls_go_out
 from services.gateway.output_screen import (
     RelaySettings,
     VerdictAudit,
@@ -110,7 +110,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             admission = await self.gatekeeper.admit_generate(request, metadata, resolve, screen_prompt)
         except BaseException:
             for screen in screens:
-                _discard(screen)
+                discard(screen)  # admission refused the call
             raise
         (check,) = screens
         text = admission.prompt_text
@@ -294,12 +294,3 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         span.set_attribute("thermocline.tenant", admission.principal.tenant)
         span.set_attribute("thermocline.intent", admission.intent)
         span.set_attribute("thermocline.priority_class", admission.priority_class)
-
-
-def _discard(screen: asyncio.Future[Any]) -> None:
-    """Cancels the prompt screen of a call that admission refused; a screen that already failed has
-    its error read, so that asyncio does not log it as never retrieved."""
-    if not screen.done():
-        screen.cancel()
-    elif not screen.cancelled():
-        screen.exception()
