@@ -33,17 +33,22 @@ def _stream(text: str) -> list[engine_pb2.GenerateResponse]:
 
 
 class _Call:
-    """A scripted engine call: its messages, then EOF; `drained` is set once all were read."""
+    """A scripted engine call: its messages, then EOF; `finished` is set once its last message
+    was read, `read_out` once EOF was."""
 
     def __init__(self, messages: list[engine_pb2.GenerateResponse]) -> None:
         self.messages = list(messages)
-        self.drained = asyncio.Event()
+        self.finished = asyncio.Event()
+        self.read_out = asyncio.Event()
 
     async def read(self) -> Any:
         if not self.messages:
-            self.drained.set()
+            self.read_out.set()
             return _EOF
-        return self.messages.pop(0)
+        message = self.messages.pop(0)
+        if not self.messages:
+            self.finished.set()
+        return message
 
     def cancel(self) -> bool:
         return True
@@ -96,8 +101,8 @@ async def _no_audit(layer: str, verdict: safety_pb2.CheckResponse) -> None:
 def _run(release: ReleasePolicy, text: str, gate: asyncio.Event | None = None) -> tuple[list[Any], _Screen]:
     async def scenario() -> tuple[list[Any], _Screen]:
         screen, call = _Screen(gate), _Call(_stream(text))
-        if gate is not None:  # the screen answers once the engine stream has been read to its end
-            opener = asyncio.create_task(_open_when(call.drained, gate))
+        if gate is not None:  # the screen answers once the engine's last message has been read
+            opener = asyncio.create_task(_open_when(call.finished, gate))
             sent = await _relay(release, text, screen, call)
             opener.cancel()
             return sent, screen
@@ -106,8 +111,8 @@ def _run(release: ReleasePolicy, text: str, gate: asyncio.Event | None = None) -
     return asyncio.run(scenario())
 
 
-async def _open_when(drained: asyncio.Event, gate: asyncio.Event) -> None:
-    await drained.wait()
+async def _open_when(finished: asyncio.Event, gate: asyncio.Event) -> None:
+    await finished.wait()
     gate.set()
 
 
@@ -139,7 +144,7 @@ def test_growing_screens_after_1_2_4_then_every_window_and_holds_the_same_guaran
 
 
 def test_trailing_runs_at_most_one_window_ahead_of_a_screen_that_lags() -> None:
-    # The screen answers nothing until the whole engine stream was read: the relay must stop
+    # The screen answers nothing until the engine's last message was read: the relay must stop
     # releasing WINDOW tokens past what passed (nothing yet), whatever the engine sends.
     sent, screen = _run(ReleasePolicy.TRAILING, "abcdefghijkl", asyncio.Event())
     assert "".join(m.delta.text for m, passed in sent if passed == 0) == "abcd"  # WINDOW tokens
@@ -155,6 +160,21 @@ def test_trailing_cuts_a_blocked_stream_with_at_most_one_window_of_blocked_text_
     assert "abcdefXhijklmnop".startswith(released)
     assert len(released) <= max(len(t) for t in screen.screened if "X" not in t) + WINDOW
     assert all(len(_released(sent[: i + 1])) <= passed + WINDOW for i, (_, passed) in enumerate(sent))
+
+
+def test_the_done_message_goes_out_before_the_engine_stream_is_read_to_its_end() -> None:
+    # After the engine's last message only its status is left: the client need not wait for it,
+    # and the call is still read to its end (its client span then ends with its status).
+    async def scenario(release: ReleasePolicy) -> bool:
+        screen, call = _Screen(), _Call(_stream("abcdef"))
+        sent = await _relay(release, "abcdef", screen, call)
+        assert _finish(sent) == pb.FINISH_REASON_LENGTH and _released(sent) == "abcdef"
+        was_read_out = call.read_out.is_set()
+        await asyncio.wait_for(call.read_out.wait(), timeout=5)
+        return was_read_out
+
+    for release in ReleasePolicy:
+        assert asyncio.run(scenario(release)) is False, release
 
 
 def test_trailing_releases_the_first_token_before_any_verdict() -> None:
