@@ -21,12 +21,15 @@ RECONNECT_BACKOFF_OPTIONS = [
 ]
 
 
-def open_channel(target: str, max_message_bytes: int = 16 * 1024 * 1024) -> grpc.aio.Channel:
-    """An insecure aio channel to `target` whose calls carry the current trace context."""
+def open_channel(
+    target: str, max_message_bytes: int = 16 * 1024 * 1024, *, trace_calls: bool = True
+) -> grpc.aio.Channel:
+    """An insecure aio channel to `target` whose calls carry the current trace context; with
+    `trace_calls=False` it has no interceptors, and its stubs are traced by telemetry.traced_stub."""
     return grpc.aio.insecure_channel(
         target,
         options=channel_options(max_message_bytes) + RECONNECT_BACKOFF_OPTIONS,
-        interceptors=telemetry.client_interceptors(),
+        interceptors=telemetry.client_interceptors() if trace_calls else None,
     )
 
 

@@ -22,6 +22,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import telemetry
 from services.common.channels import open_channel
 from services.gateway.config import RoutingConfig
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -38,8 +39,9 @@ class Replica:
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.channel = open_channel(target)
-        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self.channel = open_channel(target, trace_calls=False)  # the stub traces its own calls
+        service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
+        self.stub = telemetry.traced_stub(engine_pb2_grpc.EngineServiceStub(self.channel), service)
         self.is_serving = False
         self.queue_depth = 0
         self._serving = asyncio.Event()

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import grpc
 
+from services.common import telemetry
 from services.common.channels import open_channel
 from services.common.errors import (
     DeadlineExceeded,
@@ -57,8 +58,11 @@ class Upstreams:
 
     def __init__(self, router: Router, safety_target: str) -> None:
         self.router = router
-        self._safety_channel = open_channel(safety_target)
-        self.safety = safety_pb2_grpc.SafetyServiceStub(self._safety_channel)
+        self._safety_channel = open_channel(safety_target, trace_calls=False)  # the stub traces its calls
+        self.safety = telemetry.traced_stub(
+            safety_pb2_grpc.SafetyServiceStub(self._safety_channel),
+            safety_pb2.DESCRIPTOR.services_by_name["SafetyService"],
+        )
         self._model_info: engine_pb2.GetModelInfoResponse | None = None
 
     async def model_info(self, timeout_s: float | None) -> engine_pb2.GetModelInfoResponse:
