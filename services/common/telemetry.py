@@ -159,10 +159,15 @@ def _add_metadata(kwargs: dict[str, Any], metadata: tuple[tuple[str, str], ...])
     return kwargs
 
 
-def _end_with_status(span: trace.Span, code: grpc.StatusCode, details: str | None) -> None:
+def _end_with_status(
+    span: trace.Span, code: grpc.StatusCode, details: str | None, is_error: bool = True
+) -> None:
+    """Ends a client span with the call's status; a status other than OK is an error unless the
+    caller itself cancelled the call (an output block, a prompt blocked under trailing, a caller
+    gone), which the interceptor did not mark as an error either."""
     span.set_attribute(_RPC_STATUS_CODE, code.value[0])
-    if code != grpc.StatusCode.OK:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {details}"))
+    if code != grpc.StatusCode.OK and is_error:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code}: {details}"))
     span.end()
 
 
@@ -177,7 +182,11 @@ async def _unary_call(
         _end_with_status(span, error.code(), error.details())
         raise
     except asyncio.CancelledError:
-        _end_with_status(span, grpc.StatusCode.CANCELLED, "the caller cancelled the call")
+        _end_with_status(span, grpc.StatusCode.CANCELLED, "the caller cancelled the call", is_error=False)
+        raise
+    except BaseException as error:  # e.g. the channel closed under the call: the span still ends
+        span.record_exception(error)
+        _end_with_status(span, grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
         raise
     _end_with_status(span, grpc.StatusCode.OK, None)
     return reply
@@ -185,7 +194,12 @@ async def _unary_call(
 
 def _stream_call(tracer: trace.Tracer, multicallable: Any, method: str, request: Any, **kwargs: Any) -> Any:
     span, metadata = _client_span(tracer, method)
-    call = multicallable(request, **_add_metadata(kwargs, metadata))
+    try:
+        call = multicallable(request, **_add_metadata(kwargs, metadata))
+    except BaseException as error:
+        span.record_exception(error)
+        _end_with_status(span, grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
+        raise
     call.add_done_callback(functools.partial(_end_stream_span, span))
     return call
 
@@ -203,7 +217,7 @@ _ending: set[asyncio.Task[None]] = set()
 
 
 async def _end_after_status(span: trace.Span, call: Any) -> None:
-    _end_with_status(span, await call.code(), await call.details())
+    _end_with_status(span, await call.code(), await call.details(), is_error=not call.cancelled())
 
 
 def tracer(name: str) -> trace.Tracer:

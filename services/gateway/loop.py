@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-# Loop turns from starting a traced gRPC call until its request is on the wire: the caller's
-# coroutine creates the call, the client interceptor opens its span, the call sends.
+# Loop turns from starting a traced gRPC call until its request is on the wire: the task that
+# makes the call starts (its span opens), the call sends; one turn to spare for an intercepted
+# call, whose interceptor runs in a task of its own.
 TURNS_TO_SEND = 3
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +160,7 @@ def screened(
     settings: RelaySettings,
     audit: VerdictAudit,
     on_counted: CompletionCounted = ignore_count,
-) -> AsyncIterator[pb.GenerateResponse]:
+) -> AsyncGenerator[pb.GenerateResponse, None]:
     """The engine stream from its first message, released as the settings' policy says."""
     stream = _OutputStream(upstreams, call, settings, audit, on_counted)
     if settings.screening.release is ReleasePolicy.TRAILING:
@@ -186,8 +186,9 @@ class _OutputStream:
         self.num_screened = 0  # tokens of the longest prefix that passed the screen
         self.num_chars_screened = 0  # its characters
         self._has_audited_waiver = False  # each window re-screens the whole text: one waiver event
+        self._is_abandoned = False  # cancelled and read out by a block
 
-    async def held(self, first: Any) -> AsyncIterator[pb.GenerateResponse]:
+    async def held(self, first: Any) -> AsyncGenerator[pb.GenerateResponse, None]:
         """strict and growing: text reaches the client only once the text up to its end passed."""
         message = first
         try:
@@ -212,7 +213,7 @@ class _OutputStream:
             self._end_call()
         yield self._finish()
 
-    async def trailing(self, first: Any) -> AsyncIterator[pb.GenerateResponse]:
+    async def trailing(self, first: Any) -> AsyncGenerator[pb.GenerateResponse, None]:
         """trailing: text goes out as it arrives, at most `window_tokens` past the screened prefix."""
         release = _TrailingRelease(self.settings.screening.window_tokens)
         reading: asyncio.Task[Any] | None = None
@@ -265,7 +266,7 @@ class _OutputStream:
         does not wait for it (nor the gateway's span: about 0.3 ms on a small box); before it,
         the call is cancelled (a block, an error, or the caller went away). The end is read even
         when the status has come: a call traced by an interceptor ends its span only when read."""
-        if self.final is None:
+        if self.final is None or self._is_abandoned:
             self.call.cancel()
             return
         task = asyncio.ensure_future(_read_out(self.call))
@@ -311,6 +312,7 @@ class _OutputStream:
 
     async def _block(self, verdict: safety_pb2.CheckResponse) -> list[pb.GenerateResponse]:
         """Ends a blocked stream: cancels the engine call; the safe message and a SAFETY finish."""
+        self._is_abandoned = True
         await _abandon(self.call)
         record_verdict("output", verdict)
         return blocked_messages(verdict.safe_message, self.settings, self._usage_so_far())
@@ -370,14 +372,22 @@ async def _cancelled(task: asyncio.Task[Any] | None) -> None:
 # Engine calls being read to their end after their last message (see _OutputStream._end_call),
 # held so that none is collected before it finishes (the loop keeps weak references to tasks).
 _reading_out: set[asyncio.Task[None]] = set()
+# How long an engine that sent its last message may take to end the stream before it is cancelled.
+READ_OUT_TIMEOUT_S = 30.0
 
 
 async def _read_out(call: grpc.aio.UnaryStreamCall) -> None:
-    """Reads an engine stream whose last message came to its end, so that its client span ends
-    with its status. Nothing the engine says now can change the answer already sent."""
-    with contextlib.suppress(grpc.aio.AioRpcError):
-        while await call.read() is not _EOF:
-            pass
+    """Reads an engine stream whose last message came to its end. It holds the call until its
+    status arrives (a call collected before that is cancelled, and its span would say so), and a
+    call traced by an interceptor ends its span only when read. Nothing the engine says now can
+    change the answer already sent; one that never ends its stream is cancelled after
+    READ_OUT_TIMEOUT_S."""
+    try:
+        async with asyncio.timeout(READ_OUT_TIMEOUT_S):
+            while await call.read() is not _EOF:
+                pass
+    except (grpc.aio.AioRpcError, TimeoutError):
+        call.cancel()
 
 
 async def _abandon(call: grpc.aio.UnaryStreamCall) -> None:

@@ -6,6 +6,7 @@ the output screen (strict, growing or trailing) is in output_screen.py.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -67,8 +68,13 @@ async def relay(
             trace.get_current_span().add_event("engine.retry", {"thermocline.engine.replica": replica.target})
             continue
         trace.get_current_span().set_attribute("thermocline.engine.replica", replica.target)
-        async for message in screened(upstreams, call, first, settings, audit, on_counted):
-            yield message
+        # Closing the relay closes the screened stream there and then (its `finally` ends the
+        # engine call), not later through the loop's async-generator finalizer.
+        async with contextlib.aclosing(
+            screened(upstreams, call, first, settings, audit, on_counted)
+        ) as stream:
+            async for message in stream:
+                yield message
         return
     assert last_error is not None
     raise upstream_error("engine", last_error)

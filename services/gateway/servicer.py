@@ -196,7 +196,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     charge.prompt_passed()
                 yield message
         finally:
-            check.cancel()
+            discard(check)
             await relayed.aclose()  # type: ignore[attr-defined]
 
     async def _record_verdict(

@@ -36,6 +36,7 @@ class _Call:
 
     def __init__(self, messages: list[engine_pb2.GenerateResponse], error: grpc.StatusCode | None) -> None:
         self._messages, self._error = list(messages), error
+        self.is_cancelled = False
 
     async def read(self) -> Any:
         if self._messages:
@@ -45,6 +46,7 @@ class _Call:
         return grpc.aio.EOF  # type: ignore[attr-defined]
 
     def cancel(self) -> bool:
+        self.is_cancelled = True
         return True
 
 
@@ -53,13 +55,15 @@ class _Replica:
         self, target: str, messages: list[engine_pb2.GenerateResponse], error: grpc.StatusCode | None
     ) -> None:
         self.target, self.num_calls = target, 0
+        self.calls: list[_Call] = []
         self.stub = self
         self.is_serving = True
         self._script = (messages, error)
 
     def Generate(self, request: Any, timeout: float | None = None) -> _Call:
         self.num_calls += 1
-        return _Call(*self._script)
+        self.calls.append(_Call(*self._script))
+        return self.calls[-1]
 
 
 class _Upstreams:
@@ -106,3 +110,18 @@ def test_the_engines_invalid_argument_reaches_the_client_with_its_message() -> N
     with pytest.raises(InvalidArgument, match="engine: INVALID_ARGUMENT"):  # the fake's details
         asyncio.run(_collect([refusing, spare]))
     assert spare.num_calls == 0
+
+
+def test_closing_the_relay_cancels_the_engine_call_there_and_then() -> None:
+    # A prompt blocked under trailing closes the relay mid-stream: the engine call is cancelled
+    # at once, not later when the loop finalizes the generators inside the relay.
+    replica = _Replica("a", [TOKEN, TOKEN, FINAL], None)
+
+    async def scenario() -> bool:
+        stream = relay(_Upstreams(), engine_pb2.GenerateRequest(), SETTINGS, [replica])  # type: ignore[arg-type]
+        first = await anext(stream)
+        assert first.delta.text == "a"
+        await stream.aclose()  # type: ignore[attr-defined]
+        return replica.calls[0].is_cancelled
+
+    assert asyncio.run(scenario())
