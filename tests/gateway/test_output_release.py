@@ -12,7 +12,9 @@ import pytest
 
 from services.cli.client import build_request, call_metadata, stream_generate
 from services.cli.mesh import Mesh
+from services.cli.trace_collector import GATEWAY_GENERATE, GATEWAY_TO_ENGINE, TraceCollector
 from services.gateway.audit_chain import segment_paths
+from services.gateway.output_screen import ENGINE_FINISHED_EVENT
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_GOLDEN_TEXT, STORIES_PROMPT, TEST_DENY_PHRASE, TEST_SAFE_MESSAGE
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -134,3 +136,28 @@ def test_trailing_screens_the_prompt_alongside_prefill_and_sends_nothing_of_a_bl
         ("allow", "all checks passed"),
         ("deny", "safety: prompt blocked"),
     ]
+
+
+def test_trailing_ends_the_engine_calls_span_whether_the_stream_finished_or_was_blocked(
+    open_mesh: Mesh, gateways: dict[str, str], phrase_tokens: int, collector: TraceCollector
+) -> None:
+    # After the engine's last message the gateway reads the stream's end in the background, and a
+    # block cancels the call: either way the gateway's client span of the call ends (an open span
+    # is never exported), under the request's span.
+    clean = _generate(open_mesh, gateways["trailing"], max_tokens=phrase_tokens - 1)
+    assert clean[-1].done.finish_reason == pb.FINISH_REASON_LENGTH
+    blocked = _generate(open_mesh, gateways["trailing"])
+    _assert_blocked(blocked)
+    calls = {}
+    for name, messages in (("clean", clean), ("blocked", blocked)):
+        spans = collector.wait_for_spans(
+            messages[-1].done.trace_id, {GATEWAY_GENERATE, GATEWAY_TO_ENGINE}, timeout_s=30
+        )
+        (gateway,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
+        (to_engine,) = [s for s in spans if (s.service, s.name) == GATEWAY_TO_ENGINE]
+        assert to_engine.parent_span_id == gateway.span_id, name
+        assert to_engine.attributes["rpc.method"] == "Generate", name
+        calls[name] = (gateway, to_engine)
+    gateway, to_engine = calls["clean"]
+    assert to_engine.attributes["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+    assert to_engine.start_ns < gateway.events[ENGINE_FINISHED_EVENT] <= to_engine.end_ns
