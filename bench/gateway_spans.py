@@ -10,12 +10,13 @@ is the gateway's work and waits that are not a call to another service: JWT and 
 buckets (Redis commands count as the gateway's), the fsynced audit event, relaying, and the event
 loop's scheduling. Requests ask for `--max-tokens` tokens and are read to the end, one at a time.
 
-The engine call counts as a call until its last message reaches the gateway (the
-`engine.finished` event on the gateway's span), not until the gateway's client span ends: that
-one stays open until the gateway reads the stream's end, which the output screen's last check and
-the release of the held text come before, so the gateway's own work there would hide under it.
-"gateway's own, to the client span's end" keeps that first definition, which every results page
-before gateway_spans_2026-12-05_finished-event.md used.
+The engine call counts as a call until the gateway has handled its last message (the
+`engine.finished` event on the gateway's span) or its client span ended, whichever came first.
+Until 1207180 that span stayed open until the gateway read the stream's end, which came after the
+output screen's last check and the release of the held text, so the gateway's own work there hid
+under it; since then it ends when the call's status arrives. "gateway's own, to the client span's
+end" keeps the span's end alone, the definition every results page before
+gateway_spans_2026-12-05_finished-event.md used.
 
     .venv/bin/python bench/gateway_spans.py --out bench/results/gateway_spans_<date>.md
 """

@@ -82,12 +82,12 @@ def test_one_request_is_one_trace_with_every_hop_linked(
         assert span.attributes["gen_ai.response.finish_reasons"] == ["length"]
         assert span.attributes["gen_ai.request.max_tokens"] == MAX_TOKENS
     assert _one(spans, SAFETY_CHECK_PROMPT).attributes["thermocline.safety.decision"] == "allow"
-    # when the engine's last message reached the gateway: inside both the engine call and the
-    # request (the call's span may end after the request's: its status is read after the done)
+    # when the gateway handled the engine's last message: after the engine call started, inside
+    # the request. The call's span ends when its status arrives, which may come before or after
+    # that, and after the request's span (the done message does not wait for it).
     to_engine = _one(spans, GATEWAY_TO_ENGINE)
     finished_ns = gateway.events[ENGINE_FINISHED_EVENT]
-    assert to_engine.start_ns < finished_ns <= to_engine.end_ns
-    assert gateway.start_ns < to_engine.start_ns and finished_ns <= gateway.end_ns
+    assert gateway.start_ns < to_engine.start_ns < finished_ns <= gateway.end_ns
 
 
 def test_engine_spans_nest_under_its_rpc_in_time_order(stories_mesh: Mesh, collector: TraceCollector) -> None:

@@ -160,4 +160,6 @@ def test_trailing_ends_the_engine_calls_span_whether_the_stream_finished_or_was_
         calls[name] = (gateway, to_engine)
     gateway, to_engine = calls["clean"]
     assert to_engine.attributes["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
-    assert to_engine.start_ns < gateway.events[ENGINE_FINISHED_EVENT] <= to_engine.end_ns
+    # The call's span ends when its status arrives, which may be before or after the gateway has
+    # handled the last message (the event): only its place inside the request is fixed.
+    assert to_engine.start_ns < gateway.events[ENGINE_FINISHED_EVENT] <= gateway.end_ns
