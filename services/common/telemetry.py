@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 
-from services.common import env
+from services.common import env, tasks
 
 log = logging.getLogger(__name__)
 
@@ -207,13 +207,7 @@ def _stream_call(tracer: trace.Tracer, multicallable: Any, method: str, request:
 def _end_stream_span(span: trace.Span, call: Any) -> None:
     """A streamed call's done callback: its status is known but only awaitable, so a task reads it
     (right away: the call is over) and ends the span."""
-    task = asyncio.ensure_future(_end_after_status(span, call))
-    _ending.add(task)
-    task.add_done_callback(_ending.discard)
-
-
-# Tasks ending streamed calls' spans, held so that none is collected before it runs.
-_ending: set[asyncio.Task[None]] = set()
+    tasks.hold(asyncio.ensure_future(_end_after_status(span, call)))
 
 
 async def _end_after_status(span: trace.Span, call: Any) -> None:

@@ -19,8 +19,8 @@ goes away.
 from __future__ import annotations
 
 import asyncio
-from typing import ClassVar
 
+from services.common import tasks
 from services.gateway.loop import let_calls_go_out
 from services.gateway.rate_limiter import RateLimiter
 from services.gateway.tenants import TenantLimits
@@ -29,9 +29,6 @@ from services.gateway.tenants import TenantLimits
 class CompletionCharge:
     """One stream's completion charge: started by `engine_counted` and `prompt_passed` together,
     awaited by `settle` before the done message. Only the first count is charged, and only once."""
-
-    # Charges in flight, held so none is collected before it completes (the loop keeps weak references).
-    _running: ClassVar[set[asyncio.Task[None]]] = set()
 
     def __init__(self, limiter: RateLimiter, tenant: str, limits: TenantLimits) -> None:
         self.limiter = limiter
@@ -70,8 +67,7 @@ class CompletionCharge:
 
     def _start(self, num_tokens: int) -> None:
         self._task = asyncio.ensure_future(self._charge(num_tokens))
-        self._running.add(self._task)
-        self._task.add_done_callback(self._running.discard)
+        tasks.hold(self._task)  # a charge once started completes even when the stream is gone
 
     async def _charge(self, num_tokens: int) -> None:
         # The engine's last message starts the output screen's last check in the same loop turn;

@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from services.common import tasks
 from services.common.errors import Unavailable
 from services.gateway.config import OutputScreening, ReleasePolicy
 from services.gateway.loop import discard
@@ -269,9 +270,7 @@ class _OutputStream:
         if self.final is None or self._is_abandoned:
             self.call.cancel()
             return
-        task = asyncio.ensure_future(_read_out(self.call))
-        _reading_out.add(task)
-        task.add_done_callback(_reading_out.discard)
+        tasks.hold(asyncio.ensure_future(_read_out(self.call)))
 
     def _add(self, message: engine_pb2.GenerateResponse) -> None:
         self.output.add(message)
@@ -369,9 +368,6 @@ async def _cancelled(task: asyncio.Task[Any] | None) -> None:
             await task
 
 
-# Engine calls being read to their end after their last message (see _OutputStream._end_call),
-# held so that none is collected before it finishes (the loop keeps weak references to tasks).
-_reading_out: set[asyncio.Task[None]] = set()
 # How long an engine that sent its last message may take to end the stream before it is cancelled.
 READ_OUT_TIMEOUT_S = 30.0
 
