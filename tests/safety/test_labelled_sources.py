@@ -8,15 +8,18 @@ import json
 from tools.build_safety_data import HH_LABELS, HeldOutWords
 from tools.safety_data import (
     BENIGN,
+    CALIBRATION_FILES,
     CATEGORIES,
     DATA_DIR,
     LABELLED_FILES,
     SOURCE_SPLITS,
+    TEST,
     TRAIN,
     read_data_source,
 )
 
-HELD_OUT_FILES = ("benign_xstest_safe", "harmful_xstest_unsafe", "toxic_moderation", "toxic_toxigen")
+TOXIC_FILES = ("toxic_moderation", "toxic_toxigen")  # labelled, and held out
+HELD_OUT_FILES = ("benign_xstest_safe", "harmful_xstest_unsafe", *TOXIC_FILES)
 
 
 def records(name: str) -> list[dict[str, str]]:
@@ -37,7 +40,17 @@ def test_every_record_has_a_known_label_and_kind() -> None:
             assert record["source"] == name
 
 
-def test_no_labelled_text_is_near_a_held_out_xstest_prompt() -> None:
+def test_toxic_text_sources_are_held_out_with_known_labels() -> None:
+    for name in TOXIC_FILES:
+        assert SOURCE_SPLITS[name] == TEST
+        assert name not in LABELLED_FILES and name not in CALIBRATION_FILES
+        labels = {record["label"] for record in records(name)}
+        assert BENIGN in labels and labels - {BENIGN} and labels <= {*CATEGORIES, BENIGN}, (name, labels)
+        texts = [" ".join(record["text"].lower().split()) for record in records(name)]
+        assert len(set(texts)) == len(texts), name
+
+
+def test_no_labelled_text_is_near_a_held_out_text() -> None:
     held_out = HeldOutWords([t for name in HELD_OUT_FILES for t in read_data_source(name)])
     near = [r["text"] for name in LABELLED_FILES for r in records(name) if held_out.is_near(r["text"])]
     assert near == []
