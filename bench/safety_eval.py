@@ -372,6 +372,7 @@ def licence_of(source: str) -> str:
 def dataset_rows(examples: list[Example], benign_outputs: list[Example], held: HeldOut) -> list[str]:
     """Every source of the wheels and every held-out file screened here: split, sizes, licence."""
     pool = examples + benign_outputs + [e for e in held.prompts if e.source in HELD_OUT_PROMPT_FILES]
+    pool += [Example(t, label, "prompt", s) for s in TOXIC_TEST for t, label in labelled_data_source(s)]
     rows = []
     for source in sorted({e.source for e in pool}):
         texts = [e for e in pool if e.source == source]
@@ -390,8 +391,8 @@ def toxic_text_lines(classifier: TextClassifier) -> list[str]:
     for source in TOXIC_TEST:
         if SOURCE_SPLITS[source] != TEST:
             raise ValueError(f"{source} is screened here as held out, but SOURCE_SPLITS says otherwise")
-        examples = [Example(text, label, "prompt", source) for text, label in labelled_data_source(source)]
         for kind in ("prompt", "output"):
+            examples = [Example(text, label, kind, source) for text, label in labelled_data_source(source)]
             judged = judge(classifier, examples, kind)
             rates = Rates.of(examples, judged.screen)
             recall = per_category_recall(examples, judged.screen)

@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.gate_file import PROMPT_HEAD, gate_scores, load_gate
+from services.common.gate_file import PROMPT_HEAD, Gate, gate_scores, load_gate
+from services.safety.classifier import TextKind
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 from tools.safety_data import (
     BENIGN,
-    CATEGORIES,
     TEST,
     fetch_wheels,
     labelled_data_source,
@@ -36,6 +36,7 @@ from tools.safety_data import (
     read_data_source,
 )
 from tools.train_jailbreak_head import embed_views
+from tools.train_safety_gate import encoder_tag
 
 NUM_REPLIES, NUM_PEPS = 400, 150
 
@@ -73,17 +74,12 @@ def held_out_sets(wheels: Path) -> tuple[dict[str, list[str]], dict[str, list[st
     return prompts, outputs
 
 
-def blocked(views: list[list[torch.Tensor]], gate, kind: str) -> torch.Tensor:
-    """[N] bool: a harm category at or over the gate's threshold for `kind`."""
-    head = gate.head_weights(PROMPT_HEAD)
-    manifest = gate.manifest.raw["heads"][PROMPT_HEAD]
-    rule = WindowAggregation.from_manifest(manifest.get(AGGREGATION_KEY))
-    if kind == "output":
-        thresholds = torch.tensor([manifest["output_thresholds"][c] for c in CATEGORIES])
-    else:
-        thresholds = head.thresholds
+def blocked(views: list[list[torch.Tensor]], gate: Gate, kind: TextKind) -> torch.Tensor:
+    """[N] bool: a harm category at or over the gate's threshold for `kind`, as the service decides."""
+    head = gate.head_weights(PROMPT_HEAD, for_outputs=kind == "output")
+    rule = WindowAggregation.from_manifest(gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY))
     scores = torch.stack([rule.text_scores([gate_scores(v, head) for v in text]) for text in views])
-    return (scores >= thresholds).any(dim=1)
+    return (scores >= head.thresholds).any(dim=1)
 
 
 def main() -> None:
@@ -95,18 +91,29 @@ def main() -> None:
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     args = parser.parse_args()
     gates = [load_gate(path) for path in args.gates]
+    shipped = encoder_tag()
+    for path, gate in zip(args.gates, gates, strict=True):
+        if encoder_tag(gate) != shipped:
+            sys.exit(
+                f"{path}: its encoder ({encoder_tag(gate)}) is not the shipped gate's ({shipped}), whose "
+                "embeddings this compares; use bench/safety_eval.py --gate for it"
+            )
     prompts, outputs = held_out_sets(args.wheels)
     cache = args.wheels / "features"
-    print("| held-out set | " + " | ".join(f"{g.version} ({g.sha256[:8]})" for g in gates) + " |")
-    print("| --- |" + " ---: |" * len(gates))
-    for kind, sets in (("prompt", prompts), ("output", outputs)):
+    rows = []  # embedding prints its progress, so the table comes after every row is computed
+    kinds: list[tuple[TextKind, dict[str, list[str]]]] = [("prompt", prompts), ("output", outputs)]
+    for kind, sets in kinds:
         for name, texts in sets.items():
             views = embed_views(texts, cache).views_of()
             cells = []
             for gate in gates:
                 hits = blocked(views, gate, kind)
                 cells.append(f"{100 * hits.float().mean():.1f}% ({int(hits.sum())}/{len(hits)})")
-            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    columns = " | ".join(f"{g.version} ({g.sha256[:8]})" for g in gates)
+    print(f"\n| held-out set (rate: recall or FPR) | {columns} |")
+    print("| --- |" + " ---: |" * len(gates))
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":
