@@ -15,7 +15,6 @@ Held out: the wheels' test prompts and harmful outputs, 400 ShareGPT replies by 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.safety_heldout import hash_sample
 from services.common.gate_file import PROMPT_HEAD, Gate, gate_scores, load_gate
 from services.safety.classifier import TextKind
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
@@ -41,11 +41,6 @@ from tools.train_safety_gate import encoder_tag
 NUM_REPLIES, NUM_PEPS = 400, 150
 
 
-def by_hash(texts: list[str], count: int) -> list[str]:
-    """`count` texts chosen by sha256."""
-    return sorted(texts, key=lambda t: hashlib.sha256(t.encode()).hexdigest())[:count]
-
-
 def held_out_sets(wheels: Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """(prompt sets, output sets), each name saying whether its rate is a recall or an FPR."""
     paths = fetch_wheels(wheels)
@@ -58,7 +53,7 @@ def held_out_sets(wheels: Path) -> tuple[dict[str, list[str]], dict[str, list[st
         ],
         "XSTest unsafe (recall)": read_data_source("harmful_xstest_unsafe"),
         "XSTest safe (FPR)": read_data_source("benign_xstest_safe"),
-        f"PEPs long, {NUM_PEPS} by hash (FPR)": by_hash(read_data_source("benign_peps_long"), NUM_PEPS),
+        f"PEPs long, {NUM_PEPS} by hash (FPR)": hash_sample(read_data_source("benign_peps_long"), NUM_PEPS),
         "HumanEval (FPR)": read_data_source("benign_humaneval"),
     }
     for source in ("toxic_moderation", "toxic_toxigen"):
@@ -69,7 +64,7 @@ def held_out_sets(wheels: Path) -> tuple[dict[str, list[str]], dict[str, list[st
         "outputs: wheels' harmful test outputs (recall)": [
             e.text for e in test if e.kind == "output" and e.label != BENIGN
         ],
-        f"outputs: ShareGPT replies, {NUM_REPLIES} by hash (FPR)": by_hash(replies, NUM_REPLIES),
+        f"outputs: ShareGPT replies, {NUM_REPLIES} by hash (FPR)": hash_sample(replies, NUM_REPLIES),
     }
     return prompts, outputs
 

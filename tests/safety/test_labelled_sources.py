@@ -15,6 +15,7 @@ from tools.safety_data import (
     SOURCE_SPLITS,
     TEST,
     TRAIN,
+    dedup_key,
     read_data_source,
 )
 
@@ -46,7 +47,7 @@ def test_toxic_text_sources_are_held_out_with_known_labels() -> None:
         assert name not in LABELLED_FILES and name not in CALIBRATION_FILES
         labels = {record["label"] for record in records(name)}
         assert BENIGN in labels and labels - {BENIGN} and labels <= {*CATEGORIES, BENIGN}, (name, labels)
-        texts = [" ".join(record["text"].lower().split()) for record in records(name)]
+        texts = [dedup_key(record["text"]) for record in records(name)]
         assert len(set(texts)) == len(texts), name
 
 
