@@ -10,6 +10,11 @@ aggregation and thresholds are applied to them. Prompts are judged against the p
 (harm categories only: no attack heads, no deny patterns), outputs against the output thresholds.
 Held out: the wheels' test prompts and harmful outputs, 400 ShareGPT replies by hash, XSTest,
 150 PEP prompts by hash, HumanEval and the toxic-text sources.
+
+`--ranking` adds a threshold-free table: per gate and held-out pair, the ROC AUC of each prompt's
+margin (its largest `logit(score) - logit(threshold)` over the categories, what decides a block)
+and the recall at 5% and 10% FPR with the threshold read off the pair's own benign side (an
+oracle, for comparing rankings only).
 """
 
 from __future__ import annotations
@@ -77,6 +82,49 @@ def blocked(views: list[list[torch.Tensor]], gate: Gate, kind: TextKind) -> torc
     return (scores >= head.thresholds).any(dim=1)
 
 
+RANKED_PAIRS = (  # (harmful set, benign sets) of the --ranking table, by held_out_sets' names
+    (
+        "wheels' harmful test prompts (recall)",
+        ("XSTest safe (FPR)", f"PEPs long, {NUM_PEPS} by hash (FPR)", "HumanEval (FPR)"),
+    ),
+    ("XSTest unsafe (recall)", ("XSTest safe (FPR)",)),
+    ("toxic_toxigen toxic (recall)", ("toxic_toxigen benign (FPR)",)),
+    ("toxic_moderation toxic (recall)", ("toxic_moderation benign (FPR)",)),
+)
+
+
+def margins(views: list[list[torch.Tensor]], gate: Gate) -> torch.Tensor:
+    """[N]: each prompt's largest logit margin over the prompt thresholds (>= 0 blocks)."""
+    head = gate.head_weights(PROMPT_HEAD)
+    rule = WindowAggregation.from_manifest(gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY))
+    scores = torch.stack([rule.text_scores([gate_scores(v, head) for v in text]) for text in views])
+    eps = 1e-7
+    logits = torch.logit(scores.clamp(eps, 1 - eps)) - torch.logit(head.thresholds.clamp(eps, 1 - eps))
+    return logits.max(dim=1).values
+
+
+def ranking_rows(margins_by_set: dict[str, list[torch.Tensor]], num_gates: int) -> list[str]:
+    """The --ranking table's rows: AUC and oracle recall at 5% / 10% FPR per pair and gate."""
+    rows = []
+    for positive, negatives in RANKED_PAIRS:
+        cells = []
+        for g in range(num_gates):
+            pos = margins_by_set[positive][g]
+            neg = torch.cat([margins_by_set[n][g] for n in negatives])
+            auc = (pos[:, None] > neg[None, :]).float().mean() + 0.5 * (
+                pos[:, None] == neg[None, :]
+            ).float().mean()
+            at = [float((pos > torch.quantile(neg, 1 - fpr)).float().mean()) for fpr in (0.05, 0.10)]
+            cells.append(f"{auc:.3f}, {100 * at[0]:.1f}% / {100 * at[1]:.1f}%")
+        pair = (
+            positive.removesuffix(" (recall)")
+            + " vs "
+            + " + ".join(n.removesuffix(" (FPR)") for n in negatives)
+        )
+        rows.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def main() -> None:
     """Prints one markdown table: a row per held-out set, a column per gate."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -84,6 +132,7 @@ def main() -> None:
         "gates", type=Path, nargs="+", help="gate files (.safetensors), the shipped one first"
     )
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
+    parser.add_argument("--ranking", action="store_true", help="add the threshold-free table")
     args = parser.parse_args()
     gates = [load_gate(path) for path in args.gates]
     shipped = encoder_tag()
@@ -96,10 +145,13 @@ def main() -> None:
     prompts, outputs = held_out_sets(args.wheels)
     cache = args.wheels / "features"
     rows = []  # embedding prints its progress, so the table comes after every row is computed
+    margins_by_set: dict[str, list[torch.Tensor]] = {}
     kinds: list[tuple[TextKind, dict[str, list[str]]]] = [("prompt", prompts), ("output", outputs)]
     for kind, sets in kinds:
         for name, texts in sets.items():
             views = embed_views(texts, cache).views_of()
+            if kind == "prompt" and args.ranking:
+                margins_by_set[name] = [margins(views, gate) for gate in gates]
             cells = []
             for gate in gates:
                 hits = blocked(views, gate, kind)
@@ -109,6 +161,10 @@ def main() -> None:
     print(f"\n| held-out set (rate: recall or FPR) | {columns} |")
     print("| --- |" + " ---: |" * len(gates))
     print("\n".join(rows))
+    if args.ranking:
+        print("\n| held-out pair (AUC, oracle recall at 5% / 10% FPR) | " + columns + " |")
+        print("| --- |" + " ---: |" * len(gates))
+        print("\n".join(ranking_rows(margins_by_set, len(gates))))
 
 
 if __name__ == "__main__":

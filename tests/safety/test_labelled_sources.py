@@ -10,11 +10,13 @@ from tools.safety_data import (
     BENIGN,
     CALIBRATION_FILES,
     CATEGORIES,
+    CONTRAST_SOURCES,
     DATA_DIR,
     LABELLED_FILES,
     SOURCE_SPLITS,
     TEST,
     TRAIN,
+    contrast_examples,
     dedup_key,
     read_data_source,
 )
@@ -55,6 +57,23 @@ def test_no_labelled_text_is_near_a_held_out_text() -> None:
     held_out = HeldOutWords([t for name in HELD_OUT_FILES for t in read_data_source(name)])
     near = [r["text"] for name in LABELLED_FILES for r in records(name) if held_out.is_near(r["text"])]
     assert near == []
+
+
+def test_contrast_sources_train_as_benign_prompts() -> None:
+    assert all(SOURCE_SPLITS[name] == TRAIN for name in CONTRAST_SOURCES)
+    examples = contrast_examples()
+    assert {(e.label, e.kind) for e in examples} == {(BENIGN, "prompt")}
+    assert len(examples) == sum(len(read_data_source(name)) for name in CONTRAST_SOURCES)
+
+
+def test_no_hand_written_look_alike_is_near_a_held_out_or_calibration_text() -> None:
+    # Trained on, a near copy of a calibration question would pull its own threshold down, and one
+    # of a held-out prompt would flatter the evaluation.
+    names = (*HELD_OUT_FILES, *CALIBRATION_FILES)
+    others = HeldOutWords([t for name in names for t in read_data_source(name)])
+    texts = read_data_source("benign_handmade_lookalikes")
+    assert texts and [t for t in texts if others.is_near(t)] == []
+    assert len({dedup_key(t) for t in texts}) == len(texts)
 
 
 def test_near_copy_filter_catches_a_reworded_copy_and_passes_another_request() -> None:
