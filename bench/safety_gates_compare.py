@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.safety_heldout import hash_sample
+from bench.safety_heldout import hash_sample, roc_auc
 from services.common.gate_file import PROMPT_HEAD, Gate, gate_scores, load_gate
 from services.safety.classifier import TextKind
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
@@ -111,9 +111,7 @@ def ranking_rows(margins_by_set: dict[str, list[torch.Tensor]], num_gates: int) 
         for g in range(num_gates):
             pos = margins_by_set[positive][g]
             neg = torch.cat([margins_by_set[n][g] for n in negatives])
-            auc = (pos[:, None] > neg[None, :]).float().mean() + 0.5 * (
-                pos[:, None] == neg[None, :]
-            ).float().mean()
+            auc = roc_auc(pos, neg)
             at = [float((pos > torch.quantile(neg, 1 - fpr)).float().mean()) for fpr in (0.05, 0.10)]
             cells.append(f"{auc:.3f}, {100 * at[0]:.1f}% / {100 * at[1]:.1f}%")
         pair = (

