@@ -12,6 +12,7 @@ choose one). Prints one markdown table and, for benign sources, every matching t
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -47,8 +48,9 @@ def labelled_texts(wheels: Path) -> dict[str, tuple[bool, list[str]]]:
         name = path.stem
         if name in LABELLED_FILES:
             continue  # already read through load_examples
-        rows = labelled_data_source(name) if "label" in path.read_text().split("\n", 1)[0] else None
-        if rows is not None:
+        first = json.loads(path.read_text().split("\n", 1)[0])
+        if "label" in first:  # a labelled file outside LABELLED_FILES (the held-out toxic text)
+            rows = labelled_data_source(name)
             sources[name] = (False, [t for t, label in rows if label != BENIGN])
             sources[f"{name} (benign)"] = (True, [t for t, label in rows if label == BENIGN])
         else:
