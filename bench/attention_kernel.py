@@ -6,11 +6,14 @@ warm group 32); every row's context is sink + warm + a 128-token hot window (tie
 (tiers off). Times `paged_attention` (with its flash-decoding merge) per layer call, 20 calls
 captured in one CUDA graph as the engine's decode runs them, and reports the
 bytes it must read against the measured copy bandwidth. Needs CUDA. A launch variant
-`TILExWARPS[xSTAGES[xREGS[xUNROLL[xROWS[xBRANCHFREE]]]]]` overrides the kernel's launch shape (tile
-positions, warps, software-pipeline stages, register cap, warm-loop unrolling, (token, head) rows a
-program, 1 for the one-warp decode's branch-free rescale; a 0 keeps that field's default), so one
-run can compare them; "default" is what the engine launches. With `--prefix-pages` the variants
-apply to the pages path too.
+`TILExWARPS[xSTAGES[xREGS[xUNROLL[xROWS[xBRANCHFREE[xSPLIT]]]]]]` overrides the kernel's launch shape
+(tile positions, warps, software-pipeline stages, register cap, warm-loop unrolling, (token, head)
+rows a program, 1 for the one-warp decode's branch-free rescale, 1 for a prefill's causal compare on
+diagonal tiles only; a 0 keeps that field's default), so one run can compare them; "default" is what
+the engine launches. With `--prefix-pages` the variants apply to the pages path too. Every variant's
+output is compared with the default launch's on the same caches and queries (the "vs default"
+column: the largest absolute difference), and a prefill's row shows its attention TFLOP/s (the causal
+products it must do: 4 x head dim x query heads x the positions each new token sees).
 
     python bench/attention_kernel.py --contexts 1024,32768 --batches 1,16
     python bench/attention_kernel.py --contexts 16384 --batches 1 --prefill 2048 --prefix-pages
@@ -54,11 +57,13 @@ def time_decode(
     prefill: int = 0,
     pages: bool = False,
     **launch,
-) -> tuple[float, float, int]:
-    """(µs per call, bytes the call must read, flash-decoding segments); `prefill` > 0 times a chunk
-    of that many new tokens per row after `context` cached ones instead of one decode token; `pages`
-    times the engine's prefill path instead: the backend dequantizes the warm prefix into pages of the
-    hot layout (each call, as each layer of a step does), then the kernel reads them as hot."""
+) -> tuple[float, float, int, torch.Tensor]:
+    """(µs per call, bytes the call must read, flash-decoding segments, the output); `prefill` > 0
+    times a chunk of that many new tokens per row after `context` cached ones instead of one decode
+    token; `pages` times the engine's prefill path instead: the backend dequantizes the warm prefix
+    into pages of the hot layout (each call, as each layer of a step does), then the kernel reads them
+    as hot."""
+    torch.manual_seed(0)  # the same caches and queries for every launch variant, to compare outputs
     config = ModelConfig(vocab_size=8, hidden_size=HEADS * DIM, intermediate_size=8, num_layers=LAYERS,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)  # fmt: skip
     tiers = TIERS if tiered else TierConfig()
@@ -134,7 +139,7 @@ def time_decode(
     hot_per_token = hot.bytes_per_token // LAYERS  # keys and values in bf16
     held_hot = sum(cache.num_held_hot_blocks(t) for t in tables) * BLOCK  # all of it with the tiers off
     read = held_hot * hot_per_token + (batch * total - held_hot) * (warm.bytes_per_token // LAYERS)
-    return start.elapsed_time(end) * 1000 / calls, read, segments
+    return start.elapsed_time(end) * 1000 / calls, read, segments, out.clone()
 
 
 def main() -> None:
@@ -152,35 +157,52 @@ def main() -> None:
     parser.add_argument("--hot-variants", action="store_true", help="time the variants with tiers off too")
     parser.add_argument("--prefill", type=int, default=0, help="new tokens per row; 0: decode")
     parser.add_argument("--prefix-pages", action="store_true", help="prefill: also time the pages path")
+    parser.add_argument(
+        "--no-in-place-variants", action="store_true",
+        help="time the variants on the pages and tiers-off paths only (the default still runs in place)",
+    )  # fmt: skip
     args = parser.parse_args()
     variants = [None] + [v for v in args.variants.split(",") if v]
     splits = [int(x) or None for x in args.segments.split(",") if x] or [None]  # 0: the engine's
-    print("| context | batch | tiers | launch | segments | µs per layer call | MB read | GB/s |")
-    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    print("| context | batch | tiers | launch | segments | µs per layer call | MB read | GB/s "
+          "| TFLOP/s | vs default |")  # fmt: skip
+    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             hot = variants if args.hot_variants else [None]
-            runs = [(True, v, False) for v in variants] + [(False, v, False) for v in hot]
+            in_place = [None] if args.no_in_place_variants else variants
+            runs = [(True, v, False) for v in in_place] + [(False, v, False) for v in hot]
             if args.prefix_pages:
                 runs[1:1] = [(True, v, True) for v in variants]
+            defaults: dict[tuple[bool, bool], torch.Tensor] = {}  # (tiers, pages) -> the default's output
+            # prefill: every new token sees the cached context and the new tokens up to itself
+            new = args.prefill
+            flops = 4 * DIM * HEADS * batch * (new * context + new * (new + 1) // 2)
             for (tiered, variant, pages), split in itertools.product(runs, splits):
-                launch = _launch(variant)
-                us, read, segments = time_decode(
+                launch = launch_overrides(variant)
+                us, read, segments, out = time_decode(
                     batch, context, tiered, segments=split, prefill=args.prefill, pages=pages, **launch
                 )
+                if variant is None:
+                    defaults[tiered, pages] = out
+                baseline = defaults.get((tiered, pages))
+                gap = None if baseline is None else (out.float() - baseline.float()).abs().max().item()
+                differs = "" if gap is None else f"{gap:.1e}"
                 shape = (variant or "default") + (" (warm prefix as pages)" if pages else "")
                 tiers = "on" if tiered else "off"
-                print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | "
-                      f"{read / 1e6:.1f} | {read / us / 1e3:.0f} |", flush=True)  # fmt: skip
+                tflops = f"{flops / us / 1e6:.0f}" if new else ""
+                print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | {read / 1e6:.1f} "
+                      f"| {read / us / 1e3:.0f} | {tflops} | {differs} |", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
 
 
-def _launch(variant: str | None) -> dict:
-    """`64x4x3x128x2x128x1` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg,
-    warm_unroll, block_m, branch_free_rescale); a 0 field is left to the default."""
+def launch_overrides(variant: str | None) -> dict:
+    """`64x4x3x128x2x128x1x1` -> paged_attention's launch overrides (tile_n, num_warps, num_stages, maxnreg,
+    warm_unroll, block_m, branch_free_rescale, split_causal); a 0 field is left to the default."""
     if variant is None:
         return {}
-    names = ("tile_n", "num_warps", "num_stages", "maxnreg", "warm_unroll", "block_m", "branch_free_rescale")
+    names = ("tile_n", "num_warps", "num_stages", "maxnreg", "warm_unroll", "block_m", "branch_free_rescale",
+             "split_causal")  # fmt: skip
     fields = zip(names, (int(x) for x in variant.split("x")), strict=False)
     return {name: value for name, value in fields if value or name in ("tile_n", "num_warps")}
 

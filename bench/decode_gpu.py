@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import attention_kernel
 from gpu_first_reading import (
     LLAMA_1B,
     STORIES_PROMPTS,
@@ -43,6 +44,7 @@ from gpu_first_reading import (
     greedy_ids,
 )
 
+from services.engine.attention import triton_backend
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine, SamplingParams
 from services.engine.model.checkpoint import Checkpoint
@@ -549,9 +551,15 @@ def main() -> None:
         type=lambda s: s.split(","),
         help="which 32K engines to load: on, off or both (each takes minutes)",
     )
+    parser.add_argument(
+        "--prefill-launch", default=None,
+        help="the prefill's launch overrides, in bench/attention_kernel.py's TILExWARPSx... form (default: the engine's)",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-skip", type=int, default=4, help="decode steps before the 8 profiled")
     args = parser.parse_args()
+    if args.prefill_launch:
+        triton_backend.PREFILL_LAUNCH.update(attention_kernel.launch_overrides(args.prefill_launch))
     torch.backends.cuda.matmul.allow_tf32 = False
     parts = args.parts.split(",")
     rows, notes = header(args), []

@@ -361,6 +361,56 @@ def _prefix_update(
 
 
 @triton.jit
+def _hot_tile(
+    q,  # [M, D]
+    acc,  # [M, D] fp32
+    running_max,
+    running_sum,
+    hot_keys_ptr,
+    hot_values_ptr,
+    prefix_keys_ptr,
+    prefix_values_ptr,
+    table_row,  # this row's hot block table
+    prefix_row,  # this row's prefix-page table (HAS_PREFIX_PAGES)
+    tile,
+    kv_end,
+    q_position,  # [M]
+    kv_head,
+    stride_hot_b,
+    stride_hot_t,
+    stride_hot_h,
+    stride_prefix_b,
+    sm_scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_PREFIX_PAGES: tl.constexpr,
+):
+    """One tile of a context with no warm tier: hot pages, or (a prefill over a warm prefix that was
+    dequantized once for all its query blocks) the prefix's pages where it has them."""
+    position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
+    in_context = position < kv_end
+    logical_block = position // BLOCK_SIZE
+    hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
+    if HAS_PREFIX_PAGES:
+        prefix_block = tl.load(prefix_row + logical_block, mask=in_context, other=0).to(tl.int64)
+        return _prefix_update(
+            q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr, hot_block,
+            prefix_keys_ptr, prefix_values_ptr, prefix_block, position, q_position, kv_head,
+            stride_hot_b, stride_hot_t, stride_hot_h, stride_prefix_b, sm_scale_log2,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+        )  # fmt: skip
+    return _hot_update(
+        q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
+        hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
+        sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
 def _visible(attended, position, q_position, CAUSAL: tl.constexpr):
     """[M, N]: which of a tile's positions each query sees. A decode query comes after every cached
     position (`CAUSAL` off): then only the per-position mask remains, with no compare per element."""
@@ -901,6 +951,7 @@ def _paged_attention_kernel(
     MMA_LAYOUT: tl.constexpr,  # one-warp decode: warm tiles built in the tensor cores' layout (see above)
     WARM_UNROLL: tl.constexpr,  # warm loop iterations unrolled together (see SINGLE_WARP_UNROLL)
     BRANCH_FREE_RESCALE: tl.constexpr,  # one-warp decode: per-head rescale, no branch (_mma_warm_update)
+    SPLIT_CAUSAL: tl.constexpr,  # prefill without a warm tier: the causal compare on diagonal tiles only
 ):
     # the KV heads of one (row, segment) are neighbours in launch order: they run together and read
     # neighbouring bytes (a position's heads are adjacent in every cache layout)
@@ -1058,27 +1109,27 @@ def _paged_attention_kernel(
             acc = _from_value_order(tl.trans(acc), BLOCK_M, HEAD_DIM_PADDED)
             running_sum = tl.sum(running_sum, 0)
     else:
-        for tile in range(tile_begin, tile_end):
-            position = tile * TILE_N + tl.arange(0, TILE_N)  # [N]
-            in_context = position < kv_end
-            logical_block = position // BLOCK_SIZE
-            hot_block = tl.load(table_row + logical_block, mask=in_context, other=0).to(tl.int64)
-            if HAS_PREFIX_PAGES:
-                # a prefill over a warm prefix that was dequantized once for all its query blocks:
-                # the prefix reads as pages of the hot layout, the rest from the hot tier
-                prefix_block = tl.load(prefix_row + logical_block, mask=in_context, other=0).to(tl.int64)
-                acc, running_max, running_sum = _prefix_update(
-                    q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr, hot_block,
-                    prefix_keys_ptr, prefix_values_ptr, prefix_block, position, q_position, kv_head,
-                    stride_hot_b, stride_hot_t, stride_hot_h, stride_prefix_b, sm_scale_log2,
-                    BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
-                )  # fmt: skip
-            else:
-                acc, running_max, running_sum = _hot_update(
-                    q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr,
-                    hot_block, position, q_position, kv_head, stride_hot_b, stride_hot_t, stride_hot_h,
-                    sm_scale_log2, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, CAUSAL, DOT_PRECISION,
-                )  # fmt: skip
+        # A prefill's tiles that end before the block's first query are seen whole by every query:
+        # with SPLIT_CAUSAL they run without the causal compare, and only the tiles on the diagonal
+        # pay it.
+        full_end = tile_begin
+        if CAUSAL and SPLIT_CAUSAL:
+            first_query = context_len + q_block * BLOCK_Q
+            full_end = tl.maximum(tl.minimum(tile_end, (first_query + 1) // TILE_N), tile_begin)
+        for tile in range(tile_begin, full_end):
+            acc, running_max, running_sum = _hot_tile(
+                q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr, prefix_keys_ptr,
+                prefix_values_ptr, table_row, prefix_row, tile, kv_end, q_position, kv_head,
+                stride_hot_b, stride_hot_t, stride_hot_h, stride_prefix_b, sm_scale_log2,
+                BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, TILE_N, False, DOT_PRECISION, HAS_PREFIX_PAGES,
+            )  # fmt: skip
+        for tile in range(full_end, tile_end):
+            acc, running_max, running_sum = _hot_tile(
+                q, acc, running_max, running_sum, hot_keys_ptr, hot_values_ptr, prefix_keys_ptr,
+                prefix_values_ptr, table_row, prefix_row, tile, kv_end, q_position, kv_head,
+                stride_hot_b, stride_hot_t, stride_hot_h, stride_prefix_b, sm_scale_log2,
+                BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, TILE_N, CAUSAL, DOT_PRECISION, HAS_PREFIX_PAGES,
+            )  # fmt: skip
 
     token = q_start + q_token
     if NUM_SEGMENTS == 1:
@@ -1199,6 +1250,7 @@ def paged_attention(
     warm_unroll: int | None = None,
     block_m: int | None = None,
     branch_free_rescale: bool = False,
+    split_causal: bool = False,
 ) -> torch.Tensor:
     """Attention of packed queries `q` `[T, H, D]` over each row's paged context; writes `out` `[T, H, D]`.
 
@@ -1207,12 +1259,13 @@ def paged_attention(
     the block size), `num_warps`, `num_stages` (loads in flight in the software pipeline; Triton's
     default when None), `maxnreg` (a register cap per thread) and `warm_unroll` (warm-loop iterations
     unrolled together; SINGLE_WARP_UNROLL for a one-warp warm decode when None, else 1), `block_m`
-    ((token, head) rows per program, a power of two) and `branch_free_rescale` (the one-warp warm
-    decode's softmax rescale per head without a branch; off: the warp's lazy branch) override the
-    launch shape, which otherwise is 64 positions and 4 warps, or for a warm decode on a GPU
-    _warm_decode_launch's pick; bench/attention_kernel.py compares them. `prefix_pages` (with a layer
-    without a warm tier) is a prefill's warm prefix already dequantized: the kernel reads it as hot
-    pages.
+    ((token, head) rows per program, a power of two), `branch_free_rescale` (the one-warp warm
+    decode's softmax rescale per head without a branch; off: the warp's lazy branch) and
+    `split_causal` (a prefill with no warm tier in the kernel: the causal compare only on the tiles
+    that cross the diagonal, in a second loop) override the launch shape, which otherwise is 64
+    positions and 4 warps, or for a warm decode on a GPU _warm_decode_launch's pick;
+    bench/attention_kernel.py compares them. `prefix_pages` (with a layer without a warm tier) is a
+    prefill's warm prefix already dequantized: the kernel reads it as hot pages.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = layer.hot_keys.shape
@@ -1292,6 +1345,7 @@ def paged_attention(
         MMA_LAYOUT=mma_layout,
         WARM_UNROLL=warm_unroll or (SINGLE_WARP_UNROLL if mma_layout else 1),
         BRANCH_FREE_RESCALE=bool(branch_free_rescale),
+        SPLIT_CAUSAL=bool(split_causal),
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),

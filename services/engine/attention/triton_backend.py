@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 
@@ -41,6 +43,10 @@ MIN_WARM_TOKENS_PER_SEGMENT = 128
 MAX_PREFILL_SEGMENTS = 64
 PREFILL_SPLIT_TOKENS = 2048
 PREFILL_BLOCK_M = 64  # (token, head) rows per prefill program (paged_attention's block_m)
+# paged_attention's launch overrides for steps with a prefill (empty: the kernel's defaults), read by
+# each backend when it is built; bench/attention_kernel.py times candidates alone and
+# bench/decode_gpu.py --prefill-launch end to end.
+PREFILL_LAUNCH: dict[str, Any] = {}
 
 
 class TritonBackend(AttentionBackend):
@@ -65,6 +71,7 @@ class TritonBackend(AttentionBackend):
         self.max_split_rows = max(r * self._segments(r, 1 << 30) for r in range(1, max_decode_rows + 1))
         self.max_split_tokens = max(self.max_split_rows, PREFILL_SPLIT_TOKENS)  # prefill splits too
         self.queries_per_kv = num_heads // self.num_kv_heads
+        self.prefill_launch = dict(PREFILL_LAUNCH)
         self.partials = Partials.empty(self.max_split_tokens, num_heads, 1, head_dim_padded(head_dim), device)
         self.max_prefix_blocks = 0
         self.num_prefix_layer_calls = 0  # layer calls that read a prefill's warm prefix from pages
@@ -91,11 +98,13 @@ class TritonBackend(AttentionBackend):
             in_place = paged_layer._replace(warm=None)  # the warm blocks are read from the pages
             partials = self.partials if metadata.num_segments > 1 else None
             return paged_attention(
-                q, in_place, metadata.paged, out, metadata.num_segments, partials, prefix_pages=pages
-            )
+                q, in_place, metadata.paged, out, metadata.num_segments, partials, prefix_pages=pages,
+                **self.prefill_launch,
+            )  # fmt: skip
         partials = self.partials if metadata.num_segments > 1 else None
         self.num_split_layer_calls += metadata.num_segments > 1
-        return paged_attention(q, paged_layer, metadata.paged, out, metadata.num_segments, partials)
+        launch: dict[str, Any] = self.prefill_launch if metadata.paged.max_query_len > 1 else {}
+        return paged_attention(q, paged_layer, metadata.paged, out, metadata.num_segments, partials, **launch)
 
     def num_segments(self, num_rows: int, max_seq_len: int) -> int:
         """Enough programs to fill the GPU (with a warm tier: to take the one-warp launch), but no
@@ -108,7 +117,7 @@ class TritonBackend(AttentionBackend):
         and its contexts long, no segment under MIN_TOKENS_PER_SEGMENT positions, and no more
         (token, segment) pairs than the workspace holds. A whole prompt is rarely split: its own
         query blocks fill the GPU."""
-        block_q = max(1, PREFILL_BLOCK_M // self.queries_per_kv)
+        block_q = max(1, self.prefill_launch.get("block_m", PREFILL_BLOCK_M) // self.queries_per_kv)
         programs = self.num_kv_heads * triton.cdiv(max_query_len, block_q) * num_rows
         by_occupancy = triton.cdiv(TARGET_PROGRAMS, programs)
         by_length = max_seq_len // MIN_TOKENS_PER_SEGMENT

@@ -384,6 +384,20 @@ def test_prefill_with_more_or_fewer_rows_a_program_matches_reference(block_m, nu
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(("block_m", "num_segments"), [(64, 1), (16, 1), (64, 2)])
+def test_prefill_with_the_causal_compare_on_diagonal_tiles_only_matches_reference(block_m, num_segments):
+    """`split_causal`: a query block's tiles before its first query run without the causal compare.
+    Chunks over long hot prefixes and over pages, a chunk whose first query sits one position short
+    of a tile's edge (after 286 cached positions), whole prompts whose diagonal falls inside a tile or
+    on its edge (64 new tokens at 16-position tiles), a block past a row's end, and decode."""
+    rows = [(37, 37), (20, 122), (1, 90), (64, 64), (16, 302)]
+    for with_warm, prefix_pages in ((False, False), (True, True)):
+        run_case(
+            Shape(1, 4, 64), rows, torch.float32, with_warm, num_segments, seed=16, prefix_pages=prefix_pages,
+            tile_n=16, block_m=block_m, split_causal=True,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("num_segments", [1, 4])
 def test_split_prefill_over_dequantized_warm_pages_matches_reference(num_segments):
     """The pages path splits the same way."""
