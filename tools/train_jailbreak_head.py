@@ -46,6 +46,7 @@ from services.common.gate_file import load_gate, write_gate
 from services.safety.attack_head import ATTACK_HEADS, JAILBREAK, PROMPT_INJECTION, AttackHead
 from services.safety.classifier import view_rows
 from services.safety.config import DEFAULT_GATE
+from services.safety.normalizer import VIEWS_VERSION
 from tools.safety_data import (
     BENIGN,
     _sharegpt_conversations,
@@ -138,7 +139,7 @@ class TextViews(NamedTuple):
 def embed_views(texts: list[str], cache_dir: Path) -> TextViews:
     """Every view's windows of every text, as the service cuts them, embedded (cached)."""
     key = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:16]
-    path = cache_dir / f"features-views-{encoder_tag()}-{key}.pt"
+    path = cache_dir / f"features-views{VIEWS_VERSION}-{encoder_tag()}-{key}.pt"
     if path.exists():
         return TextViews(**torch.load(path))
     embedder = tool_embedder()

@@ -70,7 +70,7 @@ from services.safety.classifier import screen_rows
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import CLS_ID, SEP_ID, EmbedderSpec, MiniLMEmbedder, default_model_dir
 from services.safety.encoder_adapters import ADAPTERS_KEY, EncoderAdapters
-from services.safety.normalizer import canonical
+from services.safety.normalizer import VIEWS_VERSION, canonical
 from tools.safety_data import (
     BENIGN,
     CALIB,
@@ -273,9 +273,11 @@ FEATURIZERS = {"prompt": embed_texts, "engine": engine_hidden_states, "screen": 
 
 def cached_features(head: str, examples: list[Example], cache_dir: Path) -> Any:
     """Features of `examples` for `head` (or the service's `screen` rows), cached on disk by a
-    hash of the texts (and, for the embedder's features, the encoder's tag)."""
+    hash of the texts (and, for the embedder's features, the encoder's tag; for the screen's rows,
+    the normalizer's VIEWS_VERSION)."""
     key = hashlib.sha256("\x00".join(e.text for e in examples).encode()).hexdigest()[:16]
     tag = "" if head == ENGINE_HEAD else f"-{encoder_tag()}"
+    tag += f"-views{VIEWS_VERSION}" if head == "screen" else ""
     path = cache_dir / f"features-{head}{tag}-{key}.pt"
     if path.exists():
         return torch.load(path)

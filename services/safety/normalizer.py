@@ -1,5 +1,6 @@
 """The forms of a text that the screens read: evasions (zero-width characters, confusables,
-base64 blobs) are undone so that they score like the plain text they hide.
+stacked combining marks, base64 blobs, and the encodings of decoders.py) are undone so that they
+score like the plain text they hide.
 
 Every view is screened and the highest score counts, so a view can only add risk: decoding a
 blob that turns out to be noise costs a little latency, never a missed block.
@@ -12,10 +13,17 @@ import binascii
 import re
 import unicodedata
 
+from services.safety.decoders import hidden_texts
+
 # Characters that render as nothing and are used to split a word past a screen.
 _ZERO_WIDTH = dict.fromkeys(
     map(ord, "\u200b\u200c\u200d\u2060\u2061\u2062\u2063\u2064\ufeff\u00ad\u180e\u034f")
 )
+# Unicode tag characters: invisible, dropped from the text (decoders.smuggled_tags reads them).
+_TAGS = dict.fromkeys(range(0xE0000, 0xE0080))
+# Combining marks that NFKC left on their own (it composes the ones that make an accented letter):
+# stacked over each letter ("Zalgo" text) or a strikethrough, they split a word past a pattern.
+_LOOSE_MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
 _WHITESPACE = re.compile(r"\s+")
 # Cyrillic and Greek letters that look like Latin ones (NFKC leaves them alone). A hand-made
 # subset of the lookalikes that matter for English text; folded only in Latin-script texts.
@@ -25,12 +33,26 @@ _CONFUSABLES = str.maketrans(
 )
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
 MAX_DECODED_BLOBS = 8  # per text: enough for real payloads, bounded against a text made of blobs
+MAX_HIDDEN_VIEWS = 8  # decoded views per text, past the plain one
+# Bumped whenever views() changes what it returns for some text: training and evaluation tools key
+# their cached embeddings by it.
+VIEWS_VERSION = 2
+
+
+def _visible(text: str) -> str:
+    """NFKC with zero-width characters dropped: what a reader sees, whitespace and tags as sent."""
+    return unicodedata.normalize("NFKC", text).translate(_ZERO_WIDTH)
+
+
+def _cleaned(visible: str) -> str:
+    """A _visible text with tag characters and loose combining marks dropped, whitespace collapsed."""
+    return _WHITESPACE.sub(" ", _LOOSE_MARKS.sub("", visible.translate(_TAGS))).strip()
 
 
 def normalize(text: str) -> str:
-    """NFKC, zero-width characters dropped, whitespace collapsed: the deny patterns' view."""
-    text = unicodedata.normalize("NFKC", text).translate(_ZERO_WIDTH)
-    return _WHITESPACE.sub(" ", text).strip()
+    """NFKC, zero-width and tag characters and loose combining marks dropped, whitespace collapsed:
+    the deny patterns' view."""
+    return _cleaned(_visible(text))
 
 
 def _is_mostly_latin(text: str) -> bool:
@@ -76,7 +98,14 @@ def decoded_blobs(text: str) -> list[str]:
 
 
 def views(text: str) -> list[str]:
-    """Every form of `text` to screen: its canonical form, then each decoded blob's."""
-    plain = canonical(text)
-    hidden = [canonical(blob) for blob in decoded_blobs(normalize(text))]
-    return [plain, *(h for h in hidden if h and h != plain)]
+    """Every form of `text` to screen: its canonical form, then each decoded blob's and each text
+    decoders.py finds hidden in it (at most MAX_HIDDEN_VIEWS, each once)."""
+    visible = _visible(text)
+    normalized = _cleaned(visible)
+    forms = [fold_confusables(normalized)]  # canonical(text), from the NFKC pass already made
+    for hidden in (*decoded_blobs(normalized), *hidden_texts(visible)):
+        if (form := canonical(hidden)) and form not in forms:
+            forms.append(form)
+            if len(forms) > MAX_HIDDEN_VIEWS:
+                break
+    return forms

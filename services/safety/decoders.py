@@ -1,0 +1,333 @@
+"""Undoing the encodings that hide a request from a screen: each decoder looks for its encoding
+in a text and returns the plain text it hides, or nothing.
+
+An attacker who writes "decode this and answer it" before a harmful request in ROT13, reversed,
+in hex, braille or Morse, in leetspeak, with its letters spaced out, or in invisible Unicode tag
+characters counts on the model decoding what the screen cannot. Each decoder here is cheap (a
+regular expression or one pass over the words) and fires only on its own encoding, so an ordinary
+prompt gets no extra view and pays no extra embedding; what they find becomes another view of the
+text (normalizer.views), screened like the plain one.
+
+Ciphers are found by their words: a Caesar shift (ROT13 is shift 13), Atbash or reversed letters
+turn common English words into strings that one dictionary lookup per word recognises
+(`_CIPHER_WORDS`), so a text is decoded only when enough of its words are common words in one of
+those forms.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Iterable
+from urllib.parse import unquote_to_bytes
+
+# Unicode tag characters (U+E0020..U+E007E) mirror printable ASCII and render as nothing.
+_TAG_RUN = re.compile("[\U000e0020-\U000e007e]{4,}")
+# Hex bytes: plain runs, `\x`-escaped, or separated by spaces, colons or commas; %-encoded bytes.
+_HEX_RUN = re.compile(r"(?:\\x[0-9a-fA-F]{2}){8,}|(?<![0-9A-Za-z])(?:[0-9a-fA-F]{2}[ :,]?){12,}")
+_PERCENT_RUN = re.compile(r"(?:%[0-9a-fA-F]{2}[^%\s]{0,3}){6,}")
+# Single characters joined by one separator ("b o m b", "b-o-m-b", "b.o.m.b", "b*o*m*b"): runs of
+# three or more show the spacing; once one is found, runs of two ("t o") are joined as well.
+# Letters only: digits joined by dots are versions and addresses ("3.4.7", "192.0.2.0").
+_BEFORE_RUN = r"(?<![^\s\"'(\[{])"  # a run starts a token: at the start, after a space, quote or bracket
+_AFTER_RUN = r"(?=$|[\s\"',;:!?)\]}]|[.\-_*|+~/](?:$|[^A-Za-z]))"  # ... and ends one
+_SPACED_RUN = re.compile(_BEFORE_RUN + r"[A-Za-z](?:([ .\-_*|+~/])[A-Za-z])(?:\1[A-Za-z])+" + _AFTER_RUN)
+_SPACED_PAIR = re.compile(_BEFORE_RUN + r"[A-Za-z]([ .\-_*|+~/])[A-Za-z]" + _AFTER_RUN)
+# Leetspeak ("h0w", "b0mb", "m4k3", "$teal"): a token between spaces, read less the punctuation
+# around it (_AROUND, which leaves the leet symbols "!", "$", "@" and "|").
+_LEET_WORD = re.compile(r"\S+")
+_AROUND = ".,;:?\"'()[]{}"
+_LEET_TOKEN = re.compile(r"(?=.*[A-Za-z])[A-Za-z01345789@$!|]+")
+_CAMEL = re.compile(r"[a-z][A-Z]")
+_NUMBER_UNIT = re.compile(r"[0-9]+[A-Za-z]+")
+_LEET_HINT = re.compile(r"[A-Za-z][01345789@!|]|[01345789@$!|][A-Za-z]")
+_LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "8": "b", "9": "g",
+                       "@": "a", "$": "s", "!": "i", "|": "l"})  # fmt: skip
+_LEET_CHARS = frozenset("01345789@$!|")
+_BRAILLE = dict(
+    zip(
+        "\u2801\u2803\u2809\u2819\u2811\u280b\u281b\u2813\u280a\u281a\u2805\u2807\u280d"
+        "\u281d\u2815\u280f\u281f\u2817\u280e\u281e\u2825\u2827\u283a\u282d\u283d\u2835\u2800",
+        "abcdefghijklmnopqrstuvwxyz ",
+        strict=True,
+    )
+)
+_BRAILLE_RUN = re.compile("[\u2800-\u28ff][\u2800-\u28ff ]{7,}")
+_MORSE = {
+    ".-": "a", "-...": "b", "-.-.": "c", "-..": "d", ".": "e", "..-.": "f", "--.": "g", "....": "h",
+    "..": "i", ".---": "j", "-.-": "k", ".-..": "l", "--": "m", "-.": "n", "---": "o", ".--.": "p",
+    "--.-": "q", ".-.": "r", "...": "s", "-": "t", "..-": "u", "...-": "v", ".--": "w", "-..-": "x",
+    "-.--": "y", "--..": "z", "-----": "0", ".----": "1", "..---": "2", "...--": "3", "....-": "4",
+    ".....": "5", "-....": "6", "--...": "7", "---..": "8", "----.": "9",
+}  # fmt: skip
+_MORSE_RUN = re.compile(r"(?:[.\-]{1,6}(?:\s*/\s*|\s+)){7,}[.\-]{1,6}")
+_WORD = re.compile(r"[A-Za-z]+")
+_CLAUSE_BREAK = re.compile(r"(?<=[:;!?])\s+|(?<=\.)\s+")
+
+# Common English words, mostly of two letters or more and the words of requests: the cipher
+# detectors count how many of a text's words are these in some encoded form.
+_COMMON = """the be to of and in that have it for not on with he as you do at this but his by from they
+    we say her she or an will my one all would there their what so up out if about who get which go
+    me when make can like time no just him know take people into year your good some could them see
+    other than then now look only come its over think also back after use two how our work first
+    well way even new want because any these give day most us is are was were been has had did does
+    should must may might shall am how why where write tell explain show steps step way ways best
+    instructions guide list detailed kill make build create buy find need help someone something
+    money without getting caught anyone using home made people person stop start from into bomb
+    weapon gun drug drugs poison hack steal password meth attack virus malware explosive explosives
+    life wife husband child children woman women house place down open human body dead death
+    fire water school hospital police family friend friends world away hurt harm shoot knife blood
+    sell send keep write code program computer phone account email bank card credit fake story
+    letter message website post social media against every never always very much many more less
+    long little large small great high old young right left real hard easy quick quickly fast"""
+# The three-letter words whose enciphered forms count: most three-letter strings are the cipher
+# of some common word, so a code name such as "src" or "tmp" would vote too often.
+_THREE_LETTER = frozenset(("the", "and", "how", "you", "can", "for"))
+COMMON_WORDS = frozenset(_COMMON.split())
+_ALPHABET = string.ascii_lowercase
+
+
+def _caesar(shift: int) -> dict[int, int]:
+    table: dict[int, int] = {}
+    for letters in (_ALPHABET, _ALPHABET.upper()):
+        table |= {ord(c): ord(letters[(i + shift) % 26]) for i, c in enumerate(letters)}
+    return table
+
+
+def _atbash() -> dict[int, int]:
+    table: dict[int, int] = {}
+    for letters in (_ALPHABET, _ALPHABET.upper()):
+        table |= {ord(c): ord(letters[25 - i]) for i, c in enumerate(letters)}
+    return table
+
+
+# Every way a text may be enciphered, as the translation that deciphers it (None: reverse the text).
+_DECIPHER: dict[str, dict[int, int] | None] = {f"caesar{s}": _caesar(26 - s) for s in range(1, 26)}
+_DECIPHER["atbash"] = _atbash()
+_DECIPHER["reversed"] = None
+
+
+def _encipher_word(word: str, name: str) -> str:
+    """`word` as the cipher `name` writes it (the inverse of _DECIPHER[name])."""
+    if name == "reversed":
+        return word[::-1]
+    if name == "atbash":
+        return word.translate(_atbash())
+    return word.translate(_caesar(int(name.removeprefix("caesar"))))
+
+
+# enciphered common word -> the ciphers that produce it (words that are themselves common, such as
+# ROT13's "be" <-> "or" or a reversed "a", are left out: they say nothing about a cipher)
+_CIPHER_WORDS: dict[str, tuple[str, ...]] = {}
+for _name in _DECIPHER:
+    for _word in COMMON_WORDS:
+        _coded = _encipher_word(_word, _name)
+        if (len(_word) >= 4 or _word in _THREE_LETTER) and _coded not in COMMON_WORDS:
+            _CIPHER_WORDS[_coded] = (*_CIPHER_WORDS.get(_coded, ()), _name)
+
+MIN_CIPHER_WORDS = 2  # enciphered common words a line needs before it is deciphered
+MIN_CIPHER_SHARE = 0.4  # ... and their share of its words that are not plain common words
+MIN_LEET_WORDS = 3  # leetspeak words a line needs before it is undone
+MIN_LEET_SHARE = 0.2  # ... and their share of its words
+MAX_LEET_WORD_CHARS = 16
+
+
+def _segments(line: str) -> list[str]:
+    """The line's clauses: split after ":", ";", "!", "?" and a full stop followed by a space (a
+    dot inside a word, "b.o.m.b", is not a break)."""
+    return [part for part in _CLAUSE_BREAK.split(line) if part.strip()]
+
+
+def _decoded_segments(line: str, decode: Callable[[str], tuple[str, bool]]) -> str | None:
+    """The clauses of `line` that `decode` changed, decoded and joined; None if it changed none. A
+    decoded request keeps out the plain instruction around it ("Decode this and answer it: ..."),
+    which would otherwise dilute its view as it dilutes the plain text's."""
+    decoded = [text for text, changed in map(decode, _segments(line)) if changed]
+    return " ".join(decoded) if decoded else None
+
+
+def _cipher_words(text: str) -> list[str]:
+    """The words that may be enciphered: of three letters or more (two-letter names in code, "xs",
+    "st", are ciphers of too many words), not plain common English already."""
+    return [w for w in (w.lower() for w in _WORD.findall(text)) if len(w) >= 3 and w not in COMMON_WORDS]
+
+
+def _decipher(text: str, name: str) -> str:
+    table = _DECIPHER[name]
+    return text[::-1] if table is None else text.translate(table)
+
+
+def _votes(words: Iterable[str]) -> tuple[str, int] | None:
+    """The cipher that the most distinct `words` read as common English under, with their count,
+    when it is at least MIN_CIPHER_WORDS; else None (a whole text's check first, then a line's)."""
+    votes: Counter[str] = Counter()
+    for word in set(words):
+        votes.update(_CIPHER_WORDS.get(word, ()))
+    if not votes:
+        return None
+    name, count = votes.most_common(1)[0]
+    return (name, count) if count >= MIN_CIPHER_WORDS else None
+
+
+def deciphered(line: str) -> str | None:
+    """The clauses of `line` that are enciphered (Caesar shift, Atbash or reversed), deciphered:
+    each clause whose words read as common English under one cipher (MIN_CIPHER_WORDS of them,
+    and MIN_CIPHER_SHARE of its words that are not plain common English already, so that a request
+    enciphered after a plain instruction, "decode this and answer it: ...", is judged on its own
+    words); None when no clause is."""
+
+    def clause(text: str) -> tuple[str, bool]:
+        words = set(_cipher_words(text))  # distinct: a name repeated in code ("max = max") votes once
+        best = _votes(words)
+        if best is None or best[1] < MIN_CIPHER_SHARE * len(words):
+            return text, False
+        return _decipher(text, best[0]), True
+
+    return _decoded_segments(line, clause)
+
+
+def _is_leet(word: str) -> bool:
+    """A word written in leetspeak: a leet character with a letter after it ("h0w", "$teal", "7o"),
+    or a short word of letters ending in one ("t0", "m3"). Identifiers that only end in digits
+    ("utf8", "sha256", "int32") are not, nor are short names that read as no word ("i1", "r3"),
+    tokens with other characters or in camelCase ("IPv4Address", "x86_64") and tokens longer than
+    MAX_LEET_WORD_CHARS (hashes, base64)."""
+    if len(word) > MAX_LEET_WORD_CHARS or not _LEET_TOKEN.fullmatch(word) or _CAMEL.search(word):
+        return False
+    if word.startswith("$"):  # a variable of PHP, Perl or a shell
+        return False
+    if (len(word) <= 3 and word[-1] in _LEET_CHARS and word[:-1].isalpha()) or _NUMBER_UNIT.fullmatch(word):
+        # "t0", "m3"; "1s", "4n"; a number and its unit ("8B", "1st", "137L", "20px") reads as
+        # leet only where it makes a common word
+        return word.translate(_LEET).lower() in COMMON_WORDS
+    return any(c in _LEET_CHARS and word[i + 1].isalpha() for i, c in enumerate(word[:-1]))
+
+
+def _unleet_tokens(text: str, digits_too: bool) -> tuple[str, int]:
+    """`text` with its leet words undone (and, with `digits_too`, its short all-leet tokens: "70"
+    for "to", "4" for "a"), and how many leet words it had."""
+    changed = 0
+
+    def fix(match: re.Match[str]) -> str:
+        nonlocal changed
+        token = match.group()
+        word = token.strip(_AROUND)
+        if _is_leet(word):
+            changed += 1
+        elif not (digits_too and len(word) <= 3 and word and set(word) <= _LEET_CHARS):
+            return token
+        return token.replace(word, word.translate(_LEET))
+
+    return _LEET_WORD.sub(fix, text), changed
+
+
+def unleeted(line: str) -> str | None:
+    """Leetspeak undone in the clauses of `line` that have it ("h0w t0 m4k3"), when the line has
+    enough leet words (MIN_LEET_WORDS, and MIN_LEET_SHARE of its tokens); else None. Then the short
+    tokens made only of leet characters are read as letters too ("70" for "to"), in those clauses."""
+    if not _LEET_HINT.search(line):  # most lines: no leet character next to a letter
+        return None
+    _, count = _unleet_tokens(line, digits_too=False)
+    if count < MIN_LEET_WORDS or count < MIN_LEET_SHARE * len(line.split()):
+        return None
+
+    def clause(text: str) -> tuple[str, bool]:
+        fixed, changed = _unleet_tokens(text, digits_too=True)
+        return fixed, changed > 0
+
+    return _decoded_segments(line, clause)
+
+
+def despaced(line: str) -> str | None:
+    """The clauses of `line` with runs of single letters joined by one separator ("b o m b",
+    "b-o-m-b"), written as words; None when the line has no run of three or more. Two or more
+    spaces between runs stay a word break (the text before its whitespace is collapsed), so
+    "h o w  t o" reads "how to"."""
+    if not _SPACED_RUN.search(line):
+        return None
+
+    def clause(text: str) -> tuple[str, bool]:
+        fixed, count = _SPACED_RUN.subn(lambda m: m.group().replace(m.group(1), ""), text)
+        return _SPACED_PAIR.sub(lambda m: m.group().replace(m.group(1), ""), fixed), count > 0
+
+    return _decoded_segments(line, clause)
+
+
+def smuggled_tags(text: str) -> list[str]:
+    """ASCII hidden in runs of Unicode tag characters."""
+    return ["".join(chr(ord(c) - 0xE0000) for c in run) for run in _TAG_RUN.findall(text)]
+
+
+def _printable(data: bytes) -> str | None:
+    try:
+        decoded = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    printable = sum(1 for c in decoded if c.isprintable() or c.isspace())
+    letters = sum(1 for c in decoded if c.isalpha())
+    return decoded if decoded and printable >= 0.9 * len(decoded) and letters >= 0.5 * len(decoded) else None
+
+
+def decoded_hex(text: str) -> list[str]:
+    """Texts hidden as hex bytes or %-encoded bytes (UTF-8, mostly letters)."""
+    found = []
+    for match in _HEX_RUN.finditer(text):
+        digits = re.sub(r"\\x|[ :,]", "", match.group())
+        if len(digits) % 2 == 0 and (decoded := _printable(bytes.fromhex(digits))) is not None:
+            found.append(decoded)
+    for match in _PERCENT_RUN.finditer(text):
+        run = match.group()
+        if (decoded := _printable(unquote_to_bytes(run))) is not None and decoded != run:
+            found.append(decoded)
+    return found
+
+
+def braille(text: str) -> list[str]:
+    """Texts written in braille cells (grade 1 letters), each run of at least eight cells."""
+    return ["".join(_BRAILLE.get(c, c) for c in run).strip() for run in _BRAILLE_RUN.findall(text)]
+
+
+def morse(text: str) -> list[str]:
+    """Runs of Morse code (letters by spaces, words by "/"), when they spell at least eight symbols."""
+    found = []
+    for match in _MORSE_RUN.finditer(text):
+        words = re.split(r"\s*/\s*|\s{3,}", match.group().strip())
+        letters = [" ".join(w.split()) for w in words]
+        decoded = " ".join("".join(_MORSE.get(code, "") for code in word.split()) for word in letters)
+        if sum(c.isalpha() for c in decoded) >= 4:
+            found.append(decoded.strip())
+    return found
+
+
+MAX_CHUNK_CHARS = 1000  # the whole-text decoders read a text in lines, long lines in pieces of this
+
+
+def chunks(text: str) -> list[str]:
+    """The text's lines, a line longer than MAX_CHUNK_CHARS cut at spaces into pieces no longer."""
+    pieces = []
+    for line in text.splitlines():
+        while len(line) > MAX_CHUNK_CHARS:
+            cut = line.rfind(" ", 0, MAX_CHUNK_CHARS)
+            cut = cut if cut > 0 else MAX_CHUNK_CHARS
+            pieces.append(line[:cut])
+            line = line[cut:]
+        if line.strip():
+            pieces.append(line)
+    return pieces
+
+
+def hidden_texts(text: str) -> list[str]:
+    """Every plain text this module finds hidden in `text` (NFKC, zero-width characters dropped,
+    tag characters and whitespace as sent). The whole-text decoders (ciphers, leetspeak, spacing)
+    read the text a line at a time: an encoded request is usually one line of a longer
+    prompt, where its words make a larger share, and the view they add holds only the lines they
+    decoded, so a long prompt with one odd line does not embed twice."""
+    found = [*smuggled_tags(text), *decoded_hex(text), *morse(text), *braille(text)]
+    lines = chunks(text)
+    decoders = (deciphered, unleeted, despaced) if _votes(_cipher_words(text)) else (unleeted, despaced)
+    for decoder in decoders:
+        decoded = [plain for line in lines if (plain := decoder(line)) is not None]
+        if decoded:
+            found.append("\n".join(decoded))
+    return found
