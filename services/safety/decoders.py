@@ -65,22 +65,22 @@ _MORSE_RUN = re.compile(r"(?:[.\-]{1,6}(?:\s*/\s*|\s+)){7,}[.\-]{1,6}")
 _WORD = re.compile(r"[A-Za-z]+")
 _CLAUSE_BREAK = re.compile(r"(?<=[:;!?])\s+|(?<=\.)\s+")
 
-# Common English words, mostly of two letters or more and the words of requests: the cipher
-# detectors count how many of a text's words are these in some encoded form.
-_COMMON = """the be to of and in that have it for not on with he as you do at this but his by from they
-    we say her she or an will my one all would there their what so up out if about who get which go
-    me when make can like time no just him know take people into year your good some could them see
+# Common English words and the words of requests: a word among them is plain English (a cipher
+# clause is judged on its other words), and the ciphers are recognised by these words enciphered.
+_COMMON = """the be to of and in that have it for not on with he as you do at this but his by from they we
+    say her she or an will my one all would there their what so up out if about who get which go me
+    when make can like time no just him know take people into year your good some could them see
     other than then now look only come its over think also back after use two how our work first
     well way even new want because any these give day most us is are was were been has had did does
-    should must may might shall am how why where write tell explain show steps step way ways best
-    instructions guide list detailed kill make build create buy find need help someone something
-    money without getting caught anyone using home made people person stop start from into bomb
-    weapon gun drug drugs poison hack steal password meth attack virus malware explosive explosives
-    life wife husband child children woman women house place down open human body dead death
-    fire water school hospital police family friend friends world away hurt harm shoot knife blood
-    sell send keep write code program computer phone account email bank card credit fake story
-    letter message website post social media against every never always very much many more less
-    long little large small great high old young right left real hard easy quick quickly fast"""
+    should must may might shall am why where write tell explain show steps step ways best
+    instructions guide list detailed kill build create buy find need help someone something money
+    without getting caught anyone using home made person stop start bomb weapon gun drug drugs
+    poison hack steal password meth attack virus malware explosive explosives life wife husband
+    child children woman women house place down open human body dead death fire water school
+    hospital police family friend friends world away hurt harm shoot knife blood sell send keep code
+    program computer phone account email bank card credit fake story letter message website post
+    social media against every never always very much many more less long little large small great
+    high old young right left real hard easy quick quickly fast"""
 # The three-letter words whose enciphered forms count: most three-letter strings are the cipher
 # of some common word, so a code name such as "src" or "tmp" would vote too often.
 _THREE_LETTER = frozenset(("the", "and", "how", "you", "can", "for"))
@@ -108,13 +108,16 @@ _DECIPHER["atbash"] = _atbash()
 _DECIPHER["reversed"] = None
 
 
+# the translation that enciphers, per cipher (Atbash is its own inverse; None: reverse the word)
+_ENCIPHER: dict[str, dict[int, int] | None] = {f"caesar{s}": _caesar(s) for s in range(1, 26)}
+_ENCIPHER["atbash"] = _DECIPHER["atbash"]
+_ENCIPHER["reversed"] = None
+
+
 def _encipher_word(word: str, name: str) -> str:
     """`word` as the cipher `name` writes it (the inverse of _DECIPHER[name])."""
-    if name == "reversed":
-        return word[::-1]
-    if name == "atbash":
-        return word.translate(_atbash())
-    return word.translate(_caesar(int(name.removeprefix("caesar"))))
+    table = _ENCIPHER[name]
+    return word[::-1] if table is None else word.translate(table)
 
 
 # enciphered common word -> the ciphers that produce it (words that are themselves common, such as
@@ -126,7 +129,7 @@ for _name in _DECIPHER:
         if (len(_word) >= 4 or _word in _THREE_LETTER) and _coded not in COMMON_WORDS:
             _CIPHER_WORDS[_coded] = (*_CIPHER_WORDS.get(_coded, ()), _name)
 
-MIN_CIPHER_WORDS = 2  # enciphered common words a line needs before it is deciphered
+MIN_CIPHER_WORDS = 2  # distinct enciphered common words a clause needs before it is deciphered
 MIN_CIPHER_SHARE = 0.4  # ... and their share of its words that are not plain common words
 MIN_LEET_WORDS = 3  # leetspeak words a line needs before it is undone
 MIN_LEET_SHARE = 0.2  # ... and their share of its words
