@@ -88,6 +88,7 @@ def time_decode(
         tables.append(table)
     rows = [RowInput(t, total - new_tokens, new_tokens) for t in tables]
     backend = TritonBackend(cache, HEADS, batch)  # flash-decoding workspace: decode rows only
+    backend.prefill_launch = dict(launch)  # a variant's block_m sets the prefill's split, as in the engine
     if segments is None:
         tokens = batch * new_tokens
         split = backend.prefill_segments(tokens, batch, new_tokens, total) if prefill else None

@@ -262,14 +262,22 @@ def smuggled_tags(text: str) -> list[str]:
     return ["".join(chr(ord(c) - 0xE0000) for c in run) for run in _TAG_RUN.findall(text)]
 
 
-def _printable(data: bytes) -> str | None:
+def text_of(data: bytes, min_letter_share: float = 0.0) -> str | None:
+    """`data` as UTF-8 text that is at least 90% printable and `min_letter_share` letters, else
+    None: what a decoded blob must be to count as a hidden text rather than noise."""
     try:
         decoded = data.decode("utf-8")
     except UnicodeDecodeError:
         return None
     printable = sum(1 for c in decoded if c.isprintable() or c.isspace())
     letters = sum(1 for c in decoded if c.isalpha())
-    return decoded if decoded and printable >= 0.9 * len(decoded) and letters >= 0.5 * len(decoded) else None
+    enough = printable >= 0.9 * len(decoded) and letters >= min_letter_share * len(decoded)
+    return decoded if decoded and enough else None
+
+
+def _hex_text(data: bytes) -> str | None:
+    """Hex decodes almost any run of digits into bytes, so its text must be mostly letters too."""
+    return text_of(data, min_letter_share=0.5)
 
 
 def decoded_hex(text: str) -> list[str]:
@@ -277,11 +285,11 @@ def decoded_hex(text: str) -> list[str]:
     found = []
     for match in _HEX_RUN.finditer(text):
         digits = re.sub(r"\\x|[ :,]", "", match.group())
-        if len(digits) % 2 == 0 and (decoded := _printable(bytes.fromhex(digits))) is not None:
+        if len(digits) % 2 == 0 and (decoded := _hex_text(bytes.fromhex(digits))) is not None:
             found.append(decoded)
     for match in _PERCENT_RUN.finditer(text):
         run = match.group()
-        if (decoded := _printable(unquote_to_bytes(run))) is not None and decoded != run:
+        if (decoded := _hex_text(unquote_to_bytes(run))) is not None and decoded != run:
             found.append(decoded)
     return found
 

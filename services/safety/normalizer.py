@@ -13,7 +13,7 @@ import binascii
 import re
 import unicodedata
 
-from services.safety.decoders import hidden_texts
+from services.safety.decoders import hidden_texts, text_of
 
 # Characters that render as nothing and are used to split a word past a screen.
 _ZERO_WIDTH = dict.fromkeys(
@@ -79,11 +79,9 @@ def _decode_blob(blob: str) -> str | None:
     padded = blob.rstrip("=") + "=" * (-len(blob.rstrip("=")) % 4)
     try:
         raw = base64.b64decode(padded.replace("-", "+").replace("_", "/"), validate=True)
-        decoded = raw.decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError, ValueError):
+    except (binascii.Error, ValueError):
         return None
-    printable = sum(1 for c in decoded if c.isprintable() or c.isspace())
-    return decoded if decoded and printable >= 0.9 * len(decoded) else None
+    return text_of(raw)
 
 
 def decoded_blobs(text: str) -> list[str]:

@@ -109,3 +109,7 @@ def test_prefill_splits_only_short_chunks_over_long_contexts() -> None:
     for tokens in (1, 16, 100, 512, 2048):
         segments = backend.prefill_segments(tokens, 1, tokens, 1 << 20)
         assert tokens * segments <= backend.partials.max.numel() // 32
+    # a prefill launch of 32 rows a program (PREFILL_LAUNCH) doubles the query blocks: half the split
+    assert backend.prefill_segments(64, 1, 64, 32832) == 32
+    backend.prefill_launch = {"block_m": 32}
+    assert backend.prefill_segments(64, 1, 64, 32832) == 16
