@@ -10,7 +10,9 @@ bytes it must read against the measured copy bandwidth. Needs CUDA. A launch var
 (tile positions, warps, software-pipeline stages, register cap, warm-loop unrolling, (token, head)
 rows a program, 1 for the one-warp decode's branch-free rescale, 1 for a prefill's causal compare on
 diagonal tiles only; a 0 keeps that field's default), so one run can compare them; "default" is what
-the engine launches. With `--prefix-pages` the variants apply to the pages path too. Every variant's
+the engine launches (for a prefill, triton_backend's PREFILL_LAUNCH, or PREFIX_PAGES_LAUNCH on the
+pages path; `64x4` is the kernel's own default). With `--prefix-pages` the variants apply to the pages
+path too. Every variant's
 output is compared with the default launch's on the same caches and queries (the "vs default"
 column: the largest absolute difference), and a prefill's row shows its attention TFLOP/s (the causal
 products it must do: 4 x head dim x query heads x the positions each new token sees).
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.engine.attention.metadata import AttentionMetadata, HostMetadata, RowInput
 from services.engine.attention.paged_kernels import Partials, paged_attention
-from services.engine.attention.triton_backend import TritonBackend
+from services.engine.attention.triton_backend import PREFILL_LAUNCH, PREFIX_PAGES_LAUNCH, TritonBackend
 from services.engine.kv.block_table import BlockTable
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.tiers import TierConfig
@@ -88,7 +90,8 @@ def time_decode(
         tables.append(table)
     rows = [RowInput(t, total - new_tokens, new_tokens) for t in tables]
     backend = TritonBackend(cache, HEADS, batch)  # flash-decoding workspace: decode rows only
-    backend.prefill_launch = dict(launch)  # a variant's block_m sets the prefill's split, as in the engine
+    # a variant's block_m sets the prefill's split, as in the engine
+    backend.prefill_launch = backend.prefix_pages_launch = dict(launch)
     if segments is None:
         tokens = batch * new_tokens
         split = backend.prefill_segments(tokens, batch, new_tokens, total) if prefill else None
@@ -181,6 +184,8 @@ def main() -> None:
             flops = 4 * DIM * HEADS * batch * (new * context + new * (new + 1) // 2)
             for (tiered, variant, pages), split in itertools.product(runs, splits):
                 launch = launch_overrides(variant)
+                if variant is None and args.prefill:  # the engine's prefill launch
+                    launch = dict(PREFIX_PAGES_LAUNCH if pages else PREFILL_LAUNCH)
                 us, read, segments, out = time_decode(
                     batch, context, tiered, segments=split, prefill=args.prefill, pages=pages, **launch
                 )

@@ -517,6 +517,8 @@ def header(args) -> list[str]:
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}",
         f"- settings: {vars(args)}",
         f"- tiers on: {TIERS_ON}",
+        f"- prefill launch: in place {triton_backend.PREFILL_LAUNCH or 'the kernel default'}, warm prefix as "
+        f"pages {triton_backend.PREFIX_PAGES_LAUNCH or 'the kernel default'}",
         "- decode tok/s (ours) = tokens generated after every request's first token / wall time of those "
         "pure decode steps; HF by differencing 1 and N new tokens; roofline = batch x measured copy bandwidth / "
         "(bf16 weights + the batch's KV bytes per tier at the mean context); peak = torch max allocated",
@@ -553,13 +555,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--prefill-launch", default=None,
-        help="the prefill's launch overrides, in bench/attention_kernel.py's TILExWARPSx... form (default: the engine's)",
+        help="every prefill step's launch overrides (in place and over pages), in bench/attention_kernel.py's "
+        "TILExWARPSx... form (default: the engine's)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-skip", type=int, default=4, help="decode steps before the 8 profiled")
     args = parser.parse_args()
     if args.prefill_launch:
-        triton_backend.PREFILL_LAUNCH.update(attention_kernel.launch_overrides(args.prefill_launch))
+        for launch in (triton_backend.PREFILL_LAUNCH, triton_backend.PREFIX_PAGES_LAUNCH):
+            launch.clear()
+            launch.update(attention_kernel.launch_overrides(args.prefill_launch))
     torch.backends.cuda.matmul.allow_tf32 = False
     parts = args.parts.split(",")
     rows, notes = header(args), []
