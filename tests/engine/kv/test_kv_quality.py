@@ -1,14 +1,15 @@
-"""SmolLM2 with tiers on: KL to full attention over 1K tokens of the benchmark text stays bounded.
+"""SmolLM2 with tiers on: KL to full attention over 512 tokens of the benchmark text stays bounded.
 
 Same procedure as bench/kv_quality.py: the tiered run feeds chunks of 16 tokens and demotes after
-each; the full-attention reference is one forward pass over all 1024 tokens (the same math).
-Measured on the 2-core EPYC dev box (2026-11-30) over 1023 predicted tokens of the benchmark text
+each; the full-attention reference is one forward pass over all 512 tokens (the same math).
+Measured on the 2-core EPYC dev box (2026-12-06) over 511 predicted tokens of the benchmark text
 (Bierce's The Devil's Dictionary, see bench/kv_quality.py): mean KL(full || tiered), hot 128 + INT4
-warm with group 32, is 0.00070 nats/token (p99 0.0062); with group 128, 0.00099; dropping the warm
-tier instead (sink + hot window only) costs 0.0751. The bound, 0.0025, is 3.6x the measured value,
-headroom for BLAS and thread-count rounding across CPUs and for a group-size change (2.5x the
-group-128 figure), and still 30x below the window-only figure, which the second assertion checks,
-so the test can fail.
+warm with group 32, is 0.00046 nats/token (p99 0.0050); with group 128, 0.00065; dropping the warm
+tier instead (sink + hot window only) costs 0.0429. The bound, 0.0018, is 3.9x the measured value,
+headroom for BLAS and thread-count rounding across CPUs and for a group-size change (2.8x the
+group-128 figure), and still 24x below the window-only figure, which the second assertion checks,
+so the test can fail. (Over 1,024 tokens the figures were 0.00070, 0.00099 and 0.0751, in twice
+the CI time.)
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from services.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.real_model
 
-NUM_TOKENS = 1024
-BOUND = 0.0025  # nats per token; measured 0.00070, see the module docstring
+NUM_TOKENS = 512
+BOUND = 0.0018  # nats per token; measured 0.00046, see the module docstring
 
 
 def _mean_kl(engine: LLMEngine, ids: list[int], tiers: TierConfig, reference: torch.Tensor) -> float:
@@ -34,7 +35,7 @@ def _mean_kl(engine: LLMEngine, ids: list[int], tiers: TierConfig, reference: to
     return row.mean_kl
 
 
-def test_int4_warm_kl_over_1k_tokens_stays_under_the_measured_bound(smollm_gguf: Path) -> None:
+def test_int4_warm_kl_over_512_tokens_stays_under_the_measured_bound(smollm_gguf: Path) -> None:
     engine = LLMEngine.load(
         smollm_gguf, device="cpu", max_batch_size=1, max_seq_len=NUM_TOKENS + 1, progress=False
     )
