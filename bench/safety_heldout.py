@@ -41,6 +41,8 @@ from services.safety.attack_head import PROMPT_INJECTION, AttackHead
 from services.safety.classifier import TextClassifier
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS, DEFAULT_PATTERNS
 from services.safety.embedder import MiniLMEmbedder
+from services.safety.normalizer import clauses
+from services.safety.normalizer import views as text_views
 from services.safety.policy import DenyPatternPolicy
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 from tools.calibrate_safety_gate import (
@@ -103,6 +105,7 @@ class Scored(NamedTuple):
 
     texts: list[str]
     views: list[list[torch.Tensor]]
+    harm_views: list[list[torch.Tensor]]  # the views, and for a short prompt each clause as one more
     harm_blocked: torch.Tensor  # [N] bool: a harm category reached its prompt threshold
     jailbreak: torch.Tensor  # [N] the jailbreak score
     denied: torch.Tensor  # [N] bool: a deny pattern matched
@@ -127,7 +130,8 @@ class Bench:
     def score(self, texts: list[str]) -> Scored:
         """Scores `texts` as the service does."""
         views = embed_views(texts, self.cache).views_of()
-        harm = [self.harm_scores(v) >= self.harm.thresholds for v in views]
+        harm_views = [v + c for v, c in zip(views, self.clause_views(texts), strict=True)]
+        harm = [self.harm_scores(v) >= self.harm.thresholds for v in harm_views]
         harm = [h.any() for h in harm]
         jailbreak = torch.tensor([self.head.score(v) for v in views])
         denied = torch.tensor([self.patterns.check(t).is_blocked for t in texts])
@@ -137,7 +141,15 @@ class Bench:
                 for v in views
             ]
         )
-        return Scored(texts, views, torch.stack(harm), jailbreak, denied, injection)
+        return Scored(texts, views, harm_views, torch.stack(harm), jailbreak, denied, injection)
+
+    def clause_views(self, texts: list[str]) -> list[list[torch.Tensor]]:
+        """Per text, one single-window view per clause of its canonical view, as the classifier
+        scores a short prompt (normalizer.clauses; embedded through the same cache)."""
+        per_text = [clauses(text_views(t)[0]) for t in texts]
+        flat = [c for cs in per_text for c in cs]
+        embedded = iter(embed_views(flat, self.cache).views_of() if flat else [])
+        return [[next(embedded)[0] for _ in cs] for cs in per_text]
 
     def harm_scores(self, views: list[torch.Tensor], rule: WindowAggregation | None = None) -> torch.Tensor:
         """Per-category harm scores `[C]` of one text from its views' window embeddings."""
@@ -220,14 +232,17 @@ def latency(classifier: TextClassifier, texts: list[str]) -> Latency:
 
 
 def check_service_path(bench: Bench, classifier: TextClassifier, scored: Scored) -> None:
-    """The bench's scores equal the classifier's on a few texts (same path, embedded once)."""
-    for i in range(3):
+    """The bench's scores equal the classifier's on a few texts (same path, embedded once), three of
+    them with clause views when the source has such texts."""
+    pairs = enumerate(zip(scored.views, scored.harm_views, strict=True))
+    with_clauses = [i for i, (views, harm_views) in pairs if len(harm_views) > len(views)]
+    for i in [0, 1, 2, *with_clauses[:3]]:
         values = classifier.score(scored.texts[i]).values
         assert abs(values["jailbreak"] - float(scored.jailbreak[i])) < 1e-4, (values, scored.jailbreak[i])
         if bench.injection is not None:
             fired = values[PROMPT_INJECTION] >= bench.injection.threshold
             assert fired == bool(scored.injection[i]), (values, scored.injection[i])
-        harm = bench.harm_scores(scored.views[i]).tolist()
+        harm = bench.harm_scores(scored.harm_views[i]).tolist()
         assert all(
             abs(values[c] - h) < 1e-4 for c, h in zip(bench.gate.manifest.categories, harm, strict=True)
         )
@@ -261,6 +276,7 @@ def main() -> None:
     calib = {name: bench.score(t) for name, t in calib_texts.items()}
     classifier = TextClassifier(bench.gate, MiniLMEmbedder.for_gate(bench.gate), DEFAULT_MAX_WINDOWS)
     check_service_path(bench, classifier, scored["benign_xstest_safe"])
+    check_service_path(bench, classifier, scored[HARMFUL_TEST])
     report = Report(bench, scored, calib, args)
     report.add_wrapped(texts)
     report.add_harm_aggregations(texts)
@@ -345,11 +361,8 @@ class Report:
         requests = hash_sample(texts[HARMFUL_TEST], self.args.num_wrap_requests)
         alone = self.bench.score(requests)
         wrapped = self.bench.score([wrap(t, r) for t in templates for r in requests])
-        self.wrapped_views = [
-            v
-            for v, alone_blocked in zip(wrapped.views, alone.harm_blocked.repeat(len(templates)), strict=True)
-            if alone_blocked
-        ]
+        blocked_alone = alone.harm_blocked.repeat(len(templates))
+        self.wrapped_views = [v for v, b in zip(wrapped.harm_views, blocked_alone, strict=True) if b]
         harm_alone = alone.harm_blocked.repeat(len(templates))
         screen_alone = self.bench.screen_blocked(alone).repeat(len(templates))
         self.wrapped = [
@@ -373,7 +386,8 @@ class Report:
         wheels = Path(self.args.wheels)
         examples = load_examples(fetch_wheels(wheels))
         calib = calibration_texts(examples, _CalibrationArgs(), wheels / "features")
-        views_of = {name: self.scored[name].views for name in self.scored} | {"wrapped": self.wrapped_views}
+        views_of = {name: scored.harm_views for name, scored in self.scored.items()}
+        views_of["wrapped"] = self.wrapped_views
         for rule in dict.fromkeys((self.bench.aggregation, *CANDIDATES)):
             sources = {
                 n: Source(window_scores(v, self.bench.harm), calib["limits"][n])

@@ -7,6 +7,11 @@ calibrated on benign texts of its own kind (the manifest's `thresholds` and `out
 Prompts are also scored by the gate's attack heads (attack_head.py: jailbreak, prompt injection),
 from the same embeddings, as wholes and as windows; outputs are not (a model's answer is not an
 attack on the model).
+
+A short prompt's clauses (normalizer.clauses) are also embedded one by one, and each is a view of its
+own for the harm categories: a request inside an instruction ("Decode the following and answer it:
+...") scores as the request. The attack heads do not read them: a template's single clause ("You will
+respond with one line at a time.") reads as an ordinary instruction, and they judge the whole text.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Literal
 from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.attack_head import JAILBREAK, AttackHead
 from services.safety.embedder import MiniLMEmbedder
-from services.safety.normalizer import views
+from services.safety.normalizer import clauses, views
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
 TextKind = Literal["prompt", "output"]
@@ -70,7 +75,10 @@ class TextClassifier:
 
     def view_windows_of(self, text: str) -> list[list[list[int]]]:
         """The windows of each view of `text`; TextTooLong past `max_windows` in all."""
-        per_view = view_rows(self.embedder, text)
+        return self._windows_of_views(views(text))
+
+    def _windows_of_views(self, forms: list[str]) -> list[list[list[int]]]:
+        per_view = [self.embedder.text_windows(form) for form in forms]
         num_rows = sum(len(rows) for rows in per_view)
         if num_rows > self.max_windows:
             raise TextTooLong(
@@ -82,10 +90,15 @@ class TextClassifier:
     def score(self, text: str, kind: TextKind = "prompt") -> Scores:
         """The text's per-category scores (harm: the window aggregation, highest over views;
         the attack heads, for prompts: see attack_head.py), with the thresholds for its kind."""
-        per_view = self.view_windows_of(text)
-        embeddings = self.embedder.embed_windows([row for rows in per_view for row in rows])  # [N, H]
-        view_embeddings = list(embeddings.split([len(rows) for rows in per_view]))
-        harm = self.aggregation.text_scores([gate_scores(e, self.head) for e in view_embeddings])  # [C]
+        forms = views(text)
+        per_view = self._windows_of_views(forms)
+        extra = clause_rows(self.embedder, forms[0]) if kind == "prompt" else []
+        rows = [row for view_rows in per_view for row in view_rows]
+        embeddings = self.embedder.embed_windows(rows + extra)  # [N, H]
+        view_embeddings = list(embeddings[: len(rows)].split([len(view_rows) for view_rows in per_view]))
+        clause_views = [embeddings[i : i + 1] for i in range(len(rows), len(embeddings))]  # one window each
+        harm_views = [gate_scores(e, self.head) for e in view_embeddings + clause_views]
+        harm = self.aggregation.text_scores(harm_views)  # [C]
         values = dict(zip(self.categories, harm.tolist(), strict=True))
         thresholds = self.thresholds[kind]
         if kind == "prompt":
@@ -103,3 +116,8 @@ def view_rows(embedder: MiniLMEmbedder, text: str) -> list[list[list[int]]]:
 def screen_rows(embedder: MiniLMEmbedder, text: str) -> list[list[int]]:
     """Every window of every view of `text`: the rows one check embeds (training reuses it)."""
     return [window for rows in view_rows(embedder, text) for window in rows]
+
+
+def clause_rows(embedder: MiniLMEmbedder, canonical: str) -> list[list[int]]:
+    """One window per clause of a prompt's canonical view (normalizer.clauses; evaluation reuses it)."""
+    return [embedder.text_windows(clause)[0] for clause in clauses(canonical)]

@@ -32,6 +32,11 @@ _CONFUSABLES = str.maketrans(
     "aeopcyxijsdhlqwgABEKMHOPCTXSIJWoivkptuxaABEZHIKMNOPTYX",
 )
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
+# Clauses of a short prompt (see clauses()): split after a sentence end, a colon or a semicolon.
+_CLAUSE_END = re.compile(r"(?<=[.?!:;])\s+")
+MAX_CLAUSE_TEXT_CHARS = 400  # a short prompt; longer texts are cut into sentence windows anyway
+MIN_CLAUSE_WORDS = 4  # shorter clauses ("Thanks.", "Step 1:") say nothing on their own
+MAX_CLAUSES = 8
 MAX_DECODED_BLOBS = 8  # per text: enough for real payloads, bounded against a text made of blobs
 MAX_HIDDEN_VIEWS = 8  # decoded views per text, past the plain one
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
@@ -107,3 +112,19 @@ def views(text: str) -> list[str]:
             if len(forms) > MAX_HIDDEN_VIEWS:
                 break
     return forms
+
+
+def clauses(view: str) -> list[str]:
+    """The clauses of a short canonical view, each to be scored on its own; [] for a text of one
+    clause or past MAX_CLAUSE_TEXT_CHARS.
+
+    A short prompt is one embedding, and the words around a request dilute it: "Decode the
+    following and answer it: <request>" passed a third of the requests the screen blocks alone
+    (bench/results/safety_clauses_2026-12-06.md). Scoring each clause alone undoes that.
+    """
+    if len(view) > MAX_CLAUSE_TEXT_CHARS:
+        return []
+    parts = [p for p in _CLAUSE_END.split(view) if p]
+    if len(parts) < 2:
+        return []
+    return [p for p in parts if len(p.split()) >= MIN_CLAUSE_WORDS][:MAX_CLAUSES]

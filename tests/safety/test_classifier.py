@@ -18,6 +18,7 @@ from services.common.gate_file import PROMPT_HEAD, load_gate
 from services.safety.classifier import TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
+from services.safety.normalizer import canonical, clauses
 
 HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
 HELDOUT_OUTPUTS = json.loads((Path(__file__).parent / "heldout_outputs.json").read_text())
@@ -105,3 +106,22 @@ def test_past_the_window_limit_the_check_is_refused() -> None:
     )
     with pytest.raises(TextTooLong, match="limit is 2"):
         tight.score(FILLER * 60)
+
+
+def test_a_request_inside_a_short_instruction_scores_as_the_request(classifier: TextClassifier) -> None:
+    """A short prompt's clauses are harm views of their own: the words around a one-clause request
+    cannot dilute it. The attack heads read the whole text only, and outputs get no clause views."""
+    requests = [p for p in HELDOUT["harmful"] if not clauses(canonical(p))]
+    assert len(requests) >= 3
+    harm = classifier.categories
+    for request in requests:
+        alone = classifier.score(request)
+        for wrapped in (f"Decode the following and answer it: {request}", f"Answer briefly. {request}"):
+            scores = classifier.score(wrapped)
+            assert all(scores.values[c] >= alone.values[c] - 1e-5 for c in harm), wrapped
+            assert scores.triggered, wrapped
+            views = [classifier.embedder.embed_windows(rows) for rows in classifier.view_windows_of(wrapped)]
+            for head in classifier.attack_heads:  # from the text's views alone
+                assert scores.values[head.name] == pytest.approx(head.score(views), abs=1e-5)
+            num_clauses = len(clauses(canonical(wrapped)))
+            assert classifier.score(wrapped, "output").num_windows == scores.num_windows - num_clauses

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import base64
 
-from services.safety.normalizer import MAX_DECODED_BLOBS, canonical, decoded_blobs, views
+from services.safety.normalizer import (
+    MAX_CLAUSE_TEXT_CHARS,
+    MAX_CLAUSES,
+    MAX_DECODED_BLOBS,
+    canonical,
+    clauses,
+    decoded_blobs,
+    views,
+)
 
 
 def test_zero_width_characters_and_fullwidth_letters_are_folded() -> None:
@@ -39,3 +47,21 @@ def test_random_base64_noise_and_short_runs_add_no_view() -> None:
 def test_decoding_is_bounded_per_text() -> None:
     blob = base64.b64encode(b"hello there, general kenobi").decode()
     assert len(decoded_blobs(" ".join([blob] * 50))) == MAX_DECODED_BLOBS
+
+
+def test_a_short_text_is_cut_into_clauses_of_a_few_words_at_least() -> None:
+    text = "Decode the following and answer it: how do I pick the lock on my own front door? Thanks."
+    request = "how do I pick the lock on my own front door?"
+    assert clauses(text) == ["Decode the following and answer it:", request]
+    assert clauses("How do I pick the lock on my own front door?") == []  # one clause: the text itself
+    assert clauses("Step one; step two. Done!") == []  # no clause of MIN_CLAUSE_WORDS words
+    # a dot inside a number does not end a clause; a three-word clause is dropped
+    assert clauses("A quick note: 3.5 is the version we run now.") == ["3.5 is the version we run now."]
+
+
+def test_long_texts_and_many_clauses_are_bounded() -> None:
+    sentence = "This is one more sentence of the text. "
+    assert clauses(sentence * (MAX_CLAUSE_TEXT_CHARS // len(sentence) + 1)) == []  # windows cut it instead
+    many = "Here are four words. " * 12
+    assert len(many) <= MAX_CLAUSE_TEXT_CHARS
+    assert clauses(many.strip()) == ["Here are four words."] * MAX_CLAUSES
