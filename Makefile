@@ -13,8 +13,14 @@ demo: setup  ## the whole mesh on loopback with SmolLM2, one streamed chat, the 
 up: setup  ## the mesh on the default ports until Ctrl-C
 	$(PY) -m services.cli.main up
 
+# Most engine tests compute in process (the Triton interpreter, CPU models; marked in_process by
+# tests/engine/conftest.py): they run in TEST_WORKERS processes (pytest-xdist). The rest start
+# services and wait on deadlines, so they run one at a time, where a loaded machine cannot starve them.
+TEST_WORKERS ?= 2
+
 test: setup lint  ## lint, then every test (real processes, real redis-server)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) -m in_process tests/engine
+	$(PY) -m pytest -m "not in_process"
 
 lint:
 	$(VENV)/bin/ruff check .

@@ -11,6 +11,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers (`make test` runs tests/engine's in-process tests in several) share the
+# machine's cores: each takes its share for torch's intra-op threads, where each would otherwise take
+# them all and the workers' threads would fight over every core.
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
 import json
 import time
 from collections.abc import Iterator

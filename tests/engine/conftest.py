@@ -10,12 +10,40 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.model.registry import DEFAULT_MODEL, resolve_model
 from tests.engine.tiny_llama import TinySpec, make_tiny_llama
 
+# Engine test modules that start services, redis-server or a kvstore and wait on deadlines. `make
+# test` runs them one at a time with the rest of the suite; every other engine test computes in
+# process, is marked `in_process`, and runs in parallel (pytest-xdist, see the Makefile). A new module
+# that starts a process belongs here.
+STARTS_SERVICES = frozenset(
+    {
+        "gate/test_safety_gate.py",
+        "kv/test_cold_tier.py",
+        "kv/test_cold_tier_pruning.py",
+        "kv/test_prefix_fetch.py",
+        "serving/test_cold_tier_mesh.py",
+    }
+)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "real_model: runs a real downloaded model (SmolLM2-135M, ~100 MB, CPU); slow but on by default",
     )
+    config.addinivalue_line(
+        "markers", "in_process: an engine test that starts no process (`make test` runs these in parallel)"
+    )
+    here = Path(__file__).parent
+    if missing := sorted(name for name in STARTS_SERVICES if not (here / name).exists()):
+        raise pytest.UsageError(f"tests/engine/conftest.py STARTS_SERVICES names missing modules: {missing}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here) and item.path.relative_to(here).as_posix() not in STARTS_SERVICES:
+            item.add_marker(pytest.mark.in_process)
 
 
 @pytest.fixture(scope="session")
