@@ -62,6 +62,9 @@ class Ports:
         return int(getattr(self, service))
 
 
+MODEL_LOCATION_SETTINGS = ("THERMOCLINE_SHARED_DIR", "THERMOCLINE_CACHE_DIR")  # see Mesh._service_env
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """What the mesh runs and where it keeps its state (keys, logs, kvstore data)."""
@@ -209,7 +212,13 @@ class Mesh:
 
     def _service_env(self) -> dict[str, str]:
         config, ports = self.config, self.config.ports
-        env = {key: value for key, value in os.environ.items() if not key.startswith("THERMOCLINE_")}
+        # The caller's THERMOCLINE_* settings stay out of the services, except where the models live:
+        # an engine that looked elsewhere would load another copy, or not know a registered name.
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith("THERMOCLINE_") or key in MODEL_LOCATION_SETTINGS
+        }
         env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
         for service in SERVICES:
             env[f"THERMOCLINE_{service.upper()}_PORT"] = str(ports.grpc_port(service))

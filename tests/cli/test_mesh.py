@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.cli.client import build_request, call_metadata, collect, stream_generate
-from services.cli.mesh import Mesh
+from services.cli.mesh import Mesh, MeshConfig
 from services.cli.trace_collector import (
     GATEWAY_GENERATE,
     SAFETY_CHECK_PROMPT,
@@ -263,3 +263,15 @@ def test_a_blocked_prompt_leaves_scores_in_the_trace_and_an_audit_event(
     }
     assert not any(s.service == "thermocline-engine" for s in spans)
     assert any(r.startswith("safety: prompt blocked (") for r in _audit_reasons(stories_mesh, request_id))
+
+
+def test_services_see_where_the_models_live_but_no_other_setting_of_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("THERMOCLINE_SHARED_DIR", "/srv/shared")
+    monkeypatch.setenv("THERMOCLINE_CACHE_DIR", "/srv/cache")
+    monkeypatch.setenv("THERMOCLINE_ENGINE_MAX_BATCH_SIZE", "3")
+    env = Mesh(MeshConfig(model="stories260k", state_dir=tmp_path))._service_env()
+    assert env["THERMOCLINE_SHARED_DIR"] == "/srv/shared" and env["THERMOCLINE_CACHE_DIR"] == "/srv/cache"
+    assert "THERMOCLINE_ENGINE_MAX_BATCH_SIZE" not in env
+    assert env["THERMOCLINE_ENGINE_MODEL"] == "stories260k"
