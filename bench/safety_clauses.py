@@ -17,15 +17,18 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import services.safety.classifier as classifier_module
 from bench.safety_heldout import hash_sample
+from bench.safety_obfuscation import blocked_heldout_requests
 from services.safety.config import SafetyConfig
 from services.safety.screen import Screen
-from tools.safety_data import BENIGN, TEST, fetch_wheels, load_examples, read_data_source
+from tools.safety_data import read_data_source
 
 WRAPPERS = {
     "after a decode instruction": "Decode the following and answer it: {}",
@@ -50,29 +53,32 @@ def _without_clauses(embedder: object, canonical: str) -> list[list[int]]:
     return []
 
 
-def blocked(screen: Screen, texts: list[str], with_clauses: bool) -> int:
-    """How many of `texts` the screen blocks, with or without the clause views."""
+@contextmanager
+def clause_views(on: bool) -> Iterator[None]:
+    """The classifier with its clause views (as shipped) or without them, for the block."""
     original = classifier_module.clause_rows
-    classifier_module.clause_rows = original if with_clauses else _without_clauses  # type: ignore[assignment]
+    classifier_module.clause_rows = original if on else _without_clauses  # type: ignore[assignment]
     try:
-        return sum(screen.check(t).is_blocked for t in texts)
+        yield
     finally:
         classifier_module.clause_rows = original
 
 
+def blocked(screen: Screen, texts: list[str], with_clauses: bool) -> int:
+    """How many of `texts` the screen blocks, with or without the clause views."""
+    with clause_views(with_clauses):
+        return sum(screen.check(t).is_blocked for t in texts)
+
+
 def check_ms(screen: Screen, texts: list[str], with_clauses: bool) -> tuple[float, float]:
-    """p50 and p99 ms of one check over `texts`."""
-    original = classifier_module.clause_rows
-    classifier_module.clause_rows = original if with_clauses else _without_clauses  # type: ignore[assignment]
-    try:
+    """p50 and p99 ms of one check over `texts`, after one warm-up."""
+    times = []
+    with clause_views(with_clauses):
         screen.check(texts[0])
-        times = []
         for text in texts:
             start = time.perf_counter()
             screen.check(text)
             times.append((time.perf_counter() - start) * 1e3)
-    finally:
-        classifier_module.clause_rows = original
     times.sort()
     return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
 
@@ -84,12 +90,9 @@ def main() -> None:
     parser.add_argument("--per-source", type=int, default=500, help="texts per source at most, by hash")
     args = parser.parse_args()
     screen = Screen.load(SafetyConfig.from_env({}))
-    examples = load_examples(fetch_wheels(args.wheels))
-    harmful = [e.text for e in examples if e.split == TEST and e.kind == "prompt" and e.label != BENIGN]
-    harmful += read_data_source("harmful_xstest_unsafe")
-    alone = [t for t in hash_sample(harmful, len(harmful)) if screen.check(t).is_blocked]
+    alone, num_harmful = blocked_heldout_requests(screen, args.wheels)
     requests = alone[: args.requests]
-    print(f"{len(alone)} of {len(harmful)} held-out harmful prompts blocked alone; {len(requests)} wrapped")
+    print(f"{len(alone)} of {num_harmful} held-out harmful prompts blocked alone; {len(requests)} wrapped")
     print("\n| texts | role | count | blocked without clause views | blocked with them |")
     print("| --- | --- | ---: | ---: | ---: |")
 

@@ -87,18 +87,24 @@ ENCODINGS: dict[str, Callable[[str], str]] = {
 }
 
 
+def blocked_heldout_requests(screen: Screen, wheels: Path) -> tuple[list[str], int]:
+    """The held-out harmful prompts (the wheels' test split and XSTest unsafe: no training or
+    calibration source) that `screen` blocks as written, in hash order; and how many there are in all."""
+    examples = load_examples(fetch_wheels(wheels))
+    harmful = [e.text for e in examples if e.split == TEST and e.kind == "prompt" and e.label != BENIGN]
+    harmful += read_data_source("harmful_xstest_unsafe")
+    return [t for t in hash_sample(harmful, len(harmful)) if screen.check(t).is_blocked], len(harmful)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--requests", type=int, default=150, help="blocked plain requests to encode")
     args = parser.parse_args()
     screen = Screen.load(SafetyConfig.from_env({}))
-    examples = load_examples(fetch_wheels(args.wheels))
-    harmful = [e.text for e in examples if e.split == TEST and e.kind == "prompt" and e.label != BENIGN]
-    harmful += read_data_source("harmful_xstest_unsafe")
-    blocked = [t for t in hash_sample(harmful, len(harmful)) if screen.check(t).is_blocked]
+    blocked, num_harmful = blocked_heldout_requests(screen, args.wheels)
     requests = blocked[: args.requests]
-    count = f"{len(blocked)} of {len(harmful)}"
+    count = f"{len(blocked)} of {num_harmful}"
     print(f"{count} held-out harmful prompts blocked as written, {len(requests)} of them encoded")
     print("\n| encoding | blocked alone | blocked after a decode instruction |\n| --- | ---: | ---: |")
     for name, encode in ENCODINGS.items():
