@@ -12,8 +12,9 @@ rows a program, 1 for the one-warp decode's branch-free rescale, 1 for a prefill
 diagonal tiles only; a 0 keeps that field's default), so one run can compare them; "default" is what
 the engine launches (for a prefill, triton_backend's PREFILL_LAUNCH, or PREFIX_PAGES_LAUNCH on the
 pages path; `64x4` is the kernel's own default). With `--prefix-pages` the variants apply to the pages
-path too. Every variant's
-output is compared with the default launch's on the same caches and queries (the "vs default"
+path too, and `--dense` adds the backend's dense prefill path (library attention, dense_prefill.py)
+over the pages and with the tiers off, compared with the kernel's default launch of the same path.
+Every variant's output is compared with the default launch's on the same caches and queries (the "vs default"
 column: the largest absolute difference), and a prefill's row shows its attention TFLOP/s (the causal
 products it must do: 4 x head dim x query heads x the positions each new token sees).
 
@@ -58,13 +59,15 @@ def time_decode(
     segments: int | None = None,
     prefill: int = 0,
     pages: bool = False,
+    dense: bool = False,
     **launch,
 ) -> tuple[float, float, int, torch.Tensor]:
     """(µs per call, bytes the call must read, flash-decoding segments, the output); `prefill` > 0
     times a chunk of that many new tokens per row after `context` cached ones instead of one decode
     token; `pages` times the engine's prefill path instead: the backend dequantizes the warm prefix
     into pages of the hot layout (each call, as each layer of a step does), then the kernel reads them
-    as hot."""
+    as hot; `dense` times the backend's dense prefill path (dense_prefill: library attention over the
+    same pages and hot blocks) instead of the kernel."""
     torch.manual_seed(0)  # the same caches and queries for every launch variant, to compare outputs
     config = ModelConfig(vocab_size=8, hidden_size=HEADS * DIM, intermediate_size=8, num_layers=LAYERS,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)  # fmt: skip
@@ -98,8 +101,11 @@ def time_decode(
         segments = split or backend.num_segments(batch, total)
     host = HostMetadata.build(rows, BLOCK, TIERS.group_size // BLOCK)
     metadata = AttentionMetadata.to_device(
-        host, torch.device("cuda"), segments, max_prefix_blocks=backend.max_prefix_blocks if pages else 0
-    )
+        host, torch.device("cuda"), segments, max_prefix_blocks=backend.max_prefix_blocks if pages else 0,
+        dense_prefill=dense,
+    )  # fmt: skip
+    if dense and (metadata.dense is None or backend.dense_ops is None):
+        raise SystemExit("the dense prefill path is not available for this step or on this device")
     if pages and metadata.prefix is None:
         raise SystemExit("--prefix-pages needs a prefill (--prefill) over a warm prefix that fits the pages")
     q = torch.randn(batch * new_tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
@@ -109,7 +115,14 @@ def time_decode(
         partials = Partials.empty(batch * new_tokens, HEADS, segments, DIM, torch.device("cuda"))
     out = torch.empty_like(q)
 
+    slots = metadata.slot_mapping
+    new_keys = hot.keys[0].flatten(0, 1)[slots]  # the new tokens' keys and values, as a layer has them
+    new_values = hot.values[0].flatten(0, 1)[slots]
+
     def call() -> None:
+        if dense:
+            out.copy_(backend.forward(q, new_keys, new_values, 0, metadata))
+            return
         if pages:  # TritonBackend.forward's prefill over pages, with the launch overrides
             assert metadata.prefix is not None
             prefix = backend._dequantize_prefix(layer, metadata.prefix)
@@ -126,6 +139,14 @@ def time_decode(
         call()
     torch.cuda.synchronize()
     calls = 20
+    if dense:  # library kernels of a millisecond or more: timed as launched, with no graph
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1000 / calls, 0, segments, out.clone()
     # The calls are captured in a CUDA graph and replayed, as the engine's decode runs them: timed
     # from Python, a small launch measures the launch (about 100 us for the kernel and its merge,
     # whatever the work), not the GPU.
@@ -162,6 +183,11 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0, help="new tokens per row; 0: decode")
     parser.add_argument("--prefix-pages", action="store_true", help="prefill: also time the pages path")
     parser.add_argument(
+        "--dense",
+        action="store_true",
+        help="prefill: also time the dense path (tiers on over pages, and off)",
+    )
+    parser.add_argument(
         "--no-in-place-variants", action="store_true",
         help="time the variants on the pages and tiers-off paths only (the default still runs in place)",
     )  # fmt: skip
@@ -178,6 +204,7 @@ def main() -> None:
             runs = [(True, v, False) for v in in_place] + [(False, v, False) for v in hot]
             if args.prefix_pages:
                 runs[1:1] = [(True, v, True) for v in variants]
+            dense_runs = [(True, True), (False, False)] if args.dense and args.prefill else []
             defaults: dict[tuple[bool, bool], torch.Tensor] = {}  # (tiers, pages) -> the default's output
             # prefill: every new token sees the cached context and the new tokens up to itself
             new = args.prefill
@@ -199,6 +226,16 @@ def main() -> None:
                 tflops = f"{flops / us / 1e6:.0f}" if new else ""
                 print(f"| {context} | {batch} | {tiers} | {shape} | {segments} | {us:.0f} | {read / 1e6:.1f} "
                       f"| {read / us / 1e3:.0f} | {tflops} | {differs} |", flush=True)  # fmt: skip
+                torch.cuda.empty_cache()
+            for tiered, pages in dense_runs:  # the dense path, against the engine's kernel launch
+                us, _, _, out = time_decode(batch, context, tiered, prefill=new, pages=pages, dense=True)
+                baseline = defaults.get((tiered, pages))
+                differs = (
+                    "" if baseline is None else f"{(out.float() - baseline.float()).abs().max().item():.1e}"
+                )
+                shape = "dense" + (" (warm prefix as pages)" if pages else "")
+                print(f"| {context} | {batch} | {'on' if tiered else 'off'} | {shape} | | {us:.0f} | | "
+                      f"| {flops / us / 1e6:.0f} | {differs} |", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
 
 

@@ -519,6 +519,8 @@ def header(args) -> list[str]:
         f"- tiers on: {TIERS_ON}",
         f"- prefill launch: in place {triton_backend.PREFILL_LAUNCH or 'the kernel default'}, warm prefix as "
         f"pages {triton_backend.PREFIX_PAGES_LAUNCH or 'the kernel default'}",
+        f"- dense prefill (dense_prefill.py, cuDNN and FlashAttention): {args.dense_prefill}, for steps with a row "
+        f"of at least {triton_backend.DENSE_PREFILL_MIN_QUERY_TOKENS} new tokens (where the library kernels pass their startup check)",
         "- decode tok/s (ours) = tokens generated after every request's first token / wall time of those "
         "pure decode steps; HF by differencing 1 and N new tokens; roofline = batch x measured copy bandwidth / "
         "(bf16 weights + the batch's KV bytes per tier at the mean context); peak = torch max allocated",
@@ -558,9 +560,15 @@ def main() -> None:
         help="every prefill step's launch overrides (in place and over pages), in bench/attention_kernel.py's "
         "TILExWARPSx... form (default: the engine's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--dense-prefill", choices=("on", "off"), default="on",
+        help="prefill through the dense library-attention path where it runs (dense_prefill.py), or always "
+        "through the paged kernel",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-skip", type=int, default=4, help="decode steps before the 8 profiled")
     args = parser.parse_args()
+    triton_backend.DENSE_PREFILL = args.dense_prefill == "on"
     if args.prefill_launch:
         for launch in (triton_backend.PREFILL_LAUNCH, triton_backend.PREFIX_PAGES_LAUNCH):
             launch.clear()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from services.engine.attention.backend import prefix_page_bytes
+from services.engine.attention.dense_prefill import dense_prefill_bytes
 from services.engine.attention.probe import probe_layer
 from services.engine.errors import (
     EmptyPrompt,
@@ -991,6 +992,10 @@ def _gpu_kv_budget(
     reserve = GRAPH_AND_WORKSPACE_RESERVE_BYTES
     if kv.tiers.enabled and attention != "reference":  # the fused backend's warm-prefix pages
         reserve += prefix_page_bytes(config.num_kv_heads, config.head_dim, kv.block_size, size)
+    if attention != "reference":  # the dense prefill path's gathered hot prefix and merge (not profiled)
+        reserve += dense_prefill_bytes(
+            max_prefill_tokens, config.num_heads, config.num_kv_heads, config.head_dim, size
+        )
     budget = budget_from_device_memory(total, used, activation, kv.gpu_memory_utilization, reserve)
     logger.info(
         "KV budget %.2f GiB: %.0f%% of %.1f GiB, less %.2f GiB in use and a %.2f GiB activation peak",

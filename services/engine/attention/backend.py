@@ -54,6 +54,11 @@ class AttentionBackend(ABC):
         (0: it reads the warm tier in place)."""
         return self.max_prefix_blocks if max_query_len >= self.min_prefix_page_tokens else 0
 
+    def wants_dense_prefill(self, max_query_len: int) -> bool:
+        """Whether a prefill step whose longest row has `max_query_len` new tokens should be given a
+        `DensePrefillPlan` (see dense_prefill); only a backend that runs that path says yes."""
+        return False
+
     def num_segments(self, num_rows: int, max_seq_len: int) -> int:
         """How many programs split each row's context in a decode step (1: no split)."""
         return 1

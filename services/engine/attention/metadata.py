@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from services.engine.attention.dense_prefill import DensePrefillPlan, plan_rows, to_device_plan
 from services.engine.attention.paged_kernels import PagedAttentionPlan
 from services.engine.kv.block_pool import SCRATCH_BLOCK
 from services.engine.kv.block_table import BlockTable
@@ -44,6 +45,7 @@ class HostMetadata:
     warm_block_tables: np.ndarray  # [B, MB] int32: warm block per logical block, -1 when not warm
     max_query_len: int
     max_seq_len: int
+    block_size: int
 
     @property
     def num_rows(self) -> int:
@@ -85,6 +87,7 @@ class HostMetadata:
             warm_block_tables=warm_tables,
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
         )
 
     def last_token_index(self) -> np.ndarray:
@@ -194,6 +197,7 @@ class AttentionMetadata:
     probe: AttentionProbe | None = None  # set on sampled decode steps
     query_tap: QueryTap | None = None  # set on decode steps that score cold blocks
     prefix: PrefixPlan | None = None  # set on prefill steps over a warm prefix (see PrefixPlan)
+    dense: DensePrefillPlan | None = None  # set on prefill steps that take dense_prefill's path
 
     @property
     def max_query_len(self) -> int:
@@ -216,9 +220,11 @@ class AttentionMetadata:
         probe: AttentionProbe | None = None,
         query_tap: QueryTap | None = None,
         max_prefix_blocks: int = 0,
+        dense_prefill: bool = False,
     ) -> AttentionMetadata:
         """Copy `host` to `device` (pinned, non-blocking on CUDA). A prefill step over up to
-        `max_prefix_blocks` warm blocks also gets its `PrefixPlan`."""
+        `max_prefix_blocks` warm blocks also gets its `PrefixPlan`; with `dense_prefill`, a prefill
+        step also gets its `DensePrefillPlan` where its rows allow one (`dense_prefill.plan_rows`)."""
         paged = PagedAttentionPlan(
             query_start_loc=_to(host.query_start_loc, device),
             seq_lens=_to(host.seq_lens, device),
@@ -228,6 +234,14 @@ class AttentionMetadata:
         )
         arrays = None if host.is_decode else prefix_plan_arrays(host.warm_block_tables, max_prefix_blocks)
         prefix = None if arrays is None else PrefixPlan(_to(arrays[0], device), _to(arrays[1], device))
+        dense = None
+        if dense_prefill and not host.is_decode:
+            rows = plan_rows(
+                host.query_start_loc, host.seq_lens, host.block_tables, host.warm_block_tables,
+                None if arrays is None else arrays[1], host.block_size,
+            )  # fmt: skip
+            if rows is not None:
+                dense = to_device_plan(rows, paged.query_start_loc, host.max_query_len, device)
         return cls(
             _to(host.positions, device),
             _to(host.slot_mapping, device),
@@ -237,6 +251,7 @@ class AttentionMetadata:
             probe,
             query_tap,
             prefix,
+            dense,
         )
 
 

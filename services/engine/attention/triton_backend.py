@@ -13,6 +13,12 @@ from services.engine.attention.backend import (
     PREFIX_PAGE_TOKENS,
     AttentionBackend,
 )
+from services.engine.attention.dense_prefill import (
+    DENSE_PREFILL_MIN_QUERY_TOKENS,
+    CudaOps,
+    cuda_ops_work,
+    dense_prefill_attention,
+)
 from services.engine.attention.metadata import AttentionMetadata, PrefixPlan
 from services.engine.attention.paged_kernels import (
     SINGLE_WARP_MIN_PROGRAMS,
@@ -52,6 +58,9 @@ PREFILL_BLOCK_M = 64  # (token, head) rows per prefill program (paged_attention'
 # over a 32K prefix from 10.5 to 10.0 ms a layer and a 32K prompt's TTFT (8B, tiers on) from 2.02 to
 # 1.94 s; without a warm tier it was slower than the kernel's default, 8.8 against 8.4 ms
 # (bench/results/prefill_launch_2026-12-06.md).
+# Whether a backend built from now on runs long prefill steps as dense library attention where it can
+# (dense_prefill; the startup check must pass too); benches switch it off to time the paged kernel.
+DENSE_PREFILL = True
 PREFILL_LAUNCH: dict[str, Any] = {}
 PREFIX_PAGES_LAUNCH: dict[str, Any] = {"tile_n": 128, "num_warps": 8, "block_m": 128, "split_causal": True}
 
@@ -63,6 +72,11 @@ class TritonBackend(AttentionBackend):
     `PREFIX_PAGE_TOKENS` reads it as pages of the hot layout instead: each layer dequantizes the
     step's warm blocks once (`AttentionMetadata.prefix`), where in place every block of queries
     would dequantize the whole prefix in registers again (a 16K-token chunk is 256 such blocks).
+
+    On CUDA, a prefill step with a row of at least DENSE_PREFILL_MIN_QUERY_TOKENS new tokens runs as
+    dense library attention instead (`dense_prefill`), reading the same pages and the hot blocks,
+    when the step's rows allow it (`AttentionMetadata.dense`) and the library kernels passed their
+    check at start-up; `dense_prefill = False` keeps every step on the paged kernel.
     """
 
     supports_graphs = True
@@ -84,6 +98,13 @@ class TritonBackend(AttentionBackend):
         self.max_prefix_blocks = 0
         self.num_prefix_layer_calls = 0  # layer calls that read a prefill's warm prefix from pages
         self.num_split_layer_calls = 0  # eager decode layer calls split across programs (flash-decoding)
+        self.num_dense_layer_calls = 0  # prefill layer calls that took the dense path
+        self.dense_ops = (
+            CudaOps()
+            if cuda_ops_work(device, kv_cache.hot.keys.dtype, num_heads, self.num_kv_heads, head_dim)
+            else None
+        )
+        self.dense_prefill = DENSE_PREFILL and self.dense_ops is not None
         self._prefix_pages: tuple[torch.Tensor, torch.Tensor] | None = None
         if kv_cache.warm is not None:  # pages 1..S hold a prefill's warm blocks; page 0 is never read
             block_size = kv_cache.block_size
@@ -101,6 +122,13 @@ class TritonBackend(AttentionBackend):
         """`[T, H, D]` -> `[T, H, D]`."""
         out = torch.empty_like(q)
         paged_layer = self.layers[layer]
+        if metadata.dense is not None and self.dense_ops is not None:
+            self.num_dense_layer_calls += 1
+            prefix = None
+            if metadata.prefix is not None and paged_layer.warm is not None:
+                prefix = self._dequantize_prefix(paged_layer, metadata.prefix)
+            hot = (paged_layer.hot_keys, paged_layer.hot_values)
+            return dense_prefill_attention(self.dense_ops, q, k, v, hot, prefix, metadata.dense, out)
         if metadata.prefix is not None and paged_layer.warm is not None:
             pages = self._dequantize_prefix(paged_layer, metadata.prefix)
             in_place = paged_layer._replace(warm=None)  # the warm blocks are read from the pages
@@ -113,6 +141,21 @@ class TritonBackend(AttentionBackend):
         self.num_split_layer_calls += metadata.num_segments > 1
         launch: dict[str, Any] = self.prefill_launch if metadata.paged.max_query_len > 1 else {}
         return paged_attention(q, paged_layer, metadata.paged, out, metadata.num_segments, partials, **launch)
+
+    def wants_dense_prefill(self, max_query_len: int) -> bool:
+        """Whether a step whose longest row has `max_query_len` new tokens should be offered the dense
+        path (the metadata then decides whether its rows allow it)."""
+        return (
+            self.dense_prefill
+            and self.dense_ops is not None
+            and max_query_len >= DENSE_PREFILL_MIN_QUERY_TOKENS
+        )
+
+    def prefix_page_blocks(self, max_query_len: int) -> int:
+        """The pages serve the dense path too, from its shortest chunk."""
+        if self.wants_dense_prefill(max_query_len):
+            return self.max_prefix_blocks
+        return super().prefix_page_blocks(max_query_len)
 
     def num_segments(self, num_rows: int, max_seq_len: int) -> int:
         """Enough programs to fill the GPU (with a warm tier: to take the one-warp launch), but no

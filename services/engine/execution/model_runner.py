@@ -25,14 +25,16 @@ from services.engine.scheduling.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "reference", "triton")
+# "triton-paged": the fused Triton backend with every prefill step on its paged kernel (no dense
+# prefill through cuDNN and FlashAttention; see attention/dense_prefill.py).
+ATTENTION_BACKENDS = ("auto", "reference", "triton", "triton-paged")
 
 
 @dataclass(frozen=True)
 class RunnerOptions:
     """How a runner executes steps; every tensor-parallel rank gets the same."""
 
-    attention: str = "auto"  # "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton"
+    attention: str = "auto"  # one of ATTENTION_BACKENDS; "auto": Triton on CUDA, reference elsewhere
     cuda_graphs: bool = True  # capture decode steps (CUDA with a graph-capable backend only)
     max_decode_rows: int = 1  # the largest decode batch: sizes the graphs and flash-decoding workspace
     max_seq_len: int = 0  # longest sequence (0: the model's rotary table): sizes the graphs' block tables
@@ -263,8 +265,9 @@ class ModelRunner:
                 host.num_tokens, host.num_rows, host.max_query_len, host.max_seq_len
             )
         metadata = AttentionMetadata.to_device(
-            host, self.device, segments, probe, tap, self.attention.prefix_page_blocks(host.max_query_len)
-        )
+            host, self.device, segments, probe, tap, self.attention.prefix_page_blocks(host.max_query_len),
+            dense_prefill=not host.is_decode and self.attention.wants_dense_prefill(host.max_query_len),
+        )  # fmt: skip
         if device_ids is None:
             input_ids = to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
         else:
@@ -367,7 +370,9 @@ def make_attention_backend(
         return ReferenceBackend(kv_cache)
     from services.engine.attention.triton_backend import TritonBackend  # imports Triton
 
-    return TritonBackend(kv_cache, model.rank_config.num_heads, max_decode_rows)
+    backend = TritonBackend(kv_cache, model.rank_config.num_heads, max_decode_rows)
+    backend.dense_prefill = backend.dense_prefill and name != "triton-paged"
+    return backend
 
 
 def _row_tokens(row: ScheduledRow) -> list[int]:

@@ -1,0 +1,312 @@
+"""A prefill step as dense fused attention: each row's new tokens over its cached prefix with no mask,
+and over themselves causally, merged by log-sum-exp.
+
+Every cached position of a row precedes all of its new tokens, so the new tokens' attention over the
+prefix needs no mask, and softmax over a set of positions does not depend on their order. The prefix
+can then be read from wherever it lies (the warm prefix's dequantized pages, hot blocks gathered in
+pieces) as a few dense rectangles, each one call of a library kernel that runs the tensor cores at
+close to their peak; only the new tokens over themselves need a causal mask. Each part returns its
+output with the log-sum-exp of its scores, and `merge` combines them exactly.
+
+On an H100, a 4,096-token chunk after a 28K-token prefix (Llama-3.1-8B heads) takes 3.7 ms a layer
+this way against 8.8 ms in the paged Triton kernel over the same pages
+(bench/results/dense_prefill_2026-12-06.md).
+
+On CUDA the rectangles run cuDNN's attention, with the query heads that share a KV head folded into
+its rows (no mask, so rows are independent and a KV head needs no copy per query head), and the
+causal part FlashAttention's variable-length kernel over all rows at once (grouped-query natively).
+Elsewhere `ReferenceOps` computes the same parts in fp32: the oracle the CUDA ops are tested against,
+and what CPU tests run the split and merge with.
+Shapes: T packed new tokens, C one row's new tokens, P prefix positions in a part, H/KVH heads, D dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from services.engine.attention.paged_kernels import WarmPrefixPages
+from services.engine.kv.block_pool import SCRATCH_BLOCK
+
+logger = logging.getLogger(__name__)
+
+# A prefill step takes this path when its longest row has at least this many new tokens ... On an
+# H100, per layer call against the paged kernel over the warm prefix's pages: 547 against 681 us for
+# 1,024 new tokens after 7K, 1,218 against 2,400 after 31K; at 512 new tokens the paged kernel's split
+# still wins after 8K (393 against 928 us) and loses after 32K (1,306 against 925).
+DENSE_PREFILL_MIN_QUERY_TOKENS = 1024
+# ... and at most this many rows have a cached prefix (each is a Python loop over its parts, a few
+# launches a layer; a step that mixes many decode rows into a prefill stays on the paged kernel).
+DENSE_PREFILL_MAX_PREFIX_ROWS = 8
+# Hot prefix positions gathered into one dense part: bounds the copy buffers, which the KV budget
+# reserves (`dense_prefill_bytes`).
+DENSE_GATHER_TOKENS = 16_384
+
+
+class DenseRow(NamedTuple):
+    """One row's parts: its new tokens in the packed layout and where its cached prefix lies."""
+
+    start: int  # first packed new token (host int)
+    end: int  # one past its last
+    page_range: tuple[int, int] | None  # its warm prefix as one run of page positions [a, b)
+    page_positions: torch.Tensor | None  # ... or gathered: indices into the flattened pages
+    hot_slots: tuple[torch.Tensor, ...]  # hot slots of its prefix, in pieces of DENSE_GATHER_TOKENS
+
+
+class DensePrefillPlan(NamedTuple):
+    """A prefill step's rows for `dense_prefill_attention`, built once per step on the host."""
+
+    rows: tuple[DenseRow, ...]
+    cu_seqlens: torch.Tensor  # [B + 1] int32: packed new tokens per row (the plan's query_start_loc)
+    max_query_len: int
+
+
+class HostRow(NamedTuple):
+    """`DenseRow` before its index arrays go to the device."""
+
+    start: int
+    end: int
+    page_range: tuple[int, int] | None
+    page_positions: np.ndarray | None
+    hot_slots: tuple[np.ndarray, ...]
+
+
+def plan_rows(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    warm_tables: np.ndarray,
+    page_tables: np.ndarray | None,
+    block_size: int,
+) -> list[HostRow] | None:
+    """Each row's parts from a step's host metadata, or None when the step cannot take this path: a
+    warm prefix block that is not among the step's pages (`page_tables`, from `PrefixPlan`), or more
+    than DENSE_PREFILL_MAX_PREFIX_ROWS rows with a prefix."""
+    rows = []
+    offsets = np.arange(block_size)
+    with_prefix = 0
+    for r in range(len(seq_lens)):
+        start, end = int(query_start_loc[r]), int(query_start_loc[r + 1])
+        cached = int(seq_lens[r]) - (end - start)
+        num_blocks = -(-cached // block_size)
+        with_prefix += cached > 0
+        if with_prefix > DENSE_PREFILL_MAX_PREFIX_ROWS:
+            return None
+        warm = warm_tables[r, :num_blocks] >= 0
+        hot = (block_tables[r, :num_blocks] != SCRATCH_BLOCK) & ~warm  # warm is read first, as everywhere
+        page_range, page_positions = None, None
+        if warm.any():
+            if page_tables is None:
+                return None
+            pages = page_tables[r, :num_blocks][warm].astype(np.int64)
+            if (pages <= 0).any():
+                return None
+            ordered = np.sort(pages)
+            if ordered[-1] - ordered[0] + 1 == len(ordered) and (np.diff(ordered) == 1).all():
+                page_range = (int(ordered[0]) * block_size, (int(ordered[-1]) + 1) * block_size)
+            else:
+                page_positions = (pages[:, None] * block_size + offsets).reshape(-1)
+            # a warm block is a whole block of computed positions (demotion takes full groups)
+            assert (np.flatnonzero(warm)[-1] + 1) * block_size <= cached, "a warm block past the prefix"
+        logical = np.flatnonzero(hot)
+        positions = (logical[:, None] * block_size + offsets).reshape(-1)
+        slots = (block_tables[r, logical].astype(np.int64)[:, None] * block_size + offsets).reshape(-1)
+        slots = slots[positions < cached]
+        pieces = tuple(slots[i : i + DENSE_GATHER_TOKENS] for i in range(0, len(slots), DENSE_GATHER_TOKENS))
+        rows.append(HostRow(start, end, page_range, page_positions, pieces))
+    return rows
+
+
+def to_device_plan(
+    rows: list[HostRow], query_start_loc: torch.Tensor, max_query_len: int, device: torch.device
+) -> DensePrefillPlan:
+    """Move the rows' index arrays to `device` (pinned, non-blocking on CUDA)."""
+
+    def move(array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
+
+    moved = tuple(
+        DenseRow(
+            row.start,
+            row.end,
+            row.page_range,
+            None if row.page_positions is None else move(row.page_positions),
+            tuple(move(piece) for piece in row.hot_slots),
+        )
+        for row in rows
+    )
+    return DensePrefillPlan(moved, query_start_loc, max_query_len)
+
+
+class Attended(NamedTuple):
+    """One part's attention: its output and the log-sum-exp (natural log) of each query's scores."""
+
+    out: torch.Tensor  # [C, H, D]
+    lse: torch.Tensor  # [C, H] fp32
+
+
+class ReferenceOps:
+    """The two parts in fp32 with plain tensor operations (any device; the oracle)."""
+
+    def rectangle(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
+        """`q` `[C, H, D]` over every position of `k`, `v` `[P, KVH, D]`, no mask."""
+        return _attend(q, k, v, causal=False)
+
+    def causal(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+    ) -> Attended:
+        """Packed `q` `[T, H, D]` over the same rows' packed `k`, `v` `[T, KVH, D]`, each token over
+        its row's tokens up to itself."""
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for start, end in itertools.pairwise(cu_seqlens.tolist()):
+            if end > start:
+                out[start:end], lse[start:end] = _attend(
+                    q[start:end], k[start:end], v[start:end], causal=True
+                )
+        return Attended(out, lse)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Attended:
+    """`q` `[C, H, D]` over `k`, `v` `[P, KVH, D]` in fp32; `causal`: query i sees positions up to i."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, 1).transpose(0, 1)  # [H, P, D]
+    values = v.float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) * q.shape[-1] ** -0.5  # [H, C, P]
+    if causal:
+        future = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    out = torch.softmax(scores, -1) @ values  # [H, C, D]
+    return Attended(out.transpose(0, 1).to(q.dtype), torch.logsumexp(scores, -1).transpose(0, 1))
+
+
+class CudaOps:
+    """The two parts as fused library kernels: cuDNN attention and FlashAttention's varlen kernel."""
+
+    def rectangle(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
+        """`q` `[C, H, D]` over `k`, `v` `[P, KVH, D]` (rows may be strided), no mask. The G query heads
+        of each KV head become G x C rows of one cuDNN head: with no mask each row is independent."""
+        length, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        folded = (
+            q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * length, dim)
+        )
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            folded, k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0),
+            None, True, 0.0, False, False, scale=dim**-0.5,
+        )  # fmt: skip
+        out = result[0].view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
+        lse = result[1].view(kv_heads, group, length).permute(2, 0, 1).reshape(length, heads)
+        return Attended(out, lse.float())
+
+    def causal(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+    ) -> Attended:
+        """Packed rows, each causal over itself (square, so FlashAttention's bottom-right alignment is
+        the usual one); grouped-query heads natively."""
+        result = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=q.shape[-1] ** -0.5
+        )
+        lse = result[1]  # [H, T] for packed rows
+        return Attended(result[0], lse.transpose(0, 1).float())
+
+
+def cuda_ops_work(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether CudaOps run here for these shapes and match ReferenceOps (a small check at start-up:
+    cuDNN or FlashAttention may be missing from the build or refuse the head size or dtype)."""
+    if device.type != "cuda":
+        return False
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
+
+    q, k, v = (
+        rand(48, num_heads, head_dim),
+        rand(80, num_kv_heads, head_dim),
+        rand(80, num_kv_heads, head_dim),
+    )
+    cu_seqlens = torch.tensor([0, 16, 48], dtype=torch.int32, device=device)
+    try:
+        fused, reference = CudaOps(), ReferenceOps()
+        parts = (
+            (fused.rectangle(q, k, v), reference.rectangle(q, k, v)),
+            (
+                fused.causal(q, k[:48], v[:48], cu_seqlens, 32),
+                reference.causal(q, k[:48], v[:48], cu_seqlens, 32),
+            ),
+        )
+        torch.cuda.synchronize(device)
+    except RuntimeError as error:
+        logger.info("dense prefill attention unavailable here (%s): prefill stays on the paged kernel", error)
+        return False
+    for got, want in parts:
+        if (got.out.float() - want.out.float()).abs().max() > 0.05 or (got.lse - want.lse).abs().max() > 0.05:
+            logger.warning(
+                "dense prefill attention disagrees with its reference: prefill stays on the paged kernel"
+            )
+            return False
+    return True
+
+
+def merge(parts: list[Attended]) -> torch.Tensor:
+    """Outputs over disjoint sets of positions -> the output over their union (in the first's dtype)."""
+    if len(parts) == 1:
+        return parts[0].out
+    lse = torch.stack([part.lse for part in parts])  # [N, C, H]
+    weights = torch.softmax(lse, 0).unsqueeze(-1)  # each part's share of the union's softmax mass
+    out = sum(part.out.float() * weight for part, weight in zip(parts, weights, strict=True))
+    assert isinstance(out, torch.Tensor)
+    return out.to(parts[0].out.dtype)
+
+
+def dense_prefill_attention(
+    ops: ReferenceOps | CudaOps,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    hot: tuple[torch.Tensor, torch.Tensor],
+    pages: WarmPrefixPages | None,
+    plan: DensePrefillPlan,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Packed queries `q` `[T, H, D]` with their new keys and values `k`, `v` `[T, KVH, D]` over each row's
+    prefix (`hot` keys and values `[N, BS, KVH, D]` and, when the step has a warm prefix, its `pages`)
+    and itself; writes `out` `[T, H, D]`."""
+    own = ops.causal(q, k, v, plan.cu_seqlens, plan.max_query_len)
+    hot_k, hot_v = hot[0].flatten(0, 1), hot[1].flatten(0, 1)  # [N * BS, KVH, D]
+    page_k, page_v = (None, None) if pages is None else (pages.keys.flatten(0, 1), pages.values.flatten(0, 1))
+    out.copy_(own.out)
+    for row in plan.rows:
+        queries = q[row.start : row.end]
+        parts = [Attended(own.out[row.start : row.end], own.lse[row.start : row.end])]
+        if row.page_range is not None or row.page_positions is not None:
+            assert page_k is not None and page_v is not None
+            if row.page_range is not None:
+                a, b = row.page_range
+                parts.append(ops.rectangle(queries, page_k[a:b], page_v[a:b]))
+            else:
+                parts.append(ops.rectangle(queries, page_k[row.page_positions], page_v[row.page_positions]))
+        for slots in row.hot_slots:
+            parts.append(ops.rectangle(queries, hot_k[slots], hot_v[slots]))
+        if len(parts) > 1:
+            out[row.start : row.end] = merge(parts)
+    return out
+
+
+def dense_prefill_bytes(
+    max_prefill_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """Device memory a dense prefill step may allocate beyond the model's own activations: one gathered
+    piece of hot keys and values, and the fp32 temporaries of a merge over the longest row."""
+    gathered = 2 * DENSE_GATHER_TOKENS * num_kv_heads * head_dim * dtype_bytes
+    merge_temporaries = 4 * max_prefill_tokens * num_heads * head_dim * 4
+    return gathered + merge_temporaries
