@@ -3,13 +3,14 @@ and over themselves causally, merged by log-sum-exp.
 
 Every cached position of a row precedes all of its new tokens, so the new tokens' attention over the
 prefix needs no mask, and softmax over a set of positions does not depend on their order. The prefix
-can then be read from wherever it lies (the warm prefix's dequantized pages, hot blocks gathered in
-pieces) as a few dense rectangles, each one call of a library kernel that runs the tensor cores at
-close to their peak; only the new tokens over themselves need a causal mask. Each part returns its
-output with the log-sum-exp of its scores, and `merge` combines them exactly.
+can then be read from wherever it lies as a few dense rectangles: its warm blocks dequantized a piece
+at a time into the backend's pages (any length of warm prefix: a piece fills the pages at most), its
+hot blocks gathered in pieces. Each rectangle is one call of a library kernel that runs the tensor
+cores at close to their peak; only the new tokens over themselves need a causal mask. Each part
+returns its output with the log-sum-exp of its scores, and `merge` combines them exactly.
 
-On an H100, a 4,096-token chunk after a 28K-token prefix (Llama-3.1-8B heads) takes 3.7 ms a layer
-this way against 8.8 ms in the paged Triton kernel over the same pages
+On an H100, a 4,096-token chunk after a 28K-token prefix (Llama-3.1-8B heads, tiers on) takes 4.8 ms
+a layer this way against 10.0 ms in the paged Triton kernel over the same pages
 (bench/results/dense_prefill_2026-12-06.md).
 
 On CUDA the rectangles run cuDNN's attention, with the query heads that share a KV head folded into
@@ -24,12 +25,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from services.engine.attention.paged_kernels import WarmPrefixPages
 from services.engine.kv.block_pool import SCRATCH_BLOCK
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,8 @@ class DenseRow(NamedTuple):
 
     start: int  # first packed new token (host int)
     end: int  # one past its last
-    page_range: tuple[int, int] | None  # its warm prefix as one run of page positions [a, b)
-    page_positions: torch.Tensor | None  # ... or gathered: indices into the flattened pages
-    hot_slots: tuple[torch.Tensor, ...]  # hot slots of its prefix, in pieces of DENSE_GATHER_TOKENS
+    warm_blocks: tuple[torch.Tensor, ...]  # int64 warm block ids of its prefix, in pieces that fit the pages
+    hot_slots: tuple[torch.Tensor, ...]  # int64 hot slots of its prefix, in pieces of DENSE_GATHER_TOKENS
 
 
 class DensePrefillPlan(NamedTuple):
@@ -70,8 +70,7 @@ class HostRow(NamedTuple):
 
     start: int
     end: int
-    page_range: tuple[int, int] | None
-    page_positions: np.ndarray | None
+    warm_blocks: tuple[np.ndarray, ...]
     hot_slots: tuple[np.ndarray, ...]
 
 
@@ -80,12 +79,12 @@ def plan_rows(
     seq_lens: np.ndarray,
     block_tables: np.ndarray,
     warm_tables: np.ndarray,
-    page_tables: np.ndarray | None,
     block_size: int,
+    max_warm_blocks: int,
 ) -> list[HostRow] | None:
-    """Each row's parts from a step's host metadata, or None when the step cannot take this path: a
-    warm prefix block that is not among the step's pages (`page_tables`, from `PrefixPlan`), or more
-    than DENSE_PREFILL_MAX_PREFIX_ROWS rows with a prefix."""
+    """Each row's parts from a step's host metadata, or None when the step cannot take this path: more
+    than DENSE_PREFILL_MAX_PREFIX_ROWS rows with a prefix, or a warm prefix where the backend holds no
+    pages (`max_warm_blocks`, the warm blocks dequantized at once, is 0)."""
     rows = []
     offsets = np.arange(block_size)
     with_prefix = 0
@@ -96,28 +95,26 @@ def plan_rows(
         with_prefix += cached > 0
         if with_prefix > DENSE_PREFILL_MAX_PREFIX_ROWS:
             return None
-        warm = warm_tables[r, :num_blocks] >= 0
-        hot = (block_tables[r, :num_blocks] != SCRATCH_BLOCK) & ~warm  # warm is read first, as everywhere
-        page_range, page_positions = None, None
+        warm_ids = warm_tables[r, :num_blocks]
+        warm = warm_ids >= 0
         if warm.any():
-            if page_tables is None:
+            if max_warm_blocks <= 0:
                 return None
-            pages = page_tables[r, :num_blocks][warm].astype(np.int64)
-            if (pages <= 0).any():
-                return None
-            ordered = np.sort(pages)
-            if ordered[-1] - ordered[0] + 1 == len(ordered) and (np.diff(ordered) == 1).all():
-                page_range = (int(ordered[0]) * block_size, (int(ordered[-1]) + 1) * block_size)
-            else:
-                page_positions = (pages[:, None] * block_size + offsets).reshape(-1)
             # a warm block is a whole block of computed positions (demotion takes full groups)
             assert (np.flatnonzero(warm)[-1] + 1) * block_size <= cached, "a warm block past the prefix"
+        blocks = warm_ids[warm].astype(np.int64)
+        warm_pieces = tuple(
+            blocks[i : i + max_warm_blocks] for i in range(0, len(blocks), max(1, max_warm_blocks))
+        )
+        hot = (block_tables[r, :num_blocks] != SCRATCH_BLOCK) & ~warm  # warm is read first, as everywhere
         logical = np.flatnonzero(hot)
         positions = (logical[:, None] * block_size + offsets).reshape(-1)
         slots = (block_tables[r, logical].astype(np.int64)[:, None] * block_size + offsets).reshape(-1)
         slots = slots[positions < cached]
-        pieces = tuple(slots[i : i + DENSE_GATHER_TOKENS] for i in range(0, len(slots), DENSE_GATHER_TOKENS))
-        rows.append(HostRow(start, end, page_range, page_positions, pieces))
+        hot_pieces = tuple(
+            slots[i : i + DENSE_GATHER_TOKENS] for i in range(0, len(slots), DENSE_GATHER_TOKENS)
+        )
+        rows.append(HostRow(start, end, warm_pieces, hot_pieces))
     return rows
 
 
@@ -134,8 +131,7 @@ def to_device_plan(
         DenseRow(
             row.start,
             row.end,
-            row.page_range,
-            None if row.page_positions is None else move(row.page_positions),
+            tuple(move(piece) for piece in row.warm_blocks),
             tuple(move(piece) for piece in row.hot_slots),
         )
         for row in rows
@@ -274,27 +270,23 @@ def dense_prefill_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     hot: tuple[torch.Tensor, torch.Tensor],
-    pages: WarmPrefixPages | None,
+    dequantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
     plan: DensePrefillPlan,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Packed queries `q` `[T, H, D]` with their new keys and values `k`, `v` `[T, KVH, D]` over each row's
-    prefix (`hot` keys and values `[N, BS, KVH, D]` and, when the step has a warm prefix, its `pages`)
-    and itself; writes `out` `[T, H, D]`."""
+    prefix and itself; writes `out` `[T, H, D]`. The prefix is read from the `hot` keys and values
+    `[N, BS, KVH, D]` and from warm blocks through `dequantize` (warm block ids `[S]` -> their keys and
+    values `[S * BS, KVH, D]`, valid until its next call)."""
     own = ops.causal(q, k, v, plan.cu_seqlens, plan.max_query_len)
     hot_k, hot_v = hot[0].flatten(0, 1), hot[1].flatten(0, 1)  # [N * BS, KVH, D]
-    page_k, page_v = (None, None) if pages is None else (pages.keys.flatten(0, 1), pages.values.flatten(0, 1))
     out.copy_(own.out)
     for row in plan.rows:
         queries = q[row.start : row.end]
         parts = [Attended(own.out[row.start : row.end], own.lse[row.start : row.end])]
-        if row.page_range is not None or row.page_positions is not None:
-            assert page_k is not None and page_v is not None
-            if row.page_range is not None:
-                a, b = row.page_range
-                parts.append(ops.rectangle(queries, page_k[a:b], page_v[a:b]))
-            else:
-                parts.append(ops.rectangle(queries, page_k[row.page_positions], page_v[row.page_positions]))
+        for blocks in row.warm_blocks:
+            assert dequantize is not None, "a warm prefix and no way to dequantize it"
+            parts.append(ops.rectangle(queries, *dequantize(blocks)))
         for slots in row.hot_slots:
             parts.append(ops.rectangle(queries, hot_k[slots], hot_v[slots]))
         if len(parts) > 1:

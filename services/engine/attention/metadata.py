@@ -223,8 +223,9 @@ class AttentionMetadata:
         dense_prefill: bool = False,
     ) -> AttentionMetadata:
         """Copy `host` to `device` (pinned, non-blocking on CUDA). A prefill step over up to
-        `max_prefix_blocks` warm blocks also gets its `PrefixPlan`; with `dense_prefill`, a prefill
-        step also gets its `DensePrefillPlan` where its rows allow one (`dense_prefill.plan_rows`)."""
+        `max_prefix_blocks` warm blocks gets its `PrefixPlan`; with `dense_prefill`, a prefill step gets
+        its `DensePrefillPlan` instead where its rows allow one (`dense_prefill.plan_rows`, which cuts
+        each warm prefix into pieces of `max_prefix_blocks`)."""
         paged = PagedAttentionPlan(
             query_start_loc=_to(host.query_start_loc, device),
             seq_lens=_to(host.seq_lens, device),
@@ -232,16 +233,18 @@ class AttentionMetadata:
             warm_block_tables=_to(host.warm_block_tables, device),
             max_query_len=host.max_query_len,
         )
-        arrays = None if host.is_decode else prefix_plan_arrays(host.warm_block_tables, max_prefix_blocks)
-        prefix = None if arrays is None else PrefixPlan(_to(arrays[0], device), _to(arrays[1], device))
         dense = None
         if dense_prefill and not host.is_decode:
             rows = plan_rows(
                 host.query_start_loc, host.seq_lens, host.block_tables, host.warm_block_tables,
-                None if arrays is None else arrays[1], host.block_size,
+                host.block_size, max_prefix_blocks,
             )  # fmt: skip
             if rows is not None:
                 dense = to_device_plan(rows, paged.query_start_loc, host.max_query_len, device)
+        arrays = None  # the dense path dequantizes its own pieces of the warm prefix
+        if dense is None and not host.is_decode:
+            arrays = prefix_plan_arrays(host.warm_block_tables, max_prefix_blocks)
+        prefix = None if arrays is None else PrefixPlan(_to(arrays[0], device), _to(arrays[1], device))
         return cls(
             _to(host.positions, device),
             _to(host.slot_mapping, device),

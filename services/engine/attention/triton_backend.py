@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -74,9 +75,10 @@ class TritonBackend(AttentionBackend):
     would dequantize the whole prefix in registers again (a 16K-token chunk is 256 such blocks).
 
     On CUDA, a prefill step with a row of at least DENSE_PREFILL_MIN_QUERY_TOKENS new tokens runs as
-    dense library attention instead (`dense_prefill`), reading the same pages and the hot blocks,
-    when the step's rows allow it (`AttentionMetadata.dense`) and the library kernels passed their
-    check at start-up; `dense_prefill = False` keeps every step on the paged kernel.
+    dense library attention instead (`dense_prefill`), which dequantizes any length of warm prefix
+    into the same pages a piece at a time and gathers hot blocks, when the step's rows allow it
+    (`AttentionMetadata.dense`) and the library kernels passed their check at start-up;
+    `dense_prefill = False` keeps every step on the paged kernel.
     """
 
     supports_graphs = True
@@ -124,11 +126,9 @@ class TritonBackend(AttentionBackend):
         paged_layer = self.layers[layer]
         if metadata.dense is not None and self.dense_ops is not None:
             self.num_dense_layer_calls += 1
-            prefix = None
-            if metadata.prefix is not None and paged_layer.warm is not None:
-                prefix = self._dequantize_prefix(paged_layer, metadata.prefix)
             hot = (paged_layer.hot_keys, paged_layer.hot_values)
-            return dense_prefill_attention(self.dense_ops, q, k, v, hot, prefix, metadata.dense, out)
+            dequantize = None if paged_layer.warm is None else partial(self._dequantize_piece, paged_layer)
+            return dense_prefill_attention(self.dense_ops, q, k, v, hot, dequantize, metadata.dense, out)
         if metadata.prefix is not None and paged_layer.warm is not None:
             pages = self._dequantize_prefix(paged_layer, metadata.prefix)
             in_place = paged_layer._replace(warm=None)  # the warm blocks are read from the pages
@@ -187,6 +187,16 @@ class TritonBackend(AttentionBackend):
         by_length = triton.cdiv(max_seq_len, shortest)
         wanted = max(1, min(cap, by_occupancy, by_length))
         return 1 << (wanted.bit_length() - 1)  # the merge kernel needs a power of two
+
+    def _dequantize_piece(self, layer: PagedLayer, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Warm blocks `blocks` `[S]` of `layer` (S at most max_prefix_blocks) -> their keys and values
+        `[S * BS, KVH, D]`, in the held pages until the next call (the dense path's pieces)."""
+        assert self._prefix_pages is not None
+        self.num_prefix_layer_calls += 1
+        keys, values = self._prefix_pages
+        count = blocks.shape[0]
+        dequantize_prefix(layer, blocks, keys[: count + 1], values[: count + 1])
+        return keys[1 : count + 1].flatten(0, 1), values[1 : count + 1].flatten(0, 1)
 
     def _dequantize_prefix(self, layer: PagedLayer, prefix: PrefixPlan) -> WarmPrefixPages:
         """This layer's warm blocks of `prefix` into pages 1..S of the held buffers."""

@@ -22,8 +22,6 @@ from services.engine.attention.dense_prefill import (
     plan_rows,
     to_device_plan,
 )
-from services.engine.attention.metadata import prefix_plan_arrays
-from services.engine.attention.paged_kernels import WarmPrefixPages
 from services.engine.attention.triton_backend import TritonBackend, dequantize_prefix
 from tests.engine.attention.test_paged_kernels import Shape, random_cache, random_layouts, reference
 from tests.engine.attention.test_triton_backend import _greedy
@@ -32,9 +30,11 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="cuDNN and FlashAttention need CUDA")
 
 
-def run_dense_case(shape: Shape, rows, dtype, with_warm: bool, seed: int, ops, device: str) -> float:
-    """The dense path over random tables (hot, warm and dropped blocks); its relative error against the
-    float64 reference."""
+def run_dense_case(
+    shape: Shape, rows, dtype, with_warm: bool, seed: int, ops, device: str, max_warm_blocks: int = 1 << 20
+) -> float:
+    """The dense path over random tables (hot, warm and dropped blocks), warm blocks dequantized at most
+    `max_warm_blocks` at a time; its relative error against the float64 reference."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     total_blocks = sum(-(-s // shape.block_size) for _, s in rows) + 2
@@ -63,26 +63,25 @@ def run_dense_case(shape: Shape, rows, dtype, with_warm: bool, seed: int, ops, d
             new_keys.append(layer.hot_keys[block, position % shape.block_size])
             new_values.append(layer.hot_values[block, position % shape.block_size])
     k, v = torch.stack(new_keys), torch.stack(new_values)
-    pages = None
-    arrays = prefix_plan_arrays(warm_tables, max_blocks=1 << 20) if with_warm else None
-    if arrays is not None:
-        blocks = torch.from_numpy(arrays[0])
+    pieces = []  # the warm blocks of each dequantize call, to check the pieces' sizes
+
+    def dequantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pieces.append(len(blocks))
         page_shape = (len(blocks) + 1, *layer.hot_keys.shape[1:])
         keys = torch.full(page_shape, float("nan"), dtype=dtype)  # page 0 is never read
         values = torch.full(page_shape, float("nan"), dtype=dtype)
-        dequantize_prefix(layer, blocks, keys, values)
-        pages = WarmPrefixPages(keys.to(device), values.to(device), torch.from_numpy(arrays[1]).to(device))
-    host_rows = plan_rows(
-        starts, seq_lens, block_tables, warm_tables, None if arrays is None else arrays[1], shape.block_size
-    )
+        dequantize_prefix(layer, blocks.cpu(), keys, values)
+        return keys[1:].flatten(0, 1).to(device), values[1:].flatten(0, 1).to(device)
+
+    host_rows = plan_rows(starts, seq_lens, block_tables, warm_tables, shape.block_size, max_warm_blocks)
     assert host_rows is not None
-    plan = to_device_plan(
-        host_rows, torch.from_numpy(starts).to(device), max(q for q, _ in rows), torch.device(device)
-    )
+    max_q = max(q for q, _ in rows)
+    plan = to_device_plan(host_rows, torch.from_numpy(starts).to(device), max_q, torch.device(device))
     out = torch.full_like(q, float("nan"), device=device)
     hot = (layer.hot_keys.to(device), layer.hot_values.to(device))
     to = q.to(device), k.to(device), v.to(device)
-    dense_prefill_attention(ops, *to, hot, pages, plan, out)
+    dense_prefill_attention(ops, *to, hot, dequantize if with_warm else None, plan, out)
+    assert all(0 < n <= max_warm_blocks for n in pieces)
     got = out.double().cpu()
     assert not got.isnan().any()
     expected = reference(q, layer, shape, layouts, dtype)
@@ -109,48 +108,50 @@ def test_hot_prefix_in_many_pieces_matches_the_reference(monkeypatch) -> None:
     rows = [(20, 300), (33, 150)]
     rows_seen = plan_rows(
         np.array([0, 20, 53]), np.array([300, 150]), np.arange(1, 41).reshape(2, 20).astype(np.int32),
-        np.full((2, 20), -1, dtype=np.int32), None, 16,
+        np.full((2, 20), -1, dtype=np.int32), 16, 0,
     )  # fmt: skip
     assert rows_seen is not None and [len(r.hot_slots) for r in rows_seen] == [6, 3]  # 280 and 117 positions
     assert run_dense_case(Shape(2, 2, 32), rows, torch.float32, False, 5, ReferenceOps(), "cpu") < 1e-5
 
 
-def test_plan_reads_pages_as_one_run_when_they_are_and_gathers_them_otherwise() -> None:
-    # row 0: logical blocks 1-4 warm on pages 1-4 (a run); row 1: blocks 1-2 on pages 6 and 5... and 8
+def test_warm_prefix_longer_than_the_pages_is_read_in_pieces() -> None:
+    """Warm prefixes of up to 14 blocks through pages of 3 blocks: dequantized and merged piece by piece."""
+    rows = [(30, 300), (17, 250), (1, 129)]
+    assert run_dense_case(Shape(2, 4, 64), rows, torch.float32, True, 4, ReferenceOps(), "cpu", 3) < 1e-5
+
+
+def test_plan_splits_the_prefix_by_tier() -> None:
     warm = np.full((2, 8), -1, dtype=np.int32)
     warm[0, 1:5] = [10, 11, 12, 13]
     warm[1, 1:4] = [30, 21, 40]
-    pages = np.zeros_like(warm)
-    pages[0, 1:5] = [1, 2, 3, 4]
-    pages[1, 1:4] = [6, 5, 8]
     hot = np.zeros((2, 8), dtype=np.int32)
     hot[:, 0] = [50, 51]  # the sinks
-    hot[:, 5] = [52, 53]
-    rows = plan_rows(np.array([0, 8, 16]), np.array([100, 100]), hot, warm, pages, 16)
+    hot[:, 5] = [52, 53]  # row 1's block 4 is neither: dropped
+    hot[:, 6] = [54, 55]  # the new tokens' block
+    rows = plan_rows(np.array([0, 8, 16]), np.array([100, 100]), hot, warm, 16, 3)
     assert rows is not None
-    assert rows[0].page_range == (16, 80) and rows[0].page_positions is None
-    assert rows[1].page_range is None and rows[1].page_positions is not None
-    assert sorted(set(rows[1].page_positions // 16)) == [5, 6, 8]
+    assert [b.tolist() for b in rows[0].warm_blocks] == [[10, 11, 12], [13]]
+    assert [b.tolist() for b in rows[1].warm_blocks] == [[30, 21, 40]]
     # hot: the sink block whole, then logical block 5 up to the prefix's end (92 cached positions)
     assert rows[0].hot_slots[0].tolist() == [*range(50 * 16, 51 * 16), *range(52 * 16, 52 * 16 + 12)]
+    assert (rows[0].start, rows[0].end, rows[1].start, rows[1].end) == (0, 8, 8, 16)
 
 
-def test_plan_gives_up_when_a_warm_block_has_no_page_or_too_many_rows_have_a_prefix() -> None:
+def test_plan_gives_up_with_a_warm_prefix_and_no_pages_or_too_many_rows_with_a_prefix() -> None:
     warm = np.full((1, 4), -1, dtype=np.int32)
     warm[0, 1] = 7
     hot = np.array([[3, 0, 4, 5]], dtype=np.int32)
-    args = (np.array([0, 4]), np.array([60]), hot, warm)
-    assert plan_rows(*args, None, 16) is None  # warm, but the step has no pages
-    assert plan_rows(*args, np.zeros_like(warm), 16) is None  # warm, but not among them
+    assert plan_rows(np.array([0, 4]), np.array([60]), hot, warm, 16, 0) is None  # warm, but no pages
+    assert plan_rows(np.array([0, 4]), np.array([60]), hot, warm, 16, 1) is not None
     rows = dense_prefill.DENSE_PREFILL_MAX_PREFIX_ROWS + 1
     many = plan_rows(
         np.arange(rows + 1), np.full(rows, 20), np.ones((rows, 2), dtype=np.int32),
-        np.full((rows, 2), -1, dtype=np.int32), None, 16,
+        np.full((rows, 2), -1, dtype=np.int32), 16, 0,
     )  # fmt: skip
     assert many is None
     whole_prompts = plan_rows(
         np.arange(0, 20 * (rows + 1), 20), np.full(rows, 20), np.ones((rows, 2), dtype=np.int32),
-        np.full((rows, 2), -1, dtype=np.int32), None, 16,
+        np.full((rows, 2), -1, dtype=np.int32), 16, 0,
     )  # fmt: skip
     assert whole_prompts is not None  # rows with no prefix need no loop: any number of them
 
