@@ -9,7 +9,7 @@ hot blocks gathered in pieces. Each rectangle is one call of a library kernel th
 cores at close to their peak; only the new tokens over themselves need a causal mask. Each part
 returns its output with the log-sum-exp of its scores, and `merge` combines them exactly.
 
-On an H100, a 4,096-token chunk after a 28K-token prefix (Llama-3.1-8B heads, tiers on) takes 4.8 ms
+On an H100, a 4,096-token chunk after a 32K-token prefix (Llama-3.1-8B heads, tiers on) takes 4.8 ms
 a layer this way against 10.0 ms in the paged Triton kernel over the same pages
 (bench/results/dense_prefill_2026-12-06.md).
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # A prefill step takes this path when its longest row has at least this many new tokens ... On an
 # H100, per layer call against the paged kernel over the warm prefix's pages: 547 against 681 us for
-# 1,024 new tokens after 7K, 1,218 against 2,400 after 31K; at 512 new tokens the paged kernel's split
+# 1,024 new tokens after 8K, 1,218 against 2,400 after 32K; at 512 new tokens the paged kernel's split
 # still wins after 8K (393 against 928 us) and loses after 32K (1,306 against 925).
 DENSE_PREFILL_MIN_QUERY_TOKENS = 1024
 # ... and at most this many rows have a cached prefix (each is a Python loop over its parts, a few
