@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from services.engine.kv.block_pool import SCRATCH_BLOCK
 
@@ -264,6 +266,63 @@ def merge(parts: list[Attended]) -> torch.Tensor:
     return out.to(parts[0].out.dtype)
 
 
+def merge_pair(a: Attended, b: Attended, out: torch.Tensor, kernel: bool | None = None) -> Attended:
+    """`merge([a, b])` written into `out` `[C, H, D]` (which may be `a.out`), with the union's log-sum-exp.
+    `kernel`: one pass of `_merge_pair_kernel` (the default on CUDA), else `merge` (the oracle)."""
+    if kernel is None:
+        kernel = out.is_cuda
+    if not kernel:
+        lse = torch.logaddexp(a.lse, b.lse)
+        out.copy_(merge([a, b]))
+        return Attended(out, lse)
+    length, heads, dim = out.shape
+    lse = torch.empty(length, heads, dtype=torch.float32, device=out.device)
+    for t in (out, a.out, b.out):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    rows = length * heads
+    grid = (triton.cdiv(rows, MERGE_ROWS),)
+    _merge_pair_kernel[grid](
+        out, lse, a.out, a.lse, b.out, b.lse, rows, heads,
+        out.stride(0), out.stride(1), a.out.stride(0), a.out.stride(1), b.out.stride(0), b.out.stride(1),
+        a.lse.stride(0), a.lse.stride(1), b.lse.stride(0), b.lse.stride(1),
+        DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_R=MERGE_ROWS,
+    )  # fmt: skip
+    return Attended(out, lse)
+
+
+MERGE_ROWS = 32  # (token, head) rows a merge program takes
+
+
+@triton.jit
+def _merge_pair_kernel(
+    out, out_lse, a, a_lse, b, b_lse, rows, heads,
+    s_out_t, s_out_h, s_a_t, s_a_h, s_b_t, s_b_h, s_al_t, s_al_h, s_bl_t, s_bl_h,
+    DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """One pass over two parts' outputs: each (token, head) row weighted by its part's share of the
+    union's softmax mass, exp(lse_part - lse_union); the union's log-sum-exp goes to `out_lse`
+    (contiguous `[C, H]`)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = r < rows
+    t = r // heads
+    h = r % heads
+    la = tl.load(a_lse + t * s_al_t + h * s_al_h, mask=valid, other=0.0)
+    lb = tl.load(b_lse + t * s_bl_t + h * s_bl_h, mask=valid, other=0.0)
+    top = tl.maximum(la, lb)
+    wa = tl.exp(la - top)
+    wb = tl.exp(lb - top)
+    total = wa + wb
+    d = tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (d < DIM)[None, :]
+    av = tl.load(a + (t * s_a_t + h * s_a_h)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    bv = tl.load(b + (t * s_b_t + h * s_b_h)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    merged = av * (wa / total)[:, None] + bv * (wb / total)[:, None]
+    tl.store(
+        out + (t * s_out_t + h * s_out_h)[:, None] + d[None, :], merged.to(out.dtype.element_ty), mask=mask
+    )
+    tl.store(out_lse + r, top + tl.log(total), mask=valid)
+
+
 def dense_prefill_attention(
     ops: ReferenceOps | CudaOps,
     q: torch.Tensor,
@@ -281,16 +340,14 @@ def dense_prefill_attention(
     own = ops.causal(q, k, v, plan.cu_seqlens, plan.max_query_len)
     hot_k, hot_v = hot[0].flatten(0, 1), hot[1].flatten(0, 1)  # [N * BS, KVH, D]
     out.copy_(own.out)
-    for row in plan.rows:
+    for row in plan.rows:  # each part is merged in as it is computed, so at most one is held
         queries = q[row.start : row.end]
-        parts = [Attended(own.out[row.start : row.end], own.lse[row.start : row.end])]
+        merged = Attended(out[row.start : row.end], own.lse[row.start : row.end])
         for blocks in row.warm_blocks:
             assert dequantize is not None, "a warm prefix and no way to dequantize it"
-            parts.append(ops.rectangle(queries, *dequantize(blocks)))
+            merged = merge_pair(merged, ops.rectangle(queries, *dequantize(blocks)), merged.out)
         for slots in row.hot_slots:
-            parts.append(ops.rectangle(queries, hot_k[slots], hot_v[slots]))
-        if len(parts) > 1:
-            out[row.start : row.end] = merge(parts)
+            merged = merge_pair(merged, ops.rectangle(queries, hot_k[slots], hot_v[slots]), merged.out)
     return out
 
 
@@ -298,7 +355,8 @@ def dense_prefill_bytes(
     max_prefill_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
 ) -> int:
     """Device memory a dense prefill step may allocate beyond the model's own activations: one gathered
-    piece of hot keys and values, and the fp32 temporaries of a merge over the longest row."""
+    piece of hot keys and values, and over the longest row the causal part's output, the folded
+    queries and one rectangle's output, with slack for the library kernels' reshapes."""
     gathered = 2 * DENSE_GATHER_TOKENS * num_kv_heads * head_dim * dtype_bytes
-    merge_temporaries = 4 * max_prefill_tokens * num_heads * head_dim * 4
-    return gathered + merge_temporaries
+    parts = 4 * max_prefill_tokens * num_heads * head_dim * dtype_bytes
+    return gathered + parts

@@ -15,10 +15,12 @@ import torch
 
 from services.engine.attention import dense_prefill
 from services.engine.attention.dense_prefill import (
+    Attended,
     CudaOps,
     ReferenceOps,
     dense_prefill_attention,
     merge,
+    merge_pair,
     plan_rows,
     to_device_plan,
 )
@@ -167,6 +169,31 @@ def test_merge_of_parts_equals_attention_over_their_union() -> None:
     whole = ops.rectangle(q, k, v)
     parts = [ops.rectangle(q, k[a:b], v[a:b]) for a, b in ((0, 7), (7, 8), (8, 30))]
     torch.testing.assert_close(merge(parts), whole.out, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_cuda)], ids=["fp32", "bf16"]
+)
+def test_merge_kernel_matches_the_oracle_with_strided_parts_and_in_place(dtype) -> None:
+    """The one-pass Triton merge (the Triton interpreter on the CPU) against `merge`: a part whose
+    log-sum-exp is a transposed view (as FlashAttention's), a part written over in place, a tail of
+    rows that fills no whole program."""
+    device = "cuda" if CUDA else "cpu"  # compiled Triton takes no CPU tensors
+    gen = torch.Generator().manual_seed(3)
+    length, heads, dim = 37, 6, 40
+    a = Attended(torch.randn(length, heads, dim, generator=gen).to(dtype).to(device),
+                 (torch.randn(heads, length, generator=gen) * 4).to(device).transpose(0, 1))  # fmt: skip
+    wide = torch.randn(length, 2 * heads, dim, generator=gen).to(dtype).to(device)
+    b = Attended(wide[:, ::2], (torch.randn(length, heads, generator=gen) * 4).to(device))  # strided heads
+    want = merge([a, b]).float()
+    want_lse = torch.logaddexp(a.lse, b.lse)
+    got = merge_pair(a, b, a.out.clone(), kernel=True)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.out.float(), want, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(got.lse, want_lse, atol=1e-5, rtol=1e-5)
+    in_place = merge_pair(a, b, a.out, kernel=True)
+    assert in_place.out.data_ptr() == a.out.data_ptr()
+    torch.testing.assert_close(in_place.out.float(), want, atol=tolerance, rtol=tolerance)
 
 
 @needs_cuda
