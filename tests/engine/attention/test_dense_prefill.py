@@ -198,7 +198,7 @@ def test_merge_kernel_matches_the_oracle_with_strided_parts_and_in_place(dtype) 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cuda_ops_match_the_reference_ops(dtype) -> None:
+def test_cuda_ops_match_the_reference_ops(dtype, monkeypatch) -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
     q = torch.randn(300, 32, 128, device="cuda", dtype=dtype, generator=gen)
     k = torch.randn(1000, 8, 128, device="cuda", dtype=dtype, generator=gen)
@@ -208,9 +208,13 @@ def test_cuda_ops_match_the_reference_ops(dtype) -> None:
     torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.lse, want.lse, atol=1e-2, rtol=1e-3)
     cu = torch.tensor([0, 1, 120, 300], dtype=torch.int32, device="cuda")
-    got, want = fused.causal(q, k[:300], v[:300], cu, 180), ref.causal(q, k[:300], v[:300], cu, 180)
-    torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got.lse, want.lse, atol=1e-2, rtol=1e-3)
+    bounds = [(0, 1), (1, 120), (120, 300)]
+    want = ref.causal(q, k[:300], v[:300], cu, 180, bounds)
+    for max_rows in (8, 0):  # row by row through cuDNN, then all rows in one FlashAttention call
+        monkeypatch.setattr(dense_prefill, "CUDNN_SQUARE_MAX_ROWS", max_rows)
+        got = fused.causal(q, k[:300], v[:300], cu, 180, bounds)
+        torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got.lse, want.lse, atol=1e-2, rtol=1e-3)
 
 
 @needs_cuda
@@ -228,8 +232,8 @@ def test_dense_prefill_with_cuda_ops_matches_the_float64_reference(with_warm: bo
 
 def test_engine_prefill_through_the_dense_path_equals_the_reference(tiny_dir: Path, monkeypatch) -> None:
     """64-token chunks over a warm prefix through the dense path: the reference backend's greedy
-    tokens. The test's model is fp32, which the library kernels do not take (the startup check turns
-    the path off), so the path runs with the reference ops here; the CUDA ops are checked above."""
+    tokens. The test's model is fp32, for which the startup check turns the library kernels off, so
+    the path runs with the reference ops here; the CUDA ops are checked above."""
     from services.engine.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "DENSE_PREFILL_MIN_QUERY_TOKENS", 2)
