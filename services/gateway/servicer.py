@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import trace
@@ -72,6 +73,28 @@ def engine_request(
     return converted
 
 
+@contextmanager
+def _traced_late(verdict: safety_pb2.CheckResponse | None) -> Iterator[None]:
+    """Puts a prompt's passing verdict on the span once the calls that the body starts in its first
+    loop turn have gone out, or as the body ends if that comes first. Under strict the engine call
+    waits for the verdict, and its attributes (one per gate category) need not go first."""
+    if verdict is None:
+        yield
+        return
+    late = asyncio.ensure_future(_trace_after_calls(verdict))
+    try:
+        yield
+    finally:
+        if not late.done():
+            late.cancel()
+            record_verdict("prompt", verdict)
+
+
+async def _trace_after_calls(verdict: safety_pb2.CheckResponse) -> None:
+    await let_calls_go_out()
+    record_verdict("prompt", verdict)
+
+
 class GatewayServicer(pb_grpc.GatewayServiceServicer):
     """The public API; the checks live in the gatekeeper, the streaming in the relay."""
 
@@ -125,8 +148,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         key = affinity_key(admission.principal.tenant, text, self.config.routing.prefix_chars)
         # trailing: the engine starts on the prompt while safety screens it (see _behind_prompt_check)
         is_overlapped = settings.screening.release is ReleasePolicy.TRAILING
+        prompt_verdict: safety_pb2.CheckResponse | None = None  # strict: a pass is traced late
         if not is_overlapped:
-            if blocked := await self._screen_prompt(check, admission, settings, audit):
+            prompt_verdict = await check
+            if blocked := await self._screen_prompt(
+                prompt_verdict, admission, settings, audit, is_pass_traced=False
+            ):
                 for message in blocked:
                     yield message
                 return
@@ -135,7 +162,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         relayed = relay(self.upstreams, converted, settings, replicas, audit, charge.engine_counted)
         if is_overlapped:
             relayed = self._behind_prompt_check(check, relayed, admission, settings, audit, charge)
-        with self.in_flight.track(admission.request_id, tenant) as stream:
+        with self.in_flight.track(admission.request_id, tenant) as stream, _traced_late(prompt_verdict):
             try:
                 async for message in relayed:
                     if message.HasField("done"):
@@ -153,18 +180,20 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
 
     async def _screen_prompt(
         self,
-        check: Awaitable[safety_pb2.CheckResponse],
+        verdict: safety_pb2.CheckResponse,
         admission: Admission,
         settings: RelaySettings,
         audit: VerdictAudit,
+        is_pass_traced: bool = True,
     ) -> list[pb.GenerateResponse]:
-        """The prompt's verdict, traced and audited: the messages that replace the answer when it
-        blocked, else none."""
-        verdict = await check
-        record_verdict("prompt", verdict)
+        """The prompt's verdict, traced (a pass only when `is_pass_traced`) and audited: the messages
+        that replace the answer when it blocked, else none."""
+        is_blocked = verdict.decision == safety_pb2.DECISION_BLOCK
+        if is_blocked or is_pass_traced:
+            record_verdict("prompt", verdict)
         if needs_audit(verdict):
             await audit("prompt", verdict)
-        if verdict.decision != safety_pb2.DECISION_BLOCK:
+        if not is_blocked:
             return []
         usage = engine_pb2.Usage(prompt_tokens=admission.prompt_tokens)  # no completion is charged
         return blocked_messages(verdict.safe_message, settings, usage)
@@ -188,7 +217,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         try:
             async for message in relayed:
                 if not is_screened:
-                    if blocked := await self._screen_prompt(check, admission, settings, audit):
+                    if blocked := await self._screen_prompt(await check, admission, settings, audit):
                         for replacement in blocked:
                             yield replacement
                         return

@@ -1,0 +1,61 @@
+"""The servicer's late trace of a passing prompt verdict: on the span whether the stream outlives
+the engine call's send or ends at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.gateway.loop import TURNS_TO_SEND, let_calls_go_out
+from services.gateway.servicer import _traced_late
+from thermocline.safety.v1 import safety_pb2
+
+DECISION = "thermocline.safety.prompt.decision"
+
+
+def _passed() -> safety_pb2.CheckResponse:
+    score = safety_pb2.CategoryScore(category="violence", score=0.125)
+    allow = safety_pb2.DECISION_ALLOW
+    return safety_pb2.CheckResponse(decision=allow, policy_version="gate-1", scores=[score])
+
+
+async def _span_of(body_turns: int) -> tuple[ReadableSpan, bool]:
+    """The request span after a `_traced_late` body that yields the loop `body_turns` times, and
+    whether the verdict was on it before the body ended."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("test").start_as_current_span("Generate") as span, _traced_late(_passed()):
+        for _ in range(body_turns):
+            await asyncio.sleep(0)
+        was_traced_inside = DECISION in (span.attributes or {})  # type: ignore[attr-defined]
+    (finished,) = exporter.get_finished_spans()
+    return finished, was_traced_inside
+
+
+def test_a_stream_that_outlives_the_calls_send_gets_the_verdict_while_it_runs() -> None:
+    span, was_traced_inside = asyncio.run(_span_of(body_turns=TURNS_TO_SEND + 1))
+    assert was_traced_inside
+    attributes = span.attributes or {}
+    assert attributes[DECISION] == "allow" and attributes["thermocline.safety.prompt.score.violence"] == 0.125
+
+
+def test_a_stream_that_ends_at_once_still_gets_the_verdict_before_its_span_ends() -> None:
+    span, was_traced_inside = asyncio.run(_span_of(body_turns=0))
+    assert not was_traced_inside
+    assert (span.attributes or {})[DECISION] == "allow"
+
+
+def test_the_verdict_waits_for_the_calls_of_the_bodys_first_turn() -> None:
+    async def traced_after_send() -> bool:
+        provider = TracerProvider()
+        with provider.get_tracer("test").start_as_current_span("Generate") as span, _traced_late(_passed()):
+            await asyncio.sleep(0)  # the turn a call started in the body's first turn sends in
+            is_traced_early = DECISION in (span.attributes or {})  # type: ignore[attr-defined]
+            await let_calls_go_out()
+        return is_traced_early
+
+    assert not asyncio.run(traced_after_send())
