@@ -50,6 +50,9 @@ MIN_WARM_TOKENS_PER_SEGMENT = 128
 MAX_PREFILL_SEGMENTS = 64
 PREFILL_SPLIT_TOKENS = 2048
 PREFILL_BLOCK_M = 64  # (token, head) rows per prefill program (paged_attention's block_m)
+# Whether a backend built from now on runs long prefill steps as dense library attention where it can
+# (dense_prefill; the startup check must pass too); benches switch it off to time the paged kernel.
+DENSE_PREFILL = True
 # paged_attention's launch overrides for steps with a prefill (empty: the kernel's defaults), read by
 # each backend when it is built; bench/attention_kernel.py times candidates alone and
 # bench/decode_gpu.py --prefill-launch end to end. PREFILL_LAUNCH is for a prefill that reads the
@@ -59,9 +62,6 @@ PREFILL_BLOCK_M = 64  # (token, head) rows per prefill program (paged_attention'
 # over a 32K prefix from 10.5 to 10.0 ms a layer and a 32K prompt's TTFT (8B, tiers on) from 2.02 to
 # 1.94 s; without a warm tier it was slower than the kernel's default, 8.8 against 8.4 ms
 # (bench/results/prefill_launch_2026-12-06.md).
-# Whether a backend built from now on runs long prefill steps as dense library attention where it can
-# (dense_prefill; the startup check must pass too); benches switch it off to time the paged kernel.
-DENSE_PREFILL = True
 PREFILL_LAUNCH: dict[str, Any] = {}
 PREFIX_PAGES_LAUNCH: dict[str, Any] = {"tile_n": 128, "num_warps": 8, "block_m": 128, "split_causal": True}
 
