@@ -245,3 +245,23 @@ def test_engine_prefill_through_the_dense_path_equals_the_reference(tiny_dir: Pa
     assert isinstance(backend, TritonBackend)
     assert backend.num_dense_layer_calls > 0 and backend.num_prefix_layer_calls > 0  # over warm pages
     assert dense_tokens == reference_tokens
+
+
+@pytest.mark.parametrize(("attention", "is_dense"), [("triton", True), ("triton-paged", False)])
+def test_attention_setting_triton_paged_keeps_every_prefill_on_the_kernel(
+    tiny_dir: Path, monkeypatch, attention: str, is_dense: bool
+) -> None:
+    """THERMOCLINE_ENGINE_ATTENTION=triton-paged: the backend offers no step the dense path, even where
+    its library kernels pass the start-up check (here the reference ops stand in for them)."""
+    from services.engine.attention import triton_backend
+    from services.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(triton_backend, "cuda_ops_work", lambda *args: True)
+    monkeypatch.setattr(triton_backend, "CudaOps", ReferenceOps)
+    engine = LLMEngine.load(
+        tiny_dir, device="cpu", dtype="float32", max_seq_len=256, attention=attention, progress=False
+    )
+    backend = engine.runner.attention
+    assert isinstance(backend, TritonBackend)
+    assert backend.wants_dense_prefill(4096) is is_dense
+    assert not backend.wants_dense_prefill(triton_backend.DENSE_PREFILL_MIN_QUERY_TOKENS - 1)
