@@ -188,24 +188,24 @@ class TritonBackend(AttentionBackend):
         wanted = max(1, min(cap, by_occupancy, by_length))
         return 1 << (wanted.bit_length() - 1)  # the merge kernel needs a power of two
 
-    def _dequantize_piece(self, layer: PagedLayer, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Warm blocks `blocks` `[S]` of `layer` (S at most max_prefix_blocks) -> their keys and values
-        `[S * BS, KVH, D]`, in the held pages until the next call (the dense path's pieces)."""
+    def _fill_pages(self, layer: PagedLayer, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Warm blocks `blocks` `[S]` of `layer` into pages 1..S of the held buffers -> pages 0..S."""
         assert self._prefix_pages is not None
         self.num_prefix_layer_calls += 1
         keys, values = self._prefix_pages
         count = blocks.shape[0]
         dequantize_prefix(layer, blocks, keys[: count + 1], values[: count + 1])
-        return keys[1 : count + 1].flatten(0, 1), values[1 : count + 1].flatten(0, 1)
+        return keys[: count + 1], values[: count + 1]
+
+    def _dequantize_piece(self, layer: PagedLayer, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Warm blocks `blocks` `[S]` of `layer` (S at most max_prefix_blocks) -> their keys and values
+        `[S * BS, KVH, D]`, in the held pages until the next call (the dense path's pieces)."""
+        keys, values = self._fill_pages(layer, blocks)
+        return keys[1:].flatten(0, 1), values[1:].flatten(0, 1)
 
     def _dequantize_prefix(self, layer: PagedLayer, prefix: PrefixPlan) -> WarmPrefixPages:
         """This layer's warm blocks of `prefix` into pages 1..S of the held buffers."""
-        assert self._prefix_pages is not None
-        self.num_prefix_layer_calls += 1
-        keys, values = self._prefix_pages
-        count = prefix.blocks.shape[0]
-        dequantize_prefix(layer, prefix.blocks, keys[: count + 1], values[: count + 1])
-        return WarmPrefixPages(keys[: count + 1], values[: count + 1], prefix.tables)
+        return WarmPrefixPages(*self._fill_pages(layer, prefix.blocks), prefix.tables)
 
 
 def dequantize_prefix(

@@ -6,7 +6,6 @@ the path equal the reference backend's."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from services.engine.attention.dense_prefill import (
     to_device_plan,
 )
 from services.engine.attention.triton_backend import TritonBackend, dequantize_prefix
-from tests.engine.attention.test_paged_kernels import Shape, random_cache, random_layouts, reference
+from tests.engine.attention.test_paged_kernels import Shape, layout_tables, random_case, reference
 from tests.engine.attention.test_triton_backend import _greedy
 
 CUDA = torch.cuda.is_available()
@@ -37,23 +36,10 @@ def run_dense_case(
 ) -> float:
     """The dense path over random tables (hot, warm and dropped blocks), warm blocks dequantized at most
     `max_warm_blocks` at a time; its relative error against the float64 reference."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    total_blocks = sum(-(-s // shape.block_size) for _, s in rows) + 2
-    num_groups = total_blocks // shape.blocks_per_group + 1
-    layer = random_cache(shape, total_blocks, num_groups, dtype, with_warm, gen)
-    layouts = random_layouts(shape, rows, with_warm, total_blocks, num_groups, rng)
+    layer, layouts, gen = random_case(shape, rows, dtype, with_warm, seed)
     num_heads = shape.num_kv_heads * shape.queries_per_kv
     q = torch.randn(sum(q for q, _ in rows), num_heads, shape.head_dim, generator=gen).to(dtype)
-    width = max(len(lay.blocks) for lay in layouts) + 1
-    block_tables = np.zeros((len(rows), width), dtype=np.int32)
-    warm_tables = np.full((len(rows), width), -1, dtype=np.int32)
-    for i, layout in enumerate(layouts):
-        for j, (tier, index) in enumerate(layout.blocks):
-            if tier == "hot":
-                block_tables[i, j] = index
-            elif tier == "warm":
-                warm_tables[i, j] = index
+    block_tables, warm_tables = (tables.numpy() for tables in layout_tables(layouts))
     starts = np.cumsum([0] + [q_len for q_len, _ in rows]).astype(np.int32)
     seq_lens = np.array([s for _, s in rows], dtype=np.int32)
     # the new tokens' own keys and values, as a layer hands them over (already stored in their hot slots)

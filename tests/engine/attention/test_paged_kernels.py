@@ -172,6 +172,31 @@ def reference(q, layer, shape, layouts, dtype):
     return torch.cat(outs)
 
 
+def random_case(shape: Shape, rows, dtype, with_warm: bool, seed: int):
+    """A random cache with room for `rows` ((new tokens, sequence length) each), each row's layout in
+    it, and the generator to draw the queries from next."""
+    gen = torch.Generator().manual_seed(seed)
+    total_blocks = sum(-(-s // shape.block_size) for _, s in rows) + 2
+    num_groups = total_blocks // shape.blocks_per_group + 1
+    layer = random_cache(shape, total_blocks, num_groups, dtype, with_warm, gen)
+    layouts = random_layouts(shape, rows, with_warm, total_blocks, num_groups, random.Random(seed))
+    return layer, layouts, gen
+
+
+def layout_tables(layouts: list[RowLayout]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' hot and warm block tables `[B, MB]` int32 (0 and -1 where a block is not in that tier)."""
+    width = max(len(lay.blocks) for lay in layouts) + 1
+    block_tables = torch.zeros(len(layouts), width, dtype=torch.int32)
+    warm_tables = torch.full((len(layouts), width), -1, dtype=torch.int32)
+    for i, layout in enumerate(layouts):
+        for j, (tier, index) in enumerate(layout.blocks):
+            if tier == "hot":
+                block_tables[i, j] = index
+            elif tier == "warm":
+                warm_tables[i, j] = index
+    return block_tables, warm_tables
+
+
 def run_case(
     shape: Shape,
     rows,
@@ -186,24 +211,11 @@ def run_case(
     """The kernel on random tables against the float64 reference. With `prefix_pages`, the warm blocks
     are first dequantized into pages of the hot layout (a prefill's path in `TritonBackend`) and the
     kernel reads them from there."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    total_blocks = sum(-(-s // shape.block_size) for _, s in rows) + 2
-    num_groups = total_blocks // shape.blocks_per_group + 1
-    layer = random_cache(shape, total_blocks, num_groups, dtype, with_warm, gen)
-    layouts = random_layouts(shape, rows, with_warm, total_blocks, num_groups, rng)
+    layer, layouts, gen = random_case(shape, rows, dtype, with_warm, seed)
     num_tokens = sum(q for q, _ in rows)
     num_heads = shape.num_kv_heads * shape.queries_per_kv
     q = (torch.randn(num_tokens, num_heads, shape.head_dim, generator=gen) * q_scale).to(dtype)
-    width = max(len(lay.blocks) for lay in layouts) + 1
-    block_tables = torch.zeros(len(rows), width, dtype=torch.int32)
-    warm_tables = torch.full((len(rows), width), -1, dtype=torch.int32)
-    for i, layout in enumerate(layouts):
-        for j, (tier, index) in enumerate(layout.blocks):
-            if tier == "hot":
-                block_tables[i, j] = index
-            elif tier == "warm":
-                warm_tables[i, j] = index
+    block_tables, warm_tables = layout_tables(layouts)
     starts = [0]
     for q_len, _ in rows:
         starts.append(starts[-1] + q_len)
