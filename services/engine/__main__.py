@@ -34,6 +34,7 @@ def main() -> None:
         cuda_graphs=config.cuda_graphs,
         cold=config.cold,
         overlap=config.overlap,
+        mixed_steps=config.mixed_steps,
     )
     log.info("loaded %s on %s (tp=%d)", engine.model_id, engine.runner.device, config.tp)
     model = served_model(config.model, path, engine.model_id, engine.config.hidden_size)

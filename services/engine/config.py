@@ -41,7 +41,10 @@ class EngineConfig:
     .safetensors, its .json manifest beside it), `_SAFETY_TARGET` (host:port of the safety service
     whose GetGate announces the gate's sha256; unset: not checked), `_GATE_MISMATCH` (refuse or
     warn), `_SAFE_MESSAGE` (what a gated sequence ends with), `_SAFETY_TIMEOUT_S` (start-up wait).
-    Scheduling: `_MAX_PREFILL_TOKENS` (chunk budget per step) and `_INTENT_CLASSES` (a TOML file;
+    Scheduling: `_MAX_PREFILL_TOKENS` (prompt tokens per step; with mixed steps each running
+    stream's decode row comes on top, and the memory plan profiles that step), `_MIXED_STEPS`
+    (default on: running streams decode a token in every step, prompt chunks beside them; off:
+    prompts are computed first and decoding waits for them) and `_INTENT_CLASSES` (a TOML file;
     empty = the built-in classes). `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1
     itself (gloo on the CPU, NCCL with one GPU per rank; N must divide the KV heads).
     Cold tier (docs/kvstore.md): `_KVSTORE_TARGET` (host:port of the kvstore; empty: no cold tier),
@@ -70,6 +73,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
     max_prefill_tokens: int = 4096
+    mixed_steps: bool = True  # decode rows ride along prompt chunks (Scheduler)
     kv: KVCacheSpec = field(default_factory=KVCacheSpec)
     intent_classes_file: str | None = None
     gate: GateConfig = field(default_factory=GateConfig)
@@ -112,6 +116,7 @@ class EngineConfig:
             default_max_tokens=env.get_int(prefix + "DEFAULT_MAX_TOKENS", 256, environ),
             max_tokens_limit=env.get_int(prefix + "MAX_TOKENS_LIMIT", 4096, environ),
             max_prefill_tokens=env.get_int(prefix + "MAX_PREFILL_TOKENS", 4096, environ),
+            mixed_steps=env.get_bool(prefix + "MIXED_STEPS", True, environ),
             kv=_kv_from_env(prefix + "KV_", environ),
             intent_classes_file=env.get_optional_str(prefix + "INTENT_CLASSES", environ),
             gate=_gate_from_env(prefix, environ),

@@ -172,6 +172,7 @@ class LLMEngine:
         tiers: TierConfig | None = None,
         classes: IntentClasses | None = None,
         overlap: bool | None = None,
+        mixed_steps: bool = True,
     ) -> None:
         self.model_id = model_id
         # Overlapped steps: a decode step whose rows all sampled in the step before is launched on
@@ -184,7 +185,9 @@ class LLMEngine:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.tiers = tiers or TierConfig()
-        self.scheduler = Scheduler(runner.kv_cache, max_batch_size, max_prefill_tokens, classes, model_id)
+        self.scheduler = Scheduler(
+            runner.kv_cache, max_batch_size, max_prefill_tokens, classes, model_id, mixed_steps=mixed_steps
+        )
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._turn_token_ids = self._eos_token_ids | frozenset(tokenizer.turn_start_ids())
         self._lock = threading.Condition()
@@ -227,6 +230,7 @@ class LLMEngine:
         checkpoint: Checkpoint | None = None,
         cold: ColdTierConfig | None = None,
         overlap: bool | None = None,
+        mixed_steps: bool = True,
     ) -> LLMEngine:
         """Load an HF directory, a `.gguf` file or a registered model name.
 
@@ -236,7 +240,7 @@ class LLMEngine:
         `cuda_graphs` whether decode steps are captured (CUDA only). A `checkpoint` already opened
         (benchmarks pass random weights this way) is used instead of reading `path` (TP=1 only).
         `overlap` launches a decode step before the last one's sync (see `LLMEngine.overlap`; None:
-        with CUDA graphs).
+        with CUDA graphs). `mixed_steps`: running streams decode beside prompt chunks (`Scheduler`).
         """
         kv = kv or KVCacheSpec()
         classes = classes or IntentClasses.builtin()
@@ -275,7 +279,7 @@ class LLMEngine:
         logger.info("%s", plan.describe())
         engine = cls(
             checkpoint.model_id, runner, checkpoint.tokenizer, max_batch_size, plan.max_seq_len,
-            max_prefill_tokens, kv.tiers, classes, overlap,
+            max_prefill_tokens, kv.tiers, classes, overlap, mixed_steps,
         )  # fmt: skip
         engine.capacity = plan
         if cold is not None and cold.enabled and tp > 1:
@@ -687,7 +691,7 @@ class LLMEngine:
                 return
 
     def _cold_score_rows(self, batch: ScheduledBatch) -> list[ScoreRow]:
-        if self.cold is None or batch.rows[0].num_new != 1:  # prefill steps score nothing
+        if self.cold is None or batch.kind is not StepKind.DECODE:  # prefill and mixed steps score nothing
             return []
         return self.cold.rows_to_score([r.seq for r in batch.rows])
 
@@ -717,7 +721,7 @@ class LLMEngine:
         return self._gate.flags(hidden if rows is None else hidden[rows])  # [B, C]
 
     def _probe_layer(self, batch: ScheduledBatch) -> int | None:
-        if batch.rows[0].num_new != 1 or not self.tiers.enabled:  # prefill, or nothing is ever warm
+        if batch.kind is not StepKind.DECODE or not self.tiers.enabled:  # prefill, or nothing is ever warm
             return None
         self._num_decode_steps += 1
         if self._num_decode_steps % PROBE_EVERY_DECODE_STEPS:
@@ -979,16 +983,17 @@ def _gpu_kv_budget(
     the activations instead: the largest prefill's MLP and attention buffers and the decode logits.
     """
     config, size = model.rank_config, torch.empty((), dtype=dtype).element_size()
+    step_tokens = max_prefill_tokens + max_batch_size  # a mixed step: a whole chunk and a row per stream
     if not model.tp.is_parallel:
         profile = profile_memory(
-            model, device, dtype, attention, kv.block_size, kv.tiers, max_prefill_tokens, max_batch_size
+            model, device, dtype, attention, kv.block_size, kv.tiers, step_tokens, max_batch_size
         )
         total, used, activation = profile.total_bytes, profile.used_bytes, profile.activation_peak_bytes
     else:
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         per_token = (2 * config.intermediate_size + 4 * config.hidden_size + 2 * config.q_size) * size
-        activation = 2 * max_prefill_tokens * per_token + max_batch_size * config.vocab_size * 4
+        activation = 2 * step_tokens * per_token + max_batch_size * config.vocab_size * 4
     reserve = GRAPH_AND_WORKSPACE_RESERVE_BYTES
     if kv.tiers.enabled and attention != "reference":  # the fused backend's warm-prefix pages
         reserve += prefix_page_bytes(config.num_kv_heads, config.head_dim, kv.block_size, size)

@@ -66,6 +66,41 @@ def test_requests_joining_mid_decode_get_the_same_tokens(tiny_engine: LLMEngine)
     assert [c.result().token_ids for c in collectors] == alone
 
 
+@pytest.mark.parametrize("mixed_steps", [True, False], ids=["mixed", "prefill-first"])
+def test_a_long_prompt_stalls_a_running_stream_only_without_mixed_steps(
+    tiny_dir: Path, mixed_steps: bool
+) -> None:
+    """A 100-token prompt in chunks of 16 tokens arrives while another request decodes: with
+    mixed steps that stream gets a token beside every chunk; prompts first, it waits for the whole
+    prompt. Both ways every request's tokens are its tokens alone."""
+    engine = LLMEngine.load(
+        tiny_dir, device="cpu", max_batch_size=2, max_seq_len=256, max_prefill_tokens=16,
+        mixed_steps=mixed_steps, progress=False,
+    )  # fmt: skip
+    short, long = _prompts(engine.config.vocab_size, (6, 100), seed=9)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    collectors = [ResultCollector(short), ResultCollector(long)]
+    engine.submit(short, params, collectors[0])
+    for _ in range(3):  # its prefill and two decode steps
+        engine.step()
+    (running,) = engine.scheduler.running
+    tokens_before = len(running.completion_ids)
+    engine.submit(long, params, collectors[1])
+    engine.step()
+    arriving = next(seq for seq in engine.scheduler.running if seq is not running)
+    while not arriving.completion_ids:  # until the long prompt's first token
+        engine.step()
+    during = len(running.completion_ids) - tokens_before
+    while not all(c.done.is_set() for c in collectors):
+        engine.step()
+    alone = [list(engine.generate([p], params)[0].token_ids) for p in (short, long)]  # after: no reuse before
+    assert [list(c.result().token_ids) for c in collectors] == alone
+    if mixed_steps:
+        assert during >= 7  # one beside each of the 7 chunks (6 of 16 tokens, then 4)
+    else:
+        assert during <= 1  # at most the step prepared before the prompt arrived
+
+
 def test_more_requests_than_slots_all_finish(tiny_engine: LLMEngine) -> None:
     prompts = _prompts(tiny_engine.config.vocab_size, (3, 5, 8, 13, 2, 21, 34), seed=7)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 9, 2, 15, 6, 1, 11)]

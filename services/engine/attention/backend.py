@@ -49,6 +49,15 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Packed queries `q` `[T, H, D]` (new `k`, `v` `[T, KVH, D]` already stored) -> `[T, H, D]`."""
 
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """`forward`, a part at a time on a mixed step (`AttentionMetadata.parts`): its decode rows as a
+        decode, its prompt chunks as a prefill, so that neither is padded or launched as the other."""
+        if metadata.parts is None:
+            return self.forward(q, k, v, layer, metadata)
+        return torch.cat([self.forward(q[a:b], k[a:b], v[a:b], layer, part) for a, b, part in metadata.parts])
+
     def prefix_page_blocks(self, max_query_len: int) -> int:
         """Warm blocks a prefill step with up to `max_query_len` new tokens in a row may read as pages
         (0: it reads the warm tier in place)."""

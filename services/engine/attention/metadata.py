@@ -94,6 +94,30 @@ class HostMetadata:
         """`[B]` index of each row's last new token in the packed layout."""
         return self.query_start_loc[1:].astype(np.int64) - 1
 
+    def num_leading_decode_rows(self) -> int:
+        """How many rows from the first compute one new token each before a row that computes more
+        (a mixed step's decode rows, which the scheduler puts first); 0 when no row computes more."""
+        if self.is_decode:
+            return 0
+        longer = np.flatnonzero(np.diff(self.query_start_loc) > 1)
+        return int(longer[0])
+
+    def row_range(self, first: int, end: int) -> HostMetadata:
+        """The metadata of rows `[first, end)` alone, their tokens packed from 0."""
+        token_first, token_end = int(self.query_start_loc[first]), int(self.query_start_loc[end])
+        seq_lens = self.seq_lens[first:end]
+        return HostMetadata(
+            positions=self.positions[token_first:token_end],
+            slot_mapping=self.slot_mapping[token_first:token_end],
+            query_start_loc=self.query_start_loc[first : end + 1] - token_first,
+            seq_lens=seq_lens,
+            block_tables=self.block_tables[first:end],
+            warm_block_tables=self.warm_block_tables[first:end],
+            max_query_len=int(np.diff(self.query_start_loc[first : end + 1]).max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+        )
+
 
 # The two tables are filled for all rows at once: one conversion of every row's block list, and one
 # scatter per table. Row by row, the NumPy calls cost a few microseconds a row, every step, which at
@@ -198,6 +222,8 @@ class AttentionMetadata:
     query_tap: QueryTap | None = None  # set on decode steps that score cold blocks
     prefix: PrefixPlan | None = None  # set on prefill steps over a warm prefix (see PrefixPlan)
     dense: DensePrefillPlan | None = None  # set on prefill steps that take dense_prefill's path
+    # set on a mixed step: its decode rows and its prompt chunks, each attended as a step of its own
+    parts: tuple[MetadataPart, ...] | None = None
 
     @property
     def max_query_len(self) -> int:
@@ -256,6 +282,14 @@ class AttentionMetadata:
             prefix,
             dense,
         )
+
+
+class MetadataPart(NamedTuple):
+    """Rows of a step whose packed tokens `[token_start, token_end)` attend through `metadata` alone."""
+
+    token_start: int
+    token_end: int
+    metadata: AttentionMetadata
 
 
 class StaticMetadata:

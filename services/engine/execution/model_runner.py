@@ -5,14 +5,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from services.engine.attention.backend import AttentionBackend
-from services.engine.attention.metadata import AttentionMetadata, HostMetadata, QueryTap, RowInput
+from services.engine.attention.metadata import (
+    AttentionMetadata,
+    HostMetadata,
+    MetadataPart,
+    QueryTap,
+    RowInput,
+)
 from services.engine.attention.probe import AttentionProbe, probe_layer
 from services.engine.attention.reference import ReferenceBackend
 from services.engine.execution.cuda_graphs import DecodeGraphs
@@ -133,6 +139,7 @@ class ModelRunner:
         model.use_fused_ops(device.type == "cuda" and options.attention != "reference")
         self.graphs: DecodeGraphs | None = None
         self._num_probes = 0
+        self.num_mixed_steps = 0  # steps whose decode rows and prompt chunks attended apart
         self.cold_tier: ColdTier | None = None
         self.cold_summaries: ColdSummaries | None = None
         if options.cuda_graphs and device.type == "cuda" and self.attention.supports_graphs:
@@ -258,16 +265,20 @@ class ModelRunner:
             return output._replace(hot_mass=sampled.hot_mass, probe_row=sampled.row)
         probe = None if plan.probe_layer is None else self._next_probe(plan.probe_layer)
         tap = self._query_tap(host.num_rows) if plan.score_rows and host.is_decode else None
-        if host.is_decode:
-            segments = self.attention.num_segments(host.num_rows, host.max_seq_len)
-        else:
-            segments = self.attention.prefill_segments(
-                host.num_tokens, host.num_rows, host.max_query_len, host.max_seq_len
+        split = host.num_leading_decode_rows()
+        if split:  # a mixed step: its decode rows and its prompt chunks attend apart
+            self.num_mixed_steps += 1
+            parts = tuple(
+                MetadataPart(
+                    int(host.query_start_loc[first]),
+                    int(host.query_start_loc[end]),
+                    self._metadata(host.row_range(first, end)),
+                )
+                for first, end in ((0, split), (split, host.num_rows))
             )
-        metadata = AttentionMetadata.to_device(
-            host, self.device, segments, probe, tap, self.attention.prefix_page_blocks(host.max_query_len),
-            dense_prefill=not host.is_decode and self.attention.wants_dense_prefill(host.max_query_len),
-        )  # fmt: skip
+            metadata = replace(AttentionMetadata.to_device(host, self.device), parts=parts)
+        else:
+            metadata = self._metadata(host, probe, tap)
         if device_ids is None:
             input_ids = to_device(np.asarray(plan.input_ids, dtype=np.int64), self.device)  # [T]
         else:
@@ -279,6 +290,21 @@ class ModelRunner:
         window = None if tap is None else self._score_cold(plan.score_rows, tap)
         hot_mass, probe_row = (None, 0) if probe is None else (probe.hot_mass, probe.row)
         return StepOutput(logits, hidden, hot_mass, window, probe_row)
+
+    def _metadata(
+        self, host: HostMetadata, probe: AttentionProbe | None = None, tap: QueryTap | None = None
+    ) -> AttentionMetadata:
+        """`host` on the device, with the split, warm pages or dense plan this backend takes for it."""
+        if host.is_decode:
+            segments = self.attention.num_segments(host.num_rows, host.max_seq_len)
+        else:
+            segments = self.attention.prefill_segments(
+                host.num_tokens, host.num_rows, host.max_query_len, host.max_seq_len
+            )
+        return AttentionMetadata.to_device(
+            host, self.device, segments, probe, tap, self.attention.prefix_page_blocks(host.max_query_len),
+            dense_prefill=not host.is_decode and self.attention.wants_dense_prefill(host.max_query_len),
+        )  # fmt: skip
 
     def carry_out_moves(self) -> None:
         """Carry out the tier moves decided so far without a step, then start the prefix loads that

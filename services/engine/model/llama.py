@@ -97,7 +97,7 @@ class Attention(nn.Module):
             metadata.probe.record(kv_cache, q, metadata)
         if metadata.query_tap is not None and metadata.query_tap.layer == self.layer:  # cold scoring
             metadata.query_tap.record(q)
-        out = attention.forward(q, k, v, self.layer, metadata)  # [T, H, D]
+        out = attention.attend(q, k, v, self.layer, metadata)  # [T, H, D]
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))  # [T, E]
 
 

@@ -32,6 +32,8 @@ class ScheduledBatch:
 
     kind: StepKind
     rows: tuple[ScheduledRow, ...]
+    # a prefill step's leading rows that decode one token alongside its prompt chunks (a mixed step)
+    num_decode_rows: int = 0
 
     @property
     def seqs(self) -> tuple[Sequence, ...]:
@@ -52,11 +54,17 @@ class ExpiredRequest:
 class Scheduler:
     """Owns one waiting queue per intent class and the running list.
 
-    Prefill comes first (chunks of long prompts continue, then new requests join by class
-    priority, within batch shares and other classes' reserved slots); otherwise every running
-    sequence decodes one token together. When hot blocks run out, the lowest-priority running
-    sequence is preempted by recompute: its blocks are freed and it waits again at the head of its
-    queue (counted in `num_preemptions`; its stream continues once it is re-run).
+    Every running sequence past its prompt decodes one token a step. With `mixed_steps` (the
+    default) those decode rows come first in every step, and prompt chunks of up to
+    `max_prefill_tokens` tokens follow them (chunks of long prompts continue, then new requests join
+    by class priority, within batch shares and other classes' reserved slots): a long prompt stalls
+    the running streams for one chunk's step at a time, not for its whole prefill. A step then holds
+    up to `max_prefill_tokens + max_batch_size` tokens. Without it, prefill steps come first and
+    decoding waits until no prompt is left to compute.
+
+    When hot blocks run out, the lowest-priority running sequence is preempted by recompute: its
+    blocks are freed and it waits again at the head of its queue (counted in `num_preemptions`; its
+    stream continues once it is re-run).
     """
 
     def __init__(
@@ -67,8 +75,10 @@ class Scheduler:
         classes: IntentClasses | None = None,
         model_id: str = "",
         clock: Clock = time.monotonic,
+        mixed_steps: bool = True,
     ) -> None:
         self.kv_cache = kv_cache
+        self.mixed_steps = mixed_steps
         self._block_size = kv_cache.block_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -123,44 +133,55 @@ class Scheduler:
 
         `ending`: ids of running sequences whose token in flight ends them; they get no decode row.
         """
-        prefill = self._continue_prefills()
-        prefill += self._admit(prefill)
+        decode = self._decode_rows(ending) if self.mixed_steps else []
+        # the decode rows come on top of the prompt chunks' budget: a chunk's length does not depend on
+        # how many streams run (a new length would cost the dense prefill path new kernel plans)
+        budget = self.max_prefill_tokens
+        prefill = self._continue_prefills(budget)
+        prefill += self._admit(prefill, budget)
+        running = SequenceStatus.RUNNING  # a later row's reservation may have preempted an earlier one
+        decode = [r for r in decode if r.seq.status is running]
+        prefill = [r for r in prefill if r.seq.status is running]
         if prefill:
             for row in prefill:
                 row.seq.timeline.begin_prefill_chunk()
             BATCH_SIZE.labels(StepKind.PREFILL.value).observe(len(prefill))
-            return ScheduledBatch(StepKind.PREFILL, tuple(prefill))
-        decode = self._decode_rows(ending)
+            if decode:
+                BATCH_SIZE.labels(StepKind.DECODE.value).observe(len(decode))
+            return ScheduledBatch(StepKind.PREFILL, tuple(decode + prefill), len(decode))
+        if not self.mixed_steps:
+            decode = self._decode_rows(ending)
         if not decode:
             return None
         BATCH_SIZE.labels(StepKind.DECODE.value).observe(len(decode))
         return ScheduledBatch(StepKind.DECODE, tuple(decode))
 
-    def _budget_allows(self, rows: list[ScheduledRow], num_new: int) -> bool:
+    def _budget_allows(self, rows: list[ScheduledRow], num_new: int, budget: int) -> bool:
         width = max([num_new, *(r.num_new for r in rows)])
-        return not rows or width * (len(rows) + 1) <= self.max_prefill_tokens
+        return not rows or width * (len(rows) + 1) <= budget
 
-    def _chunk(self, seq: Sequence) -> int:
-        return min(seq.num_pending_tokens, self.max_prefill_tokens)
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        return min(seq.num_pending_tokens, budget)
 
-    def _continue_prefills(self) -> list[ScheduledRow]:
+    def _continue_prefills(self, budget: int) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         for seq in list(self.running):
             if seq.num_pending_tokens > 1 and seq.status is SequenceStatus.RUNNING:
-                chunk = self._chunk(seq)
-                if self._budget_allows(rows, chunk) and self._reserve(seq, chunk):
+                chunk = self._chunk(seq, budget)
+                if self._budget_allows(rows, chunk, budget) and self._reserve(seq, chunk):
                     rows.append(ScheduledRow(seq, chunk))
         return rows
 
-    def _admit(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+    def _admit(self, rows: list[ScheduledRow], budget: int) -> list[ScheduledRow]:
         admitted: list[ScheduledRow] = []
         for cls in self._classes_by_priority:
             queue = self.waiting[cls.name]
             while queue and self._class_may_start(cls):
                 seq = queue[0]
                 self._apply_prefix_cache(seq)
-                chunk = self._chunk(seq)
-                if not self._budget_allows(rows + admitted, chunk) or not self._reserve(
+                chunk = self._chunk(seq, budget)
+                if not self._budget_allows(rows + admitted, chunk, budget) or not self._reserve(
                     seq, chunk, is_admission=True
                 ):
                     self._undo_prefix_cache(seq)
@@ -267,6 +288,9 @@ class Scheduler:
         if len({s.intent_class for s in running}) > 1:  # highest priority first (a stable sort)
             running = sorted(running, key=lambda s: -self.classes.get(s.intent_class).priority)
         for seq in running:
+            # past its prompt (mid-prompt sequences take prefill rows); 0 pending: its token is in flight
+            if seq.num_pending_tokens > 1:
+                continue
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
                 rows.append(ScheduledRow(seq, 1))
         return [r for r in rows if r.seq.status is SequenceStatus.RUNNING]
@@ -280,14 +304,15 @@ class Scheduler:
         """
         done: list[Sequence] = []
         self.num_dropped_tokens_last_step = 0
-        is_prefill = batch.kind is StepKind.PREFILL
+        # rows from here on are prompt chunks (a mixed step's decode rows come first)
+        first_prefill = batch.num_decode_rows if batch.kind is StepKind.PREFILL else len(batch.rows)
         finished = SequenceStatus.FINISHED
         cache, cold = self.kv_cache, self.cold
-        for seq, num_new in batch.rows:  # per row per step: at batch 256 the device waits on this loop
+        for i, (seq, num_new) in enumerate(batch.rows):  # per row per step: at batch 256 the device waits
             if seq.status is finished:  # a dead row: ended after the step was prepared; its blocks are free
                 continue
             seq.num_computed_tokens += num_new
-            if is_prefill:
+            if i >= first_prefill:
                 seq.timeline.end_prefill_chunk(num_new)
                 self.num_prefill_tokens_computed += num_new
             table = seq.block_table

@@ -24,6 +24,7 @@ from services.engine.attention.dense_prefill import (
     to_device_plan,
 )
 from services.engine.attention.triton_backend import TritonBackend, dequantize_prefix
+from services.engine.scheduling.intent_class import IntentClass, IntentClasses
 from tests.engine.attention.test_paged_kernels import Shape, layout_tables, random_case, reference
 from tests.engine.attention.test_triton_backend import _greedy
 
@@ -217,19 +218,26 @@ def test_dense_prefill_with_cuda_ops_matches_the_float64_reference(with_warm: bo
 
 
 def test_engine_prefill_through_the_dense_path_equals_the_reference(tiny_dir: Path, monkeypatch) -> None:
-    """64-token chunks over a warm prefix through the dense path: the reference backend's greedy
-    tokens. The test's model is fp32, for which the startup check turns the library kernels off, so
-    the path runs with the reference ops here; the CUDA ops are checked above."""
+    """64-token chunks over a warm prefix through the dense path, beside another request's decode rows:
+    the reference backend's greedy tokens. The test's model is fp32, for which the startup check turns
+    the library kernels off, so the path runs with the reference ops here; the CUDA ops are checked
+    above."""
     from services.engine.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "DENSE_PREFILL_MIN_QUERY_TOKENS", 2)
     monkeypatch.setattr(triton_backend, "cuda_ops_work", lambda *args: True)
     monkeypatch.setattr(triton_backend, "CudaOps", ReferenceOps)
-    reference_tokens, _ = _greedy(tiny_dir, "reference")
-    dense_tokens, engine = _greedy(tiny_dir, "triton")
+    # both requests may run at once (the built-in batch class takes half the batch): the second
+    # prompt's chunks run beside the first's decode rows, as mixed steps
+    classes = IntentClasses(
+        {name: IntentClass(name, priority=0, queue_timeout_s=600.0) for name in ("standard", "batch")}
+    )
+    reference_tokens, _ = _greedy(tiny_dir, "reference", classes=classes)
+    dense_tokens, engine = _greedy(tiny_dir, "triton", classes=classes)
     backend = engine.runner.attention
     assert isinstance(backend, TritonBackend)
     assert backend.num_dense_layer_calls > 0 and backend.num_prefix_layer_calls > 0  # over warm pages
+    assert engine.runner.num_mixed_steps > 0
     assert dense_tokens == reference_tokens
 
 

@@ -19,6 +19,7 @@ from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model.config import ModelConfig
+from services.engine.scheduling.intent_class import IntentClasses
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.serving.generation_result import ResultCollector
 
@@ -35,11 +36,14 @@ TIERED = KVCacheSpec(
 
 
 def _greedy(
-    path: Path, attention: str, min_prefix_page_tokens: int | None = None
+    path: Path,
+    attention: str,
+    min_prefix_page_tokens: int | None = None,
+    classes: IntentClasses | None = None,
 ) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine.load(
         path, device=DEVICE, dtype="float32", max_batch_size=2, max_seq_len=512, kv=TIERED,
-        max_prefill_tokens=64, attention=attention, progress=False,
+        max_prefill_tokens=64, attention=attention, progress=False, classes=classes,
     )  # fmt: skip
     if min_prefix_page_tokens is not None:
         engine.runner.attention.min_prefix_page_tokens = min_prefix_page_tokens

@@ -331,3 +331,32 @@ def test_loaded_blocks_land_the_same_through_the_host_copy_and_the_device_scatte
     host.write_loaded([ColdLoad.of_tokens((BlockId(7),), keys, values)])
     assert torch.equal(host.hot.keys[:, 7], keys.float())
     assert torch.equal(host.hot.values[:, 7], values.float())
+
+
+def test_a_mixed_steps_rows_split_into_its_decode_rows_and_its_chunks() -> None:
+    """`num_leading_decode_rows` finds the decode rows a mixed step puts first, and `row_range` gives a
+    range of rows the metadata they would have as a step of their own."""
+    cache = make_cache(ONE_HEAD, 32, 4)
+    tables = [BlockTable(TierConfig()) for _ in range(4)]
+    rows = [
+        RowInput(tables[0], 9, 1),
+        RowInput(tables[1], 5, 1),
+        RowInput(tables[2], 0, 7),
+        RowInput(tables[3], 8, 3),
+    ]
+    for table, row in zip(tables, rows, strict=True):
+        cache.grow(table, row.start + row.num_new)
+    host = HostMetadata.build(rows, block_size=4, blocks_per_group=1)
+    assert host.num_leading_decode_rows() == 2
+    for first, end in ((0, 2), (2, 4), (1, 3)):
+        part = host.row_range(first, end)
+        alone = HostMetadata.build(rows[first:end], block_size=4, blocks_per_group=1)
+        for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens"):
+            assert getattr(part, name).tolist() == getattr(alone, name).tolist(), name
+        width = alone.block_tables.shape[1]  # the step's tables may be wider: past a row's end is unread
+        assert part.block_tables[:, :width].tolist() == alone.block_tables.tolist()
+        assert (part.max_query_len, part.max_seq_len) == (alone.max_query_len, alone.max_seq_len)
+    # a decode step, and a step whose first row is a chunk, have no leading decode rows to split off
+    decode = HostMetadata.build(rows[:2], block_size=4, blocks_per_group=1)
+    assert decode.num_leading_decode_rows() == 0
+    assert HostMetadata.build(rows[2:], block_size=4, blocks_per_group=1).num_leading_decode_rows() == 0

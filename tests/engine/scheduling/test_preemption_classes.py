@@ -9,8 +9,9 @@ from tests.engine.scheduling.test_scheduler import _names, _run, _scheduler, _se
 
 
 def test_running_out_of_blocks_preempts_the_lowest_class_first_then_the_next() -> None:
-    # 6 usable blocks of 4 tokens; each 7-token prompt takes 2, so three prompts fill the pool.
-    scheduler = _scheduler(num_blocks=1 + 6, max_batch_size=4)
+    # 6 usable blocks of 4 tokens; each 7-token prompt takes 2, so three prompts fill the pool. Prompts
+    # first (no mixed steps): the three then decode in lockstep, one block boundary for all.
+    scheduler = _scheduler(num_blocks=1 + 6, max_batch_size=4, mixed_steps=False)
     low = _seq("low", 7, "batch", first=1)
     mid = _seq("mid", 7, "standard", first=20)
     high = _seq("high", 7, "interactive", first=40)

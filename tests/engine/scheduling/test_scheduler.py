@@ -39,9 +39,12 @@ def _scheduler(
     max_prefill_tokens: int = 100,
     classes: IntentClasses | None = None,
     clock: FakeClock | None = None,
+    mixed_steps: bool = True,
 ) -> Scheduler:
     cache = make_cache(ONE_HEAD, num_blocks, BLOCK)
-    return Scheduler(cache, max_batch_size, max_prefill_tokens, classes, "fake-model", clock or FakeClock())
+    return Scheduler(
+        cache, max_batch_size, max_prefill_tokens, classes, "fake-model", clock or FakeClock(), mixed_steps
+    )
 
 
 def _run(scheduler: Scheduler) -> ScheduledBatch:
@@ -57,8 +60,13 @@ def _names(batch: ScheduledBatch) -> list[str]:
     return [s.request_id for s in batch.seqs]
 
 
-def test_prefill_comes_first_and_respects_the_padded_token_budget() -> None:
-    scheduler = _scheduler(max_prefill_tokens=30)
+def _chunks(batch: ScheduledBatch) -> list[tuple[str, int]]:
+    """The step's prompt chunks: (request, tokens), after a mixed step's decode rows."""
+    return [(r.seq.request_id, r.num_new) for r in batch.rows[batch.num_decode_rows :]]
+
+
+def test_without_mixed_steps_prefill_comes_first_and_respects_the_padded_token_budget() -> None:
+    scheduler = _scheduler(max_prefill_tokens=30, mixed_steps=False)
     for i, (name, length) in enumerate((("a", 10), ("b", 12), ("c", 40))):
         scheduler.add(_seq(name, length, first=100 * i))  # distinct prompts: no prefix reuse
     first = _run(scheduler)
@@ -71,6 +79,26 @@ def test_prefill_comes_first_and_respects_the_padded_token_budget() -> None:
     assert fourth.kind is StepKind.DECODE and len(fourth.rows) == 3
 
 
+def test_running_streams_decode_beside_prompt_chunks() -> None:
+    scheduler = _scheduler(max_prefill_tokens=30)
+    for i, (name, length) in enumerate((("a", 10), ("b", 12), ("c", 40))):
+        scheduler.add(_seq(name, length, first=100 * i))
+    first = _run(scheduler)
+    assert first.num_decode_rows == 0 and _chunks(first) == [("a", 10), ("b", 12)]
+    # a and b decode first; c's chunk still takes the whole budget (its length never depends on how
+    # many streams decode beside it)
+    second = _run(scheduler)
+    assert second.kind is StepKind.PREFILL and second.num_decode_rows == 2
+    assert _names(second)[:2] == ["a", "b"] and _chunks(second) == [("c", 30)]
+    assert all(row.num_new == 1 for row in second.rows[:2])
+    third = _run(scheduler)
+    assert third.num_decode_rows == 2 and _chunks(third) == [("c", 10)]  # the rest of c's prompt
+    fourth = _run(scheduler)
+    assert fourth.kind is StepKind.DECODE and len(fourth.rows) == 3
+    a, b, c = scheduler.running
+    assert (len(a.completion_ids), len(b.completion_ids), len(c.completion_ids)) == (4, 4, 2)
+
+
 def test_a_second_identical_request_reuses_blocks_and_skips_their_prefill() -> None:
     scheduler = _scheduler()
     pool = scheduler.kv_cache.hot.pool
@@ -80,7 +108,7 @@ def test_a_second_identical_request_reuses_blocks_and_skips_their_prefill() -> N
     scheduler.add(_seq("b", 10))
     second = _run(scheduler)
     a, b = scheduler.running
-    assert second.rows[0].num_new == 2  # 2 full blocks (8 tokens) reused; only 2 tokens computed
+    assert _chunks(second) == [("b", 2)]  # 2 full blocks (8 tokens) reused; only 2 tokens computed
     assert b.num_cached_prompt_tokens == 8 and scheduler.num_prompt_tokens_cached == 8
     assert b.block_table.hot_block_ids[:2] == a.block_table.hot_block_ids[:2]
     assert [pool.blocks[i].ref_count for i in a.block_table.hot_block_ids] == [2, 2, 1]
@@ -92,7 +120,7 @@ def test_the_last_prompt_token_is_recomputed_even_when_every_block_is_cached() -
     _run(scheduler)
     scheduler.add(_seq("b", 8))
     batch = _run(scheduler)
-    assert batch.rows[0].num_new == 4  # one block reused; the block holding the last token recomputed
+    assert _chunks(batch) == [("b", 4)]  # one block reused; the block holding the last token recomputed
 
 
 def test_tenants_with_different_salts_never_share_blocks() -> None:
@@ -101,7 +129,7 @@ def test_tenants_with_different_salts_never_share_blocks() -> None:
     _run(scheduler)
     scheduler.add(_seq("b", 10, salt="tenant-b"))
     batch = _run(scheduler)
-    assert batch.rows[0].num_new == 10 and scheduler.num_prompt_tokens_cached == 0
+    assert _chunks(batch) == [("b", 10)] and scheduler.num_prompt_tokens_cached == 0
     a, b = scheduler.running
     assert not set(a.block_table.hot_block_ids) & set(b.block_table.hot_block_ids)
 
@@ -155,7 +183,7 @@ def test_a_flood_of_low_priority_requests_leaves_the_reserved_slot_free() -> Non
     clock.now = 1.0
     scheduler.add(_seq("urgent", 5, intent_class="medical", first=99))
     batch = _run(scheduler)
-    assert _names(batch) == ["urgent"]  # started at once, within its 2 s timeout
+    assert _chunks(batch) == [("urgent", 5)]  # started at once, within its 2 s timeout
     assert not scheduler.expire()
 
 
