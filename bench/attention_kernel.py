@@ -92,7 +92,8 @@ def time_decode(
         cache.take_warm_copies()  # the codes are random already: no quantize needed for timing
         tables.append(table)
     rows = [RowInput(t, total - new_tokens, new_tokens) for t in tables]
-    backend = TritonBackend(cache, HEADS, batch)  # flash-decoding workspace: decode rows only
+    # flash-decoding workspace: decode rows only; the chunk is the one shape the dense path shows cuDNN
+    backend = TritonBackend(cache, HEADS, batch, chunk_tokens=new_tokens)
     # a variant's block_m sets the prefill's split, as in the engine
     backend.prefill_launch = backend.prefix_pages_launch = dict(launch)
     if segments is None:

@@ -267,7 +267,9 @@ class LLMEngine:
                 max_prefill_tokens,
             )  # fmt: skip
             cache = _build_kv_cache(model.rank_config, kv, plan, torch_device, torch_dtype)
-            options = RunnerOptions(attention, cuda_graphs, max_batch_size, plan.max_seq_len)
+            options = RunnerOptions(
+                attention, cuda_graphs, max_batch_size, plan.max_seq_len, chunk_tokens=max_prefill_tokens
+            )
             if workers is not None:
                 workers.start(CacheShape.of(cache), options)
         except BaseException:
@@ -986,8 +988,9 @@ def _gpu_kv_budget(
     step_tokens = max_prefill_tokens + max_batch_size  # a mixed step: a whole chunk and a row per stream
     if not model.tp.is_parallel:
         profile = profile_memory(
-            model, device, dtype, attention, kv.block_size, kv.tiers, step_tokens, max_batch_size
-        )
+            model, device, dtype, attention, kv.block_size, kv.tiers, step_tokens, max_batch_size,
+            chunk_tokens=max_prefill_tokens,
+        )  # fmt: skip
         total, used, activation = profile.total_bytes, profile.used_bytes, profile.activation_peak_bytes
     else:
         free, total = torch.cuda.mem_get_info(device)

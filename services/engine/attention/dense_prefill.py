@@ -17,6 +17,13 @@ On CUDA the rectangles run cuDNN's attention, with the query heads that share a 
 its rows (no mask, so rows are independent and a KV head needs no copy per query head). The causal
 parts run cuDNN too, a row at a time, or FlashAttention's variable-length kernel over all rows at
 once when a step has many (`CudaOps.causal`).
+
+cuDNN builds an execution plan for every new shape it meets: about 40 ms on an H100, 0.5 s when it
+compiles a kernel for it. Prompt lengths are arbitrary, so left alone it would build plans on most
+requests' last chunk. `CudaOps` therefore shows it a bounded set of shapes, built once at start-up
+(`build_plans`): queries of exactly the engine's chunk length, and keys in whole multiples of
+PLAN_KEY_GRANULE. The rest goes to FlashAttention, which has no plans: a rectangle's last keys
+(fewer than the granule), and rows of any other length.
 Elsewhere `ReferenceOps` computes the same parts in fp32: the oracle the CUDA ops are tested against,
 and what CPU tests run the split and merge with.
 Shapes: T packed new tokens, C one row's new tokens, P prefix positions in a part, H/KVH heads, D dim.
@@ -51,6 +58,10 @@ CUDNN_SQUARE_MAX_ROWS = 8
 # Hot prefix positions gathered into one dense part: bounds the copy buffers, which the KV budget
 # reserves (`dense_prefill_bytes`).
 DENSE_GATHER_TOKENS = 16_384
+# cuDNN sees keys in whole multiples of this many positions, and FlashAttention takes the rest of a
+# rectangle: up to a 32K piece that is 64 plans per chunk length (built at start-up in about 3 s on
+# an H100), and the FlashAttention call over the last keys of a piece stays small.
+PLAN_KEY_GRANULE = 512
 
 
 class DenseRow(NamedTuple):
@@ -152,7 +163,16 @@ class Attended(NamedTuple):
 
 
 class ReferenceOps:
-    """The two parts in fp32 with plain tensor operations (any device; the oracle)."""
+    """The two parts in fp32 with plain tensor operations (any device; the oracle). Any shape: the
+    arguments are CudaOps' and unused."""
+
+    def __init__(
+        self, query_len: int = 0, num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0
+    ) -> None:
+        self.query_len = query_len
+
+    def build_plans(self, max_keys: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Nothing to build."""
 
     def rectangle(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
         """`q` `[C, H, D]` over every position of `k`, `v` `[P, KVH, D]`, no mask."""
@@ -189,35 +209,39 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> 
 
 
 class CudaOps:
-    """The two parts as fused library kernels: cuDNN attention and FlashAttention's varlen kernel."""
+    """The two parts as fused library kernels: cuDNN attention and FlashAttention's varlen kernel.
+
+    cuDNN gets queries of `query_len` (the engine's prompt chunk) and keys in multiples of
+    PLAN_KEY_GRANULE only, so that its plans are a bounded set (`build_plans`); FlashAttention takes
+    everything else. `num_heads`, `num_kv_heads` and `head_dim` size the plans built ahead."""
+
+    def __init__(self, query_len: int, num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0) -> None:
+        self.query_len = query_len
+        self.shape = (num_heads, num_kv_heads, head_dim)
 
     def rectangle(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
-        """`q` `[C, H, D]` over `k`, `v` `[P, KVH, D]` (rows may be strided), no mask. The G query heads
-        of each KV head become G x C rows of one cuDNN head: with no mask each row is independent."""
-        length, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        group = heads // kv_heads
-        folded = (
-            q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * length, dim)
-        )
-        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            folded, k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0),
-            None, True, 0.0, False, False, scale=dim**-0.5,
-        )  # fmt: skip
-        out = result[0].view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
-        lse = result[1].view(kv_heads, group, length).permute(2, 0, 1).reshape(length, heads)
-        return Attended(out, lse.float())
+        """`q` `[C, H, D]` over `k`, `v` `[P, KVH, D]` (rows may be strided), no mask: through cuDNN
+        over the keys' whole granules when C is the chunk length, the rest through FlashAttention."""
+        bulk = k.shape[0] - k.shape[0] % PLAN_KEY_GRANULE
+        if q.shape[0] != self.query_len or bulk == 0:
+            return _flash_rectangle(q, k, v)
+        head = _cudnn_rectangle(q, k[:bulk], v[:bulk])
+        if bulk == k.shape[0]:
+            return head
+        return merge_pair(head, _flash_rectangle(q, k[bulk:], v[bulk:]), head.out)
 
     def causal(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
         bounds: Sequence[tuple[int, int]],
     ) -> Attended:  # fmt: skip
-        """Packed rows, each causal over itself. Up to CUDNN_SQUARE_MAX_ROWS rows go one at a time
-        through cuDNN, with the KV heads copied out per query head (cuDNN takes no grouped heads under
-        a causal mask); more go through FlashAttention's varlen kernel in one call, grouped-query
-        natively (a row is square, so its bottom-right causal alignment is the usual one)."""
+        """Packed rows, each causal over itself. Up to CUDNN_SQUARE_MAX_ROWS rows of the chunk length go
+        one at a time through cuDNN, with the KV heads copied out per query head (cuDNN takes no grouped
+        heads under a causal mask); otherwise FlashAttention's varlen kernel takes every row in one
+        call, grouped-query natively (a row is square, so its bottom-right causal alignment is the
+        usual one)."""
         scale = q.shape[-1] ** -0.5
-        if len(bounds) > CUDNN_SQUARE_MAX_ROWS:
+        rows = [(start, end) for start, end in bounds if end > start]
+        if len(rows) > CUDNN_SQUARE_MAX_ROWS or any(end - start != self.query_len for start, end in rows):
             result = torch.ops.aten._flash_attention_forward(
                 q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale
             )
@@ -225,9 +249,7 @@ class CudaOps:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         group = q.shape[1] // k.shape[1]
-        for start, end in bounds:
-            if end == start:
-                continue
+        for start, end in rows:
             keys, values = (x[start:end].repeat_interleave(group, 1).transpose(0, 1)[None] for x in (k, v))
             row = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 q[start:end].transpose(0, 1)[None], keys, values, None, True, 0.0, True, False, scale=scale
@@ -235,6 +257,57 @@ class CudaOps:
             out[start:end] = row[0][0].transpose(0, 1)
             lse[start:end] = row[1].view(q.shape[1], end - start).transpose(0, 1)
         return Attended(out, lse)
+
+    def build_plans(self, max_keys: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Have cuDNN build every plan this path can ask for, for keys up to `max_keys` (the longest
+        piece): each rectangle's whole granules and the causal part of one chunk. cuDNN keeps its
+        plans for the process, so a second backend of the same shapes finds them built."""
+        num_heads, num_kv_heads, head_dim = self.shape
+        key = (device, dtype, self.query_len, num_heads, num_kv_heads, head_dim)
+        if self.query_len <= 0 or key in _PLANS_BUILT:
+            return
+        q = torch.zeros(self.query_len, num_heads, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(max(max_keys, self.query_len), num_kv_heads, head_dim, dtype=dtype, device=device)
+        bounds = [(0, self.query_len)]
+        cu_seqlens = torch.tensor([0, self.query_len], dtype=torch.int32, device=device)
+        self.causal(q, k[: self.query_len], k[: self.query_len], cu_seqlens, self.query_len, bounds)
+        for keys in range(PLAN_KEY_GRANULE, max_keys + 1, PLAN_KEY_GRANULE):
+            _cudnn_rectangle(q, k[:keys], k[:keys])
+        torch.cuda.synchronize(device)
+        _PLANS_BUILT.add(key)
+
+
+_PLANS_BUILT: set[tuple] = set()  # (device, dtype, chunk, heads, KV heads, dim) whose plans cuDNN holds
+
+
+def _cudnn_rectangle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
+    """`q` `[C, H, D]` over `k`, `v` `[P, KVH, D]`, no mask, through cuDNN. The G query heads of each
+    KV head become G x C rows of one cuDNN head: with no mask each row is independent."""
+    length, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    folded = (
+        q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * length, dim)
+    )
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        folded, k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0),
+        None, True, 0.0, False, False, scale=dim**-0.5,
+    )  # fmt: skip
+    out = result[0].view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
+    lse = result[1].view(kv_heads, group, length).permute(2, 0, 1).reshape(length, heads)
+    return Attended(out, lse.float())
+
+
+def _flash_rectangle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
+    """`q` `[C, H, D]` over `k`, `v` `[P, KVH, D]`, no mask, through FlashAttention's varlen kernel
+    (grouped-query natively; no plan per shape). The one-row offsets are made on the device."""
+    length, keys = q.shape[0], k.shape[0]
+    cu_q = torch.arange(0, 2 * length, length, dtype=torch.int32, device=q.device)  # [0, C]
+    cu_k = torch.arange(0, 2 * keys, keys, dtype=torch.int32, device=q.device)  # [0, P]
+    result = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, length, keys, 0.0, False, False, scale=q.shape[-1] ** -0.5
+    )
+    return Attended(result[0], result[1].transpose(0, 1).float())
 
 
 def cuda_ops_work(
@@ -250,22 +323,26 @@ def cuda_ops_work(
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
 
+    # keys past one granule: the rectangle goes through cuDNN and FlashAttention both; the causal
+    # part through FlashAttention (two rows) and cuDNN (one row of the chunk length)
+    keys = PLAN_KEY_GRANULE + 80
     q, k, v = (
         rand(48, num_heads, head_dim),
-        rand(80, num_kv_heads, head_dim),
-        rand(80, num_kv_heads, head_dim),
+        rand(keys, num_kv_heads, head_dim),
+        rand(keys, num_kv_heads, head_dim),
     )
-    cu_seqlens = torch.tensor([0, 16, 48], dtype=torch.int32, device=device)
-    bounds = [(0, 16), (16, 48)]
+    two_rows = torch.tensor([0, 16, 48], dtype=torch.int32, device=device)
+    one_row = torch.tensor([0, 48], dtype=torch.int32, device=device)
     try:
-        fused, reference = CudaOps(), ReferenceOps()
-        parts = (
-            (fused.rectangle(q, k, v), reference.rectangle(q, k, v)),
-            (
-                fused.causal(q, k[:48], v[:48], cu_seqlens, 32, bounds),
-                reference.causal(q, k[:48], v[:48], cu_seqlens, 32, bounds),
-            ),
-        )
+        fused, reference = CudaOps(48), ReferenceOps()
+        parts = [(fused.rectangle(q, k, v), reference.rectangle(q, k, v))]
+        for cu_seqlens, bounds in ((two_rows, [(0, 16), (16, 48)]), (one_row, [(0, 48)])):
+            parts.append(
+                (
+                    fused.causal(q, k[:48], v[:48], cu_seqlens, 48, bounds),
+                    reference.causal(q, k[:48], v[:48], cu_seqlens, 48, bounds),
+                )
+            )
         torch.cuda.synchronize(device)
     except RuntimeError as error:
         logger.info("dense prefill attention unavailable here (%s): prefill stays on the paged kernel", error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,7 @@ from services.engine.attention.backend import (
     AttentionBackend,
 )
 from services.engine.attention.dense_prefill import (
+    DENSE_GATHER_TOKENS,
     DENSE_PREFILL_MIN_QUERY_TOKENS,
     CudaOps,
     cuda_ops_work,
@@ -65,6 +67,8 @@ DENSE_PREFILL = True
 PREFILL_LAUNCH: dict[str, Any] = {}
 PREFIX_PAGES_LAUNCH: dict[str, Any] = {"tile_n": 128, "num_warps": 8, "block_m": 128, "split_causal": True}
 
+logger = logging.getLogger(__name__)
+
 
 class TritonBackend(AttentionBackend):
     """Fused paged attention over both tiers; capturable in a CUDA graph (decode).
@@ -83,7 +87,9 @@ class TritonBackend(AttentionBackend):
 
     supports_graphs = True
 
-    def __init__(self, kv_cache: KVCache, num_heads: int, max_decode_rows: int) -> None:
+    def __init__(
+        self, kv_cache: KVCache, num_heads: int, max_decode_rows: int, chunk_tokens: int = 0
+    ) -> None:
         self.kv_cache = kv_cache
         self.layers = [_layer_view(kv_cache, layer) for layer in range(kv_cache.hot.keys.shape[0])]
         self.num_kv_heads = kv_cache.hot.keys.shape[-2]
@@ -102,7 +108,7 @@ class TritonBackend(AttentionBackend):
         self.num_split_layer_calls = 0  # eager decode layer calls split across programs (flash-decoding)
         self.num_dense_layer_calls = 0  # prefill layer calls that took the dense path
         self.dense_ops = (
-            CudaOps()
+            CudaOps(chunk_tokens, num_heads, self.num_kv_heads, head_dim)
             if cuda_ops_work(device, kv_cache.hot.keys.dtype, num_heads, self.num_kv_heads, head_dim)
             else None
         )
@@ -141,6 +147,19 @@ class TritonBackend(AttentionBackend):
         self.num_split_layer_calls += metadata.num_segments > 1
         launch: dict[str, Any] = self.prefill_launch if metadata.paged.max_query_len > 1 else {}
         return paged_attention(q, paged_layer, metadata.paged, out, metadata.num_segments, partials, **launch)
+
+    def build_dense_plans(self) -> None:
+        """Have cuDNN build the dense path's plans now, for pieces up to the longest this backend reads
+        (`CudaOps.build_plans`), instead of on the first requests that meet each shape. Short of
+        memory, they are built as they are met."""
+        if not self.dense_prefill or self.dense_ops is None:
+            return
+        keys = self.kv_cache.hot.keys
+        longest = max(DENSE_GATHER_TOKENS, self.max_prefix_blocks * self.kv_cache.block_size)
+        try:
+            self.dense_ops.build_plans(longest, keys.dtype, keys.device)
+        except torch.OutOfMemoryError:
+            logger.warning("no memory to build the dense prefill plans ahead: cuDNN builds them as met")
 
     def wants_dense_prefill(self, max_query_len: int) -> bool:
         """Whether a step whose longest row has `max_query_len` new tokens should be offered the dense

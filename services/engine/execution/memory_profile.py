@@ -55,8 +55,11 @@ def profile_memory(
     tiers: TierConfig,
     max_prefill_tokens: int,
     max_decode_rows: int,
+    chunk_tokens: int = 0,
 ) -> MemoryProfile:
-    """Run the largest steps on a throwaway cache and measure (CUDA only; one rank, no TP)."""
+    """Run the largest steps on a throwaway cache and measure (CUDA only; one rank, no TP). The
+    backend made here builds the dense prefill path's plans for `chunk_tokens` (the prompt chunk),
+    while the KV pools do not take the memory yet; cuDNN keeps them for the engine's backend."""
     if device.type != "cuda":
         raise ValueError("memory profiling is for CUDA; the CPU budget is THERMOCLINE_ENGINE_CPU_KV_CACHE_MB")
     config = model.rank_config
@@ -73,7 +76,7 @@ def profile_memory(
     warm = WarmTier(config, chunk, group_size, device) if tiers.enabled else None
     cache = KVCache(hot, warm)
     cache_bytes = torch.cuda.memory_allocated(device) - before
-    backend = make_attention_backend(attention, cache, model, max_decode_rows)
+    backend = make_attention_backend(attention, cache, model, max_decode_rows, chunk_tokens)
 
     table = BlockTable(tiers)
     cache.grow(table, max_prefill_tokens)

@@ -44,6 +44,7 @@ class RunnerOptions:
     cuda_graphs: bool = True  # capture decode steps (CUDA with a graph-capable backend only)
     max_decode_rows: int = 1  # the largest decode batch: sizes the graphs and flash-decoding workspace
     max_seq_len: int = 0  # longest sequence (0: the model's rotary table): sizes the graphs' block tables
+    chunk_tokens: int = 0  # the prompt chunk (max prefill tokens): the dense prefill path's plan shape
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -134,7 +135,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.followers = followers
-        self.attention = make_attention_backend(options.attention, kv_cache, model, options.max_decode_rows)
+        self.attention = make_attention_backend(
+            options.attention, kv_cache, model, options.max_decode_rows, options.chunk_tokens
+        )
         # on CUDA the small ops run as fused Triton kernels too, unless the reference path was asked for
         model.use_fused_ops(device.type == "cuda" and options.attention != "reference")
         self.graphs: DecodeGraphs | None = None
@@ -388,16 +391,18 @@ class ModelRunner:
 
 
 def make_attention_backend(
-    name: str, kv_cache: KVCache, model: LlamaModel, max_decode_rows: int
+    name: str, kv_cache: KVCache, model: LlamaModel, max_decode_rows: int, chunk_tokens: int = 0
 ) -> AttentionBackend:
-    """`auto`: the fused Triton path on CUDA, the reference elsewhere (Triton compiles for GPUs only)."""
+    """`auto`: the fused Triton path on CUDA, the reference elsewhere (Triton compiles for GPUs only).
+    `chunk_tokens`: the prompt chunk, whose dense prefill plans the Triton backend builds at once."""
     device = kv_cache.hot.keys.device
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return ReferenceBackend(kv_cache)
     from services.engine.attention.triton_backend import TritonBackend  # imports Triton
 
-    backend = TritonBackend(kv_cache, model.rank_config.num_heads, max_decode_rows)
+    backend = TritonBackend(kv_cache, model.rank_config.num_heads, max_decode_rows, chunk_tokens)
     backend.dense_prefill = backend.dense_prefill and name != "triton-paged"
+    backend.build_dense_plans()
     return backend
 
 

@@ -184,24 +184,62 @@ def test_merge_kernel_matches_the_oracle_with_strided_parts_and_in_place(dtype) 
 
 
 @needs_cuda
+@pytest.mark.parametrize("query_len", [300, 0], ids=["cudnn-and-flash", "flash-only"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cuda_ops_match_the_reference_ops(dtype, monkeypatch) -> None:
+def test_cuda_ops_match_the_reference_ops(dtype, query_len: int, monkeypatch) -> None:
+    """CudaOps for a chunk of 300 queries (cuDNN over the keys' whole granules, FlashAttention over the
+    rest) and for a chunk no row has (FlashAttention alone), against the fp32 reference ops."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     q = torch.randn(300, 32, 128, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(1000, 8, 128, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(1000, 8, 128, device="cuda", dtype=dtype, generator=gen)
-    fused, ref = CudaOps(), ReferenceOps()
-    got, want = fused.rectangle(q, k[::2], v[::2]), ref.rectangle(q, k[::2], v[::2])  # strided rows too
-    torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got.lse, want.lse, atol=1e-2, rtol=1e-3)
-    cu = torch.tensor([0, 1, 120, 300], dtype=torch.int32, device="cuda")
-    bounds = [(0, 1), (1, 120), (120, 300)]
-    want = ref.causal(q, k[:300], v[:300], cu, 180, bounds)
-    for max_rows in (8, 0):  # row by row through cuDNN, then all rows in one FlashAttention call
-        monkeypatch.setattr(dense_prefill, "CUDNN_SQUARE_MAX_ROWS", max_rows)
-        got = fused.causal(q, k[:300], v[:300], cu, 180, bounds)
+    k = torch.randn(1400, 8, 128, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(1400, 8, 128, device="cuda", dtype=dtype, generator=gen)
+    fused, ref = CudaOps(query_len), ReferenceOps()
+    for keys in (slice(None, None, 2), slice(0, 2 * dense_prefill.PLAN_KEY_GRANULE)):  # strided; one granule
+        got, want = fused.rectangle(q, k[keys], v[keys]), ref.rectangle(q, k[keys], v[keys])
         torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got.lse, want.lse, atol=1e-2, rtol=1e-3)
+    many = (torch.tensor([0, 1, 120, 300], dtype=torch.int32, device="cuda"), [(0, 1), (1, 120), (120, 300)])
+    one = (torch.tensor([0, 300], dtype=torch.int32, device="cuda"), [(0, 300)])
+    for cu, bounds in (many, one):
+        want = ref.causal(q, k[:300], v[:300], cu, 300, bounds)
+        for max_rows in (8, 0):  # rows of the chunk length one by one through cuDNN; FlashAttention
+            monkeypatch.setattr(dense_prefill, "CUDNN_SQUARE_MAX_ROWS", max_rows)
+            got = fused.causal(q, k[:300], v[:300], cu, 300, bounds)
+            torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(got.lse, want.lse, atol=1e-2, rtol=1e-3)
+
+
+def test_cudnn_sees_only_the_chunk_length_and_whole_key_granules(monkeypatch) -> None:
+    """The shapes CudaOps hands cuDNN stay a bounded set whatever the prefix: queries of the chunk
+    length and keys in whole granules; FlashAttention takes the rest, and the parts merge to the
+    attention over all keys. The library calls are fp32 reference attention here (recording what
+    they are given), so the split and merge run on the CPU."""
+    granule = dense_prefill.PLAN_KEY_GRANULE
+    calls: list[tuple[str, int, int]] = []
+
+    def library(name: str):  # type: ignore[no-untyped-def]
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attended:
+            calls.append((name, q.shape[0], k.shape[0]))
+            return ReferenceOps().rectangle(q, k, v)
+
+        return attend
+
+    monkeypatch.setattr(dense_prefill, "_cudnn_rectangle", library("cudnn"))
+    monkeypatch.setattr(dense_prefill, "_flash_rectangle", library("flash"))
+    gen = torch.Generator().manual_seed(4)
+    ops = CudaOps(query_len=24)
+    for queries, keys in ((24, 2 * granule + 37), (24, granule), (24, granule - 1), (23, 3 * granule)):
+        q = torch.randn(queries, 4, 16, generator=gen)
+        k, v = torch.randn(keys, 2, 16, generator=gen), torch.randn(keys, 2, 16, generator=gen)
+        got, want = ops.rectangle(q, k, v), ReferenceOps().rectangle(q, k, v)
+        torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
+    assert calls == [
+        ("cudnn", 24, 2 * granule), ("flash", 24, 37),  # whole granules, then the rest
+        ("cudnn", 24, granule),  # whole granules only
+        ("flash", 24, granule - 1),  # less than one granule
+        ("flash", 23, 3 * granule),  # not the chunk length
+    ]  # fmt: skip
 
 
 @needs_cuda
@@ -213,8 +251,9 @@ def test_library_kernels_are_checked_at_startup_and_refuse_fp32() -> None:
 @needs_cuda
 @pytest.mark.parametrize("with_warm", [False, True], ids=["hot", "tiered"])
 def test_dense_prefill_with_cuda_ops_matches_the_float64_reference(with_warm: bool) -> None:
-    rows = [(200, 200), (300, 1500), (1, 129), (64, 700)]
-    assert run_dense_case(Shape(8, 4, 128), rows, torch.bfloat16, with_warm, 9, CudaOps(), "cuda") < 2e-2
+    rows = [(200, 200), (300, 1500), (1, 129), (64, 700)]  # the row of 300 is the chunk cuDNN sees
+    ops = CudaOps(query_len=300)
+    assert run_dense_case(Shape(8, 4, 128), rows, torch.bfloat16, with_warm, 9, ops, "cuda") < 2e-2
 
 
 def test_engine_prefill_through_the_dense_path_equals_the_reference(tiny_dir: Path, monkeypatch) -> None:
