@@ -185,9 +185,10 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
     for prompt, collector in zip(prompts, collectors, strict=True):
         engine.submit(prompt, params, collector)
     stats_before = engine.stats()
-    first = stats_before.num_generated_tokens_total
     prefill_ms = []
-    while engine.stats().num_generated_tokens_total < first + batch:  # prefill: every first token
+    # prefill: until every request has its first token (counting tokens would stop early with mixed
+    # steps, whose decode rows make tokens while later prompts are still being computed)
+    while not all(c.has_first_token for c in collectors):
         before = time.perf_counter()
         engine.step()
         prefill_ms.append((time.perf_counter() - before) * 1e3)
@@ -275,9 +276,13 @@ def table_row(shape: str, context: int, batch: int, label: str, result, hf, roof
     )
 
 
+MIXED_STEPS = True  # decode rows beside prompt chunks (the engine default); --mixed-steps off: prompts first
+
+
 def load(checkpoint: Checkpoint, tokdir: Path, batch: int, seq_len: int, kv: KVCacheSpec, prefill: int):
     return LLMEngine.load(tokdir, device="cuda", dtype="bfloat16", max_batch_size=batch, max_seq_len=seq_len,
-                          progress=False, kv=kv, checkpoint=checkpoint, max_prefill_tokens=prefill)  # fmt: skip
+                          progress=False, kv=kv, checkpoint=checkpoint, max_prefill_tokens=prefill,
+                          mixed_steps=MIXED_STEPS)  # fmt: skip
 
 
 def bench_short(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth: float,
@@ -565,10 +570,16 @@ def main() -> None:
         help="prefill through the dense library-attention path where it runs (dense_prefill.py), or always "
         "through the paged kernel",
     )  # fmt: skip
+    parser.add_argument(
+        "--mixed-steps", choices=("on", "off"), default="on",
+        help="running streams decode beside prompt chunks (the engine default), or prompts first",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-skip", type=int, default=4, help="decode steps before the 8 profiled")
     args = parser.parse_args()
     triton_backend.DENSE_PREFILL = args.dense_prefill == "on"
+    global MIXED_STEPS
+    MIXED_STEPS = args.mixed_steps == "on"
     if args.prefill_launch:
         for launch in (triton_backend.PREFILL_LAUNCH, triton_backend.PREFIX_PAGES_LAUNCH):
             launch.clear()

@@ -48,6 +48,11 @@ class ResultCollector:
             self.done.set()
 
     @property
+    def has_first_token(self) -> bool:
+        """Whether a token has reached this collector."""
+        return self._first_token_s is not None
+
+    @property
     def final_event(self) -> StreamEvent | None:
         """The finished event (its usage and timeline), once `done` is set."""
         return self._last if self.done.is_set() else None
