@@ -59,7 +59,7 @@ CUDNN_SQUARE_MAX_ROWS = 8
 # reserves (`dense_prefill_bytes`).
 DENSE_GATHER_TOKENS = 16_384
 # cuDNN sees keys in whole multiples of this many positions, and FlashAttention takes the rest of a
-# rectangle: up to a 32K piece that is 64 plans per chunk length (built at start-up in about 3 s on
+# rectangle: up to a 32K piece that is 64 plans per chunk length (built at start-up in about 6 s on
 # an H100), and the FlashAttention call over the last keys of a piece stays small.
 PLAN_KEY_GRANULE = 512
 

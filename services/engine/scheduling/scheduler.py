@@ -133,12 +133,13 @@ class Scheduler:
 
         `ending`: ids of running sequences whose token in flight ends them; they get no decode row.
         """
-        decode = self._decode_rows(ending) if self.mixed_steps else []
         # the decode rows come on top of the prompt chunks' budget: a chunk's length does not depend on
         # how many streams run (a new length would cost the dense prefill path new kernel plans)
-        budget = self.max_prefill_tokens
-        prefill = self._continue_prefills(budget)
-        prefill += self._admit(prefill, budget)
+        decode = self._decode_rows(ending, mid_prompt=False) if self.mixed_steps else []
+        prefill, no_room = self._continue_prefills()
+        prefill += self._admit(prefill)
+        if self.mixed_steps:  # a prompt whose chunk finds no blocks goes on a token a step, as without
+            decode += [ScheduledRow(seq, 1) for seq in no_room if self._reserve(seq, 1)]
         running = SequenceStatus.RUNNING  # a later row's reservation may have preempted an earlier one
         decode = [r for r in decode if r.seq.status is running]
         prefill = [r for r in prefill if r.seq.status is running]
@@ -156,32 +157,38 @@ class Scheduler:
         BATCH_SIZE.labels(StepKind.DECODE.value).observe(len(decode))
         return ScheduledBatch(StepKind.DECODE, tuple(decode))
 
-    def _budget_allows(self, rows: list[ScheduledRow], num_new: int, budget: int) -> bool:
+    def _budget_allows(self, rows: list[ScheduledRow], num_new: int) -> bool:
         width = max([num_new, *(r.num_new for r in rows)])
-        return not rows or width * (len(rows) + 1) <= budget
+        return not rows or width * (len(rows) + 1) <= self.max_prefill_tokens
 
-    @staticmethod
-    def _chunk(seq: Sequence, budget: int) -> int:
-        return min(seq.num_pending_tokens, budget)
+    def _chunk(self, seq: Sequence) -> int:
+        return min(seq.num_pending_tokens, self.max_prefill_tokens)
 
-    def _continue_prefills(self, budget: int) -> list[ScheduledRow]:
+    def _continue_prefills(self) -> tuple[list[ScheduledRow], list[Sequence]]:
+        """The next chunk of each prompt under way that the budget allows; and the prompts whose chunk
+        found no room in the hot pool (nothing lower to preempt)."""
         rows: list[ScheduledRow] = []
+        no_room: list[Sequence] = []
         for seq in list(self.running):
             if seq.num_pending_tokens > 1 and seq.status is SequenceStatus.RUNNING:
-                chunk = self._chunk(seq, budget)
-                if self._budget_allows(rows, chunk, budget) and self._reserve(seq, chunk):
+                chunk = self._chunk(seq)
+                if not self._budget_allows(rows, chunk):
+                    continue
+                if self._reserve(seq, chunk):
                     rows.append(ScheduledRow(seq, chunk))
-        return rows
+                else:
+                    no_room.append(seq)
+        return rows, no_room
 
-    def _admit(self, rows: list[ScheduledRow], budget: int) -> list[ScheduledRow]:
+    def _admit(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
         admitted: list[ScheduledRow] = []
         for cls in self._classes_by_priority:
             queue = self.waiting[cls.name]
             while queue and self._class_may_start(cls):
                 seq = queue[0]
                 self._apply_prefix_cache(seq)
-                chunk = self._chunk(seq, budget)
-                if not self._budget_allows(rows + admitted, chunk, budget) or not self._reserve(
+                chunk = self._chunk(seq)
+                if not self._budget_allows(rows + admitted, chunk) or not self._reserve(
                     seq, chunk, is_admission=True
                 ):
                     self._undo_prefix_cache(seq)
@@ -282,14 +289,16 @@ class Scheduler:
             self._queue_waits.append((seq.intent_class, self.clock() - enqueued))
         self.running.append(seq)
 
-    def _decode_rows(self, ending: Collection[int]) -> list[ScheduledRow]:
+    def _decode_rows(self, ending: Collection[int], mid_prompt: bool = True) -> list[ScheduledRow]:
+        """One token for each running sequence (highest class first); `mid_prompt`: for sequences
+        still inside their prompt too (prompts first: a chunk that found no room goes a token a
+        step), else only for those past it."""
         rows: list[ScheduledRow] = []
         running = [s for s in self.running if id(s) not in ending]  # a copy: reserving may preempt
         if len({s.intent_class for s in running}) > 1:  # highest priority first (a stable sort)
             running = sorted(running, key=lambda s: -self.classes.get(s.intent_class).priority)
         for seq in running:
-            # past its prompt (mid-prompt sequences take prefill rows); 0 pending: its token is in flight
-            if seq.num_pending_tokens > 1:
+            if not mid_prompt and seq.num_pending_tokens > 1:  # 0 pending: its token is in flight
                 continue
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
                 rows.append(ScheduledRow(seq, 1))

@@ -60,6 +60,11 @@ def _names(batch: ScheduledBatch) -> list[str]:
     return [s.request_id for s in batch.seqs]
 
 
+def _rows(batch: ScheduledBatch) -> list[tuple[str, int]]:
+    """(request, tokens) of every row, in the step's order."""
+    return [(r.seq.request_id, r.num_new) for r in batch.rows]
+
+
 def _chunks(batch: ScheduledBatch) -> list[tuple[str, int]]:
     """The step's prompt chunks: (request, tokens), after a mixed step's decode rows."""
     return [(r.seq.request_id, r.num_new) for r in batch.rows[batch.num_decode_rows :]]
@@ -214,3 +219,19 @@ def test_batch_share_caps_a_class() -> None:
     for i in range(4):
         scheduler.add(_seq(f"r{i}", 3, first=i))
     assert len(_run(scheduler).rows) == 2
+
+
+def test_a_prompt_whose_next_chunk_finds_no_blocks_goes_on_a_token_a_step() -> None:
+    """With mixed steps as prompts first: a prompt under way whose chunk finds no room (nothing lower
+    to preempt) computes a token of it a step while blocks allow, instead of no row at all."""
+    # 5 usable blocks of 4 tokens. `high` (interactive) holds two, `low` (batch) two after its first
+    # chunk; its next 8 tokens need two more blocks, one is free, and it cannot preempt `high`
+    scheduler = _scheduler(num_blocks=1 + 5, max_batch_size=2, max_prefill_tokens=8)
+    scheduler.add(_seq("high", 4, intent_class="interactive", first=1))
+    scheduler.add(_seq("low", 16, intent_class="batch", first=50))
+    assert _rows(_run(scheduler)) == [("high", 4)]
+    assert _rows(_run(scheduler)) == [("high", 1), ("low", 8)]
+    for _ in range(2):  # in the pool's last block
+        assert _rows(_run(scheduler)) == [("high", 1), ("low", 1)]
+    low = next(s for s in scheduler.running if s.request_id == "low")
+    assert low.num_computed_tokens == 10 and low.status is SequenceStatus.RUNNING
