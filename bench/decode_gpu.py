@@ -205,7 +205,8 @@ def our_decode(engine: LLMEngine, vocab: int, batch: int, prompt_len: int, new_t
     print(
         f"batch {batch}, prompt {prompt_len} ({cached} prompt tokens cached): prefill steps (ms) "
         + " ".join(f"{ms:.1f}" for ms in prefill_ms[:8])
-        + f"; decode {step_summary(step_ms)}; {pauses}",
+        + f"; decode {step_summary(step_ms)}; {pauses}; allocator retries "
+        + str(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
         flush=True,
     )
     ttft = statistics.median(c.result().ttft_ms for c in collectors)
@@ -396,7 +397,11 @@ def bench_long(rows: list[str], notes: list[str], tokdir: Path, args, bandwidth:
     seq_len = prompt + args.new_tokens + 16
     batches = args.long_batches if decode else []
     checkpoint = random_checkpoint(shape, tokdir)
-    engines = ((ON, KVCacheSpec(tiers=TIERS_ON)), (OFF, KVCacheSpec()))
+    util = args.long_utilization
+    engines = (
+        (ON, KVCacheSpec(tiers=TIERS_ON, gpu_memory_utilization=util)),
+        (OFF, KVCacheSpec(gpu_memory_utilization=util)),
+    )
     for label, kv in [
         (label, kv) for label, kv in engines if ("on" if label == ON else "off") in args.long_tiers
     ]:
@@ -553,6 +558,9 @@ def main() -> None:
     parser.add_argument("--long-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
     parser.add_argument(
         "--long-prefill", type=int, default=4096, help="max prefill tokens per step (the engine default)"
+    )
+    parser.add_argument(
+        "--long-utilization", type=float, default=0.90, help="the 32K engines' GPU memory utilization"
     )
     parser.add_argument(
         "--long-tiers",
