@@ -40,7 +40,8 @@ REQUESTS = Counter(
 )
 BATCH_SIZE = Histogram(
     "thermocline_engine_batch_sequences",
-    "Sequences in each forward step, by step kind (prefill or decode).",
+    "Sequences in each forward step, by row kind: prompt chunks (prefill) and decode rows (a mixed "
+    "step observes both).",
     ["kind"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
