@@ -35,6 +35,7 @@ def main() -> None:
         cold=config.cold,
         overlap=config.overlap,
         mixed_steps=config.mixed_steps,
+        warm_up=config.warm_up,
     )
     log.info("loaded %s on %s (tp=%d)", engine.model_id, engine.runner.device, config.tp)
     model = served_model(config.model, path, engine.model_id, engine.config.hidden_size)

@@ -44,8 +44,9 @@ class EngineConfig:
     Scheduling: `_MAX_PREFILL_TOKENS` (prompt tokens per step; with mixed steps each running
     stream's decode row comes on top, and the memory plan profiles that step), `_MIXED_STEPS`
     (default on: running streams decode a token in every step, prompt chunks beside them; off:
-    prompts are computed first and decoding waits for them) and `_INTENT_CLASSES` (a TOML file;
-    empty = the built-in classes). `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1
+    prompts are computed first and decoding waits for them), `_WARM_UP` (default on: at start-up,
+    three made-up requests compile the fused prefill kernels on CUDA) and `_INTENT_CLASSES` (a TOML
+    file; empty = the built-in classes). `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1
     itself (gloo on the CPU, NCCL with one GPU per rank; N must divide the KV heads).
     Cold tier (docs/kvstore.md): `_KVSTORE_TARGET` (host:port of the kvstore; empty: no cold tier),
     `_KVSTORE_DEADLINE_MS` (lookups, deletes, window gets; default 1000),
@@ -74,6 +75,7 @@ class EngineConfig:
     max_tokens_limit: int = 4096
     max_prefill_tokens: int = 4096
     mixed_steps: bool = True  # decode rows ride along prompt chunks (Scheduler)
+    warm_up: bool = True  # compile the fused prefill kernels at start-up (LLMEngine.warm_up)
     kv: KVCacheSpec = field(default_factory=KVCacheSpec)
     intent_classes_file: str | None = None
     gate: GateConfig = field(default_factory=GateConfig)
@@ -117,6 +119,7 @@ class EngineConfig:
             max_tokens_limit=env.get_int(prefix + "MAX_TOKENS_LIMIT", 4096, environ),
             max_prefill_tokens=env.get_int(prefix + "MAX_PREFILL_TOKENS", 4096, environ),
             mixed_steps=env.get_bool(prefix + "MIXED_STEPS", True, environ),
+            warm_up=env.get_bool(prefix + "WARM_UP", True, environ),
             kv=_kv_from_env(prefix + "KV_", environ),
             intent_classes_file=env.get_optional_str(prefix + "INTENT_CLASSES", environ),
             gate=_gate_from_env(prefix, environ),

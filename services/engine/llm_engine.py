@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import secrets
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -19,6 +20,7 @@ import torch
 from services.engine.attention.backend import prefix_page_bytes
 from services.engine.attention.dense_prefill import dense_prefill_bytes
 from services.engine.attention.probe import probe_layer
+from services.engine.attention.reference import ReferenceBackend
 from services.engine.errors import (
     EmptyPrompt,
     EngineStopped,
@@ -90,6 +92,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PREFILL_TOKENS = 4096  # padded prompt tokens per prefill step
+WARM_UP_SALT = "thermocline-warm-up"  # the warm-up requests' prefix-cache salt: no real prompt shares it
 # With tiers on, every 64th decode step samples the hot attention mass of one row. That step runs eagerly
 # (outside the decode graphs), so the period keeps its cost near 1% of decode time.
 PROBE_EVERY_DECODE_STEPS = 64
@@ -231,6 +234,7 @@ class LLMEngine:
         cold: ColdTierConfig | None = None,
         overlap: bool | None = None,
         mixed_steps: bool = True,
+        warm_up: bool = False,
     ) -> LLMEngine:
         """Load an HF directory, a `.gguf` file or a registered model name.
 
@@ -241,6 +245,7 @@ class LLMEngine:
         (benchmarks pass random weights this way) is used instead of reading `path` (TP=1 only).
         `overlap` launches a decode step before the last one's sync (see `LLMEngine.overlap`; None:
         with CUDA graphs). `mixed_steps`: running streams decode beside prompt chunks (`Scheduler`).
+        `warm_up` runs `LLMEngine.warm_up` before the engine is handed back (the service does).
         """
         kv = kv or KVCacheSpec()
         classes = classes or IntentClasses.builtin()
@@ -284,11 +289,45 @@ class LLMEngine:
             max_prefill_tokens, kv.tiers, classes, overlap, mixed_steps,
         )  # fmt: skip
         engine.capacity = plan
+        if warm_up:
+            engine.warm_up()
         if cold is not None and cold.enabled and tp > 1:
             logger.warning("the cold tier runs at tensor parallelism 1 only; serving without it (tp=%d)", tp)
         elif cold is not None and cold.enabled:
             engine.attach_cold_tier(cold)
         return engine
+
+    def warm_up(self) -> float:
+        """Serve three made-up requests so that the fused kernels a long prompt meets are compiled now,
+        not on the first real requests: whole prompt chunks, chunks over a cached prefix (the dense
+        path's library kernels and the warm tier's pages), short and long last chunks over it, and
+        decode rows beside chunks. On a machine whose Triton cache is empty those compiles take
+        seconds on an 8B model. CUDA with the fused backend only (elsewhere nothing compiles); the
+        requests carry their own cache salt, so no real prompt shares their blocks, and they count
+        in the engine's metrics like any other. Returns the seconds it took."""
+        if not self._compiles_kernels():
+            return 0.0
+        started = time.perf_counter()
+        collectors = []
+        chunk = self.scheduler.max_prefill_tokens
+        for prompt, new_tokens in warm_up_requests(self.config.vocab_size, chunk, self.max_seq_len):
+            collector = ResultCollector(prompt)
+            params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+            try:
+                self.submit(prompt, params, collector, cache_salt=WARM_UP_SALT)
+            except (InvalidPrompt, KVCapacityExceeded) as error:  # a small pool or sequence limit
+                logger.info("warm-up: a %d-token request left out (%s)", len(prompt), error)
+                continue
+            collectors.append(collector)
+        while not all(c.done.is_set() for c in collectors):
+            self.step()
+        elapsed = time.perf_counter() - started
+        logger.info("warm-up: the prefill kernels ran (and compiled where new) in %.1f s", elapsed)
+        return elapsed
+
+    def _compiles_kernels(self) -> bool:
+        """Whether steps run kernels compiled on first use: the fused backend on CUDA."""
+        return self.runner.device.type == "cuda" and not isinstance(self.runner.attention, ReferenceBackend)
 
     def attach_cold_tier(self, config: ColdTierConfig) -> None:
         """Use the kvstore at `config.target` for prefix reuse, demotion and the auxiliary window."""
@@ -968,6 +1007,19 @@ def _plan_kv_pools(
         config, kv, class_tiers, budget, dtype_bytes, seq_len, max_batch_size, max_prefill_tokens,
         cap_at_need=device.type != "cuda" and not explicit,
     )  # fmt: skip
+
+
+def warm_up_requests(vocab_size: int, chunk: int, max_seq_len: int) -> list[tuple[list[int], int]]:
+    """`LLMEngine.warm_up`'s prompts (random ids, seeded) and the tokens each decodes: a short one that
+    decodes beside the others' chunks, then two long ones whose last chunks fall under and over the
+    dense path's 1,024 tokens; each cut to fit `max_seq_len` with its answer."""
+    generator = torch.Generator().manual_seed(0)
+    requests = []
+    for length, new_tokens in ((40, 16), (2 * chunk + 300, 2), (chunk + 1500, 2)):
+        size = max(1, min(length, max_seq_len - 16))
+        prompt = torch.randint(2, vocab_size, (size,), generator=generator).tolist()
+        requests.append((prompt, new_tokens))
+    return requests
 
 
 def _gpu_kv_budget(

@@ -17,7 +17,7 @@ from services.engine.attention.triton_backend import (
 )
 from services.engine.kv.cache import HotTier, KVCache, WarmTier
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
-from services.engine.llm_engine import LLMEngine
+from services.engine.llm_engine import LLMEngine, warm_up_requests
 from services.engine.model.config import ModelConfig
 from services.engine.scheduling.intent_class import IntentClasses
 from services.engine.scheduling.sampling_params import SamplingParams
@@ -118,3 +118,25 @@ def test_prefill_splits_only_short_chunks_over_long_contexts() -> None:
     assert backend.prefill_segments(64, 1, 64, 32832) == 32
     backend.prefill_launch = {"block_m": 32}
     assert backend.prefill_segments(64, 1, 64, 32832) == 16
+
+
+def test_warm_up_serves_its_requests_and_leaves_nothing_a_real_prompt_can_reuse(
+    tiny_dir: Path, monkeypatch
+) -> None:
+    """The start-up warm-up (run here on the interpreted fused backend, as on CUDA): its requests
+    finish, hold no blocks afterwards, and their salted prefix blocks serve no real prompt, even one
+    with the same tokens."""
+    engine = LLMEngine.load(
+        tiny_dir, device=DEVICE, dtype="float32", max_batch_size=4, max_seq_len=128, kv=TIERED,
+        max_prefill_tokens=16, attention="triton", progress=False,
+    )  # fmt: skip
+    if DEVICE == "cpu":
+        assert engine.warm_up() == 0.0  # on the CPU nothing compiles: no warm-up
+    monkeypatch.setattr(engine, "_compiles_kernels", lambda: True)
+    assert engine.warm_up() > 0.0
+    assert not engine.scheduler.has_work and engine.stats().num_running == 0
+    assert engine.runner.num_mixed_steps > 0  # the short request decoded beside the long ones' chunks
+    _, (long, _), _ = warm_up_requests(engine.config.vocab_size, 16, engine.max_seq_len)
+    cached = engine.scheduler.num_prompt_tokens_cached
+    engine.generate([long], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert engine.scheduler.num_prompt_tokens_cached == cached  # the salt keeps its blocks apart
