@@ -19,10 +19,8 @@ import argparse
 import datetime
 import gc
 import itertools
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-from decode_gpu import LLAMA_8B, TIERS_ON, load, random_checkpoint, write_tokenizer
+from decode_gpu import LLAMA_8B, TIERS_ON, load, random_checkpoint, run_commit, write_tokenizer
 
 from services.engine.kv.tiers import KVCacheSpec
 from services.engine.llm_engine import LLMEngine, SamplingParams
@@ -121,16 +119,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     props = torch.cuda.get_device_properties(0)
-    commit = (
-        os.environ.get("THERMOCLINE_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    )
+    commit = run_commit()
     rows = [
         "# A long prompt arriving while streams decode (bench/arrival_gpu.py)",
         "",
-        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; commit: {commit or 'unknown'}",
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; commit: {commit}",
         f"- GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs; "
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}",
         f"- settings: {vars(args)}; tiers on: {TIERS_ON}",

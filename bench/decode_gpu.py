@@ -510,15 +510,21 @@ def check_cuda_equals_cpu(rows: list[str]) -> None:
                         f"(Triton) | {'identical' if same else 'differs'} | tokens agreeing: {agree} |")  # fmt: skip
 
 
-def header(args) -> list[str]:
-    props = torch.cuda.get_device_properties(0)
-    commit = (
+def run_commit() -> str:
+    """The commit a GPU run reports: THERMOCLINE_COMMIT where set (the device machine's checkout may
+    name another), else this checkout's HEAD."""
+    return (
         os.environ.get("THERMOCLINE_COMMIT")
         or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip()
         or "unknown"
     )
+
+
+def header(args) -> list[str]:
+    props = torch.cuda.get_device_properties(0)
+    commit = run_commit()
     return [
         "# GPU fast path: fused Triton attention, CUDA-graph decode",
         "",
