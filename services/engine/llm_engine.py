@@ -303,8 +303,9 @@ class LLMEngine:
         path's library kernels and the warm tier's pages), short and long last chunks over it, and
         decode rows beside chunks. On a machine whose Triton cache is empty those compiles take
         seconds on an 8B model. CUDA with the fused backend only (elsewhere nothing compiles); the
-        requests carry their own cache salt, so no real prompt shares their blocks, and they count
-        in the engine's metrics like any other. Returns the seconds it took."""
+        requests carry their own cache salt, so no real prompt shares their blocks. They reach the
+        batch and queue-wait histograms, not the per-request metrics (the servicer records those).
+        Returns the seconds it took."""
         if not self._compiles_kernels():
             return 0.0
         started = time.perf_counter()
