@@ -204,6 +204,7 @@ class LLMEngine:
         )
         self._num_decode_steps = 0
         self._num_overlapped_steps = 0  # steps launched before the last one's sync (tests read it)
+        self._is_step_committed = False  # whether the running step's rows have been advanced
         self._lost_rank: str | None = None  # set when a tensor-parallel rank has exited
         self._hot_attention_mass = 1.0
         self._gate: InLoopGate | None = None
@@ -549,6 +550,7 @@ class LLMEngine:
                     return
                 ahead = Ahead(batch, self._prepare(batch))
             batch = ahead.batch
+            self._is_step_committed = False
             try:
                 token_ids = self._run(batch, ahead.step, ahead.output)
             except RankLost as exc:  # the group is gone: fail fast now and refuse new work
@@ -557,8 +559,7 @@ class LLMEngine:
                 self._fail(batch, exc, error_status="unavailable")
                 return
             except Exception as exc:  # a failed step must not take the engine down
-                logger.exception("engine step failed; failing %d request(s)", len(batch.seqs))
-                self._fail(batch, exc)
+                self._fail_step(batch, exc)
                 return
             self._counters["steps"] += 1
             self._commit(batch, token_ids)
@@ -610,6 +611,7 @@ class LLMEngine:
         else:  # overlapped: launched during the last step, before its sync
             output = launched
         self._record_attention(batch)
+        self._is_step_committed = True  # from here a failure leaves every row's state half done
         done = self.scheduler.commit_computed(batch)
         self._counters["dropped"] += self.scheduler.num_dropped_tokens_last_step
         if not done:  # a prefill chunk that ends mid-prompt samples nothing
@@ -863,6 +865,22 @@ class LLMEngine:
         )
         seq.finish(FinishReason.SAFETY)
         return seq.event((), self._gate.safe_message)
+
+    def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """A step raised: its requests fail. But when a mixed step fails before anything of it was
+        committed (in its forward), its decode rows go on: the prompt chunks beside them are what
+        the step added (prompts first, a failing prompt never took running streams down with it).
+        Their positions are computed again next step; a decode row that was the cause fails then."""
+        if batch.num_decode_rows and not self._is_step_committed:
+            chunks = dataclasses.replace(batch, rows=batch.rows[batch.num_decode_rows :], num_decode_rows=0)
+            logger.exception(
+                "a mixed step failed; failing its %d prompt(s), its %d decoding request(s) go on",
+                len(chunks.rows), batch.num_decode_rows,
+            )  # fmt: skip
+            self._fail(chunks, exc)
+            return
+        logger.exception("engine step failed; failing %d request(s)", len(batch.seqs))
+        self._fail(batch, exc)
 
     def _fail(self, batch: ScheduledBatch, exc: Exception, error_status: str | None = None) -> None:
         self._flush_text()  # the last step's events go out before these errors

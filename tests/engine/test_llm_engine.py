@@ -101,6 +101,37 @@ def test_a_long_prompt_stalls_a_running_stream_only_without_mixed_steps(
         assert during <= 1  # at most the step prepared before the prompt arrived
 
 
+def test_a_prompt_whose_chunk_fails_the_step_takes_no_decoding_stream_with_it(
+    tiny_dir: Path, monkeypatch
+) -> None:
+    """A mixed step whose forward raises (here: whenever it holds the long prompt's chunk) fails the
+    long prompt's request; the stream decoding beside it goes on to its own tokens."""
+    engine = LLMEngine.load(
+        tiny_dir, device="cpu", max_batch_size=2, max_seq_len=256, max_prefill_tokens=16, progress=False
+    )
+    short, long = _prompts(engine.config.vocab_size, (6, 100), seed=11)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    alone = list(engine.generate([short], params)[0].token_ids)
+    launch = engine.runner.launch
+
+    def failing_launch(step, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if any(len(row.seq.prompt_ids) == len(long) and row.num_new > 1 for row in step.rows):
+            raise RuntimeError("the chunk's kernel failed")
+        return launch(step, *args, **kwargs)
+
+    collectors = [ResultCollector(short), ResultCollector(long)]
+    engine.submit(short, params, collectors[0])
+    engine.step()  # its prompt
+    monkeypatch.setattr(engine.runner, "launch", failing_launch)
+    engine.submit(long, params, collectors[1])
+    while not all(c.done.is_set() for c in collectors):
+        engine.step()
+    failed = collectors[1].final_event
+    assert failed is not None and failed.error is not None and "the chunk's kernel failed" in failed.error
+    assert list(collectors[0].result().token_ids) == alone
+    assert engine.stats().num_running == 0
+
+
 def test_more_requests_than_slots_all_finish(tiny_engine: LLMEngine) -> None:
     prompts = _prompts(tiny_engine.config.vocab_size, (3, 5, 8, 13, 2, 21, 34), seed=7)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 9, 2, 15, 6, 1, 11)]
