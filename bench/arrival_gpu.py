@@ -60,21 +60,18 @@ def arrival(engine: LLMEngine, vocab: int, streams: int, stream_prompt: int, pro
         engine.step()
         steady.append((time.perf_counter() - before) * 1e3)
     known = {id(s) for s in engine.scheduler.running}
-    handles = [
-        engine.submit(
-            long_prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), ResultCollector(long_prompt)
-        )
-    ]
+    engine.submit(
+        long_prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), ResultCollector(long_prompt)
+    )
     submitted = time.perf_counter()
     token_times = [submitted]  # when the watched stream got each token, from the submission on
     tokens = len(watched.completion_ids)
     arrived = None  # the arriving request's sequence, once admitted
-    first_token_s, tokens_during, steps = None, 0, 0
+    first_token_s, tokens_during = None, 0
     step_ms = []
     while first_token_s is None or len(token_times) < tokens_during + 9:
         before = time.perf_counter()
         engine.step()
-        steps += 1
         now = time.perf_counter()
         step_ms.append((now - before) * 1e3)
         if len(watched.completion_ids) > tokens:
@@ -86,9 +83,7 @@ def arrival(engine: LLMEngine, vocab: int, streams: int, stream_prompt: int, pro
             first_token_s = now - submitted
             tokens_during = len(token_times) - 1
     gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(token_times)]
-    for handle in handles:
-        engine.cancel(handle)
-    for seq in list(engine.scheduler.running):
+    for seq in list(engine.scheduler.running):  # the streams and the arrival
         engine.cancel(seq.request_id)
     while engine.scheduler.has_work:
         engine.step()
@@ -98,7 +93,7 @@ def arrival(engine: LLMEngine, vocab: int, streams: int, stream_prompt: int, pro
         "ttft_ms": first_token_s * 1e3,
         "longest_gap_ms": max(gaps),
         "tokens_during": tokens_during,
-        "steps": steps,
+        "steps": len(step_ms),
         "step_ms": step_ms,
     }
 

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 # still wins after 8K (393 against 928 us) and loses after 32K (1,306 against 925).
 DENSE_PREFILL_MIN_QUERY_TOKENS = 1024
 # ... and at most this many rows have a cached prefix (each is a Python loop over its parts, a few
-# launches a layer; a step that mixes many decode rows into a prefill stays on the paged kernel).
+# launches a layer). A mixed step's decode rows attend in a part of their own and do not count.
 DENSE_PREFILL_MAX_PREFIX_ROWS = 8
 # A step of up to this many rows runs their causal parts one row at a time through cuDNN, more in one
 # FlashAttention call: on an H100, 385 against 605 us for a 4,096-token row (32 query, 8 KV heads).
@@ -169,7 +169,7 @@ class ReferenceOps:
     def __init__(
         self, query_len: int = 0, num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0
     ) -> None:
-        self.query_len = query_len
+        pass
 
     def build_plans(self, max_keys: int, dtype: torch.dtype, device: torch.device) -> None:
         """Nothing to build."""
