@@ -18,6 +18,14 @@ under it; since then it ends when the call's status arrives. "gateway's own, to 
 end" keeps the span's end alone, the definition every results page before
 gateway_spans_2026-12-05_finished-event.md used.
 
+"gateway's own to the first text" is the part issue 13 sets a goal for (at most 1 ms p99 beyond
+the screens): from the gateway span's start to the first text sent (`gateway.first_text`), less
+what that text waited for, the screens' calls that ended before it and the engine call until the
+message that completed the first text reached the gateway (`engine.first_text_arrived`). Its
+parts: before the first call, and from the last of those waits to the release. The time before
+the span starts (gRPC's receive and the server interceptors) and after the text is yielded (its
+write) is in no span; bench/gateway_overhead.py's subtraction sees it.
+
     .venv/bin/python bench/gateway_spans.py --out bench/results/gateway_spans_<date>.md
 """
 
@@ -43,7 +51,8 @@ from bench.machine import cpu_name, default_engine_device, git_commit
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.trace_collector import GATEWAY_GENERATE, GATEWAY_TO_ENGINE, CollectedSpan, TraceCollector
 from services.engine.model.registry import resolve_model
-from services.gateway.output_screen import ENGINE_FINISHED_EVENT
+from services.gateway.output_screen import ENGINE_FINISHED_EVENT, FIRST_TEXT_ARRIVED_EVENT
+from services.gateway.servicer import FIRST_TEXT_EVENT
 from services.gateway.tokens import mint_token
 
 POLICIES = ("strict", "growing", "trailing")
@@ -111,6 +120,39 @@ def own_ms(spans: list[CollectedSpan], to_client_end: bool = False) -> OwnTime:
     )
 
 
+class OwnToFirstText(NamedTuple):
+    """The gateway's own time to the first text, and its two ends."""
+
+    own_ms: float
+    before_first_call_ms: float  # root start to the first RPC's start
+    after_last_wait_ms: float  # the last thing the first text waited for, to its release
+
+
+def own_to_first_text_ms(spans: list[CollectedSpan]) -> OwnToFirstText:
+    """The gateway's own part of the time to first text: from its span's start to the first text
+    sent (FIRST_TEXT_EVENT), less what that text waited for: the screens' calls that ended before
+    it, and the engine call until the message that completed the first text reached the gateway
+    (FIRST_TEXT_ARRIVED_EVENT), not until its client span ended, which may come later."""
+    (root,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
+    first_text_ns = root.events[FIRST_TEXT_EVENT]
+    arrived_ns = root.events[FIRST_TEXT_ARRIVED_EVENT]
+    calls = [
+        s
+        for s in spans
+        if s.service == root.service and s.parent_span_id == root.span_id and "Service/" in s.name
+    ]
+    intervals = [(s.start_ns, arrived_ns if s.name == ENGINE_CALL else s.end_ns) for s in calls]
+    covered = _union(_clipped([i for i in intervals if i[1] <= first_text_ns], root.start_ns, first_text_ns))
+    waited_ns = sum(end - start for start, end in covered)
+    first_ns = covered[0][0] if covered else first_text_ns
+    last_ns = covered[-1][1] if covered else root.start_ns
+    return OwnToFirstText(
+        own_ms=(first_text_ns - root.start_ns - waited_ns) / 1e6,
+        before_first_call_ms=(first_ns - root.start_ns) / 1e6,
+        after_last_wait_ms=(first_text_ns - last_ns) / 1e6,
+    )
+
+
 def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) -> dict[str, list[float]]:
     """Per request: the gateway span, the gateway's own time and each call's time, in ms."""
     samples: dict[str, list[float]] = defaultdict(list)
@@ -138,6 +180,10 @@ def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) ->
                 samples["gateway's own, to the client span's end"].append(
                     own_ms(spans, to_client_end=True).own_ms
                 )
+                to_text = own_to_first_text_ms(spans)
+                samples["gateway's own to the first text"].append(to_text.own_ms)
+                samples["to the first text: before the first call"].append(to_text.before_first_call_ms)
+                samples["to the first text: last wait to the release"].append(to_text.after_last_wait_ms)
                 samples["own: before the first call"].append(split.before_first_call_ms)
                 samples["own: Redis before the first call"].append(split.redis_before_first_call_ms)
                 samples["own: between calls"].append(split.between_calls_ms)

@@ -22,10 +22,12 @@ from services.cli.trace_collector import (
     CollectedSpan,
     TraceCollector,
 )
-from services.gateway.output_screen import ENGINE_FINISHED_EVENT
+from services.gateway.output_screen import ENGINE_FINISHED_EVENT, FIRST_TEXT_ARRIVED_EVENT
+from services.gateway.servicer import FIRST_TEXT_EVENT
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_PROMPT, STORIES_PROMPT_IDS
 
+GATEWAY_TO_SAFETY_OUTPUT = ("thermocline-gateway", "/thermocline.safety.v1.SafetyService/CheckOutput")
 GATEWAY_COUNT = ("thermocline-gateway", "/thermocline.engine.v1.EngineService/CountTokens")
 ENGINE_QUEUE = ("thermocline-engine", "engine.queue_wait")
 ENGINE_PREFILL = ("thermocline-engine", "engine.prefill")
@@ -88,6 +90,22 @@ def test_one_request_is_one_trace_with_every_hop_linked(
     to_engine = _one(spans, GATEWAY_TO_ENGINE)
     finished_ns = gateway.events[ENGINE_FINISHED_EVENT]
     assert gateway.start_ns < to_engine.start_ns < finished_ns <= gateway.end_ns
+
+
+def test_the_first_text_is_traced_after_what_it_waited_for(
+    stories_mesh: Mesh, collector: TraceCollector
+) -> None:
+    # Under strict (this mesh's release policy) the first text of a 6-token answer waits for the
+    # engine's last message and the output screen of the whole answer. The arrival event carries
+    # the time that message reached the gateway, which bench/gateway_spans.py subtracts, not the
+    # engine call's span end, which may come after the text went out.
+    trace_id = _generate(stories_mesh)
+    spans = collector.wait_for_spans(trace_id, REQUEST_PATH | {GATEWAY_TO_SAFETY_OUTPUT}, timeout_s=30)
+    gateway, to_engine = _one(spans, GATEWAY_GENERATE), _one(spans, GATEWAY_TO_ENGINE)
+    output_check = _one(spans, GATEWAY_TO_SAFETY_OUTPUT)
+    arrived_ns, first_text_ns = gateway.events[FIRST_TEXT_ARRIVED_EVENT], gateway.events[FIRST_TEXT_EVENT]
+    assert to_engine.start_ns < arrived_ns <= gateway.events[ENGINE_FINISHED_EVENT]
+    assert arrived_ns <= output_check.start_ns < output_check.end_ns <= first_text_ns < gateway.end_ns
 
 
 def test_engine_spans_nest_under_its_rpc_in_time_order(stories_mesh: Mesh, collector: TraceCollector) -> None:

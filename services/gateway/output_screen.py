@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,11 @@ _FINISH_FROM_ENGINE = {
 NO_FINAL_MESSAGE = "engine ended the stream without a final message; retry the request"
 # The event on the gateway's Generate span when the engine's last message has reached it.
 ENGINE_FINISHED_EVENT = "engine.finished"
+# The event on that span timed when the engine message that completed the first released text
+# reached the gateway (added at the release, with the arrival's timestamp). With the prompt's and
+# output's screens, it bounds what the first text waited for; bench/gateway_spans.py reads the
+# gateway's own time to the first text (FIRST_TEXT_EVENT, servicer.py) from it.
+FIRST_TEXT_ARRIVED_EVENT = "engine.first_text_arrived"
 
 # Writes the audit event of a verdict that blocked, or passed only under the tenant's policy;
 # called before the client sees the outcome. Arguments: the layer ("prompt", "output") and verdict.
@@ -188,6 +194,9 @@ class _OutputStream:
         self.num_chars_screened = 0  # its characters
         self._has_audited_waiver = False  # each window re-screens the whole text: one waiver event
         self._is_abandoned = False  # cancelled and read out by a block
+        # When the latest engine message was read (time.time_ns); the first was read just before.
+        self._arrived_ns = time.time_ns()
+        self._has_released = False
 
     async def held(self, first: Any) -> AsyncGenerator[pb.GenerateResponse, None]:
         """strict and growing: text reaches the client only once the text up to its end passed."""
@@ -204,10 +213,11 @@ class _OutputStream:
                         return
                     self._passed(self.output.num_tokens, len(self.output.full_text))
                     if (delta := self.output.release()) is not None:
+                        self._trace_first_release()
                         yield delta
                 if self.final is not None:
                     break  # the stream's end is read after the done message (_end_call)
-                message = await self.call.read()
+                message = await self._read()
         except grpc.aio.AioRpcError as error:
             raise upstream_error("engine", error) from None
         finally:
@@ -235,11 +245,12 @@ class _OutputStream:
                     covered = (self.output.num_tokens, len(self.output.full_text))
                     screening = asyncio.create_task(self._screen(self.output.full_text))
                 if (delta := release.take(self.num_screened)) is not None:
+                    self._trace_first_release()
                     yield delta
                 if self.final is not None and screening is None and not release.pending:
                     break  # the stream's end is read after the done message (_end_call)
                 if self.final is None and reading is None:
-                    reading = asyncio.create_task(self.call.read())
+                    reading = asyncio.create_task(self._read())
                 waits: set[asyncio.Task[Any]] = {t for t in (reading, screening) if t is not None}
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if screening in done:
@@ -271,6 +282,17 @@ class _OutputStream:
             self.call.cancel()
             return
         tasks.hold(asyncio.ensure_future(_read_out(self.call)))
+
+    def _trace_first_release(self) -> None:
+        if not self._has_released:
+            self._has_released = True
+            trace.get_current_span().add_event(FIRST_TEXT_ARRIVED_EVENT, timestamp=self._arrived_ns)
+
+    async def _read(self) -> Any:
+        """The engine stream's next message, its arrival timed."""
+        message = await self.call.read()
+        self._arrived_ns = time.time_ns()
+        return message
 
     def _add(self, message: engine_pb2.GenerateResponse) -> None:
         self.output.add(message)

@@ -37,6 +37,9 @@ from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from thermocline.safety.v1 import safety_pb2
 
 RETRIEVAL_MODE_HEADER = "x-retrieval-mode"  # passed on to the engine, which checks it
+# The event on the gateway's Generate span as the first text goes to the client (the answer's, or
+# the safe message that replaces it); the time to first token through the gateway ends there.
+FIRST_TEXT_EVENT = "gateway.first_text"
 
 
 def engine_request(
@@ -167,6 +170,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 async for message in relayed:
                     if message.HasField("done"):
                         await charge.settle(message.done.usage.completion_tokens)
+                    elif not stream.num_tokens:
+                        trace.get_current_span().add_event(FIRST_TEXT_EVENT)
                     stream.num_tokens += len(message.delta.token_ids)
                     yield message
             except asyncio.CancelledError:
