@@ -1,7 +1,16 @@
-"""The server interceptor every service runs: drain gate, error mapping and RPC metrics.
+"""The server interceptor every service runs: the call's server span, drain gate, error mapping and
+RPC metrics.
 
 A request message that does not parse (bad protobuf, invalid UTF-8 in a string) is answered
 INVALID_ARGUMENT on every RPC, rather than grpc's UNKNOWN "Unexpected <class ...>".
+
+The span is the one opentelemetry-instrumentation-grpc's server interceptor would open: named for
+the method, a SERVER span continuing the caller's `traceparent`, with the same rpc.* and net.peer.*
+attributes and the status it would set. It is opened here rather than by a second interceptor
+because each interceptor costs every call: another handler wrapper, another async generator that
+every streamed message passes through, and the instrumentation's proxy around the servicer
+context, through which every call on the context goes. Health checks and reflection get neither
+span nor guard.
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 
 from services.common import telemetry
 from services.common.errors import InvalidArgument, ThermoclineError
@@ -20,8 +31,10 @@ from services.common.metrics import RPC_DURATION, RPC_HANDLED, RPC_IN_FLIGHT
 
 log = logging.getLogger(__name__)
 
-# Infrastructure RPCs bypass the drain gate: health must keep answering NOT_SERVING.
+# Infrastructure RPCs bypass the drain gate (health must keep answering NOT_SERVING) and get no
+# span (they would drown the real traffic).
 _INFRASTRUCTURE_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+_DRAINING = "server is shutting down; retry on another replica"
 
 
 class CallTracker:
@@ -55,11 +68,28 @@ class CallTracker:
             return False
 
 
-class GuardInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses new calls while draining, maps domain errors to statuses, and counts RPCs."""
+# The statuses the instrumentation marks as a server span's error; the others leave it unset
+# (a refused call is the caller's error, not the server's).
+_SERVER_ERRORS = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+_STATUS_CODE = "rpc.grpc.status_code"
 
-    def __init__(self, tracker: CallTracker) -> None:
+
+class GuardInterceptor(grpc.aio.ServerInterceptor):
+    """Opens each call's server span, refuses new calls while draining, maps domain errors to
+    statuses, and counts RPCs."""
+
+    def __init__(self, tracker: CallTracker, tracer_provider: trace.TracerProvider | None = None) -> None:
         self._tracker = tracker
+        self._tracer = trace.get_tracer("thermocline.grpc.server", tracer_provider=tracer_provider)
 
     async def intercept_service(
         self,
@@ -70,24 +100,69 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(_INFRASTRUCTURE_PREFIXES):
             return handler
-        return _wrap_handler(handler, _CallGuard(self._tracker, method))
+        return _wrap_handler(handler, _MethodGuard(self._tracker, self._tracer, method))
+
+
+class _MethodGuard:
+    """What every call of one method shares: its tracker, tracer and span attributes."""
+
+    def __init__(self, tracker: CallTracker, tracer: trace.Tracer, method: str) -> None:
+        self.tracker = tracker
+        self.tracer = tracer
+        self.method = method
+        service, name = method.lstrip("/").split("/", 1)
+        self.attributes: dict[str, str | int] = {
+            "rpc.system": "grpc",
+            _STATUS_CODE: grpc.StatusCode.OK.value[0],
+            "rpc.method": name,
+            "rpc.service": service,
+        }
+
+    def call(self, context: grpc.aio.ServicerContext) -> _CallGuard:
+        """Opens the server span of one call, current until the call's guard closes it."""
+        metadata = context.invocation_metadata()
+        parent = propagate.extract(dict(metadata)) if metadata else None
+        attributes = dict(self.attributes)
+        attributes.update(_peer_attributes(context.peer()))
+        span = self.tracer.start_span(
+            self.method, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes
+        )
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
+        return _CallGuard(self, span, token)
+
+
+def _peer_attributes(peer: str) -> dict[str, str]:
+    """net.peer.* of a peer such as `ipv4:127.0.0.1:57284` or `ipv6:[::1]:57284`, as the
+    instrumentation records them; none for a Unix socket or an unknown form."""
+    try:
+        ip, port = peer.split(",")[0].split(":", 1)[1].rsplit(":", 1)
+    except (IndexError, ValueError):
+        return {}
+    if peer.startswith("unix"):
+        return {}
+    attributes = {"net.peer.ip": ip, "net.peer.port": port}
+    if ip in ("[::1]", "127.0.0.1"):
+        attributes["net.peer.name"] = "localhost"
+    return attributes
 
 
 class _CallGuard:
     """What happens around one RPC's behaviour."""
 
-    def __init__(self, tracker: CallTracker, method: str) -> None:
-        self.tracker = tracker
-        self.method = method
+    def __init__(self, method: _MethodGuard, span: trace.Span, token: object) -> None:
+        self.tracker = method.tracker
+        self.method = method.method
+        self.span = span
+        self._token = token
         self.code: grpc.StatusCode | None = None
+        self.details = ""
 
     async def admit(self, context: grpc.aio.ServicerContext) -> float:
         """Refuses the call while draining; otherwise starts counting it."""
         if self.tracker.is_draining:
             RPC_HANDLED.labels(self.method, grpc.StatusCode.UNAVAILABLE.name).inc()
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica"
-            )
+            self.code, self.details = grpc.StatusCode.UNAVAILABLE, _DRAINING
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         self.tracker.enter()
         return time.perf_counter()
 
@@ -97,19 +172,30 @@ class _CallGuard:
         RPC_HANDLED.labels(self.method, code.name).inc()
         RPC_DURATION.labels(self.method).observe(time.perf_counter() - started)
 
+    def close(self, context: grpc.aio.ServicerContext) -> None:
+        """Ends the call's span with the status the call ended with."""
+        code = _code_of(context, self)
+        self.span.set_attribute(_STATUS_CODE, code.value[0])
+        if code in _SERVER_ERRORS:
+            details = self.details or context.details() or code.value[1]
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code}:{details}"))
+        self.span.end()
+        otel_context.detach(self._token)  # type: ignore[arg-type]
+
     async def abort(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
         """Ends the call with the status that `error` maps to; always raises AbortError."""
         if isinstance(error, ThermoclineError):
             code, message, trailing = error.code, error.message, error.trailing_metadata
         else:
             log.exception("unhandled error in %s", self.method)
+            self.span.record_exception(error)
             trace_id = telemetry.current_trace_id() or "none"
             code, message, trailing = (
                 grpc.StatusCode.INTERNAL,
                 f"internal error (trace id {trace_id}); see the server log",
                 (),
             )
-        self.code = code
+        self.code, self.details = code, message
         await context.abort(code, message, trailing_metadata=trailing)
 
 
@@ -165,40 +251,48 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _checked(request, is_stream=False)
 
 
-def _wrap_unary(behavior: Callable[..., Any], guard: _CallGuard, is_stream: bool) -> Callable[..., Any]:
+def _wrap_unary(behavior: Callable[..., Any], method: _MethodGuard, is_stream: bool) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started = await guard.admit(context)
+        guard = method.call(context)
         try:
-            return await behavior(_checked(request, is_stream), context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as error:
-            await guard.abort(context, error)
+            started = await guard.admit(context)
+            try:
+                return await behavior(_checked(request, is_stream), context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as error:
+                await guard.abort(context, error)
+            finally:
+                guard.finish(started, _code_of(context, guard))
         finally:
-            guard.finish(started, _code_of(context, guard))
+            guard.close(context)
 
     return wrapper
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]], guard: _CallGuard, is_stream: bool
+    behavior: Callable[..., AsyncIterator[Any]], method: _MethodGuard, is_stream: bool
 ) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        started = await guard.admit(context)
+        guard = method.call(context)
         try:
-            async for response in behavior(_checked(request, is_stream), context):
-                yield response
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as error:
-            await guard.abort(context, error)
+            started = await guard.admit(context)
+            try:
+                async for response in behavior(_checked(request, is_stream), context):
+                    yield response
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as error:
+                await guard.abort(context, error)
+            finally:
+                guard.finish(started, _code_of(context, guard))
         finally:
-            guard.finish(started, _code_of(context, guard))
+            guard.close(context)
 
     return wrapper
 
 
-def _wrap_handler(handler: grpc.RpcMethodHandler, guard: _CallGuard) -> grpc.RpcMethodHandler:
+def _wrap_handler(handler: grpc.RpcMethodHandler, guard: _MethodGuard) -> grpc.RpcMethodHandler:
     """Rebuilds `handler` with its behaviour wrapped by `guard`, keeping the serializers."""
     codecs = {
         "request_deserializer": _tolerant(handler.request_deserializer),

@@ -70,7 +70,7 @@ class RunningServer:
         self.tracker = CallTracker()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.server = grpc.aio.server(
-            interceptors=[telemetry.server_interceptor(), GuardInterceptor(self.tracker)],
+            interceptors=[GuardInterceptor(self.tracker)],
             options=channel_options(spec.config.max_message_bytes, spec.config.keepalive_s)
             + spec.server_options,
         )

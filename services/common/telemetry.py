@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from opentelemetry import propagate, trace
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -91,11 +91,6 @@ def _is_traced(details: object) -> bool:
     if isinstance(method, bytes):
         method = method.decode()
     return not method.startswith(_UNTRACED_PREFIXES)
-
-
-def server_interceptor() -> grpc.aio.ServerInterceptor:
-    """A server interceptor that continues the caller's trace and opens a span per RPC."""
-    return aio_server_interceptor(filter_=_is_traced)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:

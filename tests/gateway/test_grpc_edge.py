@@ -1,6 +1,6 @@
 """The gRPC edge: a refusal reaches the caller as its status, and the trace records no exception for it.
 
-The server here has the interceptors every service runs (tracing outermost, then the guard), with
+The server here has the interceptor every service runs (the guard, which opens the call's span), with
 an in-memory span exporter, and the edge in front of a servicer stand-in that refuses.
 """
 
@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -47,9 +46,7 @@ async def _call_through_edge(servicer: RefusingServicer) -> tuple[list[Any], lis
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    server = grpc.aio.server(
-        interceptors=[aio_server_interceptor(tracer_provider=provider), GuardInterceptor(CallTracker())]
-    )
+    server = grpc.aio.server(interceptors=[GuardInterceptor(CallTracker(), tracer_provider=provider)])
     add_to_server(servicer, server)  # type: ignore[arg-type]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
