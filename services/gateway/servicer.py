@@ -98,6 +98,17 @@ async def _trace_after_calls(verdict: safety_pb2.CheckResponse) -> None:
     record_verdict("prompt", verdict)
 
 
+@contextmanager
+def _traced_after(verdict: safety_pb2.CheckResponse) -> Iterator[None]:
+    """Puts a prompt's passing verdict on the span after the body: under trailing, once the first
+    text has gone to the client (its attributes, one per gate category, would otherwise come
+    between the first token's arrival and its release), or as the stream is closed there."""
+    try:
+        yield
+    finally:
+        record_verdict("prompt", verdict)
+
+
 class GatewayServicer(pb_grpc.GatewayServiceServicer):
     """The public API; the checks live in the gatekeeper, the streaming in the relay."""
 
@@ -218,16 +229,23 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         see a prompt that is blocked, and when it finishes before the prompt's verdict, the output
         screen may check its answer; that verdict is acted on, and audited, only once the prompt
         passed."""
-        is_screened = False
+        passed: safety_pb2.CheckResponse | None = None  # traced once the first text is out
         try:
             async for message in relayed:
-                if not is_screened:
-                    if blocked := await self._screen_prompt(await check, admission, settings, audit):
+                if passed is None:
+                    verdict = await check
+                    blocked = await self._screen_prompt(
+                        verdict, admission, settings, audit, is_pass_traced=False
+                    )
+                    if blocked:
                         for replacement in blocked:
                             yield replacement
                         return
-                    is_screened = True
+                    passed = verdict
                     charge.prompt_passed()
+                    with _traced_after(passed):
+                        yield message
+                    continue
                 yield message
         finally:
             discard(check)

@@ -1,16 +1,17 @@
 """The servicer's late trace of a passing prompt verdict: on the span whether the stream outlives
-the engine call's send or ends at once."""
+the engine call's send or ends at once (strict), and after the first text (trailing)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.gateway.loop import TURNS_TO_SEND, let_calls_go_out
-from services.gateway.servicer import _traced_late
+from services.gateway.servicer import _traced_after, _traced_late
 from thermocline.safety.v1 import safety_pb2
 
 DECISION = "thermocline.safety.prompt.decision"
@@ -59,3 +60,31 @@ def test_the_verdict_waits_for_the_calls_of_the_bodys_first_turn() -> None:
         return is_traced_early
 
     assert not asyncio.run(traced_after_send())
+
+
+def test_under_trailing_a_pass_is_traced_after_the_first_text_or_as_the_stream_closes() -> None:
+    async def traced(close_after_first: bool) -> tuple[bool, ReadableSpan]:
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+        async def stream() -> AsyncIterator[str]:  # as _behind_prompt_check releases the first text
+            with _traced_after(_passed()):
+                yield "first text"
+            yield "more text"
+
+        with provider.get_tracer("test").start_as_current_span("Generate") as span:
+            messages = stream()
+            await anext(messages)
+            is_traced_with_first_text = DECISION in (span.attributes or {})  # type: ignore[attr-defined]
+            if close_after_first:  # the client went away at its first text
+                await messages.aclose()
+            else:
+                assert [m async for m in messages] == ["more text"]
+        (finished,) = exporter.get_finished_spans()
+        return is_traced_with_first_text, finished
+
+    for close_after_first in (False, True):
+        is_traced_with_first_text, span = asyncio.run(traced(close_after_first))
+        assert not is_traced_with_first_text, close_after_first
+        assert (span.attributes or {})[DECISION] == "allow", close_after_first
