@@ -4,15 +4,19 @@ the integration tests all start the mesh through this module."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -90,6 +94,48 @@ class ServiceFailed(RuntimeError):
     """A service exited or never became healthy; the message holds the end of its log."""
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+class _SigtermExit:
+    """SIGTERM raises SystemExit while any mesh this process started runs (see Mesh.start), where
+    the launcher left SIGTERM at its default; the last mesh to stop puts the default back. During
+    a stop SIGTERM is ignored, so that a second one does not cut the stop short."""
+
+    def __init__(self) -> None:
+        self.meshes: list[Mesh] = []
+        self.before: Any = None
+
+    def hold(self, mesh: Mesh) -> None:
+        if not _is_main_thread() or mesh in self.meshes:  # handlers are set in the main thread only
+            return
+        if not self.meshes:
+            if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+                return  # the launcher handles SIGTERM itself
+            self.before = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        self.meshes.append(mesh)
+
+    @contextlib.contextmanager
+    def ignored_while_stopping(self, mesh: Mesh) -> Iterator[None]:
+        if mesh not in self.meshes or not _is_main_thread():
+            yield
+            return
+        handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            self.meshes.remove(mesh)
+            signal.signal(signal.SIGTERM, handler if self.meshes else self.before)
+
+
+def _is_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+_SIGTERM = _SigtermExit()
+
+
 class Mesh:
     """The processes of one mesh; use as a context manager or call start() and stop()."""
 
@@ -136,7 +182,15 @@ class Mesh:
 
         With `progress`, a bar on stderr shows which process the mesh is waiting for (the engine
         takes longest: it loads the model before it reports SERVING).
+
+        The services run in sessions of their own, so a signal to the launcher's process group
+        does not reach them; stop() does. Killed by SIGTERM (a `timeout` around a bench, a CI
+        job's end), a launcher would die without running it and leave the whole mesh running,
+        holding its ports and the GPU's memory. So while the mesh runs, SIGTERM in a launcher
+        that did not handle it raises SystemExit, which unwinds through `with Mesh(...)` and
+        stop(). SIGKILL cannot be caught: a launcher killed so leaves the mesh behind.
         """
+        _SIGTERM.hold(self)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         steps = ["redis", "kvstore", "safety", *self.engine_names, "gateway"]
         with tqdm(total=len(steps), desc="starting", unit="process", disable=not progress) as bar:
@@ -192,17 +246,18 @@ class Mesh:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to each process, front to back, then SIGKILL to any that outlive the timeout."""
-        for name in reversed(list(self.processes)):
-            process = self.processes[name]
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    log.warning("%s ignored SIGTERM for %.0f s; killing it", name, timeout_s)
-                    process.kill()
-                    process.wait()
-        self.processes.clear()
+        with _SIGTERM.ignored_while_stopping(self):
+            for name in reversed(list(self.processes)):
+                process = self.processes[name]
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+                    try:
+                        process.wait(timeout_s)
+                    except subprocess.TimeoutExpired:
+                        log.warning("%s ignored SIGTERM for %.0f s; killing it", name, timeout_s)
+                        process.kill()
+                        process.wait()
+            self.processes.clear()
 
     def log_tail(self, service: str, num_lines: int = 30) -> str:
         """The last lines a service wrote."""
