@@ -116,6 +116,10 @@ def start_mesh(state_dir: Path, model: str, otlp_endpoint: str | None = None, **
     tenants.parent.mkdir(parents=True, exist_ok=True)
     tenants.write_text(json.dumps(HIGH_LIMITS))
     settings = {"THERMOCLINE_GATEWAY_TENANTS_FILE": str(tenants), "THERMOCLINE_LOG_LEVEL": "WARNING", **env}
+    # The mesh passes none of its caller's THERMOCLINE_* settings on; this one it must, or the
+    # engine's device would not be the one the results name (bench.machine.default_engine_device).
+    if device := os.environ.get("THERMOCLINE_ENGINE_DEVICE"):
+        settings.setdefault("THERMOCLINE_ENGINE_DEVICE", device)
     config = MeshConfig(
         model=model, state_dir=state_dir, ports=Ports.free(), env=settings, otlp_endpoint=otlp_endpoint
     )
