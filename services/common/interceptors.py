@@ -90,6 +90,9 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tracker: CallTracker, tracer_provider: trace.TracerProvider | None = None) -> None:
         self._tracker = tracker
         self._tracer = trace.get_tracer("thermocline.grpc.server", tracer_provider=tracer_provider)
+        # method -> (the servicer's handler, its wrapped handler): grpc asks for the handler on
+        # every call, and a servicer hands back the same one, so it is wrapped once per method.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -100,7 +103,11 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(_INFRASTRUCTURE_PREFIXES):
             return handler
-        return _wrap_handler(handler, _MethodGuard(self._tracker, self._tracer, method))
+        wrapped = self._wrapped.get(method)
+        if wrapped is None or wrapped[0] is not handler:
+            wrapped = (handler, _wrap_handler(handler, _MethodGuard(self._tracker, self._tracer, method)))
+            self._wrapped[method] = wrapped
+        return wrapped[1]
 
 
 class _MethodGuard:
