@@ -1,12 +1,14 @@
 """The gateway's gRPC face: the servicer's calls, with a refusal ending its call by status, not by raising.
 
 A refusal is the expected answer to a bad or over-limit call, and under a flood it is the most
-common one. An exception that leaves a handler costs the event loop milliseconds: the tracing
-interceptor formats its whole traceback into the span, twice. Here a `ThermoclineError` ends the
-call with its status, message and trailing metadata set on the context (the span still gets
-the status), so refusing a call costs no more than its checks. Anything else still raises, and
-the server's interceptor answers INTERNAL and logs it. The HTTP front calls the servicer itself,
-where refusals stay exceptions.
+common one. An exception that left a handler used to cost the event loop milliseconds: the
+OpenTelemetry server interceptor, which services/common/interceptors.py has since replaced,
+formatted its whole traceback into the span, twice. The guard records no traceback for a refusal,
+but an exception still unwinds through the handler and the guard, which then aborts the call.
+Here a `ThermoclineError` ends the call with its status, message and trailing metadata set on the
+context (the span still gets the status), so refusing a call costs no more than its checks.
+Anything else still raises, and the server's interceptor answers INTERNAL and logs it. The HTTP
+front calls the servicer itself, where refusals stay exceptions.
 """
 
 from __future__ import annotations
