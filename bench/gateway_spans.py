@@ -87,11 +87,16 @@ def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(start, end) for start, end in merged]
 
 
+def _root_and_children(spans: list[CollectedSpan]) -> tuple[CollectedSpan, list[CollectedSpan]]:
+    """The gateway's Generate span and the gateway's spans directly under it."""
+    (root,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
+    return root, [s for s in spans if s.service == root.service and s.parent_span_id == root.span_id]
+
+
 def own_ms(spans: list[CollectedSpan], to_client_end: bool = False) -> OwnTime:
     """One request's trace: the root span, the gateway's own time and where it lies, ms per RPC.
     The engine call ends when its last message reached the gateway, unless `to_client_end`."""
-    (root,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
-    children = [s for s in spans if s.service == root.service and s.parent_span_id == root.span_id]
+    root, children = _root_and_children(spans)
     calls = [s for s in children if "Service/" in s.name]
     finished_ns = root.events.get(ENGINE_FINISHED_EVENT)
     if finished_ns is None or to_client_end:
@@ -133,14 +138,10 @@ def own_to_first_text_ms(spans: list[CollectedSpan]) -> OwnToFirstText:
     sent (FIRST_TEXT_EVENT), less what that text waited for: the screens' calls that ended before
     it, and the engine call until the message that completed the first text reached the gateway
     (FIRST_TEXT_ARRIVED_EVENT), not until its client span ended, which may come later."""
-    (root,) = [s for s in spans if (s.service, s.name) == GATEWAY_GENERATE]
+    root, children = _root_and_children(spans)
     first_text_ns = root.events[FIRST_TEXT_EVENT]
     arrived_ns = root.events[FIRST_TEXT_ARRIVED_EVENT]
-    calls = [
-        s
-        for s in spans
-        if s.service == root.service and s.parent_span_id == root.span_id and "Service/" in s.name
-    ]
+    calls = [s for s in children if "Service/" in s.name]
     intervals = [(s.start_ns, arrived_ns if s.name == ENGINE_CALL else s.end_ns) for s in calls]
     covered = _union(_clipped([i for i in intervals if i[1] <= first_text_ns], root.start_ns, first_text_ns))
     waited_ns = sum(end - start for start, end in covered)

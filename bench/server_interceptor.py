@@ -63,8 +63,10 @@ async def start(chain: list[grpc.aio.ServerInterceptor], num_messages: int) -> t
 
 async def measure(args: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
     """Round-trip ms per (call kind, server)."""
-    servers = {"no interceptors": await start([], args.messages), "services' interceptors": None}
-    servers["services' interceptors"] = await start(interceptors(), args.messages)
+    servers = {
+        "no interceptors": await start([], args.messages),
+        "services' interceptors": await start(interceptors(), args.messages),
+    }
     samples: dict[tuple[str, str], list[float]] = {}
     channels = {name: grpc.aio.insecure_channel(f"127.0.0.1:{port}") for name, (_, port) in servers.items()}
     payload = b"x" * 64

@@ -37,8 +37,9 @@ from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from thermocline.safety.v1 import safety_pb2
 
 RETRIEVAL_MODE_HEADER = "x-retrieval-mode"  # passed on to the engine, which checks it
-# The event on the gateway's Generate span as the first text goes to the client (the answer's, or
-# the safe message that replaces it); the time to first token through the gateway ends there.
+# The event on the gateway's Generate span as the relayed stream's first text goes to the client
+# (the answer's; under trailing, the safe message that replaces a blocked prompt: under strict that
+# message goes out before the relay and has no event); the time to first token ends there.
 FIRST_TEXT_EVENT = "gateway.first_text"
 
 
@@ -176,12 +177,14 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         relayed = relay(self.upstreams, converted, settings, replicas, audit, charge.engine_counted)
         if is_overlapped:
             relayed = self._behind_prompt_check(check, relayed, admission, settings, audit, charge)
+        has_sent_text = False
         with self.in_flight.track(admission.request_id, tenant) as stream, _traced_late(prompt_verdict):
             try:
                 async for message in relayed:
                     if message.HasField("done"):
                         await charge.settle(message.done.usage.completion_tokens)
-                    elif not stream.num_tokens:
+                    elif not has_sent_text:
+                        has_sent_text = True
                         trace.get_current_span().add_event(FIRST_TEXT_EVENT)
                     stream.num_tokens += len(message.delta.token_ids)
                     yield message

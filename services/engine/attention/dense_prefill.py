@@ -169,7 +169,7 @@ class ReferenceOps:
     def __init__(
         self, query_len: int = 0, num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0
     ) -> None:
-        pass
+        """Takes CudaOps' arguments, so that either is built the same way; keeps none of them."""
 
     def build_plans(self, max_keys: int, dtype: torch.dtype, device: torch.device) -> None:
         """Nothing to build."""
