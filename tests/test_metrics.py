@@ -27,7 +27,17 @@ SECTIONS = {
 }
 SERVICES = ("gateway", "engine", "safety", "kvstore")
 TENANT = "acme-metrics"
-UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_tokens", "_sequences", "_requests", "_info", "_total")
+UNIT_SUFFIXES = (
+    "_seconds",
+    "_bytes",
+    "_ratio",
+    "_tokens",
+    "_sequences",
+    "_requests",
+    "_objects",
+    "_info",
+    "_total",
+)
 STATE_GAUGES = {"thermocline_server_draining", "thermocline_engine_safety_gate_status"}  # 0/1 flags
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -155,3 +165,22 @@ def test_counters_move_when_traffic_flows(traffic: dict[str, tuple[Samples, Samp
     assert total(after, "thermocline_engine_batch_sequences_count") > total(
         before, "thermocline_engine_batch_sequences_count"
     )
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_garbage_collections_are_timed_by_generation(
+    stories_mesh: Mesh, traffic: dict[str, tuple[Samples, Samples]], service: str
+) -> None:
+    _, after = traffic[service]
+    young = total(after, "thermocline_gc_pause_seconds_count", generation="0")
+    assert young > 0, f"{service}: no young collection timed since start-up"
+    assert total(after, "thermocline_gc_pause_seconds_sum", generation="0") > 0
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_froze_what_its_start_up_built(
+    stories_mesh: Mesh, traffic: dict[str, tuple[Samples, Samples]], service: str
+) -> None:
+    _, after = traffic[service]
+    # grpc, protobuf and OpenTelemetry alone leave tens of thousands of tracked objects
+    assert total(after, "thermocline_gc_frozen_objects") > 10_000, service

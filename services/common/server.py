@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
 from services.common.config import ServerConfig, channel_options
+from services.common.gc_pauses import freeze_start_up_heap, watch_gc_pauses
 from services.common.interceptors import CallTracker, GuardInterceptor
 from services.common.metrics import DRAINING, start_metrics_server
 from services.common.redaction import RedactingFormatter
@@ -92,6 +93,7 @@ class RunningServer:
         await self.server.start()
         if self.spec.on_start is not None:
             await self.spec.on_start()
+        freeze_start_up_heap()  # what start-up built, no later collection walks again
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving on %s", config.service, config.address)
         if self.spec.health_probe is not None:
@@ -160,6 +162,7 @@ def run_service(spec: ServiceSpec) -> None:
     setup_logging(config.log_level)
     telemetry.setup_tracing(config.service)
     start_metrics_server(config.host, config.metrics_port)
+    watch_gc_pauses()
     try:
         asyncio.run(serve(spec))
     finally:
