@@ -26,6 +26,11 @@ parts: before the first call, and from the last of those waits to the release. T
 the span starts (gRPC's receive and the server interceptors) and after the text is yielded (its
 write) is in no span; bench/gateway_overhead.py's subtraction sees it.
 
+`--timeline` adds a row per step up to the first text: the span's start, its events and each
+child span's start (`<`) and end (`>`), in time order, each step named by its two ends ("start ->
+CheckPrompt<" is the admission work before the prompt's screen goes out). Its `requests` column
+counts the requests that had that step: steps around Redis commands vary with their timing.
+
     .venv/bin/python bench/gateway_spans.py --out bench/results/gateway_spans_<date>.md
 """
 
@@ -154,6 +159,21 @@ def own_to_first_text_ms(spans: list[CollectedSpan]) -> OwnToFirstText:
     )
 
 
+def timeline(spans: list[CollectedSpan]) -> list[tuple[str, float]]:
+    """The steps of one request up to its first text, in time order, each with the ms since the
+    one before: the gateway span's start, its events, and each child span's start and end (`<`
+    and `>` after the call's or Redis command's name). A step's label names both its ends, so the
+    same label across requests is the same stretch of work or wait."""
+    root, children = _root_and_children(spans)
+    first_text_ns = root.events[FIRST_TEXT_EVENT]
+    points = [("start", root.start_ns), *root.events.items()]
+    for span in children:
+        name = span.name.rsplit("/", 1)[-1]
+        points += [(f"{name}<", span.start_ns), (f"{name}>", span.end_ns)]
+    ordered = sorted((p for p in points if p[1] <= first_text_ns), key=lambda p: p[1])
+    return [(f"{a[0]} -> {b[0]}", (b[1] - a[1]) / 1e6) for a, b in itertools.pairwise(ordered)]
+
+
 def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) -> dict[str, list[float]]:
     """Per request: the gateway span, the gateway's own time and each call's time, in ms."""
     samples: dict[str, list[float]] = defaultdict(list)
@@ -191,6 +211,9 @@ def measure(policy: str, args: argparse.Namespace, collector: TraceCollector) ->
                 samples["own: after the last call"].append(split.after_last_call_ms)
                 for name, ms in split.by_call.items():
                     samples[name].append(ms)
+                if args.timeline:
+                    for step, ms in timeline(spans):
+                        samples[f"step: {step}"].append(ms)
     return samples
 
 
@@ -216,6 +239,11 @@ def main() -> None:
     parser.add_argument(
         "--rate-lease-hold-s", type=float, default=None, help="the gateway's request lease (0: off)"
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also each step up to the first text (events and calls' ends, in time order)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here too")
     args = parser.parse_args()
     collector = TraceCollector().start()
@@ -240,6 +268,7 @@ def main() -> None:
             "- reproduce: `.venv/bin/python bench/gateway_spans.py --requests "
             f"{args.requests} --max-tokens {args.max_tokens} --policies {' '.join(args.policies)}"
             + ("" if args.rate_lease_hold_s is None else f" --rate-lease-hold-s {args.rate_lease_hold_s:g}")
+            + (" --timeline" if args.timeline else "")
             + "`",
             "- gateway's own: the gateway's Generate span minus the union of its RPC client spans, "
             "the engine call ending when its last message reached the gateway (`engine.finished`)",
