@@ -12,18 +12,22 @@ comes before NOT_FOUND, so a caller without a role learns nothing about which mo
 The first refusal ends the call with its status; allow or deny, the decision is in the audit log
 (fsynced) before the caller hears of it. Once a Generate call is authorized and valid, the
 servicer's `on_prompt_ready` starts the prompt's safety screen, which then runs beside the token
-count, the token budget and the audit write instead of after them.
+count, the token budget and the audit write instead of after them. A refusal is on disk when
+`admit_generate` raises; an allowed call's event is still being written when it returns
+(`Admitted.recorded`), so the engine starts beside the fsync, and the servicer tells the caller
+nothing, neither a message nor an error, before that write is done.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from services.common import telemetry
+from services.common import tasks, telemetry
 from services.common.errors import InvalidArgument, ThermoclineError, Unauthenticated
 from services.gateway.audit import ALLOW, DENY, AuditEvent, AuditLog, prompt_sha256
 from services.gateway.auth import JwtVerifier, Principal
@@ -79,6 +83,14 @@ class Admission:
     request_id: str
 
 
+class Admitted(NamedTuple):
+    """An allowed Generate call, and the write of its allow event: a task that is done once the
+    event is on disk, or fails (UNAVAILABLE) when it could not be written."""
+
+    admission: Admission
+    recorded: asyncio.Future[None]
+
+
 @dataclass
 class _Facts:
     """What is known about a call so far, for its audit event."""
@@ -105,6 +117,11 @@ class _Facts:
             prompt_sha256=self.prompt_sha256,
             details=dict(self.details),
         )
+
+
+def _mark_retrieved(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # awaiting the task still raises it
 
 
 def request_id_of(metadata: Mapping[str, str]) -> str:
@@ -170,15 +187,18 @@ class Gatekeeper:
         metadata: CallMetadata,
         resolve: ModelResolver,
         on_prompt_ready: PromptReady | None = None,
-    ) -> Admission:
-        """Every check for one Generate call; the decision is durable when this returns or raises.
+    ) -> Admitted:
+        """Every check for one Generate call. A refusal is durable when this raises; an allow is
+        durable once `recorded` is done, which the caller awaits before it answers.
         `on_prompt_ready` is awaited once the call is authorized and its fields valid, before the
         token count: a refusal after it (budget, token rate) may follow a screen already started."""
         facts = _Facts("invoke", "model:?", request_id_of(metadata))
         checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
         admission = await self._audited(facts, checks)
-        await self.audit.record(facts.event(ALLOW, "all checks passed"))
-        return admission
+        recorded = asyncio.ensure_future(self.audit.record(facts.event(ALLOW, "all checks passed")))
+        tasks.hold(recorded)  # written even when the caller goes away before it is read
+        recorded.add_done_callback(_mark_retrieved)  # a failure no caller reads is not logged as lost
+        return Admitted(admission, recorded)
 
     async def _audited(self, facts: _Facts, checks: Awaitable[Any]) -> Any:
         """Runs `checks`; any refusal, expected or not, is in the audit log before it propagates."""

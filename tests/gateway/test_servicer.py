@@ -1,17 +1,22 @@
 """The servicer's late trace of a passing prompt verdict: on the span whether the stream outlives
-the engine call's send or ends at once (strict), and after the first text (trailing)."""
+the engine call's send or ends at once (strict), and after the first text (trailing). And the
+order of an admitted call's answer against its allow event's write: the answer starts beside the
+write, and the caller hears nothing of it before the write is done."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
+import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from services.common.errors import NotFound, Unavailable
 from services.gateway.loop import TURNS_TO_SEND, let_calls_go_out
-from services.gateway.servicer import _traced_after, _traced_late
+from services.gateway.servicer import _heard_after, _traced_after, _traced_late
+from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.safety.v1 import safety_pb2
 
 DECISION = "thermocline.safety.prompt.decision"
@@ -88,3 +93,82 @@ def test_under_trailing_a_pass_is_traced_after_the_first_text_or_as_the_stream_c
         is_traced_with_first_text, span = asyncio.run(traced(close_after_first))
         assert not is_traced_with_first_text, close_after_first
         assert (span.attributes or {})[DECISION] == "allow", close_after_first
+
+
+TURNS = 20  # loop turns a consumer is given to get ahead of the write, were it free to
+
+
+def test_the_caller_hears_no_message_before_the_allow_event_is_on_disk() -> None:
+    async def order() -> list[str]:
+        seen: list[str] = []
+        recorded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def answer() -> AsyncIterator[pb.GenerateResponse]:
+            seen.append("answer started")
+            yield pb.GenerateResponse(delta=pb.TextDelta(text="first"))
+
+        async def caller() -> None:
+            async for message in _heard_after(recorded, answer()):
+                seen.append(f"heard {message.delta.text}")
+
+        task = asyncio.ensure_future(caller())
+        for _ in range(TURNS):
+            await asyncio.sleep(0)
+        seen.append("written")
+        recorded.set_result(None)
+        await task
+        return seen
+
+    assert asyncio.run(order()) == ["answer started", "written", "heard first"]
+
+
+def test_a_failed_write_replaces_the_answer_and_closes_it() -> None:
+    async def outcome() -> tuple[BaseException | None, bool]:
+        closed = False
+        recorded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        recorded.set_exception(Unavailable("the audit log could not be written"))
+
+        async def answer() -> AsyncIterator[pb.GenerateResponse]:
+            nonlocal closed
+            try:
+                yield pb.GenerateResponse(delta=pb.TextDelta(text="first"))
+                yield pb.GenerateResponse(delta=pb.TextDelta(text="second"))
+            finally:
+                closed = True  # where the engine call is cancelled
+
+        heard: list[pb.GenerateResponse] = []
+        with pytest.raises(Unavailable) as refused:
+            async for message in _heard_after(recorded, answer()):
+                heard.append(message)
+        assert not heard
+        return refused.value, closed
+
+    error, closed = asyncio.run(outcome())
+    assert "audit log" in str(error) and closed
+
+
+def test_an_error_of_the_answer_is_heard_after_the_write_too() -> None:
+    async def order() -> list[str]:
+        seen: list[str] = []
+        recorded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def answer() -> AsyncIterator[pb.GenerateResponse]:
+            raise NotFound("the engine has no such model")
+            yield pb.GenerateResponse()  # an async generator
+
+        async def caller() -> None:
+            try:
+                async for _ in _heard_after(recorded, answer()):
+                    pass
+            except NotFound:
+                seen.append("heard the error")
+
+        task = asyncio.ensure_future(caller())
+        for _ in range(TURNS):
+            await asyncio.sleep(0)
+        seen.append("written")
+        recorded.set_result(None)
+        await task
+        return seen
+
+    assert asyncio.run(order()) == ["written", "heard the error"]
