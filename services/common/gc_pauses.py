@@ -5,8 +5,9 @@ generation it collects. A young collection walks the objects allocated since the
 fraction of a millisecond; a full collection walks every tracked object in the process. Left
 alone, what a service loads at start-up (grpc, protobuf descriptors, OpenTelemetry, redis-py, and
 in the engine and safety service torch) sits in the oldest generation, so each full collection
-walks it again: in the gateway, with about 75,000 tracked objects, one took 42 ms in a run of
-1,000 requests, and it lands on whichever call is in flight.
+walks it again, stopping whichever calls are in flight. In a run of 1,500 requests on a 16-CPU
+host the gateway (about 70,000 tracked objects after start-up) stopped 37 ms for one, and the
+safety service (200,000) 121 ms (bench/results/gc_pauses_2026-12-06_freeze.md).
 
 `freeze_start_up_heap` moves everything alive once the service has started into the collector's
 permanent generation (`gc.freeze`), which no collection walks: what start-up built lives as long as
