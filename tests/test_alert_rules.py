@@ -19,6 +19,7 @@ PROMETHEUS_FILE = REPO_ROOT / "deploy" / "prometheus.yml"
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 REQUIRED_ALERTS = {
     "ThermoclineServiceDown",
+    "ThermoclineLongGcPauses",
     "ThermoclineKVStoreErrors",
     "ThermoclineAuditUnwritable",
     "ThermoclineHotTierHitRateLow",
