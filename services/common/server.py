@@ -66,8 +66,11 @@ def setup_logging(level: str) -> None:
 class RunningServer:
     """A started server plus what the drain needs to reach."""
 
-    def __init__(self, spec: ServiceSpec) -> None:
+    def __init__(self, spec: ServiceSpec, freeze_heap: bool = False) -> None:
         self.spec = spec
+        # A service process freezes its start-up heap (gc_pauses.py); a test that runs a server
+        # inside its own process does not, or it would freeze the test's objects for good.
+        self.freeze_heap = freeze_heap
         self.tracker = CallTracker()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.server = grpc.aio.server(
@@ -93,7 +96,8 @@ class RunningServer:
         await self.server.start()
         if self.spec.on_start is not None:
             await self.spec.on_start()
-        freeze_start_up_heap()  # what start-up built, no later collection walks again
+        if self.freeze_heap:
+            freeze_start_up_heap()  # what start-up built, no later collection walks again
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving on %s", config.service, config.address)
         if self.spec.health_probe is not None:
@@ -148,7 +152,7 @@ class RunningServer:
 
 async def serve(spec: ServiceSpec) -> None:
     """Runs the service until a signal has drained it."""
-    running = RunningServer(spec)
+    running = RunningServer(spec, freeze_heap=True)
     await running.start()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -152,11 +152,16 @@ class AuditLog:
 
     async def record(self, event: AuditEvent) -> None:
         """Appends `event`; returns once it is on disk (fsynced)."""
+        await asyncio.shield(self.submit(event))
+
+    def submit(self, event: AuditEvent) -> asyncio.Future[None]:
+        """Queues `event` now, after every event submitted before it; the future is done once it
+        is on disk, or fails (UNAVAILABLE) when its batch could not be written."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((event, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        await asyncio.shield(future)
+        return future
 
     async def _flush(self) -> None:
         while self._pending:

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from services.common import tasks, telemetry
+from services.common import telemetry
 from services.common.errors import InvalidArgument, ThermoclineError, Unauthenticated
 from services.gateway.audit import ALLOW, DENY, AuditEvent, AuditLog, prompt_sha256
 from services.gateway.auth import JwtVerifier, Principal
@@ -84,7 +84,7 @@ class Admission:
 
 
 class Admitted(NamedTuple):
-    """An allowed Generate call, and the write of its allow event: a task that is done once the
+    """An allowed Generate call, and the write of its allow event: a future that is done once the
     event is on disk, or fails (UNAVAILABLE) when it could not be written."""
 
     admission: Admission
@@ -195,8 +195,8 @@ class Gatekeeper:
         facts = _Facts("invoke", "model:?", request_id_of(metadata))
         checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
         admission = await self._audited(facts, checks)
-        recorded = asyncio.ensure_future(self.audit.record(facts.event(ALLOW, "all checks passed")))
-        tasks.hold(recorded)  # written even when the caller goes away before it is read
+        # Queued now, so that it comes before any event of the answer (a safety block) in the log.
+        recorded = self.audit.submit(facts.event(ALLOW, "all checks passed"))
         recorded.add_done_callback(_mark_retrieved)  # a failure no caller reads is not logged as lost
         return Admitted(admission, recorded)
 

@@ -17,7 +17,7 @@ from services.gateway.auth import Principal
 from services.gateway.call_metadata import CallMetadata
 from services.gateway.completion_charge import CompletionCharge
 from services.gateway.config import GatewayConfig, ReleasePolicy
-from services.gateway.gatekeeper import Admission, Gatekeeper
+from services.gateway.gatekeeper import Admission, Admitted, Gatekeeper
 from services.gateway.in_flight import InFlightStream, InFlightStreams
 from services.gateway.loop import discard, let_calls_go_out
 from services.gateway.output_screen import (
@@ -102,21 +102,38 @@ async def _trace_after_calls(verdict: safety_pb2.CheckResponse) -> None:
 async def _heard_after(
     recorded: asyncio.Future[None], answer: AsyncIterator[pb.GenerateResponse]
 ) -> AsyncIterator[pb.GenerateResponse]:
-    """`answer`, of which the caller hears nothing, neither a message nor an error, before the
-    call's allow event is on disk. The engine and the screens start beside that write (an fsync,
-    about 0.5-3 ms) instead of after it. When the write failed, its UNAVAILABLE replaces the
-    answer, which is closed: its engine call is cancelled and nothing of it is sent."""
+    """`answer`, whose error the caller hears only once the call's allow event is on disk (its
+    messages wait inside it, `_released_after`); when the write failed, its UNAVAILABLE wins."""
     try:
         async for message in answer:
-            if not recorded.done():
-                await asyncio.shield(recorded)  # held by the gatekeeper: written even if we go
-            recorded.result()  # raises the write's failure
             yield message
     except Exception:
-        await asyncio.shield(recorded)  # an error is heard after the event too; a failed write's wins
+        await asyncio.shield(recorded)  # raises the write's failure in place of the answer's error
         raise
     finally:
         await answer.aclose()  # type: ignore[attr-defined]
+
+
+async def _released_after(
+    recorded: asyncio.Future[None], messages: AsyncIterator[pb.GenerateResponse]
+) -> AsyncIterator[pb.GenerateResponse]:
+    """`messages`, none of which goes out before the call's allow event is on disk. The engine and
+    the screens start beside that write (an fsync, about 0.5-3 ms) instead of after it. When the
+    write failed, its UNAVAILABLE replaces the stream, which is closed: the engine call is
+    cancelled and nothing of it is sent."""
+    try:
+        async for message in messages:
+            await _on_disk(recorded)
+            yield message
+    finally:
+        await messages.aclose()  # type: ignore[attr-defined]
+
+
+async def _on_disk(recorded: asyncio.Future[None]) -> None:
+    """Returns once the allow event is on disk; raises its write's failure."""
+    if not recorded.done():
+        await asyncio.shield(recorded)  # the audit log's flusher writes it even if this call goes
+    recorded.result()
 
 
 @contextmanager
@@ -171,7 +188,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 discard(screen)  # admission refused the call
             raise
         (check,) = screens
-        answer = self._answer(request, context, metadata, admitted.admission, check)
+        answer = self._answer(request, context, metadata, admitted, check)
         async for message in _heard_after(admitted.recorded, answer):
             yield message
 
@@ -180,10 +197,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         request: pb.GenerateRequest,
         context: Any,
         metadata: CallMetadata,
-        admission: Admission,
+        admitted: Admitted,
         check: asyncio.Future[safety_pb2.CheckResponse],
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """An admitted call's answer: the prompt's verdict, the engine's stream and its screens."""
+        """An admitted call's answer: the prompt's verdict, the engine's stream and its screens.
+        Nothing of it goes out before the allow event is on disk."""
+        admission, recorded = admitted
         text = admission.prompt_text
         settings = self._settings(text, admission, context.time_remaining())
         self._annotate_span(request, admission)
@@ -199,6 +218,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         prompt_verdict: safety_pb2.CheckResponse | None = None  # strict: a pass is traced late
         if not is_overlapped:
             prompt_verdict = await check
+            await _on_disk(recorded)  # before a blocked prompt's messages, or the engine's
             if blocked := await self._screen_prompt(
                 prompt_verdict, admission, settings, audit, is_pass_traced=False
             ):
@@ -210,6 +230,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         relayed = relay(self.upstreams, converted, settings, replicas, audit, charge.engine_counted)
         if is_overlapped:
             relayed = self._behind_prompt_check(check, relayed, admission, settings, audit, charge)
+        # Waited for inside the stream's tracking: a cut during the wait is recorded as one, and
+        # the first text's event and the charge come only once the call is on record.
+        relayed = _released_after(recorded, relayed)
         has_sent_text = False
         with self.in_flight.track(admission.request_id, tenant) as stream, _traced_late(prompt_verdict):
             try:

@@ -266,3 +266,20 @@ def test_verify_with_the_key_passes_an_untouched_log_and_refuses_forged_checkpoi
 def test_the_signing_key_may_not_live_in_the_audit_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="inside the audit directory"):
         AuditConfig(directory=tmp_path, key_file=tmp_path / "audit.key")
+
+
+def test_an_event_submitted_first_is_on_disk_before_one_recorded_after_it(tmp_path: Path) -> None:
+    # The gateway submits a call's allow event and answers beside its write; a safety block the
+    # answer records next must come after it in the log.
+    log = AuditLog(AuditConfig(directory=tmp_path))
+
+    async def allow_then_block() -> None:
+        allowed = log.submit(_event(1))
+        await log.record(_event(2))
+        assert allowed.done()
+        await allowed
+
+    asyncio.run(allow_then_block())
+    log.close()
+    records = [json.loads(line) for line in _lines(segment_paths(tmp_path, DECISIONS)[0])]
+    assert [r["request_id"] for r in records] == ["req-1", "req-2"]

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.common.errors import NotFound, Unavailable
 from services.gateway.loop import TURNS_TO_SEND, let_calls_go_out
-from services.gateway.servicer import _heard_after, _traced_after, _traced_late
+from services.gateway.servicer import _heard_after, _released_after, _traced_after, _traced_late
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.safety.v1 import safety_pb2
 
@@ -108,7 +108,7 @@ def test_the_caller_hears_no_message_before_the_allow_event_is_on_disk() -> None
             yield pb.GenerateResponse(delta=pb.TextDelta(text="first"))
 
         async def caller() -> None:
-            async for message in _heard_after(recorded, answer()):
+            async for message in _released_after(recorded, answer()):
                 seen.append(f"heard {message.delta.text}")
 
         task = asyncio.ensure_future(caller())
@@ -138,7 +138,7 @@ def test_a_failed_write_replaces_the_answer_and_closes_it() -> None:
 
         heard: list[pb.GenerateResponse] = []
         with pytest.raises(Unavailable) as refused:
-            async for message in _heard_after(recorded, answer()):
+            async for message in _released_after(recorded, answer()):
                 heard.append(message)
         assert not heard
         return refused.value, closed
