@@ -99,32 +99,22 @@ async def _trace_after_calls(verdict: safety_pb2.CheckResponse) -> None:
     record_verdict("prompt", verdict)
 
 
-async def _heard_after(
-    recorded: asyncio.Future[None], answer: AsyncIterator[pb.GenerateResponse]
-) -> AsyncIterator[pb.GenerateResponse]:
-    """`answer`, whose error the caller hears only once the call's allow event is on disk (its
-    messages wait inside it, `_released_after`); when the write failed, its UNAVAILABLE wins."""
-    try:
-        async for message in answer:
-            yield message
-    except Exception:
-        await asyncio.shield(recorded)  # raises the write's failure in place of the answer's error
-        raise
-    finally:
-        await answer.aclose()  # type: ignore[attr-defined]
-
-
 async def _released_after(
     recorded: asyncio.Future[None], messages: AsyncIterator[pb.GenerateResponse]
 ) -> AsyncIterator[pb.GenerateResponse]:
-    """`messages`, none of which goes out before the call's allow event is on disk. The engine and
-    the screens start beside that write (an fsync, about 0.5-3 ms) instead of after it. When the
-    write failed, its UNAVAILABLE replaces the stream, which is closed: the engine call is
-    cancelled and nothing of it is sent."""
+    """`messages`, none of which, nor their error, goes out before the call's allow event is on
+    disk. The engine and the screens start beside that write (an fsync, about 0.5-3 ms) instead of
+    after it. When the write failed, its UNAVAILABLE replaces the stream, which is closed: the
+    engine call is cancelled and nothing of it is sent."""
     try:
         async for message in messages:
-            await _on_disk(recorded)
+            if not recorded.done():
+                await asyncio.shield(recorded)  # the audit log's flusher writes it even if we go
+            recorded.result()  # raises the write's failure
             yield message
+    except Exception:
+        await asyncio.shield(recorded)  # an error is heard after the event too; a failed write's wins
+        raise
     finally:
         await messages.aclose()  # type: ignore[attr-defined]
 
@@ -189,8 +179,16 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             raise
         (check,) = screens
         answer = self._answer(request, context, metadata, admitted, check)
-        async for message in _heard_after(admitted.recorded, answer):
-            yield message
+        try:
+            async for message in answer:
+                yield message
+        except Exception:
+            # An error before the stream's own (the prompt's screen, routing) waits for the allow
+            # event too; a failed write's UNAVAILABLE wins.
+            await asyncio.shield(admitted.recorded)
+            raise
+        finally:
+            await answer.aclose()  # type: ignore[attr-defined]
 
     async def _answer(
         self,

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.common.errors import NotFound, Unavailable
 from services.gateway.loop import TURNS_TO_SEND, let_calls_go_out
-from services.gateway.servicer import _heard_after, _released_after, _traced_after, _traced_late
+from services.gateway.servicer import _released_after, _traced_after, _traced_late
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.safety.v1 import safety_pb2
 
@@ -158,7 +158,7 @@ def test_an_error_of_the_answer_is_heard_after_the_write_too() -> None:
 
         async def caller() -> None:
             try:
-                async for _ in _heard_after(recorded, answer()):
+                async for _ in _released_after(recorded, answer()):
                     pass
             except NotFound:
                 seen.append("heard the error")
