@@ -106,11 +106,12 @@ async def _released_after(
     disk. The engine and the screens start beside that write (an fsync, about 0.5-3 ms) instead of
     after it. When the write failed, its UNAVAILABLE replaces the stream, which is closed: the
     engine call is cancelled and nothing of it is sent."""
+    is_on_disk = False
     try:
         async for message in messages:
-            if not recorded.done():
-                await asyncio.shield(recorded)  # the audit log's flusher writes it even if we go
-            recorded.result()  # raises the write's failure
+            if not is_on_disk:  # once, before the first message
+                await _on_disk(recorded)
+                is_on_disk = True
             yield message
     except Exception:
         await asyncio.shield(recorded)  # an error is heard after the event too; a failed write's wins

@@ -6,7 +6,7 @@ write, and the caller hears nothing of it before the write is done."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -98,6 +98,18 @@ def test_under_trailing_a_pass_is_traced_after_the_first_text_or_as_the_stream_c
 TURNS = 20  # loop turns a consumer is given to get ahead of the write, were it free to
 
 
+async def _written_after_turns(
+    caller: Callable[[], Awaitable[None]], recorded: asyncio.Future[None], seen: list[str]
+) -> None:
+    """Runs `caller`, lets it take TURNS loop turns, then completes the write and waits for it."""
+    task = asyncio.ensure_future(caller())
+    for _ in range(TURNS):
+        await asyncio.sleep(0)
+    seen.append("written")
+    recorded.set_result(None)
+    await task
+
+
 def test_the_caller_hears_no_message_before_the_allow_event_is_on_disk() -> None:
     async def order() -> list[str]:
         seen: list[str] = []
@@ -111,12 +123,7 @@ def test_the_caller_hears_no_message_before_the_allow_event_is_on_disk() -> None
             async for message in _released_after(recorded, answer()):
                 seen.append(f"heard {message.delta.text}")
 
-        task = asyncio.ensure_future(caller())
-        for _ in range(TURNS):
-            await asyncio.sleep(0)
-        seen.append("written")
-        recorded.set_result(None)
-        await task
+        await _written_after_turns(caller, recorded, seen)
         return seen
 
     assert asyncio.run(order()) == ["answer started", "written", "heard first"]
@@ -163,12 +170,7 @@ def test_an_error_of_the_answer_is_heard_after_the_write_too() -> None:
             except NotFound:
                 seen.append("heard the error")
 
-        task = asyncio.ensure_future(caller())
-        for _ in range(TURNS):
-            await asyncio.sleep(0)
-        seen.append("written")
-        recorded.set_result(None)
-        await task
+        await _written_after_turns(caller, recorded, seen)
         return seen
 
     assert asyncio.run(order()) == ["written", "heard the error"]
