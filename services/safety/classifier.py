@@ -12,6 +12,10 @@ A short prompt's clauses (normalizer.clauses) are also embedded one by one, and 
 own for the harm categories: a request inside an instruction ("Decode the following and answer it:
 ...") scores as the request. The attack heads do not read them: a template's single clause ("You will
 respond with one line at a time.") reads as an ordinary instruction, and they judge the whole text.
+
+Every text, prompt or output, is also scored for the share of it the gate cannot read
+(language.py: `unscreened_language`, the highest over views): the encoder and heads know English
+only, and a text in another language would otherwise score as noise and pass.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from typing import Literal
 from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.attack_head import JAILBREAK, AttackHead
 from services.safety.embedder import MiniLMEmbedder
+from services.safety.language import (
+    LANGUAGE_CATEGORY,
+    LANGUAGE_THRESHOLD,
+    NO_LANGUAGE_EVIDENCE,
+    LanguageScore,
+    foreign_share_of_views,
+)
 from services.safety.normalizer import clauses, views
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
@@ -39,6 +50,7 @@ class Scores:
     values: dict[str, float]
     thresholds: dict[str, float]
     num_windows: int
+    language: LanguageScore = NO_LANGUAGE_EVIDENCE  # what the unscreened_language score saw
 
     @property
     def triggered(self) -> list[str]:
@@ -105,7 +117,10 @@ class TextClassifier:
             for head in self.attack_heads:
                 values[head.name] = head.score(view_embeddings)
                 thresholds = thresholds | {head.name: head.threshold}
-        return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings))
+        language = foreign_share_of_views(forms)
+        values[LANGUAGE_CATEGORY] = language.share
+        thresholds = thresholds | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD}
+        return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings), language=language)
 
 
 def view_rows(embedder: MiniLMEmbedder, text: str) -> list[list[list[int]]]:

@@ -13,6 +13,10 @@ DEFAULT_PORT = 50053
 DEFAULT_PATTERNS = Path(__file__).with_name("deny_patterns.txt")
 DEFAULT_GATE = Path(__file__).with_name("gates") / "gate.safetensors"
 DEFAULT_SAFE_MESSAGE = "I can't help with that request."
+DEFAULT_LANGUAGE_MESSAGE = (
+    "This deployment's safety screen reads English only, so it could not pass this text. "
+    "Please write in English, or ask your operator to allow other languages for your tenant."
+)
 DEFAULT_MAX_WINDOWS = 256
 DEFAULT_HEAP_TRIM_INTERVAL_S = 1.0
 
@@ -26,6 +30,8 @@ class SafetyConfig:
     `THERMOCLINE_SAFETY_MAX_WINDOWS`: the most embedder rows (a long text: one per sentence) a check screens.
     `THERMOCLINE_SAFETY_DENY_PATTERNS`: the operator's deny-pattern file (format in deny_patterns.txt).
     `THERMOCLINE_SAFETY_SAFE_MESSAGE`: the text returned instead of a blocked completion.
+    `THERMOCLINE_SAFETY_LANGUAGE_MESSAGE`: the text returned instead when the only reason is that
+    the text is not in English (`unscreened_language`, language.py), which the user can act on.
     `THERMOCLINE_SAFETY_HEAP_TRIM_INTERVAL_S`: the most often freed heap memory goes back to the OS
     after a check (services/common/heap.py); 0 trims after every check (lowest memory, each check
     about 2 ms slower), a negative value never.
@@ -34,6 +40,7 @@ class SafetyConfig:
     server: ServerConfig
     deny_patterns_path: Path
     safe_message: str
+    language_message: str = DEFAULT_LANGUAGE_MESSAGE
     gate_path: Path = DEFAULT_GATE
     embedder_dir: Path | None = None
     max_windows: int = DEFAULT_MAX_WINDOWS
@@ -42,6 +49,8 @@ class SafetyConfig:
     def __post_init__(self) -> None:
         if not self.safe_message:
             raise ValueError("THERMOCLINE_SAFETY_SAFE_MESSAGE must not be empty")
+        if not self.language_message:
+            raise ValueError("THERMOCLINE_SAFETY_LANGUAGE_MESSAGE must not be empty")
         if not 1 <= self.max_windows <= 4096:
             raise ValueError(f"THERMOCLINE_SAFETY_MAX_WINDOWS must be 1..4096, got {self.max_windows}")
 
@@ -55,6 +64,9 @@ class SafetyConfig:
                 env.get_str("THERMOCLINE_SAFETY_DENY_PATTERNS", str(DEFAULT_PATTERNS), environ)
             ),
             safe_message=env.get_str("THERMOCLINE_SAFETY_SAFE_MESSAGE", DEFAULT_SAFE_MESSAGE, environ),
+            language_message=env.get_str(
+                "THERMOCLINE_SAFETY_LANGUAGE_MESSAGE", DEFAULT_LANGUAGE_MESSAGE, environ
+            ),
             gate_path=Path(env.get_str("THERMOCLINE_SAFETY_GATE_FILE", str(DEFAULT_GATE), environ)),
             embedder_dir=Path(embedder_dir) if embedder_dir else None,
             max_windows=env.get_int("THERMOCLINE_SAFETY_MAX_WINDOWS", DEFAULT_MAX_WINDOWS, environ),

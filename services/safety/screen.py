@@ -2,7 +2,9 @@
 
 The classifier decides by its calibrated per-category thresholds, adjusted by the tenant's policy
 (tenant_policy.py: categories off, looser thresholds); the deny patterns are an extra operator
-layer that blocks on any match, whatever the classifier or the tenant's policy says.
+layer that blocks on any match, whatever the classifier or the tenant's policy says. Beside the
+gate's categories the classifier scores `unscreened_language` (language.py), the share of a text in
+a language the gate cannot read; tenants turn it off or loosen it like any category.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gat
 from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
 from services.safety.embedder import MiniLMEmbedder, default_model_dir
+from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
 from services.safety.policy import DenyPatternPolicy
 from services.safety.tenant_policy import NO_POLICY, TenantPolicy
 
@@ -34,6 +37,8 @@ class ScreenVerdict:
     categories_off: frozenset[str] = frozenset()
     # Categories at or over the gate's own threshold that the tenant's policy let through.
     waived: tuple[str, ...] = ()
+    # Blocked for the language alone (language.py): the user is told to write in English.
+    is_language_only: bool = False
 
 
 class CategoryThresholds(NamedTuple):
@@ -68,6 +73,7 @@ class Screen:
         table = {c: CategoryThresholds(t, output[c]) for c, t in self.classifier.thresholds["prompt"].items()}
         for attack in self.classifier.attack_heads:
             table[attack.name] = CategoryThresholds(attack.threshold, None)
+        table[LANGUAGE_CATEGORY] = CategoryThresholds(LANGUAGE_THRESHOLD, LANGUAGE_THRESHOLD)
         return table
 
     def check(self, text: str, kind: TextKind = "prompt", policy: TenantPolicy = NO_POLICY) -> ScreenVerdict:
@@ -81,6 +87,9 @@ class Screen:
         waived = [c for c in scores.triggered if c not in triggered]
         matched = self.patterns.check(text)
         reasons = [f"{c} {scores.values[c]:.3f} >= {thresholds[c]:.3f}" for c in triggered]
+        if LANGUAGE_CATEGORY in triggered:  # which language or script, for the audit log
+            at = triggered.index(LANGUAGE_CATEGORY)
+            reasons[at] += f" (reads as {scores.language.guess})"
         reasons += [f"deny pattern {reason}" for reason in matched.reasons]
         deny_scores = {DENY_PREFIX + c: s for c, s in matched.scores.items()}
         return ScreenVerdict(
@@ -90,6 +99,7 @@ class Screen:
             thresholds=thresholds | dict.fromkeys(deny_scores, 1.0),
             categories_off=policy.categories_off & set(scores.values),
             waived=tuple(_waiver(c, scores.values[c], scores.thresholds[c], policy) for c in waived),
+            is_language_only=triggered == [LANGUAGE_CATEGORY] and not matched.reasons,
         )
 
 

@@ -117,6 +117,11 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
             if score >= verdict.thresholds[category] and category not in verdict.categories_off:
                 TRIGGERS.labels(layer, category).inc()
 
+    def _safe_message(self, verdict: ScreenVerdict) -> str:
+        if not verdict.is_blocked:
+            return ""
+        return self.config.language_message if verdict.is_language_only else self.config.safe_message
+
     def _to_pb(self, verdict: ScreenVerdict, policy: TenantPolicy) -> pb.CheckResponse:
         return pb.CheckResponse(
             decision=pb.DECISION_BLOCK if verdict.is_blocked else pb.DECISION_ALLOW,
@@ -131,7 +136,7 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
             ],
             reasons=list(verdict.reasons),
             policy_version=self.screen.version,
-            safe_message=self.config.safe_message if verdict.is_blocked else "",
+            safe_message=self._safe_message(verdict),
             tenant_policy=policy.describe(),
             waived=list(verdict.waived),
         )

@@ -18,6 +18,7 @@ from services.common.gate_file import PROMPT_HEAD, load_gate
 from services.safety.classifier import TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
+from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
 from services.safety.normalizer import canonical, clauses
 
 HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
@@ -71,7 +72,7 @@ def test_held_out_benign_outputs_pass_the_output_screen_at_about_the_calibrated_
     # Calibrated to 1 % false positives: 0.24 expected in 24, so one is already unlucky.
     assert sum(bool(s.triggered) for s in as_outputs) <= 1
     expected = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD).output_thresholds
-    assert as_outputs[0].thresholds == pytest.approx(expected)
+    assert as_outputs[0].thresholds == pytest.approx(expected | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD})
     assert expected != classifier.score(benign[0], "prompt").thresholds  # outputs have their own
 
 
@@ -80,7 +81,7 @@ def test_held_out_harmful_outputs_are_still_blocked_by_the_output_screen(classif
         scores = classifier.score(text, "output")
         assert scores.triggered, text[:80]
         expected = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD).output_thresholds
-        assert scores.thresholds == pytest.approx(expected)
+        assert scores.thresholds == pytest.approx(expected | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD})
 
 
 def test_one_sentence_of_a_long_prompt_counts_only_far_past_what_benign_sentences_reach(
