@@ -262,6 +262,12 @@ SOURCE_SPLITS: dict[str, str] = {
     "harmful_xstest_unsafe": TEST,
     "benign_peps_long": TEST,
     "benign_humaneval": TEST,
+    # Non-English prompts of the language screen (tools/build_multilingual_data.py), evaluation only:
+    # harmful (CatQA's Chinese and Vietnamese translations, MultiJail, XSafety) and benign (MGSM).
+    "multilingual_catqa": TEST,
+    "multilingual_multijail": TEST,
+    "multilingual_xsafety": TEST,
+    "multilingual_mgsm": TEST,
 }
 # The data/safety sources whose records carry a label (a category or benign) and a kind, read as
 # harm data by `load_examples`.
@@ -411,6 +417,16 @@ def _sharegpt_first_turns(wheel: zipfile.ZipFile) -> Iterator[tuple[int, str]]:
     for index, turns in enumerate(_sharegpt_conversations(wheel)):
         if turns and turns[0].get("from") == "human" and _is_usable_benign(turns[0]["value"]):
             yield index, turns[0]["value"].strip()
+
+
+def sharegpt_non_ascii_first_turns(wheel: zipfile.ZipFile, limit: int) -> list[str]:
+    """The first `limit` first user turns of 20-600 characters that the benign sources leave out for
+    their characters (at most 95% ASCII): mostly other languages, the traffic bench/safety_language.py
+    reads. Never trained on or calibrated with."""
+    conversations = _sharegpt_conversations(wheel)
+    turns = (t[0]["value"].strip() for t in conversations if t and t[0].get("from") == "human")
+    kept = (t for t in turns if 20 <= len(t) <= 600 and not _is_usable_benign(t))
+    return list(itertools.islice(kept, limit))
 
 
 def _sharegpt(wheel: zipfile.ZipFile) -> list[Example]:
