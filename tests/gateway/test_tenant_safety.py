@@ -15,6 +15,8 @@ from services.cli.mesh import Mesh, ServiceFailed
 from services.cli.trace_collector import TraceCollector
 from services.gateway.audit_chain import segment_paths
 from services.gateway.tenants import GateCategory, TenantTable
+from services.safety.config import DEFAULT_LANGUAGE_MESSAGE
+from services.safety.language import LANGUAGE_CATEGORY
 from tests.conftest import start_mesh
 from tests.gateway.conftest import call, token, write_policy_files
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -126,12 +128,14 @@ def gateway(mesh: Mesh, blocking: dict[str, float], tmp_path_factory: pytest.Tem
     return mesh.start_gateway_replica(GATEWAY, **env)
 
 
-def _generate(mesh: Mesh, target: str, tenant: str, request_id: str) -> tuple[pb.Completion, str]:
+def _generate(
+    mesh: Mesh, target: str, tenant: str, request_id: str, prompt: str = SELF_HARM_PROMPT
+) -> tuple[pb.Completion, str]:
     result = call(
         target,
         token(mesh, subject=f"{tenant}-user", tenant=tenant, roles=["user"]),
         intent="chat",
-        prompt=SELF_HARM_PROMPT,
+        prompt=prompt,
         max_tokens=4,
         extra_metadata=[("x-request-id", request_id)],
     )
@@ -207,3 +211,17 @@ def test_a_gateway_whose_tenants_name_an_unknown_category_or_tighten_one_does_no
     with pytest.raises(ServiceFailed) as caught:
         mesh.start_gateway_replica(f"gateway-bad-{len(message)}", **env)
     assert message in str(caught.value)
+
+
+def test_a_prompt_in_another_language_is_refused_with_a_reason_unless_the_tenant_allows_it(
+    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    french = "Raconte-moi une histoire sur un petit chat qui aime le lait et dort au soleil."
+    tenants = {"tenants": {"polyglot": {"safety": {"categories_off": [LANGUAGE_CATEGORY]}}}}
+    env = write_policy_files(tmp_path_factory.mktemp("tenant-language-policy"), tenants)
+    target = mesh.start_gateway_replica("gateway-language", **env)
+    done, text = _generate(mesh, target, "acme", "lang-acme", prompt=french)
+    assert done.finish_reason == pb.FINISH_REASON_SAFETY and text == DEFAULT_LANGUAGE_MESSAGE
+    done, text = _generate(mesh, target, "polyglot", "lang-polyglot", prompt=french)
+    assert done.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH) and text
+    assert text != DEFAULT_LANGUAGE_MESSAGE
