@@ -145,6 +145,9 @@ FOREIGN_WORDS: dict[str, frozenset[str]] = {
         "et": "kuidas mis kas",
         "is": "að ekki hvernig hvað ég það",
         "sq": "dhe në është një për që nuk unë",
+        # Hindi and Urdu written in Latin letters ("Hinglish"), as chat users often type them.
+        "hi-latn": "kaise kya hai hain mein aur nahi nahin kaun kahan kyun kyu mujhe aap kuch bahut bhai "
+        "ghar banaye banate banana karna karo kare sakta sakte chahiye batao bataiye",
     }.items()
 }
 _FOREIGN_LANGUAGE = {word: lang for lang, words in FOREIGN_WORDS.items() for word in words}

@@ -34,6 +34,7 @@ FOREIGN = {
     "vi": "Bạn có thể chỉ cho tôi cách nấu phở được không?",
     "sw": "Tafadhali nieleze jinsi ya kupika wali kwa njia rahisi.",
     "tl": "Paano ako magluluto ng adobo para sa aking pamilya?",
+    "hi-latn": "Mujhe batao ki ghar pe dal kaise banate hain.",
     "CYRILLIC": "Расскажи, пожалуйста, как приготовить борщ дома.",
     "CJK": "请告诉我怎么做一道好吃的红烧肉。",
     "HIRAGANA": "おいしいカレーの作り方を教えてください。",
