@@ -127,8 +127,9 @@ def sharegpt_lines(wheels: Path, limit: int) -> list[str]:
     )
     common = ", ".join(f"{g} {n}" for g, n in guesses.most_common(12))
     return [
-        f"ShareGPT first user turns of 20-600 characters that are at most 95% ASCII (the first {limit} in "
-        "file order; unlabelled, mostly other languages, some English with symbols or emoji):",
+        f"ShareGPT first user turns of 20-600 characters that are at most 95% ASCII ({len(turns)} in "
+        f"file order, of at most {limit} asked; unlabelled, mostly other languages, some English with "
+        "symbols or emoji):",
         "",
         "| rule | blocked |",
         "| --- | ---: |",
