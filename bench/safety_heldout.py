@@ -164,7 +164,8 @@ class Bench:
         return scores >= head.threshold
 
     def screen_blocked(self, scored: Scored) -> torch.Tensor:
-        """[N] bool: what the service's CheckPrompt decides."""
+        """[N] bool: what the service's CheckPrompt decides, less `unscreened_language` (text not
+        in English: bench/safety_language.py measures it on these sources and more)."""
         return scored.harm_blocked | self.jailbreak_blocked(scored) | scored.injection | scored.denied
 
 

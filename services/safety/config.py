@@ -14,8 +14,9 @@ DEFAULT_PATTERNS = Path(__file__).with_name("deny_patterns.txt")
 DEFAULT_GATE = Path(__file__).with_name("gates") / "gate.safetensors"
 DEFAULT_SAFE_MESSAGE = "I can't help with that request."
 DEFAULT_LANGUAGE_MESSAGE = (
-    "This deployment's safety screen reads English only, so it could not pass this text. "
-    "Please write in English, or ask your operator to allow other languages for your tenant."
+    "This deployment's safety screen reads English only, so it could not pass text in another "
+    "language. Please write, and ask for answers, in English; or ask your operator to allow other "
+    "languages for your tenant."
 )
 DEFAULT_MAX_WINDOWS = 256
 DEFAULT_HEAP_TRIM_INTERVAL_S = 1.0
@@ -31,7 +32,8 @@ class SafetyConfig:
     `THERMOCLINE_SAFETY_DENY_PATTERNS`: the operator's deny-pattern file (format in deny_patterns.txt).
     `THERMOCLINE_SAFETY_SAFE_MESSAGE`: the text returned instead of a blocked completion.
     `THERMOCLINE_SAFETY_LANGUAGE_MESSAGE`: the text returned instead when the only reason is that
-    the text is not in English (`unscreened_language`, language.py), which the user can act on.
+    the prompt or the answer is not in English (`unscreened_language`, language.py), which the user
+    can act on.
     `THERMOCLINE_SAFETY_HEAP_TRIM_INTERVAL_S`: the most often freed heap memory goes back to the OS
     after a check (services/common/heap.py); 0 trims after every check (lowest memory, each check
     about 2 ms slower), a negative value never.

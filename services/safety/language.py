@@ -10,17 +10,23 @@ off (or raises its threshold) in the gateway's tenants file; the audit event rec
 
 The score weighs evidence, not characters:
 - English function words ("the", "what", "how", "please", ...) are evidence of English;
-- distinctive function words of about 40 other languages written in Latin letters, words in other
-  scripts, French and Italian elisions (l', d', qu'), Vietnamese letters and Spanish inverted
-  marks are evidence of another language; other accented Latin letters count half;
-- everything else (names, technical terms, code, numbers) is no evidence either way.
+- distinctive function words and request verbs of about 40 other languages written in Latin
+  letters, words in other scripts (a run of letters written without spaces, as in Chinese, counts
+  a word per three letters), French and Italian elisions (l', d', qu'), Vietnamese letters and
+  Spanish inverted marks are evidence of another language; other accented Latin letters count half;
+- everything else is no evidence either way: names and technical terms, and so any word written in
+  capitals (an acronym), capitalised inside a sentence (a name: "Los Angeles", "Le Monde"),
+  touching a digit, "_", "/", "=" or the like, or joined to another word by ".", "-" or ":"
+  (code, paths, locales: "es_ES.UTF-8", "x.mean()"), and runs of base64 or hex.
 
-A view's score is foreign / (foreign + English) once there is at least MIN_EVIDENCE of both
-together, else 0 (too little to tell: the English screen applies). A long text also scores each
-sentence with at least MIN_SENTENCE_EVIDENCE of its own, and the highest counts, so an English
-template around a translated request is caught without a foreign word in an English essay tipping
-it. Words shared by English and a common other language ("die", "also", "no", "per", "con") are on
-neither list.
+A sentence's evidence is its words'; a view's is its sentences' together. The view scores
+foreign / (foreign + English) once there is at least MIN_EVIDENCE, else 0 (too little to tell: the
+English screen applies); each sentence with MIN_SENTENCE_EVIDENCE of its own scores too, and the
+highest counts, so an English template around a translated request is caught without a foreign
+word in an English essay tipping it. Words that English text or code also holds ("die", "also",
+"con", "per", "mu", "ng", "os", "com", "mit") are on neither list (tests/safety/test_language.py).
+An attacker who pads a short foreign request with more English than it has foreign words gets it
+past this rule; what the model answers is screened as output, where a foreign answer is blocked.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import re
 import unicodedata
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LANGUAGE_CATEGORY = "unscreened_language"
 # The gate blocks a view at least this foreign: more foreign than English evidence, with a margin
@@ -37,12 +43,22 @@ LANGUAGE_CATEGORY = "unscreened_language"
 LANGUAGE_THRESHOLD = 0.6
 MIN_EVIDENCE = 2.0
 MIN_SENTENCE_EVIDENCE = 4.0
-# Letters of scripts written without spaces between words: each letter is about half a word.
-_UNSPACED_WEIGHT = 0.5
+# Letters of scripts written without spaces between words: about three letters make a word.
+_UNSPACED_WEIGHT = 1 / 3
 _ACCENT_WEIGHT = 0.5
 
 _WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)*")
-_SENTENCE_END = re.compile(r"(?<=[.?!;:。？！；])\s*|\n+")
+# Sentence ends: Latin punctuation before a space, CJK punctuation anywhere.
+_SENTENCE_END = re.compile(r"(?<=[.?!;:])\s+|(?<=[。？！；])")
+# A word touching one of these is part of a number, identifier, path or expression.
+_GLUE = frozenset("_/\\=@$#%&*+<>|~^`0123456789")
+# These glue two words only when both sides are letters or digits ("x.mean", "lo-fi", "az:vm").
+_JOINERS = frozenset(".-:")
+# A quoted span: between double quotes or guillemets, or single quotes that stand apart from words.
+_QUOTED = re.compile(r"[\"“«„「『]([^\"”»“」』]{1,200})[\"”»“」』]|(?<!\w)'([^']{1,200})'(?!\w)")
+_QUOTED_WEIGHT = 0.5
+# Base64, hex, keys and hashes: a run of 16 or more of their characters with a digit or symbol.
+_ENCODED_RUN = re.compile(r"(?=[A-Za-z0-9+/=]*[0-9+/=])[A-Za-z0-9+/=]{16,}")
 
 
 def _words(text: str) -> frozenset[str]:
@@ -69,95 +85,99 @@ FOREIGN_WORDS: dict[str, frozenset[str]] = {
     lang: _words(words)
     for lang, words in {
         "fr": "le les des une sont pas pour dans qui que avec sur cette mais nous vous je il elle ils "
-        "elles aux ces leur leurs quel quelle quels quelles être faire très où ça c'est peux puis "
+        "elles ces leur leurs quel quelle quels quelles être faire très où ça c'est peux puis "
         "pourquoi quoi mes tes notre votre avoir fait tout tous toutes chez même ou suis "
         "quelqu'un voudrais peut sont j'ai n'est qu'il ne comme aussi alors donc peu beaucoup "
         "rien personne quelque veux veut dois doit pouvez pouvons avez avons êtes sommes était "
-        "été fais faites merci bonjour svp moi toi lui eux cela ceci voici depuis après",
+        "été fais faites merci bonjour svp moi toi lui eux cela ceci voici depuis après explique "
+        "expliquer dis donne donnez écris écrivez montre montrez aide aidez",
         "es": "el los las una por para como qué cómo cuál cuáles dónde cuándo quién porque pero más muy "
-        "yo tengo puedo puede está están esto esta este eso lo sus mi tu también sobre hacer ser "
-        "estar tiene es ella ellos usted quiero necesito cual donde cuando entonces ahora siempre "
-        "nunca nada alguien cosa quisiera gustaría podría puedes eres estoy tienes hacia desde "
-        "hasta entre cada otro otra mismo bien aquí así mucho mucha muchos poco hola gracias usar",
+        "tengo puedo puede está están esto esta este eso tu también sobre hacer ser estar tiene "
+        "es ella ellos usted quiero necesito cual donde cuando entonces ahora siempre nunca nada "
+        "alguien cosa quisiera gustaría podría puedes eres estoy tienes hacia desde hasta entre "
+        "cada otro otra mismo bien aquí así mucho mucha muchos poco hola gracias usar explica "
+        "explícame escribe ayúdame muéstrame si lo",
         "pt": "não uma você vocês isso isto são também ele ela eles meu minha seu sua das ao aos pelo "
         "pela muito mais fazer posso qual quais onde quando é como então ainda depois antes mesmo "
         "aqui agora tudo todos alguém coisa gostaria preciso quero tem ter foi estou estão nós "
-        "lhe seus suas deles dela nem",
+        "lhe seus suas deles dela nem explique escreva diga mostre ajude",
         "it": "il della delle dello degli che è sono gli alla alle questo questa questi anche perché "
-        "più cosa essere dei nel nella sul sulla mio tuo tua suo voglio puoi può ciao grazie "
-        "molto di ho sei hai fatto qualcuno quale quali modo farlo persone loro tutto tutti senza "
-        "sempre niente dopo prima ecco nostro vostro bene ancora allora però oppure stato altro "
-        "altri ogni perchè qualche posso",
-        "de": "der das und ist nicht ich du wir ein eine einen einem einer auf für zu wie wo wer auch "
-        "dem es sich werden wird kann können bitte mein meine haben oder aber ihr sind nach bei "
-        "warum welche welcher mich mir dich diese dieser dieses noch schon sehr gibt wenn dass "
-        "kein keine habe hatte wurde worden sein seine ihre ihnen uns unser euch etwas nichts "
-        "alles viel viele mehr immer jetzt hier dort heute machen möchte soll sollte muss müssen "
-        "wurden zwischen ohne gegen durch zum zur beim",
+        "più cosa essere dei nel nella sul sulla mio tuo tua suo voglio puoi può grazie molto di "
+        "ho sei hai fatto qualcuno quale quali modo farlo persone loro tutto tutti senza sempre "
+        "niente dopo prima ecco nostro vostro bene ancora allora però oppure stato altro altri "
+        "ogni perchè qualche posso spiega spiegami dimmi scrivi aiutami mostrami ti",
+        "de": "der das und ist nicht ich wir ein eine einen einem einer auf für zu wie wo wer auch dem "
+        "es sich werden wird kann können bitte mein meine haben oder aber ihr sind nach bei warum "
+        "welche welcher mich dich diese dieser dieses noch schon sehr gibt wenn dass kein keine "
+        "habe hatte wurde worden sein seine ihre ihnen uns unser euch etwas nichts alles viel "
+        "viele mehr immer jetzt hier dort heute machen möchte soll sollte muss müssen wurden "
+        "zwischen ohne gegen durch zum zur beim erkläre erklär erklären schreibe schreib zeig "
+        "zeige hilf gib ja mir",
         "nl": "het een niet ik wat hoe zijn voor deze maar ook naar wij jij mijn hebben wordt kunnen "
         "kun je waarom welke zo bij uit nog geen dit heb hebt heeft werd moet moeten willen wil "
         "kunt zou jullie iets niets veel meer altijd daar waar wanneer omdat alsjeblieft bedankt "
-        "graag maken doen gaan mij zich",
+        "graag maken doen gaan mij zich schrijf vertel",
         "sv": "och är att det som jag inte för på hur vad varför ni",
-        "da-no": "og jeg ikke hvordan hva hvad hvorfor ikkje meg deg",
-        "fi": "ja ei että kuinka miten mitä mikä minä sinä hän ovat olen voi kanssa mutta",
-        "pl": "nie się jest że jak czy mnie jestem może są dla tak jaki jakie który która które przez",
-        "cs-sk": "není jsem jsou jako který která které proč mě si sa ako som",
-        "ro": "și în este nu că să sunt pentru mai asta acest aceasta",
-        "hu": "és az hogy nem egy hogyan vagy csak ez azt ami amely kell lehet nekem miért",
+        "da-no": "jeg ikke hvordan hva hvad hvorfor ikkje meg",
+        "fi": "ei että kuinka miten mitä mikä minä sinä hän ovat olen voi kanssa mutta",
+        "pl": "nie się że jak czy mnie jestem może są dla tak jaki jakie który która które przez",
+        "cs-sk": "není jsem jsou jako který která které proč mě ako som",
+        "ro": "și în este că să sunt pentru mai asta acest aceasta",
+        "hu": "és hogy nem egy hogyan vagy csak azt amely kell lehet nekem miért",
         "tr": "bir ve bu için ile nasıl ne çok daha olarak değil yok gibi veya şey bana beni nedir mı "
-        "mu mü bunu şu neden niçin hangi kim nerede zaman lütfen teşekkürler yapmak istiyorum "
-        "nasil bilgi olan kadar sonra önce hiç bütün tüm",
-        "id-ms": "yang itu tidak saya untuk dengan ke akan bisa bagaimana cara membuat aku kamu anda dia "
-        "mereka kami kita atau juga sudah belum adalah dalam pada bagi boleh tak nak mengapa "
-        "kenapa dimana kapan siapa berapa harus ingin mau perlu seperti karena jika kalau agar "
-        "supaya lebih sangat semua banyak beberapa orang tentang tanpa sebagai oleh telah sedang "
-        "masih hanya bukan punya memiliki menggunakan mendapatkan apakah tolong bantu buat",
-        "jv": "kowe iki kuwi karo ing ora piye carane gawe opo wong arep kanggo saka marang wis durung "
-        "kudu apik iku kabeh akeh banget uga nanging amarga dadi nalika kepiye ngapa endi sapa "
-        "ngendi njaluk ngerti sampeyan panjenengan dheweke mung",
-        "vi": "và của là không có cho được một những các này người làm thế nào tôi bạn với để như khi "
-        "trong đã sẽ cách gì sao hãy",
-        "tl": "ang ng mga ay ko mo paano ano ako ikaw siya kami tayo sila ito iyan gumawa naman rin "
-        "kasi dahil kapag nang niya nila namin natin ninyo akin iyo kanya yung yun dito doon saan "
-        "sino bakit kailan gaano magkano gusto kailangan pwede puwede paki salamat opo wala meron "
-        "mayroon",
-        "sw": "wa kwa ni za kama hii jinsi gani nini mimi wewe yeye sisi nyinyi wao katika kutoka "
-        "kuhusu lakini pia sana tafadhali nawezaje naweza kufanya kutengeneza ili hivyo kuna "
-        "hakuna yangu yako wetu wenu huyo hiyo hilo hizi watu mtu kitu vitu nani wapi lini "
-        "kwanini ndiyo hapana baada kabla bila kila sasa pamoja zaidi kwenye kutumia kupata kuwa "
-        "unaweza ninaweza nataka ninataka ambayo ambao ambaye wakati siku jambo mambo habari "
-        "asante",
-        "zu-xh": "ukuthi kanjani ngiyacela ngicela umuntu yini kodwa futhi kanye noma ngoba ukwenza "
-        "ngingakwazi kakhulu lokhu loku",
+        "mü bunu şu neden niçin hangi nerede zaman lütfen teşekkürler yapmak istiyorum nasil "
+        "bilgi olan kadar sonra önce hiç bütün tüm",
+        "id-ms": "itu tidak saya untuk dengan ke akan bisa bagaimana cara membuat aku kamu anda dia mereka "
+        "kami kita atau juga sudah belum adalah dalam pada bagi boleh tak nak mengapa kenapa "
+        "dimana kapan siapa berapa harus ingin mau perlu seperti karena jika kalau agar supaya "
+        "lebih sangat semua banyak beberapa orang tentang tanpa sebagai oleh telah sedang masih "
+        "hanya bukan punya memiliki menggunakan mendapatkan apakah tolong bantu buat yang",
+        "jv": "kowe iki kuwi karo ing piye carane gawe opo arep kanggo saka marang wis durung kudu apik "
+        "iku kabeh akeh banget uga nanging amarga dadi nalika kepiye ngapa endi sapa ngendi "
+        "njaluk ngerti sampeyan panjenengan dheweke mung ora wong",
+        "vi": "và của là không có được một những các này người làm thế nào tôi bạn với để như khi trong "
+        "đã sẽ cách gì sao hãy",
+        "tl": "mga ay ko mo paano ano ako ikaw siya kami tayo sila ito iyan gumawa naman rin kasi dahil "
+        "kapag nang niya nila namin natin ninyo iyo kanya yung yun dito doon saan bakit kailan "
+        "gaano magkano kailangan pwede puwede paki salamat opo wala meron mayroon sino ang",
+        "sw": "kwa ni za kama hii jinsi gani nini mimi wewe yeye sisi nyinyi wao katika kutoka kuhusu "
+        "lakini pia sana tafadhali nawezaje naweza kufanya kutengeneza ili hivyo kuna hakuna "
+        "yangu yako wetu wenu huyo hiyo hilo hizi watu mtu kitu vitu nani wapi lini kwanini ndiyo "
+        "hapana baada kabla bila kila sasa pamoja zaidi kwenye kutumia kupata kuwa unaweza "
+        "ninaweza nataka ninataka ambayo ambao ambaye wakati siku jambo mambo habari asante wa",
+        "zu-xh": "ukuthi kanjani ngiyacela ngicela umuntu yini kodwa futhi noma ngoba ukwenza ngingakwazi "
+        "kakhulu lokhu loku",
         "gd-ga": "agus tha ciamar bho gu cha dè ri conas tá níl cén ach bhí",
-        "hmn": "yuav ua cas kuv koj thiab rau nyob tsis ntawm ib tus txoj hauv peb lawv nws",
+        "hmn": "yuav kuv koj thiab rau nyob tsis ntawm tus txoj hauv peb lawv",
         "gn": "mba'éichapa upe ndaipóri ikatu ha'e che nde ñande ndive rehe mba'e",
-        "ht": "kijan mwen nou yo pou ki fè kapab kòman",
+        "ht": "kijan mwen nou pou ki fè kapab kòman",
         "ca": "amb els és perquè què aquest aquesta",
         "hr-sr-bs": "kako što šta za koji koja koje smo ste",
-        "cy": "yn sut ydy ydw gyda hefyd dw",
-        "eu": "ez zer hau dut",
+        "cy": "yn sut ydy ydw gyda hefyd",
+        "eu": "zer hau",
         "so": "iyo waa ku sidee maxaa aan ayaa",
-        "yo": "ati ti naa bawo kini mo iwo",
+        "yo": "ati naa bawo kini mo iwo",
         "ha": "yaya ina shi ita wannan amma kuma",
-        "lt-lv": "ir kaip kad yra kas aš kā ka kāpēc",
+        "lt-lv": "kaip kad yra kas aš kā kāpēc",
         "et": "kuidas mis kas",
         "is": "að ekki hvernig hvað ég það",
         "sq": "dhe në është një për që nuk unë",
         # Hindi and Urdu written in Latin letters ("Hinglish"), as chat users often type them.
         "hi-latn": "kaise kya hai hain mein aur nahi nahin kaun kahan kyun kyu mujhe aap kuch bahut bhai "
-        "ghar banaye banate banana karna karo kare sakta sakte chahiye batao bataiye",
+        "ghar banaye banate karna karo kare sakta sakte chahiye batao bataiye",
     }.items()
 }
-_FOREIGN_LANGUAGE = {word: lang for lang, words in FOREIGN_WORDS.items() for word in words}
+_FOREIGN_LANGUAGE: dict[str, str] = {}
+for _lang, _list in FOREIGN_WORDS.items():
+    for _word in _list:
+        _FOREIGN_LANGUAGE.setdefault(_word, _lang)  # a word of two languages: the first listed
 # English words written with accents, which count as no evidence.
 _ENGLISH_LOANS = _words(
     "café cafés naïve résumé résumés cliché fiancé fiancée façade déjà entrée rosé soufflé crème "
     "brûlée piñata jalapeño jalapeños señor über doppelgänger protégé exposé sauté touché éclair "
     "décor débris élite rôle coördinate naïveté pokémon"
 )
-_VIETNAMESE_LETTERS = frozenset("ăâđêôơưĂÂĐÊÔƠƯ")
+_VIETNAMESE_LETTERS = frozenset("ơưđƠƯĐ")
 
 
 @dataclass(frozen=True)
@@ -172,14 +192,35 @@ class LanguageScore:
 class _Evidence:
     english: float = 0.0
     foreign: float = 0.0
+    # Accented Latin words count only beside other foreign evidence: alone they are names and
+    # loanwords in English text ("Müller", "crêpes").
+    accents: float = 0.0
+    guesses: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
-    def share(self, min_evidence: float) -> float:
-        total = self.english + self.foreign
-        return self.foreign / total if total >= min_evidence and total > 0 else 0.0
+    def add_foreign(self, weight: float, guess: str) -> None:
+        self.foreign += weight
+        self.guesses[guess] += weight
+
+    def add(self, other: _Evidence) -> None:
+        self.english += other.english
+        self.foreign += other.foreign
+        self.accents += other.accents
+        for guess, weight in other.guesses.items():
+            self.guesses[guess] += weight
+
+    def score(self, min_evidence: float) -> LanguageScore:
+        if not self.foreign:
+            return NO_LANGUAGE_EVIDENCE
+        foreign = self.foreign + self.accents
+        total = self.english + foreign
+        if total < min_evidence:
+            return NO_LANGUAGE_EVIDENCE
+        return LanguageScore(foreign / total, max(self.guesses, key=self.guesses.__getitem__))
 
 
 def _is_latin(char: str) -> bool:
-    return char < "\u0250" or "\u1e00" <= char <= "\u1eff"
+    """Latin letters, IPA and phonetic letters included (they are no evidence of a language)."""
+    return char < "\u02b0" or "\u1d00" <= char <= "\u1eff"
 
 
 def _script(char: str) -> str:
@@ -188,56 +229,78 @@ def _script(char: str) -> str:
 
 
 _UNSPACED = frozenset({"CJK", "HIRAGANA", "KATAKANA", "THAI", "LAO", "KHMER", "MYANMAR", "TIBETAN"})
+_LETTERS = frozenset({"Lu", "Ll", "Lt", "Lo"})  # not modifier letters (IPA's stress and length marks)
+# A sentence this much in capitals is shouted, not a run of acronyms: it is read in lower case.
+_SHOUTED_SHARE = 0.8
+_SHOUTED_MIN_LETTERS = 8
 
 
-def _word_evidence(word: str, evidence: _Evidence, guesses: defaultdict[str, float]) -> None:
-    other = [c for c in word if not _is_latin(c)]
+def _is_glued(text: str, start: int, end: int) -> bool:
+    """The word text[start:end] is part of a number, identifier, path or expression."""
+    for at, beyond in ((start - 1, start - 2), (end, end + 1)):
+        if 0 <= at < len(text):
+            char = text[at]
+            if char in _GLUE:
+                return True
+            if char in _JOINERS and 0 <= beyond < len(text) and text[beyond].isalnum():
+                return True
+    return False
+
+
+def _word_evidence(word: str, is_first: bool, weight: float, evidence: _Evidence) -> None:
+    """Adds what `word` says of its language; `weight` scales foreign evidence (a quoted word counts
+    half: "What does 'je ne sais quoi' mean?")."""
+    if len(word) < 2 or word.isupper() or (word[0].isupper() and not is_first):
+        return  # a letter, an acronym or a name
+    other = [c for c in word if not _is_latin(c) and unicodedata.category(c) in _LETTERS]
     if other:
         if len(other) < 2:
             return  # a lone Greek or other letter: a symbol in an English text
         script = _script(other[0])
-        weight = len(other) * _UNSPACED_WEIGHT if script in _UNSPACED else 1.0
-        evidence.foreign += weight
-        guesses[script] += weight
+        evidence.add_foreign(weight * (len(other) * _UNSPACED_WEIGHT if script in _UNSPACED else 1.0), script)
         return
     lower = word.lower().replace("’", "'")
     if lower in ENGLISH:
         evidence.english += 1.0
     elif (lang := _FOREIGN_LANGUAGE.get(lower)) is not None:
-        evidence.foreign += 1.0
-        guesses[lang] += 1.0
+        evidence.add_foreign(weight, lang)
     elif _ELISION.match(lower):
-        evidence.foreign += 1.0
-        guesses["fr"] += 1.0
-    elif any(c in _VIETNAMESE_LETTERS or "\u1e00" <= c <= "\u1eff" for c in word):
-        evidence.foreign += 1.0
-        guesses["vi"] += 1.0
+        evidence.add_foreign(weight, "fr")
+    elif any(c in _VIETNAMESE_LETTERS or "\u1ea0" <= c <= "\u1ef9" for c in word):
+        evidence.add_foreign(weight, "vi")
     elif not word.isascii() and lower not in _ENGLISH_LOANS:
-        evidence.foreign += _ACCENT_WEIGHT
+        evidence.accents += weight * _ACCENT_WEIGHT
 
 
-def _evidence(text: str, guesses: defaultdict[str, float]) -> _Evidence:
+def _sentence_evidence(sentence: str) -> _Evidence:
     evidence = _Evidence()
-    for match in _WORD.finditer(text):
-        _word_evidence(match.group(), evidence, guesses)
-    inverted = text.count("¿") + text.count("¡")
-    evidence.foreign += inverted
-    if inverted:
-        guesses["es"] += inverted
+    letters = [c for c in sentence if c.isalpha()]
+    upper = sum(c.isupper() for c in letters)
+    if len(letters) >= _SHOUTED_MIN_LETTERS and upper >= _SHOUTED_SHARE * len(letters):
+        sentence = sentence.lower()
+    quoted = [m.span(1 if m.group(1) is not None else 2) for m in _QUOTED.finditer(sentence)]
+    for index, match in enumerate(_WORD.finditer(sentence)):
+        if not _is_glued(sentence, match.start(), match.end()):
+            is_quoted = any(start <= match.start() < end for start, end in quoted)
+            _word_evidence(match.group(), index == 0, _QUOTED_WEIGHT if is_quoted else 1.0, evidence)
+    if inverted := sentence.count("¿") + sentence.count("¡"):
+        evidence.add_foreign(inverted, "es")
     return evidence
 
 
 def foreign_share(text: str, by_sentence: bool = True) -> LanguageScore:
-    """The share of `text`'s language evidence that is not English: over the whole text, and when
-    `by_sentence` the highest over its sentences with MIN_SENTENCE_EVIDENCE of their own."""
-    guesses: defaultdict[str, float] = defaultdict(float)
-    share = _evidence(text, guesses).share(MIN_EVIDENCE)
-    if by_sentence:
-        for sentence in _SENTENCE_END.split(text):
-            if sentence and sentence != text:
-                share = max(share, _evidence(sentence, defaultdict(float)).share(MIN_SENTENCE_EVIDENCE))
-    guess = max(guesses, key=guesses.__getitem__) if guesses and share > 0 else ""
-    return LanguageScore(share, guess)
+    """The share of `text`'s language evidence that is not English, with what it looks like: over
+    the whole text, and when `by_sentence` the highest over its sentences with
+    MIN_SENTENCE_EVIDENCE of their own."""
+    whole = _Evidence()
+    best = NO_LANGUAGE_EVIDENCE
+    for sentence in _SENTENCE_END.split(_ENCODED_RUN.sub(" ", text)):
+        evidence = _sentence_evidence(sentence)
+        whole.add(evidence)
+        if by_sentence and (score := evidence.score(MIN_SENTENCE_EVIDENCE)).share > best.share:
+            best = score
+    overall = whole.score(MIN_EVIDENCE)
+    return overall if overall.share >= best.share else best
 
 
 NO_LANGUAGE_EVIDENCE = LanguageScore(0.0, "")

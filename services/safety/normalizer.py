@@ -15,9 +15,14 @@ import unicodedata
 
 from services.safety.decoders import hidden_texts, text_of
 
-# Characters that render as nothing and are used to split a word past a screen.
+# Characters that render as nothing and are used to split a word past a screen, the bidirectional
+# marks and controls among them (U+200E/F, U+202A-E, U+2066-9: they reorder, they draw nothing).
 _ZERO_WIDTH = dict.fromkeys(
-    map(ord, "\u200b\u200c\u200d\u2060\u2061\u2062\u2063\u2064\ufeff\u00ad\u180e\u034f")
+    map(
+        ord,
+        "\u200b\u200c\u200d\u2060\u2061\u2062\u2063\u2064\ufeff\u00ad\u180e\u034f"
+        "\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069",
+    )
 )
 # Unicode tag characters: invisible, dropped from the text (decoders.smuggled_tags reads them).
 _TAGS = dict.fromkeys(range(0xE0000, 0xE0080))
@@ -41,7 +46,7 @@ MAX_DECODED_BLOBS = 8  # per text: enough for real payloads, bounded against a t
 MAX_HIDDEN_VIEWS = 8  # decoded views per text, past the plain one
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 2
+VIEWS_VERSION = 3
 
 
 def _visible(text: str) -> str:

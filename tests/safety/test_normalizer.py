@@ -20,6 +20,10 @@ def test_zero_width_characters_and_fullwidth_letters_are_folded() -> None:
     assert canonical("ｐｉｐｅ　ｂｏｍｂ") == "pipe bomb"
 
 
+def test_bidirectional_marks_and_controls_are_dropped() -> None:
+    assert canonical("pi\u200epe \u202ebo\u202cmb \u2067now\u2069") == "pipe bomb now"
+
+
 def test_cyrillic_and_greek_lookalikes_fold_to_latin_in_a_latin_text() -> None:
     assert canonical("how to make a \u0440\u0456\u0440\u0435 b\u043emb") == "how to make a pipe bomb"
     assert canonical("Ηοw to make") == "How to make"  # Greek capital eta, small omicron
