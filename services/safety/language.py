@@ -2,7 +2,7 @@
 
 The gate's encoder (all-MiniLM-L6-v2, an English WordPiece vocabulary) and every head on it were
 trained on English. A request in another language scores as noise there: before this screen, none
-of 16 plain requests for bombs, poison, ransomware or murder in French, Spanish, German and Chinese
+of 12 plain requests for bombs, poison, ransomware or murder in French, Spanish, German and Chinese
 was blocked (bench/results/safety_language_2026-12-06.md). A text the gate cannot read is not a
 text it has found safe, so the screen scores each view's foreign share as a category of its own,
 `unscreened_language`, which blocks by default. A tenant whose users write other languages turns it
