@@ -57,8 +57,10 @@ _JOINERS = frozenset(".-:")
 # A quoted span: between double quotes or guillemets, or single quotes that stand apart from words.
 _QUOTED = re.compile(r"[\"“«„「『]([^\"”»“」』]{1,200})[\"”»“」』]|(?<!\w)'([^']{1,200})'(?!\w)")
 _QUOTED_WEIGHT = 0.5
-# Base64, hex, keys and hashes: a run of 16 or more of their characters with a digit or symbol.
-_ENCODED_RUN = re.compile(r"(?=[A-Za-z0-9+/=]*[0-9+/=])[A-Za-z0-9+/=]{16,}")
+# Base64, hex, keys and hashes: a run of 16 or more of their characters with a digit or symbol
+# (checked on the run, not by a lookahead, which would make a long run of letters quadratic).
+_ENCODED_RUN = re.compile(r"[A-Za-z0-9+/=]{16,}")
+_ENCODED_MARKS = frozenset("0123456789+/=")
 
 
 def _words(text: str) -> frozenset[str]:
@@ -288,13 +290,17 @@ def _sentence_evidence(sentence: str) -> _Evidence:
     return evidence
 
 
+def _blank_if_encoded(run: re.Match[str]) -> str:
+    return " " if not _ENCODED_MARKS.isdisjoint(run.group()) else run.group()
+
+
 def foreign_share(text: str, by_sentence: bool = True) -> LanguageScore:
     """The share of `text`'s language evidence that is not English, with what it looks like: over
     the whole text, and when `by_sentence` the highest over its sentences with
     MIN_SENTENCE_EVIDENCE of their own."""
     whole = _Evidence()
     best = NO_LANGUAGE_EVIDENCE
-    for sentence in _SENTENCE_END.split(_ENCODED_RUN.sub(" ", text)):
+    for sentence in _SENTENCE_END.split(_ENCODED_RUN.sub(_blank_if_encoded, text)):
         evidence = _sentence_evidence(sentence)
         whole.add(evidence)
         if by_sentence and (score := evidence.score(MIN_SENTENCE_EVIDENCE)).share > best.share:
