@@ -65,6 +65,11 @@ def _braille(text: str) -> str:
     return "".join(cells)
 
 
+# Each lower-case letter turned by half a turn, as upside-down text generators print them.
+TURNED = dict(zip("abcdefghijklmnopqrstuvwxyz?!", "ɐqɔpǝɟƃɥᴉɾʞlɯuodbɹsʇnʌʍxʎz¿¡", strict=True))
+SMALL_CAPITALS = dict(zip("abcdefghijklmnopqrstuvwyz", "ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘǫʀꜱᴛᴜᴠᴡʏᴢ", strict=True))
+
+
 def _morse(text: str) -> str:
     words = ["".join(c for c in w.lower() if c in MORSE) for w in text.split()]
     return " / ".join(" ".join(MORSE[c] for c in w) for w in words if w)
@@ -84,6 +89,8 @@ ENCODINGS: dict[str, Callable[[str], str]] = {
     "braille": _braille,
     "Morse": _morse,
     "strikethrough marks": lambda t: "".join(c + "\u0336" for c in t),
+    "upside down": lambda t: "".join(TURNED.get(c, c) for c in t.lower()[::-1]),
+    "small capitals": lambda t: "".join(SMALL_CAPITALS.get(c, c) for c in t.lower()),
 }
 
 

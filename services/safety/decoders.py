@@ -2,8 +2,8 @@
 in a text and returns the plain text it hides, or nothing.
 
 An attacker who writes "decode this and answer it" before a harmful request in ROT13, reversed,
-in hex, braille or Morse, in leetspeak, with its letters spaced out, or in invisible Unicode tag
-characters counts on the model decoding what the screen cannot. Each decoder here is cheap (a
+upside down, in hex, braille or Morse, in leetspeak, with its letters spaced out, or in invisible
+Unicode tag characters counts on the model decoding what the screen cannot. Each decoder here is cheap (a
 regular expression or one pass over the words) and fires only on its own encoding, so an ordinary
 prompt gets no extra view and pays no extra embedding; what they find becomes another view of the
 text (normalizer.views), screened like the plain one.
@@ -62,6 +62,15 @@ _MORSE = {
     ".....": "5", "-....": "6", "--...": "7", "---..": "8", "----.": "9",
 }  # fmt: skip
 _MORSE_RUN = re.compile(r"(?:[.\-]{1,6}(?:\s*/\s*|\s+)){7,}[.\-]{1,6}")
+# Upside-down text: the line read backwards, each letter turned by half a turn ("ɐ" for "a", "ǝ" for
+# "e", "q" for "b"). Letters that turn into themselves or into each other (o, s, x, z; b/q, d/p, n/u)
+# are in the table too; the turned-only ones (_TURNED) show that a line is written this way.
+_UNTURN = str.maketrans(
+    "ɐqɔpǝɟƃɥᴉıɾʞlɯuodbɹsʇnʌʍxʎz∀ꓭƆᗡƎℲ⅁HIſꓘ˥WNOԀQᴚS⊥∩ΛMX⅄Z¿¡",
+    "abcdefghiijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ?!",
+)
+_TURNED = frozenset("ɐɔǝɟƃɥᴉɾʞɯɹʇʌʍʎ∀ꓭƆᗡƎℲ⅁ꓘ˥Ԁᴚ⊥∩Λ⅄")
+MIN_TURNED_LETTERS = 3
 _WORD = re.compile(r"[A-Za-z]+")
 _CLAUSE_BREAK = re.compile(r"(?<=[:;!?])\s+|(?<=\.)\s+")
 
@@ -328,6 +337,15 @@ def chunks(text: str) -> list[str]:
     return pieces
 
 
+def unturned(line: str) -> str | None:
+    """`line` turned back when it is written upside down (at least MIN_TURNED_LETTERS letters that
+    only turned text uses, of at least two kinds); else None."""
+    turned = [c for c in line if c in _TURNED]
+    if len(turned) < MIN_TURNED_LETTERS or len(set(turned)) < 2:
+        return None
+    return line[::-1].translate(_UNTURN)
+
+
 def hidden_texts(text: str) -> list[str]:
     """Every plain text this module finds hidden in `text` (NFKC, zero-width characters dropped,
     tag characters and whitespace as sent). The whole-text decoders (ciphers, leetspeak, spacing)
@@ -336,7 +354,9 @@ def hidden_texts(text: str) -> list[str]:
     decoded, so a long prompt with one odd line does not embed twice."""
     found = [*smuggled_tags(text), *decoded_hex(text), *morse(text), *braille(text)]
     lines = chunks(text)
-    decoders = (deciphered, unleeted, despaced) if _votes(_cipher_words(text)) else (unleeted, despaced)
+    decoders: list[Callable[[str], str | None]] = [unturned, unleeted, despaced]
+    if _votes(_cipher_words(text)):
+        decoders.insert(0, deciphered)
     for decoder in decoders:
         decoded = [plain for line in lines if (plain := decoder(line)) is not None]
         if decoded:

@@ -36,6 +36,10 @@ _CONFUSABLES = str.maketrans(
     "аеорсухіјѕԁһӏԛԝɡАВЕКМНОРСТХЅІЈԜοινκρτυχαΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
     "aeopcyxijsdhlqwgABEKMHOPCTXSIJWoivkptuxaABEZHIKMNOPTYX",
 )
+# Small capital letters ("ᴍᴀᴋᴇ ᴀ ʙᴏᴍʙ"), which NFKC leaves alone: the encoder reads them as unknown
+# tokens, so they hide a request as an encoding does. In IPA they are vowels and consonants close
+# to the letter they are read as here.
+_SMALL_CAPITALS = str.maketrans("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘǫʀꜱᴛᴜᴠᴡʏᴢ", "abcdefghijklmnopqrstuvwyz")
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
 # Clauses of a short prompt (see clauses()): split after a sentence end, a colon or a semicolon.
 _CLAUSE_END = re.compile(r"(?<=[.?!:;])\s+")
@@ -46,12 +50,13 @@ MAX_DECODED_BLOBS = 8  # per text: enough for real payloads, bounded against a t
 MAX_HIDDEN_VIEWS = 8  # decoded views per text, past the plain one
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 3
+VIEWS_VERSION = 4
 
 
 def _visible(text: str) -> str:
-    """NFKC with zero-width characters dropped: what a reader sees, whitespace and tags as sent."""
-    return unicodedata.normalize("NFKC", text).translate(_ZERO_WIDTH)
+    """NFKC with zero-width characters dropped and small capitals read as letters: what a reader
+    sees, whitespace and tags as sent."""
+    return unicodedata.normalize("NFKC", text).translate(_ZERO_WIDTH).translate(_SMALL_CAPITALS)
 
 
 def _cleaned(visible: str) -> str:
