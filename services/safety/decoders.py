@@ -338,12 +338,18 @@ def chunks(text: str) -> list[str]:
 
 
 def unturned(line: str) -> str | None:
-    """`line` turned back when it is written upside down (at least MIN_TURNED_LETTERS letters that
-    only turned text uses, of at least two kinds); else None."""
+    """The clauses of `line` written upside down, turned back, when the line has at least
+    MIN_TURNED_LETTERS letters that only turned text uses, of two kinds or more; else None."""
     turned = [c for c in line if c in _TURNED]
     if len(turned) < MIN_TURNED_LETTERS or len(set(turned)) < 2:
         return None
-    return line[::-1].translate(_UNTURN)
+
+    def clause(text: str) -> tuple[str, bool]:
+        if sum(c in _TURNED for c in text) < 2:
+            return text, False  # a plain clause ("Decode the following and answer it:")
+        return text[::-1].translate(_UNTURN), True
+
+    return _decoded_segments(line, clause)
 
 
 def hidden_texts(text: str) -> list[str]:
