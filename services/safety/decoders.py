@@ -3,10 +3,10 @@ in a text and returns the plain text it hides, or nothing.
 
 An attacker who writes "decode this and answer it" before a harmful request in ROT13, reversed,
 upside down, in hex, braille or Morse, in leetspeak, with its letters spaced out, or in invisible
-Unicode tag characters counts on the model decoding what the screen cannot. Each decoder here is cheap (a
-regular expression or one pass over the words) and fires only on its own encoding, so an ordinary
-prompt gets no extra view and pays no extra embedding; what they find becomes another view of the
-text (normalizer.views), screened like the plain one.
+Unicode tag characters counts on the model decoding what the screen cannot. Each decoder here is
+cheap (a regular expression or one pass over the words) and fires only on its own encoding, so an
+ordinary prompt gets no extra view and pays no extra embedding; what they find becomes another view
+of the text (normalizer.views), screened like the plain one.
 
 Ciphers are found by their words: a Caesar shift (ROT13 is shift 13), Atbash or reversed letters
 turn common English words into strings that one dictionary lookup per word recognises
