@@ -15,8 +15,9 @@ The score weighs evidence, not characters:
   a word per three letters), French and Italian elisions (l', d', qu'), Vietnamese letters and
   Spanish inverted marks are evidence of another language; other accented Latin letters count half;
 - everything else is no evidence either way: names and technical terms, and so any word written in
-  capitals (an acronym), capitalised inside a sentence (a name: "Los Angeles", "Le Monde"),
-  touching a digit, "_", "/", "=" or the like, or joined to another word by ".", "-" or ":"
+  capitals (an acronym), capitalised inside a sentence (a name: "Los Angeles", "Le Monde"; a
+  sentence in Title Case is read in lower case when that finds three distinct listed words or
+  more), touching a digit, "_", "/", "=" or the like, or joined to another word by ".", "-" or ":"
   (code, paths, locales: "es_ES.UTF-8", "x.mean()"), and runs of base64 or hex.
 
 A sentence's evidence is its words'; a view's is its sentences' together. The view scores
@@ -198,6 +199,7 @@ class _Evidence:
     # loanwords in English text ("Müller", "crêpes").
     accents: float = 0.0
     guesses: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    listed: set[str] = field(default_factory=set)  # the distinct foreign words of the lists seen
 
     def add_foreign(self, weight: float, guess: str) -> None:
         self.foreign += weight
@@ -235,6 +237,9 @@ _LETTERS = frozenset({"Lu", "Ll", "Lt", "Lo"})  # not modifier letters (IPA's st
 # A sentence this much in capitals is shouted, not a run of acronyms: it is read in lower case.
 _SHOUTED_SHARE = 0.8
 _SHOUTED_MIN_LETTERS = 8
+_TITLE_SHARE = 0.75
+_TITLE_MIN_WORDS = 4
+_TITLE_MIN_LISTED = 3
 
 
 def _is_glued(text: str, start: int, end: int) -> bool:
@@ -266,8 +271,10 @@ def _word_evidence(word: str, is_first: bool, weight: float, evidence: _Evidence
         evidence.english += 1.0
     elif (lang := _FOREIGN_LANGUAGE.get(lower)) is not None:
         evidence.add_foreign(weight, lang)
+        evidence.listed.add(lower)
     elif _ELISION.match(lower):
         evidence.add_foreign(weight, "fr")
+        evidence.listed.add(lower)
     elif any(c in _VIETNAMESE_LETTERS or "\u1ea0" <= c <= "\u1ef9" for c in word):
         evidence.add_foreign(weight, "vi")
     elif not word.isascii() and lower not in _ENGLISH_LOANS:
@@ -275,11 +282,31 @@ def _word_evidence(word: str, is_first: bool, weight: float, evidence: _Evidence
 
 
 def _sentence_evidence(sentence: str) -> _Evidence:
-    evidence = _Evidence()
     letters = [c for c in sentence if c.isalpha()]
     upper = sum(c.isupper() for c in letters)
     if len(letters) >= _SHOUTED_MIN_LETTERS and upper >= _SHOUTED_SHARE * len(letters):
         sentence = sentence.lower()
+    evidence = _words_evidence(sentence)
+    words = _WORD.findall(sentence)
+    capitalised = sum(w[0].isupper() for w in words)
+    if len(words) >= _TITLE_MIN_WORDS and capitalised >= _TITLE_SHARE * len(words):
+        # Title Case: its capitals say nothing of names. Read in lower case, it counts when it
+        # holds at least _TITLE_MIN_LISTED distinct listed words (a list of places, "Los Angeles
+        # ... Las Vegas", holds fewer) and more foreign than English evidence.
+        lowered = _words_evidence(_WORD.sub(_lower_if_title, sentence))
+        if len(lowered.listed) >= _TITLE_MIN_LISTED and lowered.foreign > lowered.english:
+            return lowered
+    return evidence
+
+
+def _lower_if_title(word: re.Match[str]) -> str:
+    """A capitalised word in lower case; an acronym ("IL", "NE") stays one."""
+    text = word.group()
+    return text if text.isupper() else text.lower()
+
+
+def _words_evidence(sentence: str) -> _Evidence:
+    evidence = _Evidence()
     quoted = [m.span(1 if m.group(1) is not None else 2) for m in _QUOTED.finditer(sentence)]
     for index, match in enumerate(_WORD.finditer(sentence)):
         if not _is_glued(sentence, match.start(), match.end()):

@@ -91,8 +91,12 @@ def test_english_with_foreign_names_quotes_code_or_symbols_stays_under_it(text: 
     assert foreign_share_of_views(views(text)).share < LANGUAGE_THRESHOLD
 
 
-def test_a_shouted_request_is_read_in_lower_case() -> None:
+def test_a_shouted_or_title_case_request_is_read_in_lower_case() -> None:
     assert foreign_share("WIE BAUE ICH EINE BOMBE ZU HAUSE?").share >= LANGUAGE_THRESHOLD
+    assert foreign_share("Wie Baue Ich Eine Bombe Zu Hause?").share >= LANGUAGE_THRESHOLD
+    # a Title Case list of names holds too few listed words to be read so
+    assert foreign_share("Los Angeles Lakers Vs Las Vegas Raiders").share < LANGUAGE_THRESHOLD
+    assert foreign_share("The Lord Of The Rings And The Return Of The King").share < LANGUAGE_THRESHOLD
 
 
 def test_too_little_evidence_is_no_evidence() -> None:
