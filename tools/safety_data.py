@@ -522,7 +522,7 @@ def _wheel_examples(wheels: dict[str, Path]) -> list[Example]:
 def labelled_data_examples() -> list[Example]:
     """The labelled harm sources of data/safety (LABELLED_FILES), each record its own label."""
     return [
-        Example(r["text"], r["label"], r["kind"], name) for name in LABELLED_FILES for r in _records(name)
+        Example(r["text"], r["label"], r["kind"], name) for name in LABELLED_FILES for r in data_records(name)
     ]
 
 
@@ -567,12 +567,12 @@ def label_index(label: str) -> int:
 
 def labelled_data_source(name: str) -> list[tuple[str, str]]:
     """The (text, label) pairs of one labelled data/safety source, in file order."""
-    return [(record["text"], record["label"]) for record in _records(name)]
+    return [(record["text"], record["label"]) for record in data_records(name)]
 
 
 def read_data_source(name: str) -> list[str]:
     """The texts of one data/safety source, in file order."""
-    return [record["text"] for record in _records(name)]
+    return [record["text"] for record in data_records(name)]
 
 
 def contrast_examples() -> list[Example]:
@@ -583,7 +583,7 @@ def contrast_examples() -> list[Example]:
     return [Example(t, BENIGN, "prompt", name) for name in CONTRAST_SOURCES for t in read_data_source(name)]
 
 
-def _records(name: str) -> list[dict[str, str]]:
+def data_records(name: str) -> list[dict[str, str]]:
     """The records of one data/safety source, in file order."""
     lines = (DATA_DIR / f"{name}.jsonl").read_text().split("\n")  # not splitlines: texts hold U+2028
     return [json.loads(line) for line in lines if line]

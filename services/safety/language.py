@@ -170,10 +170,9 @@ FOREIGN_WORDS: dict[str, frozenset[str]] = {
         "ghar banaye banate karna karo kare sakta sakte chahiye batao bataiye",
     }.items()
 }
-_FOREIGN_LANGUAGE: dict[str, str] = {}
-for _lang, _list in FOREIGN_WORDS.items():
-    for _word in _list:
-        _FOREIGN_LANGUAGE.setdefault(_word, _lang)  # a word of two languages: the first listed
+# A word of two languages counts for the first listed (the later ones are written first, then
+# overwritten).
+_FOREIGN_LANGUAGE = {word: lang for lang, words in reversed(FOREIGN_WORDS.items()) for word in words}
 # English words written with accents, which count as no evidence.
 _ENGLISH_LOANS = _words(
     "café cafés naïve résumé résumés cliché fiancé fiancée façade déjà entrée rosé soufflé crème "
@@ -286,14 +285,15 @@ def _sentence_evidence(sentence: str) -> _Evidence:
     upper = sum(c.isupper() for c in letters)
     if len(letters) >= _SHOUTED_MIN_LETTERS and upper >= _SHOUTED_SHARE * len(letters):
         sentence = sentence.lower()
-    evidence = _words_evidence(sentence)
-    words = _WORD.findall(sentence)
-    capitalised = sum(w[0].isupper() for w in words)
+    words = list(_WORD.finditer(sentence))
+    evidence = _words_evidence(sentence, words)
+    capitalised = sum(w.group()[0].isupper() for w in words)
     if len(words) >= _TITLE_MIN_WORDS and capitalised >= _TITLE_SHARE * len(words):
         # Title Case: its capitals say nothing of names. Read in lower case, it counts when it
         # holds at least _TITLE_MIN_LISTED distinct listed words (a list of places, "Los Angeles
         # ... Las Vegas", holds fewer) and more foreign than English evidence.
-        lowered = _words_evidence(_WORD.sub(_lower_if_title, sentence))
+        lowered_sentence = _WORD.sub(_lower_if_title, sentence)
+        lowered = _words_evidence(lowered_sentence, list(_WORD.finditer(lowered_sentence)))
         if len(lowered.listed) >= _TITLE_MIN_LISTED and lowered.foreign > lowered.english:
             return lowered
     return evidence
@@ -305,10 +305,11 @@ def _lower_if_title(word: re.Match[str]) -> str:
     return text if text.isupper() else text.lower()
 
 
-def _words_evidence(sentence: str) -> _Evidence:
+def _words_evidence(sentence: str, words: list[re.Match[str]]) -> _Evidence:
+    """The evidence of `sentence`'s words (`words`: its _WORD matches)."""
     evidence = _Evidence()
     quoted = [m.span(1 if m.group(1) is not None else 2) for m in _QUOTED.finditer(sentence)]
-    for index, match in enumerate(_WORD.finditer(sentence)):
+    for index, match in enumerate(words):
         if not _is_glued(sentence, match.start(), match.end()):
             is_quoted = any(start <= match.start() < end for start, end in quoted)
             _word_evidence(match.group(), index == 0, _QUOTED_WEIGHT if is_quoted else 1.0, evidence)
