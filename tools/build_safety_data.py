@@ -30,7 +30,7 @@ import sys
 import sysconfig
 import zipfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -272,7 +272,7 @@ def write_labelled(name: str, rows: list[Labelled]) -> None:
     write_records(name, [{"text": r.text, "source": name, "kind": r.kind, "label": r.label} for r in rows])
 
 
-def write_records(name: str, records: list[dict[str, str]]) -> None:
+def write_records(name: str, records: Sequence[Mapping[str, object]]) -> None:
     """data/safety/<name>.jsonl, one JSON record per line."""
     OUT.mkdir(parents=True, exist_ok=True)
     with (OUT / f"{name}.jsonl").open("w") as handle:

@@ -268,6 +268,16 @@ SOURCE_SPLITS: dict[str, str] = {
     "multilingual_multijail": TEST,
     "multilingual_xsafety": TEST,
     "multilingual_mgsm": TEST,
+    # Requests rewritten into the past and the future tense, and Google's users' questions (many
+    # about the past), for the restatement views (tools/build_tense_data.py), evaluation only.
+    "attack_past_tense": TEST,
+    "attack_future_tense": TEST,
+    "benign_nq_open": TEST,
+    # Written for this project by a helper that did not read restate.py (2026-12-06): held-out
+    # harmful requests rewritten into the past, the future or the third person, and harmless
+    # questions in the same forms.
+    "attack_handmade_tense": TEST,
+    "benign_handmade_tense": TEST,
 }
 # The data/safety sources whose records carry a label (a category or benign) and a kind, read as
 # harm data by `load_examples`.

@@ -34,6 +34,7 @@ from services.safety.language import (
     foreign_share_of_views,
 )
 from services.safety.normalizer import clauses, views
+from services.safety.restate import restatements
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
 TextKind = Literal["prompt", "output"]
@@ -104,7 +105,11 @@ class TextClassifier:
         the attack heads, for prompts: see attack_head.py), with the thresholds for its kind."""
         forms = views(text)
         per_view = self._windows_of_views(forms)
-        extra = clause_rows(self.embedder, forms[0]) if kind == "prompt" else []
+        extra = (
+            clause_rows(self.embedder, forms[0]) + restated_rows(self.embedder, forms[0])
+            if kind == "prompt"
+            else []
+        )
         rows = [row for view_rows in per_view for row in view_rows]
         embeddings = self.embedder.embed_windows(rows + extra)  # [N, H]
         view_embeddings = list(embeddings[: len(rows)].split([len(view_rows) for view_rows in per_view]))
@@ -131,6 +136,11 @@ def view_rows(embedder: MiniLMEmbedder, text: str) -> list[list[list[int]]]:
 def screen_rows(embedder: MiniLMEmbedder, text: str) -> list[list[int]]:
     """Every window of every view of `text`: the rows one check embeds (training reuses it)."""
     return [window for rows in view_rows(embedder, text) for window in rows]
+
+
+def restated_rows(embedder: MiniLMEmbedder, canonical: str) -> list[list[int]]:
+    """One window per restatement of a prompt's canonical view (restate.py)."""
+    return [embedder.text_windows(text)[0] for text in restatements(canonical)]
 
 
 def clause_rows(embedder: MiniLMEmbedder, canonical: str) -> list[list[int]]:

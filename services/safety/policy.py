@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.safety.normalizer import normalize, views
+from services.safety.restate import restatements
 
 __all__ = ["DenyPatternPolicy", "DenyRule", "PolicyError", "Verdict", "normalize"]
 
@@ -72,9 +73,13 @@ class DenyPatternPolicy:
         rules = [rule for n, line in enumerate(lines, 1) if (rule := _parse_line(line, n, path))]
         return cls(rules, version="deny-patterns-" + hashlib.sha256(data).hexdigest()[:12])
 
-    def check(self, text: str) -> Verdict:
-        """Screens `text`; blocked when any rule matches one of its views (normalised, decoded)."""
+    def check(self, text: str, kind: str = "prompt") -> Verdict:
+        """Screens `text`; blocked when any rule matches one of its views (normalised, decoded)
+        or, for a prompt, one of its restatements (restate.py: "how did people make X" is read
+        as "how to make X", which is what the rules are written for)."""
         forms = views(text)
+        if kind == "prompt":
+            forms += restatements(forms[0])
         matched = [rule for rule in self.rules if any(rule.pattern.search(form) for form in forms)]
         hit = {rule.category for rule in matched}
         return Verdict(

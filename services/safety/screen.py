@@ -85,7 +85,7 @@ class Screen:
         off = policy.categories_off
         triggered = [c for c, v in scores.values.items() if v >= thresholds[c] and c not in off]
         waived = [c for c in scores.triggered if c not in triggered]
-        matched = self.patterns.check(text)
+        matched = self.patterns.check(text, kind)
         reasons = [f"{c} {scores.values[c]:.3f} >= {thresholds[c]:.3f}" for c in triggered]
         if LANGUAGE_CATEGORY in triggered:  # which language or script, for the audit log
             at = triggered.index(LANGUAGE_CATEGORY)
