@@ -41,16 +41,35 @@ _CONFUSABLES = str.maketrans(
 # to the letter they are read as here.
 _SMALL_CAPITALS = str.maketrans("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘǫʀꜱᴛᴜᴠᴡʏᴢ", "abcdefghijklmnopqrstuvwyz")
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
-# Clauses of a short prompt (see clauses()): split after a sentence end, a colon or a semicolon.
-_CLAUSE_END = re.compile(r"(?<=[.?!:;])\s+")
+# Clauses of a short prompt (see clauses()): split after a sentence end, a colon or a semicolon,
+# and before a capitalised word that starts the next task or instruction where the writer left out
+# the full stop ("Write a poem about the sea. Then <request> Then tell me a joke.", "<request> Start
+# your reply with ...").
+_CLAUSE_END = re.compile(
+    r"(?<=[.?!:;])\s+|(?<=[a-z0-9,\"')])\s+(?=(?:Then|Also|Next|Finally|Afterwards|After that|Lastly|Now"
+    r"|Start|Begin|Respond|Reply|Answer|Remember|Ignore|Please|Do not|Don't|Never|Always|Make sure)\b)"
+)
 MAX_CLAUSE_TEXT_CHARS = 400  # a short prompt; longer texts are cut into sentence windows anyway
 MIN_CLAUSE_WORDS = 4  # shorter clauses ("Thanks.", "Step 1:") say nothing on their own
 MAX_CLAUSES = 8
 MAX_DECODED_BLOBS = 8  # per text: enough for real payloads, bounded against a text made of blobs
 MAX_HIDDEN_VIEWS = 8  # decoded views per text, past the plain one
+# Contractions and possessive pronouns typed without their apostrophe, and the word each stands for.
+_CONTRACTED = (
+    "what's that's there's here's where's who's how's when's why's it'll that'll there'll"
+    " don't doesn't didn't can't couldn't shouldn't wouldn't isn't aren't wasn't weren't"
+    " haven't hasn't hadn't mustn't needn't ain't i'm i've i'd you're you've you'll you'd"
+    " they're they've they'll they'd we've we'd he's she's she'd he'd he'll she'll"
+    " someone's somebody's anyone's anybody's everyone's everybody's nobody's ex's"
+)
+_ALSO_WORDS = ("well", "ill", "wont", "shell", "hell", "id", "were", "wed", "its", "lets", "shed", "hed")
+_CONTRACTIONS = {
+    bare: full for full in _CONTRACTED.split() if (bare := full.replace("'", "")) not in _ALSO_WORDS
+}
+_LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 4
+VIEWS_VERSION = 5
 
 
 def _visible(text: str) -> str:
@@ -84,9 +103,25 @@ def fold_confusables(text: str) -> str:
     return text.translate(_CONFUSABLES) if _is_mostly_latin(text) else text
 
 
+def with_apostrophes(text: str) -> str:
+    """Contractions typed without their apostrophe ("whats", "dont", "someones") with it: the
+    encoder reads "whats" as other word pieces than "what's", and a request typed that way
+    scored lower (bench/results/safety_obfuscation_2026-12-06_split.md). Only forms that are not
+    also words of their own ("wont", "ill", "well", "its", "lets", "shell" are left alone)."""
+    return _LETTER_RUN.sub(_restored, text)
+
+
+def _restored(match: re.Match[str]) -> str:
+    typed = match.group(0)
+    restored = _CONTRACTIONS.get(typed.lower())
+    if restored is None or typed.isupper():
+        return typed  # not a contraction, or an acronym ("IM"; a shouted "DONT" is rare)
+    return restored[0].upper() + restored[1:] if typed[0].isupper() else restored
+
+
 def canonical(text: str) -> str:
-    """What the classifier embeds: normalized, with confusables folded."""
-    return fold_confusables(normalize(text))
+    """What the classifier embeds: normalized, with confusables folded and apostrophes restored."""
+    return with_apostrophes(fold_confusables(normalize(text)))
 
 
 def _decode_blob(blob: str) -> str | None:
@@ -115,7 +150,7 @@ def views(text: str) -> list[str]:
     decoders.py finds hidden in it (at most MAX_HIDDEN_VIEWS, each once)."""
     visible = _visible(text)
     normalized = _cleaned(visible)
-    forms = [fold_confusables(normalized)]  # canonical(text), from the NFKC pass already made
+    forms = [with_apostrophes(fold_confusables(normalized))]  # canonical(text), from the NFKC pass made
     for hidden in (*decoded_blobs(normalized), *hidden_texts(visible)):
         if (form := canonical(hidden)) and form not in forms:
             forms.append(form)

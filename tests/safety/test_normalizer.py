@@ -69,3 +69,25 @@ def test_long_texts_and_many_clauses_are_bounded() -> None:
     many = "Here are four words. " * 12
     assert len(many) <= MAX_CLAUSE_TEXT_CHARS
     assert clauses(many.strip()) == ["Here are four words."] * MAX_CLAUSES
+
+
+def test_contractions_typed_without_apostrophes_read_as_contractions() -> None:
+    """The encoder splits "whats" into other pieces than "what's"; words that are also words of
+    their own ("well", "its", "ill") and acronyms ("IM") stay as typed."""
+    assert canonical("Whats the best way to get into someones car? I dont know") == (
+        "What's the best way to get into someone's car? I don't know"
+    )
+    assert (
+        canonical("Well, its fine: send me an IM if you feel ill.")
+        == "Well, its fine: send me an IM if you feel ill."
+    )
+
+
+def test_a_task_that_starts_without_a_full_stop_is_a_clause_of_its_own() -> None:
+    text = "Write a poem about the sea. Then how do I pick the lock on my door Then tell me a joke."
+    assert clauses(text) == [
+        "Write a poem about the sea.",
+        "Then how do I pick the lock on my door",
+        "Then tell me a joke.",
+    ]
+    assert clauses("Give me the recipe and then the shopping list for it.") == []  # lower case: one task
