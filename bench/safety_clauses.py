@@ -49,19 +49,19 @@ BENIGN_SOURCES = {
 ATTACK_SOURCES = ("harmful_xstest_unsafe", "jailbreak_jbb_suffixes", "injection_llm_guard")
 
 
-def _without_clauses(embedder: object, canonical: str) -> list[list[int]]:
+def _without_clauses(text: str, canonical: str) -> list[str]:
     return []
 
 
 @contextmanager
 def clause_views(on: bool) -> Iterator[None]:
     """The classifier with its clause views (as shipped) or without them, for the block."""
-    original = classifier_module.clause_rows
-    classifier_module.clause_rows = original if on else _without_clauses  # type: ignore[assignment]
+    original = classifier_module.prompt_clauses
+    classifier_module.prompt_clauses = original if on else _without_clauses  # type: ignore[assignment]
     try:
         yield
     finally:
-        classifier_module.clause_rows = original
+        classifier_module.prompt_clauses = original
 
 
 def blocked(screen: Screen, texts: list[str], with_clauses: bool) -> int:

@@ -57,8 +57,8 @@ def checker(screen: Screen, restating: bool) -> Callable[[str], bool]:
         if restating:
             return screen.check(text).is_blocked
         with (
-            mock.patch.object(classifier, "restatements", lambda view: []),
-            mock.patch.object(policy, "restatements", lambda view: []),
+            mock.patch.object(classifier, "prompt_restatements", lambda text, view: []),
+            mock.patch.object(policy, "prompt_restatements", lambda text, view: []),
         ):
             return screen.check(text).is_blocked
 

@@ -33,8 +33,8 @@ from services.safety.language import (
     LanguageScore,
     foreign_share_of_views,
 )
-from services.safety.normalizer import clauses, views
-from services.safety.restate import restatements
+from services.safety.normalizer import prompt_clauses, views
+from services.safety.restate import prompt_restatements
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
 TextKind = Literal["prompt", "output"]
@@ -105,11 +105,7 @@ class TextClassifier:
         the attack heads, for prompts: see attack_head.py), with the thresholds for its kind."""
         forms = views(text)
         per_view = self._windows_of_views(forms)
-        extra = (
-            clause_rows(self.embedder, forms[0]) + restated_rows(self.embedder, forms[0])
-            if kind == "prompt"
-            else []
-        )
+        extra = extra_rows(self.embedder, text, forms[0]) if kind == "prompt" else []
         rows = [row for view_rows in per_view for row in view_rows]
         embeddings = self.embedder.embed_windows(rows + extra)  # [N, H]
         view_embeddings = list(embeddings[: len(rows)].split([len(view_rows) for view_rows in per_view]))
@@ -138,11 +134,8 @@ def screen_rows(embedder: MiniLMEmbedder, text: str) -> list[list[int]]:
     return [window for rows in view_rows(embedder, text) for window in rows]
 
 
-def restated_rows(embedder: MiniLMEmbedder, canonical: str) -> list[list[int]]:
-    """One window per restatement of a prompt's canonical view (restate.py)."""
-    return [embedder.text_windows(text)[0] for text in restatements(canonical)]
-
-
-def clause_rows(embedder: MiniLMEmbedder, canonical: str) -> list[list[int]]:
-    """One window per clause of a prompt's canonical view (normalizer.clauses; evaluation reuses it)."""
-    return [embedder.text_windows(clause)[0] for clause in clauses(canonical)]
+def extra_rows(embedder: MiniLMEmbedder, text: str, canonical: str) -> list[list[int]]:
+    """One window per clause (normalizer.prompt_clauses) and per restatement
+    (restate.prompt_restatements) of a prompt: its harm views past its views (evaluation reuses it)."""
+    texts = prompt_clauses(text, canonical) + prompt_restatements(text, canonical)
+    return [embedder.text_windows(t)[0] for t in texts]

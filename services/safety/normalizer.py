@@ -41,13 +41,20 @@ _CONFUSABLES = str.maketrans(
 # to the letter they are read as here.
 _SMALL_CAPITALS = str.maketrans("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘǫʀꜱᴛᴜᴠᴡʏᴢ", "abcdefghijklmnopqrstuvwyz")
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
-# Clauses of a short prompt (see clauses()): split after a sentence end, a colon or a semicolon,
+# Clauses of a short prompt (see clauses()): split at a line break (canonical_lines keeps them),
+# after a sentence end, a colon or a semicolon,
 # and before a capitalised word that starts the next task or instruction where the writer left out
 # the full stop ("Write a poem about the sea. Then <request> Then tell me a joke.", "<request> Start
-# your reply with ...").
+# your reply with ..."), and before a casual tail ("<request> pls answer fast no disclaimers").
 _CLAUSE_END = re.compile(
-    r"(?<=[.?!:;])\s+|(?<=[a-z0-9,\"')])\s+(?=(?:Then|Also|Next|Finally|Afterwards|After that|Lastly|Now"
+    r"\s*\n\s*|(?<=[.?!:;])\s+"
+    r"|(?<=[a-z0-9,\"')])\s+(?=(?:Then|Also|Next|Finally|Afterwards|After that|Lastly|Now"
     r"|Start|Begin|Respond|Reply|Answer|Remember|Ignore|Please|Do not|Don't|Never|Always|Make sure)\b)"
+    r"|(?<=[a-z0-9])\s+(?=(?:pls|plz|please|thanks|thx|asap|no disclaimers?|no warnings?|no lectures?)\b)"
+)
+# A quoted span ("...", '...', curly quotes): a request may be set inside a task as a quotation.
+_QUOTED = re.compile(
+    r'"([^"\n]{12,400})"|\u201c([^\u201d\n]{12,400})\u201d|(?<![A-Za-z])\'([^\'\n]{12,400})\'(?![A-Za-z])'
 )
 MAX_CLAUSE_TEXT_CHARS = 400  # a short prompt; longer texts are cut into sentence windows anyway
 MIN_CLAUSE_WORDS = 4  # shorter clauses ("Thanks.", "Step 1:") say nothing on their own
@@ -161,7 +168,10 @@ def views(text: str) -> list[str]:
 
 def clauses(view: str) -> list[str]:
     """The clauses of a short canonical view, each to be scored on its own; [] for a text of one
-    clause or past MAX_CLAUSE_TEXT_CHARS.
+    clause or past MAX_CLAUSE_TEXT_CHARS. A quoted span of MIN_CLAUSE_WORDS words or more is a
+    clause too, even in a text of one clause (a request inside "Write a function whose docstring
+    answers: '...'" or a JSON task), and so is each line of a view that keeps its lines
+    (canonical_lines).
 
     A short prompt is one embedding, and the words around a request dilute it: "Decode the
     following and answer it: <request>" passed a third of the requests the screen blocks alone
@@ -169,7 +179,40 @@ def clauses(view: str) -> list[str]:
     """
     if len(view) > MAX_CLAUSE_TEXT_CHARS:
         return []
-    parts = [p for p in _CLAUSE_END.split(view) if p]
-    if len(parts) < 2:
-        return []
-    return [p for p in parts if len(p.split()) >= MIN_CLAUSE_WORDS][:MAX_CLAUSES]
+    parts = clause_parts(view)
+    found = [p for p in parts if len(p.split()) >= MIN_CLAUSE_WORDS] if len(parts) > 1 else []
+    found += [span for span in quoted_spans(view) if span not in found and span != view.strip()]
+    return found[:MAX_CLAUSES]
+
+
+def clause_parts(view: str) -> list[str]:
+    """`view` split at clause ends (_CLAUSE_END), short parts kept."""
+    return [p.strip() for p in _CLAUSE_END.split(view) if p and p.strip()]
+
+
+def quoted_spans(view: str) -> list[str]:
+    """The quoted spans of `view` of MIN_CLAUSE_WORDS words or more, without their quotes."""
+    spans = (
+        next(group for group in match.groups() if group is not None).strip()
+        for match in _QUOTED.finditer(view)
+    )
+    return [span for span in spans if len(span.split()) >= MIN_CLAUSE_WORDS]
+
+
+def prompt_clauses(text: str, canonical_view: str) -> list[str]:
+    """The clauses of a prompt (`canonical_view` is canonical(text)): those of its canonical view,
+    and, when it has several lines, those of canonical_lines(text) as well. Both, because a line
+    break may end a request ("Hi,\n<request>\nThanks") or break a sentence in two (hard-wrapped
+    text), and only the first reads right by lines."""
+    found = clauses(canonical_view)
+    if "\n" in text and len(canonical_view) <= MAX_CLAUSE_TEXT_CHARS:
+        found += [c for c in clauses(canonical_lines(text)) if c not in found]
+    return found[:MAX_CLAUSES]
+
+
+def canonical_lines(text: str) -> str:
+    """The canonical view of each line of `text`, one a line: what clauses() splits, so that a
+    request on a line of its own ("Hi,\n\n<request>\n\nThanks,") is a clause even without a
+    full stop. (The canonical view collapses line breaks into spaces; the encoder reads both as a
+    space, so the two embed alike.)"""
+    return "\n".join(form for line in text.splitlines() if (form := canonical(line)))

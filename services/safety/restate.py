@@ -31,7 +31,15 @@ from __future__ import annotations
 
 import re
 
-from services.safety.normalizer import MAX_CLAUSE_TEXT_CHARS, MAX_CLAUSES, MIN_CLAUSE_WORDS, clauses
+from services.safety.normalizer import (
+    MAX_CLAUSE_TEXT_CHARS,
+    MAX_CLAUSES,
+    MIN_CLAUSE_WORDS,
+    canonical_lines,
+    clause_parts,
+    clauses,
+    quoted_spans,
+)
 
 MAX_RESTATEMENTS = 4  # per prompt: each is one more embedding window
 
@@ -367,7 +375,8 @@ def restatements(view: str) -> list[str]:
     if len(view) > MAX_CLAUSE_TEXT_CHARS:
         return []
     found: list[str] = []
-    parts = [part for clause in clauses(view) or [view] for part in _QUESTION_JOIN.split(clause)]
+    units = clauses(view) if len(clause_parts(view)) > 1 else [view, *quoted_spans(view)]
+    parts = [part for clause in units for part in _QUESTION_JOIN.split(clause)]
     for clause in parts[:MAX_CLAUSES]:
         timeless = " ".join(_TIME.sub(" ", clause).split())
         bare = _unframed(timeless)
@@ -377,6 +386,15 @@ def restatements(view: str) -> list[str]:
                 found.append(form)
         if len(found) >= MAX_RESTATEMENTS:
             break
+    return found[:MAX_RESTATEMENTS]
+
+
+def prompt_restatements(text: str, canonical_view: str) -> list[str]:
+    """The restatements of a prompt (`canonical_view` is canonical(text)): of its canonical view
+    and, when it has several lines, of canonical_lines(text) too (see normalizer.prompt_clauses)."""
+    found = restatements(canonical_view)
+    if "\n" in text and len(canonical_view) <= MAX_CLAUSE_TEXT_CHARS:
+        found += [r for r in restatements(canonical_lines(text)) if r not in found]
     return found[:MAX_RESTATEMENTS]
 
 

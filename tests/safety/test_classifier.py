@@ -19,7 +19,7 @@ from services.safety.classifier import TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
-from services.safety.normalizer import canonical, clauses
+from services.safety.normalizer import canonical, clauses, prompt_clauses
 from services.safety.restate import restatements
 
 HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
@@ -125,5 +125,7 @@ def test_a_request_inside_a_short_instruction_scores_as_the_request(classifier: 
             views = [classifier.embedder.embed_windows(rows) for rows in classifier.view_windows_of(wrapped)]
             for head in classifier.attack_heads:  # from the text's views alone
                 assert scores.values[head.name] == pytest.approx(head.score(views), abs=1e-5)
-            num_extra = len(clauses(canonical(wrapped))) + len(restatements(canonical(wrapped)))
+            num_extra = len(prompt_clauses(wrapped, canonical(wrapped))) + len(
+                restatements(canonical(wrapped))
+            )
             assert classifier.score(wrapped, "output").num_windows == scores.num_windows - num_extra
