@@ -33,7 +33,7 @@ from services.safety.language import (
     LanguageScore,
     foreign_share_of_views,
 )
-from services.safety.normalizer import prompt_clauses, views
+from services.safety.normalizer import MAX_CLAUSES, clauses, prompt_clauses, views
 from services.safety.restate import prompt_restatements
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
@@ -105,7 +105,7 @@ class TextClassifier:
         the attack heads, for prompts: see attack_head.py), with the thresholds for its kind."""
         forms = views(text)
         per_view = self._windows_of_views(forms)
-        extra = extra_rows(self.embedder, text, forms[0]) if kind == "prompt" else []
+        extra = extra_rows(self.embedder, text, forms) if kind == "prompt" else []
         rows = [row for view_rows in per_view for row in view_rows]
         embeddings = self.embedder.embed_windows(rows + extra)  # [N, H]
         view_embeddings = list(embeddings[: len(rows)].split([len(view_rows) for view_rows in per_view]))
@@ -134,8 +134,11 @@ def screen_rows(embedder: MiniLMEmbedder, text: str) -> list[list[int]]:
     return [window for rows in view_rows(embedder, text) for window in rows]
 
 
-def extra_rows(embedder: MiniLMEmbedder, text: str, canonical: str) -> list[list[int]]:
-    """One window per clause (normalizer.prompt_clauses) and per restatement
-    (restate.prompt_restatements) of a prompt: its harm views past its views (evaluation reuses it)."""
-    texts = prompt_clauses(text, canonical) + prompt_restatements(text, canonical)
-    return [embedder.text_windows(t)[0] for t in texts]
+def extra_rows(embedder: MiniLMEmbedder, text: str, forms: list[str]) -> list[list[int]]:
+    """One window per clause (normalizer.prompt_clauses; a decoded view's clauses too, at most
+    MAX_CLAUSES of them) and per restatement (restate.prompt_restatements) of a prompt whose views
+    are `forms`: its harm views past its views (evaluation reuses it). A decoded view that holds a
+    harmless sentence beside the request is diluted as a plain one would be."""
+    decoded = [c for form in forms[1:] for c in clauses(form)][:MAX_CLAUSES]
+    texts = prompt_clauses(text, forms[0]) + decoded + prompt_restatements(text, forms[0])
+    return [embedder.text_windows(t)[0] for t in dict.fromkeys(texts)]

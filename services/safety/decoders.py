@@ -190,6 +190,12 @@ _ENGLISH_LETTERS = (
     8.17, 1.49, 2.78, 4.25, 12.70, 2.23, 2.02, 6.09, 6.97, 0.15, 0.77, 4.03, 2.41,
     6.75, 7.51, 1.93, 0.10, 5.99, 6.33, 9.06, 2.76, 0.98, 2.36, 0.15, 1.97, 0.07,
 )  # fmt: skip
+# The 35 commonest letter pairs of English (Norvig, "English Letter Frequency Counts: Mayzner
+# Revisited", 2013, over the Google Books corpus); reversed text has few of them.
+_BIGRAMS = (
+    "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io le ve co me de hi"
+)
+_COMMON_BIGRAMS = frozenset(_BIGRAMS.split())
 MIN_FIT_LETTERS = 40  # letters a clause needs before its letter frequencies say anything
 
 
@@ -209,12 +215,26 @@ def _letter_misfit(text: str) -> float | None:
     )
 
 
+def _bigram_share(text: str) -> float | None:
+    """The share of a text's letter pairs (inside words) that are among English's commonest; None
+    under MIN_FIT_LETTERS letters."""
+    words = _WORD.findall(text.lower())
+    pairs = [word[i : i + 2] for word in words for i in range(len(word) - 1)]
+    if sum(map(len, words)) < MIN_FIT_LETTERS or not pairs:
+        return None
+    return sum(pair in _COMMON_BIGRAMS for pair in pairs) / len(pairs)
+
+
 def _reads_as_english(plain: str, enciphered: str) -> bool:
-    """Whether deciphering made a long clause's letters far more like English's: the test for a
-    request whose content words ("ransomware", "pacemakers") outnumber the common words that
-    voted for the cipher, so that MIN_CIPHER_SHARE alone would pass it by."""
+    """Whether deciphering made a long clause far more like English: its letters (a substitution
+    cipher changes them) or its letter pairs (reversal keeps the letters and turns the pairs). The
+    test for a request whose content words ("ransomware", "pacemakers") outnumber the common words
+    that voted for the cipher, so that MIN_CIPHER_SHARE alone would pass it by."""
     after, before = _letter_misfit(plain), _letter_misfit(enciphered)
-    return after is not None and before is not None and after * 3 < before
+    if after is not None and before is not None and after * 3 < before:
+        return True
+    pairs_after, pairs_before = _bigram_share(plain), _bigram_share(enciphered)
+    return pairs_after is not None and pairs_before is not None and pairs_after > 1.5 * pairs_before
 
 
 def deciphered(line: str) -> str | None:
