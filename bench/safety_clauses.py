@@ -49,7 +49,7 @@ BENIGN_SOURCES = {
 ATTACK_SOURCES = ("harmful_xstest_unsafe", "jailbreak_jbb_suffixes", "injection_llm_guard")
 
 
-def _without_clauses(text: str, canonical: str) -> list[str]:
+def _without_clauses(readings: list[str]) -> list[str]:
     return []
 
 

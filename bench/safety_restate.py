@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ import torch
 
 from bench.machine import cpu_name, git_commit
 from bench.safety_deny_patterns import labelled_texts
+from bench.safety_eval import percentile_ms
 from services.safety import classifier, policy
 from services.safety.config import SafetyConfig
 from services.safety.normalizer import canonical
@@ -57,8 +57,8 @@ def checker(screen: Screen, restating: bool) -> Callable[[str], bool]:
         if restating:
             return screen.check(text).is_blocked
         with (
-            mock.patch.object(classifier, "prompt_restatements", lambda text, view: []),
-            mock.patch.object(policy, "prompt_restatements", lambda text, view: []),
+            mock.patch.object(classifier, "prompt_restatements", lambda readings: []),
+            mock.patch.object(policy, "prompt_restatements", lambda readings: []),
         ):
             return screen.check(text).is_blocked
 
@@ -126,13 +126,13 @@ def latency_rows(screen: Screen) -> list[str]:
     for restating in (False, True):
         check = checker(screen, restating)
         check(texts[0])
-        millis = []
+        seconds = []
         for text in texts:
             start = time.perf_counter()
             check(text)
-            millis.append(1e3 * (time.perf_counter() - start))
-        p99 = sorted(millis)[min(len(millis) - 1, int(0.99 * len(millis)))]
-        rows.append(f"| {'with' if restating else 'without'} | {statistics.median(millis):.1f} | {p99:.1f} |")
+            seconds.append(time.perf_counter() - start)
+        p50, p99 = percentile_ms(seconds, 50), percentile_ms(seconds, 99)
+        rows.append(f"| {'with' if restating else 'without'} | {p50:.1f} | {p99:.1f} |")
     return rows
 
 

@@ -33,7 +33,7 @@ from services.safety.language import (
     LanguageScore,
     foreign_share_of_views,
 )
-from services.safety.normalizer import MAX_CLAUSES, clauses, prompt_clauses, views
+from services.safety.normalizer import MAX_CLAUSES, clauses, prompt_clauses, prompt_readings, views
 from services.safety.restate import prompt_restatements
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
@@ -137,8 +137,9 @@ def screen_rows(embedder: MiniLMEmbedder, text: str) -> list[list[int]]:
 def extra_rows(embedder: MiniLMEmbedder, text: str, forms: list[str]) -> list[list[int]]:
     """One window per clause (normalizer.prompt_clauses; a decoded view's clauses too, at most
     MAX_CLAUSES of them) and per restatement (restate.prompt_restatements) of a prompt whose views
-    are `forms`: its harm views past its views (evaluation reuses it). A decoded view that holds a
-    harmless sentence beside the request is diluted as a plain one would be."""
+    are `forms`: its harm views past its views. A decoded view that holds a harmless sentence
+    beside the request is diluted as a plain one would be."""
+    readings = prompt_readings(text, forms[0])
     decoded = [c for form in forms[1:] for c in clauses(form)][:MAX_CLAUSES]
-    texts = prompt_clauses(text, forms[0]) + decoded + prompt_restatements(text, forms[0])
+    texts = prompt_clauses(readings) + decoded + prompt_restatements(readings)
     return [embedder.text_windows(t)[0] for t in dict.fromkeys(texts)]

@@ -157,7 +157,7 @@ def views(text: str) -> list[str]:
     decoders.py finds hidden in it (at most MAX_HIDDEN_VIEWS, each once)."""
     visible = _visible(text)
     normalized = _cleaned(visible)
-    forms = [with_apostrophes(fold_confusables(normalized))]  # canonical(text), from the NFKC pass made
+    forms = [with_apostrophes(fold_confusables(normalized))]  # canonical(text), from the NFKC pass above
     for hidden in (*decoded_blobs(normalized), *hidden_texts(visible)):
         if (form := canonical(hidden)) and form not in forms:
             forms.append(form)
@@ -199,15 +199,19 @@ def quoted_spans(view: str) -> list[str]:
     return [span for span in spans if len(span.split()) >= MIN_CLAUSE_WORDS]
 
 
-def prompt_clauses(text: str, canonical_view: str) -> list[str]:
-    """The clauses of a prompt (`canonical_view` is canonical(text)): those of its canonical view,
-    and, when it has several lines, those of canonical_lines(text) as well. Both, because a line
-    break may end a request ("Hi,\n<request>\nThanks") or break a sentence in two (hard-wrapped
-    text), and only the first reads right by lines."""
-    found = clauses(canonical_view)
+def prompt_readings(text: str, canonical_view: str) -> list[str]:
+    """The forms a short prompt's clauses and restatements are read from (`canonical_view` is
+    canonical(text)): its canonical view and, when it has several lines, canonical_lines(text) as
+    well. Both, because a line break may end a request ("Hi,\n<request>\nThanks") or break a
+    sentence in two (hard-wrapped text), and only the first reads right by lines."""
     if "\n" in text and len(canonical_view) <= MAX_CLAUSE_TEXT_CHARS:
-        found += [c for c in clauses(canonical_lines(text)) if c not in found]
-    return found[:MAX_CLAUSES]
+        return [canonical_view, canonical_lines(text)]
+    return [canonical_view]
+
+
+def prompt_clauses(readings: list[str]) -> list[str]:
+    """The clauses of every reading of a prompt (prompt_readings), each once, at most MAX_CLAUSES."""
+    return list(dict.fromkeys(c for reading in readings for c in clauses(reading)))[:MAX_CLAUSES]
 
 
 def canonical_lines(text: str) -> str:

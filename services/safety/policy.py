@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.safety.normalizer import normalize, views
+from services.safety.normalizer import normalize, prompt_readings, views
 from services.safety.restate import prompt_restatements
 
 __all__ = ["DenyPatternPolicy", "DenyRule", "PolicyError", "Verdict", "normalize"]
@@ -79,7 +79,7 @@ class DenyPatternPolicy:
         as "how to make X", which is what the rules are written for)."""
         forms = views(text)
         if kind == "prompt":
-            forms += prompt_restatements(text, forms[0])
+            forms += prompt_restatements(prompt_readings(text, forms[0]))
         matched = [rule for rule in self.rules if any(rule.pattern.search(form) for form in forms)]
         hit = {rule.category for rule in matched}
         return Verdict(

@@ -35,7 +35,6 @@ from services.safety.normalizer import (
     MAX_CLAUSE_TEXT_CHARS,
     MAX_CLAUSES,
     MIN_CLAUSE_WORDS,
-    canonical_lines,
     clause_parts,
     clauses,
     quoted_spans,
@@ -394,13 +393,10 @@ def restatements(view: str) -> list[str]:
     return found[:MAX_RESTATEMENTS]
 
 
-def prompt_restatements(text: str, canonical_view: str) -> list[str]:
-    """The restatements of a prompt (`canonical_view` is canonical(text)): of its canonical view
-    and, when it has several lines, of canonical_lines(text) too (see normalizer.prompt_clauses)."""
-    found = restatements(canonical_view)
-    if "\n" in text and len(canonical_view) <= MAX_CLAUSE_TEXT_CHARS:
-        found += [r for r in restatements(canonical_lines(text)) if r not in found]
-    return found[:MAX_RESTATEMENTS]
+def prompt_restatements(readings: list[str]) -> list[str]:
+    """The restatements of every reading of a prompt (normalizer.prompt_readings), each once, at
+    most MAX_RESTATEMENTS."""
+    return list(dict.fromkeys(r for reading in readings for r in restatements(reading)))[:MAX_RESTATEMENTS]
 
 
 def _unframed(clause: str) -> str:

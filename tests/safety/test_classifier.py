@@ -20,7 +20,7 @@ from services.safety.classifier import TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
-from services.safety.normalizer import canonical, clauses, prompt_clauses, views
+from services.safety.normalizer import canonical, clauses, prompt_clauses, prompt_readings, views
 from services.safety.restate import restatements
 
 HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
@@ -126,7 +126,7 @@ def test_a_request_inside_a_short_instruction_scores_as_the_request(classifier: 
             views = [classifier.embedder.embed_windows(rows) for rows in classifier.view_windows_of(wrapped)]
             for head in classifier.attack_heads:  # from the text's views alone
                 assert scores.values[head.name] == pytest.approx(head.score(views), abs=1e-5)
-            num_extra = len(prompt_clauses(wrapped, canonical(wrapped))) + len(
+            num_extra = len(prompt_clauses(prompt_readings(wrapped, canonical(wrapped)))) + len(
                 restatements(canonical(wrapped))
             )
             assert classifier.score(wrapped, "output").num_windows == scores.num_windows - num_extra
@@ -142,7 +142,7 @@ def test_a_decoded_views_clauses_are_harm_views_of_a_prompt(classifier: TextClas
     forms = views(encoded)
     assert len(forms) == 2 and clauses(forms[1]) == clauses(canonical(plain))
     extra = classifier.score(encoded).num_windows - classifier.score(encoded, "output").num_windows
-    assert extra == len(prompt_clauses(encoded, forms[0])) + len(clauses(forms[1])) + len(
+    assert extra == len(prompt_clauses(prompt_readings(encoded, forms[0]))) + len(clauses(forms[1])) + len(
         restatements(forms[0])
     )
     assert classifier.score(encoded).triggered

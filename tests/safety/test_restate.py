@@ -116,7 +116,7 @@ def test_the_harm_head_reads_the_restated_request(classifier: TextClassifier, pr
     """Each rewrite passes the harm head as written and is blocked through its restatement, which
     is a harm view only: outputs get none."""
     assert classifier.score(prompt).triggered
-    with mock.patch.object(classifier_module, "prompt_restatements", lambda text, view: []):
+    with mock.patch.object(classifier_module, "prompt_restatements", lambda readings: []):
         assert not classifier.score(prompt).triggered
     num_restated = len(restatements(prompt))  # one clause: no clause views
     assert (
