@@ -378,7 +378,11 @@ def write_harm_sources(args: argparse.Namespace) -> None:
     write_labelled("harm_jbb_pair", [r for r in jbb if r.kind == "prompt" and r.text not in JBB_GOALS])
     write_labelled("harm_jbb_outputs", [r for r in jbb if r.kind == "output"])
     hh = hh_harmless_first_turns(Mirror(args.mirrors, "anthropics/hh-rlhf"))
-    write_labelled("labelled_hh_harmless", hh_labelled(hh, read_hh_labels(), held_out))
+    labels = read_hh_labels()
+    # HH's insults and opinion bait sit near the held-out toxic-text statements as well
+    near_hh = HeldOutWords(held_out_texts(args.wheels) + toxic_texts())
+    write_labelled("labelled_hh_harmless", hh_labelled(hh[:HH_FIRST_SAMPLE], labels, near_hh))
+    write_labelled("labelled_hh_harmless_more", hh_labelled(hh[HH_FIRST_SAMPLE:], labels, near_hh))
     gptfuzz = Mirror(args.mirrors, "sherdencooper/GPTFuzz")
     questions = gptfuzz_questions(gptfuzz)
     write_labelled("harm_gptfuzz_questions", [q for q in questions.values() if not held_out.is_near(q.text)])
@@ -456,6 +460,14 @@ def held_out_texts(wheels: Path) -> list[str]:
     return texts + read_data_source("harmful_xstest_unsafe") + read_data_source("benign_xstest_safe")
 
 
+def toxic_texts() -> list[str]:
+    """The held-out toxic-text sources (tools/build_toxic_text_data.py), toxic and benign."""
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import read_data_source
+
+    return read_data_source("toxic_moderation") + read_data_source("toxic_toxigen")
+
+
 def jbb_records(mirror: Mirror, held_out: HeldOutWords) -> list[Labelled]:
     """JailbreakBench's behaviours (goals), PAIR's rewrites of them (harmful requests in a
     persuasive or role-play frame) and the responses its judge scored as jailbroken (harmful
@@ -496,7 +508,11 @@ def unique_records(records: list[Labelled]) -> list[Labelled]:
 # turns range from plain questions to blatant requests for harm and carry no label. A sample by
 # hash was labelled by hand for this project (data/safety/hh_harmless_labels.tsv: text hash ->
 # category, "benign" or "skip" for opinion bait, insults at the assistant and unclear cases).
+# The first HH_FIRST_SAMPLE turns in hash order (labelled 2026-12-03) are the training source the
+# shipped gate was made with; the rest (labelled 2026-12-06) are a measured candidate no tool trains
+# on (bench/results/safety_hh_labels_2026-12-06.md), written to their own file.
 HH_FILE = "harmless-base/test.jsonl.gz"
+HH_FIRST_SAMPLE = 700
 HH_LABELS = OUT / "hh_harmless_labels.tsv"
 _HH_FIRST_TURN = re.compile(r"\s*Human: (.*?)\n\nAssistant:", re.S)
 

@@ -28,7 +28,8 @@ pinned commits; SOURCES.md gives each one's licence and count), all training sou
 - JailbreakBench/artifacts (MIT): the benchmark's harmful behaviours with their categories, PAIR's
   rewrites of them and the responses its judge scored as jailbroken (harmful outputs);
 - anthropics/hh-rlhf (MIT): first human turns of the harmless-base test conversations (red-team
-  attempts), a hash sample labelled by hand for this project (data/safety/hh_harmless_labels.tsv);
+  attempts), a hash sample labelled by hand for this project (data/safety/hh_harmless_labels.tsv;
+  the other turns, labelled later, are `labelled_hh_harmless_more`, a candidate no tool reads);
 - sherdencooper/GPTFuzz (MIT): its harmful questions (category by the keyword rule);
 - mlcommons/ailuminate (CC-BY-4.0): the demo prompt set, by hazard;
 - declare-lab/red-instruct (Apache-2.0): CatQA's English questions, by category;
@@ -225,6 +226,8 @@ SOURCE_SPLITS: dict[str, str] = {
     "harm_jbb_outputs": TRAIN,
     # HH-RLHF harmless-base first human turns, a hash sample labelled by hand (harmful and benign).
     "labelled_hh_harmless": TRAIN,
+    # the rest of those turns, labelled 2026-12-06: a training candidate, not in LABELLED_FILES
+    "labelled_hh_harmless_more": TRAIN,
     # GPTFuzz: harmful questions, category by the keyword rule.
     "harm_gptfuzz_questions": TRAIN,
     "jailbreak_gptfuzz": TRAIN,  # its jailbreakchat.com templates: the jailbreak head's positives
@@ -294,6 +297,11 @@ LABELLED_FILES = (
     "labelled_coconot",
     "labelled_cyberseceval_frr",
 )
+# Labelled like those, with the TRAIN role, but read by no tool: measured and not adopted.
+# `labelled_hh_harmless_more` (the 1,433 HH-RLHF turns labelled after the first 700) moved the
+# harm categories along the same recall-against-FPR curve, not past it
+# (bench/results/safety_hh_labels_2026-12-06.md). Move it into LABELLED_FILES to train on it.
+CANDIDATE_LABELLED_FILES = ("labelled_hh_harmless_more",)
 # The data/safety sources of benign prompts near the harm topics, with no label field: the prompt
 # head's fine-tuning and retraining read them as benign rows (contrast_examples). The frames put a
 # topic in a benign question ("How do police investigate {}?"). `benign_handmade_lookalikes` (harm

@@ -9,6 +9,7 @@ from tools.build_safety_data import HH_LABELS, HeldOutWords
 from tools.safety_data import (
     BENIGN,
     CALIBRATION_FILES,
+    CANDIDATE_LABELLED_FILES,
     CATEGORIES,
     CONTRAST_SOURCES,
     DATA_DIR,
@@ -22,6 +23,8 @@ from tools.safety_data import (
 )
 
 TOXIC_FILES = ("toxic_moderation", "toxic_toxigen")  # labelled, and held out
+# Every labelled file a tool trains on, and the measured candidates that could be moved in.
+TRAINING_LABELLED = (*LABELLED_FILES, *CANDIDATE_LABELLED_FILES)
 HELD_OUT_FILES = ("benign_xstest_safe", "harmful_xstest_unsafe", *TOXIC_FILES)
 
 
@@ -32,11 +35,12 @@ def records(name: str) -> list[dict[str, str]]:
 
 
 def test_labelled_sources_are_training_sources() -> None:
-    assert all(SOURCE_SPLITS[name] == TRAIN for name in LABELLED_FILES)
+    assert all(SOURCE_SPLITS[name] == TRAIN for name in TRAINING_LABELLED)
+    assert not set(CANDIDATE_LABELLED_FILES) & set(LABELLED_FILES)
 
 
 def test_every_record_has_a_known_label_and_kind() -> None:
-    for name in LABELLED_FILES:
+    for name in TRAINING_LABELLED:
         for record in records(name):
             assert record["label"] in (*CATEGORIES, BENIGN), (name, record["label"])
             assert record["kind"] in ("prompt", "output"), (name, record["kind"])
@@ -55,7 +59,7 @@ def test_toxic_text_sources_are_held_out_with_known_labels() -> None:
 
 def test_no_labelled_text_is_near_a_held_out_text() -> None:
     held_out = HeldOutWords([t for name in HELD_OUT_FILES for t in read_data_source(name)])
-    near = [r["text"] for name in LABELLED_FILES for r in records(name) if held_out.is_near(r["text"])]
+    near = [r["text"] for name in TRAINING_LABELLED for r in records(name) if held_out.is_near(r["text"])]
     assert near == []
 
 
