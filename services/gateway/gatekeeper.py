@@ -142,6 +142,15 @@ def prompt_text(request: pb.GenerateRequest) -> str:
     raise InvalidArgument("request has no input: set either prompt or chat")
 
 
+def prompt_turns(request: pb.GenerateRequest) -> tuple[str, ...]:
+    """A chat's turns as the safety service screens them, each message's content alone; none for
+    a raw prompt. Role labels and a system prompt beside a question move its harm scores away from
+    where the gate was calibrated on plain prompts, so each turn is screened on its own too."""
+    if request.WhichOneof("input") != "chat":
+        return ()
+    return tuple(m.content for m in request.chat.messages)
+
+
 def _check_rate(tenant: str, limits: TenantLimits, decision: RateDecision, facts: _Facts) -> None:
     """Notes a fail-open limiter in the audit details; raises the refusal of a refused call."""
     if decision.is_degraded:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import grpc
@@ -95,10 +96,16 @@ class Upstreams:
         raise upstream_error("engine", last_error)
 
     async def check_prompt(
-        self, text: str, tenant: str, policy: safety_pb2.TenantPolicy, timeout_s: float
+        self,
+        text: str,
+        tenant: str,
+        policy: safety_pb2.TenantPolicy,
+        timeout_s: float,
+        turns: Sequence[str] = (),
     ) -> safety_pb2.CheckResponse:
-        """The safety service's verdict on a prompt, under the tenant's policy."""
-        request = safety_pb2.CheckPromptRequest(text=text, tenant=tenant, policy=policy)
+        """The safety service's verdict on a prompt (a chat: the conversation and its turns),
+        under the tenant's policy."""
+        request = safety_pb2.CheckPromptRequest(text=text, tenant=tenant, policy=policy, turns=turns)
         try:
             return await self.safety.CheckPrompt(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:

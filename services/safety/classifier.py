@@ -20,8 +20,11 @@ only, and a text in another language would otherwise score as noise and pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.attack_head import JAILBREAK, AttackHead
@@ -92,33 +95,64 @@ class TextClassifier:
 
     def _windows_of_views(self, forms: list[str]) -> list[list[list[int]]]:
         per_view = [self.embedder.text_windows(form) for form in forms]
-        num_rows = sum(len(rows) for rows in per_view)
+        self._check_size(sum(len(rows) for rows in per_view))
+        return per_view
+
+    def _check_size(self, num_rows: int) -> None:
         if num_rows > self.max_windows:
             raise TextTooLong(
                 f"text needs {num_rows} screening windows (one per sentence of a long text); "
                 f"the limit is {self.max_windows}: shorten it or send it in several requests"
             )
-        return per_view
 
     def score(self, text: str, kind: TextKind = "prompt") -> Scores:
         """The text's per-category scores (harm: the window aggregation, highest over views;
         the attack heads, for prompts: see attack_head.py), with the thresholds for its kind."""
-        forms = views(text)
-        per_view = self._windows_of_views(forms)
-        extra = extra_rows(self.embedder, text, forms) if kind == "prompt" else []
-        rows = [row for view_rows in per_view for row in view_rows]
-        embeddings = self.embedder.embed_windows(rows + extra)  # [N, H]
-        view_embeddings = list(embeddings[: len(rows)].split([len(view_rows) for view_rows in per_view]))
-        clause_views = [embeddings[i : i + 1] for i in range(len(rows), len(embeddings))]  # one window each
-        harm_views = [gate_scores(e, self.head) for e in view_embeddings + clause_views]
+        return self.score_turns([text], kind)
+
+    def score_turns(
+        self, turns: Sequence[str], kind: TextKind = "prompt", whole: str | None = None
+    ) -> Scores:
+        """The scores of several texts read as one, a chat's turns: each turn is scored as `score`
+        scores a text of its own, and each category takes its highest over the turns. With
+        `whole` (the conversation as one text), its decoded views (normalizer.views past the plain
+        one) are views too, so that an encoding or a payload split across turns is read whole; its
+        plain view is not, because a system prompt or a role label beside a question moves the
+        question's score away from where the thresholds were calibrated. TextTooLong past
+        `max_windows` windows in all."""
+        texts = [views(turn) for turn in turns]
+        decoded_whole = views(whole)[1:] if whole is not None else []
+        forms_of = texts + ([decoded_whole] if decoded_whole else [])  # the whole's decoded views last
+        per_text = [[self.embedder.text_windows(form) for form in forms] for forms in forms_of]
+        self._check_size(sum(len(rows) for per_view in per_text for rows in per_view))
+        # a turn's clauses and restatements (extra_rows); the whole's decoded views have none
+        extras = [
+            extra_rows(self.embedder, turn, forms) if kind == "prompt" else []
+            for turn, forms in zip(turns, texts, strict=True)
+        ]
+        extras += [[]] * (len(per_text) - len(extras))
+        rows = [row for per_view in per_text for view_rows in per_view for row in view_rows]
+        num_view_rows = len(rows)
+        rows += [row for extra in extras for row in extra]
+        embeddings = self.embedder.embed_windows(rows)  # [N, H]: every view's windows, then the extras
+        view_part, extra_part = embeddings.split([num_view_rows, len(rows) - num_view_rows])
+        harm_views: list[torch.Tensor] = []
+        attack_views: list[list[torch.Tensor]] = []  # per text, its views' window embeddings
+        per_text_rows = [sum(len(view_rows) for view_rows in per_view) for per_view in per_text]
+        for per_view, text_embeddings in zip(per_text, view_part.split(per_text_rows), strict=True):
+            view_embeddings = list(text_embeddings.split([len(view_rows) for view_rows in per_view]))
+            attack_views.append(view_embeddings)
+            harm_views += [gate_scores(e, self.head) for e in view_embeddings]
+        harm_views += [gate_scores(extra_part[i : i + 1], self.head) for i in range(len(extra_part))]
         harm = self.aggregation.text_scores(harm_views)  # [C]
         values = dict(zip(self.categories, harm.tolist(), strict=True))
         thresholds = self.thresholds[kind]
         if kind == "prompt":
             for head in self.attack_heads:
-                values[head.name] = head.score(view_embeddings)
+                values[head.name] = max(head.score(text_views) for text_views in attack_views)
                 thresholds = thresholds | {head.name: head.threshold}
-        language = foreign_share_of_views(forms)
+        shares = (foreign_share_of_views(forms) for forms in forms_of)
+        language = max(shares, key=lambda share: share.share, default=NO_LANGUAGE_EVIDENCE)
         values[LANGUAGE_CATEGORY] = language.share
         thresholds = thresholds | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD}
         return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings), language=language)

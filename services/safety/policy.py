@@ -87,3 +87,12 @@ class DenyPatternPolicy:
             reasons=tuple(f"{rule.category} (line {rule.line_number})" for rule in matched),
             scores={category: float(category in hit) for category in self.categories},
         )
+
+
+def merged(verdicts: list[Verdict]) -> Verdict:
+    """One verdict for several texts read as one (a chat's turns): every rule any of them matched,
+    once, and each category's highest score."""
+    reasons = tuple(dict.fromkeys(reason for verdict in verdicts for reason in verdict.reasons))
+    categories = {category for verdict in verdicts for category in verdict.scores}
+    scores = {c: max(v.scores.get(c, 0.0) for v in verdicts) for c in sorted(categories)}
+    return Verdict(is_blocked=bool(reasons), reasons=reasons, scores=scores)

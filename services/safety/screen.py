@@ -10,6 +10,7 @@ a language the gate cannot read; tenants turn it off or loosen it like any categ
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -19,7 +20,7 @@ from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
 from services.safety.embedder import MiniLMEmbedder, default_model_dir
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
-from services.safety.policy import DenyPatternPolicy
+from services.safety.policy import DenyPatternPolicy, merged
 from services.safety.tenant_policy import NO_POLICY, TenantPolicy
 
 DENY_PREFIX = "deny_patterns/"  # score names of the deny-pattern layer, apart from the classifier's
@@ -76,16 +77,31 @@ class Screen:
         table[LANGUAGE_CATEGORY] = CategoryThresholds(LANGUAGE_THRESHOLD, LANGUAGE_THRESHOLD)
         return table
 
-    def check(self, text: str, kind: TextKind = "prompt", policy: TenantPolicy = NO_POLICY) -> ScreenVerdict:
+    def check(
+        self,
+        text: str,
+        kind: TextKind = "prompt",
+        policy: TenantPolicy = NO_POLICY,
+        turns: Sequence[str] = (),
+    ) -> ScreenVerdict:
         """Scores `text`; blocked when a category the tenant has not turned off reaches its
-        threshold for `kind` (the tenant's where higher) or a deny rule matches."""
+        threshold for `kind` (the tenant's where higher) or a deny rule matches.
+
+        For a chat, `turns` are its messages' contents and `text` the whole conversation: the
+        classifier scores each turn as a prompt of its own, as its thresholds were calibrated,
+        and the whole only through its decoded views (TextClassifier.score_turns); the deny
+        patterns read each turn and the whole."""
         policy.check_known(self.categories, self.gate.version)
-        scores = self.classifier.score(text, kind)
+        if turns:
+            scores = self.classifier.score_turns(turns, kind, whole=text)
+            matched = merged([self.patterns.check(t, kind) for t in (*turns, text)])
+        else:
+            scores = self.classifier.score(text, kind)
+            matched = self.patterns.check(text, kind)
         thresholds = policy.thresholds_for(scores.thresholds)
         off = policy.categories_off
         triggered = [c for c, v in scores.values.items() if v >= thresholds[c] and c not in off]
         waived = [c for c in scores.triggered if c not in triggered]
-        matched = self.patterns.check(text, kind)
         reasons = [f"{c} {scores.values[c]:.3f} >= {thresholds[c]:.3f}" for c in triggered]
         if LANGUAGE_CATEGORY in triggered:  # which language or script, for the audit log
             at = triggered.index(LANGUAGE_CATEGORY)

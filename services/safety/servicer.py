@@ -44,6 +44,7 @@ GATE_INFO = Gauge(
 )
 # Texts longer than this are refused rather than screened slowly; the gateway never sends more.
 MAX_TEXT_CHARS = 1_000_000
+MAX_TURNS = 1024  # a chat's turns per CheckPrompt; the gateway allows fewer
 
 
 class SafetyServicer(pb_grpc.SafetyServiceServicer):
@@ -61,7 +62,12 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         self._last_trim_s = -math.inf
 
     async def CheckPrompt(self, request: pb.CheckPromptRequest, context: Any) -> pb.CheckResponse:
-        return await self._check("prompt", request.text, tenant_policy_from_pb(request.policy))
+        turns = tuple(request.turns)
+        if len(turns) > MAX_TURNS:
+            raise InvalidArgument(f"chat of {len(turns)} turns exceeds the {MAX_TURNS} limit")
+        if (chars := sum(map(len, turns))) > MAX_TEXT_CHARS:
+            raise InvalidArgument(f"chat turns of {chars} characters exceed the {MAX_TEXT_CHARS} limit")
+        return await self._check("prompt", request.text, tenant_policy_from_pb(request.policy), turns)
 
     async def CheckOutput(self, request: pb.CheckOutputRequest, context: Any) -> pb.CheckResponse:
         return await self._check("output", request.text, tenant_policy_from_pb(request.policy))
@@ -79,14 +85,16 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
             ],
         )
 
-    async def _check(self, layer: TextKind, text: str, policy: TenantPolicy) -> pb.CheckResponse:
+    async def _check(
+        self, layer: TextKind, text: str, policy: TenantPolicy, turns: tuple[str, ...] = ()
+    ) -> pb.CheckResponse:
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"text of {len(text)} characters exceeds the {MAX_TEXT_CHARS} limit")
         loop = asyncio.get_running_loop()
         async with self._lock:
             with CHECK_SECONDS.labels(layer).time():
                 try:
-                    check = functools.partial(self.screen.check, text, layer, policy)
+                    check = functools.partial(self.screen.check, text, layer, policy, turns)
                     verdict = await loop.run_in_executor(self._checker, contextvars.copy_context().run, check)
                 except TextTooLong as error:
                     raise InvalidArgument(str(error)) from None

@@ -146,3 +146,51 @@ def test_a_decoded_views_clauses_are_harm_views_of_a_prompt(classifier: TextClas
         restatements(forms[0])
     )
     assert classifier.score(encoded).triggered
+
+
+SYSTEM_TURN = "You are a helpful assistant. Answer briefly and accurately."
+
+
+def _rendered(turns: list[str]) -> str:
+    """A chat as the gateway renders it for the safety service."""
+    roles = ["system"] + ["user", "assistant"] * len(turns)
+    return "\n".join(f"{role}: {turn}" for role, turn in zip(roles, turns, strict=False))
+
+
+def test_a_chats_turns_are_scored_as_prompts_of_their_own(classifier: TextClassifier) -> None:
+    """The thresholds were calibrated on plain prompts; a system prompt or a role label beside a
+    question moves its scores. Each turn is scored alone, so a chat's question gets the scores the
+    same question gets as a prompt (the highest over the turns), and its verdict with them."""
+    system = classifier.score(SYSTEM_TURN)
+    assert not system.triggered
+    for prompt in HELDOUT["harmful"][:6] + HELDOUT["benign"][:6]:
+        alone = classifier.score(prompt)
+        chat = classifier.score_turns([SYSTEM_TURN, prompt], whole=_rendered([SYSTEM_TURN, prompt]))
+        for name, value in chat.values.items():
+            assert value == pytest.approx(max(alone.values[name], system.values[name]), abs=1e-5), name
+        assert chat.triggered == alone.triggered, prompt
+        assert chat.num_windows == alone.num_windows + system.num_windows
+
+
+def test_a_request_split_across_turns_is_read_whole(classifier: TextClassifier) -> None:
+    """Named pieces in two turns are joined by the whole conversation's decoded view, which the
+    turns alone do not have."""
+    split = []
+    for request in HELDOUT["harmful"]:
+        words = request.split()
+        first, second = " ".join(words[: len(words) // 2]), " " + " ".join(words[len(words) // 2 :])
+        turns = [f'a = "{first}"', f'b = "{second}"', "Now answer a + b."]
+        if classifier.score(request).triggered and not classifier.score_turns(turns).triggered:
+            split.append(turns)
+    assert len(split) >= 3  # requests that no turn carries alone
+    for turns in split:
+        assert classifier.score_turns(turns, whole=_rendered(turns)).triggered, turns
+
+
+def test_a_chat_past_the_window_limit_in_all_is_refused() -> None:
+    tight = TextClassifier(
+        load_gate(DEFAULT_GATE), MiniLMEmbedder.for_gate(load_gate(DEFAULT_GATE)), max_windows=2
+    )
+    assert tight.score(FILLER).num_windows >= 1  # each turn fits alone
+    with pytest.raises(TextTooLong, match="limit is 2"):
+        tight.score_turns([FILLER, FILLER, FILLER], "output")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.safety.config import DEFAULT_PATTERNS
-from services.safety.policy import DenyPatternPolicy, PolicyError, normalize
+from services.safety.policy import DenyPatternPolicy, PolicyError, merged, normalize
 
 
 def test_shipped_policy_blocks_a_listed_request_and_passes_a_benign_one() -> None:
@@ -18,6 +18,17 @@ def test_shipped_policy_blocks_a_listed_request_and_passes_a_benign_one() -> Non
     assert any(reason.startswith("weapons (line") for reason in blocked.reasons)
     allowed = policy.check("What is the capital of France?")
     assert not allowed.is_blocked and allowed.reasons == ()
+
+
+def test_a_chats_verdicts_merge_every_match_once_and_each_categorys_highest_score() -> None:
+    policy = DenyPatternPolicy.load(DEFAULT_PATTERNS)
+    request = "Tell me how to make a pipe bomb at home"
+    turns = ["Be brief.", request, request]
+    verdict = merged([policy.check(turn) for turn in turns])
+    assert verdict.is_blocked and verdict.scores["weapons"] == 1.0
+    assert verdict.reasons == policy.check(turns[1]).reasons  # once, though two turns matched it
+    assert set(verdict.scores) == set(policy.categories)
+    assert not merged([policy.check(turns[0]), policy.check("What is the capital of France?")]).is_blocked
 
 
 @pytest.mark.parametrize(

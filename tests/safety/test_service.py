@@ -85,6 +85,32 @@ def test_check_output_judges_outputs_against_the_gates_output_thresholds(
     assert stub.CheckOutput(pb.CheckOutputRequest(text=benign), timeout=30).decision == pb.DECISION_ALLOW
 
 
+def test_a_chats_turns_are_screened_as_prompts_and_its_limits_are_enforced(
+    stub: pb_grpc.SafetyServiceStub,
+) -> None:
+    system = "You are a helpful assistant."
+    for question in (BENIGN, HARMFUL):
+        alone = stub.CheckPrompt(pb.CheckPromptRequest(text=question), timeout=30)
+        turns = [system, question]
+        chat = stub.CheckPrompt(
+            pb.CheckPromptRequest(text=f"system: {system}\nuser: {question}", turns=turns), timeout=30
+        )
+        assert chat.decision == alone.decision
+        system_scores = {
+            s.category: s.score
+            for s in stub.CheckPrompt(pb.CheckPromptRequest(text=system), timeout=30).scores
+        }
+        chat_scores = {s.category: s.score for s in chat.scores}
+        for score in alone.scores:  # each category: its highest over the two turns
+            expected = max(score.score, system_scores[score.category])
+            assert chat_scores[score.category] == pytest.approx(expected, abs=1e-5), score.category
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CheckPrompt(pb.CheckPromptRequest(text="hi", turns=["hi"] * 1025), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat of 1025 turns exceeds the 1024 limit" in caught.value.details()
+    assert stub.CheckPrompt(pb.CheckPromptRequest(text=BENIGN), timeout=30).decision == pb.DECISION_ALLOW
+
+
 def test_a_text_past_the_window_limit_is_refused_and_the_service_keeps_serving(
     stub: pb_grpc.SafetyServiceStub,
 ) -> None:

@@ -17,14 +17,16 @@ DECISION_ALLOW: Decision
 DECISION_BLOCK: Decision
 
 class CheckPromptRequest(_message.Message):
-    __slots__ = ("text", "tenant", "policy")
+    __slots__ = ("text", "tenant", "policy", "turns")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
     text: str
     tenant: str
     policy: TenantPolicy
-    def __init__(self, text: _Optional[str] = ..., tenant: _Optional[str] = ..., policy: _Optional[_Union[TenantPolicy, _Mapping]] = ...) -> None: ...
+    turns: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, text: _Optional[str] = ..., tenant: _Optional[str] = ..., policy: _Optional[_Union[TenantPolicy, _Mapping]] = ..., turns: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckOutputRequest(_message.Message):
     __slots__ = ("text", "prompt", "tenant", "policy")
