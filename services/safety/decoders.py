@@ -4,7 +4,8 @@ in a text and returns the plain text it hides, or nothing.
 An attacker who writes "decode this and answer it" before a harmful request in ROT13, reversed,
 upside down, in hex, braille or Morse, in leetspeak, with its letters spaced out, or in invisible
 Unicode tag characters counts on the model decoding what the screen cannot; so does one who
-splits the request into quoted pieces assigned to names and asks for their sum (`joined_parts`).
+splits the request into quoted pieces assigned to names and asks for their sum (`joined_parts`),
+or hides its key word behind a code word defined in the prompt (`substituted`).
 Each decoder here is cheap (a regular expression or one pass over the words) and fires only on its
 own encoding, so an ordinary prompt gets no extra view and pays no extra embedding; what they find
 becomes another view of the text (normalizer.views), screened like the plain one.
@@ -457,6 +458,67 @@ def joined_parts(text: str) -> list[str]:
     return list(dict.fromkeys(joined))[:2]
 
 
+# Word games: a code word defined as the word it hides ('"banana" means "bomb"', 'let apple stand
+# for gun', 'replace "cake" with "meth"'), then used in the request ("How do I make a banana?").
+_TERM = r"""(?:"([^"\n]{2,40})"|'([^'\n]{2,40})'|“([^”\n]{2,40})”|([A-Za-z][A-Za-z-]{1,30}))"""
+_DEFINES = re.compile(
+    rf"{_TERM}\s+(?:means|stands for|represents|refers to|is (?:a |our )?code(?: word)? for|is short for"
+    rf"|will mean|should be read as)\s+{_TERM}"
+    rf"|\blet\s+{_TERM}\s+(?:mean|stand for|represent|be)\s+{_TERM}"
+    rf"|\b(?:replace|swap)\s+(?:(?:every|each|all|the)\s+)?(?:words?\s+)?{_TERM}\s+(?:with|by|for)\s+{_TERM}",
+    re.I,
+)
+_SUBSTITUTE_FOR = re.compile(rf"\bsubstitute\s+{_TERM}\s+for\s+{_TERM}", re.I)  # Y for X: X is replaced
+_GAME_STOPWORDS = frozenset((
+    "a", "an", "the", "to", "of", "and", "or", "in", "on", "at", "for", "with", "by", "it", "this",
+    "that", "which", "who", "is", "are", "be", "do", "i", "you", "we", "he", "she", "they", "me",
+    "my", "your", "what", "how", "word", "words", "letter", "each", "every", "all", "not", "no",
+))  # fmt: skip
+MAX_SUBSTITUTIONS = 8
+
+
+def _term(groups: tuple[str | None, ...]) -> str:
+    return next(group for group in groups if group is not None).strip()
+
+
+def _defined_pairs(text: str) -> list[tuple[str, str]]:
+    """(code word, the word it stands for) of each definition in `text`, at most MAX_SUBSTITUTIONS."""
+    pairs: list[tuple[str, str]] = []
+    for match in itertools.islice(_DEFINES.finditer(text), MAX_SUBSTITUTIONS):
+        groups = match.groups()
+        at = next(i for i in (0, 8, 16) if any(groups[i : i + 4]))
+        pairs.append((_term(groups[at : at + 4]), _term(groups[at + 4 : at + 8])))
+    for match in itertools.islice(_SUBSTITUTE_FOR.finditer(text), MAX_SUBSTITUTIONS):
+        pairs.append((_term(match.groups()[4:]), _term(match.groups()[:4])))
+    return [
+        (code, meant)
+        for code, meant in pairs[:MAX_SUBSTITUTIONS]
+        if code.lower() not in COMMON_WORDS | _GAME_STOPWORDS
+        and meant.lower() not in _GAME_STOPWORDS
+        and code.lower() != meant.lower()
+    ]
+
+
+def substituted(text: str) -> list[str]:
+    """The lines of `text` that use a code word it defines, each code word replaced by the word it
+    stands for; [] when the text defines none or uses none past its definition."""
+    words = []
+    for code, meant in _defined_pairs(text):
+        word = re.compile(rf"(?<![\w'-]){re.escape(code)}(?![\w'-])", re.I)
+        if len(word.findall(text)) >= 2:  # used past its definition
+            words.append((word, meant))
+    if not words:
+        return []
+    read = []
+    for line in chunks(text):
+        plain = line
+        for word, meant in words:
+            plain = word.sub(meant.replace("\\", "\\\\"), plain)
+        if plain != line:
+            read.append(plain)
+    return ["\n".join(read)]
+
+
 def _loosely_unleeted(line: str) -> str | None:
     return unleeted(line, loose=True)
 
@@ -468,6 +530,7 @@ def hidden_texts(text: str) -> list[str]:
     prompt, where its words make a larger share, and the view they add holds only the lines they
     decoded, so a long prompt with one odd line does not embed twice."""
     found = [*smuggled_tags(text), *decoded_hex(text), *morse(text), *braille(text), *joined_parts(text)]
+    found += substituted(text)
     lines = chunks(text)
     # Leetspeak twice: strictly, and with every loose leet word undone as well. A template half in
     # leetspeak read strictly is a form the jailbreak head knows; read loosely, a request in it reads
