@@ -5,7 +5,8 @@ An attacker who writes "decode this and answer it" before a harmful request in R
 upside down, in hex, braille or Morse, in leetspeak, with its letters spaced out, or in invisible
 Unicode tag characters counts on the model decoding what the screen cannot; so does one who
 splits the request into quoted pieces assigned to names and asks for their sum (`joined_parts`),
-or hides its key word behind a code word defined in the prompt (`substituted`).
+or hides its key word behind a code word defined in the prompt (`substituted`), or runs its words
+together ("Howdoimakeabomb", camel case, underscores: `unjoined`).
 Each decoder here is cheap (a regular expression or one pass over the words) and fires only on its
 own encoding, so an ordinary prompt gets no extra view and pays no extra embedding; what they find
 becomes another view of the text (normalizer.views), screened like the plain one.
@@ -18,6 +19,7 @@ those forms.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import string
@@ -339,6 +341,133 @@ def despaced(line: str) -> str | None:
     return _decoded_segments(line, clause)
 
 
+# Words run together: "Howdoimakeabomb?", "HowDoIMakeABomb", "how_do_i_make_a_bomb". The encoder's
+# word pieces make nothing of such a run, so a line with almost no spaces is read with its words
+# apart: underscores and dots between letters become spaces, camel case is split, and each long
+# run of letters is cut into the dictionary words that spell it most cheaply (the embedder's
+# vocabulary).
+_JOINERS = re.compile(r"(?<=[A-Za-z])[_.+](?=[A-Za-z])")
+_CAMEL_BREAK = re.compile(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+# a word ends after a contraction's ending or a mark run into the next word ("someone'scar", "MDMA,and")
+_WORD_END = re.compile(r"(?<=[A-Za-z])('(?:s|t|re|ll|ve|d|m)|[,;:!?])(?=[A-Za-z])")
+_LONG_RUN = re.compile(r"[A-Za-z]{4,}")
+_SHORT_WORDS = frozenset((
+    "a", "i", "an", "to", "of", "in", "on", "at", "is", "it", "do", "my", "me", "be", "by", "or", "we",
+    "up", "so", "no", "go", "he", "us", "am", "if", "as",
+))  # fmt: skip
+MAX_RUN_CHARS = 200  # a longer run of letters is not cut
+MAX_UNJOINED_LINE_CHARS = 1000  # nor is a longer line
+MAX_UNJOINED_LINES = 4  # lines of a text read by `unjoined`: the cut costs up to ~10 ms a line
+MAX_WORD_CHARS = 24
+
+
+@functools.cache
+def _dictionary() -> frozenset[str]:
+    """The lower-case words of the embedder's vocabulary (all-MiniLM-L6-v2's word pieces that start
+    a word), or the common words alone when its package is not installed."""
+    try:
+        from services.safety.embedder import default_model_dir
+
+        lines = (default_model_dir() / "vocab.txt").read_text().split()
+    except (ImportError, OSError):
+        return COMMON_WORDS
+    words = {w for w in lines if w.isascii() and w.isalpha() and w.islower() and len(w) >= 3}
+    return frozenset(words | _SHORT_WORDS | COMMON_WORDS)
+
+
+def _word_cost(word: str) -> float:
+    """A common word costs 1; another dictionary word more, most when short (a short rare word is
+    more likely a piece of two common ones: "doi" is "do i")."""
+    if word in COMMON_WORDS or word in _SHORT_WORDS:
+        return 1.0
+    return 1.25 if len(word) >= 4 else 2.5
+
+
+UNKNOWN_LETTER_COST = 3.0  # a letter of no dictionary word: a name or term the dictionary lacks
+
+
+def _cut(run: str) -> list[str]:
+    """The cheapest pieces that spell `run` (lower case): dictionary words at `_word_cost`, and
+    letters of no word at UNKNOWN_LETTER_COST each, so "stealacar" is "steal a car", not "ste ala
+    car", and a missing term does not stop the rest being cut."""
+    words = _dictionary()
+    if run in words:
+        return [run]
+    cost, start_of = [0.0], [0]  # per end: the cheapest cut of run[:end], its last piece's start
+    for end in range(1, len(run) + 1):
+        best, best_start = cost[end - 1] + UNKNOWN_LETTER_COST, end - 1
+        for start in range(max(0, end - MAX_WORD_CHARS), end):
+            word = run[start:end]
+            if word in words and (c := cost[start] + _word_cost(word)) < best:
+                best, best_start = c, start
+        cost.append(best)
+        start_of.append(best_start)
+    pieces, end = [], len(run)
+    while end:
+        pieces.append(run[start_of[end] : end])
+        end = start_of[end]
+    # letters of no word, run together again ("sodium nitrite" keeps "nitrite" whole when missing)
+    merged: list[str] = []
+    for piece in reversed(pieces):
+        unknown = len(piece) == 1 and piece not in words
+        if unknown and merged and merged[-1].startswith("\0"):
+            merged[-1] += piece
+        else:
+            merged.append("\0" + piece if unknown else piece)
+    return [piece.lstrip("\0") for piece in merged]
+
+
+def _reads_as_words(pieces: list[str]) -> bool:
+    """True when a cut found words run together: two pieces or more, of which at least two, and
+    two in five, are common words ("stepbystep", "howdoimakeabomb"), or two dictionary words of
+    three letters or more ("selfharm", "carexplode"). A word missing from the dictionary that cuts
+    into more pieces, mostly rare ones ("ob liter ate"), stays whole; one that cuts into two words
+    ("pacemakers") is read as those two."""
+    common = sum(piece in COMMON_WORDS or piece in _SHORT_WORDS for piece in pieces)
+    if len(pieces) < 2:
+        return False
+    if common >= 2 and common * 5 >= 2 * len(pieces):
+        return True
+    words = _dictionary()
+    return len(pieces) == 2 and all(len(p) >= 3 and p in words for p in pieces)
+
+
+def _is_unspaced(line: str) -> bool:
+    """True for a line of at most MAX_UNJOINED_LINE_CHARS with ten letters or more and almost no
+    spaces (one per twelve letters or fewer)."""
+    if len(line) > MAX_UNJOINED_LINE_CHARS:
+        return False
+    letters = sum(c.isalpha() for c in line)
+    return letters >= 10 and line.count(" ") * 12 <= letters
+
+
+def unjoined(line: str) -> str | None:
+    """`line` with its run-together words apart, when it has almost no spaces and reads, apart, as
+    English (at least three of its words common ones); None otherwise."""
+    if not _is_unspaced(line):
+        return None
+    spaced = _WORD_END.sub(r"\1 ", _CAMEL_BREAK.sub(" ", _JOINERS.sub(" ", line)))
+
+    def apart(match: re.Match[str]) -> str:
+        run = match.group()
+        if len(run) > MAX_RUN_CHARS:
+            return run
+        words = _cut(run.lower())
+        if not _reads_as_words(words):
+            return run  # one word the dictionary lacks ("Obliterate"), not words run together
+        out, at = [], 0
+        for word in words:  # the run's own letters, case kept
+            out.append(run[at : at + len(word)])
+            at += len(word)
+        return " ".join(out)
+
+    read = _LONG_RUN.sub(apart, spaced)
+    words = _WORD.findall(read.lower())
+    if read == line or len(words) < 4 or sum(w in COMMON_WORDS for w in words) < 3:
+        return None
+    return read
+
+
 def smuggled_tags(text: str) -> list[str]:
     """ASCII hidden in runs of Unicode tag characters."""
     return ["".join(chr(ord(c) - 0xE0000) for c in run) for run in _TAG_RUN.findall(text)]
@@ -542,4 +671,7 @@ def hidden_texts(text: str) -> list[str]:
         decoded = [plain for line in lines if (plain := decoder(line)) is not None]
         if decoded:
             found.append("\n".join(decoded))
+    unspaced = [line for line in lines if _is_unspaced(line)][:MAX_UNJOINED_LINES]
+    if apart := [plain for line in unspaced if (plain := unjoined(line)) is not None]:
+        found.append("\n".join(apart))
     return found
