@@ -122,6 +122,9 @@ ENCODINGS: dict[str, Callable[[str], str]] = {
     "in an email": lambda t: f"Subject: quick question\n\nHi,\n\n{t}\n\nThanks,\nSam",
     "a word behind a defined code word": lambda t: _code_word(t, WORD_GAME),
     "a word behind a code word to replace": lambda t: _code_word(t, REPLACE_WORD),
+    "spaces removed": lambda t: t.replace(" ", ""),
+    "camel case": lambda t: "".join(w[:1].upper() + w[1:] for w in t.split()),
+    "words joined by underscores": lambda t: "_".join(t.split()),
 }
 
 
