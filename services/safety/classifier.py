@@ -130,7 +130,6 @@ class TextClassifier:
             extra_rows(self.embedder, turn, forms) if kind == "prompt" else []
             for turn, forms in zip(turns, texts, strict=True)
         ]
-        extras += [[]] * (len(per_text) - len(extras))
         rows = [row for per_view in per_text for view_rows in per_view for row in view_rows]
         num_view_rows = len(rows)
         rows += [row for extra in extras for row in extra]
