@@ -40,6 +40,13 @@ _CONFUSABLES = str.maketrans(
 # tokens, so they hide a request as an encoding does. In IPA they are vowels and consonants close
 # to the letter they are read as here.
 _SMALL_CAPITALS = str.maketrans("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘǫʀꜱᴛᴜᴠᴡʏᴢ", "abcdefghijklmnopqrstuvwyz")
+# Letters drawn in boxes and circles that NFKC leaves alone or wraps in brackets: regional
+# indicators (the letters of flags: "🇭🇴🇼"), negative circled and squared letters ("🅗🅞🅦",
+# "🅷🅾🆆") and parenthesized ones ("⒣⒪⒲", which NFKC makes "(h)(o)(w)"). A flag reads as its
+# country's two letters.
+_ENCLOSED_LETTERS = {
+    first + i: ord("a") + i for first in (0x1F1E6, 0x1F150, 0x1F170, 0x249C) for i in range(26)
+}
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
 # Clauses of a short prompt (see clauses()): split at a line break (canonical_lines keeps them),
 # after a sentence end, a colon or a semicolon,
@@ -80,9 +87,10 @@ VIEWS_VERSION = 6
 
 
 def _visible(text: str) -> str:
-    """NFKC with zero-width characters dropped and small capitals read as letters: what a reader
-    sees, whitespace and tags as sent."""
-    return unicodedata.normalize("NFKC", text).translate(_ZERO_WIDTH).translate(_SMALL_CAPITALS)
+    """NFKC with zero-width characters dropped and small capitals and enclosed letters read as
+    letters: what a reader sees, whitespace and tags as sent."""
+    lettered = text.translate(_ENCLOSED_LETTERS)
+    return unicodedata.normalize("NFKC", lettered).translate(_ZERO_WIDTH).translate(_SMALL_CAPITALS)
 
 
 def _cleaned(visible: str) -> str:

@@ -100,6 +100,19 @@ def test_small_capitals_read_as_the_letters_they_stand_for_in_every_view() -> No
     assert canonical(_small_capitals(REQUEST)) == REQUEST.lower()
 
 
+def _enclosed(text: str, first_letter: int) -> str:
+    return "".join(chr(first_letter + ord(c) - ord("a")) if "a" <= c <= "z" else c for c in text.lower())
+
+
+@pytest.mark.parametrize(
+    "first_letter",
+    [0x1F1E6, 0x1F150, 0x1F170, 0x249C],
+    ids=["regional indicators", "negative circled", "negative squared", "parenthesized"],
+)
+def test_letters_in_boxes_and_circles_read_as_the_letters_they_enclose(first_letter: int) -> None:
+    assert canonical(_enclosed(REQUEST, first_letter)) == REQUEST.lower()
+
+
 ORDINARY = [
     "The quick brown fox jumps over the lazy dog, and then we went to the market to buy apples.",
     "Can you summarise the main arguments of this article about European climate policy?",
