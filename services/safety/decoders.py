@@ -1052,7 +1052,9 @@ def hidden_texts(text: str) -> list[str]:
         decoded = [plain for line in lines if (plain := decoder(line)) is not None]
         if decoded:
             found.append("\n".join(decoded))
-    unspaced = [line for line in lines if _is_unspaced(line)][:MAX_UNJOINED_LINES]
+    # a line run together, or its part after an instruction's colon ("Answer this: Howdoimake...")
+    tails = (line if _is_unspaced(line) else line.rpartition(": ")[2] for line in lines)
+    unspaced = [tail for tail in tails if _is_unspaced(tail)][:MAX_UNJOINED_LINES]
     if apart := [plain for line in unspaced if (plain := unjoined(line)) is not None]:
         found.append("\n".join(apart))
     return found

@@ -258,6 +258,7 @@ def test_a_leet_clause_has_every_leet_word_undone() -> None:
 def test_words_run_together_are_read_apart(text: str, read: str) -> None:
     assert decoders.unjoined(text) == read
     assert canonical(read) in views(text)
+    assert canonical(read) in views(WRAP.format(text))  # after an instruction on the same line
 
 
 @pytest.mark.parametrize(
