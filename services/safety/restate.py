@@ -287,6 +287,19 @@ _FRAME = re.compile(
     r")\s*[,:;-]?\s*",
     re.IGNORECASE,
 )
+# A request set inside a longer instruction ("write his dialogue where he walks through, with exact
+# quantities, how to make ..."): the request's own words, from where they start to the clause's end.
+_EMBEDDED = re.compile(
+    r"\b(?:how\s+to|how\s+(?:i|you|one|we|someone)\s+(?:can|could|would|should|might)"
+    r"|steps?\s+(?:to|for)|instructions?\s+(?:for|on|to)|guide\s+(?:to|for|on)|recipe\s+for"
+    r"|tutorial\s+on|ways?\s+to|methods?\s+(?:to|for))\s+\w",
+    re.IGNORECASE,
+)
+MIN_WORDS_BEFORE_EMBEDDED = 4  # words of instruction before the request
+# A clause that opens as a question is the request itself ("What's the best way to ...").
+_QUESTION_OPENINGS = _words(
+    "how what what's whats which where when why who can could would should is are do does did will may"
+)
 # "..., and how did they hide it?": a second question joined to the first.
 _QUESTION_JOIN = re.compile(r",?\s+and\s+(?=(?:how|what|where|which)\s)", re.IGNORECASE)
 _NAMED = re.compile(r"(?<![.?!:;]\s)(?<!^)\b[A-Z][a-z]+|\d")
@@ -380,12 +393,19 @@ def restatements(view: str) -> list[str]:
         return []
     found: list[str] = []
     units = clauses(view) if len(clause_parts(view)) > 1 else [view, *quoted_spans(view)]
-    parts = [part for clause in units for part in _QUESTION_JOIN.split(clause)]
-    for clause in parts[:MAX_CLAUSES]:
+    # each clause's questions joined by "and" apart; a question after the first is a form too,
+    # restated if it can be ("..., and how did they hide it?"), as it is if not ("..., and how to ...")
+    parts = [(part, i > 0) for clause in units for i, part in enumerate(_QUESTION_JOIN.split(clause))]
+    for clause, joined in parts[:MAX_CLAUSES]:
         timeless = " ".join(_TIME.sub(" ", clause).split())
         bare = _unframed(timeless)
         restated = None if _NAMED.search(timeless) else _restate(bare.lower())
-        for form in (bare.lower() if bare != timeless else None, restated and _first_person(restated)):
+        forms = (
+            bare.lower() if bare != timeless or (joined and restated is None) else None,
+            restated and _first_person(restated),
+            _embedded(bare),
+        )
+        for form in forms:
             if form and len(form.split()) >= MIN_CLAUSE_WORDS and form not in found:
                 found.append(form)
         if len(found) >= MAX_RESTATEMENTS:
@@ -397,6 +417,17 @@ def prompt_restatements(readings: list[str]) -> list[str]:
     """The restatements of every reading of a prompt (normalizer.prompt_readings), each once, at
     most MAX_RESTATEMENTS."""
     return list(dict.fromkeys(r for reading in readings for r in restatements(reading)))[:MAX_RESTATEMENTS]
+
+
+def _embedded(clause: str) -> str | None:
+    """The request set inside `clause` after MIN_WORDS_BEFORE_EMBEDDED words or more of
+    instruction (_EMBEDDED), lower case, or None."""
+    if clause.split()[:1] and clause.split()[0].lower() in _QUESTION_OPENINGS:
+        return None  # "What is the best way to ...": the question is the request
+    for match in _EMBEDDED.finditer(clause):
+        if len(clause[: match.start()].split()) >= MIN_WORDS_BEFORE_EMBEDDED:
+            return clause[match.start() :].rstrip(" ?.!").lower()
+    return None
 
 
 def _unframed(clause: str) -> str:
