@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 import unicodedata
 
@@ -162,7 +163,25 @@ def decoded_blobs(text: str) -> list[str]:
 
 def views(text: str) -> list[str]:
     """Every form of `text` to screen: its canonical form, then each decoded blob's and each text
-    decoders.py finds hidden in it (at most MAX_HIDDEN_VIEWS, each once)."""
+    decoders.py finds hidden in it (at most MAX_HIDDEN_VIEWS, each once).
+
+    One check reads a text's views twice (the classifier, then the deny patterns), so the last
+    few short texts' views are kept."""
+    if len(text) > MAX_REMEMBERED_CHARS:
+        return _views(text)
+    return list(_remembered_views(text))
+
+
+MAX_REMEMBERED_CHARS = 20_000  # texts whose views are kept: a few per check, a few MB in all
+_REMEMBERED = 64
+
+
+@functools.lru_cache(maxsize=_REMEMBERED)
+def _remembered_views(text: str) -> tuple[str, ...]:
+    return tuple(_views(text))
+
+
+def _views(text: str) -> list[str]:
     visible = _visible(text)
     normalized = _cleaned(visible)
     forms = [with_apostrophes(fold_confusables(normalized))]  # canonical(text), from the NFKC pass above
