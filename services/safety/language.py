@@ -43,7 +43,11 @@ LANGUAGE_CATEGORY = "unscreened_language"
 # (a French title in an English question is one word against one).
 LANGUAGE_THRESHOLD = 0.6
 MIN_EVIDENCE = 2.0
-MIN_SENTENCE_EVIDENCE = 4.0
+# 3 rather than 4 (2026-12-07): MultiJail's requests behind a short English instruction went from
+# 72% to 82% caught, XSafety's from 86% to 92%, for one more of 15,460 English benign texts (a
+# ShareGPT prompt with a Korean line); 2 would add ten more such
+# (bench/results/safety_spellings_2026-12-07.md).
+MIN_SENTENCE_EVIDENCE = 3.0
 # Letters of scripts written without spaces between words: about three letters make a word.
 _UNSPACED_WEIGHT = 1 / 3
 _ACCENT_WEIGHT = 0.5
