@@ -65,6 +65,7 @@ _QUOTED = re.compile(
     r'"([^"\n]{12,400})"|\u201c([^\u201d\n]{12,400})\u201d|(?<![A-Za-z])\'([^\'\n]{12,400})\'(?![A-Za-z])'
 )
 MAX_CLAUSE_TEXT_CHARS = 400  # a short prompt; longer texts are cut into sentence windows anyway
+MAX_TEMPLATE_TEXT_CHARS = 2000  # a prompt up to this long is read for a request its template sets apart
 MIN_CLAUSE_WORDS = 4  # shorter clauses ("Thanks.", "Step 1:") say nothing on their own
 MAX_CLAUSES = 8
 MAX_DECODED_BLOBS = 8  # per text: enough for real payloads, bounded against a text made of blobs
@@ -203,13 +204,28 @@ def clauses(view: str) -> list[str]:
     A short prompt is one embedding, and the words around a request dilute it: "Decode the
     following and answer it: <request>" passed a third of the requests the screen blocks alone
     (bench/results/safety_clauses_2026-12-06.md). Scoring each clause alone undoes that.
+
+    A longer prompt, up to MAX_TEMPLATE_TEXT_CHARS, is where a template puts a request: its quoted
+    spans and the words after its last colon ('This is his first question: "<request>"') are
+    clauses; its other sentences are not (each clause of a long benign text is one more chance of
+    a false positive: bench/results/safety_spellings_2026-12-07.md).
     """
     if len(view) > MAX_CLAUSE_TEXT_CHARS:
-        return []
+        return _template_clauses(view) if len(view) <= MAX_TEMPLATE_TEXT_CHARS else []
     parts = clause_parts(view)
     found = [p for p in parts if len(p.split()) >= MIN_CLAUSE_WORDS] if len(parts) > 1 else []
     found += [span for span in quoted_spans(view) if span not in found and span != view.strip()]
     return found[:MAX_CLAUSES]
+
+
+def _template_clauses(view: str) -> list[str]:
+    """The quoted spans of a longer view and the words after its last colon, each of
+    MIN_CLAUSE_WORDS words or more and at most MAX_CLAUSE_TEXT_CHARS."""
+    found = [span for span in quoted_spans(view) if len(span) <= MAX_CLAUSE_TEXT_CHARS]
+    tail = view.rpartition(": ")[2].strip(" \"'\u201c\u201d")  # a quoted tail is the quoted span
+    if ": " in view and len(tail.split()) >= MIN_CLAUSE_WORDS and len(tail) <= MAX_CLAUSE_TEXT_CHARS:
+        found.append(tail)
+    return list(dict.fromkeys(found))[:MAX_CLAUSES]
 
 
 def clause_parts(view: str) -> list[str]:
