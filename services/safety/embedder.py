@@ -132,9 +132,20 @@ class MiniLMEmbedder:
 
     @torch.inference_mode()
     def embed_windows(self, rows: list[list[int]], batch_size: int = 32) -> torch.Tensor:
-        """Windows -> embeddings `[N, 384]`, in batches padded to their longest row."""
-        out = [self._embed_batch(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
-        return torch.cat(out) if out else torch.empty(0, HIDDEN)
+        """Windows -> embeddings `[N, 384]`, in order. Rows are batched by length, each batch
+        padded to its longest row: a check's rows range from a clause of ten tokens to a window of
+        254, and one long row in a batch of short ones would make every row cost as much."""
+        if not rows:
+            return torch.empty(0, HIDDEN)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        batches: list[list[int]] = [[]]
+        for i in order:
+            batch = batches[-1]
+            if batch and (len(batch) == batch_size or len(rows[i]) > 2 * len(rows[batch[0]]) + 16):
+                batches.append(batch := [])
+            batch.append(i)
+        out = torch.cat([self._embed_batch([rows[i] for i in batch]) for batch in batches])
+        return out[torch.tensor(order).argsort()]  # back in the rows' order
 
     def embed(self, texts: list[str]) -> torch.Tensor:
         """One embedding per text `[N, 384]`, each from its first window only (for short texts)."""
