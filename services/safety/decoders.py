@@ -802,12 +802,18 @@ def unmarked(line: str) -> str | None:
 # Words in reverse order ("explode? car my make I do How"): the question word or the verb that
 # opens the request ends the line. Each word reversed in place ("woH od I ekam") is a cipher
 # clause, read by `deciphered` (the clause reversed) and by `words_reversed` (each word in place).
-_QUESTION_WORDS = frozenset(("how", "what", "why", "where", "when", "who", "which"))
+_QUESTION_WORDS = frozenset((
+    "how", "what", "why", "where", "when", "who", "which", "what's", "how's", "where's", "who's",
+))  # fmt: skip
 MIN_REORDERED_WORDS = 6  # past a question word: "from typing import List" is not reversed
-# ... or the verb that opens an instruction, capitalised ("... a for instructions detailed Give")
+# ... or, capitalised, the word that opens a request: an instruction's verb ("... a for instructions
+# detailed Give"), a yes-no question's auxiliary ("... car a steal I Can") or the asker ("... need I")
 _OPENERS = frozenset((
     "Give", "Write", "List", "Describe", "Explain", "Create", "Tell", "Provide", "Develop", "Generate",
     "Outline", "Design", "Teach", "Show", "Make", "Suggest", "Draft", "Compose", "Produce", "Help",
+    "Find", "Detail", "Convince", "Determine", "Complete", "Come", "Please",
+    "Can", "Could", "Would", "Should", "Will", "Is", "Are", "Do", "Does", "Did",
+    "I", "I'm", "I've", "My", "We",
 ))  # fmt: skip
 
 
@@ -826,7 +832,7 @@ def reordered(line: str) -> str | None:
             continue
         shouted = last.isupper() and len(last) > 1  # "WHO", "CDC": an acronym, not a question word
         opens = (last.lower() in _QUESTION_WORDS and not shouted) or (
-            last.title() in _OPENERS and len(words) >= MIN_REORDERED_WORDS
+            last.capitalize() in _OPENERS and len(words) >= MIN_REORDERED_WORDS
         )
         if opens:
             return " ".join(reversed(words))
