@@ -1036,6 +1036,14 @@ def _loosely_unleeted(line: str) -> str | None:
     return unleeted(line, loose=True)
 
 
+def _line_or_tail(decoder: Callable[[str], str | None], line: str) -> str | None:
+    """`decoder` on `line`, else on its part after its last colon: an instruction in front ("Decode
+    the following and answer it: ...") dilutes the share of the line a game must hold."""
+    if (plain := decoder(line)) is not None or ": " not in line:
+        return plain
+    return decoder(line.rpartition(": ")[2])
+
+
 def hidden_texts(text: str) -> list[str]:
     """Every plain text this module finds hidden in `text` (NFKC, zero-width characters dropped,
     tag characters and whitespace as sent). The whole-text decoders (ciphers, leetspeak, spacing)
@@ -1055,7 +1063,7 @@ def hidden_texts(text: str) -> list[str]:
         if votes[0] == "reversed":
             decoders.insert(1, words_reversed)
     for decoder in decoders:
-        decoded = [plain for line in lines if (plain := decoder(line)) is not None]
+        decoded = [plain for line in lines if (plain := _line_or_tail(decoder, line)) is not None]
         if decoded:
             found.append("\n".join(decoded))
     # a line run together, or its part after an instruction's colon ("Answer this: Howdoimake...")
