@@ -391,6 +391,13 @@ def _dictionary() -> frozenset[str]:
     return frozenset(_vocabulary()) | _SHORT_WORDS | COMMON_WORDS
 
 
+@functools.cache
+def _commonest_first() -> tuple[str, ...]:
+    """The dictionary's words, the short and common ones first (shortest, then alphabetical: a set's
+    order would change from run to run), then the vocabulary's order; a word may come twice."""
+    return (*sorted(COMMON_WORDS | _SHORT_WORDS, key=lambda w: (len(w), w)), *_vocabulary())
+
+
 def _word_cost(word: str) -> float:
     """A common word costs 1; another dictionary word more, most when short (a short rare word is
     more likely a piece of two common ones: "doi" is "do i")."""
@@ -674,6 +681,7 @@ _UNICODE_ESCAPES = re.compile(r"(?:\\u[0-9a-fA-F]{4}){6,}")
 _NUMERIC_ENTITY = re.compile(r"&#(?:\d{1,7}|[xX][0-9a-fA-F]{1,6});")
 _BASE32_RUN = re.compile(r"(?<![A-Za-z0-9+/])[A-Z2-7]{16,}={0,6}(?![A-Za-z0-9+/])")
 MIN_ENTITIES = 6  # numeric character references a text needs before it is read unescaped
+MAX_RUNS = 8  # decoded runs of numbers, or of characters spelled one at a time, per text
 
 
 def _reads_as_text(text: str) -> bool:
@@ -716,9 +724,6 @@ def decoded_numbers(text: str) -> list[str]:
         if (decoded := text_of(data, min_letter_share=0.5)) is not None and _reads_as_text(decoded):
             found.append(decoded)
     return found[:MAX_RUNS]
-
-
-MAX_RUNS = 8  # decoded runs of numbers per text
 
 
 # One character at a time: between commas ("H,o,w, ,d,o"), as a list of quoted characters
@@ -903,7 +908,7 @@ def _skeleton(word: str) -> str:
 @functools.cache
 def _skeletons() -> dict[str, str]:
     table: dict[str, str] = {}
-    for word in (*sorted(COMMON_WORDS | _SHORT_WORDS, key=len), *_vocabulary()):
+    for word in _commonest_first():
         table.setdefault(_skeleton(word), word)
     return table
 
@@ -997,7 +1002,7 @@ MIN_SHUFFLED_WORDS = 2  # per line: one unknown word that happens to be an anagr
 def _shuffled_words() -> dict[str, str]:
     """The commonest dictionary word of each first letter, last letter and set of inner letters."""
     table: dict[str, str] = {}
-    for word in (*sorted(COMMON_WORDS), *_vocabulary()):
+    for word in _commonest_first():
         if len(word) >= MIN_SHUFFLED_CHARS:
             table.setdefault(_shuffle_key(word), word)
     return table
@@ -1012,13 +1017,14 @@ def unshuffled(line: str) -> str | None:
     it has MIN_SHUFFLED_WORDS of them or more, a fifth of its words of MIN_SHUFFLED_CHARS letters
     or more; None otherwise."""
     table, dictionary = _shuffled_words(), _dictionary()
+    typed_words = _OWN_WORD.findall(line)
     fixes = {}
-    for typed in _OWN_WORD.findall(line):
+    for typed in typed_words:
         word = typed.lower()
         known = len(word) < MIN_SHUFFLED_CHARS or word in dictionary
         if not known and (plain := table.get(_shuffle_key(word))) is not None:
             fixes[word] = plain
-    long_words = sum(len(w) >= MIN_SHUFFLED_CHARS for w in _OWN_WORD.findall(line))
+    long_words = sum(len(w) >= MIN_SHUFFLED_CHARS for w in typed_words)
     if len(fixes) < MIN_SHUFFLED_WORDS or len(fixes) * 5 < long_words:
         return None  # a few words the dictionary lacks in a long line ("clot" read as "colt")
     return _OWN_WORD.sub(lambda m: fixes.get(m.group().lower(), m.group()), line)

@@ -422,7 +422,8 @@ def prompt_restatements(readings: list[str]) -> list[str]:
 def _embedded(clause: str) -> str | None:
     """The request set inside `clause` after MIN_WORDS_BEFORE_EMBEDDED words or more of
     instruction (_EMBEDDED), lower case, or None."""
-    if clause.split()[:1] and clause.split()[0].lower() in _QUESTION_OPENINGS:
+    words = clause.split()
+    if words and words[0].lower() in _QUESTION_OPENINGS:
         return None  # "What is the best way to ...": the question is the request
     for match in _EMBEDDED.finditer(clause):
         if len(clause[: match.start()].split()) >= MIN_WORDS_BEFORE_EMBEDDED:
