@@ -82,6 +82,16 @@ def _braille(text: str) -> str:
 # Each lower-case letter turned by half a turn, as upside-down text generators print them.
 TURNED = dict(zip("abcdefghijklmnopqrstuvwxyz?!", "ɐqɔpǝɟƃɥᴉɾʞlɯuodbɹsʇnʌʍxʎz¿¡", strict=True))
 SMALL_CAPITALS = dict(zip("abcdefghijklmnopqrstuvwyz", "ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘǫʀꜱᴛᴜᴠᴡʏᴢ", strict=True))
+# Every letter that has one swapped for a look-alike from another script, as homoglyph attacks
+# write: Cyrillic where it has one, else Greek, Armenian or Latin's dotless i. Chosen from the
+# glyphs here, not from the normalizer's table, so the row also finds letters that table misses.
+LOOKALIKES = dict(
+    zip(
+        "acdeghijlnopqsuvwxyABCEHIJKMNOPSTXYZ",
+        "асԁеɡһıјӏոорԛѕսνԝхуАВСЕНІЈКМΝОРЅТХУΖ",
+        strict=True,
+    )
+)
 
 
 def _code_word(text: str, define: str) -> str:
@@ -194,6 +204,7 @@ ENCODINGS: dict[str, Callable[[str], str]] = {
     "NATO alphabet": _nato,
     "a hyphen inside each word": _hyphen_inside,
     "a letter left out (typos)": _typos,
+    "look-alike letters of other scripts": lambda t: "".join(LOOKALIKES.get(c, c) for c in t),
 }
 
 
@@ -210,6 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--requests", type=int, default=150, help="blocked plain requests to encode")
+    parser.add_argument("--only", nargs="+", choices=ENCODINGS, help="these encodings alone (default: all)")
+    parser.add_argument("--no-benign", action="store_true", help="skip the held-out benign table")
     args = parser.parse_args()
     screen = Screen.load(SafetyConfig.from_env({}))
     blocked, num_harmful = blocked_heldout_requests(screen, args.wheels)
@@ -218,6 +231,8 @@ def main() -> None:
     print(f"{count} held-out harmful prompts blocked as written, {len(requests)} of them encoded")
     print("\n| encoding | blocked alone | blocked after a decode instruction |\n| --- | ---: | ---: |")
     for name, encode in ENCODINGS.items():
+        if args.only and name not in args.only:
+            continue
         encoded = [encode(t) for t in requests]
         alone = sum(screen.check(t).is_blocked for t in encoded)
         wrapped = sum(screen.check(WRAPPER.format(t)).is_blocked for t in encoded)
@@ -226,6 +241,8 @@ def main() -> None:
             f"| {name} | {100 * alone / n:.1f}% ({alone}/{n}) | {100 * wrapped / n:.1f}% ({wrapped}/{n}) |",
             flush=True,
         )
+    if args.no_benign:
+        return
     benign = {
         "XSTest safe": read_data_source("benign_xstest_safe"),
         "PEPs long, 150 by hash": hash_sample(read_data_source("benign_peps_long"), 150),

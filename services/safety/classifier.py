@@ -36,7 +36,15 @@ from services.safety.language import (
     LanguageScore,
     foreign_share_of_views,
 )
-from services.safety.normalizer import MAX_CLAUSES, clauses, prompt_clauses, prompt_readings, views
+from services.safety.normalizer import (
+    MAX_CLAUSES,
+    clauses,
+    fold_confusables,
+    normalize,
+    prompt_clauses,
+    prompt_readings,
+    views,
+)
 from services.safety.restate import prompt_restatements
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
@@ -150,11 +158,22 @@ class TextClassifier:
             for head in self.attack_heads:
                 values[head.name] = max(head.score(text_views) for text_views in attack_views)
                 thresholds = thresholds | {head.name: head.threshold}
-        shares = (foreign_share_of_views(forms) for forms in forms_of)
+        # The language screen also reads a turn as written where look-alike letters of another
+        # script were folded into Latin ones: a request in Cyrillic look-alikes is read in Latin
+        # letters by the heads, and refused as a script the gate does not read where most of it is.
+        unfolded = [_unfolded(turn) for turn in turns] + [[]] * (len(forms_of) - len(turns))
+        read = zip(unfolded, forms_of, strict=True)
+        shares = (foreign_share_of_views([*raw, *forms]) for raw, forms in read)
         language = max(shares, key=lambda share: share.share, default=NO_LANGUAGE_EVIDENCE)
         values[LANGUAGE_CATEGORY] = language.share
         thresholds = thresholds | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD}
         return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings), language=language)
+
+
+def _unfolded(text: str) -> list[str]:
+    """The text as written, NFKC-normalized, where folding look-alike letters changes it; else none."""
+    normalized = normalize(text)
+    return [normalized] if fold_confusables(normalized) != normalized else []
 
 
 def view_rows(embedder: MiniLMEmbedder, text: str) -> list[list[list[int]]]:

@@ -89,7 +89,8 @@ ENGLISH = _words(
 # Distinctive function words of other languages written in Latin letters. A word here is one an
 # English text rarely holds; see the module docstring for the ones left out on purpose.
 FOREIGN_WORDS: dict[str, frozenset[str]] = {
-    lang: _words(words)
+    # a word with a dotless i also as the views spell it: normalizer.py folds "ı" into "i"
+    lang: _words(words) | _words(words.replace("ı", "i"))
     for lang, words in {
         "fr": "le les des une sont pas pour dans qui que avec sur cette mais nous vous je il elle ils "
         "elles ces leur leurs quel quelle quels quelles être faire très où ça c'est peux puis "

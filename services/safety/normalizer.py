@@ -31,12 +31,13 @@ _TAGS = dict.fromkeys(range(0xE0000, 0xE0080))
 # stacked over each letter ("Zalgo" text) or a strikethrough, they split a word past a pattern.
 _LOOSE_MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
 _WHITESPACE = re.compile(r"\s+")
-# Cyrillic and Greek letters that look like Latin ones (NFKC leaves them alone). A hand-made
-# subset of the lookalikes that matter for English text; folded only in Latin-script texts.
-_CONFUSABLES = str.maketrans(
-    "аеорсухіјѕԁһӏԛԝɡАВЕКМНОРСТХЅІЈԜοινκρτυχαΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
-    "aeopcyxijsdhlqwgABEKMHOPCTXSIJWoivkptuxaABEZHIKMNOPTYX",
-)
+# Letters of other scripts that look like Latin ones (NFKC leaves them alone): Cyrillic, Greek,
+# Armenian, and Latin's own dotless i and j. A hand-made subset of the lookalikes that matter for
+# English text; folded only where the text reads as Latin (_reads_as_latin).
+_LOOKALIKES_FROM = "аеорсухіјѕԁһӏԛԝɡАВЕКМНОРСТХЅІЈԜοινκρτυχαΑΒΕΖΗΙΚΜΝΟΡΤΥΧϲϳɑɩıȷօսհոνԍ"
+_LOOKALIKES_TO = "aeopcyxijsdhlqwgABEKMHOPCTXSIJWoivkptuxaABEZHIKMNOPTYXcjaiijouhnvG"
+_CONFUSABLES = str.maketrans(_LOOKALIKES_FROM, _LOOKALIKES_TO)
+_LOOKALIKE_SET = frozenset(_LOOKALIKES_FROM)
 # Small capital letters ("ᴍᴀᴋᴇ ᴀ ʙᴏᴍʙ"), which NFKC leaves alone: the encoder reads them as unknown
 # tokens, so they hide a request as an encoding does. In IPA they are vowels and consonants close
 # to the letter they are read as here.
@@ -106,18 +107,24 @@ def normalize(text: str) -> str:
     return _cleaned(_visible(text))
 
 
-def _is_mostly_latin(text: str) -> bool:
+def _reads_as_latin(text: str) -> bool:
+    """Whether the text's letters are Latin or look-alikes of Latin ones, but for a fifth at most.
+
+    A text written in look-alikes alone ("Ноԝ ԁо І...") is English in disguise. Russian, Greek or
+    Armenian prose keeps many letters that have no Latin twin (б, д, л, λ, π, ...), and a Latin text
+    with a Cyrillic word or two in it is mostly Latin anyway.
+    """
     letters = [c for c in text if c.isalpha()]
-    latin = sum(1 for c in letters if c < "\u0250")
-    return bool(letters) and latin * 2 >= len(letters)
+    other = sum(1 for c in letters if c >= "\u0250" and c not in _LOOKALIKE_SET)
+    return bool(letters) and other * 5 <= len(letters)
 
 
 def fold_confusables(text: str) -> str:
-    """Lookalike Cyrillic and Greek letters as Latin, when the text is mostly Latin already.
+    """Look-alike letters of other scripts as Latin, when the text reads as Latin.
 
     A Russian or Greek text keeps its letters: folding it would turn it into nonsense.
     """
-    return text.translate(_CONFUSABLES) if _is_mostly_latin(text) else text
+    return text.translate(_CONFUSABLES) if _reads_as_latin(text) else text
 
 
 def with_apostrophes(text: str) -> str:

@@ -61,6 +61,25 @@ def test_evasions_score_no_lower_than_the_plain_prompt(
         assert classifier.score(evade(prompt)).triggered, (evade.__name__, prompt)
 
 
+def test_a_request_in_lookalike_letters_alone_is_read_in_latin_and_refused_as_written(
+    classifier: TextClassifier,
+) -> None:
+    # every letter with a Cyrillic twin swapped: most of the text's letters are Cyrillic
+    prompt = HELDOUT["harmful"][0]
+    disguised = prompt.translate(str.maketrans("acdehijlopqswxyHT", "асԁеһіјӏорԛѕԝхуНТ"))
+    assert sum("\u0400" <= c <= "\u052f" for c in disguised) * 2 > sum(c.isalpha() for c in disguised)
+    scores = classifier.score(disguised)
+    plain = classifier.score(prompt)
+    # the heads read it as the plain request (some of its letters have no twin here, so close to it)
+    assert (
+        max(scores.values[c] for c in classifier.categories)
+        >= max(plain.values[c] for c in classifier.categories) - 0.05
+    )
+    # and the language screen reads it as written: a script the gate does not read
+    assert scores.values[LANGUAGE_CATEGORY] >= LANGUAGE_THRESHOLD
+    assert scores.language.guess == "CYRILLIC"
+
+
 def test_held_out_prompts_are_decided_as_the_sample_says(classifier: TextClassifier) -> None:
     assert all(classifier.score(p).triggered for p in HELDOUT["harmful"])
     assert not any(classifier.score(p).triggered for p in HELDOUT["benign"])

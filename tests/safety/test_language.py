@@ -86,6 +86,12 @@ def test_a_request_in_another_language_or_script_reaches_the_threshold(guess: st
     assert score.guess == guess
 
 
+def test_turkish_words_with_a_dotless_i_count_in_the_views_that_fold_it() -> None:
+    text = "Bu yemek nasıl yapılır, anlatır mısın?"
+    assert views(text)[0] == "Bu yemek nasil yapilir, anlatir misin?"  # the look-alike fold
+    assert foreign_share_of_views(views(text)).share >= LANGUAGE_THRESHOLD
+
+
 @pytest.mark.parametrize("text", ENGLISH_LOOK_ALIKES)
 def test_english_with_foreign_names_quotes_code_or_symbols_stays_under_it(text: str) -> None:
     assert foreign_share_of_views(views(text)).share < LANGUAGE_THRESHOLD
