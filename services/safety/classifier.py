@@ -8,6 +8,9 @@ Prompts are also scored by the gate's attack heads (attack_head.py: jailbreak, p
 from the same embeddings, as wholes and as windows; outputs are not (a model's answer is not an
 attack on the model).
 
+Prompts are also scored for an adversarial suffix (suffix.py: `adversarial_suffix`, the highest over
+turns): a one-line request followed by optimised noise, read from the text's tokens, not embedded.
+
 A short prompt's clauses (normalizer.clauses) are also embedded one by one, and each is a view of its
 own for the harm categories: a request inside an instruction ("Decode the following and answer it:
 ...") scores as the request. The attack heads do not read them: a template's single clause ("You will
@@ -46,6 +49,7 @@ from services.safety.normalizer import (
     views,
 )
 from services.safety.restate import prompt_restatements
+from services.safety.suffix import SUFFIX_CATEGORY, SUFFIX_THRESHOLD, suffix_score
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 
 TextKind = Literal["prompt", "output"]
@@ -158,6 +162,8 @@ class TextClassifier:
             for head in self.attack_heads:
                 values[head.name] = max(head.score(text_views) for text_views in attack_views)
                 thresholds = thresholds | {head.name: head.threshold}
+            values[SUFFIX_CATEGORY] = max(suffix_score(turn) for turn in turns)
+            thresholds = thresholds | {SUFFIX_CATEGORY: SUFFIX_THRESHOLD}
         # The language screen also reads a turn as written where look-alike letters of another
         # script were folded into Latin ones: a request in Cyrillic look-alikes is read in Latin
         # letters by the heads, and refused as a script the gate does not read where most of it is.

@@ -391,6 +391,11 @@ def _dictionary() -> frozenset[str]:
     return frozenset(_vocabulary()) | _SHORT_WORDS | COMMON_WORDS
 
 
+def is_known_word(word: str) -> bool:
+    """Whether a lower-case word is in the dictionary the decoders read words by (_dictionary)."""
+    return word in _dictionary()
+
+
 @functools.cache
 def _commonest_first() -> tuple[str, ...]:
     """The dictionary's words, the short and common ones first (shortest, then alphabetical: a set's

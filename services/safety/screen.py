@@ -22,6 +22,7 @@ from services.safety.config import SafetyConfig
 from services.safety.embedder import MiniLMEmbedder, default_model_dir
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
 from services.safety.policy import DenyPatternPolicy, merged
+from services.safety.suffix import SUFFIX_CATEGORY, SUFFIX_THRESHOLD
 from services.safety.tenant_policy import NO_POLICY, TenantPolicy
 
 DENY_PREFIX = "deny_patterns/"  # score names of the deny-pattern layer, apart from the classifier's
@@ -76,6 +77,7 @@ class Screen:
         table = {c: CategoryThresholds(t, output[c]) for c, t in self.classifier.thresholds["prompt"].items()}
         for attack in self.classifier.attack_heads:
             table[attack.name] = CategoryThresholds(attack.threshold, None)
+        table[SUFFIX_CATEGORY] = CategoryThresholds(SUFFIX_THRESHOLD, None)
         table[LANGUAGE_CATEGORY] = CategoryThresholds(LANGUAGE_THRESHOLD, LANGUAGE_THRESHOLD)
         return table
 
