@@ -6,11 +6,11 @@ Scores every text as the safety service does (all views, all windows; harm categ
 windows against the prompt thresholds; jailbreak: attack_head.py) from one embedding pass per text
 (cached beside the training features), and checks that path against `TextClassifier.score` on a
 few texts. Reports, per held-out source: the jailbreak category's recall or FPR at its calibrated
-threshold, the harm categories', and the whole screen's (harm, jailbreak or a deny pattern); the
-jailbreak ROC AUC and recall at 1% FPR on pooled held-out benign text (an oracle threshold, for
-comparison only); recall on held-out templates that are not near copies of training templates;
-the window aggregations compared (jailbreak, and harm: each rule re-calibrated as
-tools/calibrate_safety_gate.py calibrates it); the wrapped case (a harmful request blocked alone,
+threshold, the harm categories', and the whole screen's (harm, attack heads, adversarial suffix or
+a deny pattern); the jailbreak ROC AUC and recall at 1% FPR on pooled held-out benign text (an
+oracle threshold, for comparison only); recall on held-out templates that are not near copies of
+training templates; the window aggregations compared (jailbreak, and harm: each rule re-calibrated
+as tools/calibrate_safety_gate.py calibrates it); the wrapped case (a harmful request blocked alone,
 passed when wrapped in a held-out template); the output screen's recall at its false-positive rate;
 and check latency p50/p99 on this CPU.
 """
@@ -44,6 +44,7 @@ from services.safety.embedder import MiniLMEmbedder
 from services.safety.normalizer import clauses
 from services.safety.normalizer import views as text_views
 from services.safety.policy import DenyPatternPolicy
+from services.safety.suffix import SUFFIX_THRESHOLD, suffix_score
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 from tools.calibrate_safety_gate import (
     CANDIDATES,
@@ -110,6 +111,7 @@ class Scored(NamedTuple):
     jailbreak: torch.Tensor  # [N] the jailbreak score
     denied: torch.Tensor  # [N] bool: a deny pattern matched
     injection: torch.Tensor  # [N] bool: the prompt-injection head fired (False without one)
+    suffix: torch.Tensor  # [N] bool: an adversarial suffix (services/safety/suffix.py)
 
 
 class Bench:
@@ -141,7 +143,8 @@ class Bench:
                 for v in views
             ]
         )
-        return Scored(texts, views, harm_views, torch.stack(harm), jailbreak, denied, injection)
+        suffix = torch.tensor([suffix_score(t) >= SUFFIX_THRESHOLD for t in texts], dtype=torch.bool)
+        return Scored(texts, views, harm_views, torch.stack(harm), jailbreak, denied, injection, suffix)
 
     def clause_views(self, texts: list[str]) -> list[list[torch.Tensor]]:
         """Per text, one single-window view per clause of its canonical view, as the classifier
@@ -166,7 +169,8 @@ class Bench:
     def screen_blocked(self, scored: Scored) -> torch.Tensor:
         """[N] bool: what the service's CheckPrompt decides, less `unscreened_language` (text not
         in English: bench/safety_language.py measures it on these sources and more)."""
-        return scored.harm_blocked | self.jailbreak_blocked(scored) | scored.injection | scored.denied
+        attacks = self.jailbreak_blocked(scored) | scored.injection | scored.suffix
+        return scored.harm_blocked | attacks | scored.denied
 
 
 def hash_sample(texts: list[str], count: int) -> list[str]:
@@ -326,7 +330,8 @@ class Report:
             f"- ROC AUC of the jailbreak score, {len(jail.texts)} held-out jailbreaks against "
             f"{len(benign)} pooled held-out benign prompts: **{roc_auc(jail.jailbreak, benign):.3f}**",
             f"- recall at the calibrated threshold {self.bench.head.threshold:.4f}: **{pct(blocked)}**; "
-            f"the whole screen (harm, attack heads or deny pattern): {pct(self.bench.screen_blocked(jail))}",
+            "the whole screen (harm, attack heads, adversarial suffix or deny pattern): "
+            f"{pct(self.bench.screen_blocked(jail))}",
             f"- recall at 1% FPR on the pooled held-out benign prompts (oracle threshold {threshold:.4f}, "
             f"chosen on the test set, for comparison only): {100 * recall:.1f}%",
             f"- templates that are not near copies of a training or choice template (under half of their "
@@ -374,7 +379,7 @@ class Report:
             f"{pct(alone.harm_blocked)}; "
             f"of the pairs blocked alone, passed when wrapped: "
             f"{pct(~wrapped.harm_blocked[harm_alone])}",
-            "- whole screen (harm, attack heads, deny patterns): blocked alone "
+            "- whole screen (harm, attack heads, adversarial suffix, deny patterns): blocked alone "
             f"{pct(self.bench.screen_blocked(alone))}; "
             f"of the pairs blocked alone, passed when wrapped: "
             f"{pct(~self.bench.screen_blocked(wrapped)[screen_alone])}",
