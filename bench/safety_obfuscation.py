@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import base64
 import codecs
+import hashlib
+import random
 import re
 import statistics
 import sys
@@ -151,6 +153,30 @@ def _typos(text: str) -> str:
     return re.sub(r"[A-Za-z]{5,}", drop, text)
 
 
+def _best_of_n(text: str) -> str:
+    """One sample of Best-of-N jailbreaking's text augmentations (Hughes et al., 2024), at the
+    paper's rates: the inner letters of each word longer than three shuffled with probability 0.6,
+    each letter's case flipped with probability 0.6, each printable character moved one code point
+    up or down with probability 0.06. Seeded by the text, so a run is repeatable."""
+    rng = random.Random(hashlib.sha256(text.encode()).digest())
+
+    def scramble(word: str) -> str:
+        if len(word) <= 3 or rng.random() >= 0.6:
+            return word
+        inner = list(word[1:-1])
+        rng.shuffle(inner)
+        return word[0] + "".join(inner) + word[-1]
+
+    def noise(c: str) -> str:
+        if c.isalpha() and rng.random() < 0.6:
+            c = c.swapcase()
+        if 32 < ord(c) < 126 and rng.random() < 0.06:
+            c = chr(ord(c) + rng.choice((-1, 1)))
+        return c
+
+    return "".join(noise(c) for c in " ".join(scramble(w) for w in text.split(" ")))
+
+
 def _morse(text: str) -> str:
     words = ["".join(c for c in w.lower() if c in MORSE) for w in text.split()]
     return " / ".join(" ".join(MORSE[c] for c in w) for w in words if w)
@@ -204,6 +230,7 @@ ENCODINGS: dict[str, Callable[[str], str]] = {
     "NATO alphabet": _nato,
     "a hyphen inside each word": _hyphen_inside,
     "a letter left out (typos)": _typos,
+    "Best-of-N augmentations (one sample)": _best_of_n,
     "look-alike letters of other scripts": lambda t: "".join(LOOKALIKES.get(c, c) for c in t),
 }
 
