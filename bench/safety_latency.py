@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.gate_file import load_gate
+from services.safety import decoders
 from services.safety.classifier import TextClassifier
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
@@ -52,6 +53,7 @@ def main() -> None:
     prompts = [t for t in read_data_source(SHORT_SOURCE) if len(t) < 300][: args.num_prompts]
     classifiers = [classifier_for(p) for p in args.gates]
     timings: list[list[float]] = [[] for _ in classifiers]
+    decoders.warm_up()  # the word tables the decoders read, built at start as Screen.load builds them
     for classifier in classifiers:
         classifier.score("warm-up")
     for text in prompts:
