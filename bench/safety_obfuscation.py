@@ -153,24 +153,25 @@ def _typos(text: str) -> str:
     return re.sub(r"[A-Za-z]{5,}", drop, text)
 
 
-def _best_of_n(text: str) -> str:
+def _best_of_n(text: str, shuffle: float = 0.6, flip: float = 0.6, move: float = 0.06) -> str:
     """One sample of Best-of-N jailbreaking's text augmentations (Hughes et al., 2024), at the
-    paper's rates: the inner letters of each word longer than three shuffled with probability 0.6,
-    each letter's case flipped with probability 0.6, each printable character moved one code point
-    up or down with probability 0.06. Seeded by the text, so a run is repeatable."""
+    paper's rates by default: the inner letters of each word longer than three shuffled with
+    probability `shuffle`, each letter's case flipped with probability `flip`, each printable
+    character moved one code point up or down with probability `move`. Seeded by the text, so a
+    run is repeatable."""
     rng = random.Random(hashlib.sha256(text.encode()).digest())
 
     def scramble(word: str) -> str:
-        if len(word) <= 3 or rng.random() >= 0.6:
+        if len(word) <= 3 or rng.random() >= shuffle:
             return word
         inner = list(word[1:-1])
         rng.shuffle(inner)
         return word[0] + "".join(inner) + word[-1]
 
     def noise(c: str) -> str:
-        if c.isalpha() and rng.random() < 0.6:
+        if c.isalpha() and rng.random() < flip:
             c = c.swapcase()
-        if 32 < ord(c) < 126 and rng.random() < 0.06:
+        if 32 < ord(c) < 126 and rng.random() < move:
             c = chr(ord(c) + rng.choice((-1, 1)))
         return c
 
@@ -231,6 +232,9 @@ ENCODINGS: dict[str, Callable[[str], str]] = {
     "a hyphen inside each word": _hyphen_inside,
     "a letter left out (typos)": _typos,
     "Best-of-N augmentations (one sample)": _best_of_n,
+    "Best-of-N: capitals flipped alone": lambda t: _best_of_n(t, shuffle=0, move=0),
+    "Best-of-N: inner letters shuffled alone": lambda t: _best_of_n(t, flip=0, move=0),
+    "Best-of-N: characters moved alone": lambda t: _best_of_n(t, shuffle=0, flip=0),
     "look-alike letters of other scripts": lambda t: "".join(LOOKALIKES.get(c, c) for c in t),
 }
 
