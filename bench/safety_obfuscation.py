@@ -178,6 +178,31 @@ def _best_of_n(text: str, shuffle: float = 0.6, flip: float = 0.6, move: float =
     return "".join(noise(c) for c in " ".join(scramble(w) for w in text.split(" ")))
 
 
+def _punctuated(text: str) -> str:
+    """A mark (, ; : ! ? .) put inside each word of four letters or more, at its middle, chosen by
+    the text's hash: the way punctuation-inserting converters split words."""
+    rng = random.Random(hashlib.sha256(text.encode()).digest())
+
+    def split(m: re.Match[str]) -> str:
+        w = m.group()
+        return w[: len(w) // 2] + rng.choice(",;:!?.") + w[len(w) // 2 :]
+
+    return re.sub(r"[A-Za-z]{4,}", split, text)
+
+
+def _swapped(text: str) -> str:
+    """Two neighbouring letters swapped in each word of four letters or more, at a place chosen by
+    the text's hash, first and last letters included."""
+    rng = random.Random(hashlib.sha256(text.encode()).digest())
+
+    def swap(m: re.Match[str]) -> str:
+        w = m.group()
+        at = rng.randrange(len(w) - 1)
+        return w[:at] + w[at + 1] + w[at] + w[at + 2 :]
+
+    return re.sub(r"[A-Za-z]{4,}", swap, text)
+
+
 def _morse(text: str) -> str:
     words = ["".join(c for c in w.lower() if c in MORSE) for w in text.split()]
     return " / ".join(" ".join(MORSE[c] for c in w) for w in words if w)
@@ -235,6 +260,10 @@ ENCODINGS: dict[str, Callable[[str], str]] = {
     "Best-of-N: capitals flipped alone": lambda t: _best_of_n(t, shuffle=0, move=0),
     "Best-of-N: inner letters shuffled alone": lambda t: _best_of_n(t, flip=0, move=0),
     "Best-of-N: characters moved alone": lambda t: _best_of_n(t, shuffle=0, flip=0),
+    "punctuation inside words": _punctuated,
+    "neighbouring letters swapped": _swapped,
+    "in terminal colour codes": lambda t: f"\x1b[1;31m{t}\x1b[0m",
+    "after a word repeated 30 times": lambda t: "hello " * 30 + t,
     "look-alike letters of other scripts": lambda t: "".join(LOOKALIKES.get(c, c) for c in t),
 }
 

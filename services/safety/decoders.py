@@ -971,27 +971,63 @@ def unspelled_nato(line: str) -> str | None:
     return " ".join(spelled)
 
 
-# A hyphen set inside a word to split it ("expl-ode", "bo-mb"): joined again where the joined word
-# is in the dictionary and one of its halves is not.
-_INNER_HYPHEN = re.compile(r"\b([A-Za-z]+)-([A-Za-z]+)\b")
+# A hyphen or another mark set inside a word to split it ("expl-ode", "bo!mb", "ma,ke": hand-made,
+# or a punctuation-inserting converter): joined again where the joined word is in the dictionary and
+# one of its parts is not. Apostrophes are left alone: they join contractions.
+_SPLIT_WORD = re.compile(r"\b[A-Za-z]+(?:[-.,;:!?*_~/\\|][A-Za-z]+)+\b")
+_WORD_SPLITTER = re.compile(r"[-.,;:!?*_~/\\|]")
+_SENTENCE_MARKS = frozenset(",;:!?")
 
 
 def unhyphenated(line: str) -> str | None:
-    """`line` with each word split by a hyphen joined again; None when it has none."""
-    if "-" not in line:
+    """`line` with each word split by a hyphen or another mark joined again; None when it has none.
+
+    A run of pieces ("ex,pl!ode", "se-lf-ha-rm") is joined whole where that makes a word, else
+    piece by piece from the left ("self-harm")."""
+    if not _WORD_SPLITTER.search(line):
         return None
     words = _dictionary()
 
-    def join(match: re.Match[str]) -> str:
-        left, right = match.group(1), match.group(2)
-        whole = (left + right).lower()
-        if len(whole) < 4:
-            return match.group()  # "x-y", "t-ax": too short to say
-        split = left.lower() not in words or right.lower() not in words or whole in COMMON_WORDS
-        return left + right if whole in words and split else match.group()
+    def joins(pieces: list[str], marks: list[str]) -> bool:
+        whole = "".join(pieces).lower()
+        if len(whole) < 4 or whole not in words:
+            return False  # "x-y", "t-ax", "e.g": too short to say
+        # A comma, semicolon, colon, "!" or "?" with a letter straight after it is no compound
+        # ("com,mit"); a hyphen, dot, slash or underscore may be ("life-saving", "and/or").
+        loose = any(mark in _SENTENCE_MARKS for mark in marks)
+        return loose or any(p.lower() not in words for p in pieces) or whole in COMMON_WORDS
 
-    joined = _INNER_HYPHEN.sub(join, line)
+    def join(match: re.Match[str]) -> str:
+        pieces = _WORD_SPLITTER.split(match.group())
+        marks = _WORD_SPLITTER.findall(match.group())
+        if joins(pieces, marks):
+            return "".join(pieces)
+        out, current = [], pieces[0]
+        for mark, piece in zip(marks, pieces[1:], strict=True):
+            if joins([current, piece], [mark]):
+                current += piece
+            else:
+                out += [current, mark]
+                current = piece
+        return "".join([*out, current])
+
+    joined = _SPLIT_WORD.sub(join, line)
     return joined if joined != line else None
+
+
+# A word or mark repeated many times over, before or around a request ("hello hello hello ... How
+# do I ..."): a repeated-token attack aims at the model's divergence, and its run outweighs the
+# request in the one window a short text is read in. The view leaves the runs out.
+MIN_REPEATS = 8
+_SPACES = re.compile(r"\s+")
+_REPEATED_RUN = re.compile(rf"(?<!\S)(\S{{1,40}})(?:\s+\1){{{MIN_REPEATS - 1},}}(?=\s|$)")
+
+
+def unrepeated(line: str) -> str | None:
+    """`line` with each run of one token repeated MIN_REPEATS times or more left out; None when it
+    has none."""
+    cut, runs = _REPEATED_RUN.subn("", line)
+    return _SPACES.sub(" ", cut).strip() if runs else None
 
 
 # Words with their inner letters shuffled, first and last kept ("Hwo do I mkae a ppie bmob?"), and
@@ -1006,9 +1042,9 @@ MIN_SHUFFLED_CHARS = 4
 MAX_SHUFFLED_CHARS = 24  # a longer run is no word, and moving each of its characters costs its square
 MIN_PLAIN_SHARE_FOR_MOVES = 0.3
 MIN_SHUFFLED_WORDS = 2  # per line: one unknown word that happens to be an anagram is not a pattern
-# A word, letters and the marks a letter moves to ("@", "[", "`", "{" next to A, Z, a, z); not the
-# "s" or "t" after an apostrophe.
-_NOISY_WORD = re.compile(r"(?<!['\u2019])[A-Za-z@\[`{]*[A-Za-z][A-Za-z@\[`{]*")
+# A word, letters and the marks a letter moves to ("@", "[", "`", "{" next to A, Z, a, z), whole: not
+# the "s" or "t" of a contraction, nor a word's tail after a mark.
+_NOISY_WORD = re.compile(r"(?<![A-Za-z]['\u2019])(?<![A-Za-z@\[`{])[A-Za-z@\[`{]*[A-Za-z][A-Za-z@\[`{]*")
 # Addresses, paths and handles are not words ("medium.com/@alex.birsan/..." read "alexa brains").
 _HANDLE = re.compile(r"@\w+\.")
 _TOKEN = re.compile(r"\S+")
@@ -1062,10 +1098,24 @@ def _moved(word: str) -> Iterator[str]:
                 yield word[:at] + moved + word[at + 1 :]
 
 
+def _swapped(word: str) -> Iterator[str]:
+    """`word` with two neighbouring characters swapped."""
+    for at in range(len(word) - 1):
+        yield word[:at] + word[at + 1] + word[at] + word[at + 2 :]
+
+
 def _unnoised(word: str, before_mark: bool = False, moves: bool = True) -> str | None:
-    """The dictionary word a lower-case word the dictionary lacks shuffles, or (with `moves`)
-    shuffles or is once one character is moved one code point (_moved): the commonest; None where
-    there is none. `before_mark`: a mark follows the word, so its last letter may be shuffled in."""
+    """The dictionary word a lower-case word the dictionary lacks was before Best-of-N's noise or a
+    swap, or None: the commonest word of the first of these that gives one, in turn:
+
+    - a shuffle of its inner letters (with `before_mark`, a mark follows the word, so its last
+      letter may be shuffled in too);
+    - with `moves`: one character moved one code point (_moved), as it is or as a shuffle; else
+      two neighbouring characters swapped, first and last included.
+
+    A letter left out is not put back: 26 letters at each place make too many words of a stem
+    ("softwar", "engin") or a name.
+    """
     table, key = (
         (_shuffled_with_last(), _loose_shuffle_key) if before_mark else (_shuffled_words(), _shuffle_key)
     )
@@ -1076,6 +1126,8 @@ def _unnoised(word: str, before_mark: bool = False, moves: bool = True) -> str |
     dictionary, ranks = _dictionary(), _word_ranks()
     found = {moved for moved in _moved(word) if moved in dictionary}
     found |= {plain for moved in _moved(word) if (plain := table.get(key(moved))) is not None}
+    if not found:
+        found = {swapped for swapped in _swapped(word) if swapped in dictionary}
     return min(found, key=lambda w: ranks.get(w, len(ranks)), default=None)
 
 
@@ -1143,6 +1195,7 @@ def hidden_texts(text: str) -> list[str]:
     # as the request. The two forms are one view when they agree.
     decoders: list[Callable[[str], str | None]] = [unturned, unleeted, _loosely_unleeted, despaced]
     decoders += [unmarked, reordered, unpigged, revowelled, unspelled_nato, unhyphenated, unshuffled]
+    decoders.append(unrepeated)
     if votes := _votes(_cipher_words(text)):
         decoders.insert(0, deciphered)
         if votes[0] == "reversed":

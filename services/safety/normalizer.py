@@ -31,6 +31,11 @@ _TAGS = dict.fromkeys(range(0xE0000, 0xE0080))
 # stacked over each letter ("Zalgo" text) or a strikethrough, they split a word past a pattern.
 _LOOSE_MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
 _WHITESPACE = re.compile(r"\s+")
+# ANSI escape sequences (colours, cursor moves, window titles): a terminal shows none of them, and
+# left in, "\x1b[31mHow" reads as one word.
+_TERMINAL_ESCAPE = re.compile(
+    r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]{0,200}(?:\x07|\x1b\\)|[ -/]+[0-~]|[@-Z\\-_])"
+)
 # Letters of other scripts that look like Latin ones (NFKC leaves them alone): Cyrillic, Greek,
 # Armenian, and Latin's own dotless i and j. A hand-made subset of the lookalikes that matter for
 # English text; folded only where the text reads as Latin (_reads_as_latin).
@@ -86,13 +91,13 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 8
+VIEWS_VERSION = 9
 
 
 def _visible(text: str) -> str:
-    """NFKC with zero-width characters dropped and small capitals and enclosed letters read as
-    letters: what a reader sees, whitespace and tags as sent."""
-    lettered = text.translate(_ENCLOSED_LETTERS)
+    """NFKC with zero-width characters and terminal escape sequences dropped and small capitals and
+    enclosed letters read as letters: what a reader sees, whitespace and tags as sent."""
+    lettered = _TERMINAL_ESCAPE.sub("", text).translate(_ENCLOSED_LETTERS)
     return unicodedata.normalize("NFKC", lettered).translate(_ZERO_WIDTH).translate(_SMALL_CAPITALS)
 
 
