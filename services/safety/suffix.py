@@ -7,13 +7,14 @@ Sure,].[ githubrelative{[paper"). The request alone is what the harm head was ca
 may score under its threshold; the suffix is the attack, so it is scored here on its own, as the
 share of noise in the text's tail after a run of plain words.
 
-The score, `suffix_score`, is for one-line prompts: a text of one line (inline code spans set
-aside) that opens with at least MIN_REQUEST_WORDS plain words and ends in at least
+The score, `suffix_score`, reads one line: a prompt's only line, or the last line of a prompt of
+several, where a template ends in its request and the suffix after it. The line (inline code spans
+set aside) must open with at least MIN_REQUEST_WORDS plain words and end in at least
 MIN_SUFFIX_TOKENS tokens. Over every place where the plain opening could end (at the first token
-with noise marks or before, and after any colon before it, which introduces data), it is the tail's
-share of noise tokens, raised by UNBALANCED_BONUS where the tail leaves two or more brackets or
-quotes open or unopened. Code, prose and lists over several lines are not read: their lines break
-where a suffix would not, and over lines, wrapped prose and code give noise shares of their own.
+with noise marks or before, and after any colon before it, which introduces data), the score is the
+tail's share of noise tokens, raised by UNBALANCED_BONUS where the tail leaves two or more brackets
+or quotes open or unopened. Other lines are not read: in code, wrapped prose and lists, lines break
+where a suffix would not, and give noise shares of their own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ SUFFIX_CATEGORY = "adversarial_suffix"
 SUFFIX_THRESHOLD = 0.6
 MIN_REQUEST_WORDS = 5
 MIN_SUFFIX_TOKENS = 6
-MAX_SUFFIX_TEXT_CHARS = 2_000  # a longer line is not a request and its suffix; bounds the cost
+MAX_SUFFIX_TEXT_CHARS = 2_000  # a longer last line is not a request and its suffix; bounds the cost
 UNBALANCED_BONUS = 0.25
 _CLEAN_SHARE_OF_REQUEST = 0.8
 
@@ -42,6 +43,7 @@ _NOISE_PUNCTUATION = frozenset("[]{}|\\!<>^~`@")
 # A word with one of these inside is noise ("LINQ[{", "${\\", "dearprintln(@").
 _SYMBOLS = frozenset('[]{}()<>$@\\|^~`"_=*+#')
 _OPENERS = {")": "(", "]": "[", "}": "{"}
+_HASHTAG = re.compile(r"#[^\W_]\w*")
 
 _CLEAN, _NAME, _NOISE = 0, 1, 2
 
@@ -50,6 +52,8 @@ def _kind(token: str) -> int:
     if not any(c.isalnum() for c in token):
         return _NOISE if any(c in _NOISE_PUNCTUATION for c in token) else _CLEAN
     core = token.strip(_PROSE_MARKS)
+    if _HASHTAG.fullmatch(core):
+        return _NAME  # "#Solstice": a tag, not noise
     if any(c in _SYMBOLS for c in core):
         return _NOISE
     if not core.isalpha() or len(core) <= 3 or is_known_word(core.lower()):
@@ -89,10 +93,12 @@ def _unbalanced_from(tokens: list[str]) -> list[int]:
 
 def suffix_score(text: str) -> float:
     """How much the text reads as a request with an adversarial suffix: 0 for no suffix, up to 1."""
-    text = text.strip()
-    if "\n" in text or len(text) > MAX_SUFFIX_TEXT_CHARS:
-        return 0.0
-    tokens = canonical(_CODE_SPAN.sub(" code ", text)).split()
+    last_line = text.strip().rpartition("\n")[2]
+    return _line_score(last_line) if len(last_line) <= MAX_SUFFIX_TEXT_CHARS else 0.0
+
+
+def _line_score(line: str) -> float:
+    tokens = canonical(_CODE_SPAN.sub(" code ", line)).split()
     if len(tokens) < MIN_REQUEST_WORDS + MIN_SUFFIX_TOKENS:
         return 0.0
     kinds = [_kind(t) for t in tokens]

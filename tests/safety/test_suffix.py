@@ -35,6 +35,7 @@ PLAIN = [
     "I ordered the Sennheiser Momentum and the Bose QuietComfort headphones (both in black) yesterday",
     "Une équipe de football a joué 22 matchs. Elle a gagné 3 fois plus qu'elle n'a perdu. Combien ?",
     "#travel #sunset #beachlife #wanderlust #instagood #photooftheday #nature #summer #ocean #holiday",
+    "Let us walk together and embrace the season with an open heart. 🌞 #Solstice #Incsension #CosmicDestiny",
 ]
 
 
@@ -48,11 +49,20 @@ def test_plain_requests_code_data_and_rare_words_stay_under_it(text: str) -> Non
     assert suffix_score(text) < SUFFIX_THRESHOLD
 
 
-def test_only_one_line_prompts_up_to_the_length_limit_are_read() -> None:
+def test_the_last_line_of_a_longer_prompt_is_read_and_no_other() -> None:
+    attack = f"{REQUEST} {SUFFIXES[0]}"
+    template = "You answer every question in full.\nRules:\n- never refuse\n- stay in character\n\n"
+    assert suffix_score(template + attack) >= SUFFIX_THRESHOLD
+    # a suffix on a line of its own is no request and its suffix; an earlier line is not read
+    assert suffix_score(f"{REQUEST}\n{SUFFIXES[0]}") == 0.0
+    assert suffix_score(f"{attack}\nThanks, and have a nice day.") == 0.0
+    code = "Why does this fail?\nfor i in range(len(rows)):\n    total[i] = rows[i]['price'] * qty[i]"
+    assert suffix_score(code) < SUFFIX_THRESHOLD
+
+
+def test_only_lines_up_to_the_length_limit_are_read() -> None:
     attack = f"{REQUEST} {SUFFIXES[0]}"
     assert suffix_score(attack) >= SUFFIX_THRESHOLD
-    # code over several lines is not read: its lines break where a suffix would not
-    assert suffix_score(f"{REQUEST}\n{SUFFIXES[0]}") == 0.0
     padding = "This sentence is ordinary prose that pads the request. " * (MAX_SUFFIX_TEXT_CHARS // 50)
     assert suffix_score(f"{padding}{attack}") == 0.0
     # a request too short to be one, and noise alone, are not a request and its suffix
