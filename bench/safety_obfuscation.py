@@ -261,6 +261,7 @@ ENCODINGS: dict[str, Callable[[str], str]] = {
     "Best-of-N: inner letters shuffled alone": lambda t: _best_of_n(t, flip=0, move=0),
     "Best-of-N: characters moved alone": lambda t: _best_of_n(t, shuffle=0, flip=0),
     "punctuation inside words": _punctuated,
+    "a list of its words joined by code": lambda t: f"words = {t.split()!r}\nprint(' '.join(words))",
     "neighbouring letters swapped": _swapped,
     "in terminal colour codes": lambda t: f"\x1b[1;31m{t}\x1b[0m",
     "after a word repeated 30 times": lambda t: "hello " * 30 + t,

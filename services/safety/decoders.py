@@ -737,6 +737,12 @@ _QUOTED_CHARS = re.compile(r"""\[?\s*(?:(['"]).\1\s*,\s*){7,}(['"]).\2\s*\]?""")
 _QUOTED_CHAR = re.compile(r"""(['"])(.)\1""")
 _ITEM_SEPARATORS = ",;|/"
 MIN_ITEMS = 8
+# A request cut into a list of quoted words (words = ['How', 'do', 'I', ...]), to be joined by code
+# the model is asked to run: the words joined by spaces, where a third of them or more are common
+# words (a list of names, labels or values has few).
+_QUOTED_WORDS = re.compile(r"""\[\s*(?:(['"])[^'"\n]{1,40}\1\s*,\s*){3,}(['"])[^'"\n]{1,40}\2\s*,?\s*\]""")
+_QUOTED_WORD = re.compile(r"""(['"])([^'"\n]{1,40})\1""")
+MIN_LISTED_WORDS = 4
 
 
 def _spelled(items: list[str]) -> str | None:
@@ -751,14 +757,24 @@ def _spelled(items: list[str]) -> str | None:
     return text if _reads_as_text(text) else None
 
 
+def _is_listed_request(words: list[str]) -> bool:
+    common = sum(w.lower() in COMMON_WORDS or w.lower() in _SHORT_WORDS for w in words)
+    return common * 3 >= len(words) and _reads_as_text(" ".join(words))
+
+
 def spelled_out(text: str) -> list[str]:
     """Texts written one character at a time: a list of quoted characters, characters between one
-    separator on a line (_ITEM_SEPARATORS), or one character a line."""
+    separator on a line (_ITEM_SEPARATORS), or one character a line; and a list of quoted words
+    (_QUOTED_WORDS)."""
     found = [
         spelled
         for match in itertools.islice(_QUOTED_CHARS.finditer(text), MAX_RUNS)
         if (spelled := _spelled([m.group(2) for m in _QUOTED_CHAR.finditer(match.group())])) is not None
     ]
+    for match in itertools.islice(_QUOTED_WORDS.finditer(text), MAX_RUNS):
+        words = [m.group(2).strip() for m in _QUOTED_WORD.finditer(match.group())]
+        if len(words) >= MIN_LISTED_WORDS and max(map(len, words)) > 1 and _is_listed_request(words):
+            found.append(" ".join(words))
     for line in chunks(text):
         sep = max(_ITEM_SEPARATORS, key=line.count)
         if line.count(sep) >= MIN_ITEMS - 1 and (spelled := _spelled(line.split(sep))):
