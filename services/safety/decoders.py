@@ -1051,9 +1051,10 @@ def unrepeated(line: str) -> str | None:
 # and noising of the Best-of-N attack (Hughes et al., 2024), with its random capitals (which the
 # uncased encoder ignores anyway). A word the dictionary lacks is read as the commonest word whose
 # inner letters it shuffles; else, where one character moved one code point makes it a dictionary
-# word or a shuffle of one, as the commonest of those. Other misspellings are left to the encoder:
-# its dictionary lacks too many plain words ("sever", "harbors") to tell a typo from a word it does
-# not know, and a letter moved to its neighbour in the alphabet is a narrower edit than a typo.
+# word or a shuffle of one, as the commonest of those; else where two neighbouring letters swapped
+# make it one (a converter's swap). Other misspellings are left to the encoder: its dictionary lacks
+# too many plain words ("sever", "harbors") to tell a typo from a word it does not know, and these
+# edits are narrower than a typo's.
 MIN_SHUFFLED_CHARS = 4
 MAX_SHUFFLED_CHARS = 24  # a longer run is no word, and moving each of its characters costs its square
 MIN_PLAIN_SHARE_FOR_MOVES = 0.3
@@ -1156,8 +1157,12 @@ def unshuffled(line: str) -> str | None:
     (_unnoised), when it has MIN_SHUFFLED_WORDS of them or more, a fifth of its words of
     MIN_SHUFFLED_CHARS letters or more; None otherwise."""
     dictionary = _dictionary()
-    addresses = [m.span() for m in _TOKEN.finditer(line) if _is_address(m.group())]
-    typed_words = [w for w in _NOISY_WORD.finditer(line) if not any(a <= w.start() < b for a, b in addresses)]
+    typed_words = [
+        word
+        for token in _TOKEN.finditer(line)
+        if not _is_address(token.group())
+        for word in _NOISY_WORD.finditer(line, token.start(), token.end())
+    ]
     # Characters are moved back only in a line of which a share of words is plain as typed: a
     # Best-of-N line keeps most short words ("a", "to", "how"); a run of random letters does not,
     # and moving each character of each of its words would cost 2 x its length per word.
