@@ -52,8 +52,8 @@ def _kind(token: str) -> int:
     if not any(c.isalnum() for c in token):
         return _NOISE if any(c in _NOISE_PUNCTUATION for c in token) else _CLEAN
     core = token.strip(_PROSE_MARKS)
-    if _HASHTAG.fullmatch(core):
-        return _NAME  # "#Solstice": a tag, not noise
+    if _HASHTAG.fullmatch(token.rstrip(_PROSE_MARKS)):
+        return _NAME  # "#Solstice": a tag, not noise ("'#cient" is not one)
     if any(c in _SYMBOLS for c in core):
         return _NOISE
     if not core.isalpha() or len(core) <= 3 or is_known_word(core.lower()):
