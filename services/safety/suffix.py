@@ -26,7 +26,7 @@ from services.safety.normalizer import canonical
 
 SUFFIX_CATEGORY = "adversarial_suffix"
 # Chosen on the labelled benign sources (bench/results/safety_suffix_2026-12-07.md): no benign
-# prompt of any source reaches it, the closest are at 0.59 (a line of hashtags) and 0.54.
+# text of any source reaches it; the closest are at 0.54 and 0.52.
 SUFFIX_THRESHOLD = 0.6
 MIN_REQUEST_WORDS = 5
 MIN_SUFFIX_TOKENS = 6
@@ -63,11 +63,6 @@ def _kind(token: str) -> int:
     return _NOISE  # fragments run together ("githubrelative"), or capitals inside ("PseudAnswer")
 
 
-def _is_symbolic(token: str) -> bool:
-    """A noise token for its marks, not only for its letters."""
-    return _kind(token) == _NOISE and not token.strip(_PROSE_MARKS).isalpha()
-
-
 def _unbalanced_from(tokens: list[str]) -> list[int]:
     """For each start position, how many brackets the tail from there leaves unmatched, plus one
     for an odd number of double quotes and one for an odd number of backticks."""
@@ -102,7 +97,10 @@ def _line_score(line: str) -> float:
     if len(tokens) < MIN_REQUEST_WORDS + MIN_SUFFIX_TOKENS:
         return 0.0
     kinds = [_kind(t) for t in tokens]
-    symbolic = [_is_symbolic(t) for t in tokens]
+    # noise for its marks, not only for its letters
+    symbolic = [
+        k == _NOISE and not t.strip(_PROSE_MARKS).isalpha() for t, k in zip(tokens, kinds, strict=True)
+    ]
     noise_from = [0] * (len(tokens) + 1)  # noise tokens in each tail
     symbolic_from = [0] * (len(tokens) + 1)
     for at in range(len(tokens) - 1, -1, -1):
