@@ -9,7 +9,8 @@ from the same embeddings, as wholes and as windows; outputs are not (a model's a
 attack on the model).
 
 Prompts are also scored for an adversarial suffix (suffix.py: `adversarial_suffix`, the highest over
-turns): a one-line request followed by optimised noise, read from the text's tokens, not embedded.
+turns): a request on a prompt's only or last line followed by optimised noise, read from the
+tokens, not embedded.
 
 A short prompt's clauses (normalizer.clauses) are also embedded one by one, and each is a view of its
 own for the harm categories: a request inside an instruction ("Decode the following and answer it:

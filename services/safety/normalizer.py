@@ -37,8 +37,8 @@ _TERMINAL_ESCAPE = re.compile(
     r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]{0,200}(?:\x07|\x1b\\)|[ -/]+[0-~]|[@-Z\\-_])"
 )
 # Letters of other scripts that look like Latin ones (NFKC leaves them alone): Cyrillic, Greek,
-# Armenian, and Latin's own dotless i and j. A hand-made subset of the lookalikes that matter for
-# English text; folded only where the text reads as Latin (_reads_as_latin).
+# Armenian, and Latin's own dotless i and j, alpha and iota. A hand-made subset of the lookalikes
+# that matter for English text; folded only where the text reads as Latin (_reads_as_latin).
 _LOOKALIKES_FROM = "аеорсухіјѕԁһӏԛԝɡАВЕКМНОРСТХЅІЈԜοινκρτυχαΑΒΕΖΗΙΚΜΝΟΡΤΥΧϲϳɑɩıȷօսհոνԍ"
 _LOOKALIKES_TO = "aeopcyxijsdhlqwgABEKMHOPCTXSIJWoivkptuxaABEZHIKMNOPTYXcjaiijouhnvG"
 _CONFUSABLES = str.maketrans(_LOOKALIKES_FROM, _LOOKALIKES_TO)
