@@ -178,7 +178,10 @@ class TextClassifier:
 
 
 def _unfolded(text: str) -> list[str]:
-    """The text as written, NFKC-normalized, where folding look-alike letters changes it; else none."""
+    """The text as written, NFKC-normalized, where folding look-alike letters changes it; else none
+    (at once for ASCII, which holds no look-alike letters, before or after NFKC)."""
+    if text.isascii():
+        return []
     normalized = normalize(text)
     return [normalized] if fold_confusables(normalized) != normalized else []
 

@@ -362,6 +362,7 @@ _SHORT_WORDS = frozenset((
     "a", "i", "an", "to", "of", "in", "on", "at", "is", "it", "do", "my", "me", "be", "by", "or", "we",
     "up", "so", "no", "go", "he", "us", "am", "if", "as",
 ))  # fmt: skip
+_COMMON_OR_SHORT = COMMON_WORDS | _SHORT_WORDS
 MAX_RUN_CHARS = 200  # a longer run of letters is not cut
 MAX_UNJOINED_LINE_CHARS = 1000  # nor is a longer line
 MAX_UNJOINED_LINES = 4  # lines of a text read by `unjoined`: the cut costs up to ~10 ms a line
@@ -388,7 +389,7 @@ def _vocabulary() -> tuple[str, ...]:
 @functools.cache
 def _dictionary() -> frozenset[str]:
     """The embedder's vocabulary (_vocabulary), the short words and the common words."""
-    return frozenset(_vocabulary()) | _SHORT_WORDS | COMMON_WORDS
+    return frozenset(_vocabulary()) | _COMMON_OR_SHORT
 
 
 def is_known_word(word: str) -> bool:
@@ -400,13 +401,13 @@ def is_known_word(word: str) -> bool:
 def _commonest_first() -> tuple[str, ...]:
     """The dictionary's words, the short and common ones first (shortest, then alphabetical: a set's
     order would change from run to run), then the vocabulary's order; a word may come twice."""
-    return (*sorted(COMMON_WORDS | _SHORT_WORDS, key=lambda w: (len(w), w)), *_vocabulary())
+    return (*sorted(_COMMON_OR_SHORT, key=lambda w: (len(w), w)), *_vocabulary())
 
 
 def _word_cost(word: str) -> float:
     """A common word costs 1; another dictionary word more, most when short (a short rare word is
     more likely a piece of two common ones: "doi" is "do i")."""
-    if word in COMMON_WORDS or word in _SHORT_WORDS:
+    if word in _COMMON_OR_SHORT:
         return 1.0
     return 1.25 if len(word) >= 4 else 2.5
 
@@ -451,7 +452,7 @@ def _reads_as_words(pieces: list[str]) -> bool:
     three letters or more ("selfharm", "carexplode"). A word missing from the dictionary that cuts
     into more pieces, mostly rare ones ("ob liter ate"), stays whole; one that cuts into two words
     ("pacemakers") is read as those two."""
-    common = sum(piece in COMMON_WORDS or piece in _SHORT_WORDS for piece in pieces)
+    common = sum(piece in _COMMON_OR_SHORT for piece in pieces)
     if len(pieces) < 2:
         return False
     if common >= 2 and common * 5 >= 2 * len(pieces):
@@ -693,7 +694,7 @@ def _reads_as_text(text: str) -> bool:
     """True for a decoded text of mostly letters with at least two common or short words in it."""
     visible = [c for c in text if not c.isspace()]
     words = _WORD.findall(text.lower())
-    common = sum(w in COMMON_WORDS or w in _SHORT_WORDS for w in words)
+    common = sum(w in _COMMON_OR_SHORT for w in words)
     return bool(visible) and sum(c.isalpha() for c in visible) * 2 >= len(visible) and common >= 2
 
 
@@ -758,7 +759,7 @@ def _spelled(items: list[str]) -> str | None:
 
 
 def _is_listed_request(words: list[str]) -> bool:
-    common = sum(w.lower() in COMMON_WORDS or w.lower() in _SHORT_WORDS for w in words)
+    common = sum(w.lower() in _COMMON_OR_SHORT for w in words)
     return common * 3 >= len(words) and _reads_as_text(" ".join(words))
 
 
@@ -1068,29 +1069,21 @@ _TOKEN = re.compile(r"\S+")
 _MARKS_AFTER_WORDS = frozenset(".,;:!?)\"'>/-")  # and their Best-of-N neighbours (">" for "?")
 
 
-@functools.cache
-def _shuffled_words() -> dict[str, str]:
-    """The commonest dictionary word of each first letter, last letter and set of inner letters."""
-    table: dict[str, str] = {}
-    for word in _commonest_first():
-        if len(word) >= MIN_SHUFFLED_CHARS:
-            table.setdefault(_shuffle_key(word), word)
-    return table
-
-
-@functools.cache
-def _shuffled_with_last() -> dict[str, str]:
-    """The commonest dictionary word of each first letter and set of other letters: a word before
-    a mark ("explode?") has its last letter shuffled in with the inner ones, the mark kept last."""
-    table: dict[str, str] = {}
-    for word in _commonest_first():
-        if len(word) >= MIN_SHUFFLED_CHARS:
-            table.setdefault(_loose_shuffle_key(word), word)
-    return table
-
-
 def _loose_shuffle_key(word: str) -> str:
+    """A word before a mark ("explode?") has its last letter shuffled in with the inner ones, the
+    mark kept last: first letter, then the set of the others."""
     return word[0] + "".join(sorted(word[1:]))
+
+
+@functools.cache
+def _shuffled(key: Callable[[str], str]) -> dict[str, str]:
+    """The commonest dictionary word of each `key` (_shuffle_key: first letter, last letter and set
+    of inner letters; or _loose_shuffle_key)."""
+    table: dict[str, str] = {}
+    for word in _commonest_first():
+        if len(word) >= MIN_SHUFFLED_CHARS:
+            table.setdefault(key(word), word)
+    return table
 
 
 @functools.cache
@@ -1133,16 +1126,19 @@ def _unnoised(word: str, before_mark: bool = False, moves: bool = True) -> str |
     A letter left out is not put back: 26 letters at each place make too many words of a stem
     ("softwar", "engin") or a name.
     """
-    table, key = (
-        (_shuffled_with_last(), _loose_shuffle_key) if before_mark else (_shuffled_words(), _shuffle_key)
-    )
+    key = _loose_shuffle_key if before_mark else _shuffle_key
+    table = _shuffled(key)
     if word.isalpha() and (plain := table.get(key(word))) is not None:
         return plain
     if not moves:
         return None
     dictionary, ranks = _dictionary(), _word_ranks()
-    found = {moved for moved in _moved(word) if moved in dictionary}
-    found |= {plain for moved in _moved(word) if (plain := table.get(key(moved))) is not None}
+    found = set()
+    for moved in _moved(word):
+        if moved in dictionary:
+            found.add(moved)
+        if (plain := table.get(key(moved))) is not None:
+            found.add(plain)
     if not found:
         found = {swapped for swapped in _swapped(word) if swapped in dictionary}
     return min(found, key=lambda w: ranks.get(w, len(ranks)), default=None)
@@ -1185,8 +1181,8 @@ def warm_up() -> None:
     check does not wait for them."""
     _dictionary()
     _skeletons()
-    _shuffled_words()
-    _shuffled_with_last()
+    _shuffled(_shuffle_key)
+    _shuffled(_loose_shuffle_key)
     _word_ranks()
 
 
