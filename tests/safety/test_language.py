@@ -87,8 +87,9 @@ def test_a_request_in_another_language_or_script_reaches_the_threshold(guess: st
 
 
 def test_turkish_words_with_a_dotless_i_count_in_the_views_that_fold_it() -> None:
-    text = "Bu yemek nasıl yapılır, anlatır mısın?"
-    assert views(text)[0] == "Bu yemek nasil yapilir, anlatir misin?"  # the look-alike fold
+    # "mı" is one of the two listed words here, and the views spell it "mi"
+    text = "Evde kek yapmak kolay mı?"
+    assert views(text)[0] == "Evde kek yapmak kolay mi?"  # the look-alike fold
     assert foreign_share_of_views(views(text)).share >= LANGUAGE_THRESHOLD
 
 

@@ -35,7 +35,9 @@ PLAIN = [
     "I ordered the Sennheiser Momentum and the Bose QuietComfort headphones (both in black) yesterday",
     "Une équipe de football a joué 22 matchs. Elle a gagné 3 fois plus qu'elle n'a perdu. Combien ?",
     "#travel #sunset #beachlife #wanderlust #instagood #photooftheday #nature #summer #ocean #holiday",
-    "Let us walk together and embrace the season with an open heart. 🌞 #Solstice #Incsension #CosmicDestiny",
+    # hashtags are tags, not tokens with marks: read as noise, this line scored 0.67
+    "Join us tonight for the lantern walk along the river with friends! "
+    "#Solstice #Incsension #CosmicDestiny #LightWalk",
 ]
 
 
