@@ -23,19 +23,31 @@ from services.cli.client import (
     stream_generate,
 )
 from services.cli.loadgen.command import add_loadgen_parser
-from services.cli.mesh import AUDIT_KEY_NAME, Mesh, MeshConfig, Ports, ServiceFailed
+from services.cli.mesh import AUDIT_KEY_NAME, Mesh, MeshConfig, Ports, ServiceFailed, parse_settings
 from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
 from services.common import env
 from services.engine.model.registry import DEFAULT_MODEL, resolve_model
 from services.gateway.tokens import ensure_dev_keys, mint_token
 
 DEMO_QUESTION = "What is the capital of France?"
+SETTING_HELP = (
+    "a THERMOCLINE_* setting for every service, e.g. THERMOCLINE_ENGINE_KV_TIERS=true (repeatable); "
+    "the shell's own THERMOCLINE_* variables do not reach the services, only where models live does"
+)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Starts the mesh and keeps it running until Ctrl-C or SIGTERM."""
+    try:
+        settings = parse_settings(args.env, "--env")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     config = MeshConfig(
-        model=args.model, state_dir=local_state_dir(args.state_dir), otlp_endpoint=env.otlp_endpoint()
+        model=args.model,
+        state_dir=local_state_dir(args.state_dir),
+        otlp_endpoint=env.otlp_endpoint(),
+        env=settings,
     )
     mesh = Mesh(config)
     resolve_model(args.model, progress=True)  # download before the mesh starts, so its progress shows here
@@ -94,10 +106,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Starts the mesh, asks one chat question, and prints the answer and each hop's time."""
+    try:
+        settings = parse_settings(args.env, "--env")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     collector = TraceCollector().start()
     state_dir = local_state_dir(args.state_dir)
     config = MeshConfig(
-        model=args.model, state_dir=state_dir, ports=Ports.free(), otlp_endpoint=collector.endpoint
+        model=args.model,
+        state_dir=state_dir,
+        ports=Ports.free(),
+        otlp_endpoint=collector.endpoint,
+        env=settings,
     )
     try:
         print(f"fetching {args.model} (the first run downloads it) ...", flush=True)
@@ -200,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start redis and the four services on loopback")
     up.add_argument("--model", default=DEFAULT_MODEL, help="model name, HF directory or .gguf file")
+    up.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help=SETTING_HELP)
     up.set_defaults(func=cmd_up)
 
     generate = commands.add_parser("generate", help="stream an answer from the gateway")
@@ -219,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="start the mesh, ask one question, show the trace")
     demo.add_argument("--model", default=DEFAULT_MODEL)
     demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help=SETTING_HELP)
     demo.set_defaults(func=cmd_demo)
 
     token = commands.add_parser("token", help="mint a development JWT")

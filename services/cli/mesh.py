@@ -69,6 +69,18 @@ class Ports:
 MODEL_LOCATION_SETTINGS = ("THERMOCLINE_SHARED_DIR", "THERMOCLINE_CACHE_DIR")  # see Mesh._service_env
 
 
+def parse_settings(items: list[str], flag: str) -> dict[str, str]:
+    """`THERMOCLINE_NAME=VALUE` arguments as a mapping for `MeshConfig.env`. The caller's own
+    THERMOCLINE_* environment does not reach a mesh's services, so settings are passed this way."""
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("THERMOCLINE_"):
+            raise ValueError(f"{flag} {item!r} is not THERMOCLINE_NAME=VALUE")
+        settings[key] = value
+    return settings
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """What the mesh runs and where it keeps its state (keys, logs, kvstore data)."""

@@ -14,7 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.cli.client import build_request, call_metadata, collect, stream_generate
-from services.cli.mesh import Mesh, MeshConfig
+from services.cli.main import build_parser
+from services.cli.mesh import Mesh, MeshConfig, parse_settings
 from services.cli.trace_collector import (
     GATEWAY_GENERATE,
     SAFETY_CHECK_PROMPT,
@@ -275,3 +276,26 @@ def test_services_see_where_the_models_live_but_no_other_setting_of_the_caller(
     assert env["THERMOCLINE_SHARED_DIR"] == "/srv/shared" and env["THERMOCLINE_CACHE_DIR"] == "/srv/cache"
     assert "THERMOCLINE_ENGINE_MAX_BATCH_SIZE" not in env
     assert env["THERMOCLINE_ENGINE_MODEL"] == "stories260k"
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_and_demo_pass_their_env_settings_to_every_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    monkeypatch.setenv("THERMOCLINE_ENGINE_MAX_BATCH_SIZE", "3")
+    args = build_parser().parse_args(
+        [command, "--env", "THERMOCLINE_ENGINE_KV_TIERS=true", "--env", "THERMOCLINE_ENGINE_MAX_BATCH_SIZE=5"]
+    )
+    settings = parse_settings(args.env, "--env")
+    env = Mesh(MeshConfig(model="stories260k", state_dir=tmp_path, env=settings))._service_env()
+    assert env["THERMOCLINE_ENGINE_KV_TIERS"] == "true"
+    assert env["THERMOCLINE_ENGINE_MAX_BATCH_SIZE"] == "5"  # the flag's value, not the shell's
+
+
+@pytest.mark.parametrize("item", ["KV_TIERS=true", "THERMOCLINE_ENGINE_KV_TIERS", "PATH=/tmp"])
+def test_up_refuses_a_setting_that_is_not_a_thermocline_assignment(
+    item: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(["up", "--env", item])
+    assert args.func(args) == 2
+    assert "is not THERMOCLINE_NAME=VALUE" in capsys.readouterr().err

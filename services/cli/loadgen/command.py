@@ -128,9 +128,11 @@ class Target:
 
 def cmd_loadgen(args: argparse.Namespace) -> int:
     """Runs the load generator; exit status 2 on a bad setting, 1 when a started mesh fails."""
+    from services.cli.mesh import parse_settings
+
     try:
         plan = _plan(args)
-        mesh_env = _mesh_env(args.mesh_env)
+        mesh_env = parse_settings(args.mesh_env, "--mesh-env")
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -165,16 +167,6 @@ def _level_specs(args: argparse.Namespace, trace: list[PlannedRequest] | None) -
         loads = [(args.rate or native_rate or 1.0) if args.mode == OPEN else float(args.concurrency)]
     duration_s = None if args.num_requests is not None else (args.duration_s or 30.0)
     return [LevelSpec(args.mode, load, args.num_requests, duration_s) for load in loads]
-
-
-def _mesh_env(items: list[str]) -> dict[str, str]:
-    settings = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.startswith("THERMOCLINE_"):
-            raise ValueError(f"--mesh-env {item!r} is not THERMOCLINE_NAME=VALUE")
-        settings[key] = value
-    return settings
 
 
 def _with_mesh(args: argparse.Namespace, plan: RunPlan, mesh_env: dict[str, str]) -> int:
