@@ -219,7 +219,12 @@ class GatewayConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewayConfig:
         """Reads the gateway's settings; the JWT key file is required."""
         bounds = RequestBounds(
-            max_prompt_bytes=env.get_int(PREFIX + "MAX_PROMPT_BYTES", RequestBounds.max_prompt_bytes, environ)
+            max_prompt_bytes=env.get_int(
+                PREFIX + "MAX_PROMPT_BYTES", RequestBounds.max_prompt_bytes, environ
+            ),
+            default_max_tokens=env.get_int(
+                PREFIX + "DEFAULT_MAX_TOKENS", RequestBounds.default_max_tokens, environ
+            ),
         )
         server = ServerConfig.from_env("gateway", DEFAULT_PORT, environ)
         return cls(

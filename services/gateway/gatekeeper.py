@@ -56,7 +56,6 @@ ModelResolver = Callable[[str], Awaitable[str]]
 # bucket, the audit write) instead of waiting behind their CPU work.
 PromptReady = Callable[[str, "Principal", "TenantLimits"], Awaitable[None]]
 ModelLister = Callable[[], Awaitable[list[str]]]
-DEFAULT_MAX_TOKENS = 256  # what the engine uses for max_tokens 0; the gateway sends it explicitly
 _MAX_REQUEST_ID_CHARS = 128
 
 
@@ -245,7 +244,7 @@ class Gatekeeper:
         check_sampling(request.sampling)
         if on_prompt_ready is not None:
             await on_prompt_ready(text, principal, limits)
-        max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = request.sampling.max_tokens or self.bounds.default_max_tokens
         prompt_tokens = await self._take_prompt(request, model, principal.tenant, limits, max_tokens, facts)
         return Admission(
             principal,

@@ -34,14 +34,22 @@ _CHECKED_METADATA = ("x-intent", "x-request-id")
 @dataclass(frozen=True)
 class RequestBounds:
     """`THERMOCLINE_GATEWAY_MAX_PROMPT_BYTES`: the largest prompt (or sum of chat turns) in UTF-8 bytes.
+    `THERMOCLINE_GATEWAY_DEFAULT_MAX_TOKENS`: the completion length of a request that gives none. The
+    gateway charges the tenant's token budget for it and sends it to the engine explicitly, so it
+    must not exceed the engine's `THERMOCLINE_ENGINE_MAX_TOKENS_LIMIT`.
 
     The gateway's gRPC server refuses any message larger than `max_message_bytes` before parsing
     it, so an oversized prompt costs neither a parse nor the event loop's time.
     """
 
     max_prompt_bytes: int = 512 * 1024
+    default_max_tokens: int = 256
 
     def __post_init__(self) -> None:
+        if self.default_max_tokens < 1:
+            raise ValueError(
+                f"THERMOCLINE_GATEWAY_DEFAULT_MAX_TOKENS must be at least 1, got {self.default_max_tokens}"
+            )
         if not 1 <= self.max_prompt_bytes <= MAX_PROMPT_BYTES_CEILING:
             raise ValueError(
                 f"THERMOCLINE_GATEWAY_MAX_PROMPT_BYTES must lie in 1..{MAX_PROMPT_BYTES_CEILING} "

@@ -20,6 +20,7 @@ from thermocline.gateway.v1 import gateway_pb2 as pb
 MAX_STREAMS = 2
 LONG_TOKENS = 1500  # about 2 s of decoding on a laptop core
 STREAM_TOKENS = 64  # more than one screening window
+DEFAULT_MAX_TOKENS = 7  # the gateway's completion length for a request that gives none
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,7 @@ def mesh(
         THERMOCLINE_GATEWAY_MAX_CONCURRENT_STREAMS=str(MAX_STREAMS),
         THERMOCLINE_GATEWAY_PUSHBACK_MS="750",
         THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S="300",  # the tests below hold the safety service stopped
+        THERMOCLINE_GATEWAY_DEFAULT_MAX_TOKENS=str(DEFAULT_MAX_TOKENS),
     )
     yield started
     started.stop()
@@ -83,6 +85,15 @@ def test_a_request_over_its_token_budget_gets_both_counts(mesh: Mesh) -> None:
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "5 prompt tokens" in error.details() and "9000 max_tokens = 9005" in error.details()
     assert "allows 8192 per request" in error.details()
+
+
+def test_a_request_without_max_tokens_gets_the_gateway_default(mesh: Mesh) -> None:
+    metadata = call_metadata(token(mesh))
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        result = collect(stream_generate(channel, build_request(STORIES_PROMPT), metadata, 60))
+    assert result.done is not None
+    assert result.done.finish_reason == pb.FINISH_REASON_LENGTH
+    assert result.done.usage.completion_tokens == DEFAULT_MAX_TOKENS
 
 
 def test_an_expired_deadline_frees_the_engine(mesh: Mesh) -> None:

@@ -29,3 +29,8 @@ def test_a_prompt_at_the_limit_passes_and_one_byte_over_is_refused_with_the_limi
         check_prompt_size(pb.GenerateRequest(prompt="€" * 3 + "ab"), bounds)
     with pytest.raises(InvalidArgument, match="prompt is 11 bytes"):
         check_prompt_size(_chat(("user", "€" * 2), ("x", "")), bounds)
+
+
+def test_a_default_completion_length_under_one_token_is_refused_with_its_setting() -> None:
+    with pytest.raises(ValueError, match="THERMOCLINE_GATEWAY_DEFAULT_MAX_TOKENS must be at least 1, got 0"):
+        RequestBounds(default_max_tokens=0)
