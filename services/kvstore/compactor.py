@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from services.kvstore import kvstore_metrics as metrics
@@ -116,7 +117,9 @@ class Compactor:
                     if not self._is_candidate(segment_id, live.get(segment_id, 0)):
                         continue
                     size = segment_path(store.config.segments_dir, segment_id).stat().st_size
+                    started = time.perf_counter()
                     moved += await self._compact_segment(segment_id)
+                    metrics.OPERATION_DURATION.labels("compact").observe(time.perf_counter() - started)
                     reclaimed, done = reclaimed + size, done + 1
             except IndexLost:
                 log.warning(

@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from prometheus_client import REGISTRY
+
 from services.kvstore.blocks import BlockFound, BlockIn
 from services.kvstore.compactor import Compactor
 from services.kvstore.config import StoreConfig
@@ -35,6 +37,13 @@ def run(
             await store.close()
 
     asyncio.run(main())
+
+
+def _compactions_timed() -> float:
+    value = REGISTRY.get_sample_value(
+        "thermocline_kvstore_operation_duration_seconds_count", {"operation": "compact"}
+    )
+    return value or 0.0
 
 
 async def read_all(store: BlockStore, hashes: list[BlockHash]) -> dict[BlockHash, bytes]:
@@ -78,12 +87,14 @@ def test_compaction_reclaims_dead_space_and_keeps_every_live_block(
         assert await store.delete(NAMESPACE, [b.block_hash for b in dead]) == len(dead)
         disk_before = (await store.stats()).disk_bytes
         hashes = [b.block_hash for b in blocks]
+        timed_before = _compactions_timed()
         # reads run alongside the compactor and never miss
         result, *reads = await asyncio.gather(
             compactor.compact(), *[read_all(store, hashes) for _ in range(4)]
         )
         stats = await store.stats()
         assert result.num_segments >= 10 and stats.disk_bytes < disk_before / 2
+        assert _compactions_timed() - timed_before == result.num_segments  # one duration per segment
         expected = {b.block_hash: b.payload for b in live}
         assert all(read == expected for read in reads)
         assert await read_all(store, hashes) == expected

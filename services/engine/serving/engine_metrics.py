@@ -45,12 +45,12 @@ class EngineCollector(Collector):
         yield _per_tier("thermocline_engine_kv_bytes", "Device bytes in use per KV tier.", tiers, 2)
         occupancy = GaugeMetricFamily(
             "thermocline_engine_kv_occupancy_ratio",
-            "Used share of each KV tier; cold reads 0 until the cold (kvstore) tier holds blocks.",
+            "Used share of each KV tier in device memory (the kvstore's own occupancy is "
+            "thermocline_kvstore_stored_bytes / _capacity_bytes).",
             labels=["tier"],
         )
         for tier, (used, capacity, _) in tiers.items():
             occupancy.add_metric([tier], used / capacity if capacity else 0.0)
-        occupancy.add_metric(["cold"], 0.0)
         yield occupancy
         yield from self._quantization_error()
         yield _counter(
