@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 .PHONY: setup demo up test lint typecheck gen bench sla
 
 setup:
-	./tools/setup.sh
+	THERMOCLINE_VENV=$(VENV) ./tools/setup.sh
 
 demo: setup  ## the whole mesh on loopback with SmolLM2, one streamed chat, the trace
 	$(PY) -m services.cli.main demo
