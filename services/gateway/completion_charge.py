@@ -10,10 +10,10 @@ What a stream that reaches its done message is charged does not change. A stream
 output block is charged the tokens generated until then: the engine's count when its last message
 came, else the gateway's, at the done message. A prompt blocked under the trailing policy is
 charged no completion, as before, though the engine may have finished first: the charge starts
-only once the prompt passed. One change at the edges: a stream that the caller cancels, or that
-fails, after the engine's last message came is now charged its completion (before, only a stream
-that reached its done message was), and a charge once started completes even when the caller
-goes away.
+only once the prompt passed. A stream that the caller cancels, or that fails, after the engine's
+last message came is charged its completion, and one that ends before it is charged the tokens
+already released to the caller (`stream_ended`): cancelling a stream after its first windows
+does not make them free. A charge once started completes even when the caller goes away.
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ class CompletionCharge:
         """The prompt's screen passed; charges the engine's count when it came already."""
         self.is_prompt_passed = True
         self._start_when_due()
+
+    def stream_ended(self, num_released: int) -> None:
+        """The stream ended (cancelled, failed or done); when no charge has started, charges the
+        `num_released` tokens the caller received. Tokens released at all mean the prompt passed."""
+        if self._task is None and num_released > 0:
+            self._start(num_released)
 
     async def settle(self, num_tokens: int) -> None:
         """Waits for the charge; starts it with `num_tokens`, the done message's count, if none started."""

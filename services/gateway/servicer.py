@@ -254,6 +254,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     f"the gateway shut down and its {self.config.server.grace_s:g} s grace period ran out; "
                     f"this stream was cut after {stream.num_tokens} tokens: retry on another replica"
                 ) from None
+            finally:
+                charge.stream_ended(stream.num_tokens)  # a stream that ends early pays what it got
 
     async def _screen_prompt(
         self,

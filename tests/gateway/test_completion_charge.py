@@ -68,3 +68,32 @@ def test_a_stream_cut_before_the_engine_count_is_charged_at_settle(redis_url: st
         await charge.settle(3)  # an output block mid-stream: the tokens the gateway saw
 
     assert _charged(redis_url, scenario) == 3
+
+
+def test_a_stream_that_ends_before_any_count_is_charged_what_it_released(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.prompt_passed()
+        charge.stream_ended(24)  # the caller cancelled after two windows
+        assert charge.is_started
+        charge.stream_ended(40)  # only once
+        await charge.settle(40)
+
+    assert _charged(redis_url, scenario) == 24
+
+
+def test_a_stream_ended_after_its_charge_started_is_not_charged_again(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.prompt_passed()
+        charge.engine_counted(9)
+        charge.stream_ended(9)
+        await charge.settle(9)
+
+    assert _charged(redis_url, scenario) == 9
+
+
+def test_a_stream_that_released_nothing_is_charged_nothing_when_it_ends(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.stream_ended(0)  # e.g. cancelled while the prompt was screened
+        assert not charge.is_started
+
+    assert _charged(redis_url, scenario) == 0

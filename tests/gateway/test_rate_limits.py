@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
+from services.cli.client import build_request, call_metadata, stream_generate
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import GATEWAY_GENERATE, GATEWAY_TO_SAFETY, TraceCollector
 from services.gateway.audit_chain import segment_paths
-from tests.conftest import start_mesh
+from services.gateway.rate_limiter import bucket_keys
+from tests.conftest import STORIES_PROMPT, start_mesh
 from tests.gateway.conftest import call, refusal, token, write_policy_files
 
 BURST = 10
@@ -25,6 +29,8 @@ TENANTS = {
         # a bucket of 30 tokens refilled at 1 token/min: within a test it admits 30 tokens and no more;
         # each call costs 5 prompt + 2 completion tokens
         "wordy": {"tokens_per_min": 1, "burst_tokens": 30},
+        # the same refill, a bucket of 500: a cancelled stream's charge shows in its level
+        "canceller": {"tokens_per_min": 1, "burst_tokens": 500},
         "open-tenant": {"on_redis_down": "open"},
         "closed-tenant": {"on_redis_down": "closed"},
     },
@@ -96,6 +102,31 @@ def test_tokens_per_minute_count_prompt_and_completion(mesh: Mesh) -> None:
     error = refusal(mesh.target("gateway-2"), bearer, intent="chat", max_tokens=2)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "1 tokens/min in bursts of 30" in error.details()
+
+
+def _token_level(mesh: Mesh, tenant: str) -> float:
+    level = redis.Redis(port=mesh.config.ports.redis).hget(bucket_keys(tenant)[1], "level")
+    assert level is not None, f"tenant {tenant} has no token bucket yet"
+    return float(level)
+
+
+def test_a_stream_cancelled_by_its_caller_is_charged_the_tokens_it_received(mesh: Mesh) -> None:
+    bearer = _user(mesh, "canceller")
+    request = build_request(STORIES_PROMPT, max_tokens=400)
+    received = 0
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        stream = stream_generate(channel, request, call_metadata(bearer, "chat"), 60)
+        for message in stream:
+            received += len(message.delta.token_ids)
+            if received >= 20:  # two of the output screen's windows
+                break
+        stream.cancel()  # type: ignore[attr-defined]
+    # The charge goes out once the gateway sees the cancel: wait for it, not for a fixed time.
+    prompt_tokens, refill = 5, 1  # the bucket refills under one token within the test
+    deadline = time.monotonic() + 30
+    while (charged := 500 - _token_level(mesh, "canceller")) < prompt_tokens + received - refill:
+        assert time.monotonic() < deadline, f"charged {charged:.0f} tokens after receiving {received}"
+    assert charged < prompt_tokens + 400  # the tokens released, not the whole max_tokens
 
 
 def test_a_prompt_over_the_request_budget_gets_both_counts(mesh: Mesh) -> None:
