@@ -57,6 +57,10 @@ ModelResolver = Callable[[str], Awaitable[str]]
 PromptReady = Callable[[str, "Principal", "TenantLimits"], Awaitable[None]]
 ModelLister = Callable[[], Awaitable[list[str]]]
 _MAX_REQUEST_ID_CHARS = 128
+# Prompts up to this length are screened beside the token count (a few ms of screening, hidden
+# behind it); longer ones after the count, budget and token rate passed. A long prompt's screen
+# costs safety hundreds of ms of CPU, which a caller over its budget must not be able to spend.
+SCREEN_BEFORE_COUNT_MAX_CHARS = 4096
 
 
 class Policies(NamedTuple):
@@ -198,8 +202,9 @@ class Gatekeeper:
     ) -> Admitted:
         """Every check for one Generate call. A refusal is durable when this raises; an allow is
         durable once `recorded` is done, which the caller awaits before it answers.
-        `on_prompt_ready` is awaited once the call is authorized and its fields valid, before the
-        token count: a refusal after it (budget, token rate) may follow a screen already started."""
+        `on_prompt_ready` is awaited once the call is authorized and its fields valid: before the
+        token count for a prompt of at most SCREEN_BEFORE_COUNT_MAX_CHARS, where a refusal after it
+        (budget, token rate) may follow a screen already started; after it for a longer prompt."""
         facts = _Facts("invoke", "model:?", request_id_of(metadata))
         checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
         admission = await self._audited(facts, checks)
@@ -242,10 +247,15 @@ class Gatekeeper:
         priority_class = self.intents.priority_class(intent, limits.intent_classes)
         facts.details |= {"intent": intent, "priority_class": priority_class}
         check_sampling(request.sampling)
-        if on_prompt_ready is not None:
+        # A short prompt's screen starts here, beside the token count and budget; a long one's only
+        # once they passed, so a call refused for its budget or token rate costs no long screen.
+        screens_early = len(text) <= SCREEN_BEFORE_COUNT_MAX_CHARS
+        if on_prompt_ready is not None and screens_early:
             await on_prompt_ready(text, principal, limits)
         max_tokens = request.sampling.max_tokens or self.bounds.default_max_tokens
         prompt_tokens = await self._take_prompt(request, model, principal.tenant, limits, max_tokens, facts)
+        if on_prompt_ready is not None and not screens_early:
+            await on_prompt_ready(text, principal, limits)
         return Admission(
             principal,
             model,

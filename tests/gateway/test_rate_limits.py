@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ TENANTS = {
         "wordy": {"tokens_per_min": 1, "burst_tokens": 30},
         # the same refill, a bucket of 500: a cancelled stream's charge shows in its level
         "canceller": {"tokens_per_min": 1, "burst_tokens": 500},
+        "long-prompts": {"tokens_per_min": 1, "burst_tokens": 100},
         "open-tenant": {"on_redis_down": "open"},
         "closed-tenant": {"on_redis_down": "closed"},
     },
@@ -134,6 +136,32 @@ def test_a_prompt_over_the_request_budget_gets_both_counts(mesh: Mesh) -> None:
     error = refusal(mesh.target("gateway"), bearer, intent="chat", prompt="Once upon a time " * 10)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt of 42 tokens" in error.details() and "token bucket of 30 tokens" in error.details()
+
+
+def test_a_long_prompt_over_its_budget_is_refused_before_the_safety_screen(
+    mesh: Mesh, collector: TraceCollector
+) -> None:
+    """A long prompt's screen costs safety hundreds of ms of CPU: it starts only once the prompt's
+    token count has passed the tenant's budget and bucket."""
+    trace_id = secrets.token_hex(16)
+    traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+    long_prompt = "Once upon a time " * 300  # 5,100 characters, some 1,200 tokens: over a bucket of 100
+    error = refusal(
+        mesh.target("gateway"),
+        _user(mesh, "long-prompts"),
+        intent="chat",
+        prompt=long_prompt,
+        extra_metadata=[("traceparent", traceparent)],
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "token bucket of 100" in error.details()
+    # The gateway exports spans in the order they end: once a later call's spans are in, the
+    # refused call's are too.
+    later = call(mesh.target("gateway"), _user(mesh, "long-prompts"), intent="chat", max_tokens=1)
+    assert later.done is not None
+    collector.wait_for_spans(later.done.trace_id, {GATEWAY_GENERATE, GATEWAY_TO_SAFETY}, 60)
+    names = {(s.service, s.name) for s in collector.spans(trace_id)}
+    assert GATEWAY_GENERATE in names, "the refused call's trace did not arrive"
+    assert GATEWAY_TO_SAFETY not in names, "the refused long prompt was sent to the safety service"
 
 
 def test_the_request_bucket_is_taken_before_the_screen_or_leased_by_the_call_before(
