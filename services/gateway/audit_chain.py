@@ -34,6 +34,22 @@ def canonical_json(event: Mapping[str, Any]) -> bytes:
     return json.dumps(event, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+# Characters a JSON string may hold raw that text readers take as line breaks (NEL, the Unicode
+# line and paragraph separators) or that reorder what a terminal shows (bidirectional overrides and
+# isolates). Written as \u escapes, so one event stays one line for any log shipper and reads as
+# what it holds; the hash is over the parsed event, so escaping does not change it.
+_ESCAPED_IN_LINES = {
+    ord(c): f"\\u{ord(c):04x}"
+    for c in "\u0085\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+}
+
+
+def line_json(record: Mapping[str, Any]) -> bytes:
+    """One audit line: the canonical JSON, with line breaks and bidi controls escaped."""
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return text.translate(_ESCAPED_IN_LINES).encode()
+
+
 def chain_hash(event: Mapping[str, Any], prev_hash: str) -> str:
     """h_n = sha256(e_n || h_{n-1})."""
     return hashlib.sha256(canonical_json(event) + prev_hash.encode("ascii")).hexdigest()
@@ -141,7 +157,7 @@ class ChainWriter:
             numbered = {**event, "seq": self.count}  # inside the hash: checkpoints name events by seq
             prev_hash, self.last_hash = self.last_hash, chain_hash(numbered, self.last_hash)
             record = {**numbered, "prev_hash": prev_hash, "hash": self.last_hash}
-            lines.append(canonical_json(record) + b"\n")
+            lines.append(line_json(record) + b"\n")
         return b"".join(lines)
 
     def _write_all(self, data: bytes) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -66,6 +67,20 @@ def test_events_carry_the_standard_fields_and_verify(tmp_path: Path) -> None:
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["timestamp_utc"])
     for field in ("actor_principal", "tenant", "action", "resource", "decision", "trace_id", "prompt_sha256"):
         assert field in first
+    assert _problems(tmp_path) == ""
+
+
+def test_line_breaks_and_bidi_controls_a_caller_sent_stay_inside_their_event(tmp_path: Path) -> None:
+    # A token's header is quoted in a refusal's reason; text readers split lines at NEL and at
+    # U+2028/U+2029, and a right-to-left override reorders what a terminal shows.
+    reason = 'malformed: x\u2028{"decision":"allow"}\u0085\u2029\u202e\u2066 é'
+    log = AuditLog(AuditConfig(directory=tmp_path))
+    asyncio.run(log.record(dataclasses.replace(_event(1), reason=reason)))
+    log.close()
+    (line,) = _lines(segment_paths(tmp_path, DECISIONS)[0])  # one event, one line, as text
+    assert "é" in line  # other text stays as written
+    assert not any(c in line for c in "\u0085\u2028\u2029\u202e\u2066")
+    assert json.loads(line)["reason"] == reason
     assert _problems(tmp_path) == ""
 
 
