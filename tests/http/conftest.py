@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import http.client
+import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -34,6 +38,38 @@ class HttpGateway:
     def token(self, **claims: object) -> str:
         """A token with other claims (tenant, roles, ...)."""
         return token(self.mesh, **claims)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The HTTP front's host and port, for raw sockets."""
+        url = urlsplit(self.base_url)
+        assert url.hostname is not None and url.port is not None
+        return url.hostname, url.port
+
+    def post(self, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> Answer:
+        """POSTs raw body bytes (what a client library would refuse to send) under /v1."""
+        fields = {"Authorization": f"Bearer {self.user_token}", "X-Intent": "chat"} | dict(headers or {})
+        connection = http.client.HTTPConnection(*self.address, timeout=60)
+        try:
+            connection.request("POST", f"/v1{path}", body, {k: v for k, v in fields.items() if v})
+            response = connection.getresponse()
+            return Answer(response.status, json.loads(response.read()), dict(response.getheaders()))
+        finally:
+            connection.close()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer: status, the parsed JSON body, headers."""
+
+    status: int
+    body: Any
+    headers: dict[str, str]
+
+    @property
+    def error(self) -> dict[str, Any]:
+        """The OpenAI error object of a refusal."""
+        return self.body["error"]  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="package")

@@ -168,8 +168,13 @@ class OpenAIRoutes:
                 )
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise InvalidArgument(f"request body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise InvalidArgument(
+                "request body nests too deeply to parse; an OpenAI request nests a few levels at most"
+            ) from None
+        except ValueError as error:  # bad JSON or UTF-8, or an integer of over 4300 digits
+            reason = str(error).partition(";")[0]  # not Python's advice to raise its digit limit
+            raise InvalidArgument(f"request body is not valid JSON: {reason}") from None
 
 
 @contextlib.asynccontextmanager

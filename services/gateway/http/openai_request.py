@@ -17,6 +17,10 @@ from services.common.errors import InvalidArgument
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 MAX_USER_CHARS = 256
+# Bits of each integer field's protobuf type: a larger value is refused by name, never left to
+# protobuf's ValueError. seed is uint64 on the wire, but the engine takes at most 2**63 - 1.
+_UINT32_BITS = 32
+_SEED_BITS = 63
 
 
 class Endpoint(Enum):
@@ -116,17 +120,17 @@ def _sampling(body: dict[str, Any]) -> pb.SamplingOptions:
         max_tokens=_max_tokens(body),
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 0.0),
-        top_k=_integer(body, "top_k", 0),
+        top_k=_integer(body, "top_k", 0, _UINT32_BITS),
         stop=_stop(body.get("stop")),
     )
     if body.get("seed") is not None:
-        sampling.seed = _integer(body, "seed", 0)
+        sampling.seed = _integer(body, "seed", 0, _SEED_BITS)
     return sampling
 
 
 def _max_tokens(body: dict[str, Any]) -> int:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = _integer(body, name, 0)
+    value = _integer(body, name, 0, _UINT32_BITS)
     if body.get(name) is not None and value < 1:
         raise InvalidArgument(f"field {name!r} must be at least 1, got {value}")
     return value
@@ -145,15 +149,16 @@ def _message(index: int, message: Any) -> pb.ChatMessage:
     extra = set(message) - {"role", "content", "name"}
     if extra:
         raise InvalidArgument(f"field {where}.{sorted(extra)[0]!r} is not supported (no tool calls here)")
-    return pb.ChatMessage(role=message["role"], content=_content(where, message.get("content")))
+    role = _unicode(f"{where}.role", message["role"])
+    return pb.ChatMessage(role=role, content=_content(where, message.get("content")))
 
 
 def _content(where: str, content: Any) -> str:
     """A message's text: a string, or a list of text parts joined."""
     if isinstance(content, str):
-        return content
+        return _unicode(f"{where}.content", content)
     if isinstance(content, list) and all(_is_text_part(p) for p in content):
-        return "".join(part["text"] for part in content)
+        return _unicode(f"{where}.content", "".join(part["text"] for part in content))
     raise InvalidArgument(
         f"field '{where}.content' must be a string or a list of text parts; images are not served"
     )
@@ -165,22 +170,22 @@ def _is_text_part(part: Any) -> bool:
 
 def _prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
+        return _unicode("prompt", value[0])
     if not isinstance(value, str):
         raise InvalidArgument(
             "field 'prompt' must be one string (a list of one string is accepted); "
             "batched prompts and token arrays are not supported: send one request per prompt"
         )
-    return value
+    return _unicode("prompt", value)
 
 
 def _stop(value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
+        return [_unicode("stop", value)]
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return value
+        return [_unicode("stop", s) for s in value]
     raise InvalidArgument("field 'stop' must be a string or a list of strings")
 
 
@@ -208,7 +213,20 @@ def _string(body: dict[str, Any], name: str, default: str) -> str:
         return default
     if not isinstance(value, str):
         raise InvalidArgument(f"field {name!r} must be a string")
-    return value
+    return _unicode(name, value)
+
+
+def _unicode(name: str, text: str) -> str:
+    """`text`, once it is known to encode as UTF-8: JSON can spell a lone surrogate ("\\ud800"),
+    which neither protobuf, the audit log nor the trace exporter can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgument(
+            f"field {name!r} holds a lone UTF-16 surrogate at character {error.start}; "
+            "send text that is valid Unicode"
+        ) from None
+    return text
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -229,10 +247,11 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, default: int) -> int:
+def _integer(body: dict[str, Any], name: str, default: int, num_bits: int) -> int:
+    """A non-negative integer that fits the field's `num_bits`-bit protobuf type."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise InvalidArgument(f"field {name!r} must be a non-negative integer below 2**63")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**num_bits:
+        raise InvalidArgument(f"field {name!r} must be a non-negative integer below 2**{num_bits}")
     return value
