@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from services.common import telemetry
-from services.common.errors import InvalidArgument, ThermoclineError, Unauthenticated
+from services.common.errors import InvalidArgument, PermissionDenied, ThermoclineError, Unauthenticated
 from services.gateway.audit import ALLOW, DENY, AuditEvent, AuditLog, prompt_sha256
 from services.gateway.auth import JwtVerifier, Principal
 from services.gateway.budget import PromptCounter, check_request_budget
@@ -274,7 +274,17 @@ class Gatekeeper:
         """RBAC on the model asked for (the default when none), then whether it is served."""
         model = requested or await resolve("")
         facts.resource = f"model:{model}"
-        self.policy.authorize(principal.subject, principal.roles, "invoke", model)
+        try:
+            self.policy.authorize(principal.subject, principal.roles, "invoke", model)
+        except PermissionDenied as denied:
+            if requested:
+                raise
+            # The default model's name is not the caller's to learn before it may invoke it.
+            held = ", ".join(principal.roles) if principal.roles else "none"
+            raise PermissionDenied(
+                f"permission 'invoke' on the default model is missing: caller {principal.subject!r} "
+                f"holds roles [{held}]; ask an administrator for a role that grants it"
+            ) from denied
         return await resolve(requested)
 
     async def _take_prompt(

@@ -49,7 +49,9 @@ def test_deny_by_default_names_the_missing_permission(mesh: Mesh) -> None:
     no_roles = token(mesh, subject="nobody")
     error = refusal(mesh.target("gateway"), no_roles, intent="chat")
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "permission 'invoke' on model" in error.details() and "roles [none]" in error.details()
+    assert "permission 'invoke' on the default model" in error.details()
+    assert "roles [none]" in error.details()
+    assert "on model '" not in error.details()  # the served model is not named to it
 
 
 def test_a_reader_may_list_but_not_invoke(mesh: Mesh) -> None:
