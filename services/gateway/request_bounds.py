@@ -29,6 +29,8 @@ MAX_PROMPT_BYTES_CEILING = 1_000_000
 # What a request may carry besides its prompt: chat roles and framing, stop strings, the model name.
 _ENVELOPE_BYTES = 128 * 1024
 _CHECKED_METADATA = ("x-intent", "x-request-id")
+RETRIEVAL_MODE_HEADER = "x-retrieval-mode"  # passed on to the engine (engine.proto, retrieval_mode)
+RETRIEVAL_MODES = ("off", "semantic")  # the values engine.proto documents; empty: the class's default
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,20 @@ def prompt_bytes(request: pb.GenerateRequest) -> int:
 
 
 def check_metadata(metadata: Mapping[str, str]) -> None:
-    """INVALID_ARGUMENT when a metadata value the gateway reads is oversized."""
+    """INVALID_ARGUMENT when a metadata value the gateway reads is oversized, or a retrieval mode
+    is one the engine does not know (refused here, before the call's allow event and its screen)."""
     for key in _CHECKED_METADATA:
         value = metadata.get(key, "")
         if len(value) > MAX_METADATA_VALUE_CHARS:
             raise InvalidArgument(
                 f"metadata '{key}' is {len(value)} characters; at most {MAX_METADATA_VALUE_CHARS} are allowed"
             )
+    mode = metadata.get(RETRIEVAL_MODE_HEADER, "")
+    if mode and mode not in RETRIEVAL_MODES:
+        raise InvalidArgument(
+            f"unknown retrieval mode {mode[:40]!r} ({RETRIEVAL_MODE_HEADER}); "
+            f"known modes: {', '.join(RETRIEVAL_MODES)}, or none for the intent's default"
+        )
 
 
 def check_prompt_size(request: pb.GenerateRequest, bounds: RequestBounds) -> None:

@@ -28,6 +28,7 @@ from services.gateway.output_screen import (
     record_verdict,
 )
 from services.gateway.relay import relay
+from services.gateway.request_bounds import RETRIEVAL_MODE_HEADER
 from services.gateway.router import affinity_key
 from services.gateway.tenants import TenantLimits
 from services.gateway.upstream import Upstreams, tenant_policy_pb
@@ -36,7 +37,6 @@ from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from thermocline.safety.v1 import safety_pb2
 
-RETRIEVAL_MODE_HEADER = "x-retrieval-mode"  # passed on to the engine, which checks it
 # The event on the gateway's Generate span as the relayed stream's first text goes to the client
 # (the answer's; under trailing, the safe message that replaces a blocked prompt: under strict that
 # message goes out before the relay and has no event); the time to first token ends there.

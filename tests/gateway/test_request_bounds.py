@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.gateway.request_bounds import RequestBounds, check_prompt_size, prompt_bytes
+from services.gateway.request_bounds import RequestBounds, check_metadata, check_prompt_size, prompt_bytes
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 
@@ -34,3 +34,14 @@ def test_a_prompt_at_the_limit_passes_and_one_byte_over_is_refused_with_the_limi
 def test_a_default_completion_length_under_one_token_is_refused_with_its_setting() -> None:
     with pytest.raises(ValueError, match="THERMOCLINE_GATEWAY_DEFAULT_MAX_TOKENS must be at least 1, got 0"):
         RequestBounds(default_max_tokens=0)
+
+
+@pytest.mark.parametrize("mode", ["", "off", "semantic"])
+def test_known_retrieval_modes_pass(mode: str) -> None:
+    check_metadata({"x-retrieval-mode": mode})
+
+
+def test_an_unknown_retrieval_mode_is_refused_at_the_gateway_with_the_known_ones() -> None:
+    expected = r"unknown retrieval mode 'Semantic'.*known modes: off, semantic"
+    with pytest.raises(InvalidArgument, match=expected):
+        check_metadata({"x-retrieval-mode": "Semantic"})
