@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,40 @@ class HttpGateway:
             return Answer(response.status, json.loads(response.read()), dict(response.getheaders()))
         finally:
             connection.close()
+
+    def exchange(self, request: bytes, timeout_s: float = 10.0) -> Exchange:
+        """Sends raw bytes on a fresh connection and reads until the server closes it, or until
+        `timeout_s` passes with nothing more from it (the connection is then still open)."""
+        with socket.create_connection(self.address, timeout=timeout_s) as connection:
+            connection.sendall(request)
+            return read_until_closed(connection)
+
+
+def read_until_closed(connection: socket.socket) -> Exchange:
+    """What the server sends on `connection` until it closes it, or falls silent for the socket's
+    timeout."""
+    received = bytearray()
+    try:
+        while chunk := connection.recv(65536):
+            received += chunk
+    except TimeoutError:
+        return Exchange(bytes(received), is_closed=False)
+    except ConnectionResetError:
+        pass
+    return Exchange(bytes(received), is_closed=True)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The raw bytes a server sent on one connection, and whether it closed that connection."""
+
+    received: bytes
+    is_closed: bool
+
+    @property
+    def status_lines(self) -> list[str]:
+        """The status line of each response sent (a body may run straight into the next one)."""
+        return re.findall(r"HTTP/1\.1 \d{3}[^\r\n]*", self.received.decode("latin-1"))
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from services.common.metrics import DRAINING
 from services.gateway.gatekeeper import request_id_of
 from services.gateway.http.call import Generation, HttpCallContext
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
+from services.gateway.http.framing import RefuseAmbiguousFraming
 from services.gateway.http.metrics import CountRequests
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
 from services.gateway.http.openai_response import Rendering, sse
@@ -56,7 +57,8 @@ class OpenAIRoutes:
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> Starlette:
-        """The ASGI application (each finished request counted by route and status code)."""
+        """The ASGI application (each finished request counted by route and status code, and
+        ambiguously framed requests refused before routing)."""
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -66,7 +68,10 @@ class OpenAIRoutes:
         ]
         return Starlette(
             routes=routes,
-            middleware=[Middleware(CountRequests, routes=[route.path for route in routes])],
+            middleware=[
+                Middleware(CountRequests, routes=[route.path for route in routes]),
+                Middleware(RefuseAmbiguousFraming),
+            ],
             exception_handlers={HTTPException: _http_exception},
         )
 

@@ -1,0 +1,26 @@
+"""Request smuggling against the real HTTP front: a request framed two ways is refused and its
+connection closed, so the request hidden behind it is never read."""
+
+from __future__ import annotations
+
+from tests.http.conftest import HttpGateway
+
+HIDDEN = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_the_connection_closed(
+    http_gateway: HttpGateway,
+) -> None:
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n"
+    exchange = http_gateway.exchange(head + b"\r\n0\r\n\r\n" + HIDDEN)
+    assert exchange.status_lines == ["HTTP/1.1 400 Bad Request"], exchange.received
+    assert b"connection: close" in exchange.received.lower() and b"RFC 9112" in exchange.received
+    assert exchange.is_closed
+
+
+def test_a_plainly_framed_request_keeps_its_connection(http_gateway: HttpGateway) -> None:
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    exchange = http_gateway.exchange(
+        health + health + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    assert exchange.status_lines == ["HTTP/1.1 200 OK"] * 3 and exchange.is_closed
