@@ -16,6 +16,8 @@ span nor guard.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -153,6 +155,19 @@ def _peer_attributes(peer: str) -> dict[str, str]:
     return attributes
 
 
+def _detach(token: object) -> None:
+    """Restores the context from before the call's span was made current. A streaming call that
+    its client cancels while the handler waits at a `yield` is closed by the event loop's
+    async-generator finalizer, in another task's context, where the token cannot be reset
+    (OpenTelemetry's `detach` then logs an ERROR with a traceback for every such stream); the
+    call's own context went with its task, so there is nothing to restore."""
+    if isinstance(token, contextvars.Token):  # what OpenTelemetry's default runtime context hands out
+        with contextlib.suppress(ValueError):
+            token.var.reset(token)
+    else:
+        otel_context.detach(token)  # type: ignore[arg-type]
+
+
 class _CallGuard:
     """What happens around one RPC's behaviour."""
 
@@ -187,7 +202,7 @@ class _CallGuard:
             details = self.details or context.details() or code.value[1]
             self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code}:{details}"))
         self.span.end()
-        otel_context.detach(self._token)  # type: ignore[arg-type]
+        _detach(self._token)
 
     async def abort(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
         """Ends the call with the status that `error` maps to; always raises AbortError."""
@@ -288,6 +303,12 @@ def _wrap_stream(
                 async for response in behavior(_checked(request, is_stream), context):
                     yield response
             except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except GeneratorExit:
+                # Closed at a `yield`: the client cancelled while the stream waited to write, and the
+                # loop's finalizer closes the handler; the context may not say it was cancelled.
+                if guard.code is None:
+                    guard.code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as error:
                 await guard.abort(context, error)

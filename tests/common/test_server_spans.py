@@ -5,10 +5,13 @@ span would; health checks get none."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -108,3 +111,42 @@ def test_each_call_has_one_server_span_that_ends_with_its_status() -> None:
     own_id = format(stream.context.span_id, "016x").encode()
     assert outcomes["Stream"] == [own_id, own_id]
     assert format(stream.context.trace_id, "032x") != TRACE_ID  # no traceparent sent: a new trace
+
+
+async def _endless(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    while True:  # never awaits: the handler waits at its `yield` while the client's window is full
+        yield b"x" * 1024
+
+
+async def _cancel_streams(num_calls: int) -> list[ReadableSpan]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    server = grpc.aio.server(interceptors=[GuardInterceptor(CallTracker(), tracer_provider=provider)])
+    handlers = {"Endless": grpc.unary_stream_rpc_method_handler(_endless)}  # type: ignore[arg-type]
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        for _ in range(num_calls):
+            call = channel.unary_stream(f"/{SERVICE}/Endless")(b"hi")
+            async for _message in call:
+                break
+            call.cancel()
+        deadline = time.monotonic() + 30
+        while len(exporter.get_finished_spans()) < num_calls:  # each closed by the loop's finalizer
+            assert time.monotonic() < deadline, "a cancelled stream's span never ended"
+            await asyncio.sleep(0)
+    await server.stop(None)
+    return list(exporter.get_finished_spans())
+
+
+def test_a_stream_its_client_cancels_ends_its_span_without_an_error_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        spans = asyncio.run(_cancel_streams(10))
+    assert len(spans) == 10
+    codes = {dict(s.attributes or {})["rpc.grpc.status_code"] for s in spans}
+    assert codes == {grpc.StatusCode.CANCELLED.value[0]}, codes
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
