@@ -1,12 +1,15 @@
-"""Load shedding: at most `max_streams` Generate streams in flight per gateway process.
+"""Load shedding: at most `max_streams` Generate streams in flight per gateway process, and at
+most a tenant's own `max_streams` of them.
 
-A call beyond the cap is refused at once with RESOURCE_EXHAUSTED and pushback metadata, before
-any other work, so an overloaded gateway spends nothing on calls it cannot serve; streams
-already admitted run to completion.
+A call beyond the process's cap is refused at once with RESOURCE_EXHAUSTED and pushback metadata,
+before any other work, so an overloaded gateway spends nothing on calls it cannot serve; streams
+already admitted run to completion. A tenant's cap (its tenants-file entry) is checked once the
+caller is authenticated, before its prompt is screened, so one tenant cannot hold every slot.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,3 +46,32 @@ class StreamSlots:
         finally:
             self.num_in_flight -= 1
             STREAMS_IN_FLIGHT.dec()
+
+
+class TenantStreams:
+    """Streams in flight per tenant, against each tenant's own cap."""
+
+    def __init__(self, pushback_ms: int) -> None:
+        self.pushback_ms = pushback_ms
+        self._counts: Counter[str] = Counter()
+
+    def num_in_flight(self, tenant: str) -> int:
+        """The tenant's streams holding a slot now."""
+        return self._counts[tenant]
+
+    def take(self, tenant: str, max_streams: int) -> None:
+        """Takes one of the tenant's slots (0: no cap of its own); RESOURCE_EXHAUSTED when none is
+        free. Every take is paired with one `release`."""
+        if max_streams and self._counts[tenant] >= max_streams:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {max_streams} streams in flight on this gateway, its limit; "
+                f"retry after one ends (pushback {self.pushback_ms} ms)",
+                trailing_metadata=retry_metadata(self.pushback_ms),
+            )
+        self._counts[tenant] += 1
+
+    def release(self, tenant: str) -> None:
+        """Gives back one slot taken by `take`."""
+        self._counts[tenant] -= 1
+        if self._counts[tenant] <= 0:
+            del self._counts[tenant]

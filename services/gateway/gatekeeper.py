@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from services.common import telemetry
 from services.common.errors import InvalidArgument, PermissionDenied, ThermoclineError, Unauthenticated
+from services.gateway.admission import TenantStreams
 from services.gateway.audit import ALLOW, DENY, AuditEvent, AuditLog, prompt_sha256
 from services.gateway.auth import JwtVerifier, Principal
 from services.gateway.budget import PromptCounter, check_request_budget
@@ -173,6 +174,7 @@ class Gatekeeper:
         limiter: RateLimiter,
         audit: AuditLog,
         bounds: RequestBounds,
+        tenant_streams: TenantStreams | None = None,
     ) -> None:
         self.verifier = verifier
         self.policy, self.intents, self.tenants = policies
@@ -180,6 +182,8 @@ class Gatekeeper:
         self.limiter = limiter
         self.audit = audit
         self.bounds = bounds
+        # Taken for an admitted Generate call; the servicer gives it back when the stream ends.
+        self.tenant_streams = tenant_streams or TenantStreams(pushback_ms=1000)
 
     def authenticate(self, metadata: CallMetadata) -> Principal:
         """The verified caller with its roles."""
@@ -201,7 +205,9 @@ class Gatekeeper:
         on_prompt_ready: PromptReady | None = None,
     ) -> Admitted:
         """Every check for one Generate call. A refusal is durable when this raises; an allow is
-        durable once `recorded` is done, which the caller awaits before it answers.
+        durable once `recorded` is done, which the caller awaits before it answers. An admitted
+        call holds one of its tenant's stream slots: the caller gives it back
+        (`tenant_streams.release`) when the stream ends.
         `on_prompt_ready` is awaited once the call is authorized and its fields valid: before the
         token count for a prompt of at most SCREEN_BEFORE_COUNT_MAX_CHARS, where a refusal after it
         (budget, token rate) may follow a screen already started; after it for a longer prompt."""
@@ -209,7 +215,11 @@ class Gatekeeper:
         checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
         admission = await self._audited(facts, checks)
         # Queued now, so that it comes before any event of the answer (a safety block) in the log.
-        recorded = self.audit.submit(facts.event(ALLOW, "all checks passed"))
+        try:
+            recorded = self.audit.submit(facts.event(ALLOW, "all checks passed"))
+        except BaseException:
+            self.tenant_streams.release(admission.principal.tenant)
+            raise
         recorded.add_done_callback(_mark_retrieved)  # a failure no caller reads is not logged as lost
         return Admitted(admission, recorded)
 
@@ -235,6 +245,25 @@ class Gatekeeper:
     ) -> Admission:
         check_prompt_size(request, self.bounds)
         principal, limits = await self._identify(metadata, facts)
+        self.tenant_streams.take(principal.tenant, limits.max_streams)
+        try:
+            return await self._check_identified(
+                request, metadata, resolve, facts, on_prompt_ready, principal, limits
+            )
+        except BaseException:
+            self.tenant_streams.release(principal.tenant)
+            raise
+
+    async def _check_identified(
+        self,
+        request: pb.GenerateRequest,
+        metadata: CallMetadata,
+        resolve: ModelResolver,
+        facts: _Facts,
+        on_prompt_ready: PromptReady | None,
+        principal: Principal,
+        limits: TenantLimits,
+    ) -> Admission:
         if not limits.safety.is_empty:  # which categories the safety service will not apply as is
             facts.details["tenant_safety_policy"] = limits.safety.describe()
         check_metadata(metadata)

@@ -11,7 +11,7 @@ import grpc
 
 from services.common.errors import ThermoclineError
 from services.gateway import grpc_edge
-from services.gateway.admission import StreamSlots
+from services.gateway.admission import StreamSlots, TenantStreams
 from services.gateway.audit import ALLOW, AuditEvent, AuditLog
 from services.gateway.auth import JwtVerifier
 from services.gateway.budget import PromptCounter
@@ -87,6 +87,7 @@ class Gateway:
             self.limiter,
             self.audit,
             config.bounds,
+            TenantStreams(config.limits.pushback_ms),
         )
         slots = StreamSlots(config.limits.max_concurrent_streams, config.limits.pushback_ms)
         self.servicer = GatewayServicer(config, gatekeeper, self.upstreams, slots)

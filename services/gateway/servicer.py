@@ -192,6 +192,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             await asyncio.shield(admitted.recorded)
             raise
         finally:
+            self.gatekeeper.tenant_streams.release(admitted.admission.principal.tenant)
             await answer.aclose()  # type: ignore[attr-defined]
 
     async def _answer(

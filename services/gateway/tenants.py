@@ -101,9 +101,10 @@ class TenantLimits:
 
     `requests_per_s` refills a bucket of `burst_requests`; `tokens_per_min` refills a bucket of
     `burst_tokens` (default: `tokens_per_min`), charged the prompt at admission and the completion
-    at the end. `max_request_tokens`
-    caps prompt plus max_tokens of one request. `on_redis_down` says whether calls pass ("open")
-    or are refused ("closed") while the shared limiter cannot be reached. `safety`: see
+    at the end (or, for a stream cut short, the tokens it was sent). `max_request_tokens` caps
+    prompt plus max_tokens of one request. `max_streams` caps the tenant's Generate streams in
+    flight on one gateway process (0: only the gateway's own cap). `on_redis_down` says whether
+    calls pass ("open") or are refused ("closed") while the shared limiter cannot be reached. `safety`: see
     SafetyOverrides; an entry's `safety` replaces the defaults' as a whole.
     """
 
@@ -112,6 +113,7 @@ class TenantLimits:
     tokens_per_min: int = 100_000
     burst_tokens: int | None = None
     max_request_tokens: int = 8192
+    max_streams: int = 0
     on_redis_down: str = FAIL_CLOSED
     intent_classes: Mapping[str, str] = field(default_factory=dict)
     safety: SafetyOverrides = field(default_factory=SafetyOverrides)
@@ -124,6 +126,10 @@ class TenantLimits:
         if self.burst_tokens is not None and self.burst_tokens < 1:
             raise ValueError(
                 f"burst_tokens must be >= 1 (or absent: tokens_per_min), got {self.burst_tokens}"
+            )
+        if self.max_streams < 0:
+            raise ValueError(
+                f"max_streams must be >= 0 (0: no cap of the tenant's own), got {self.max_streams}"
             )
         if self.on_redis_down not in (FAIL_OPEN, FAIL_CLOSED):
             raise ValueError(f"on_redis_down must be 'open' or 'closed', got {self.on_redis_down!r}")

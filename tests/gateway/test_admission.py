@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,16 +22,21 @@ MAX_STREAMS = 2
 LONG_TOKENS = 1500  # about 2 s of decoding on a laptop core
 STREAM_TOKENS = 64  # more than one screening window
 DEFAULT_MAX_TOKENS = 7  # the gateway's completion length for a request that gives none
+SOLO_TENANT = "solo"  # one stream in flight at a time
 
 
 @pytest.fixture(scope="module")
 def mesh(
     stories_model: Path, collector: TraceCollector, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
+    state = tmp_path_factory.mktemp("admission-mesh")
+    tenants_file = state / "tenants.json"
+    tenants_file.write_text(json.dumps({"tenants": {SOLO_TENANT: {"max_streams": 1}}}))
     started = start_mesh(
         stories_model,
-        tmp_path_factory.mktemp("admission-mesh"),
+        state,
         collector,
+        THERMOCLINE_GATEWAY_TENANTS_FILE=str(tenants_file),
         THERMOCLINE_GATEWAY_MAX_CONCURRENT_STREAMS=str(MAX_STREAMS),
         THERMOCLINE_GATEWAY_PUSHBACK_MS="750",
         THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S="300",  # the tests below hold the safety service stopped
@@ -77,6 +83,28 @@ def test_streams_beyond_the_cap_are_shed_while_admitted_ones_complete(mesh: Mesh
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
         again = collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 30))
     assert again.done is not None
+
+
+def test_a_tenant_at_its_own_stream_cap_is_refused_before_its_screen_and_others_are_not(
+    mesh: Mesh,
+) -> None:
+    solo = call_metadata(token(mesh, subject="solo-user", tenant=SOLO_TENANT))
+    request = build_request(STORIES_PROMPT, max_tokens=4)
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        # With the safety service stopped, the admitted stream waits on its prompt's screen and
+        # holds the tenant's one slot, however fast the machine is.
+        with stopped(mesh.processes["safety"]):
+            held = stream_generate(channel, request, solo, 300)
+            _wait_for_streams_in_flight(mesh, 1)
+            with pytest.raises(grpc.RpcError) as refused:
+                collect(stream_generate(channel, request, solo, 30))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "tenant 'solo' has 1 streams in flight on this gateway" in (refused.value.details() or "")
+            other = stream_generate(channel, request, call_metadata(token(mesh)), 300)  # another tenant
+            _wait_for_streams_in_flight(mesh, 2)  # admitted beside it, waiting on its screen too
+        assert collect(held).done is not None and collect(other).done is not None
+        # The slot came back with the stream's end.
+        assert collect(stream_generate(channel, request, solo, 60)).done is not None
 
 
 def test_a_request_over_its_token_budget_gets_both_counts(mesh: Mesh) -> None:

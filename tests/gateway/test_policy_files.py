@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import InvalidArgument, PermissionDenied
+from services.common.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from services.gateway.admission import TenantStreams
 from services.gateway.intents import IntentPolicy
 from services.gateway.jwks import KeySet
 from services.gateway.rbac import Policy
@@ -68,6 +69,22 @@ def test_bad_tenant_settings_are_refused() -> None:
         TenantTable.from_dict({"tenants": {"a": {"on_redis_down": "maybe"}}})
     with pytest.raises(ValueError, match="unknown tenant setting"):
         TenantTable.from_dict({"defaults": {"requests_per_minute": 5}})
+    with pytest.raises(ValueError, match=r"tenant 'a': max_streams must be >= 0"):
+        TenantTable.from_dict({"tenants": {"a": {"max_streams": -1}}})
+
+
+def test_a_tenant_stream_cap_counts_each_tenant_alone_and_gives_slots_back() -> None:
+    streams = TenantStreams(pushback_ms=250)
+    streams.take("a", 2)
+    streams.take("a", 2)
+    with pytest.raises(ResourceExhausted, match="tenant 'a' has 2 streams in flight") as refused:
+        streams.take("a", 2)
+    assert dict(refused.value.trailing_metadata)["retry-after-ms"] == "250"
+    streams.take("b", 2)  # another tenant's slots are its own
+    streams.take("c", 0)  # no cap of its own
+    streams.release("a")
+    streams.take("a", 2)
+    assert (streams.num_in_flight("a"), streams.num_in_flight("b")) == (2, 1)
 
 
 @pytest.mark.parametrize("tenant", ["acme\n", "", "-acme", "a" * 129, "acme/../x", "acme corp"])
