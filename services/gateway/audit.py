@@ -108,6 +108,8 @@ class AuditConfig:
 
     `key_file` holds the checkpoint signing key (see audit_checkpoint.py); it must lie outside
     `directory`. Without it the chain still shows careless edits, but not a rewritten chain.
+    `unauthenticated_per_s`: refusals of callers with no verified identity written one by one per
+    second, the rest counted in summaries (audit_sampling.py); 0 writes every one.
     """
 
     directory: Path
@@ -116,8 +118,14 @@ class AuditConfig:
     rotate_bytes: int = 64 * 1024 * 1024
     key_file: Path | None = None
     checkpoint_interval_s: float = 60.0
+    unauthenticated_per_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.unauthenticated_per_s < 0:
+            raise ValueError(
+                "THERMOCLINE_GATEWAY_AUDIT_UNAUTHENTICATED_PER_S must be >= 0 (0: every refusal), "
+                f"got {self.unauthenticated_per_s}"
+            )
         if self.key_file is not None:
             check_key_outside(self.key_file, self.directory)
         if self.checkpoint_interval_s < 0:

@@ -31,6 +31,7 @@ from services.common import telemetry
 from services.common.errors import InvalidArgument, PermissionDenied, ThermoclineError, Unauthenticated
 from services.gateway.admission import TenantStreams
 from services.gateway.audit import ALLOW, DENY, AuditEvent, AuditLog, prompt_sha256
+from services.gateway.audit_sampling import UnauthenticatedDenials
 from services.gateway.auth import JwtVerifier, Principal
 from services.gateway.budget import PromptCounter, check_request_budget
 from services.gateway.call_metadata import CallMetadata
@@ -58,6 +59,7 @@ ModelResolver = Callable[[str], Awaitable[str]]
 PromptReady = Callable[[str, "Principal", "TenantLimits"], Awaitable[None]]
 ModelLister = Callable[[], Awaitable[list[str]]]
 _MAX_REQUEST_ID_CHARS = 128
+UNAUTHENTICATED = "unauthenticated"  # the actor of a call whose token has not verified (yet)
 # Prompts up to this length are screened beside the token count (a few ms of screening, hidden
 # behind it); longer ones after the count, budget and token rate passed. A long prompt's screen
 # costs safety hundreds of ms of CPU, which a caller over its budget must not be able to spend.
@@ -104,7 +106,7 @@ class _Facts:
     request_id: str
     prompt_sha256: str = ""
     num_prompt_chars: int = 0  # not audited: how long the text to hash is
-    actor_principal: str = "unauthenticated"
+    actor_principal: str = UNAUTHENTICATED
     tenant: str = ""
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -184,6 +186,7 @@ class Gatekeeper:
         self.bounds = bounds
         # Taken for an admitted Generate call; the servicer gives it back when the stream ends.
         self.tenant_streams = tenant_streams or TenantStreams(pushback_ms=1000)
+        self.unauthenticated = UnauthenticatedDenials(audit.config.unauthenticated_per_s)
 
     def authenticate(self, metadata: CallMetadata) -> Principal:
         """The verified caller with its roles."""
@@ -228,12 +231,23 @@ class Gatekeeper:
         try:
             return await checks
         except ThermoclineError as error:
-            await self.audit.record(facts.event(DENY, error.message))
+            event = facts.event(DENY, error.message)
+            if facts.actor_principal == UNAUTHENTICATED:
+                if not self.unauthenticated.admit():
+                    self.unauthenticated.count(error.message, event.timestamp_utc)
+                    raise
+                await self.record_unauthenticated_summary()  # what was counted comes first
+            await self.audit.record(event)
             raise
         except Exception:
             log.exception("admission check failed unexpectedly")
             await self.audit.record(facts.event(DENY, "internal error in the gateway's checks"))
             raise
+
+    async def record_unauthenticated_summary(self) -> None:
+        """Writes the counts of unauthenticated refusals left out since the last summary, if any."""
+        if (summary := self.unauthenticated.take_summary()) is not None:
+            await self.audit.record(summary)
 
     async def _check_generate(
         self,

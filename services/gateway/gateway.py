@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from pathlib import Path
@@ -44,6 +45,7 @@ def load_policies(config: GatewayConfig) -> Policies:
 
 
 _PRUNE_INTERVAL_S = 3600.0
+_UNAUTHENTICATED_SUMMARY_S = 60.0  # how often counted unauthenticated refusals are written
 # How long a gateway whose tenants loosen safety categories waits for the safety service at start.
 SAFETY_START_WAIT_S = 60.0
 
@@ -95,6 +97,7 @@ class Gateway:
         self.tenants = policies.tenants
         self.http = self._http_server(config)
         self._pruner: asyncio.Task[None] | None = None
+        self._summarizer: asyncio.Task[None] | None = None
 
     def _http_server(self, config: GatewayConfig) -> HttpServer | None:
         """The OpenAI-compatible front on the same servicer; None when its port is 0."""
@@ -114,6 +117,7 @@ class Gateway:
         await self.upstreams.router.start()
         await self.audit.record(policy_event(self.config))
         self._pruner = asyncio.create_task(self._prune_forever())
+        self._summarizer = asyncio.create_task(self._summarize_forever())
         if self.http is not None:
             await self.http.start()
 
@@ -138,6 +142,15 @@ class Gateway:
             log.warning("tenants file %s: %s", path, warning)
         log.info("tenant safety overrides checked against gate %s", gate.version)
 
+    async def _summarize_forever(self) -> None:
+        """Writes the counts of unauthenticated refusals left out of the audit log, every interval."""
+        while True:
+            await asyncio.sleep(_UNAUTHENTICATED_SUMMARY_S)
+            try:
+                await self.servicer.gatekeeper.record_unauthenticated_summary()
+            except ThermoclineError:  # e.g. a full disk: the counts are in the next summary
+                log.exception("the unauthenticated-refusal summary could not be written")
+
     async def _prune_forever(self) -> None:
         """Applies audit retention now and then every hour."""
         while True:
@@ -153,6 +166,10 @@ class Gateway:
             await self.http.stop()
         if self._pruner is not None:
             self._pruner.cancel()
+        if self._summarizer is not None:
+            self._summarizer.cancel()
+        with contextlib.suppress(ThermoclineError):  # a full disk: logged by the audit log
+            await self.servicer.gatekeeper.record_unauthenticated_summary()
         await self.upstreams.close()
         await self.limiter.close()
         self.audit.close()

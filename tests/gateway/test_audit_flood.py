@@ -1,0 +1,82 @@
+"""Refusals of callers with no verified identity, past the audit rate: counted, then summarised.
+
+A real gateway whose audit rate for unauthenticated refusals is one event now and then none for
+the length of the test: the first refusal is written, the next ones are only counted, every caller
+still gets its UNAUTHENTICATED answer, and stopping the gateway writes one summary event with the
+counts. The chain still verifies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.cli.trace_collector import TraceCollector
+from services.gateway.audit import STREAMS
+from services.gateway.audit_chain import segment_paths, verify_directory
+from services.gateway.audit_sampling import SUMMARY_ACTION, UnauthenticatedDenials
+from tests.conftest import start_mesh
+from tests.gateway.conftest import call, refusal, token
+
+NUM_LEFT_OUT = 20
+
+
+def _decisions(audit_dir: Path) -> list[dict[str, object]]:
+    return [
+        json.loads(line)
+        for path in segment_paths(audit_dir, "decisions")
+        for line in path.read_text().splitlines()
+    ]
+
+
+def test_unauthenticated_refusals_over_the_rate_are_counted_and_summarised_at_stop(
+    stories_model: Path, collector: TraceCollector, tmp_path: Path
+) -> None:
+    # 0.001 events/s: a bucket of one event, refilled once in ~17 minutes.
+    mesh = start_mesh(
+        stories_model, tmp_path, collector, THERMOCLINE_GATEWAY_AUDIT_UNAUTHENTICATED_PER_S="0.001"
+    )
+    try:
+        target = mesh.target("gateway")
+        first = refusal(target, "not-a-jwt")
+        assert first.code() == grpc.StatusCode.UNAUTHENTICATED
+        for n in range(NUM_LEFT_OUT):
+            bearer = "not-a-jwt" if n % 2 else None  # two reasons
+            assert refusal(target, bearer).code() == grpc.StatusCode.UNAUTHENTICATED
+        assert call(target, token(mesh)).done is not None  # callers with a token are not affected
+        during = [e for e in _decisions(mesh.audit_dir) if e["actor_principal"] == "unauthenticated"]
+        assert len(during) == 1  # the first refusal only
+    finally:
+        mesh.stop()
+    events = [e for e in _decisions(mesh.audit_dir) if e["actor_principal"] == "unauthenticated"]
+    (summary,) = [e for e in events if e["action"] == SUMMARY_ACTION]
+    details = summary["details"]
+    assert isinstance(details, dict) and details["refusals"] == NUM_LEFT_OUT
+    assert sum(details["by_reason"].values()) == NUM_LEFT_OUT and len(details["by_reason"]) == 2
+    report = verify_directory(mesh.audit_dir, STREAMS)
+    assert report.is_ok, report.problems
+
+
+@pytest.mark.parametrize("per_s", ["-1", "x"])
+def test_a_bad_unauthenticated_audit_rate_is_refused_at_start(per_s: str) -> None:
+    from services.gateway.config import _audit_from_env
+
+    with pytest.raises(ValueError, match="AUDIT_UNAUTHENTICATED_PER_S"):
+        _audit_from_env({"THERMOCLINE_GATEWAY_AUDIT_UNAUTHENTICATED_PER_S": per_s})
+
+
+def test_the_bucket_refills_at_its_rate_and_a_zero_rate_writes_every_refusal() -> None:
+    now = [0.0]
+    denials = UnauthenticatedDenials(per_s=2.0, burst=3, clock=lambda: now[0])
+    assert [denials.admit() for _ in range(4)] == [True, True, True, False]
+    now[0] = 1.0  # two more
+    assert [denials.admit() for _ in range(3)] == [True, True, False]
+    for reason in ("bad token", "bad token", "no token"):
+        denials.count(reason, "2026-12-07T00:00:00.000Z")
+    summary = denials.take_summary()
+    assert summary is not None and summary.details["by_reason"] == {"bad token": 2, "no token": 1}
+    assert denials.take_summary() is None  # the counts restart
+    every = UnauthenticatedDenials(per_s=0.0)
+    assert all(every.admit() for _ in range(10_000))
