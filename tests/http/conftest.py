@@ -1,7 +1,9 @@
-"""A gateway with its HTTP front on the open mesh, with the RBAC and tenant files these tests need."""
+"""Gateways with their HTTP front on the open mesh, with the RBAC and tenant files these tests need,
+and raw-socket helpers for what no client library sends."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -31,6 +33,7 @@ class HttpGateway:
     base_url: str
     user_token: str
     reader_token: str
+    name: str = HTTP_GATEWAY
 
     @property
     def root_url(self) -> str:
@@ -108,18 +111,31 @@ class Answer:
         return self.body["error"]  # type: ignore[no-any-return]
 
 
+@contextlib.contextmanager
+def http_replica(
+    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory, name: str, **settings: str
+) -> Iterator[HttpGateway]:
+    """A gateway process of its own on `mesh` (so the shared gateway's policy stays as it is),
+    with `settings` added to its environment; stopped on exit."""
+    tenants = UNLIMITED_TENANTS | {"tenants": {"tight": TIGHT_TENANT}}
+    env = write_policy_files(Path(tmp_path_factory.mktemp(f"{name}-policy")), tenants=tenants)
+    mesh.start_gateway_replica(name, **env, **settings)
+    try:
+        yield HttpGateway(
+            mesh,
+            mesh.http_url(name),
+            token(mesh, roles=["user"]),
+            token(mesh, subject="auditor", roles=["reader"]),
+            name,
+        )
+    finally:
+        process = mesh.processes.pop(name)
+        process.terminate()
+        process.wait(60)
+
+
 @pytest.fixture(scope="package")
 def http_gateway(open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpGateway]:
-    """A second gateway process on the open mesh, so the shared gateway's policy stays as it is."""
-    tenants = UNLIMITED_TENANTS | {"tenants": {"tight": TIGHT_TENANT}}
-    env = write_policy_files(Path(tmp_path_factory.mktemp("http-policy")), tenants=tenants)
-    open_mesh.start_gateway_replica(HTTP_GATEWAY, **env)
-    yield HttpGateway(
-        open_mesh,
-        open_mesh.http_url(HTTP_GATEWAY),
-        token(open_mesh, roles=["user"]),
-        token(open_mesh, subject="auditor", roles=["reader"]),
-    )
-    process = open_mesh.processes.pop(HTTP_GATEWAY)
-    process.terminate()
-    process.wait(60)
+    """A second gateway process on the open mesh, with the HTTP front's default limits."""
+    with http_replica(open_mesh, tmp_path_factory, HTTP_GATEWAY) as gateway:
+        yield gateway

@@ -3,7 +3,8 @@
 One loop serves both fronts, so they share the servicer, its stream slots and every policy
 object without locks. The gRPC runner owns SIGTERM: uvicorn must not install its own handlers
 (it would swallow the signal that starts the drain), and it stops when the gateway closes,
-giving HTTP calls in flight the same grace period as gRPC ones.
+giving HTTP calls in flight the same grace period as gRPC ones. Connections are bounded by
+`HttpLimits` (limits.py): a head deadline and a connection cap (protocol.py), keep-alive, head size.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from collections.abc import Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from services.gateway.http.limits import HttpLimits
+from services.gateway.http.protocol import DeadlineConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +35,20 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """Binds the port at start (so a taken port fails the gateway's start-up), serves until stop."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: float) -> None:
-        config = uvicorn.Config(
-            app, lifespan="off", log_config=None, access_log=False, timeout_graceful_shutdown=int(grace_s) + 1
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, grace_s: float, limits: HttpLimits | None = None
+    ) -> None:
+        limits = limits or HttpLimits.from_env()
+        config = DeadlineConfig(
+            app,
+            header_timeout_s=limits.header_timeout_s,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=int(grace_s) + 1,
+            timeout_keep_alive=limits.keep_alive_s,
+            limit_concurrency=limits.max_connections,
+            h11_max_incomplete_event_size=limits.max_header_bytes,
         )
         self._server = _EmbeddedServer(config)
         self.host, self.port = host, port
