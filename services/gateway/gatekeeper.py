@@ -286,7 +286,7 @@ class Gatekeeper:
         facts.prompt_sha256 = await off_loop_when_long(prompt_sha256, text, len(text))
         facts.num_prompt_chars = len(text)
         model = await self._authorize_model(principal, request.model, resolve, facts)
-        intent = self.intents.resolve(metadata.get("x-intent"))
+        intent = self.intents.resolve(metadata.get("x-intent"), principal.roles)
         priority_class = self.intents.priority_class(intent, limits.intent_classes)
         facts.details |= {"intent": intent, "priority_class": priority_class}
         check_sampling(request.sampling)

@@ -64,6 +64,27 @@ def test_tenant_overrides_the_intent_class() -> None:
         intents.resolve("x" * 500)
 
 
+def test_an_intent_limited_to_roles_is_refused_to_other_callers_by_name() -> None:
+    intents = IntentPolicy.from_dict(
+        {
+            "default_intent": "default",
+            "intents": {
+                "default": {"priority_class": "standard"},
+                "triage": {"priority_class": "critical", "roles": ["clinician", "nurse"]},
+            },
+        }
+    )
+    assert intents.resolve("triage", ["user", "nurse"]) == "triage"
+    assert intents.resolve(None, []) == "default"
+    refusal = "intent 'triage' may be declared only by callers with role clinician or nurse"
+    with pytest.raises(PermissionDenied, match=refusal):
+        intents.resolve("triage", ["user"])
+    with pytest.raises(ValueError, match="'roles' must be a non-empty list"):
+        IntentPolicy.from_dict({"default_intent": None, "intents": {"a": {"roles": "clinician"}}})
+    with pytest.raises(ValueError, match="may not be limited to roles"):
+        IntentPolicy.from_dict({"default_intent": "a", "intents": {"a": {"roles": ["x"]}}})
+
+
 def test_bad_tenant_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="on_redis_down"):
         TenantTable.from_dict({"tenants": {"a": {"on_redis_down": "maybe"}}})
