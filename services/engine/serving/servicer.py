@@ -135,6 +135,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.config = config
         self.engine = engine
         self._mailbox: LoopMailbox | None = None
+        self._max_prompt_chars = max_prompt_chars(engine)
 
     def _mailbox_for(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
         if self._mailbox is None or self._mailbox.loop is not loop:
@@ -142,7 +143,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return self._mailbox
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
-        prompt_ids = self._prompt_ids(request)
+        if request.WhichOneof("input") == "prompt":
+            self._check_text_fits(request.prompt)  # before tokenizing it: megabytes take seconds
+        # Tokenizing is CPU-bound (the tokenizer lets the GIL go); off the loop, so streams in flight,
+        # GetStats and health checks are served meanwhile.
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, request, self._max_prompt_chars)
         params = sampling_from_pb(request.sampling, self.config)
         gate_policy = gate_policy_from_pb(request)
         self._annotate_span(request, params, len(prompt_ids))
@@ -209,8 +214,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
         return pb.CountTokensResponse(num_tokens=len(prompt_ids), model=self.engine.model_id)
 
-    def _prompt_ids(self, request: pb.GenerateRequest | pb.CountTokensRequest) -> list[int]:
-        """Token ids for whichever input form the request used."""
+    def _prompt_ids(
+        self, request: pb.GenerateRequest | pb.CountTokensRequest, max_chars: int | None = None
+    ) -> list[int]:
+        """Token ids for whichever input form the request used; a rendered chat longer than
+        `max_chars` characters is refused before it is tokenized (None: every text is counted)."""
         tokenizer = self.engine.tokenizer
         kind = request.WhichOneof("input")
         if kind == "token_ids":
@@ -225,10 +233,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if kind == "prompt":
             return tokenizer.encode(request.prompt)
         if kind == "chat":
-            return self._chat_ids(request.chat)
+            return self._chat_ids(request.chat, max_chars)
         raise InvalidArgument("request has no input: set prompt, chat or token_ids")
 
-    def _chat_ids(self, chat: pb.ChatTurns) -> list[int]:
+    def _chat_ids(self, chat: pb.ChatTurns, max_chars: int | None) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template is None:
             raise InvalidArgument(f"model {self.engine.model_id} has no chat template; send a plain prompt")
@@ -239,7 +247,19 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             text = tokenizer.apply_chat_template(messages)
         except ValueError as error:
             raise InvalidArgument(f"chat template rejected the messages: {error}") from None
+        if max_chars is not None:
+            self._check_text_fits(text)
         return tokenizer.encode(text, add_bos=False)
+
+    def _check_text_fits(self, text: str) -> None:
+        """Refuses text with more characters than the context could hold at the tokenizer's densest."""
+        if self._max_prompt_chars is not None and len(text) > self._max_prompt_chars:
+            raise InvalidArgument(
+                f"prompt has {len(text):,} characters, but this engine's context holds "
+                f"{self.engine.max_seq_len - 1} prompt tokens and its tokenizer puts at most "
+                f"{self.engine.tokenizer.max_chars_per_token} characters in a token, so no prompt over "
+                f"{self._max_prompt_chars:,} characters can fit; shorten the prompt"
+            )
 
     def _annotate_span(self, request: pb.GenerateRequest, params: SamplingParams, num_prompt: int) -> None:
         span = trace.get_current_span()
@@ -265,6 +285,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason.name.lower()])
         return message
+
+
+def max_prompt_chars(engine: LLMEngine) -> int | None:
+    """The most characters a prompt that fits the context can have (None: the tokenizer gives no bound)."""
+    per_token = engine.tokenizer.max_chars_per_token
+    return None if per_token is None else engine.max_seq_len * per_token
 
 
 def gate_info_to_pb(report: GateReport) -> pb.SafetyGateInfo:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from services.engine.text.chars_per_token import max_chars_per_token
 from services.engine.text.chat_template import ChatTemplate, ChatTemplateError
 from services.engine.text.detokenizer import IncrementalDetokenizer
 
@@ -37,6 +39,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    @cached_property
+    def max_chars_per_token(self) -> int | None:
+        """Most characters of text one token can cover (None: no bound; see `chars_per_token`)."""
+        return max_chars_per_token(self.backend)
 
     @property
     def eos_token(self) -> str:

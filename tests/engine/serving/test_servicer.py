@@ -1,0 +1,142 @@
+"""The engine's gRPC servicer over stories260K, served in process on loopback as the service serves it
+(the error-mapping interceptor included): prompt checks, tokenizing off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.interceptors import CallTracker, GuardInterceptor
+from services.engine.config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.serving.servicer import EngineServicer
+from thermocline.engine.v1 import engine_pb2 as pb
+from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
+
+MAX_SEQ_LEN = 64  # stories260K's tokenizer puts at most 9 characters in a token: 576 characters fit
+RELEASE_TIMEOUT_S = 30  # only reached when a held tokenizer blocks the event loop (the failure shown)
+
+
+@pytest.fixture(scope="module")
+def engine(stories_hf_dir: Path) -> Iterator[LLMEngine]:
+    """stories260K on the CPU with its step thread running, as the service runs it."""
+    loaded = LLMEngine.load(
+        stories_hf_dir, device="cpu", max_batch_size=2, max_seq_len=MAX_SEQ_LEN, progress=False
+    )
+    loaded.start()
+    yield loaded
+    loaded.stop()
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: LLMEngine) -> AsyncIterator[pb_grpc.EngineServiceStub]:
+    """A stub for `engine`'s servicer on a loopback server with the services' interceptor."""
+    config = EngineConfig.from_env({"THERMOCLINE_ENGINE_MODEL": "stories260k"})
+    server = grpc.aio.server(interceptors=[GuardInterceptor(CallTracker())])
+    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(config, engine), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield pb_grpc.EngineServiceStub(channel)
+    finally:
+        await server.stop(None)
+
+
+async def generate(
+    stub: pb_grpc.EngineServiceStub, prompt: str, max_tokens: int = 4
+) -> list[pb.GenerateResponse]:
+    """Every message of one Generate stream."""
+    request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens))
+    return [message async for message in stub.Generate(request)]
+
+
+async def refusal(stub: pb_grpc.EngineServiceStub, request: pb.GenerateRequest) -> grpc.aio.AioRpcError:
+    """The status a Generate call ends with; fails the test when it streams to the end instead."""
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.Generate(request):
+            pass
+    return raised.value
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenized: list[int] = []
+    encode = engine.tokenizer.encode
+
+    def counted_encode(text: str, add_bos: bool | None = None) -> list[int]:
+        tokenized.append(len(text))
+        return encode(text, add_bos)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", counted_encode)
+    too_long = "a" * (MAX_SEQ_LEN * 9 + 1)
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        async with serving(engine) as stub:
+            return await refusal(stub, pb.GenerateRequest(prompt=too_long))
+
+    error = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt has 577 characters" in error.details()
+    assert "no prompt over 576 characters can fit" in error.details()
+    assert tokenized == []
+
+
+def test_the_densest_prompt_that_fits_is_served(engine: LLMEngine) -> None:
+    """The vocabulary's longest piece, repeated until the context is one token short of full: the most
+    characters per token a prompt can have. The character bound lets it through."""
+    tokenizer = engine.tokenizer
+    longest = max(tokenizer.backend.get_vocab(), key=len).replace("\u2581", " ")
+    prompt = longest * 64
+    while len(tokenizer.encode(prompt)) > MAX_SEQ_LEN - 1:
+        prompt = prompt[len(longest) :]
+    assert len(prompt) >= 6 * (MAX_SEQ_LEN - 2)  # dense indeed: several characters a token
+
+    async def scenario() -> list[pb.GenerateResponse]:
+        async with serving(engine) as stub:
+            return await generate(stub, prompt, max_tokens=1)
+
+    final = asyncio.run(scenario())[-1]
+    assert final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+    assert final.usage.prompt_tokens == len(tokenizer.encode(prompt))
+
+
+def test_a_prompt_being_tokenized_leaves_other_streams_and_getstats_served(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer is held on one prompt until another stream and GetStats have completed: on the
+    event loop it would hold them too, and be let go only by its timeout."""
+    held_prompt = "Once upon a time there was a held prompt"
+    entered, released = threading.Event(), threading.Event()
+    order: list[str] = []
+    encode = engine.tokenizer.encode
+
+    def held_encode(text: str, add_bos: bool | None = None) -> list[int]:
+        if text == held_prompt:
+            order.append("tokenizing")
+            entered.set()
+            order.append("released" if released.wait(RELEASE_TIMEOUT_S) else "timed out")
+        return encode(text, add_bos)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", held_encode)
+
+    async def scenario() -> list[pb.GenerateResponse]:
+        async with serving(engine) as stub:
+            held = asyncio.create_task(generate(stub, held_prompt))
+            assert await asyncio.to_thread(entered.wait, RELEASE_TIMEOUT_S)
+            other = await generate(stub, "Once upon a time")
+            await stub.GetStats(pb.GetStatsRequest())
+            order.append(f"served others ({other[-1].usage.completion_tokens} tokens)")
+            released.set()
+            return await held
+
+    held_stream = asyncio.run(scenario())
+    assert order == ["tokenizing", "served others (4 tokens)", "released"]
+    assert held_stream[-1].usage.completion_tokens == 4
