@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import struct
@@ -70,6 +71,11 @@ class SegmentWriter:
     """Appends records to the active segment, rotates it, and fsyncs for durability.
 
     State changes: `append` (the file grows, maybe a new segment), `wait_durable` (an fsync).
+
+    `_size` is always where the file ends: a write that fails is cut back off (or, when even that
+    fails, the segment is sealed), so the next record's offset, which its CRC covers, is where it
+    lands. A failed fsync loses every record it covered and seals the segment: Linux can report a
+    later fsync of that file as a success after dropping the dirty pages, so none is trusted again.
     """
 
     def __init__(
@@ -80,10 +86,13 @@ class SegmentWriter:
         self.policy = policy
         self.batch_window_s = batch_window_s if policy is FsyncPolicy.BATCH else 0.0
         self.segment_id = 0
-        self._file: AsyncFileIO | None = None
+        self._file: AsyncFileIO | None = None  # None: sealed, and the next one not started yet
         self._size = 0
         self._written_seq = 0
-        self._durable_seq = 0
+        self._durable_seq = 0  # every record up to here is settled: durable, or in `_lost_seqs`
+        self._lost_seqs: list[range] = []  # records of sealed segments that no fsync covered
+        self._lost_from: int | None = None  # the active segment's fsync failed: records from here are lost
+        self._is_sealing = False  # the active segment takes no more records (torn bytes stayed)
         self._append_lock = asyncio.Lock()
         self._sync_lock = asyncio.Lock()
         self._flush: asyncio.Task[None] | None = None
@@ -96,38 +105,98 @@ class SegmentWriter:
 
     async def _start_segment(self, segment_id: int) -> None:
         path = segment_path(self.directory, segment_id)
-        self._file = await aiofiles.open(path, "xb", buffering=0)
-        await self._write_all(SEGMENT_HEADER.pack(SEGMENT_MAGIC, segment_id))
-        await asyncio.to_thread(_fsync_file_and_directory, self._file.fileno(), self.directory)
-        self.segment_id, self._size = segment_id, SEGMENT_HEADER.size
-
-    async def _write_all(self, data: bytes) -> None:
-        assert self._file is not None
-        view = memoryview(data)
-        while view:
-            written = await self._file.write(view)
-            view = view[written:]
+        file = await aiofiles.open(path, "xb", buffering=0)
+        try:
+            await _write_all(file, SEGMENT_HEADER.pack(SEGMENT_MAGIC, segment_id))
+            await asyncio.to_thread(_fsync_file_and_directory, file.fileno(), self.directory)
+        except BaseException:  # no half-made segment: the next append starts this id again
+            await file.close()
+            path.unlink(missing_ok=True)
+            raise
+        self._file, self.segment_id, self._size = file, segment_id, SEGMENT_HEADER.size
+        self._is_sealing = False
 
     async def append(self, record: Record) -> tuple[Location, int]:
-        """Writes a record (not yet durable); returns where it went and its sequence number."""
+        """Writes a record (not yet durable); returns where it went and its sequence number.
+
+        OSError when the write failed: nothing of the record stays in the segment. A cancelled
+        caller does not cut the write short: it runs to its end in its own task."""
+        return await asyncio.shield(self._append(record))
+
+    async def _append(self, record: Record) -> tuple[Location, int]:
         async with self._append_lock:
-            if self._size >= self.max_segment_bytes:
+            if self._must_rotate():
                 await self._rotate()
+            assert self._file is not None
             offset = self._size
             data = record.encode(self.segment_id, offset)
-            await self._write_all(data)
+            try:
+                await _write_all(self._file, data)
+            except OSError:
+                await self._cut_torn_bytes()
+                raise
             self._size += len(data)
             self._written_seq += 1
             return Location(self.segment_id, offset, len(data)), self._written_seq
 
+    def _must_rotate(self) -> bool:
+        return (
+            self._file is None
+            or self._is_sealing
+            or self._lost_from is not None
+            or self._size >= self.max_segment_bytes
+        )
+
+    async def _cut_torn_bytes(self) -> None:
+        """After a failed write: the file back to its last whole record, or sealed if that fails too."""
+        assert self._file is not None
+        try:
+            await asyncio.to_thread(_truncate, self._file.fileno(), self._size)
+        except OSError as error:
+            log.error("segment %d: cannot cut a failed write off (%s); sealing it", self.segment_id, error)
+            self._is_sealing = True
+
     async def _rotate(self) -> None:
         """Seals the active segment (fsynced, closed) and starts the next; under the append lock."""
-        async with self._sync_lock:
-            assert self._file is not None
-            await asyncio.to_thread(os.fsync, self._file.fileno())
-            await self._file.close()
-            self._durable_seq = self._written_seq
+        if self._file is not None:
+            async with self._sync_lock:
+                await self._seal()
         await self._start_segment(self.segment_id + 1)
+
+    async def _seal(self) -> None:
+        """Fsyncs (unless an fsync failed already) and closes the active segment; under both locks.
+        Every record written to it is settled afterwards: durable, or lost."""
+        assert self._file is not None
+        with contextlib.suppress(OSError):  # a failure is recorded in `_lost_from`
+            await self._fsync()
+        try:
+            await self._file.close()
+        except OSError as error:
+            log.error("segment %d: closing it failed: %s", self.segment_id, error)
+        self._file = None
+        if self._lost_from is not None:
+            self._lost_seqs.append(range(self._lost_from, self._written_seq + 1))
+            self._lost_from = None
+        self._durable_seq = self._written_seq
+
+    async def _fsync(self) -> None:
+        """Fsyncs the active segment; under the sync lock. A failure loses every record not yet durable."""
+        if self._file is None or self._lost_from is not None:
+            return  # sealed: nothing more can become durable in it
+        target = self._written_seq
+        try:
+            await asyncio.to_thread(os.fsync, self._file.fileno())
+        except OSError as error:
+            log.error("segment %d: fsync failed (%s); its unsynced records are lost", self.segment_id, error)
+            self._lost_from = self._durable_seq + 1
+            raise
+        self._durable_seq = max(self._durable_seq, target)
+
+    def is_lost(self, seq: int) -> bool:
+        """Whether the write with sequence number `seq` can never become durable (an fsync failed)."""
+        if self._lost_from is not None and seq >= self._lost_from:
+            return True
+        return any(seq in lost for lost in self._lost_seqs)
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -136,21 +205,23 @@ class SegmentWriter:
             yield
 
     async def wait_durable(self, seq: int) -> None:
-        """Returns once an fsync has covered the write with sequence number `seq`."""
-        while self._durable_seq < seq:
+        """Returns once an fsync has covered the write with sequence number `seq`; OSError when the
+        fsync that covered it failed (the write is lost, and must not be acknowledged)."""
+        while not self.is_lost(seq):
+            if self._durable_seq >= seq:
+                return
             if self._flush is None:
                 self._flush = asyncio.create_task(self._fsync_after_window())
-            await asyncio.shield(self._flush)
+            with contextlib.suppress(OSError):  # whose write it lost is read from `is_lost`
+                await asyncio.shield(self._flush)
+        raise OSError(errno.EIO, "the fsync that covered this write failed, so the write is lost")
 
     async def _fsync_after_window(self) -> None:
         try:
             if self.batch_window_s > 0:
                 await asyncio.sleep(self.batch_window_s)  # let other writers join this fsync
             async with self._sync_lock:
-                target = self._written_seq
-                assert self._file is not None
-                await asyncio.to_thread(os.fsync, self._file.fileno())
-                self._durable_seq = max(self._durable_seq, target)
+                await self._fsync()
         finally:
             self._flush = None
 
@@ -158,10 +229,20 @@ class SegmentWriter:
         """Fsyncs and closes the active segment."""
         async with self._append_lock, self._sync_lock:
             if self._file is not None:
-                await asyncio.to_thread(os.fsync, self._file.fileno())
-                await self._file.close()
-                self._file = None
-                self._durable_seq = self._written_seq
+                await self._seal()
+
+
+async def _write_all(file: AsyncFileIO, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = await file.write(view)
+        view = view[written:]
+
+
+def _truncate(descriptor: int, size: int) -> None:
+    """Cuts a file back to `size` bytes and puts its position there."""
+    os.ftruncate(descriptor, size)
+    os.lseek(descriptor, size, os.SEEK_SET)
 
 
 def _fsync_file_and_directory(descriptor: int, directory: Path) -> None:

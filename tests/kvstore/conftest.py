@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import errno
 import hashlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.cli.mesh import free_port
 from services.common.kvstore_api import KVStoreClient
 from services.kvstore.blocks import BlockIn, Codec
+from services.kvstore.config import StoreConfig
 from services.kvstore.keys import BlockHash, Namespace
+from services.kvstore.store import BlockStore
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 60.0
@@ -219,3 +225,52 @@ def raw_block(name: str, num_values: int = 3000) -> BlockIn:
     seed = hashlib.sha256(name.encode()).digest()
     payload = (seed * (2 * num_values // len(seed) + 1))[: 2 * num_values]
     return BlockIn(block_hash(name), Codec.RAW, (1, 2, num_values // 2, 1, 1), payload)
+
+
+def run_store(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    scenario: Callable[[BlockStore], Awaitable[None]],
+    **settings: object,
+) -> None:
+    """Runs `scenario` against a BlockStore opened in this process over real files and `redis_server`."""
+    config = StoreConfig(data_dir=tmp_path / "store", capacity_bytes=1 << 30, redis_url=redis_server.url)
+
+    async def main() -> None:
+        store = await BlockStore.open(dataclasses.replace(config, **settings))  # type: ignore[arg-type]
+        try:
+            await scenario(store)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+class HeldCall:
+    """Wraps an `os` function (set it with monkeypatch): its first call waits in its thread until
+    `release`, then fails with `error` (None: goes through); later calls go straight through.
+    A fault at the OS boundary that the test can order against the store's other calls."""
+
+    def __init__(self, call: Callable[..., object], error: OSError | None = None) -> None:
+        self.call = call
+        self.error = error
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, *args: object) -> object:
+        if self.entered.is_set():
+            return self.call(*args)
+        self.entered.set()
+        assert self.release.wait(STARTUP_TIMEOUT_S), "the test never released the held call"
+        if self.error is not None:
+            raise self.error
+        return self.call(*args)
+
+    async def wait_entered(self) -> None:
+        """Returns once the first call is being held."""
+        assert await asyncio.to_thread(self.entered.wait, STARTUP_TIMEOUT_S), "the call never came"
+
+
+def eio() -> OSError:
+    """What a failed writeback reports."""
+    return OSError(errno.EIO, os.strerror(errno.EIO))

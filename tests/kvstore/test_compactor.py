@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -11,10 +10,9 @@ from prometheus_client import REGISTRY
 
 from services.kvstore.blocks import BlockFound, BlockIn
 from services.kvstore.compactor import Compactor
-from services.kvstore.config import StoreConfig
 from services.kvstore.keys import BlockHash, Namespace
 from services.kvstore.store import BlockStore, now_us
-from tests.kvstore.conftest import RedisServer, raw_block
+from tests.kvstore.conftest import RedisServer, raw_block, run_store
 
 NAMESPACE = Namespace("tenant-a", "tiny-llama")
 BLOCK_BYTES = 6000  # raw_block's payload; its record adds a header of about 200 B
@@ -27,16 +25,7 @@ def run(
     **settings: object,
 ) -> None:
     """Runs `scenario` against a freshly opened store (no background maintenance: the test drives it)."""
-    config = StoreConfig(data_dir=tmp_path / "store", capacity_bytes=1 << 30, redis_url=redis_server.url)
-
-    async def main() -> None:
-        store = await BlockStore.open(dataclasses.replace(config, **settings))  # type: ignore[arg-type]
-        try:
-            await scenario(store, Compactor(store))
-        finally:
-            await store.close()
-
-    asyncio.run(main())
+    run_store(tmp_path, redis_server, lambda store: scenario(store, Compactor(store)), **settings)
 
 
 def _compactions_timed() -> float:

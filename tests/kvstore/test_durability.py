@@ -1,18 +1,27 @@
-"""Crashes: SIGKILL of the real kvstore mid-stream, and a torn record left at a segment's end."""
+"""Crashes and disk faults: SIGKILL of the real kvstore mid-stream, a torn record left at a
+segment's end, a write cut short by the file size limit, and an fsync that fails."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import resource
 import threading
+from pathlib import Path
 
 import grpc
+import pytest
 
+from services.common.errors import Unavailable
 from services.common.kvstore_api import FetchedBlock
 from services.kvstore.blocks import Codec, MissReason
 from services.kvstore.keys import Namespace, TenantSalts
 from services.kvstore.record import Record
 from services.kvstore.segments import list_segments, segment_path
-from tests.kvstore.conftest import KVStoreProcess, RedisServer, raw_block
+from services.kvstore.store import BlockStore
+from tests.kvstore.conftest import HeldCall, KVStoreProcess, RedisServer, eio, raw_block, run_store
 
+NAMESPACE = Namespace("tenant-a", "tiny-llama")
 NUM_WRITERS = 4
 ACKS_BEFORE_KILL = 40
 
@@ -110,3 +119,80 @@ def test_a_torn_record_at_a_segment_end_is_never_served(
     assert fetched[torn.block_hash] is MissReason.ABSENT
     assert all(isinstance(fetched[b.block_hash], FetchedBlock) for b in blocks)
     assert stats.corrupt_records >= 1  # the scan found the torn bytes and skipped them
+
+
+def newest_segment(kvstore: KVStoreProcess) -> Path:
+    """The active segment's file (the newest on disk)."""
+    directory = kvstore.data_dir / "segments"
+    return segment_path(directory, list_segments(directory)[-1])
+
+
+def test_a_short_write_fails_its_put_and_leaves_the_segment_as_it_was(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A real short write: RLIMIT_FSIZE on the kvstore process stops a record partway (as a full
+    disk does), then is lifted. Later puts go to the same segment and must read back intact."""
+    kvstore = KVStoreProcess(tmp_path / "kvstore", redis_server.url).start()  # 256 MiB: no rotation
+    assert kvstore.process is not None
+    try:
+        with kvstore.client() as client:
+            before = raw_block("before-the-short-write")
+            client.put([before])
+            segment = newest_segment(kvstore)
+            size = segment.stat().st_size
+            unlimited = resource.prlimit(kvstore.process.pid, resource.RLIMIT_FSIZE)
+            resource.prlimit(kvstore.process.pid, resource.RLIMIT_FSIZE, (size + 100, unlimited[1]))
+            with pytest.raises(grpc.RpcError) as refused:
+                client.put([raw_block("cut-short")])
+            resource.prlimit(kvstore.process.pid, resource.RLIMIT_FSIZE, unlimited)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert segment.stat().st_size == size  # no torn bytes left behind
+            after = [raw_block(f"after-the-short-write-{n}") for n in range(3)]
+            assert sorted(client.put(after).stored) == sorted(b.block_hash for b in after)
+            assert newest_segment(kvstore) == segment  # the same segment took them
+            hashes = [before.block_hash, raw_block("cut-short").block_hash] + [b.block_hash for b in after]
+            fetched = client.get(hashes)
+            assert fetched[raw_block("cut-short").block_hash] is MissReason.ABSENT
+            for block in [before, *after]:
+                got = fetched[block.block_hash]
+                assert isinstance(got, FetchedBlock) and got.payload == block.payload, got
+            redis_server.client().flushall()  # and a rebuild from the segments finds them too
+            rebuilt = client.get(hashes)
+            assert all(isinstance(rebuilt[b.block_hash], FetchedBlock) for b in [before, *after])
+            assert client.stats().corrupt_records == 0
+    finally:
+        kvstore.stop()
+
+
+def test_a_failed_fsync_fails_the_puts_it_covered_and_seals_the_segment(
+    tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsync fails once with EIO (at the OS boundary; Linux may then report the next fsync of that
+    file a success though the dirty pages are gone): no put whose record it covered is acknowledged,
+    a record written while it ran is lost too, and the segment takes nothing more."""
+
+    async def scenario(store: BlockStore) -> None:
+        before = raw_block("durable-before")
+        await store.put(NAMESPACE, [before])
+        fsync = HeldCall(os.fsync, eio())
+        monkeypatch.setattr(os, "fsync", fsync)
+        covered = asyncio.ensure_future(store.put(NAMESPACE, [raw_block("covered-by-the-failed-fsync")]))
+        await fsync.wait_entered()
+        with store.writing():
+            during = await store.append(NAMESPACE, raw_block("written-while-it-ran"))
+            assert during is not None
+            fsync.release.set()
+            with pytest.raises(Unavailable):
+                await covered
+            with pytest.raises(Unavailable):  # a second fsync would "succeed": it must not be asked
+                await store.commit([during])
+        after = raw_block("after")
+        assert (await store.put(NAMESPACE, [after])).stored == [after.block_hash]
+        failed_segment = during.entry.location.segment_id
+        (after_entry,) = await store.index.get_many([store.key(NAMESPACE, after.block_hash)])
+        assert after_entry is not None and after_entry.location.segment_id > failed_segment
+        hashes = [before.block_hash, raw_block("covered-by-the-failed-fsync").block_hash]
+        hashes += [raw_block("written-while-it-ran").block_hash, after.block_hash]
+        assert await store.lookup(NAMESPACE, hashes) == [before.block_hash, after.block_hash]
+
+    run_store(tmp_path, redis_server, scenario)
