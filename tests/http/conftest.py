@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from services.cli.mesh import Mesh
+from services.gateway.audit_chain import segment_paths
 from tests.conftest import UNLIMITED_TENANTS
 from tests.gateway.conftest import token, write_policy_files
 
@@ -53,14 +54,30 @@ class HttpGateway:
 
     def post(self, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> Answer:
         """POSTs raw body bytes (what a client library would refuse to send) under /v1."""
+        return self.call("POST", path, body, headers)
+
+    def call(
+        self, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None
+    ) -> Answer:
+        """One request under /v1, as the user unless `headers` says otherwise ("" drops a header)."""
         fields = {"Authorization": f"Bearer {self.user_token}", "X-Intent": "chat"} | dict(headers or {})
         connection = http.client.HTTPConnection(*self.address, timeout=60)
         try:
-            connection.request("POST", f"/v1{path}", body, {k: v for k, v in fields.items() if v})
+            connection.request(method, f"/v1{path}", body, {k: v for k, v in fields.items() if v})
             response = connection.getresponse()
             return Answer(response.status, json.loads(response.read()), dict(response.getheaders()))
         finally:
             connection.close()
+
+    def audit_events(self, request_id: str) -> list[dict[str, Any]]:
+        """This gateway's audit decisions about one request id, oldest first."""
+        directory = self.mesh.config.state_dir / f"audit-{self.name}"
+        events = [
+            json.loads(line)
+            for path in segment_paths(directory, "decisions")
+            for line in path.read_text().splitlines()
+        ]
+        return [event for event in events if event["request_id"] == request_id]
 
     def exchange(self, request: bytes, timeout_s: float = 10.0) -> Exchange:
         """Sends raw bytes on a fresh connection and reads until the server closes it, or until

@@ -2,19 +2,17 @@
 
 Starlette routes each call to the same `GatewayServicer` the gRPC server uses: the headers
 become call metadata (Authorization, X-Intent, X-Request-Id, X-Retrieval-Mode), the body
-becomes a GenerateRequest, and the stream comes back as JSON or SSE. W3C `traceparent` starts
-the HTTP server span, which the gRPC path's spans then join.
+becomes a GenerateRequest, and the stream comes back as JSON or SSE. The checks only HTTP has
+(the body, its JSON, the headers) come first, in intake.py, and are audited there. W3C
+`traceparent` starts the HTTP server span, which the gRPC path's spans then join.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, StatusCode
@@ -26,24 +24,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common import telemetry
-from services.common.errors import InvalidArgument, ThermoclineError, Unavailable
-from services.common.metrics import DRAINING
-from services.gateway.gatekeeper import request_id_of
-from services.gateway.http.call import Generation, HttpCallContext
+from services.common.errors import ThermoclineError, Unavailable
+from services.gateway.http.call import Generation
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
 from services.gateway.http.framing import RefuseAmbiguousFraming
+from services.gateway.http.intake import Intake, draining, is_draining, request_id_from
 from services.gateway.http.metrics import CountRequests
-from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
+from services.gateway.http.openai_request import Endpoint, OpenAIRequest
 from services.gateway.http.openai_response import Rendering, sse
-from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
 from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
-# Headers passed on as call metadata, as a gRPC client would send them.
-FORWARDED_HEADERS = ("authorization", "x-intent", "x-retrieval-mode")
-DEFAULT_TIMEOUT_S = 600.0
-MAX_TIMEOUT_S = 3600.0
 _tracer = telemetry.tracer(__name__)
 log = logging.getLogger(__name__)
 
@@ -54,7 +46,7 @@ class OpenAIRoutes:
     def __init__(self, servicer: GatewayServicer, router: Router, max_body_bytes: int) -> None:
         self.servicer = servicer
         self.router = router
-        self.max_body_bytes = max_body_bytes
+        self.intake = Intake(servicer.gatekeeper, max_body_bytes)
 
     def app(self) -> Starlette:
         """The ASGI application (each finished request counted by route and status code, and
@@ -90,7 +82,7 @@ class OpenAIRoutes:
     async def ready(self, request: Request) -> Response:
         """Readiness: not draining, and at least one engine replica reports SERVING."""
         if is_draining():
-            return _error_response(from_refusal(_draining()))
+            return _error_response(from_refusal(draining()))
         serving = [r.target for r in self.router.replicas if r.is_serving]
         if not serving:
             refusal = Unavailable("no engine replica is serving yet; wait for the engines' health checks")
@@ -102,7 +94,7 @@ class OpenAIRoutes:
         span = _server_span(request, "GET /v1/models")
         with trace.use_span(span, end_on_exit=True):
             try:
-                context = HttpCallContext(_metadata(request, request_id_of({})), _deadline(request))
+                context = await self.intake.list_models(request, request_id_from(request))
                 reply = await self.servicer.ListModels(pb.ListModelsRequest(), context)
             except ThermoclineError as error:
                 return _refused(span, from_refusal(error))
@@ -114,17 +106,12 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
         span = _server_span(request, f"POST {request.url.path}")
+        request_id = request_id_from(request)
         try:
             with trace.use_span(span):
-                if is_draining():
-                    raise _draining()
-                parsed = parse(endpoint, await self._json_body(request))
-                request_id = request_id_of({"x-request-id": request.headers.get("x-request-id", "")})
-                context = HttpCallContext(_metadata(request, request_id), _deadline(request))
+                parsed, context, timeout_s = await self.intake.generate(request, endpoint, request_id)
                 _annotate(span, parsed)
-                generation = Generation(
-                    self.servicer.Generate(parsed.request, context), span, _timeout_s(request)
-                )
+                generation = Generation(self.servicer.Generate(parsed.request, context), span, timeout_s)
         except ThermoclineError as error:
             return _ended(span, _refused(span, from_refusal(error)))
         except Exception:
@@ -161,26 +148,6 @@ class OpenAIRoutes:
         stream = _sse_events(generation, first, rendering, span)
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
-    async def _json_body(self, request: Request) -> Any:
-        """The body parsed as JSON, read no further than the size limit."""
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise InvalidArgument(
-                    f"request body exceeds {self.max_body_bytes} bytes (the prompt limit plus its envelope); "
-                    "shorten the prompt"
-                )
-        try:
-            return json.loads(body)
-        except RecursionError:
-            raise InvalidArgument(
-                "request body nests too deeply to parse; an OpenAI request nests a few levels at most"
-            ) from None
-        except ValueError as error:  # bad JSON or UTF-8, or an integer of over 4300 digits
-            reason = str(error).partition(";")[0]  # not Python's advice to raise its digit limit
-            raise InvalidArgument(f"request body is not valid JSON: {reason}") from None
-
 
 @contextlib.asynccontextmanager
 async def _cancelled_on_disconnect(request: Request) -> AsyncIterator[None]:
@@ -204,16 +171,6 @@ async def _cancelled_on_disconnect(request: Request) -> AsyncIterator[None]:
         watcher.cancel()
 
 
-def is_draining() -> bool:
-    """Whether the process's server runner has begun its drain (after SIGTERM); it says so in a gauge."""
-    return any(sample.value for metric in DRAINING.collect() for sample in metric.samples)
-
-
-def _draining() -> Unavailable:
-    """What a call gets once the drain has begun, as gRPC callers get UNAVAILABLE."""
-    return Unavailable("the gateway is shutting down; retry on another replica")
-
-
 def _server_span(request: Request, name: str) -> trace.Span:
     """The HTTP server span, a child of the caller's `traceparent` when it sent one."""
     parent = propagate.extract(dict(request.headers))
@@ -229,37 +186,6 @@ def _annotate(span: trace.Span, parsed: OpenAIRequest) -> None:
     if parsed.user:
         span.set_attribute("thermocline.openai.user", parsed.user)
     span.set_attribute("thermocline.openai.stream", parsed.is_stream)
-
-
-def _metadata(request: Request, request_id: str) -> list[tuple[str, str]]:
-    """Headers as call metadata; every Authorization header, so two are refused as on gRPC."""
-    pairs = [("x-request-id", request_id)]
-    for name in FORWARDED_HEADERS:
-        pairs.extend((name, value) for value in request.headers.getlist(name))
-    mode = request.headers.get("x-retrieval-mode", "")
-    if len(mode) > MAX_METADATA_VALUE_CHARS:
-        raise InvalidArgument(f"header 'X-Retrieval-Mode' is over {MAX_METADATA_VALUE_CHARS} characters")
-    if mode:
-        trace.get_current_span().set_attribute("thermocline.retrieval_mode", mode)
-    return pairs
-
-
-def _timeout_s(request: Request) -> float:
-    """`X-Timeout-S` (the HTTP stand-in for a gRPC deadline), else the default."""
-    raw = request.headers.get("x-timeout-s")
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        timeout_s = float(raw)
-    except ValueError:
-        timeout_s = -1.0
-    if not 0 < timeout_s <= MAX_TIMEOUT_S:
-        raise InvalidArgument(f"header 'X-Timeout-S' must be seconds in (0, {MAX_TIMEOUT_S:g}], got {raw!r}")
-    return timeout_s
-
-
-def _deadline(request: Request) -> float:
-    return time.monotonic() + _timeout_s(request)
 
 
 async def _first(generation: Generation) -> pb.GenerateResponse:

@@ -1,0 +1,174 @@
+"""The checks only the HTTP front makes, before a call reaches the servicer, each refusal audited.
+
+The servicer's gatekeeper audits every decision it makes. The front refuses some calls before
+the servicer sees them: while the gateway drains, for a header (`X-Timeout-S`,
+`X-Retrieval-Mode`), and for a body that is too large, not JSON, or not a request this API
+serves. Those refusals go to the same audit log, in the gatekeeper's form (action `invoke` on
+`model:?`, or `list_models` on `model:*`), before the caller hears of them; a caller with no
+verified identity goes through the gatekeeper's rate of unauthenticated events, as on gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from opentelemetry import trace
+from starlette.requests import Request
+
+from services.common import telemetry
+from services.common.errors import InvalidArgument, ThermoclineError, Unavailable
+from services.common.metrics import DRAINING
+from services.gateway.audit import DENY, AuditEvent
+from services.gateway.gatekeeper import UNAUTHENTICATED, Gatekeeper, request_id_of
+from services.gateway.http.call import HttpCallContext
+from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
+from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
+
+# Headers passed on as call metadata, as a gRPC client would send them.
+FORWARDED_HEADERS = ("authorization", "x-intent", "x-retrieval-mode")
+DEFAULT_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = 3600.0
+log = logging.getLogger(__name__)
+
+
+class GenerateCall(NamedTuple):
+    """A generation call that passed the front's checks: the request, its context, its deadline."""
+
+    parsed: OpenAIRequest
+    context: HttpCallContext
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What the front knows of a call it refuses, for the audit event."""
+
+    action: str
+    resource: str
+    request_id: str
+
+    def denied(self, reason: str) -> AuditEvent:
+        return AuditEvent(
+            actor_principal=UNAUTHENTICATED,
+            tenant="",
+            action=self.action,
+            resource=self.resource,
+            decision=DENY,
+            reason=reason,
+            request_id=self.request_id,
+            trace_id=telemetry.current_trace_id(),
+            details={"front": "http"},
+        )
+
+
+class Intake:
+    """Runs the front's own checks; the refusals they make are in the audit log when they raise."""
+
+    def __init__(self, gatekeeper: Gatekeeper, max_body_bytes: int) -> None:
+        self.gatekeeper = gatekeeper
+        self.max_body_bytes = max_body_bytes
+
+    async def generate(self, request: Request, endpoint: Endpoint, request_id: str) -> GenerateCall:
+        """The call a POST to a generation endpoint asks for."""
+        async with self._audited(_Facts("invoke", "model:?", request_id)):
+            if is_draining():
+                raise draining()
+            timeout_s = timeout_s_of(request)
+            context = HttpCallContext(metadata_of(request, request_id), time.monotonic() + timeout_s)
+            parsed = parse(endpoint, await self._json_body(request))
+        return GenerateCall(parsed, context, timeout_s)
+
+    async def list_models(self, request: Request, request_id: str) -> HttpCallContext:
+        """The context of a GET /v1/models call."""
+        async with self._audited(_Facts("list_models", "model:*", request_id)):
+            return HttpCallContext(metadata_of(request, request_id), time.monotonic() + timeout_s_of(request))
+
+    @contextlib.asynccontextmanager
+    async def _audited(self, facts: _Facts) -> AsyncIterator[None]:
+        """Any refusal inside, expected or not, is in the audit log before it propagates."""
+        try:
+            yield
+        except ThermoclineError as error:
+            await self._record(facts.denied(error.message))
+            raise
+        except Exception:
+            await self._record(facts.denied("internal error in the gateway's HTTP front"))
+            raise
+
+    async def _record(self, event: AuditEvent) -> None:
+        """Writes a refusal as the gatekeeper writes an unauthenticated one: one by one up to its
+        rate, counted beyond it."""
+        denials = self.gatekeeper.unauthenticated
+        if not denials.admit():
+            denials.count(event.reason, event.timestamp_utc)
+            return
+        await self.gatekeeper.record_unauthenticated_summary()  # what was counted comes first
+        await self.gatekeeper.audit.record(event)
+
+    async def _json_body(self, request: Request) -> Any:
+        """The body parsed as JSON, read no further than the size limit."""
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise InvalidArgument(
+                    f"request body exceeds {self.max_body_bytes} bytes (the prompt limit plus its envelope); "
+                    "shorten the prompt"
+                )
+        try:
+            return json.loads(body)
+        except RecursionError:
+            raise InvalidArgument(
+                "request body nests too deeply to parse; an OpenAI request nests a few levels at most"
+            ) from None
+        except ValueError as error:  # bad JSON or UTF-8, or an integer of over 4300 digits
+            reason = str(error).partition(";")[0]  # not Python's advice to raise its digit limit
+            raise InvalidArgument(f"request body is not valid JSON: {reason}") from None
+
+
+def request_id_from(request: Request) -> str:
+    """The caller's `X-Request-Id` (bounded), or a fresh one."""
+    return request_id_of({"x-request-id": request.headers.get("x-request-id", "")})
+
+
+def is_draining() -> bool:
+    """Whether the process's server runner has begun its drain (after SIGTERM); it says so in a gauge."""
+    return any(sample.value for metric in DRAINING.collect() for sample in metric.samples)
+
+
+def draining() -> Unavailable:
+    """What a call gets once the drain has begun, as gRPC callers get UNAVAILABLE."""
+    return Unavailable("the gateway is shutting down; retry on another replica")
+
+
+def metadata_of(request: Request, request_id: str) -> list[tuple[str, str]]:
+    """Headers as call metadata; every Authorization header, so two are refused as on gRPC."""
+    pairs = [("x-request-id", request_id)]
+    for name in FORWARDED_HEADERS:
+        pairs.extend((name, value) for value in request.headers.getlist(name))
+    mode = request.headers.get("x-retrieval-mode", "")
+    if len(mode) > MAX_METADATA_VALUE_CHARS:
+        raise InvalidArgument(f"header 'X-Retrieval-Mode' is over {MAX_METADATA_VALUE_CHARS} characters")
+    if mode:
+        trace.get_current_span().set_attribute("thermocline.retrieval_mode", mode)
+    return pairs
+
+
+def timeout_s_of(request: Request) -> float:
+    """`X-Timeout-S` (the HTTP stand-in for a gRPC deadline), else the default."""
+    raw = request.headers.get("x-timeout-s")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        timeout_s = float(raw)
+    except ValueError:
+        timeout_s = -1.0
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise InvalidArgument(f"header 'X-Timeout-S' must be seconds in (0, {MAX_TIMEOUT_S:g}], got {raw!r}")
+    return timeout_s
