@@ -91,8 +91,9 @@ class Compactor:
             return evicted
 
     async def _drop(self, key: StoreKey) -> int:
-        self.store.staging.drop(key)
-        return await self.store.guarded(lambda: self.store.index.remove(key))
+        removed = await self.store.guarded(lambda: self.store.index.remove(key))
+        self.store.staging.drop(key)  # after the entry is gone, as a delete does (BlockStore.prefetch)
+        return removed
 
     async def expire_idle(self) -> int:
         """Drops blocks not read or written for the TTL."""

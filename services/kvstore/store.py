@@ -21,7 +21,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -44,7 +44,7 @@ from services.kvstore.results import (
     StoreStats,
 )
 from services.kvstore.segments import SegmentWriter, list_segments, read_record, segment_bytes, segment_path
-from services.kvstore.staging import StagingCache
+from services.kvstore.staging import Load, StagingCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,6 +70,14 @@ def disk_errors(operation: str) -> Iterator[None]:
         ) from error
 
 
+class PrefetchJob(NamedTuple):
+    """One queued prefetch: the key, the entry its load reads, and the load it ends."""
+
+    key: StoreKey
+    entry: IndexEntry
+    load: Load
+
+
 def now_us() -> int:
     """Wall-clock microseconds: creation and last-access times survive restarts, and LRU order
     separates a read from the write just before it."""
@@ -90,7 +98,7 @@ class BlockStore:
         self.counters = StoreCounters()
         self.maintenance_lock = asyncio.Lock()  # rebuild and compaction never overlap
         self.relocation_lock = asyncio.Lock()  # a compactor's copy and a delete's tombstone keep their order
-        self._prefetch_queue: asyncio.Queue[tuple[StoreKey, IndexEntry]] = asyncio.Queue()
+        self._prefetch_queue: asyncio.Queue[PrefetchJob] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False  # set by `close`: the workers end even where a cancel was swallowed
         self._touches: set[asyncio.Task[None]] = set()  # LRU updates of located blocks, in flight
@@ -293,8 +301,8 @@ class BlockStore:
             async with self.relocation_lock:  # the compactor cannot copy the record past its tombstone
                 with disk_errors("delete"):
                     _, seq = await self.writer.append(tombstone.tombstone(now_us()))
-                self.staging.drop(key)
                 deleted += await self.index.remove(key) > 0
+                self.staging.drop(key)  # after the entry is gone: see `prefetch`
         with disk_errors("delete"):
             await self.writer.wait_durable(seq)
         return deleted
@@ -315,9 +323,10 @@ class BlockStore:
         return entries
 
     async def drop_entry(self, key: StoreKey, entry: IndexEntry) -> int:
-        """Removes an entry if it still points where `entry` says; unstages the key."""
+        """Removes an entry if it still points where `entry` says; then unstages the key (see `prefetch`)."""
+        removed = await self.guarded(lambda: self.index.remove(key, expected=entry.location))
         self.staging.drop(key)
-        return await self.guarded(lambda: self.index.remove(key, expected=entry.location))
+        return removed
 
     async def lookup(self, namespace: Namespace, block_hashes: list[str]) -> list[BlockHash]:
         """The hashes that are stored, in request order, without reading them."""
@@ -449,14 +458,27 @@ class BlockStore:
     # --- prefetch -----------------------------------------------------------------------------
 
     async def prefetch(self, namespace: Namespace, block_hashes: list[str]) -> PrefetchResult:
-        """Queues the present, unstaged blocks for loading into RAM; returns at once."""
+        """Queues the present, unstaged blocks for loading into RAM; returns at once.
+
+        Each load begins before its index entry is read, and a delete removes the entry before it
+        drops the key from staging: a delete either ends the load (`StagingCache.drop`) or came
+        first and left no entry to load, so no load stages a block after its delete returned.
+        """
         keys = [self.key(namespace, h) for h in self.check_hashes(block_hashes)]
         already = sum(1 for k in keys if k in self.staging or k in self.staging.loading)
-        wanted = [k for k in dict.fromkeys(keys) if k not in self.staging and k not in self.staging.loading]
+        loads = {k: load for k in dict.fromkeys(keys) if (load := self.staging.begin_load(k)) is not None}
+        try:
+            entries = await self.live_entries(list(loads)) if loads else []
+        except BaseException:
+            for key, load in loads.items():
+                self.staging.end_load(key, load, None)
+            raise
         queued = 0
-        for key, entry in zip(wanted, await self.live_entries(wanted) if wanted else [], strict=True):
-            if entry is not None and self.staging.begin_load(key):
-                self._prefetch_queue.put_nowait((key, entry))
+        for (key, load), entry in zip(loads.items(), entries, strict=True):
+            if entry is None:
+                self.staging.end_load(key, load, None)
+            else:
+                self._prefetch_queue.put_nowait(PrefetchJob(key, entry, load))
                 queued += 1
         return PrefetchResult(queued, already)
 
@@ -464,15 +486,17 @@ class BlockStore:
         # `_closing`, not only the cancel, ends the loop: a cancel landing in a Redis call can come
         # out as a connection error, which the worker would survive and `close` then wait on forever
         while not self._closing:
-            key, entry = await self._prefetch_queue.get()
+            job = await self._prefetch_queue.get()
+            if job.load.done():
+                continue  # dropped while it waited its turn
             try:
-                outcome = await self.read(key, entry)
-                self.staging.end_load(key, outcome if isinstance(outcome, Record) else None)
+                outcome = await self.read(job.key, job.entry)
+                self.staging.end_load(job.key, job.load, outcome if isinstance(outcome, Record) else None)
             except Exception:  # a worker outlives any one failed load
-                self.staging.end_load(key, None)
+                self.staging.end_load(job.key, job.load, None)
                 if self._closing:
                     return
-                log.exception("prefetch of %s… failed", key.hex()[:12])
+                log.exception("prefetch of %s… failed", job.key.hex()[:12])
 
     # --- stats --------------------------------------------------------------------------------
 
