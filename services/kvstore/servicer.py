@@ -184,12 +184,12 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
         assembler = BlockAssembler(self.config.store.max_block_bytes)
         pending: list[PendingWrite] = []
         duplicates: list[str] = []
-        with store.writing():  # the compactor leaves this put's segments until it has committed
+        with store.writing() as put:  # the compactor leaves this put's segments until it has committed
             async for request in request_iterator:
                 block = assembler.feed(request)
                 if block is not None:
                     assert assembler.namespace is not None
-                    write = await store.append(assembler.namespace, block)
+                    write = await store.append(put, assembler.namespace, block)
                     if write is None:
                         duplicates.append(block.block_hash)
                     else:

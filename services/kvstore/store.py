@@ -21,6 +21,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
@@ -70,6 +71,15 @@ def disk_errors(operation: str) -> Iterator[None]:
         ) from error
 
 
+@dataclass
+class PutInFlight:
+    """One put between its first append and its commit: the segment active when it began, and the
+    keys it is writing."""
+
+    floor_segment_id: int
+    keys: set[StoreKey] = field(default_factory=set)
+
+
 class PrefetchJob(NamedTuple):
     """One queued prefetch: the key, the entry its load reads, and the load it ends."""
 
@@ -106,6 +116,7 @@ class BlockStore:
         self.on_commit: Callable[[], Awaitable[object]] | None = None
         # puts in flight, by the active segment when each began (see `writing`)
         self._write_floors: Counter[int] = Counter()
+        self._keys_in_flight: set[StoreKey] = set()  # keys a put in flight is writing (see `append`)
 
     @classmethod
     async def open(cls, config: StoreConfig) -> BlockStore:
@@ -194,34 +205,45 @@ class BlockStore:
     # --- writes -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def writing(self) -> Iterator[None]:
-        """Hold this around a put, from its first `append` to its `commit` (or its failure).
+    def writing(self) -> Iterator[PutInFlight]:
+        """Hold this around a put, from its first `append` to its `commit` (or its failure), and
+        pass what it yields to each `append`.
 
         A put's records get their index entries only at the commit, after its last block, so until
         then they look dead to the compactor, and a long put's first records lie in segments that
         rotation has sealed meanwhile. The compactor leaves every segment from the one active when
-        the put began (`oldest_write_floor`) until it ends.
+        the put began (`oldest_write_floor`) until it ends. The keys the put writes are its own
+        until then (see `append`).
         """
-        floor = self.writer.segment_id
-        self._write_floors[floor] += 1
+        put = PutInFlight(self.writer.segment_id)
+        self._write_floors[put.floor_segment_id] += 1
         try:
-            yield
+            yield put
         finally:
-            self._write_floors[floor] -= 1
-            if not self._write_floors[floor]:
-                del self._write_floors[floor]
+            self._keys_in_flight -= put.keys
+            self._write_floors[put.floor_segment_id] -= 1
+            if not self._write_floors[put.floor_segment_id]:
+                del self._write_floors[put.floor_segment_id]
 
     @property
     def oldest_write_floor(self) -> int | None:
         """The oldest segment a put in flight may have written to; None when none is in flight."""
         return min(self._write_floors, default=None)
 
-    async def append(self, namespace: Namespace, block: BlockIn) -> PendingWrite | None:
-        """Writes one block's record; None when the block is stored already (nothing is written).
-        Call it inside `writing`, and `commit` what it returns there."""
-        assert self._write_floors, "append outside `writing`: compaction could take the record for dead"
+    async def append(self, put: PutInFlight, namespace: Namespace, block: BlockIn) -> PendingWrite | None:
+        """Writes one block's record for `put` (from `writing`), and `commit` what it returns there.
+
+        None when the block is stored already, or a put in flight (this one included) is writing
+        it: nothing is written. Two records of one key would let a rebuild, which keeps the last
+        in the files, pick the one the index did not (the first to commit); if that put then
+        fails, the block is absent until a later put, as after an eviction.
+        """
         check_block(block, self.config.max_block_bytes)
         key = self.key(namespace, block.block_hash)
+        if key in self._keys_in_flight:
+            return None
+        self._keys_in_flight.add(key)
+        put.keys.add(key)
         (existing,) = await self.guarded(lambda: self.index.get_many([key]))
         if existing is not None:
             return None
@@ -272,9 +294,9 @@ class BlockStore:
         """Stores blocks; returns once the stored ones are durable."""
         pending: list[PendingWrite] = []
         duplicates: list[BlockHash] = []
-        with self.writing():
+        with self.writing() as put:
             for block in blocks:
-                write = await self.append(namespace, block)
+                write = await self.append(put, namespace, block)
                 if write is None:
                     duplicates.append(block.block_hash)
                 else:

@@ -107,8 +107,8 @@ def test_compaction_during_a_long_put_leaves_its_unindexed_records_alone(
 
     async def scenario(store: BlockStore, compactor: Compactor) -> None:
         blocks = [raw_block(f"block-{n}") for n in range(12)]  # two records fill an 8 KiB segment
-        with store.writing():
-            pending = [await store.append(NAMESPACE, block) for block in blocks]
+        with store.writing() as put:
+            pending = [await store.append(put, NAMESPACE, block) for block in blocks]
             assert store.writer.segment_id >= 5  # sealed segments hold the put's records
             result = await compactor.compact()  # the maintenance pass runs mid-put
             stored = await store.commit([w for w in pending if w is not None])

@@ -178,8 +178,8 @@ def test_a_failed_fsync_fails_the_puts_it_covered_and_seals_the_segment(
         monkeypatch.setattr(os, "fsync", fsync)
         covered = asyncio.ensure_future(store.put(NAMESPACE, [raw_block("covered-by-the-failed-fsync")]))
         await fsync.wait_entered()
-        with store.writing():
-            during = await store.append(NAMESPACE, raw_block("written-while-it-ran"))
+        with store.writing() as put:
+            during = await store.append(put, NAMESPACE, raw_block("written-while-it-ran"))
             assert during is not None
             fsync.release.set()
             with pytest.raises(Unavailable):
