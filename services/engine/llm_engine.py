@@ -199,6 +199,7 @@ class LLMEngine:
         self._cancels: deque[RequestId] = deque()
         self._thread: threading.Thread | None = None
         self._is_stopping = False
+        self._is_stalled = False  # the last step found nothing to run (see `_wait_for_work`)
         self._counters = dict.fromkeys(
             ("steps", "prompt_tokens", "generated_tokens", "finished", "dropped", "row_faults"), 0
         )
@@ -258,6 +259,7 @@ class LLMEngine:
         kv.tiers.check_head_dim(checkpoint.config.head_dim)  # before any weight is read
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        classes.check_fits(max_batch_size)  # before any weight is read, as the scheduler will
         workers = None
         if tp > 1:
             workers = WorkerGroup.launch(
@@ -473,6 +475,7 @@ class LLMEngine:
         if self._thread is not None:
             return
         self._is_stopping = False
+        self._is_stalled = False
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.model_id}", daemon=True)
         self._thread.start()
 
@@ -511,14 +514,37 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._is_stopping or self._inbox or self._cancels or self._has_work()):
-                    self._lock.wait()
+                self._wait_for_work()
                 if self._is_stopping:
                     return
             try:
                 self.step()
             except Exception:  # keep serving; step() already fails the requests it could not run
                 logger.exception("engine loop error")
+
+    def _wait_for_work(self) -> None:
+        """Sleep (under `_lock`, which waiting lets go) until a step has something to do.
+
+        After a step that found nothing to run, requests still queued are no reason to step again:
+        none of them could start (other classes' reserved slots, no free blocks), and only news
+        changes that: a new request, a cancel, a kvstore outcome, or the next queue timeout, which
+        ends a request. So the thread sleeps until one of those comes, instead of spinning through
+        empty steps (a core at 100% until the queue timed out).
+        """
+        if self._is_stalled and not self._has_news():
+            self._lock.wait(self.scheduler.seconds_to_next_expiry())
+        self._is_stalled = False
+        while not (self._has_news() or self._has_work()):
+            self._lock.wait()
+
+    def _has_news(self) -> bool:
+        """A reason to step that the last step did not see: stop, a request, a cancel, a kvstore outcome."""
+        return (
+            self._is_stopping
+            or bool(self._inbox)
+            or bool(self._cancels)
+            or (self.cold is not None and self.cold.tier.has_outcomes)
+        )
 
     def _has_work(self) -> bool:
         """Something to schedule, text to emit, a kvstore outcome to take, or a prefix load to start
@@ -547,6 +573,7 @@ class LLMEngine:
                 if batch is None:
                     self._flush_text()
                     self.runner.carry_out_moves()  # no step comes to start held prefix loads
+                    self._is_stalled = True
                     return
                 ahead = Ahead(batch, self._prepare(batch))
             batch = ahead.batch

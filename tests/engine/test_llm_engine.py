@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import queue
 import threading
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,9 @@ from services.engine.errors import EmptyPrompt, InvalidPrompt, KVCapacityExceede
 from services.engine.kv.capacity import KVBudgetTooSmall
 from services.engine.kv.tiers import KVCacheSpec
 from services.engine.llm_engine import LLMEngine
+from services.engine.scheduling.intent_class import IntentClass, IntentClasses
 from services.engine.scheduling.sampling_params import SamplingParams
+from services.engine.scheduling.scheduler import ScheduledBatch
 from services.engine.scheduling.sequence import FinishReason, StreamEvent
 from services.engine.serving.generation_result import ResultCollector
 from tests.engine.tiny_llama import TinySpec, make_tiny_llama
@@ -435,3 +439,64 @@ def test_a_request_larger_than_the_whole_hot_pool_is_refused_with_the_numbers(ti
     engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=256, kv=tight)
     with pytest.raises(KVCapacityExceeded, match="hot KV pool holds 128 tokens in all"):
         engine.submit(list(range(2, 100)), SamplingParams(max_new_tokens=64), lambda e: None)
+
+
+class FakeClock:
+    """A scheduler clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordingCondition(threading.Condition):
+    """The engine's lock, reporting each wait that has a timeout (the idle wait has none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed_waits: queue.Queue[float] = queue.Queue()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is not None:
+            self.timed_waits.put(timeout)
+        return super().wait(timeout)
+
+
+def test_the_step_thread_sleeps_until_the_queue_timeout_when_no_request_can_start(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queued request no step can start (here the scheduler lets no class start) leaves the step
+    thread asleep until that request's queue timeout, after one empty step; it used to spin through
+    empty steps, a core at 100%, until the timeout. A wake-up then ends the request as timed out."""
+    classes = IntentClasses({"standard": IntentClass("standard", queue_timeout_s=600.0)})
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=64, classes=classes)
+    clock = FakeClock()
+    engine.scheduler.clock = clock
+    monkeypatch.setattr(engine.scheduler, "_class_may_start", lambda cls: False)
+    schedule = engine.scheduler.schedule
+    num_schedules = 0
+
+    def counted_schedule(ending: Collection[int] = ()) -> ScheduledBatch | None:
+        nonlocal num_schedules
+        num_schedules += 1
+        return schedule(ending)
+
+    monkeypatch.setattr(engine.scheduler, "schedule", counted_schedule)
+    lock = engine._lock = RecordingCondition()
+    engine.start()
+    try:
+        collector = ResultCollector([5, 6, 7])
+        engine.submit([5, 6, 7], SamplingParams(max_new_tokens=4), collector)
+        assert lock.timed_waits.get(timeout=30) == 600.0  # asleep until the timeout, on the fake clock
+        assert num_schedules == 1 and not collector.done.is_set()
+        clock.now = 601.0
+        with lock:
+            lock.notify()  # as a kvstore outcome would: the thread steps once more and expires it
+        assert collector.done.wait(timeout=30)
+    finally:
+        engine.stop()
+    final = collector.final_event
+    assert final is not None and final.error_status == "deadline_exceeded"
+    assert "600" in (final.error or "")

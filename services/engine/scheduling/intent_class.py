@@ -15,6 +15,10 @@ from typing import Any
 from services.engine.errors import UnknownIntentClass
 
 DEFAULT_CLASS = "standard"  # what an empty intent_class means
+_FIX = (
+    "raise THERMOCLINE_ENGINE_MAX_BATCH_SIZE above the reserved total, or lower reserved_slots in the "
+    "THERMOCLINE_ENGINE_INTENT_CLASSES file"
+)
 
 
 @dataclass(frozen=True)
@@ -75,12 +79,28 @@ class IntentClasses:
         return found
 
     def check_fits(self, max_batch_size: int) -> None:
-        """Reserved slots must leave room in the batch."""
+        """Reserved slots must fit the batch and leave a slot for the classes that reserve none.
+
+        A class starts a request only while the free slots, less that one, cover the other
+        classes' unfilled reservations (`Scheduler._class_may_start`): with every slot reserved,
+        a class without a reservation could never start, and its requests would wait out their
+        queue timeout.
+        """
         reserved = sum(c.reserved_slots for c in self.by_name.values())
         if reserved > max_batch_size:
             raise ValueError(
                 f"intent classes reserve {reserved} slots but max_batch_size is {max_batch_size}"
+                f" ({self._reservations()}); {_FIX}"
             )
+        unreserved = sorted(c.name for c in self.by_name.values() if c.reserved_slots == 0)
+        if unreserved and reserved >= max_batch_size:
+            raise ValueError(
+                f"intent classes reserve all {max_batch_size} batch slots ({self._reservations()}), so "
+                f"{', '.join(unreserved)} could never start; {_FIX}"
+            )
+
+    def _reservations(self) -> str:
+        return ", ".join(f"{c.name} {c.reserved_slots}" for c in self.by_name.values() if c.reserved_slots)
 
     @property
     def default_name(self) -> str:

@@ -388,6 +388,16 @@ class Scheduler:
                     self.enqueued_s.pop(item.seq.request_id, None)
         return expired
 
+    def seconds_to_next_expiry(self) -> float | None:
+        """Time until the first waiting request passes its class's queue timeout (None: none can)."""
+        deadlines = [
+            self.enqueued_s[seq.request_id] + self.classes.get(name).queue_timeout_s
+            for name, queue in self.waiting.items()
+            for seq in queue
+            if seq.num_preemptions == 0 and seq.request_id in self.enqueued_s
+        ]
+        return max(0.0, min(deadlines) - self.clock()) if deadlines else None
+
     def _find(self, request_id: RequestId) -> Sequence | None:
         for seq in self.running:
             if seq.request_id == request_id:

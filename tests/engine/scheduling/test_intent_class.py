@@ -27,6 +27,28 @@ def test_the_example_file_names_the_gateways_priority_classes() -> None:
         classes.check_fits(3)
 
 
+def test_reservations_that_take_every_slot_are_refused_naming_the_classes_and_settings() -> None:
+    """critical and interactive reserve 2 + 2: at a batch of 4, standard and batch could never start
+    (their requests waited out the queue timeout); at 5 one slot is theirs."""
+    classes = IntentClasses.load(EXAMPLE)
+    with pytest.raises(ValueError) as refused:
+        classes.check_fits(4)
+    message = str(refused.value)
+    assert (
+        "reserve all 4 batch slots (critical 2, interactive 2), so batch, standard could never start"
+        in message
+    )
+    assert "THERMOCLINE_ENGINE_MAX_BATCH_SIZE" in message and "THERMOCLINE_ENGINE_INTENT_CLASSES" in message
+    classes.check_fits(5)
+    everyone_reserves = IntentClasses(
+        {
+            "standard": IntentClass("standard", reserved_slots=2),
+            "critical": IntentClass("critical", reserved_slots=2),
+        }
+    )
+    everyone_reserves.check_fits(4)  # each class still starts into its own slots
+
+
 def test_unknown_names_and_keys_are_refused(tmp_path: Path) -> None:
     with pytest.raises(
         UnknownIntentClass, match="unknown intent_class 'vip'; known classes: batch, critical"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from services.engine.scheduling.intent_class import IntentClass, IntentClasses
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.scheduler import ScheduledBatch, Scheduler, StepKind
@@ -168,11 +170,13 @@ def test_out_of_blocks_preempts_the_latest_sequence_by_recompute() -> None:
     assert scheduler.num_preemptions == 1 and b.num_preemptions == 1
 
 
-def _classes() -> IntentClasses:
+def _classes(reserved_slots: int = 1) -> IntentClasses:
     return IntentClasses(
         {
             "standard": IntentClass("standard", priority=0, queue_timeout_s=30.0),
-            "medical": IntentClass("medical", priority=10, queue_timeout_s=2.0, reserved_slots=1),
+            "medical": IntentClass(
+                "medical", priority=10, queue_timeout_s=2.0, reserved_slots=reserved_slots
+            ),
         }
     )
 
@@ -192,8 +196,31 @@ def test_a_flood_of_low_priority_requests_leaves_the_reserved_slot_free() -> Non
     assert not scheduler.expire()
 
 
+def test_every_class_of_a_table_that_fits_starts_on_an_idle_engine() -> None:
+    """What `check_fits` accepts, the scheduler can serve: for every batch size up to 6 and every
+    reservation table that fits it, a request of each class, alone in the queue, starts at once."""
+    for max_batch_size in range(1, 7):
+        for reserved in itertools.product(range(max_batch_size + 1), repeat=3):
+            classes = IntentClasses(
+                {
+                    name: IntentClass(name, priority=10 * i, reserved_slots=slots)
+                    for i, (name, slots) in enumerate(
+                        zip(("standard", "interactive", "critical"), reserved, strict=True)
+                    )
+                }
+            )
+            try:
+                classes.check_fits(max_batch_size)
+            except ValueError:
+                continue
+            for name in classes.by_name:
+                scheduler = _scheduler(max_batch_size=max_batch_size, classes=classes)
+                scheduler.add(_seq("alone", 3, intent_class=name))
+                assert scheduler.schedule() is not None, (max_batch_size, reserved, name)
+
+
 def test_high_priority_starts_first_when_both_wait() -> None:
-    scheduler = _scheduler(max_batch_size=1, classes=_classes())
+    scheduler = _scheduler(max_batch_size=1, classes=_classes(reserved_slots=0))
     scheduler.add(_seq("low", 5))
     scheduler.add(_seq("urgent", 5, intent_class="medical"))
     assert _names(_run(scheduler)) == ["urgent"]
@@ -201,7 +228,7 @@ def test_high_priority_starts_first_when_both_wait() -> None:
 
 def test_waiting_past_the_class_timeout_expires_the_request() -> None:
     clock = FakeClock()
-    scheduler = _scheduler(max_batch_size=1, classes=_classes(), clock=clock)
+    scheduler = _scheduler(max_batch_size=1, classes=_classes(reserved_slots=0), clock=clock)
     scheduler.add(_seq("urgent", 5, intent_class="medical"))
     _run(scheduler)
     scheduler.add(_seq("waiting", 5, intent_class="medical"))
