@@ -8,6 +8,7 @@ import http.client
 import json
 import re
 import socket
+import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli.mesh import Mesh
+from services.cli.mesh import Mesh, free_port
 from services.gateway.audit_chain import segment_paths
 from tests.conftest import UNLIMITED_TENANTS
 from tests.gateway.conftest import token, write_policy_files
@@ -24,6 +26,7 @@ from tests.gateway.conftest import token, write_policy_files
 # One request per ~17 minutes after the first: the second call of this tenant is always refused.
 TIGHT_TENANT = {"requests_per_s": 0.001, "burst_requests": 1}
 HTTP_GATEWAY = "gateway-http"
+STRICT_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class HttpGateway:
     user_token: str
     reader_token: str
     name: str = HTTP_GATEWAY
+    metrics_port: int = 0  # 0: its /metrics is not served
 
     @property
     def root_url(self) -> str:
@@ -68,6 +72,24 @@ class HttpGateway:
             return Answer(response.status, json.loads(response.read()), dict(response.getheaders()))
         finally:
             connection.close()
+
+    def log(self) -> str:
+        """Everything the gateway process has logged."""
+        return (self.mesh.logs_dir / f"{self.name}.log").read_text(errors="replace")
+
+    def num_handled(self, route: str, code: int) -> float:
+        """thermocline_gateway_http_requests_total for one route and status code, from /metrics."""
+        assert self.metrics_port, "this gateway's /metrics is not served"
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            families = text_string_to_metric_families(response.read().decode())
+        wanted = {"route": route, "code": str(code)}
+        return sum(
+            sample.value
+            for family in families
+            for sample in family.samples
+            if sample.name == "thermocline_gateway_http_requests_total" and sample.labels == wanted
+        )
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
         """This gateway's audit decisions about one request id, oldest first."""
@@ -144,11 +166,24 @@ def http_replica(
             token(mesh, roles=["user"]),
             token(mesh, subject="auditor", roles=["reader"]),
             name,
+            int(settings.get("THERMOCLINE_GATEWAY_METRICS_PORT", "0")),
         )
     finally:
         process = mesh.processes.pop(name)
         process.terminate()
         process.wait(60)
+
+
+@pytest.fixture(scope="package")
+def strict_gateway(open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpGateway]:
+    """A gateway whose request heads and bodies must come within STRICT_TIMEOUT_S, its /metrics served."""
+    settings = {
+        "THERMOCLINE_GATEWAY_HTTP_HEADER_TIMEOUT_S": str(STRICT_TIMEOUT_S),
+        "THERMOCLINE_GATEWAY_HTTP_BODY_TIMEOUT_S": str(STRICT_TIMEOUT_S),
+        "THERMOCLINE_GATEWAY_METRICS_PORT": str(free_port()),
+    }
+    with http_replica(open_mesh, tmp_path_factory, "gateway-http-strict", **settings) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="package")

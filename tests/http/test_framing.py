@@ -1,5 +1,6 @@
-"""Request smuggling against the real HTTP front: a request framed two ways is refused and its
-connection closed, so the request hidden behind it is never read."""
+"""Framing against the real HTTP front: a request framed two ways is refused and its connection
+closed, so the request hidden behind it is never read; so is the connection of a request
+answered before its body was read, whose client could otherwise dribble that body for good."""
 
 from __future__ import annotations
 
@@ -24,3 +25,10 @@ def test_a_plainly_framed_request_keeps_its_connection(http_gateway: HttpGateway
         health + health + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     )
     assert exchange.status_lines == ["HTTP/1.1 200 OK"] * 3 and exchange.is_closed
+
+
+def test_an_answer_sent_before_the_body_is_read_closes_the_connection(http_gateway: HttpGateway) -> None:
+    head = b"POST /v1/no-such-path HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+    exchange = http_gateway.exchange(head + b'{"prompt": "')
+    assert exchange.status_lines == ["HTTP/1.1 404 Not Found"], exchange.received
+    assert b"connection: close" in exchange.received.lower() and exchange.is_closed

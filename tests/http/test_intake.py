@@ -1,14 +1,18 @@
-"""The HTTP front's own checks against the real gateway: a call it refuses before the servicer
-sees it is in the audit log, in the gatekeeper's form, by the time the caller has the answer."""
+"""The HTTP front's own checks against the real gateway: the token is verified before the body
+is read, the body has a deadline, a client that leaves mid-body is a quiet 499, and a call the
+front refuses before the servicer sees it is in the audit log, in the gatekeeper's form, by the
+time the caller has the answer."""
 
 from __future__ import annotations
 
 import json
+import socket
+import time
 import uuid
 
 import pytest
 
-from tests.http.conftest import HttpGateway
+from tests.http.conftest import STRICT_TIMEOUT_S, HttpGateway
 
 COMPLETION = {"model": "", "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0.0}
 VALID = json.dumps(COMPLETION).encode()
@@ -41,6 +45,7 @@ def test_a_refusal_before_the_servicer_is_audited(
         ("invoke", "model:?", "deny", answer.error["message"])
     ]
     assert events[0]["details"] == {"front": "http"} and events[0]["trace_id"]
+    assert (events[0]["actor_principal"], events[0]["tenant"]) == ("tester", "acme")  # the token came first
 
 
 def test_a_models_refusal_before_the_servicer_is_audited(http_gateway: HttpGateway) -> None:
@@ -62,3 +67,61 @@ def test_a_call_the_servicer_refuses_is_audited_once(http_gateway: HttpGateway) 
     events = http_gateway.audit_events(request_id)
     assert [(e["decision"], e["actor_principal"]) for e in events] == [("deny", "tester")]
     assert "front" not in events[0]["details"]
+
+
+def head(
+    request_id: str, content_length: int, authorization: str = "", path: str = "/v1/completions"
+) -> bytes:
+    """A request head declaring a body; no Authorization header when `authorization` is empty."""
+    lines = [f"POST {path} HTTP/1.1", "Host: x", "X-Intent: chat", f"X-Request-Id: {request_id}"]
+    lines += [f"Content-Length: {content_length}"] + (
+        [f"Authorization: {authorization}"] if authorization else []
+    )
+    return "\r\n".join([*lines, "", ""]).encode()
+
+
+BODY_START = b'{"prompt": "'
+
+
+@pytest.mark.parametrize("authorization", ["", "Bearer not-a-jwt"], ids=["no-token", "bad-token"])
+def test_a_body_without_a_valid_token_is_refused_before_it_is_read(
+    http_gateway: HttpGateway, authorization: str
+) -> None:
+    request_id = fresh_request_id()
+    exchange = http_gateway.exchange(head(request_id, 600_000, authorization) + BODY_START)
+    assert exchange.status_lines == ["HTTP/1.1 401 Unauthorized"] and exchange.is_closed, exchange.received
+    events = http_gateway.audit_events(request_id)
+    assert [(e["decision"], e["actor_principal"], e["details"]) for e in events] == [
+        ("deny", "unauthenticated", {"front": "http"})
+    ]
+
+
+def test_a_declared_body_over_the_limit_is_refused_before_it_is_read(http_gateway: HttpGateway) -> None:
+    request_id = fresh_request_id()
+    bearer = f"Bearer {http_gateway.user_token}"
+    exchange = http_gateway.exchange(head(request_id, 10**7, bearer) + BODY_START)
+    assert exchange.status_lines == ["HTTP/1.1 400 Bad Request"] and exchange.is_closed, exchange.received
+    assert b"request body exceeds" in exchange.received
+    assert [e["decision"] for e in http_gateway.audit_events(request_id)] == ["deny"]
+
+
+def test_a_body_that_comes_too_slowly_is_a_408_and_closes_the_connection(strict_gateway: HttpGateway) -> None:
+    request_id = fresh_request_id()
+    bearer = f"Bearer {strict_gateway.user_token}"
+    exchange = strict_gateway.exchange(head(request_id, 1000, bearer) + BODY_START)
+    assert exchange.status_lines == ["HTTP/1.1 408 Request Timeout"] and exchange.is_closed, exchange.received
+    events = strict_gateway.audit_events(request_id)
+    assert [(e["decision"], e["actor_principal"]) for e in events] == [("deny", "tester")]
+    assert f"did not arrive within {STRICT_TIMEOUT_S:g} s" in events[0]["reason"]
+
+
+def test_a_client_that_leaves_mid_body_is_a_quiet_499(strict_gateway: HttpGateway) -> None:
+    request_id = fresh_request_id()
+    num_before, log_before = strict_gateway.num_handled("/v1/completions", 499), len(strict_gateway.log())
+    with socket.create_connection(strict_gateway.address) as connection:
+        connection.sendall(head(request_id, 1000, f"Bearer {strict_gateway.user_token}") + BODY_START)
+    deadline = time.monotonic() + 30
+    while strict_gateway.num_handled("/v1/completions", 499) == num_before:
+        assert time.monotonic() < deadline, "the hang-up was never counted as 499"
+    assert "Traceback" not in strict_gateway.log()[log_before:]
+    assert strict_gateway.audit_events(request_id) == []  # no answer, so no decision

@@ -194,19 +194,20 @@ def open_call(gateway: HttpGateway, fields: dict[str, object]) -> http.client.HT
 
 
 def test_a_client_that_goes_away_cancels_the_engine_request(http_gateway: HttpGateway) -> None:
-    before = engine_stats(http_gateway.mesh).generated_tokens_total
+    before, log_before = engine_stats(http_gateway.mesh).generated_tokens_total, len(http_gateway.log())
     connection = open_call(http_gateway, LONG_ANSWER | {"stream": True})
     answer = connection.getresponse()
     assert answer.status == 200 and answer.readline().startswith(b"data: ")  # streaming has begun
     connection.close()
     generated = wait_for_engine_idle(http_gateway.mesh).generated_tokens_total - before
     assert generated < LONG_ANSWER_TOKENS, "the engine ran the whole answer for a client that left"
+    assert "Traceback" not in http_gateway.log()[log_before:]
 
 
 def test_a_client_that_hangs_up_before_a_whole_answer_cancels_the_engine_request(
     http_gateway: HttpGateway,
 ) -> None:
-    before = engine_stats(http_gateway.mesh).generated_tokens_total
+    before, log_before = engine_stats(http_gateway.mesh).generated_tokens_total, len(http_gateway.log())
     connection = open_call(http_gateway, LONG_ANSWER)
     deadline = time.monotonic() + 60
     while not (stats := engine_stats(http_gateway.mesh)).num_running + stats.num_waiting:
@@ -214,6 +215,8 @@ def test_a_client_that_hangs_up_before_a_whole_answer_cancels_the_engine_request
     connection.close()  # no answer read: the gateway is still collecting the whole answer
     generated = wait_for_engine_idle(http_gateway.mesh).generated_tokens_total - before
     assert generated < LONG_ANSWER_TOKENS, "the engine ran the whole answer for a client that left"
+    # the handler's cancellation is logged, if at all, before the engine hears of it
+    assert "Traceback" not in http_gateway.log()[log_before:], "a hang-up is not an error"
 
 
 def test_a_deadline_that_passes_is_a_504(http_gateway: HttpGateway) -> None:

@@ -7,30 +7,19 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from services.cli.mesh import Mesh
 from services.gateway.auth import MAX_TOKEN_CHARS
-from tests.http.conftest import HttpGateway, http_replica, read_until_closed
+from tests.http.conftest import STRICT_TIMEOUT_S, HttpGateway, http_replica, read_until_closed
 
-HEADER_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 4
 PARTIAL_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 CLOSE_HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-H11_DEFAULT_HEAD_BYTES = (
-    16 * 1024
-)  # what uvicorn let h11 hold before THERMOCLINE_GATEWAY_HTTP_MAX_HEADER_BYTES
-
-
-@pytest.fixture(scope="module")
-def strict_gateway(open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpGateway]:
-    """A gateway whose request heads must arrive within a second."""
-    settings = {"THERMOCLINE_GATEWAY_HTTP_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)}
-    with http_replica(open_mesh, tmp_path_factory, "gateway-http-strict", **settings) as gateway:
-        yield gateway
+# What uvicorn let h11 hold of an incomplete head before THERMOCLINE_GATEWAY_HTTP_MAX_HEADER_BYTES.
+H11_DEFAULT_HEAD_BYTES = 16 * 1024
 
 
 def test_a_connection_that_sends_nothing_is_closed(strict_gateway: HttpGateway) -> None:
@@ -43,7 +32,7 @@ def test_a_head_that_never_ends_is_closed_however_often_a_byte_comes(strict_gate
     with socket.create_connection(strict_gateway.address, timeout=0.2) as connection:
         connection.sendall(PARTIAL_HEAD)
         is_closed = False
-        while not is_closed and time.monotonic() - started < 20 * HEADER_TIMEOUT_S:
+        while not is_closed and time.monotonic() - started < 20 * STRICT_TIMEOUT_S:
             is_closed = _dribble(connection, b"X-Slow: 1\r\n")
     assert is_closed, "a head dribbled in five times a second kept its connection"
 

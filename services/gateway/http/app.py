@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -27,8 +27,9 @@ from services.common import telemetry
 from services.common.errors import ThermoclineError, Unavailable
 from services.gateway.http.call import Generation
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
-from services.gateway.http.framing import RefuseAmbiguousFraming
+from services.gateway.http.framing import CloseAfterUnreadBody, RefuseAmbiguousFraming
 from services.gateway.http.intake import Intake, draining, is_draining, request_id_from
+from services.gateway.http.limits import HttpLimits
 from services.gateway.http.metrics import CountRequests
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest
 from services.gateway.http.openai_response import Rendering, sse
@@ -36,6 +37,7 @@ from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
+CLIENT_CLOSED_REQUEST = 499
 _tracer = telemetry.tracer(__name__)
 log = logging.getLogger(__name__)
 
@@ -43,14 +45,17 @@ log = logging.getLogger(__name__)
 class OpenAIRoutes:
     """The handlers; each one a thin shell around the servicer."""
 
-    def __init__(self, servicer: GatewayServicer, router: Router, max_body_bytes: int) -> None:
+    def __init__(
+        self, servicer: GatewayServicer, router: Router, max_body_bytes: int, limits: HttpLimits | None = None
+    ) -> None:
         self.servicer = servicer
         self.router = router
-        self.intake = Intake(servicer.gatekeeper, max_body_bytes)
+        self.intake = Intake(servicer.gatekeeper, max_body_bytes, limits or HttpLimits.from_env())
 
     def app(self) -> Starlette:
-        """The ASGI application (each finished request counted by route and status code, and
-        ambiguously framed requests refused before routing)."""
+        """The ASGI application: each finished request counted by route and status code, ambiguously
+        framed requests refused before routing, and a connection closed after an answer sent
+        before its request's body was read."""
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -63,6 +68,7 @@ class OpenAIRoutes:
             middleware=[
                 Middleware(CountRequests, routes=[route.path for route in routes]),
                 Middleware(RefuseAmbiguousFraming),
+                Middleware(CloseAfterUnreadBody),
             ],
             exception_handlers={HTTPException: _http_exception},
         )
@@ -112,16 +118,21 @@ class OpenAIRoutes:
                 parsed, context, timeout_s = await self.intake.generate(request, endpoint, request_id)
                 _annotate(span, parsed)
                 generation = Generation(self.servicer.Generate(parsed.request, context), span, timeout_s)
+        except ClientDisconnect:
+            return _ended(span, _hung_up(span))
         except ThermoclineError as error:
             return _ended(span, _refused(span, from_refusal(error)))
         except Exception:
             return _ended(span, _unexpected(span))
         try:
             return await self._answer(request, parsed, generation, Rendering(parsed, request_id), span)
+        except ClientDisconnect:  # the engine request ends with the generation's task
+            generation.cancel()
+            return _ended(span, _hung_up(span))
         except Exception:
             generation.cancel()
             return _ended(span, _unexpected(span))
-        except asyncio.CancelledError:  # the client hung up: the engine request ends with the task
+        except asyncio.CancelledError:  # the server's own shutdown
             generation.cancel()
             span.end()
             raise
@@ -151,22 +162,30 @@ class OpenAIRoutes:
 
 @contextlib.asynccontextmanager
 async def _cancelled_on_disconnect(request: Request) -> AsyncIterator[None]:
-    """Cancels the handler when the client hangs up, so its engine request is cancelled too.
+    """Cancels the handler when the client hangs up, so its engine request is cancelled too; the
+    cancellation comes out as ClientDisconnect, which the handler answers as a quiet 499.
 
     The body has been read, so the next ASGI receive returns only `http.disconnect`; this is how
     Starlette's StreamingResponse watches a stream, applied here to the wait before the answer.
     """
     handler = asyncio.current_task()
     assert handler is not None
+    has_hung_up = False
 
     async def watch() -> None:
+        nonlocal has_hung_up
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        has_hung_up = True
         handler.cancel()
 
     watcher = asyncio.create_task(watch())
     try:
         yield
+    except asyncio.CancelledError:
+        if has_hung_up and handler.uncancel() == 0:  # only this watcher's cancellation
+            raise ClientDisconnect() from None
+        raise
     finally:
         watcher.cancel()
 
@@ -260,6 +279,13 @@ async def _http_exception(request: Request, error: Exception) -> Response:
     if status == 404:
         message += "; this server serves /v1/chat/completions, /v1/completions, /v1/models, /health, /ready"
     return JSONResponse(error_body(status, message, "not_found" if status == 404 else "bad_request"), status)
+
+
+def _hung_up(span: trace.Span) -> Response:
+    """The client went away before its answer: 499 (nginx's code) in the span and the request
+    counter, and nothing in the log; the answer itself goes nowhere."""
+    span.set_attribute("http.response.status_code", CLIENT_CLOSED_REQUEST)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 def _unexpected(span: trace.Span) -> Response:

@@ -30,11 +30,19 @@ _HTTP_STATUS = {
 # OpenAI's `error.type` for each status (what SDKs and tooling branch on).
 _ERROR_TYPE = {
     400: "invalid_request_error",
+    408: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
 }
+
+
+class RequestTimeout(ThermoclineError):
+    """The request's body did not arrive in time: HTTP 408, which has no gRPC status of its own."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 408
 
 
 class HttpError(NamedTuple):
@@ -53,7 +61,7 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
 
 def from_refusal(error: ThermoclineError) -> HttpError:
     """The HTTP form of a gateway refusal."""
-    status = _HTTP_STATUS.get(error.code, 500)
+    status = _status(error)
     headers = {}
     retry_ms = dict(error.trailing_metadata).get(RETRY_AFTER_KEY)
     if status == 429 and retry_ms is not None:
@@ -61,6 +69,12 @@ def from_refusal(error: ThermoclineError) -> HttpError:
     return HttpError(
         status, error_body(status, error.message, error.code.name.lower(), _param(error)), headers
     )
+
+
+def _status(error: ThermoclineError) -> int:
+    if isinstance(error, RequestTimeout):
+        return RequestTimeout.http_status
+    return _HTTP_STATUS.get(error.code, 500)
 
 
 def _param(error: ThermoclineError) -> str | None:

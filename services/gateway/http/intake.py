@@ -1,32 +1,42 @@
 """The checks only the HTTP front makes, before a call reaches the servicer, each refusal audited.
 
-The servicer's gatekeeper audits every decision it makes. The front refuses some calls before
-the servicer sees them: while the gateway drains, for a header (`X-Timeout-S`,
-`X-Retrieval-Mode`), and for a body that is too large, not JSON, or not a request this API
-serves. Those refusals go to the same audit log, in the gatekeeper's form (action `invoke` on
-`model:?`, or `list_models` on `model:*`), before the caller hears of them; a caller with no
-verified identity goes through the gatekeeper's rate of unauthenticated events, as on gRPC.
+Order for a generation call: the drain, the body's declared size, the token, the headers
+(`X-Timeout-S`, `X-Retrieval-Mode`), then the body, read within its deadline and up to the size
+limit, as JSON and as a request this API serves. The token comes before the body so that a
+client without one cannot make the gateway hold a body it sends slowly or never finishes: it
+is answered 401 and its connection closed (framing.py) with the body unread. The servicer
+verifies the token again (the gatekeeper's verified-token cache makes that a lookup).
+
+The servicer's gatekeeper audits every decision it makes; the refusals made here go to the same
+audit log, in its form (action `invoke` on `model:?`, or `list_models` on `model:*`), before
+the caller hears of them. Those made before the token has verified pass through the
+gatekeeper's rate of unauthenticated events, as on gRPC; after it they name the caller and are
+always written. A client that goes away before its body is in is no decision: it is not audited.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from services.common import telemetry
 from services.common.errors import InvalidArgument, ThermoclineError, Unavailable
 from services.common.metrics import DRAINING
 from services.gateway.audit import DENY, AuditEvent
+from services.gateway.auth import Principal
+from services.gateway.call_metadata import CallMetadata
 from services.gateway.gatekeeper import UNAUTHENTICATED, Gatekeeper, request_id_of
 from services.gateway.http.call import HttpCallContext
+from services.gateway.http.errors import RequestTimeout
+from services.gateway.http.limits import HttpLimits
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
 from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
 
@@ -34,7 +44,6 @@ from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
 FORWARDED_HEADERS = ("authorization", "x-intent", "x-retrieval-mode")
 DEFAULT_TIMEOUT_S = 600.0
 MAX_TIMEOUT_S = 3600.0
-log = logging.getLogger(__name__)
 
 
 class GenerateCall(NamedTuple):
@@ -45,18 +54,19 @@ class GenerateCall(NamedTuple):
     timeout_s: float
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Facts:
     """What the front knows of a call it refuses, for the audit event."""
 
     action: str
     resource: str
     request_id: str
+    principal: Principal | None = None  # once the token has verified
 
     def denied(self, reason: str) -> AuditEvent:
         return AuditEvent(
-            actor_principal=UNAUTHENTICATED,
-            tenant="",
+            actor_principal=self.principal.subject if self.principal else UNAUTHENTICATED,
+            tenant=self.principal.tenant if self.principal else "",
             action=self.action,
             resource=self.resource,
             decision=DENY,
@@ -70,18 +80,23 @@ class _Facts:
 class Intake:
     """Runs the front's own checks; the refusals they make are in the audit log when they raise."""
 
-    def __init__(self, gatekeeper: Gatekeeper, max_body_bytes: int) -> None:
+    def __init__(self, gatekeeper: Gatekeeper, max_body_bytes: int, limits: HttpLimits) -> None:
         self.gatekeeper = gatekeeper
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = limits.body_timeout_s
 
     async def generate(self, request: Request, endpoint: Endpoint, request_id: str) -> GenerateCall:
-        """The call a POST to a generation endpoint asks for."""
-        async with self._audited(_Facts("invoke", "model:?", request_id)):
+        """The call a POST to a generation endpoint asks for; ClientDisconnect if the client goes
+        away before its body is in."""
+        facts = _Facts("invoke", "model:?", request_id)
+        async with self._audited(facts):
             if is_draining():
                 raise draining()
+            self._check_declared_size(request)
+            facts.principal = self._authenticate(request)
             timeout_s = timeout_s_of(request)
             context = HttpCallContext(metadata_of(request, request_id), time.monotonic() + timeout_s)
-            parsed = parse(endpoint, await self._json_body(request))
+            parsed = parse(endpoint, _json(await self._body(request)))
         return GenerateCall(parsed, context, timeout_s)
 
     async def list_models(self, request: Request, request_id: str) -> HttpCallContext:
@@ -95,41 +110,70 @@ class Intake:
         try:
             yield
         except ThermoclineError as error:
-            await self._record(facts.denied(error.message))
+            await self._record(facts, facts.denied(error.message))
+            raise
+        except ClientDisconnect:
             raise
         except Exception:
-            await self._record(facts.denied("internal error in the gateway's HTTP front"))
+            await self._record(facts, facts.denied("internal error in the gateway's HTTP front"))
             raise
 
-    async def _record(self, event: AuditEvent) -> None:
-        """Writes a refusal as the gatekeeper writes an unauthenticated one: one by one up to its
-        rate, counted beyond it."""
-        denials = self.gatekeeper.unauthenticated
-        if not denials.admit():
-            denials.count(event.reason, event.timestamp_utc)
-            return
-        await self.gatekeeper.record_unauthenticated_summary()  # what was counted comes first
+    async def _record(self, facts: _Facts, event: AuditEvent) -> None:
+        """Writes a refusal; one of a caller with no verified token as the gatekeeper writes its
+        own: one by one up to its rate, counted beyond it."""
+        if facts.principal is None:
+            denials = self.gatekeeper.unauthenticated
+            if not denials.admit():
+                denials.count(event.reason, event.timestamp_utc)
+                return
+            await self.gatekeeper.record_unauthenticated_summary()  # what was counted comes first
         await self.gatekeeper.audit.record(event)
 
-    async def _json_body(self, request: Request) -> Any:
-        """The body parsed as JSON, read no further than the size limit."""
+    def _authenticate(self, request: Request) -> Principal:
+        """The caller, as the gatekeeper verifies it (every Authorization header, so two are refused)."""
+        credentials = [("authorization", value) for value in request.headers.getlist("authorization")]
+        return self.gatekeeper.authenticate(CallMetadata(credentials))
+
+    def _check_declared_size(self, request: Request) -> None:
+        """Refuses a Content-Length over the limit before the token or any of the body is read."""
+        declared = request.headers.get("content-length")
+        if declared is not None and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, read within its deadline and no further than the size limit."""
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise InvalidArgument(
-                    f"request body exceeds {self.max_body_bytes} bytes (the prompt limit plus its envelope); "
-                    "shorten the prompt"
-                )
         try:
-            return json.loads(body)
-        except RecursionError:
-            raise InvalidArgument(
-                "request body nests too deeply to parse; an OpenAI request nests a few levels at most"
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > self.max_body_bytes:
+                        raise self._too_large()
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request body did not arrive within {self.body_timeout_s:g} s of its headers "
+                f"({len(body)} bytes came); send it at once"
             ) from None
-        except ValueError as error:  # bad JSON or UTF-8, or an integer of over 4300 digits
-            reason = str(error).partition(";")[0]  # not Python's advice to raise its digit limit
-            raise InvalidArgument(f"request body is not valid JSON: {reason}") from None
+        return bytes(body)
+
+    def _too_large(self) -> InvalidArgument:
+        return InvalidArgument(
+            f"request body exceeds {self.max_body_bytes} bytes (the prompt limit plus its envelope); "
+            "shorten the prompt"
+        )
+
+
+def _json(body: bytes) -> Any:
+    """The body parsed as JSON."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise InvalidArgument(
+            "request body nests too deeply to parse; an OpenAI request nests a few levels at most"
+        ) from None
+    except ValueError as error:  # bad JSON or UTF-8, or an integer of over 4300 digits
+        reason = str(error).partition(";")[0]  # not Python's advice to raise its digit limit
+        raise InvalidArgument(f"request body is not valid JSON: {reason}") from None
 
 
 def request_id_from(request: Request) -> str:

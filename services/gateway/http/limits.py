@@ -24,6 +24,9 @@ MIN_HEADER_BYTES = MAX_TOKEN_CHARS + 4 * KIB
 class HttpLimits:
     """`_HEADER_TIMEOUT_S`: a request's line and headers must arrive within this many seconds of
     the connection opening, or of the previous answer on it, else the connection is closed.
+    `_BODY_TIMEOUT_S`: a request's body must arrive within this many seconds of its head, else
+    the call is answered 408 and the connection closed; the body is read only once the caller's
+    token has verified.
     `_KEEP_ALIVE_S`: an idle connection between requests is closed after this (uvicorn's keep-alive).
     `_MAX_CONNECTIONS`: open connections; one beyond it is closed at once, and a request that
     arrives while this many are open or in progress is answered 503 (uvicorn's limit_concurrency).
@@ -33,6 +36,7 @@ class HttpLimits:
     """
 
     header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     keep_alive_s: int = 5
     max_connections: int = 1024
     max_header_bytes: int = 32 * KIB
@@ -40,6 +44,8 @@ class HttpLimits:
     def __post_init__(self) -> None:
         if self.header_timeout_s <= 0:
             raise ValueError(f"{PREFIX}HEADER_TIMEOUT_S must be > 0, got {self.header_timeout_s}")
+        if self.body_timeout_s <= 0:
+            raise ValueError(f"{PREFIX}BODY_TIMEOUT_S must be > 0, got {self.body_timeout_s}")
         if self.keep_alive_s < 1:
             raise ValueError(f"{PREFIX}KEEP_ALIVE_S must be >= 1, got {self.keep_alive_s}")
         if self.max_connections < 1:
@@ -55,6 +61,7 @@ class HttpLimits:
         """The limits the environment sets, the defaults for the rest."""
         return cls(
             header_timeout_s=env.get_float(PREFIX + "HEADER_TIMEOUT_S", cls.header_timeout_s, environ),
+            body_timeout_s=env.get_float(PREFIX + "BODY_TIMEOUT_S", cls.body_timeout_s, environ),
             keep_alive_s=env.get_int(PREFIX + "KEEP_ALIVE_S", cls.keep_alive_s, environ),
             max_connections=env.get_int(PREFIX + "MAX_CONNECTIONS", cls.max_connections, environ),
             max_header_bytes=env.get_int(PREFIX + "MAX_HEADER_BYTES", cls.max_header_bytes, environ),
