@@ -1,9 +1,10 @@
 """A finished request's timeline as OpenTelemetry spans and Prometheus latency observations.
 
 The engine thread only stamps times (`sequence.Timeline`); this module runs on the servicer's
-event loop after the final event, so span objects never enter the decode loop. Child spans are
-built with explicit start and end timestamps: one per queue wait (a preempted request waits
-again), one per prefill chunk, and one for decode, from the first token to the finish.
+event loop after the final event (or when a stream ends before it), so span objects never enter
+the decode loop. Child spans are built with explicit start and end timestamps: one per queue wait
+(a preempted request waits again), one per prefill chunk, and one for decode, from the first token
+to the finish.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from opentelemetry.context import Context
 
 from services.common import telemetry
 from services.engine import metrics
-from services.engine.scheduling.sequence import Interval, StreamEvent, Timeline
+from services.engine.scheduling.sequence import FinishReason, Interval, StreamEvent, Timeline
 
 _tracer = telemetry.tracer("services.engine")
 
@@ -30,6 +31,12 @@ def record_finished(event: StreamEvent, intent_class: str, tracer: trace.Tracer 
     for timed in timeline.events:
         parent.add_event(timed.name, dict(timed.attributes), timestamp=timed.time_ns)
     _observe_latency(timeline, event, intent_class)
+
+
+def record_cancelled(intent_class: str) -> None:
+    """Counts a request whose stream ended before its final event was read (cancelled by its caller,
+    past its deadline, or disconnected): it finished as `cancelled`, with no latency to observe."""
+    metrics.REQUESTS.labels(intent_class, FinishReason.CANCELLED.value).inc()
 
 
 def _add_child_spans(

@@ -21,7 +21,7 @@ from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus
 from services.engine.kv.capacity import PoolPlan
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from services.engine.serving.engine_metrics import register_engine_metrics
-from services.engine.serving.request_trace import record_finished
+from services.engine.serving.request_trace import record_cancelled, record_finished
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -175,17 +175,20 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         except EngineStopped as error:
             raise Unavailable(str(error)) from None
         is_finished = False
+        intent_class = self.engine.scheduler.classes.get(request.intent_class).name
         try:
             while not is_finished:
                 event = await events.get()
                 is_finished = event.finished
                 if is_finished:  # spans and latency metrics from the engine's timeline
-                    record_finished(event, self.engine.scheduler.classes.get(request.intent_class).name)
+                    record_finished(event, intent_class)
                 _raise_refusal(event)
                 yield self._to_pb(event)
         finally:
             if not is_finished:
-                # cancellation or deadline: free the request's KV at once
+                # cancelled, past its deadline or disconnected: the caller never reads the final event,
+                # so the request is counted here; and its KV is freed at once
+                record_cancelled(intent_class)
                 self.engine.cancel(handle)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.GetStatsResponse:

@@ -1,5 +1,6 @@
 """The engine's gRPC servicer over stories260K, served in process on loopback as the service serves it
-(the error-mapping interceptor included): prompt checks, tokenizing off the event loop."""
+(the error-mapping interceptor included): prompt checks, tokenizing off the event loop, and the count
+of streams that end early."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from services.common.interceptors import CallTracker, GuardInterceptor
 from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
+from services.engine.llm_engine import LLMEngine, RequestHandle
 from services.engine.serving.servicer import EngineServicer
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -35,18 +38,24 @@ def engine(stories_hf_dir: Path) -> Iterator[LLMEngine]:
 
 
 @contextlib.asynccontextmanager
-async def serving(engine: LLMEngine) -> AsyncIterator[pb_grpc.EngineServiceStub]:
-    """A stub for `engine`'s servicer on a loopback server with the services' interceptor."""
+async def serving_at(engine: LLMEngine) -> AsyncIterator[str]:
+    """The address of `engine`'s servicer on a loopback server with the services' interceptor."""
     config = EngineConfig.from_env({"THERMOCLINE_ENGINE_MODEL": "stories260k"})
     server = grpc.aio.server(interceptors=[GuardInterceptor(CallTracker())])
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(config, engine), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield pb_grpc.EngineServiceStub(channel)
+        yield f"127.0.0.1:{port}"
     finally:
         await server.stop(None)
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: LLMEngine) -> AsyncIterator[pb_grpc.EngineServiceStub]:
+    """A stub for `engine`'s servicer (`serving_at`)."""
+    async with serving_at(engine) as target, grpc.aio.insecure_channel(target) as channel:
+        yield pb_grpc.EngineServiceStub(channel)
 
 
 async def generate(
@@ -140,3 +149,60 @@ def test_a_prompt_being_tokenized_leaves_other_streams_and_getstats_served(
     held_stream = asyncio.run(scenario())
     assert order == ["tokenizing", "served others (4 tokens)", "released"]
     assert held_stream[-1].usage.completion_tokens == 4
+
+
+def _requests_total(intent_class: str, finish_reason: str) -> float:
+    labels = {"intent_class": intent_class, "finish_reason": finish_reason}
+    return REGISTRY.get_sample_value("thermocline_engine_requests_total", labels) or 0.0
+
+
+def test_streams_cancelled_past_their_deadline_or_disconnected_count_as_cancelled(
+    stories_hf_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three streams end before their final event: cancelled by the caller, past their deadline, and
+    with their channel closed. The engine's step thread is not started, so none can finish first.
+    Each counts once in thermocline_engine_requests_total as `cancelled` (none did before)."""
+    idle = LLMEngine.load(
+        stories_hf_dir, device="cpu", max_batch_size=2, max_seq_len=MAX_SEQ_LEN, progress=False
+    )
+    submit, cancel = idle.submit, idle.cancel
+    request = pb.GenerateRequest(prompt="Once upon a time", intent_class="batch")
+    before = _requests_total("batch", "cancelled")
+
+    async def scenario() -> list[grpc.StatusCode]:
+        submitted: asyncio.Queue[None] = asyncio.Queue()  # the handler has queued its request
+        let_go: asyncio.Queue[None] = asyncio.Queue()  # the handler has ended its stream early
+
+        def announced_submit(*args: Any, **kwargs: Any) -> RequestHandle:
+            submitted.put_nowait(None)
+            return submit(*args, **kwargs)
+
+        def announced_cancel(handle: RequestHandle) -> None:
+            let_go.put_nowait(None)
+            cancel(handle)
+
+        monkeypatch.setattr(idle, "submit", announced_submit)
+        monkeypatch.setattr(idle, "cancel", announced_cancel)
+        codes = []
+        async with serving_at(idle) as target:
+            async with grpc.aio.insecure_channel(target) as channel:
+                stub = pb_grpc.EngineServiceStub(channel)
+                cancelled = stub.Generate(request)
+                await submitted.get()
+                cancelled.cancel()
+                codes.append(await cancelled.code())
+                await let_go.get()  # the handler ran on this loop, to its end, before this resumes
+                past_deadline = stub.Generate(request, timeout=0.5)
+                await submitted.get()
+                codes.append(await past_deadline.code())
+                await let_go.get()
+                disconnected = stub.Generate(request)
+                await submitted.get()
+            await let_go.get()  # the channel closed under it
+            codes.append(await disconnected.code())
+            await asyncio.to_thread(idle.stop)  # its final events go to this loop, still open
+        return codes
+
+    codes = asyncio.run(scenario())
+    assert codes == [grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED]
+    assert _requests_total("batch", "cancelled") - before == 3
