@@ -144,7 +144,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         if request.WhichOneof("input") == "prompt":
-            self._check_text_fits(request.prompt)  # before tokenizing it: megabytes take seconds
+            self._check_raw_prompt(request.prompt)
         # Tokenizing is CPU-bound (the tokenizer lets the GIL go); off the loop, so streams in flight,
         # GetStats and health checks are served meanwhile.
         prompt_ids = await asyncio.to_thread(self._prompt_ids, request, self._max_prompt_chars)
@@ -253,6 +253,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if max_chars is not None:
             self._check_text_fits(text)
         return tokenizer.encode(text, add_bos=False)
+
+    def _check_raw_prompt(self, text: str) -> None:
+        """Refuses an empty prompt, and one too long to fit, before tokenizing it (megabytes take seconds)."""
+        if not text:  # it would generate from BOS alone, as empty token_ids would (which are refused)
+            raise InvalidArgument("prompt is empty; send the text to continue (or chat turns, or token_ids)")
+        self._check_text_fits(text)
 
     def _check_text_fits(self, text: str) -> None:
         """Refuses text with more characters than the context could hold at the tokenizer's densest."""

@@ -206,3 +206,19 @@ def test_streams_cancelled_past_their_deadline_or_disconnected_count_as_cancelle
     codes = asyncio.run(scenario())
     assert codes == [grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED]
     assert _requests_total("batch", "cancelled") - before == 3
+
+
+def test_an_empty_prompt_is_refused_as_empty_token_ids_are(engine: LLMEngine) -> None:
+    """It generated from BOS alone. CountTokens still counts it (the BOS): the gateway counts first."""
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, grpc.aio.AioRpcError, int]:
+        async with serving(engine) as stub:
+            empty_text = await refusal(stub, pb.GenerateRequest(prompt=""))
+            empty_ids = await refusal(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])))
+            counted = await stub.CountTokens(pb.CountTokensRequest(prompt=""))
+            return empty_text, empty_ids, counted.num_tokens
+
+    empty_text, empty_ids, num_counted = asyncio.run(scenario())
+    assert empty_text.code() == empty_ids.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt is empty" in empty_text.details()
+    assert num_counted == 1
