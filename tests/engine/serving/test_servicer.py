@@ -19,6 +19,7 @@ from services.common.interceptors import CallTracker, GuardInterceptor
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine, RequestHandle
 from services.engine.serving.servicer import EngineServicer
+from tests.conftest import STORIES_GOLDEN_IDS, STORIES_PROMPT_IDS
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -222,3 +223,43 @@ def test_an_empty_prompt_is_refused_as_empty_token_ids_are(engine: LLMEngine) ->
     assert empty_text.code() == empty_ids.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt is empty" in empty_text.details()
     assert num_counted == 1
+
+
+ENGINE_PROTO = (
+    Path(__file__).resolve().parents[3] / "protos" / "thermocline" / "engine" / "v1" / "engine.proto"
+)
+
+
+def _comment_above(proto: str, declaration: str) -> str:
+    """The `//` lines right above `declaration` in a .proto file, joined."""
+    lines = proto.splitlines()
+    index = next(i for i, line in enumerate(lines) if line.strip().startswith(declaration))
+    comment: list[str] = []
+    while lines[index - 1].strip().startswith("//"):
+        index -= 1
+        comment.insert(0, lines[index].strip().removeprefix("//").strip())
+    return " ".join(comment)
+
+
+def test_max_tokens_past_the_context_is_served_until_the_context_is_full(engine: LLMEngine) -> None:
+    """prompt + max_tokens over the context is not refused: generation stops when the context is full,
+    with FINISH_REASON_LENGTH, as at max_tokens, and usage says how many tokens came. engine.proto
+    says so where LENGTH and max_tokens are declared (it said 'max_tokens reached')."""
+    prompt_ids = (STORIES_PROMPT_IDS + STORIES_GOLDEN_IDS * 2)[: MAX_SEQ_LEN - 4]  # room for 4 tokens
+
+    async def scenario() -> list[pb.GenerateResponse]:
+        async with serving(engine) as stub:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids))
+            finals = []
+            for max_tokens in (100, 2):
+                request.sampling.max_tokens = max_tokens
+                finals.append([message async for message in stub.Generate(request)][-1])
+            return finals
+
+    by_context, by_max_tokens = asyncio.run(scenario())
+    assert by_context.finish_reason == by_max_tokens.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (by_context.usage.prompt_tokens, by_context.usage.completion_tokens) == (MAX_SEQ_LEN - 4, 4)
+    assert by_max_tokens.usage.completion_tokens == 2
+    proto = ENGINE_PROTO.read_text()
+    assert "max_context_tokens" in _comment_above(proto, "FINISH_REASON_LENGTH")
+    assert "context filling up" in _comment_above(proto, "uint32 max_tokens")
