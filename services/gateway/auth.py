@@ -19,10 +19,10 @@ import jwt
 from services.common.errors import Unauthenticated
 from services.gateway.config import JwtConfig
 from services.gateway.jwks import KeySet, VerificationKey
+from services.gateway.request_bounds import MAX_TOKEN_CHARS
 from services.gateway.verified_tokens import VerifiedToken, VerifiedTokens
 
 _REMOTE_KEY_HEADERS = ("jku", "x5u", "jwk", "x5c")
-MAX_TOKEN_CHARS = 16 * 1024
 MAX_SUBJECT_CHARS = 256
 # RFC 7519 §2 NumericDate: these claims must be JSON numbers; PyJWT would also take "1796145153".
 _NUMERIC_DATE_CLAIMS = ("exp", "nbf", "iat")

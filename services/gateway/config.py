@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from services.common import env
 from services.common.config import ServerConfig
 from services.gateway.audit import AuditConfig
+from services.gateway.http.limits import HttpLimits
 from services.gateway.request_bounds import RequestBounds
 
 DEFAULT_PORT = 50051
@@ -191,7 +192,8 @@ class GatewayConfig:
     `THERMOCLINE_GATEWAY_SAFETY_TARGET` (host:port);
     `output`: how output is screened and released (OutputScreening: `_OUTPUT_RELEASE`, ...);
     `_SAFETY_TIMEOUT_S`: the longest a safety check may take before the request fails UNAVAILABLE;
-    `_HTTP_PORT`: the OpenAI-compatible HTTP front's port, on the gRPC server's host; 0 turns it off.
+    `_HTTP_PORT`: the OpenAI-compatible HTTP front's port, on the gRPC server's host; 0 turns it off;
+    `http_limits`: its connection and request limits (`_HTTP_*`, http/limits.py).
     The gRPC server's message limit is the smaller of `_MAX_MESSAGE_MB` and what `bounds` needs.
     """
 
@@ -206,6 +208,7 @@ class GatewayConfig:
     output: OutputScreening = field(default_factory=OutputScreening)
     safety_timeout_s: float = 5.0
     http_port: int = DEFAULT_HTTP_PORT
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if self.safety_timeout_s <= 0:
@@ -243,6 +246,7 @@ class GatewayConfig:
             output=_output_from_env(environ),
             safety_timeout_s=env.get_float(PREFIX + "SAFETY_TIMEOUT_S", 5.0, environ),
             http_port=env.get_int(PREFIX + "HTTP_PORT", DEFAULT_HTTP_PORT, environ),
+            http_limits=HttpLimits.from_env(environ),
         )
 
 

@@ -231,18 +231,25 @@ class Gatekeeper:
         try:
             return await checks
         except ThermoclineError as error:
-            event = facts.event(DENY, error.message)
-            if facts.actor_principal == UNAUTHENTICATED:
-                if not self.unauthenticated.admit():
-                    self.unauthenticated.count(error.message, event.timestamp_utc)
-                    raise
-                await self.record_unauthenticated_summary()  # what was counted comes first
-            await self.audit.record(event)
+            await self.record_denial(
+                facts.event(DENY, error.message), is_authenticated=facts.actor_principal != UNAUTHENTICATED
+            )
             raise
         except Exception:
             log.exception("admission check failed unexpectedly")
             await self.audit.record(facts.event(DENY, "internal error in the gateway's checks"))
             raise
+
+    async def record_denial(self, event: AuditEvent, is_authenticated: bool) -> None:
+        """Writes a refusal. One of a caller with no verified token is written one by one up to
+        the audit rate and counted beyond it (audit_sampling.py); the HTTP front's own refusals
+        come here too."""
+        if not is_authenticated:
+            if not self.unauthenticated.admit():
+                self.unauthenticated.count(event.reason, event.timestamp_utc)
+                return
+            await self.record_unauthenticated_summary()  # what was counted comes first
+        await self.audit.record(event)
 
     async def record_unauthenticated_summary(self) -> None:
         """Writes the counts of unauthenticated refusals left out since the last summary, if any."""

@@ -103,8 +103,9 @@ class Gateway:
         """The OpenAI-compatible front on the same servicer; None when its port is 0."""
         if config.http_port == 0:
             return None
-        routes = OpenAIRoutes(self.servicer, self.upstreams.router, config.bounds.max_message_bytes)
-        return HttpServer(routes.app(), config.server.host, config.http_port, config.server.grace_s)
+        limits = config.http_limits
+        routes = OpenAIRoutes(self.servicer, self.upstreams.router, config.bounds.max_message_bytes, limits)
+        return HttpServer(routes.app(), config.server.host, config.http_port, config.server.grace_s, limits)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """Adds the servicer; returns its full service name."""

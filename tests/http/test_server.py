@@ -11,7 +11,7 @@ import time
 import pytest
 
 from services.cli.mesh import Mesh
-from services.gateway.auth import MAX_TOKEN_CHARS
+from services.gateway.request_bounds import MAX_TOKEN_CHARS
 from tests.http.conftest import STRICT_TIMEOUT_S, HttpGateway, http_replica, read_until_closed
 
 MAX_CONNECTIONS = 4

@@ -119,15 +119,9 @@ class Intake:
             raise
 
     async def _record(self, facts: _Facts, event: AuditEvent) -> None:
-        """Writes a refusal; one of a caller with no verified token as the gatekeeper writes its
-        own: one by one up to its rate, counted beyond it."""
-        if facts.principal is None:
-            denials = self.gatekeeper.unauthenticated
-            if not denials.admit():
-                denials.count(event.reason, event.timestamp_utc)
-                return
-            await self.gatekeeper.record_unauthenticated_summary()  # what was counted comes first
-        await self.gatekeeper.audit.record(event)
+        """Writes a refusal as the gatekeeper writes its own (one of a caller with no verified
+        token: one by one up to the audit rate, counted beyond it)."""
+        await self.gatekeeper.record_denial(event, is_authenticated=facts.principal is not None)
 
     def _authenticate(self, request: Request) -> Principal:
         """The caller, as the gatekeeper verifies it (every Authorization header, so two are refused)."""

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.common import env
-from services.gateway.auth import MAX_TOKEN_CHARS
+from services.gateway.request_bounds import MAX_TOKEN_CHARS
 
 PREFIX = "THERMOCLINE_GATEWAY_HTTP_"
 KIB = 1024
