@@ -140,6 +140,8 @@ def prompt_text(request: pb.GenerateRequest) -> str:
     """The text the safety service screens: the prompt, or every turn of the chat."""
     kind = request.WhichOneof("input")
     if kind == "prompt":
+        if not request.prompt:  # the engine refuses it too, after admission and the screen
+            raise InvalidArgument("prompt is empty; send some text")
         return request.prompt
     if kind == "chat":
         if not request.chat.messages:

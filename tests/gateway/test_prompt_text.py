@@ -27,3 +27,5 @@ def test_an_empty_chat_or_request_is_refused_with_what_to_send() -> None:
         prompt_text(_chat())
     with pytest.raises(InvalidArgument, match="set either prompt or chat"):
         prompt_text(pb.GenerateRequest())
+    with pytest.raises(InvalidArgument, match="prompt is empty; send some text"):
+        prompt_text(pb.GenerateRequest(prompt=""))  # set, and empty: refused before its screen
