@@ -11,6 +11,7 @@ so the verifier can tell a pruned start from a cut one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -136,6 +137,10 @@ class ChainWriter:
 
         When the write or the fsync fails (a full disk), the segment is cut back to where it was
         and the chain's tip is restored, so the next append continues a chain that is on disk.
+        A segment removed while open (its directory deleted, say) takes writes and fsyncs that
+        reach no file anyone can read: that counts as a failed write too. The next append opens a
+        new segment once the directory exists again; the chain there starts from the lost tip, so
+        `verify` reports the break instead of a clean start.
         """
         if self._file is None or self._file.tell() >= self.rotate_bytes:
             self.close()
@@ -144,11 +149,27 @@ class ChainWriter:
         try:
             self._write_all(self._chained_lines(events))
             os.fsync(self._file.fileno())
+            self._check_still_linked()
         except OSError:
             self._roll_back(tip, start)
             raise
         self._write_head()
         self._maybe_checkpoint()
+
+    def _check_still_linked(self) -> None:
+        """OSError unless the open segment is still the file at its path."""
+        assert self._file is not None
+        opened = os.fstat(self._file.fileno())
+        try:
+            named = os.stat(self._file.name)
+        except FileNotFoundError:
+            named = None
+        if (
+            opened.st_nlink == 0
+            or named is None
+            or (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino)
+        ):
+            raise OSError(errno.ENOENT, f"audit segment {self._file.name} was removed or replaced while open")
 
     def _chained_lines(self, events: Iterable[Mapping[str, Any]]) -> bytes:
         lines = []

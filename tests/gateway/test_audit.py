@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -211,6 +212,33 @@ def test_a_full_disk_refuses_with_unavailable_raises_the_alert_and_loses_nothing
     records = [json.loads(line) for line in _lines(segment_paths(small_disk / "audit", DECISIONS)[0])]
     assert [r["request_id"] for r in records] == acknowledged  # all of them, and no refused one
     assert _problems(small_disk / "audit") == ""
+
+
+def test_a_removed_audit_directory_refuses_with_unavailable_and_the_break_is_reported(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "audit"
+    log = AuditLog(AuditConfig(directory=directory))
+
+    async def scenario() -> None:
+        for n in range(3):
+            await log.record(_event(n))
+        shutil.rmtree(directory)  # the open segment now takes writes and fsyncs no one can read
+        with pytest.raises(Unavailable, match="audit log cannot be written"):
+            await log.record(_event(100))
+        with pytest.raises(Unavailable):  # and stays refused while the directory is gone
+            await log.record(_event(101))
+        directory.mkdir()  # restored: the chain goes on in a new segment
+        await log.record(_event(3))
+
+    failures_before = AUDIT_WRITE_FAILURES._value.get()
+    asyncio.run(scenario())
+    log.close()
+    assert AUDIT_WRITE_FAILURES._value.get() >= failures_before + 2
+    records = [json.loads(line) for path in segment_paths(directory, DECISIONS) for line in _lines(path)]
+    assert [r["request_id"] for r in records] == ["req-3"]  # no refused event was kept
+    assert "req-100" not in str(records)
+    assert _problems(directory) != ""  # a chain that starts mid-way, not a clean log
 
 
 def _signed_log(directory: Path, key_file: Path, num_events: int) -> None:
