@@ -81,7 +81,7 @@ class Gateway:
         self.audit = AuditLog(config.audit)
         limits = config.limits
         self.limiter = RateLimiter(limits.redis_url, limits.redis_timeout_s, limits.rate_lease_hold_s)
-        self.upstreams = Upstreams(Router(config.routing), config.safety_target)
+        self.upstreams = Upstreams(Router(config.routing), config.safety_target, config.safety_timeout_s)
         gatekeeper = Gatekeeper(
             JwtVerifier(config.jwt),
             policies,

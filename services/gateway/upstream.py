@@ -57,8 +57,11 @@ def upstream_error(service: str, error: grpc.aio.AioRpcError) -> ThermoclineErro
 class Upstreams:
     """The engine replicas (through the router) and the safety service."""
 
-    def __init__(self, router: Router, safety_target: str) -> None:
+    def __init__(self, router: Router, safety_target: str, safety_timeout_s: float | None = None) -> None:
         self.router = router
+        # The gateway's own bound on a safety check (THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S): a check
+        # that runs out of it is the safety service failing (UNAVAILABLE), not the caller's deadline.
+        self.safety_timeout_s = safety_timeout_s
         self._safety_channel = open_channel(safety_target, trace_calls=False)  # the stub traces its calls
         self.safety = telemetry.traced_stub(
             safety_pb2_grpc.SafetyServiceStub(self._safety_channel),
@@ -109,7 +112,7 @@ class Upstreams:
         try:
             return await self.safety.CheckPrompt(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise upstream_error("safety", error) from None
+            raise self._safety_error(error, timeout_s) from None
 
     async def check_output(
         self, text: str, prompt: str, tenant: str, policy: safety_pb2.TenantPolicy, timeout_s: float
@@ -119,7 +122,19 @@ class Upstreams:
         try:
             return await self.safety.CheckOutput(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise upstream_error("safety", error) from None
+            raise self._safety_error(error, timeout_s) from None
+
+    def _safety_error(self, error: grpc.aio.AioRpcError, timeout_s: float) -> ThermoclineError:
+        """A check that ran out of the gateway's own safety timeout is UNAVAILABLE (a hung or
+        overloaded safety service; clients retry it); one cut by the caller's shorter deadline
+        stays DEADLINE_EXCEEDED."""
+        own = self.safety_timeout_s
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and own is not None and timeout_s >= own:
+            return Unavailable(
+                f"safety did not answer within {own:g} s (THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S); "
+                "retry later"
+            )
+        return upstream_error("safety", error)
 
     async def gate_info(self, timeout_s: float) -> GateInfo:
         """The safety service's gate version and categories, waiting up to `timeout_s` for it to
