@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from opentelemetry import trace
 
 from services.common import telemetry
-from services.common.errors import NotFound, Unavailable
+from services.common.errors import NotFound, ThermoclineError, Unavailable
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import ALLOW, DENY, AuditEvent, prompt_sha256
 from services.gateway.auth import Principal
@@ -36,6 +37,8 @@ from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from thermocline.safety.v1 import safety_pb2
+
+log = logging.getLogger(__name__)
 
 # The event on the gateway's Generate span as the relayed stream's first text goes to the client
 # (the answer's; under trailing, the safe message that replaces a blocked prompt: under strict that
@@ -138,6 +141,10 @@ def _traced_after(verdict: safety_pb2.CheckResponse) -> Iterator[None]:
         record_verdict("prompt", verdict)
 
 
+class _StreamCut(Unavailable):
+    """A stream cut when the gateway's grace period ran out (audited by `_record_cut`)."""
+
+
 class GatewayServicer(pb_grpc.GatewayServiceServicer):
     """The public API; the checks live in the gatekeeper, the streaming in the relay."""
 
@@ -183,12 +190,25 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             raise
         (check,) = screens
         answer = self._answer(request, context, metadata, admitted, check)
+        num_sent = 0
         try:
             async for message in answer:
+                num_sent += len(message.delta.token_ids)
                 yield message
-        except Exception:
+        except _StreamCut:
+            raise  # audited as a cut, and its message counts the tokens sent
+        except ThermoclineError as error:
             # An error before the stream's own (the prompt's screen, routing) waits for the allow
             # event too; a failed write's UNAVAILABLE wins.
+            await asyncio.shield(admitted.recorded)
+            await self._record_failure(admitted.admission, error, num_sent)
+            if not num_sent:
+                raise
+            raise type(error)(
+                f"{error.message}; {num_sent} tokens of the answer had been sent: a retry starts it again",
+                trailing_metadata=error.trailing_metadata,
+            ) from None
+        except Exception:
             await asyncio.shield(admitted.recorded)
             raise
         finally:
@@ -251,7 +271,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 if not stream.is_cut:
                     raise
                 await self._record_cut(admission, stream)
-                raise Unavailable(
+                raise _StreamCut(
                     f"the gateway shut down and its {self.config.server.grace_s:g} s grace period ran out; "
                     f"this stream was cut after {stream.num_tokens} tokens: retry on another replica"
                 ) from None
@@ -341,6 +361,26 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 details=details,
             )
         )
+
+    async def _record_failure(self, admission: Admission, error: ThermoclineError, num_sent: int) -> None:
+        """The audit event of an admitted call that failed after its allow event: a safety or
+        engine failure, an expired deadline. Written when it can be: a failed audit write is what
+        some of these failures are, so a second failure here is logged, not raised."""
+        event = AuditEvent(
+            actor_principal=admission.principal.subject,
+            tenant=admission.principal.tenant,
+            action="stream.failed",
+            resource=f"model:{admission.model}",
+            decision=DENY,
+            reason=f"{type(error).__name__} after {num_sent} tokens sent: {error.message}",
+            request_id=admission.request_id,
+            trace_id=telemetry.current_trace_id(),
+            details={"tokens_sent": num_sent},
+        )
+        try:
+            await self.gatekeeper.record(event)
+        except ThermoclineError:
+            log.warning("could not audit the failure of request %s", admission.request_id)
 
     async def _record_cut(self, admission: Admission, stream: InFlightStream) -> None:
         await self.gatekeeper.record(

@@ -3,6 +3,8 @@ runs out (a status clients retry), DEADLINE_EXCEEDED only when the caller's shor
 
 from __future__ import annotations
 
+import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
+from services.gateway.audit_chain import segment_paths
 from tests.conftest import STORIES_PROMPT, start_mesh
 from tests.gateway.conftest import stopped, token
 
@@ -57,3 +60,34 @@ def _served(mesh: Mesh) -> None:
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
         result = collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=4), metadata, 60))
     assert result.done is not None
+
+
+def _audited(mesh: Mesh, request_id: str) -> list[dict[str, object]]:
+    return [
+        event
+        for path in segment_paths(mesh.audit_dir, "decisions")
+        for line in path.read_text().splitlines()
+        if (event := json.loads(line))["request_id"] == request_id
+    ]
+
+
+def test_a_stream_that_fails_mid_answer_says_how_much_was_sent_and_is_audited(mesh: Mesh) -> None:
+    _served(mesh)
+    metadata = [*call_metadata(token(mesh)), ("x-request-id", "fails-mid-answer")]
+    request = build_request(STORIES_PROMPT, max_tokens=200)  # many output windows
+    received, is_stopped = 0, False
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        stream = stream_generate(channel, request, metadata, 60)
+        with pytest.raises(grpc.RpcError) as caught:
+            for message in stream:
+                received += len(message.delta.token_ids)
+                if received and not is_stopped:
+                    mesh.processes["safety"].send_signal(signal.SIGSTOP)  # the next window hangs
+                    is_stopped = True
+    mesh.processes["safety"].send_signal(signal.SIGCONT)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"{received} tokens of the answer had been sent" in (caught.value.details() or "")
+    (allow, failed) = _audited(mesh, "fails-mid-answer")
+    assert allow["decision"] == "allow" and failed["action"] == "stream.failed"
+    assert failed["details"] == {"tokens_sent": received}
+    assert "safety did not answer" in str(failed["reason"])
