@@ -7,7 +7,8 @@ import logging
 
 from services.common.server import ServiceSpec, run_service, setup_logging
 from services.engine.config import EngineConfig
-from services.engine.gate.gate_loader import open_gate, served_model
+from services.engine.gate.gate_loader import hold_gate, served_model
+from services.engine.gate.gate_watch import GateWatch
 from services.engine.llm_engine import LLMEngine
 from services.engine.model.registry import resolve_model
 from services.engine.serving.servicer import register
@@ -39,7 +40,8 @@ def main() -> None:
     )
     log.info("loaded %s on %s (tp=%d)", engine.model_id, engine.runner.device, config.tp)
     model = served_model(config.model, path, engine.model_id, engine.config.hidden_size)
-    engine.set_safety_gate(*open_gate(config.gate, model, engine.runner.device))
+    gate = GateWatch(config.gate, model, hold_gate(config.gate, model, engine.runner.device))
+    engine.set_safety_gate(*gate.loaded)
     # What is loaded by now lives as long as the process. Frozen, it is left out of every later
     # garbage collection: a full collection walks every tracked object, and at large batches its
     # pause (tens of milliseconds) lands on the step thread, whose decode steps take a few.
@@ -47,13 +49,18 @@ def main() -> None:
     gc.freeze()
     engine.start()
 
+    async def watch_gate() -> None:
+        gate.start(engine.set_safety_gate)  # safety's announcement, re-checked while serving
+
     async def stop_engine() -> None:
+        await gate.stop()
         engine.stop()
 
     run_service(
         ServiceSpec(
             config=config.server,
             register=lambda server: register(server, config, engine),
+            on_start=watch_gate,
             on_stop=stop_engine,
             health_probe=engine.health_problem,
         )

@@ -40,7 +40,9 @@ class EngineConfig:
     In-loop safety gate: `_GATE_SOURCE` (file, safety or off), `_GATE_FILE` (the gate's
     .safetensors, its .json manifest beside it), `_SAFETY_TARGET` (host:port of the safety service
     whose GetGate announces the gate's sha256; unset: not checked), `_GATE_MISMATCH` (refuse or
-    warn), `_SAFE_MESSAGE` (what a gated sequence ends with), `_SAFETY_TIMEOUT_S` (start-up wait).
+    warn), `_SAFE_MESSAGE` (what a gated sequence ends with), `_SAFETY_TIMEOUT_S` (how long start-up
+    and each re-check wait for safety) and `_GATE_RECHECK_S` (seconds between re-checks of safety's
+    announcement while serving, default 30; 0: checked at start-up only).
     Scheduling: `_MAX_PREFILL_TOKENS` (prompt tokens per step; with mixed steps each running
     stream's decode row comes on top, and the memory plan profiles that step), `_MIXED_STEPS`
     (default on: running streams decode a token in every step, prompt chunks beside them; off:
@@ -201,6 +203,7 @@ def _gate_from_env(prefix: str, environ: Mapping[str, str] | None) -> GateConfig
         mismatch=mismatch,
         safe_message=env.get_str(prefix + "SAFE_MESSAGE", defaults.safe_message, environ),
         safety_timeout_s=env.get_float(prefix + "SAFETY_TIMEOUT_S", defaults.safety_timeout_s, environ),
+        recheck_s=env.get_float(prefix + "GATE_RECHECK_S", defaults.recheck_s, environ),
     )
 
 

@@ -358,11 +358,17 @@ class LLMEngine:
         return self.runner.model.config
 
     def set_safety_gate(self, head: InLoopGate | None, report: GateReport) -> None:
-        """Installs the in-loop gate (None: ungated) and what GetModelInfo and /metrics say about it."""
+        """Installs the in-loop gate (None: ungated) and what GetModelInfo and /metrics say about it.
+
+        Called again whenever a re-check of safety's gate changes the report (gate_watch.py); the
+        trigger counts of categories the new head shares with the old one carry on.
+        """
         with self._step_lock:
             self._gate = head
             self.gate_report = report
-            self._gate_triggers = dict.fromkeys(head.categories if head else (), 0)
+            self._gate_triggers = {
+                c: self._gate_triggers.get(c, 0) for c in (head.categories if head else ())
+            }
 
     def safety_gate_triggers(self) -> dict[str, int]:
         """Sequences the in-loop gate ended, per category (a sequence counts in each category that fired)."""

@@ -16,6 +16,7 @@ from tests.engine.tiny_llama import TinySpec, make_tiny_llama
 # that starts a process belongs here.
 STARTS_SERVICES = frozenset(
     {
+        "gate/test_gate_watch.py",
         "gate/test_safety_gate.py",
         "kv/test_cold_tier.py",
         "kv/test_cold_tier_pruning.py",

@@ -7,6 +7,12 @@ FAILED_PRECONDITION; under `warn` the engine logs it and serves with its own gat
 file at least matches its own manifest. A gate whose engine head reads another model (other
 name or hidden size) leaves the model ungated, reported as UNCOVERED. A gate that cannot be read
 at all, or a safety service that must supply the gate and does not answer, stops the start-up.
+
+While the engine serves, gate_watch.py asks safety again every `recheck_s` seconds and applies the
+same rules to the gate the engine holds, so a gate swapped on either side shows (and a refusal
+lifts) without a restart. A refusing engine's health stays SERVING: each refusal says why, and
+the same check is the pod's liveness probe (deploy/k8s), whose restarts would not mend a gate file
+that differs from safety's, and would reload the model over and over.
 """
 
 from __future__ import annotations
@@ -64,13 +70,16 @@ class GateConfig:
     safety_target: str | None = None  # host:port of the safety service; None: no announcement to check
     mismatch: MismatchPolicy = MismatchPolicy.REFUSE
     safe_message: str = DEFAULT_SAFE_MESSAGE
-    safety_timeout_s: float = 30.0  # how long start-up waits for safety's GetGate
+    safety_timeout_s: float = 30.0  # how long start-up (and each re-check) waits for safety's GetGate
+    recheck_s: float = 30.0  # seconds between re-checks of safety's announcement while serving; 0: never
 
     def __post_init__(self) -> None:
         if not self.safe_message:
             raise ValueError("THERMOCLINE_ENGINE_SAFE_MESSAGE must not be empty")
         if self.safety_timeout_s <= 0:
             raise ValueError(f"THERMOCLINE_ENGINE_SAFETY_TIMEOUT_S must be > 0, got {self.safety_timeout_s}")
+        if not self.recheck_s >= 0:  # NaN fails this too
+            raise ValueError(f"THERMOCLINE_ENGINE_GATE_RECHECK_S must be >= 0 (0: off), got {self.recheck_s}")
         if self.source is GateSource.SAFETY and not self.safety_target:
             raise ValueError(
                 "THERMOCLINE_ENGINE_GATE_SOURCE=safety needs THERMOCLINE_ENGINE_SAFETY_TARGET (host:port)"
@@ -104,13 +113,27 @@ class Announcement(NamedTuple):
     weights: bytes
 
 
+class HeldGate(NamedTuple):
+    """The gate the engine obtained at start-up: its manifest (None: no gate) and what it made of it."""
+
+    manifest: GateManifest | None
+    loaded: LoadedGate
+
+
 def open_gate(config: GateConfig, model: ServedModel, device: torch.device) -> LoadedGate:
     """Obtains, checks and places the gate on `device`; see the module docstring for the rules."""
+    return hold_gate(config, model, device).loaded
+
+
+def hold_gate(config: GateConfig, model: ServedModel, device: torch.device) -> HeldGate:
+    """`open_gate`, keeping the manifest that later re-checks compare with safety's announcement."""
     if config.source is GateSource.OFF:
-        return LoadedGate(None, GateReport(GateStatus.ABSENT, detail="THERMOCLINE_ENGINE_GATE_SOURCE=off"))
+        report = GateReport(GateStatus.ABSENT, detail="THERMOCLINE_ENGINE_GATE_SOURCE=off")
+        return HeldGate(None, LoadedGate(None, report))
     announced = ask_safety(config)
     manifest_json, weights = _gate_bytes(config, announced)
-    return check_gate(config, manifest_json, weights, announced, model, device)
+    loaded = check_gate(config, manifest_json, weights, announced, model, device)
+    return HeldGate(GateManifest.parse(manifest_json), loaded)
 
 
 def check_gate(
@@ -123,8 +146,8 @@ def check_gate(
 ) -> LoadedGate:
     """Checks gate bytes against their manifest, safety's announcement and the model; places the head."""
     manifest = GateManifest.parse(manifest_json)
-    report = _report(config, manifest, sha256_hex(weights), announced, model)
-    _log(report)
+    report = gate_report(config, manifest, sha256_hex(weights), announced, model)
+    log_report(report)
     if not report.is_active:
         return LoadedGate(None, report)
     gate = parse_gate(manifest_json, weights)  # checks the tensors' shapes
@@ -155,6 +178,11 @@ def ask_safety(config: GateConfig) -> Announcement | None:
             raise GateUnavailable(message + hint) from None
         log.warning("%s; the gate stays unverified", message)
         return None
+    return announcement_from_pb(reply)
+
+
+def announcement_from_pb(reply: safety_pb2.GetGateResponse) -> Announcement:
+    """Safety's GetGate reply as the checks read it."""
     return Announcement(reply.version, reply.sha256.lower(), reply.manifest_json, reply.weights)
 
 
@@ -172,13 +200,20 @@ def _gate_bytes(config: GateConfig, announced: Announcement | None) -> tuple[str
         ) from None
 
 
-def _report(
+def gate_report(
     config: GateConfig,
     manifest: GateManifest,
     actual_sha256: str,
     announced: Announcement | None,
     model: ServedModel,
 ) -> GateReport:
+    """The rules of the module docstring: how gate bytes stand against their manifest, safety's
+    announcement (None: not asked, or no answer) and the model.
+
+    Whether the head runs depends on the bytes alone (they cover the model and match their own
+    manifest), never on the announcement: under a refusal it keeps gating the streams admitted
+    before, and a re-check that changes the announcement never has to place or drop a head.
+    """
     problems = _hash_problems(manifest, actual_sha256, announced, config)
     uncovered = _coverage_problem(manifest, model)
     is_covered = uncovered is None
@@ -195,7 +230,7 @@ def _report(
             base,
             GateStatus.MISMATCH,
             "; ".join([*problems, *([uncovered] if uncovered else [])]),
-            is_active=is_covered and is_warned and is_self_consistent,
+            is_active=is_covered and is_self_consistent,
             is_refusing=is_covered and not is_warned,
         )
     if uncovered is not None:
@@ -229,14 +264,27 @@ def _hash_problems(
         problems.append(
             f"the safety service at {config.safety_target} announces gate {announced.version} with "
             f"sha256 {announced.sha256}, the engine holds {manifest.version} with {actual_sha256}"
+            + _remedy(config, announced)
         )
     elif announced is not None and announced.version != manifest.version:
         # the hash covers the weights only; thresholds live in the manifest, whose version says which
         problems.append(
             f"the safety service at {config.safety_target} announces gate {announced.version}, the engine "
             f"holds {manifest.version}: the weights are the same, the manifests (thresholds) may not be"
+            + _remedy(config, announced)
         )
     return problems
+
+
+def _remedy(config: GateConfig, announced: Announcement) -> str:
+    """What ends a difference with safety's gate, as this engine is configured."""
+    if config.source is GateSource.SAFETY:
+        # Its bytes came from safety at start-up. A new gate is not swapped in under running streams
+        # (their earlier tokens were gated by the old one): a restart fetches it.
+        return f"; the engine fetches safety's gate at start-up only: restart it to load {announced.version}"
+    if config.recheck_s > 0:
+        return f"; re-checked every {config.recheck_s:g} s, this clears once both hold the same gate"
+    return "; the engine checks only at start-up (THERMOCLINE_ENGINE_GATE_RECHECK_S=0): restart it then"
 
 
 def _coverage_problem(manifest: GateManifest, model: ServedModel) -> str | None:
@@ -261,7 +309,8 @@ def _coverage_problem(manifest: GateManifest, model: ServedModel) -> str | None:
     return None
 
 
-def _log(report: GateReport) -> None:
+def log_report(report: GateReport) -> None:
+    """One log line for a report: a warning when the gate is in doubt."""
     level = logging.WARNING if report.status in (GateStatus.MISMATCH, GateStatus.UNVERIFIED) else logging.INFO
     log.log(
         level,

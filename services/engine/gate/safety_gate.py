@@ -43,9 +43,9 @@ class GateReport:
     status: GateStatus
     version: str = ""
     sha256: str = ""  # of the weights the engine holds
-    announced_sha256: str = ""  # what the safety service's GetGate announced; empty if not asked
+    announced_sha256: str = ""  # what the safety service's GetGate last announced; empty if never
     detail: str = ""  # why, in words an operator can act on
-    is_active: bool = False  # the head runs inside every step
+    is_active: bool = False  # the head runs inside every step (refusing: on the streams admitted before)
     is_refusing: bool = False  # Generate is refused (a mismatch under the refuse policy)
 
 
@@ -57,7 +57,7 @@ def refusal(report: GateReport) -> GateRefused:
     """The FAILED_PRECONDITION every request gets while `report.is_refusing`."""
     return GateRefused(
         f"this engine refuses to serve: its safety gate failed the hash check ({report.detail}). "
-        "Deploy the same gate file to the engine and the safety service, or set "
+        "Deploy the same gate to the engine and the safety service, or set "
         "THERMOCLINE_ENGINE_GATE_MISMATCH=warn to serve anyway"
     )
 
