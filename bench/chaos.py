@@ -6,8 +6,8 @@
 A mesh serving stories260K (tenant limits lifted) takes steady Generate traffic from `--clients`
 threads, each sending up to `--rate` requests/s, each request carrying its own x-request-id, while
 `--block-writers` threads put small blocks into the kvstore (three per PutBlocks call, up to
-`--put-rate` calls/s each). Each cycle SIGKILLs one process (gateway, engine, Redis, kvstore, in
-turn), starts it again through Mesh.start_service, waits for its health check, then for the first
+`--put-rate` calls/s each). Each cycle SIGKILLs one process (gateway, engine, Redis, kvstore,
+safety, in turn), starts it again through Mesh.start_service, waits for its health check, then for the first
 Generate that succeeds through the gateway (for the kvstore: the first block put and read back).
 A Redis kill loses the kvstore's index (Redis runs without persistence), so the kvstore must
 rebuild it from its segments. At the end the report gives:
@@ -60,7 +60,7 @@ from services.gateway.audit import DECISIONS  # noqa: E402
 from services.gateway.audit_chain import segment_paths  # noqa: E402
 from services.gateway.tokens import mint_token  # noqa: E402
 
-VICTIMS = ("gateway", "engine", "redis", "kvstore")
+VICTIMS = ("gateway", "engine", "redis", "kvstore", "safety")
 UNLIMITED_TENANT = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
 PROMPT = "Once upon a time"
 REQUEST_TIMEOUT_S = 30.0
@@ -468,7 +468,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--cycles", type=int, default=12, help="kills, rotating over gateway, engine, Redis, kvstore"
+        "--cycles", type=int, default=12, help="kills, rotating over gateway, engine, Redis, kvstore, safety"
     )
     parser.add_argument("--clients", type=int, default=2, help="client threads")
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s each client sends, when it can")

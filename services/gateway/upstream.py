@@ -131,8 +131,7 @@ class Upstreams:
         own = self.safety_timeout_s
         if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and own is not None and timeout_s >= own:
             return Unavailable(
-                f"safety did not answer within {own:g} s (THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S); "
-                "retry later"
+                f"safety did not answer within {own:g} s (THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S); retry later"
             )
         return upstream_error("safety", error)
 

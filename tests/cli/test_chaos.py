@@ -1,4 +1,4 @@
-"""Chaos in CI: bench/chaos.py's cycles, one per process (gateway, engine, Redis, kvstore, each
+"""Chaos in CI: bench/chaos.py's cycles, one per process (gateway, engine, Redis, kvstore, safety, each
 SIGKILLed under load and restarted). No request the client saw acknowledged may lose its audit
 event, the audit log must verify, no block the kvstore acknowledged may be lost, no block it serves
 may differ from what was written, and after every kill a request must succeed again.
