@@ -51,7 +51,8 @@ Install = Callable[[InLoopGate | None, GateReport], None]  # LLMEngine.set_safet
 class GateWatch:
     """The gate the engine holds, judged against safety's latest announcement.
 
-    `loaded` is the gate and report last handed to the engine; only `recheck` changes it.
+    `loaded` is the gate and report the engine last accepted; only `update` changes it, once the
+    install returns, so an install that raises leaves a difference the next re-check installs again.
     """
 
     def __init__(self, config: GateConfig, model: ServedModel, held: HeldGate) -> None:
@@ -71,15 +72,25 @@ class GateWatch:
         )
 
     def recheck(self, announced: Announcement | None) -> LoadedGate | None:
-        """The gate to install after safety's answer (None: no answer), or None when nothing changed."""
+        """The gate to install after safety's answer (None: no answer), or None when nothing changed.
+
+        Changes nothing: `update` installs what this returns."""
         report = self._judge(announced)
         if report == self.loaded.report:
             return None
         # the head depends on the held bytes only (gate_report), so a re-check keeps it
         assert report.is_active == (self.loaded.head is not None), "a re-check cannot place or drop a head"
-        self.loaded = LoadedGate(self.loaded.head, report)
-        log_report(report)
-        return self.loaded
+        return LoadedGate(self.loaded.head, report)
+
+    async def update(self, announced: Announcement | None, install: Install) -> None:
+        """Re-checks against `announced` and installs a changed gate, in a worker thread; `loaded`
+        follows only once `install` returns (an install that raises is tried again next time)."""
+        changed = self.recheck(announced)
+        if changed is None:
+            return
+        await asyncio.to_thread(install, *changed)
+        self.loaded = changed
+        log_report(changed.report)
 
     def _judge(self, announced: Announcement | None) -> GateReport:
         assert self.held.manifest is not None
@@ -112,10 +123,8 @@ class GateWatch:
             while True:
                 await asyncio.sleep(self.config.recheck_s)
                 try:
-                    changed = self.recheck(await self._ask(stub))
-                    if changed is not None:
-                        await asyncio.to_thread(install, *changed)
-                except Exception:  # a failed re-check must not end the watch
+                    await self.update(await self._ask(stub), install)
+                except Exception:  # a failed re-check must not end the watch; the next one retries
                     log.exception("the safety gate re-check failed; the gate's report stays as it was")
 
     async def _ask(self, stub: safety_pb2_grpc.SafetyServiceStub) -> Announcement | None:

@@ -3,6 +3,7 @@ safety service that is restarted with another gate while the engine serves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
@@ -21,12 +22,13 @@ from services.engine.gate.gate_loader import (
     Announcement,
     GateConfig,
     GateSource,
+    LoadedGate,
     MismatchPolicy,
     ServedModel,
     hold_gate,
 )
 from services.engine.gate.gate_watch import GateWatch
-from services.engine.gate.safety_gate import GateRefused, GateStatus
+from services.engine.gate.safety_gate import GateRefused, GateReport, GateStatus, InLoopGate
 from services.engine.llm_engine import LLMEngine
 from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.sequence import FinishReason
@@ -54,6 +56,13 @@ def _watch(path: Path, announced: Announcement | None, **overrides: object) -> G
         return GateWatch(config, TINY, hold_gate(config, TINY, CPU))
 
 
+def _recheck(watch: GateWatch, announced: Announcement | None) -> LoadedGate | None:
+    """One re-check whose install the engine accepts: what it installed, or None when nothing changed."""
+    installed: list[LoadedGate] = []
+    asyncio.run(watch.update(announced, lambda head, report: installed.append(LoadedGate(head, report))))
+    return installed[0] if installed else None
+
+
 @pytest.fixture
 def gates(tmp_path: Path) -> tuple[Path, Path]:
     """Two gates for the tiny model that differ in their weights."""
@@ -71,16 +80,16 @@ def test_another_announced_gate_refuses_and_the_held_one_announced_again_lifts_i
     watch = _watch(held, _announce(held))
     head = watch.loaded.head
     assert watch.loaded.report.status is GateStatus.OK and head is not None
-    assert watch.recheck(_announce(held)) is None  # nothing changed: nothing to install
+    assert _recheck(watch, _announce(held)) is None  # nothing changed: nothing to install
 
-    mismatch = watch.recheck(_announce(other))
+    mismatch = _recheck(watch, _announce(other))
     assert mismatch is not None and mismatch.head is head  # the held gate keeps running
     report = mismatch.report
     assert report.status is GateStatus.MISMATCH and report.is_refusing and report.is_active
     assert report.announced_sha256 == _announce(other).sha256 != report.sha256
     assert "re-checked every 30 s" in report.detail
 
-    cleared = watch.recheck(_announce(held))
+    cleared = _recheck(watch, _announce(held))
     assert cleared is not None and cleared.head is head
     assert cleared.report.status is GateStatus.OK and not cleared.report.is_refusing
 
@@ -88,7 +97,7 @@ def test_another_announced_gate_refuses_and_the_held_one_announced_again_lifts_i
 def test_no_answer_turns_ok_unverified_and_leaves_a_mismatch_refusing(gates: tuple[Path, Path]) -> None:
     held, other = gates
     watch = _watch(held, _announce(held))
-    unverified = watch.recheck(None)
+    unverified = _recheck(watch, None)
     assert unverified is not None and unverified.head is watch.held.loaded.head
     report = unverified.report
     assert report.status is GateStatus.UNVERIFIED and report.is_active and not report.is_refusing
@@ -96,7 +105,7 @@ def test_no_answer_turns_ok_unverified_and_leaves_a_mismatch_refusing(gates: tup
 
     refusing = _watch(held, _announce(other))
     assert refusing.loaded.report.is_refusing
-    assert refusing.recheck(None) is None  # only an answer that matches lifts a refusal
+    assert _recheck(refusing, None) is None  # only an answer that matches lifts a refusal
     assert refusing.loaded.report.status is GateStatus.MISMATCH and refusing.loaded.report.is_refusing
 
 
@@ -110,11 +119,46 @@ def test_a_gate_fetched_from_safety_is_not_swapped_but_reported_per_the_policy(
         )
         watch = _watch(held, fetched, source=GateSource.SAFETY, mismatch=policy)
         assert watch.loaded.report.status is GateStatus.OK
-        changed = watch.recheck(_announce(other))
+        changed = _recheck(watch, _announce(other))
         assert changed is not None and changed.head is watch.held.loaded.head
         assert changed.report.sha256 == _announce(held).sha256  # still the gate it fetched
         assert changed.report.status is GateStatus.MISMATCH and changed.report.is_refusing is is_refusing
         assert "restart it to load t1" in changed.report.detail
+
+
+def test_an_install_that_raises_is_tried_again_at_the_next_recheck(
+    gates: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch follows the engine only once an install returns: had it moved first, every later
+    re-check would see nothing changed, and the engine would keep the old report for good."""
+    held, other = gates
+    watch = _watch(held, _announce(held), recheck_s=0.01)
+    num_asks, fourth_ask = 0, asyncio.Event()
+
+    async def safety_announces_other(stub: object) -> Announcement:
+        nonlocal num_asks
+        num_asks += 1
+        if num_asks == 4:
+            fourth_ask.set()
+        return _announce(other)
+
+    installed: list[GateReport] = []
+
+    def install_failing_once(head: InLoopGate | None, report: GateReport) -> None:
+        installed.append(report)
+        if len(installed) == 1:
+            raise RuntimeError("the engine could not take the gate")
+
+    async def scenario() -> None:
+        monkeypatch.setattr(watch, "_ask", safety_announces_other)
+        watch.start(install_failing_once)
+        await asyncio.wait_for(fourth_ask.wait(), 30)
+        await watch.stop()
+
+    asyncio.run(scenario())
+    # the first install raised, the second re-check tried again, the third and fourth had nothing to do
+    assert [report.status for report in installed] == [GateStatus.MISMATCH, GateStatus.MISMATCH]
+    assert watch.loaded.report is installed[1]
 
 
 def test_the_watch_runs_only_with_a_gate_a_safety_service_and_a_period(gates: tuple[Path, Path]) -> None:
@@ -150,9 +194,8 @@ def test_a_refusal_from_a_recheck_keeps_gating_admitted_streams_and_their_counts
     admitted = ResultCollector([5, 6, 7])
     engine.submit([5, 6, 7], params, admitted)
 
-    refusing = watch.recheck(_announce(other))
-    assert refusing is not None
-    engine.set_safety_gate(*refusing)
+    asyncio.run(watch.update(_announce(other), engine.set_safety_gate))
+    assert watch.loaded.report.is_refusing
     with pytest.raises(GateRefused, match="announces gate t1"):
         engine.submit([5, 6, 7], params, lambda event: None)
     while not admitted.done.is_set():
