@@ -7,6 +7,7 @@ through a `LoopMailbox`, so the loop never waits on the model.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -135,7 +136,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.config = config
         self.engine = engine
         self._mailbox: LoopMailbox | None = None
-        self._max_prompt_chars = max_prompt_chars(engine)
+        self._prompt_limit = prompt_char_limit(engine)
 
     def _mailbox_for(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
         if self._mailbox is None or self._mailbox.loop is not loop:
@@ -147,7 +148,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             self._check_raw_prompt(request.prompt)
         # Tokenizing is CPU-bound (the tokenizer lets the GIL go); off the loop, so streams in flight,
         # GetStats and health checks are served meanwhile.
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, request, self._max_prompt_chars)
+        prompt_ids = await asyncio.to_thread(
+            self._prompt_ids, request, self._prompt_limit.max_chars if self._prompt_limit else None
+        )
         params = sampling_from_pb(request.sampling, self.config)
         gate_policy = gate_policy_from_pb(request)
         self._annotate_span(request, params, len(prompt_ids))
@@ -262,12 +265,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     def _check_text_fits(self, text: str) -> None:
         """Refuses text with more characters than the context could hold at the tokenizer's densest."""
-        if self._max_prompt_chars is not None and len(text) > self._max_prompt_chars:
+        limit = self._prompt_limit
+        if limit is not None and len(text) > limit.max_chars:
             raise InvalidArgument(
                 f"prompt has {len(text):,} characters, but this engine's context holds "
-                f"{self.engine.max_seq_len - 1} prompt tokens and its tokenizer puts at most "
-                f"{self.engine.tokenizer.max_chars_per_token} characters in a token, so no prompt over "
-                f"{self._max_prompt_chars:,} characters can fit; shorten the prompt"
+                f"{limit.max_prompt_tokens} prompt tokens and its tokenizer puts at most "
+                f"{limit.max_chars_per_token} characters in a token, so no prompt over "
+                f"{limit.max_chars:,} characters can fit; shorten the prompt"
             )
 
     def _annotate_span(self, request: pb.GenerateRequest, params: SamplingParams, num_prompt: int) -> None:
@@ -296,10 +300,23 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return message
 
 
-def max_prompt_chars(engine: LLMEngine) -> int | None:
-    """The most characters a prompt that fits the context can have (None: the tokenizer gives no bound)."""
+@dataclasses.dataclass(frozen=True)
+class PromptCharLimit:
+    """The most characters a prompt that fits the context can have, and the two numbers behind it."""
+
+    max_prompt_tokens: int  # max_seq_len - 1: one position stays for the first new token (PromptTooLong)
+    max_chars_per_token: int  # the tokenizer's densest token (text/chars_per_token.py)
+
+    @property
+    def max_chars(self) -> int:
+        """A longer text needs more than `max_prompt_tokens` tokens, so it cannot fit."""
+        return self.max_prompt_tokens * self.max_chars_per_token
+
+
+def prompt_char_limit(engine: LLMEngine) -> PromptCharLimit | None:
+    """`engine`'s bound on a prompt's characters (None: the tokenizer gives no bound)."""
     per_token = engine.tokenizer.max_chars_per_token
-    return None if per_token is None else engine.max_seq_len * per_token
+    return None if per_token is None else PromptCharLimit(engine.max_seq_len - 1, per_token)
 
 
 def gate_info_to_pb(report: GateReport) -> pb.SafetyGateInfo:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,7 +24,8 @@ from tests.conftest import STORIES_GOLDEN_IDS, STORIES_PROMPT_IDS
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
 
-MAX_SEQ_LEN = 64  # stories260K's tokenizer puts at most 9 characters in a token: 576 characters fit
+MAX_SEQ_LEN = 64  # 63 prompt tokens of at most 9 characters (stories260K's tokenizer): 567 characters fit
+MAX_PROMPT_CHARS = (MAX_SEQ_LEN - 1) * 9
 RELEASE_TIMEOUT_S = 30  # only reached when a held tokenizer blocks the event loop (the failure shown)
 
 
@@ -86,17 +88,28 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(
         return encode(text, add_bos)
 
     monkeypatch.setattr(engine.tokenizer, "encode", counted_encode)
-    too_long = "a" * (MAX_SEQ_LEN * 9 + 1)
 
-    async def scenario() -> grpc.aio.AioRpcError:
+    async def scenario(num_chars: int) -> grpc.aio.AioRpcError:
         async with serving(engine) as stub:
-            return await refusal(stub, pb.GenerateRequest(prompt=too_long))
+            return await refusal(stub, pb.GenerateRequest(prompt="a" * num_chars))
 
-    error = asyncio.run(scenario())
+    error = asyncio.run(scenario(MAX_PROMPT_CHARS + 1))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "prompt has 577 characters" in error.details()
-    assert "no prompt over 576 characters can fit" in error.details()
     assert tokenized == []
+    numbers = re.fullmatch(
+        r"prompt has (\d+) characters, but this engine's context holds (\d+) prompt tokens and its "
+        r"tokenizer puts at most (\d+) characters in a token, so no prompt over (\d+) characters can "
+        r"fit; shorten the prompt",
+        error.details(),
+    )
+    assert numbers is not None, error.details()
+    num_chars, num_tokens, chars_per_token, max_chars = map(int, numbers.groups())
+    assert (num_tokens, chars_per_token) == (MAX_SEQ_LEN - 1, engine.tokenizer.max_chars_per_token)
+    assert max_chars == num_tokens * chars_per_token == MAX_PROMPT_CHARS == num_chars - 1
+
+    # one character fewer passes the character bound; the engine then counts its tokens
+    error = asyncio.run(scenario(MAX_PROMPT_CHARS))
+    assert tokenized == [MAX_PROMPT_CHARS] and "tokens but the limit is 63" in error.details()
 
 
 def test_the_densest_prompt_that_fits_is_served(engine: LLMEngine) -> None:
