@@ -148,9 +148,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             self._check_raw_prompt(request.prompt)
         # Tokenizing is CPU-bound (the tokenizer lets the GIL go); off the loop, so streams in flight,
         # GetStats and health checks are served meanwhile.
-        prompt_ids = await asyncio.to_thread(
-            self._prompt_ids, request, self._prompt_limit.max_chars if self._prompt_limit else None
-        )
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, request, self._prompt_limit)
         params = sampling_from_pb(request.sampling, self.config)
         gate_policy = gate_policy_from_pb(request)
         self._annotate_span(request, params, len(prompt_ids))
@@ -221,10 +219,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return pb.CountTokensResponse(num_tokens=len(prompt_ids), model=self.engine.model_id)
 
     def _prompt_ids(
-        self, request: pb.GenerateRequest | pb.CountTokensRequest, max_chars: int | None = None
+        self, request: pb.GenerateRequest | pb.CountTokensRequest, limit: PromptCharLimit | None = None
     ) -> list[int]:
-        """Token ids for whichever input form the request used; a rendered chat longer than
-        `max_chars` characters is refused before it is tokenized (None: every text is counted)."""
+        """Token ids for whichever input form the request used; a rendered chat longer than `limit`
+        allows is refused before it is tokenized (None: every text is counted, as CountTokens does)."""
         tokenizer = self.engine.tokenizer
         kind = request.WhichOneof("input")
         if kind == "token_ids":
@@ -239,10 +237,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if kind == "prompt":
             return tokenizer.encode(request.prompt)
         if kind == "chat":
-            return self._chat_ids(request.chat, max_chars)
+            return self._chat_ids(request.chat, limit)
         raise InvalidArgument("request has no input: set prompt, chat or token_ids")
 
-    def _chat_ids(self, chat: pb.ChatTurns, max_chars: int | None) -> list[int]:
+    def _chat_ids(self, chat: pb.ChatTurns, limit: PromptCharLimit | None) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template is None:
             raise InvalidArgument(f"model {self.engine.model_id} has no chat template; send a plain prompt")
@@ -253,26 +251,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             text = tokenizer.apply_chat_template(messages)
         except ValueError as error:
             raise InvalidArgument(f"chat template rejected the messages: {error}") from None
-        if max_chars is not None:
-            self._check_text_fits(text)
+        _check_text_fits(text, limit)
         return tokenizer.encode(text, add_bos=False)
 
     def _check_raw_prompt(self, text: str) -> None:
         """Refuses an empty prompt, and one too long to fit, before tokenizing it (megabytes take seconds)."""
         if not text:  # it would generate from BOS alone, as empty token_ids would (which are refused)
             raise InvalidArgument("prompt is empty; send the text to continue (or chat turns, or token_ids)")
-        self._check_text_fits(text)
-
-    def _check_text_fits(self, text: str) -> None:
-        """Refuses text with more characters than the context could hold at the tokenizer's densest."""
-        limit = self._prompt_limit
-        if limit is not None and len(text) > limit.max_chars:
-            raise InvalidArgument(
-                f"prompt has {len(text):,} characters, but this engine's context holds "
-                f"{limit.max_prompt_tokens} prompt tokens and its tokenizer puts at most "
-                f"{limit.max_chars_per_token} characters in a token, so no prompt over "
-                f"{limit.max_chars:,} characters can fit; shorten the prompt"
-            )
+        _check_text_fits(text, self._prompt_limit)
 
     def _annotate_span(self, request: pb.GenerateRequest, params: SamplingParams, num_prompt: int) -> None:
         span = trace.get_current_span()
@@ -317,6 +303,17 @@ def prompt_char_limit(engine: LLMEngine) -> PromptCharLimit | None:
     """`engine`'s bound on a prompt's characters (None: the tokenizer gives no bound)."""
     per_token = engine.tokenizer.max_chars_per_token
     return None if per_token is None else PromptCharLimit(engine.max_seq_len - 1, per_token)
+
+
+def _check_text_fits(text: str, limit: PromptCharLimit | None) -> None:
+    """Refuses text with more characters than `limit` lets fit (None: no bound, nothing refused)."""
+    if limit is not None and len(text) > limit.max_chars:
+        raise InvalidArgument(
+            f"prompt has {len(text):,} characters, but this engine's context holds "
+            f"{limit.max_prompt_tokens} prompt tokens and its tokenizer puts at most "
+            f"{limit.max_chars_per_token} characters in a token, so no prompt over "
+            f"{limit.max_chars:,} characters can fit; shorten the prompt"
+        )
 
 
 def gate_info_to_pb(report: GateReport) -> pb.SafetyGateInfo:

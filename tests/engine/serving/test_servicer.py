@@ -112,6 +112,26 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(
     assert tokenized == [MAX_PROMPT_CHARS] and "tokens but the limit is 63" in error.details()
 
 
+def test_a_chat_too_long_to_fit_is_refused_by_generate_and_counted_by_counttokens(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rendered chat meets the same character bound as a prompt, but only where it is to be
+    served: CountTokens exists to count any text, so it tokenizes it."""
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "(one turn: its content)")
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", lambda messages: messages[0]["content"])
+    chat = pb.ChatTurns(messages=[pb.ChatMessage(role="user", content="a" * (MAX_PROMPT_CHARS + 1))])
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, int]:
+        async with serving(engine) as stub:
+            refused = await refusal(stub, pb.GenerateRequest(chat=chat))
+            return refused, (await stub.CountTokens(pb.CountTokensRequest(chat=chat))).num_tokens
+
+    refused, num_counted = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"no prompt over {MAX_PROMPT_CHARS} characters can fit" in refused.details()
+    assert num_counted == len(engine.tokenizer.encode("a" * (MAX_PROMPT_CHARS + 1), add_bos=False))
+
+
 def test_the_densest_prompt_that_fits_is_served(engine: LLMEngine) -> None:
     """The vocabulary's longest piece, repeated until the context is one token short of full: the most
     characters per token a prompt can have. The character bound lets it through."""
