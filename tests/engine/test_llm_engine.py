@@ -19,6 +19,7 @@ from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.scheduler import ScheduledBatch
 from services.engine.scheduling.sequence import FinishReason, StreamEvent
 from services.engine.serving.generation_result import ResultCollector
+from tests.engine.fake_clock import FakeClock
 from tests.engine.tiny_llama import TinySpec, make_tiny_llama
 
 GREEDY_20 = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -439,16 +440,6 @@ def test_a_request_larger_than_the_whole_hot_pool_is_refused_with_the_numbers(ti
     engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=2, max_seq_len=256, kv=tight)
     with pytest.raises(KVCapacityExceeded, match="hot KV pool holds 128 tokens in all"):
         engine.submit(list(range(2, 100)), SamplingParams(max_new_tokens=64), lambda e: None)
-
-
-class FakeClock:
-    """A scheduler clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class RecordingCondition(threading.Condition):

@@ -9,19 +9,10 @@ from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.scheduler import ScheduledBatch, Scheduler, StepKind
 from services.engine.scheduling.sequence import FinishReason, RequestId, Sequence, SequenceStatus
 from services.engine.text.detokenizer import IncrementalDetokenizer
+from tests.engine.fake_clock import FakeClock
 from tests.engine.paged_helpers import ONE_HEAD, make_cache
 
 BLOCK = 4
-
-
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _seq(
