@@ -39,6 +39,9 @@ from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 CPU = torch.device("cpu")
 TINY = ServedModel(("tiny",), 64)
 SAFETY = "127.0.0.1:1"  # never dialled by the in-process tests: they hand the watch its answers
+# between GetModelInfo polls: a tight loop would take a core from the services it waits on (CI has 2);
+# a poll interval, not synchronisation: the engine re-checks every 0.5 s (_safety_and_engine)
+POLL_INTERVAL_S = 0.05
 
 
 def _announce(path: Path) -> Announcement:
@@ -261,13 +264,14 @@ def _gate_info(mesh: Mesh) -> engine_pb2.SafetyGateInfo:
 
 
 def _wait_for_gate(mesh: Mesh, status: int, timeout_s: float = 60) -> engine_pb2.SafetyGateInfo:
-    """Polls GetModelInfo until the engine reports `status`."""
+    """Polls GetModelInfo every POLL_INTERVAL_S until the engine reports `status`."""
     deadline = time.monotonic() + timeout_s
     while (gate := _gate_info(mesh)).status != status:
         assert time.monotonic() < deadline, (
             f"no {engine_pb2.SafetyGateStatus.Name(status)} after {timeout_s} s: {gate}\n"
             f"{mesh.log_tail('engine')}"
         )
+        time.sleep(POLL_INTERVAL_S)
     return gate
 
 
