@@ -36,6 +36,7 @@ DECISIONS, ADMIN = "decisions", "admin"
 STREAMS = (DECISIONS, ADMIN)
 ADMIN_ACTIONS = frozenset({"admin", "read_audit", "policy.load", "audit.prune", "audit.start"})
 ALLOW, DENY = "allow", "deny"
+UNAUTHENTICATED = "unauthenticated"  # the actor of a call whose token has not verified (yet)
 # Every string in a record is cut to this many characters, so no caller can make a record large:
 # a record stays under about 8 KiB whatever the request held.
 MAX_FIELD_CHARS = 512
@@ -109,7 +110,8 @@ class AuditConfig:
     `key_file` holds the checkpoint signing key (see audit_checkpoint.py); it must lie outside
     `directory`. Without it the chain still shows careless edits, but not a rewritten chain.
     `unauthenticated_per_s`: refusals of callers with no verified identity written one by one per
-    second, the rest counted in summaries (audit_sampling.py); 0 writes every one.
+    second, the rest counted in summaries (audit_sampling.py); `free_refusals_per_s`: the same,
+    per tenant, for a verified caller's refusals that take nothing from its bucket; 0 writes every one.
     """
 
     directory: Path
@@ -119,12 +121,18 @@ class AuditConfig:
     key_file: Path | None = None
     checkpoint_interval_s: float = 60.0
     unauthenticated_per_s: float = 10.0
+    free_refusals_per_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.unauthenticated_per_s < 0:
             raise ValueError(
                 "THERMOCLINE_GATEWAY_AUDIT_UNAUTHENTICATED_PER_S must be >= 0 (0: every refusal), "
                 f"got {self.unauthenticated_per_s}"
+            )
+        if self.free_refusals_per_s < 0:
+            raise ValueError(
+                "THERMOCLINE_GATEWAY_AUDIT_FREE_REFUSALS_PER_S must be >= 0 (0: every refusal), "
+                f"got {self.free_refusals_per_s}"
             )
         if self.key_file is not None:
             check_key_outside(self.key_file, self.directory)

@@ -292,6 +292,7 @@ def _audit_from_env(environ: Mapping[str, str] | None) -> AuditConfig:
         key_file=_optional_path(PREFIX + "AUDIT_KEY_FILE", environ),
         checkpoint_interval_s=env.get_float(PREFIX + "AUDIT_CHECKPOINT_S", 60.0, environ),
         unauthenticated_per_s=env.get_float(PREFIX + "AUDIT_UNAUTHENTICATED_PER_S", 10.0, environ),
+        free_refusals_per_s=env.get_float(PREFIX + "AUDIT_FREE_REFUSALS_PER_S", 10.0, environ),
     )
 
 

@@ -28,10 +28,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from services.common import telemetry
-from services.common.errors import InvalidArgument, PermissionDenied, ThermoclineError, Unauthenticated
+from services.common.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    ThermoclineError,
+    Unauthenticated,
+)
 from services.gateway.admission import TenantStreams
-from services.gateway.audit import ALLOW, DENY, AuditEvent, AuditLog, prompt_sha256
-from services.gateway.audit_sampling import UnauthenticatedDenials
+from services.gateway.audit import ALLOW, DENY, UNAUTHENTICATED, AuditEvent, AuditLog, prompt_sha256
+from services.gateway.audit_sampling import DenialSampler
 from services.gateway.auth import JwtVerifier, Principal
 from services.gateway.budget import PromptCounter, check_request_budget
 from services.gateway.call_metadata import CallMetadata
@@ -59,11 +65,11 @@ ModelResolver = Callable[[str], Awaitable[str]]
 PromptReady = Callable[[str, "Principal", "TenantLimits"], Awaitable[None]]
 ModelLister = Callable[[], Awaitable[list[str]]]
 _MAX_REQUEST_ID_CHARS = 128
-UNAUTHENTICATED = "unauthenticated"  # the actor of a call whose token has not verified (yet)
 # Prompts up to this length are screened beside the token count (a few ms of screening, hidden
 # behind it); longer ones after the count, budget and token rate passed. A long prompt's screen
 # costs safety hundreds of ms of CPU, which a caller over its budget must not be able to spend.
 SCREEN_BEFORE_COUNT_MAX_CHARS = 4096
+MAX_SAMPLED_TENANTS = 10_000  # tenants whose free refusals are sampled; a token names its tenant
 
 
 class Policies(NamedTuple):
@@ -178,7 +184,7 @@ class Gatekeeper:
         limiter: RateLimiter,
         audit: AuditLog,
         bounds: RequestBounds,
-        tenant_streams: TenantStreams | None = None,
+        tenant_streams: TenantStreams,
     ) -> None:
         self.verifier = verifier
         self.policy, self.intents, self.tenants = policies
@@ -187,8 +193,11 @@ class Gatekeeper:
         self.audit = audit
         self.bounds = bounds
         # Taken for an admitted Generate call; the servicer gives it back when the stream ends.
-        self.tenant_streams = tenant_streams or TenantStreams(pushback_ms=1000)
-        self.unauthenticated = UnauthenticatedDenials(audit.config.unauthenticated_per_s)
+        self.tenant_streams = tenant_streams
+        # Refusals that cost the caller nothing, sampled (audit_sampling.py): the unauthenticated
+        # together, a verified caller's per tenant.
+        self.unauthenticated = DenialSampler("", audit.config.unauthenticated_per_s)
+        self._free_refusals: dict[str, DenialSampler] = {}
 
     def authenticate(self, metadata: CallMetadata) -> Principal:
         """The verified caller with its roles."""
@@ -233,30 +242,51 @@ class Gatekeeper:
         try:
             return await checks
         except ThermoclineError as error:
-            await self.record_denial(
-                facts.event(DENY, error.message), is_authenticated=facts.actor_principal != UNAUTHENTICATED
-            )
+            if facts.actor_principal == UNAUTHENTICATED:
+                sampled_as: str | None = UNAUTHENTICATED
+            else:  # a rate limit or stream cap reached takes nothing from the bucket
+                sampled_as = facts.tenant if isinstance(error, ResourceExhausted) else None
+            await self.record_denial(facts.event(DENY, error.message), sampled_as)
             raise
         except Exception:
             log.exception("admission check failed unexpectedly")
             await self.audit.record(facts.event(DENY, "internal error in the gateway's checks"))
             raise
 
-    async def record_denial(self, event: AuditEvent, is_authenticated: bool) -> None:
-        """Writes a refusal. One of a caller with no verified token is written one by one up to
-        the audit rate and counted beyond it (audit_sampling.py); the HTTP front's own refusals
-        come here too."""
-        if not is_authenticated:
-            if not self.unauthenticated.admit():
-                self.unauthenticated.count(event.reason, event.timestamp_utc)
+    async def record_denial(self, event: AuditEvent, sampled_as: str | None) -> None:
+        """Writes a refusal; one that cost the caller nothing is sampled (`sampled_as`:
+        UNAUTHENTICATED, or the verified caller's tenant): written one by one up to the audit rate,
+        counted beyond it. The HTTP front's own refusals come here too."""
+        sampler = self._sampler(sampled_as)
+        if sampler is not None:
+            if not sampler.admit():
+                sampler.count(event.reason, event.timestamp_utc)
                 return
-            await self.record_unauthenticated_summary()  # what was counted comes first
+            await self._record_summary(sampler)  # what was counted comes first
         await self.audit.record(event)
 
-    async def record_unauthenticated_summary(self) -> None:
-        """Writes the counts of unauthenticated refusals left out since the last summary, if any."""
-        if (summary := self.unauthenticated.take_summary()) is not None:
-            await self.audit.record(summary)
+    def _sampler(self, sampled_as: str | None) -> DenialSampler | None:
+        if sampled_as is None:
+            return None
+        if sampled_as == UNAUTHENTICATED:
+            return self.unauthenticated
+        sampler = self._free_refusals.get(sampled_as)
+        if sampler is None:
+            if len(self._free_refusals) >= MAX_SAMPLED_TENANTS:
+                return None  # past the bound, written one by one
+            sampler = DenialSampler(sampled_as, self.audit.config.free_refusals_per_s)
+            self._free_refusals[sampled_as] = sampler
+        return sampler
+
+    async def record_summaries(self) -> None:
+        """Writes the counts of every sampler's refusals left out since its last summary."""
+        for sampler in [self.unauthenticated, *self._free_refusals.values()]:
+            await self._record_summary(sampler)
+
+    async def _record_summary(self, sampler: DenialSampler) -> None:
+        if (summary := sampler.summary()) is not None:
+            await self.audit.record(summary)  # a failure leaves the counts for the next summary
+            sampler.written()
 
     async def _check_generate(
         self,

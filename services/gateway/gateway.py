@@ -45,7 +45,7 @@ def load_policies(config: GatewayConfig) -> Policies:
 
 
 _PRUNE_INTERVAL_S = 3600.0
-_UNAUTHENTICATED_SUMMARY_S = 60.0  # how often counted unauthenticated refusals are written
+_UNAUTHENTICATED_SUMMARY_S = 60.0  # how often the counts of sampled refusals are written
 # How long a gateway whose tenants loosen safety categories waits for the safety service at start.
 SAFETY_START_WAIT_S = 60.0
 
@@ -144,13 +144,13 @@ class Gateway:
         log.info("tenant safety overrides checked against gate %s", gate.version)
 
     async def _summarize_forever(self) -> None:
-        """Writes the counts of unauthenticated refusals left out of the audit log, every interval."""
+        """Writes the counts of sampled refusals left out of the audit log, every interval."""
         while True:
             await asyncio.sleep(_UNAUTHENTICATED_SUMMARY_S)
             try:
-                await self.servicer.gatekeeper.record_unauthenticated_summary()
+                await self.servicer.gatekeeper.record_summaries()
             except ThermoclineError:  # e.g. a full disk: the counts are in the next summary
-                log.exception("the unauthenticated-refusal summary could not be written")
+                log.exception("a summary of sampled refusals could not be written")
 
     async def _prune_forever(self) -> None:
         """Applies audit retention now and then every hour."""
@@ -170,7 +170,7 @@ class Gateway:
         if self._summarizer is not None:
             self._summarizer.cancel()
         with contextlib.suppress(ThermoclineError):  # a full disk: logged by the audit log
-            await self.servicer.gatekeeper.record_unauthenticated_summary()
+            await self.servicer.gatekeeper.record_summaries()
         await self.upstreams.close()
         await self.limiter.close()
         self.audit.close()

@@ -158,6 +158,12 @@ def http_replica(
     with `settings` added to its environment; stopped on exit."""
     tenants = UNLIMITED_TENANTS | {"tenants": {"tight": TIGHT_TENANT}}
     env = write_policy_files(Path(tmp_path_factory.mktemp(f"{name}-policy")), tenants=tenants)
+    # Every refusal written one by one: the tests here read refusals' events by request id, more
+    # of them than the audit rate's burst (its sampling: tests/gateway/test_audit_flood.py).
+    env |= {
+        "THERMOCLINE_GATEWAY_AUDIT_UNAUTHENTICATED_PER_S": "0",
+        "THERMOCLINE_GATEWAY_AUDIT_FREE_REFUSALS_PER_S": "0",
+    }
     mesh.start_gateway_replica(name, **env, **settings)
     try:
         yield HttpGateway(

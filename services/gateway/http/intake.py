@@ -30,10 +30,10 @@ from starlette.requests import ClientDisconnect, Request
 from services.common import telemetry
 from services.common.errors import InvalidArgument, ThermoclineError, Unavailable
 from services.common.metrics import DRAINING
-from services.gateway.audit import DENY, AuditEvent
+from services.gateway.audit import DENY, UNAUTHENTICATED, AuditEvent
 from services.gateway.auth import Principal
 from services.gateway.call_metadata import CallMetadata
-from services.gateway.gatekeeper import UNAUTHENTICATED, Gatekeeper, request_id_of
+from services.gateway.gatekeeper import Gatekeeper, request_id_of
 from services.gateway.http.call import HttpCallContext
 from services.gateway.http.errors import RequestTimeout
 from services.gateway.http.limits import HttpLimits
@@ -94,9 +94,12 @@ class Intake:
                 raise draining()
             self._check_declared_size(request)
             facts.principal = self._authenticate(request)
-            timeout_s = timeout_s_of(request)
-            context = HttpCallContext(metadata_of(request, request_id), time.monotonic() + timeout_s)
+            timeout_s = timeout_s_of(request)  # the headers are checked before the body is read
+            metadata = metadata_of(request, request_id)
             parsed = parse(endpoint, _json(await self._body(request)))
+        # X-Timeout-S counts from here, where the Generation's own timeout starts: the body's
+        # reading has a deadline of its own, and the engine and safety get the whole budget.
+        context = HttpCallContext(metadata, time.monotonic() + timeout_s)
         return GenerateCall(parsed, context, timeout_s)
 
     async def list_models(self, request: Request, request_id: str) -> HttpCallContext:
@@ -121,7 +124,10 @@ class Intake:
     async def _record(self, facts: _Facts, event: AuditEvent) -> None:
         """Writes a refusal as the gatekeeper writes its own (one of a caller with no verified
         token: one by one up to the audit rate, counted beyond it)."""
-        await self.gatekeeper.record_denial(event, is_authenticated=facts.principal is not None)
+        # Every refusal here costs the caller nothing from its bucket: sampled, per tenant once
+        # the token verified.
+        tenant = facts.principal.tenant if facts.principal is not None else UNAUTHENTICATED
+        await self.gatekeeper.record_denial(event, sampled_as=tenant)
 
     def _authenticate(self, request: Request) -> Principal:
         """The caller, as the gatekeeper verifies it (every Authorization header, so two are refused)."""
