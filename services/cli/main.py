@@ -36,12 +36,18 @@ SETTING_HELP = (
 )
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    """Starts the mesh and keeps it running until Ctrl-C or SIGTERM."""
+def _env_settings(args: argparse.Namespace) -> dict[str, str] | None:
+    """The `--env` settings of `up` and `demo`; None, with the error printed, when one is malformed."""
     try:
-        settings = parse_settings(args.env, "--env")
+        return parse_settings(args.env, "--env")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
+        return None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Starts the mesh and keeps it running until Ctrl-C or SIGTERM."""
+    if (settings := _env_settings(args)) is None:
         return 2
     config = MeshConfig(
         model=args.model,
@@ -106,10 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Starts the mesh, asks one chat question, and prints the answer and each hop's time."""
-    try:
-        settings = parse_settings(args.env, "--env")
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+    if (settings := _env_settings(args)) is None:
         return 2
     collector = TraceCollector().start()
     state_dir = local_state_dir(args.state_dir)

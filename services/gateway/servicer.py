@@ -141,6 +141,21 @@ def _traced_after(verdict: safety_pb2.CheckResponse) -> Iterator[None]:
         record_verdict("prompt", verdict)
 
 
+def _stream_event(admission: Admission, action: str, reason: str, num_sent: int) -> AuditEvent:
+    """The audit event of an admitted stream that ended early (`stream.cut`, `stream.failed`)."""
+    return AuditEvent(
+        actor_principal=admission.principal.subject,
+        tenant=admission.principal.tenant,
+        action=action,
+        resource=f"model:{admission.model}",
+        decision=DENY,
+        reason=reason,
+        request_id=admission.request_id,
+        trace_id=telemetry.current_trace_id(),
+        details={"tokens_sent": num_sent},
+    )
+
+
 class _StreamCut(Unavailable):
     """A stream cut when the gateway's grace period ran out (audited by `_record_cut`)."""
 
@@ -363,38 +378,18 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         )
 
     async def _record_failure(self, admission: Admission, error: ThermoclineError, num_sent: int) -> None:
-        """The audit event of an admitted call that failed after its allow event: a safety or
-        engine failure, an expired deadline. Written when it can be: a failed audit write is what
-        some of these failures are, so a second failure here is logged, not raised."""
-        event = AuditEvent(
-            actor_principal=admission.principal.subject,
-            tenant=admission.principal.tenant,
-            action="stream.failed",
-            resource=f"model:{admission.model}",
-            decision=DENY,
-            reason=f"{type(error).__name__} after {num_sent} tokens sent: {error.message}",
-            request_id=admission.request_id,
-            trace_id=telemetry.current_trace_id(),
-            details={"tokens_sent": num_sent},
-        )
+        """The audit event of an admitted call whose safety check or engine failed after its allow
+        event. Written when it can be: a failed audit write is what some of these failures are,
+        so a second failure here is logged, not raised."""
+        reason = f"{type(error).__name__} after {num_sent} tokens sent: {error.message}"
         try:
-            await self.gatekeeper.record(event)
+            await self.gatekeeper.record(_stream_event(admission, "stream.failed", reason, num_sent))
         except ThermoclineError:
             log.warning("could not audit the failure of request %s", admission.request_id)
 
     async def _record_cut(self, admission: Admission, stream: InFlightStream) -> None:
-        await self.gatekeeper.record(
-            AuditEvent(
-                actor_principal=admission.principal.subject,
-                tenant=admission.principal.tenant,
-                action="stream.cut",
-                resource=f"model:{admission.model}",
-                decision=DENY,
-                reason=f"gateway shut down; grace period over after {stream.num_tokens} tokens sent",
-                request_id=admission.request_id,
-                trace_id=telemetry.current_trace_id(),
-            )
-        )
+        reason = f"gateway shut down; grace period over after {stream.num_tokens} tokens sent"
+        await self.gatekeeper.record(_stream_event(admission, "stream.cut", reason, stream.num_tokens))
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
         timeout_s = context.time_remaining()

@@ -76,15 +76,17 @@ def test_a_stream_that_fails_mid_answer_says_how_much_was_sent_and_is_audited(me
     metadata = [*call_metadata(token(mesh)), ("x-request-id", "fails-mid-answer")]
     request = build_request(STORIES_PROMPT, max_tokens=200)  # many output windows
     received, is_stopped = 0, False
-    with grpc.insecure_channel(mesh.target("gateway")) as channel:
-        stream = stream_generate(channel, request, metadata, 60)
-        with pytest.raises(grpc.RpcError) as caught:
-            for message in stream:
-                received += len(message.delta.token_ids)
-                if received and not is_stopped:
-                    mesh.processes["safety"].send_signal(signal.SIGSTOP)  # the next window hangs
-                    is_stopped = True
-    mesh.processes["safety"].send_signal(signal.SIGCONT)
+    try:
+        with grpc.insecure_channel(mesh.target("gateway")) as channel:
+            stream = stream_generate(channel, request, metadata, 60)
+            with pytest.raises(grpc.RpcError) as caught:
+                for message in stream:
+                    received += len(message.delta.token_ids)
+                    if received and not is_stopped:
+                        mesh.processes["safety"].send_signal(signal.SIGSTOP)  # the next window hangs
+                        is_stopped = True
+    finally:
+        mesh.processes["safety"].send_signal(signal.SIGCONT)  # the module's mesh goes on
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"{received} tokens of the answer had been sent" in (caught.value.details() or "")
     (allow, failed) = _audited(mesh, "fails-mid-answer")

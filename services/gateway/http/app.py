@@ -46,11 +46,11 @@ class OpenAIRoutes:
     """The handlers; each one a thin shell around the servicer."""
 
     def __init__(
-        self, servicer: GatewayServicer, router: Router, max_body_bytes: int, limits: HttpLimits | None = None
+        self, servicer: GatewayServicer, router: Router, max_body_bytes: int, limits: HttpLimits
     ) -> None:
         self.servicer = servicer
         self.router = router
-        self.intake = Intake(servicer.gatekeeper, max_body_bytes, limits or HttpLimits.from_env())
+        self.intake = Intake(servicer.gatekeeper, max_body_bytes, limits)
 
     def app(self) -> Starlette:
         """The ASGI application: each finished request counted by route and status code, ambiguously

@@ -35,10 +35,7 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """Binds the port at start (so a taken port fails the gateway's start-up), serves until stop."""
 
-    def __init__(
-        self, app: ASGIApp, host: str, port: int, grace_s: float, limits: HttpLimits | None = None
-    ) -> None:
-        limits = limits or HttpLimits.from_env()
+    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: float, limits: HttpLimits) -> None:
         config = DeadlineConfig(
             app,
             header_timeout_s=limits.header_timeout_s,
