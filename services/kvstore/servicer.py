@@ -19,7 +19,7 @@ from services.kvstore.blocks import BlockFound, BlockIn, Codec
 from services.kvstore.compactor import Compactor
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.keys import Namespace, check_hash
-from services.kvstore.results import BlockLocated, PendingWrite, StoreStats
+from services.kvstore.results import BlockLocated, StoreStats
 from services.kvstore.store import BlockStore
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -182,25 +182,17 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
     async def PutBlocks(self, request_iterator: AsyncIterator[pb.PutBlocksRequest], context: Any) -> Any:
         started, store = time.perf_counter(), self.store
         assembler = BlockAssembler(self.config.store.max_block_bytes)
-        pending: list[PendingWrite] = []
-        duplicates: list[str] = []
         with store.writing() as put:  # the compactor leaves this put's segments until it has committed
             async for request in request_iterator:
                 block = assembler.feed(request)
                 if block is not None:
                     assert assembler.namespace is not None
-                    write = await store.append(put, assembler.namespace, block)
-                    if write is None:
-                        duplicates.append(block.block_hash)
-                    else:
-                        pending.append(write)
+                    await store.append(put, assembler.namespace, block)
             assembler.finish()
-            result = await store.commit(pending)
-        _annotate(len(pending) + len(duplicates))
+            result = await store.commit(put)
+        _annotate(len(result.stored) + len(result.duplicates))
         metrics.OPERATION_DURATION.labels("put").observe(time.perf_counter() - started)
-        return pb.PutBlocksResponse(
-            stored_hashes=result.stored, duplicate_hashes=duplicates + result.duplicates
-        )
+        return pb.PutBlocksResponse(stored_hashes=result.stored, duplicate_hashes=result.duplicates)
 
     async def GetBlocks(self, request: pb.GetBlocksRequest, context: Any) -> AsyncIterator[Any]:
         _annotate(len(request.block_hashes))

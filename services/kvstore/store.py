@@ -7,9 +7,9 @@ corrupt or torn record is a miss, never a served block. When the index is gone (
 empty, FLUSHALL), the next call that notices rebuilds it from the segments.
 
 The engine reaches this class through the gRPC service; `services/kvstore/client.py` is its
-client. State changes: append, commit, put, delete, prefetch (staging), get, lookup and locate
-(last access; a corrupt record's entry is dropped), rebuild_index; eviction and compaction live in
-compactor.py.
+client. State changes: append, commit, put (one put writes a key at a time: claims.py), delete,
+prefetch (staging), get, lookup and locate (last access; a corrupt record's entry is dropped),
+rebuild_index; eviction and compaction live in compactor.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
@@ -31,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.kvstore import kvstore_metrics as metrics
 from services.kvstore.blocks import BlockFound, BlockIn, BlockMissing, BlockSource, MissReason, check_block
+from services.kvstore.claims import BlockWait, KeyClaims, PutInFlight, wait_outcomes
 from services.kvstore.config import StoreConfig
 from services.kvstore.index import IndexEntry, IndexLost, RedisIndex
 from services.kvstore.keys import BlockHash, Namespace, StoreKey, TenantSalts, check_hash
@@ -71,15 +71,6 @@ def disk_errors(operation: str) -> Iterator[None]:
         ) from error
 
 
-@dataclass
-class PutInFlight:
-    """One put between its first append and its commit: the segment active when it began, and the
-    keys it is writing."""
-
-    floor_segment_id: int
-    keys: set[StoreKey] = field(default_factory=set)
-
-
 class PrefetchJob(NamedTuple):
     """One queued prefetch: the key, the entry its load reads, and the load it ends."""
 
@@ -116,7 +107,7 @@ class BlockStore:
         self.on_commit: Callable[[], Awaitable[object]] | None = None
         # puts in flight, by the active segment when each began (see `writing`)
         self._write_floors: Counter[int] = Counter()
-        self._keys_in_flight: set[StoreKey] = set()  # keys a put in flight is writing (see `append`)
+        self.claims = KeyClaims()  # keys puts in flight are writing (see claims.py)
 
     @classmethod
     async def open(cls, config: StoreConfig) -> BlockStore:
@@ -213,14 +204,15 @@ class BlockStore:
         then they look dead to the compactor, and a long put's first records lie in segments that
         rotation has sealed meanwhile. The compactor leaves every segment from the one active when
         the put began (`oldest_write_floor`) until it ends. The keys the put writes are its own
-        until then (see `append`).
+        until its commit settles them; a put that fails or is cancelled settles them as failed
+        here, so puts waiting on them write those blocks themselves (claims.py).
         """
         put = PutInFlight(self.writer.segment_id)
         self._write_floors[put.floor_segment_id] += 1
         try:
             yield put
         finally:
-            self._keys_in_flight -= put.keys
+            self.claims.settle_all(put, is_durable=False)
             self._write_floors[put.floor_segment_id] -= 1
             if not self._write_floors[put.floor_segment_id]:
                 del self._write_floors[put.floor_segment_id]
@@ -230,23 +222,32 @@ class BlockStore:
         """The oldest segment a put in flight may have written to; None when none is in flight."""
         return min(self._write_floors, default=None)
 
-    async def append(self, put: PutInFlight, namespace: Namespace, block: BlockIn) -> PendingWrite | None:
-        """Writes one block's record for `put` (from `writing`), and `commit` what it returns there.
+    async def append(self, put: PutInFlight, namespace: Namespace, block: BlockIn) -> None:
+        """Writes one block's record for `put` (from `writing`); `commit(put)` makes it durable.
 
-        None when the block is stored already, or a put in flight (this one included) is writing
-        it: nothing is written. Two records of one key would let a rebuild, which keeps the last
-        in the files, pick the one the index did not (the first to commit); if that put then
-        fails, the block is absent until a later put, as after an eviction.
+        Writes nothing when the block is stored already or `put` names it twice (a duplicate), or
+        when another put in flight is writing it: `commit` then waits for that put's outcome and
+        writes the block only if that put failed (claims.py says why one key gets one record).
         """
         check_block(block, self.config.max_block_bytes)
         key = self.key(namespace, block.block_hash)
-        if key in self._keys_in_flight:
-            return None
-        self._keys_in_flight.add(key)
-        put.keys.add(key)
+        outcome = self.claims.outcome(key)
+        if key in put.claimed:  # its first copy commits with this put
+            put.result.duplicates.append(block.block_hash)
+        elif outcome is not None:
+            put.waits.append(BlockWait(namespace, block, outcome))
+        else:
+            await self._append_claimed(put, namespace, block, key)
+
+    async def _append_claimed(
+        self, put: PutInFlight, namespace: Namespace, block: BlockIn, key: StoreKey
+    ) -> None:
+        self.claims.claim(put, key)
         (existing,) = await self.guarded(lambda: self.index.get_many([key]))
         if existing is not None:
-            return None
+            self.claims.settle(put, key, is_durable=True)
+            put.result.duplicates.append(block.block_hash)
+            return
         created = now_us()
         record = Record(
             key,
@@ -260,25 +261,47 @@ class BlockStore:
         )
         with disk_errors("put"):
             location, seq = await self.writer.append(record)
-        return PendingWrite(
-            block.block_hash, key, IndexEntry(location, block.codec, namespace.tenant, created), seq
-        )
+        entry = IndexEntry(location, block.codec, namespace.tenant, created)
+        put.pending.append(PendingWrite(block.block_hash, key, entry, seq))
 
-    async def commit(self, pending: list[PendingWrite]) -> PutResult:
-        """Waits until every pending write is durable, then indexes them; returns what was stored."""
+    async def commit(self, put: PutInFlight) -> PutResult:
+        """Makes `put`'s records durable and indexes them; then, for each block another put was
+        writing, waits for that put's outcome: a duplicate if it committed the block, else written
+        and committed by this put. Returns what was stored and what was present (and durable)."""
+        while True:
+            await self._commit_pending(put)
+            if not put.waits:
+                break
+            await self._append_after_waits(put)
+        if put.result.stored:
+            await self.after_commit()
+        return put.result
+
+    async def _commit_pending(self, put: PutInFlight) -> None:
+        """Waits until the put's records are durable, indexes them, and settles their claims."""
+        pending, put.pending = put.pending, []
         if not pending:
-            return PutResult()
+            return
         with disk_errors("put"):
             await self.writer.wait_durable(max(p.seq for p in pending))
-        result = PutResult()
         for write in pending:
             is_new = await self.guarded(lambda write=write: self.index.add(write.key, write.entry))  # type: ignore[misc]
-            (result.stored if is_new or await self._is_ours(write) else result.duplicates).append(
+            (put.result.stored if is_new or await self._is_ours(write) else put.result.duplicates).append(
                 write.block_hash
             )
             metrics.WRITTEN_BYTES.inc(write.entry.location.length if is_new else 0)
-        await self.after_commit()
-        return result
+            self.claims.settle(put, write.key, is_durable=True)
+
+    async def _append_after_waits(self, put: PutInFlight) -> None:
+        """Waits, holding no claim, for the puts writing `put`'s remaining blocks; appends the
+        blocks whose put failed (each may find yet another put writing it, and wait again)."""
+        assert not put.claimed, "a put that waits while it holds a claim can deadlock with another"
+        waits, put.waits = put.waits, []
+        for wait, is_durable in zip(waits, await wait_outcomes(waits), strict=True):
+            if is_durable:
+                put.result.duplicates.append(wait.block.block_hash)
+            else:
+                await self.append(put, wait.namespace, wait.block)
 
     async def _is_ours(self, write: PendingWrite) -> bool:
         """After a rebuild the index may already hold this very record: then it is stored, not a duplicate."""
@@ -291,18 +314,11 @@ class BlockStore:
             await self.on_commit()
 
     async def put(self, namespace: Namespace, blocks: list[BlockIn]) -> PutResult:
-        """Stores blocks; returns once the stored ones are durable."""
-        pending: list[PendingWrite] = []
-        duplicates: list[BlockHash] = []
+        """Stores blocks; returns once the stored ones, and the duplicates, are durable."""
         with self.writing() as put:
             for block in blocks:
-                write = await self.append(put, namespace, block)
-                if write is None:
-                    duplicates.append(block.block_hash)
-                else:
-                    pending.append(write)
-            result = await self.commit(pending)
-        return PutResult(result.stored, duplicates + result.duplicates)
+                await self.append(put, namespace, block)
+            return await self.commit(put)
 
     async def delete(self, namespace: Namespace, block_hashes: list[str]) -> int:
         """Deletes blocks; returns how many were present. Each gets a tombstone, so a rebuild

@@ -108,10 +108,11 @@ def test_compaction_during_a_long_put_leaves_its_unindexed_records_alone(
     async def scenario(store: BlockStore, compactor: Compactor) -> None:
         blocks = [raw_block(f"block-{n}") for n in range(12)]  # two records fill an 8 KiB segment
         with store.writing() as put:
-            pending = [await store.append(put, NAMESPACE, block) for block in blocks]
+            for block in blocks:
+                await store.append(put, NAMESPACE, block)
             assert store.writer.segment_id >= 5  # sealed segments hold the put's records
             result = await compactor.compact()  # the maintenance pass runs mid-put
-            stored = await store.commit([w for w in pending if w is not None])
+            stored = await store.commit(put)
         assert result.num_segments == 0
         assert sorted(stored.stored) == sorted(b.block_hash for b in blocks)
         hashes = [b.block_hash for b in blocks]

@@ -179,13 +179,13 @@ def test_a_failed_fsync_fails_the_puts_it_covered_and_seals_the_segment(
         covered = asyncio.ensure_future(store.put(NAMESPACE, [raw_block("covered-by-the-failed-fsync")]))
         await fsync.wait_entered()
         with store.writing() as put:
-            during = await store.append(put, NAMESPACE, raw_block("written-while-it-ran"))
-            assert during is not None
+            await store.append(put, NAMESPACE, raw_block("written-while-it-ran"))
+            (during,) = put.pending
             fsync.release.set()
             with pytest.raises(Unavailable):
                 await covered
             with pytest.raises(Unavailable):  # a second fsync would "succeed": it must not be asked
-                await store.commit([during])
+                await store.commit(put)
         after = raw_block("after")
         assert (await store.put(NAMESPACE, [after])).stored == [after.block_hash]
         failed_segment = during.entry.location.segment_id
