@@ -46,10 +46,16 @@ def _traceparent(trace_id: str, is_sampled: bool) -> tuple[str, str]:
     return ("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-{'01' if is_sampled else '00'}")
 
 
-def _generate(mesh: Mesh, traceparent: tuple[str, str] | None = None, prompt: str = STORIES_PROMPT) -> str:
+def _generate(
+    mesh: Mesh,
+    traceparent: tuple[str, str] | None = None,
+    prompt: str = STORIES_PROMPT,
+    request_id: str | None = None,
+) -> str:
     """Runs one request through the gateway; returns the trace id the gateway reports."""
     token = mint_token(mesh.private_key_path.read_bytes(), subject="tracer", tenant="acme")
     metadata = call_metadata(token) + ([traceparent] if traceparent else [])
+    metadata += [("x-request-id", request_id)] if request_id else []
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
         request = build_request(prompt, max_tokens=MAX_TOKENS)
         result = collect(stream_generate(channel, request, metadata, timeout_s=120))
@@ -66,7 +72,7 @@ def _one(spans: list[CollectedSpan], key: tuple[str, str]) -> CollectedSpan:
 def test_one_request_is_one_trace_with_every_hop_linked(
     stories_mesh: Mesh, collector: TraceCollector
 ) -> None:
-    trace_id = _generate(stories_mesh)
+    trace_id = _generate(stories_mesh, request_id="traced-request")
     assert len(trace_id) == 32
     spans = collector.wait_for_spans(trace_id, FULL_PATH, timeout_s=30)
     assert {s.trace_id for s in spans} == {trace_id}
@@ -77,6 +83,9 @@ def test_one_request_is_one_trace_with_every_hop_linked(
         assert _one(spans, server).parent_span_id == _one(spans, client).span_id, server
     engine = _one(spans, ENGINE_GENERATE)
     assert engine.attributes["gen_ai.usage.input_tokens"] == len(STORIES_PROMPT_IDS)
+    # the audit's request id on both hops: an audit event leads to its trace
+    assert gateway.attributes["thermocline.request_id"] == engine.attributes["thermocline.request_id"]
+    assert engine.attributes["thermocline.request_id"] == "traced-request"
     for span in (gateway, engine):
         for key in GEN_AI_REQUEST + GEN_AI_RESPONSE:
             assert span.attributes.get(key) not in (None, "", []), (span.service, key)

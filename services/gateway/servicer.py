@@ -445,3 +445,4 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         span.set_attribute("thermocline.tenant", admission.principal.tenant)
         span.set_attribute("thermocline.intent", admission.intent)
         span.set_attribute("thermocline.priority_class", admission.priority_class)
+        span.set_attribute("thermocline.request_id", admission.request_id)  # its audit events' id

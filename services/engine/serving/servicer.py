@@ -267,6 +267,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         span.set_attribute("gen_ai.request.max_tokens", params.max_new_tokens)
         span.set_attribute("gen_ai.usage.input_tokens", num_prompt)
         span.set_attribute("thermocline.intent_class", request.intent_class or "default")
+        if request.request_id:  # the gateway's (its audit events carry it): joins the audit to the trace
+            span.set_attribute("thermocline.request_id", request.request_id[:128])
 
     def _to_pb(self, event: StreamEvent) -> pb.GenerateResponse:
         message = pb.GenerateResponse(token_ids=event.token_ids, text=event.text_delta)
