@@ -330,19 +330,33 @@ class BlockStore:
     async def _delete(self, namespace: Namespace, hashes: list[BlockHash], keys: list[StoreKey]) -> int:
         entries = await self.index.get_many(keys)
         seq = deleted = 0
-        for key, block_hash, entry in zip(keys, hashes, entries, strict=True):
-            if entry is None:
-                continue
-            tombstone = Record(
-                key, namespace.tenant, namespace.model, block_hash, entry.codec, (), b"", now_us()
-            )
-            async with self.relocation_lock:  # the compactor cannot copy the record past its tombstone
-                with disk_errors("delete"):
-                    _, seq = await self.writer.append(tombstone.tombstone(now_us()))
-                deleted += await self.index.remove(key) > 0
-                self.staging.drop(key)  # after the entry is gone: see `prefetch`
-        with disk_errors("delete"):
-            await self.writer.wait_durable(seq)
+        removed: list[tuple[StoreKey, IndexEntry]] = []
+        try:
+            for key, block_hash, entry in zip(keys, hashes, entries, strict=True):
+                if entry is None:
+                    continue
+                tombstone = Record(
+                    key, namespace.tenant, namespace.model, block_hash, entry.codec, (), b"", now_us()
+                )
+                async with self.relocation_lock:  # the compactor cannot copy the record past its tombstone
+                    with disk_errors("delete"):
+                        _, seq = await self.writer.append(tombstone.tombstone(now_us()))
+                    if await self.index.remove(key) > 0:
+                        deleted += 1
+                        removed.append((key, entry))
+                    self.staging.drop(key)  # after the entry is gone: see `prefetch`
+            with disk_errors("delete"):
+                await self.writer.wait_durable(seq)
+        except BaseException:
+            # Tombstones that are not durable: a rebuild could bring their blocks back, so the
+            # entries return and a retry of the delete finds them and writes its own tombstones.
+            # An entry a put has added since stays (`add` leaves a present key alone).
+            try:
+                for key, entry in removed:
+                    await self.index.add(key, entry)
+            except Exception:  # the index itself failed (Redis gone): its rebuild reads the segments
+                log.warning("could not restore %d index entries after a failed delete", len(removed))
+            raise
         return deleted
 
     # --- reads --------------------------------------------------------------------------------

@@ -196,3 +196,24 @@ def test_a_failed_fsync_fails_the_puts_it_covered_and_seals_the_segment(
         assert await store.lookup(NAMESPACE, hashes) == [before.block_hash, after.block_hash]
 
     run_store(tmp_path, redis_server, scenario)
+
+
+def test_a_delete_whose_tombstone_fsync_fails_is_refused_and_a_retry_deletes_for_good(
+    tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tombstone is not durable, so the block keeps its index entry: a retry finds it and writes
+    a tombstone of its own, and a rebuild from the segments then leaves the block deleted."""
+
+    async def scenario(store: BlockStore) -> None:
+        block = raw_block("deleted-twice")
+        await store.put(NAMESPACE, [block])
+        monkeypatch.setattr(os, "fsync", failing := HeldCall(os.fsync, eio()))
+        failing.release.set()  # fails at once
+        with pytest.raises(Unavailable):
+            await store.delete(NAMESPACE, [block.block_hash])
+        assert await store.lookup(NAMESPACE, [block.block_hash]) == [block.block_hash]
+        assert await store.delete(NAMESPACE, [block.block_hash]) == 1  # the retry finds it
+        await store.index.client.flushall()  # a rebuild from the segments: the tombstone holds
+        assert await store.lookup(NAMESPACE, [block.block_hash]) == []
+
+    run_store(tmp_path, redis_server, scenario)
