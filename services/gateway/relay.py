@@ -85,6 +85,8 @@ async def _first_message(call: grpc.aio.UnaryStreamCall) -> Any:
     try:
         return await call.read()
     except grpc.aio.AioRpcError as error:
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
+        # UNAVAILABLE: draining or gone. FAILED_PRECONDITION: the replica refuses every request
+        # (its safety gate differs from the safety service's); another replica may not.
+        if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
             raise _Unstarted(error) from None
         raise upstream_error("engine", error) from None

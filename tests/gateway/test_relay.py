@@ -1,4 +1,5 @@
-"""The relay's retry rule on fake replicas: retry UNAVAILABLE before the first token, never after."""
+"""The relay's retry rule on fake replicas: retry UNAVAILABLE (and a replica's FAILED_PRECONDITION)
+before the first token, never after."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.gateway.config import OutputScreening
 from services.gateway.relay import RelaySettings, relay
 from thermocline.engine.v1 import engine_pb2
@@ -86,6 +87,18 @@ def test_unavailable_before_the_first_token_moves_to_the_next_replica() -> None:
     messages = asyncio.run(_collect([draining, healthy]))
     assert (draining.num_calls, healthy.num_calls) == (1, 1)
     assert messages[-1].done.finish_reason != 0
+
+
+def test_a_replica_that_refuses_every_request_is_passed_over_and_the_last_refusal_reaches_the_client() -> (
+    None
+):
+    mismatched = _Replica("a", [], grpc.StatusCode.FAILED_PRECONDITION)  # its gate differs from safety's
+    healthy = _Replica("b", [TOKEN, FINAL], None)
+    messages = asyncio.run(_collect([mismatched, healthy]))
+    assert (mismatched.num_calls, healthy.num_calls) == (1, 1)
+    assert messages[-1].done.finish_reason != 0
+    with pytest.raises(FailedPrecondition, match="engine"):  # no replica left to try
+        asyncio.run(_collect([_Replica("a", [], grpc.StatusCode.FAILED_PRECONDITION)]))
 
 
 def test_a_failure_after_the_first_token_is_never_retried() -> None:
