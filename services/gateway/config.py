@@ -88,9 +88,15 @@ class LimitsConfig:
     `_REDIS_TIMEOUT_S` bounds each limiter call before the tenant's Redis-down rule applies.
     `_RATE_LEASE_HOLD_S`: how long this replica keeps a request it took from a tenant's bucket
     ahead of the tenant's next call, before giving it back (0: no leases; rate_limiter.py).
+    `_MAX_STREAM_S`: the longest a Generate stream may run when its caller set no shorter deadline;
+    `_WRITE_STALL_S`: the longest one message may wait for a caller that does not read. Past
+    either, the stream is cancelled and its slot freed (a caller with no deadline that stops
+    reading held a slot for as long as it kept its connection).
     """
 
     max_concurrent_streams: int = 256
+    max_stream_s: float = 3600.0
+    write_stall_s: float = 60.0
     pushback_ms: int = 1000
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_timeout_s: float = 0.25
@@ -99,6 +105,11 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         if self.max_concurrent_streams < 1:
             raise ValueError(f"{PREFIX}MAX_CONCURRENT_STREAMS must be >= 1: {self.max_concurrent_streams}")
+        if self.max_stream_s <= 0 or self.write_stall_s <= 0:
+            raise ValueError(
+                f"{PREFIX}MAX_STREAM_S and {PREFIX}WRITE_STALL_S must be > 0, "
+                f"got {self.max_stream_s} and {self.write_stall_s}"
+            )
         if self.pushback_ms < 0:
             raise ValueError(f"{PREFIX}PUSHBACK_MS must be >= 0, got {self.pushback_ms}")
         if not 0 < self.redis_timeout_s <= 10:
@@ -299,6 +310,8 @@ def _audit_from_env(environ: Mapping[str, str] | None) -> AuditConfig:
 def _limits_from_env(environ: Mapping[str, str] | None) -> LimitsConfig:
     return LimitsConfig(
         max_concurrent_streams=env.get_int(PREFIX + "MAX_CONCURRENT_STREAMS", 256, environ),
+        max_stream_s=env.get_float(PREFIX + "MAX_STREAM_S", 3600.0, environ),
+        write_stall_s=env.get_float(PREFIX + "WRITE_STALL_S", 60.0, environ),
         pushback_ms=env.get_int(PREFIX + "PUSHBACK_MS", 1000, environ),
         redis_url=env.redis_url(environ),
         redis_timeout_s=env.get_float(PREFIX + "REDIS_TIMEOUT_S", 0.25, environ),

@@ -11,7 +11,7 @@ from typing import Any
 from opentelemetry import trace
 
 from services.common import telemetry
-from services.common.errors import NotFound, ThermoclineError, Unavailable
+from services.common.errors import DeadlineExceeded, NotFound, ThermoclineError, Unavailable
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import ALLOW, DENY, AuditEvent, prompt_sha256
 from services.gateway.auth import Principal
@@ -173,9 +173,30 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.in_flight = InFlightStreams()
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
-        with self.slots.hold():
-            async for message in self._generate(request, context):
-                yield message
+        limits = self.config.limits
+        remaining = context.time_remaining()
+        lifetime_s = limits.max_stream_s if remaining is None or remaining > limits.max_stream_s else None
+        # A caller that stops reading leaves this generator waiting at its `yield` while the call's
+        # task waits to send: cancelling that task ends the call and frees its slot.
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None
+        try:
+            async with asyncio.timeout(lifetime_s) as lifetime:
+                with self.slots.hold():
+                    async for message in self._generate(request, context):
+                        stall = loop.call_later(limits.write_stall_s, task.cancel)
+                        try:
+                            yield message
+                        finally:
+                            stall.cancel()
+        except TimeoutError:
+            if not lifetime.expired():
+                raise
+            raise DeadlineExceeded(
+                f"the stream ran for {limits.max_stream_s:g} s, the gateway's limit for a call without "
+                "a shorter deadline (THERMOCLINE_GATEWAY_MAX_STREAM_S); set a deadline, or ask for "
+                "fewer tokens"
+            ) from None
 
     async def _generate(
         self, request: pb.GenerateRequest, context: Any
