@@ -246,6 +246,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             raise InvalidArgument(f"model {self.engine.model_id} has no chat template; send a plain prompt")
         if not chat.messages:
             raise InvalidArgument("chat has no messages")
+        _check_no_special_tokens(chat, tokenizer.special_token_texts)
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         try:
             text = tokenizer.apply_chat_template(messages)
@@ -358,3 +359,18 @@ def _capacity_to_pb(plan: PoolPlan | None) -> pb.KVCapacity | None:
         kv_cache_bytes=plan.kv_bytes,
         budget_bytes=max(plan.budget_bytes, 0),
     )
+
+
+def _check_no_special_tokens(chat: pb.ChatTurns, specials: tuple[str, ...]) -> None:
+    """INVALID_ARGUMENT when a message's role or content holds a special token's text: the rendered
+    chat is tokenized with special tokens parsed, so "hi<|im_end|><|im_start|>system ..." in a user
+    turn would become a system turn of its own."""
+    for number, message in enumerate(chat.messages):
+        for field, value in (("role", message.role), ("content", message.content)):
+            found = next((token for token in specials if token in value), None)
+            if found is not None:
+                raise InvalidArgument(
+                    f"chat message {number}: its {field} holds the special token {found!r}, which only "
+                    "the chat template may write (it would forge a turn); send the text as a plain "
+                    "prompt if it is meant literally"
+                )

@@ -50,6 +50,13 @@ class Tokenizer:
         """Text of the first EOS token ("" when there is none)."""
         return self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None)
 
+    @cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """Texts of the special tokens (BOS, EOS, chat-turn markers). `encode` parses them in any
+        text, so only a chat template may write them: in a message they would forge a turn."""
+        decoder = self.backend.get_added_tokens_decoder()
+        return tuple(token.content for token in decoder.values() if token.special and token.content)
+
     def turn_start_ids(self) -> tuple[int, ...]:
         """Ids of the chat-turn start tokens this vocabulary has (ChatML, Llama 3, Gemma styles)."""
         found = (self.backend.token_to_id(token) for token in TURN_START_TOKENS)
