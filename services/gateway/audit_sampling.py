@@ -12,11 +12,11 @@ cost nothing, and one client sending them at a few hundred calls a second fills 
   of range), sampled per tenant under THERMOCLINE_GATEWAY_AUDIT_FREE_REFUSALS_PER_S.
 
 Each sampler writes events up to `per_s` a second (bursts of ten seconds' worth); beyond that it
-counts them by reason, and one summary event records the counts: when the sampler's next refusal
-is written, every summary interval, and when the gateway stops. A summary that cannot be written
-(a full disk) keeps its counts for the next one. Reasons quote what the caller sent (a token's
-header), so at most MAX_TRACKED_REASONS distinct ones are kept apart between summaries; the rest
-are counted together. Every other refusal is written one by one.
+counts them by reason, and one summary event records the counts every summary interval (a minute)
+and when the gateway stops (a summary before each written event would double the rate). A summary
+that cannot be written (a full disk) keeps its counts for the next one. Reasons quote what the
+caller sent (a token's header), so at most MAX_TRACKED_REASONS distinct ones are kept apart between
+summaries; the rest are counted together. Every other refusal is written one by one.
 """
 
 from __future__ import annotations

@@ -258,11 +258,9 @@ class Gatekeeper:
         UNAUTHENTICATED, or the verified caller's tenant): written one by one up to the audit rate,
         counted beyond it. The HTTP front's own refusals come here too."""
         sampler = self._sampler(sampled_as)
-        if sampler is not None:
-            if not sampler.admit():
-                sampler.count(event.reason, event.timestamp_utc)
-                return
-            await self._record_summary(sampler)  # what was counted comes first
+        if sampler is not None and not sampler.admit():
+            sampler.count(event.reason, event.timestamp_utc)  # in the next summary (every minute)
+            return
         await self.audit.record(event)
 
     def _sampler(self, sampled_as: str | None) -> DenialSampler | None:
