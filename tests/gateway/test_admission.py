@@ -60,6 +60,9 @@ def _wait_for_streams_in_flight(mesh: Mesh, count: int, timeout_s: float = 60.0)
 def test_streams_beyond_the_cap_are_shed_while_admitted_ones_complete(mesh: Mesh) -> None:
     metadata = call_metadata(token(mesh))
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        # The gateway's channel to safety connects first: a connection opened while safety is
+        # stopped gets no HTTP/2 settings, and gRPC gives up on it after its connect timeout.
+        collect(stream_generate(channel, build_request(STORIES_PROMPT, max_tokens=1), metadata, 60))
         # With the safety service stopped, an admitted stream cannot finish (its prompt or its first
         # window waits on screening), so both slots stay taken however fast or slow the machine is.
         with stopped(mesh.processes["safety"]):
