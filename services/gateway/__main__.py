@@ -38,13 +38,15 @@ def main() -> None:
         # held another caller's p99 within 2x of idle (bench/results/gateway_flood_2026-12-01_
         # cheap-refusal.md). The cost: a large message over a long-latency link takes more round
         # trips, and the gateway's messages are small (at most _MAX_PROMPT_BYTES plus 128 KiB).
-        # One connection holds no more streams than the gateway serves at once: streams that never
-        # reach a handler (headers and part of a message, no token) cost memory and nothing else,
-        # and 2,000 of them on each of 6 connections took the gateway from 385 MB to 975 MB.
-        # Connections idle for 5 minutes are closed. A cap on connections needs a proxy in front.
+        # A bound on one connection's streams: streams that never reach a handler (headers and part
+        # of a message, no token) cost memory and nothing else, and 2,000 of them on each of 6
+        # connections took the gateway from 385 MB to 975 MB. It stays above the gateway's own
+        # stream cap, so a caller past that cap is refused with pushback rather than queued by its
+        # HTTP/2 client. Connections idle for 5 minutes are closed. A cap on connections needs a
+        # proxy in front.
         server_options=[
             ("grpc.http2.bdp_probe", 0),
-            ("grpc.max_concurrent_streams", config.limits.max_concurrent_streams),
+            ("grpc.max_concurrent_streams", max(2 * config.limits.max_concurrent_streams, 100)),
             ("grpc.max_connection_idle_ms", 300_000),
         ],
     )
