@@ -298,55 +298,43 @@ class Gatekeeper:
         principal, limits = await self._identify(metadata, facts)
         self.tenant_streams.take(principal.tenant, limits.max_streams)
         try:
-            return await self._check_identified(
-                request, metadata, resolve, facts, on_prompt_ready, principal, limits
+            if not limits.safety.is_empty:  # categories the safety service will not apply as is
+                facts.details["tenant_safety_policy"] = limits.safety.describe()
+            check_metadata(metadata)
+            check_sizes(request)
+            text = prompt_text(request)
+            facts.prompt_sha256 = await off_loop_when_long(prompt_sha256, text, len(text))
+            facts.num_prompt_chars = len(text)
+            model = await self._authorize_model(principal, request.model, resolve, facts)
+            intent = self.intents.resolve(metadata.get("x-intent"), principal.roles)
+            priority_class = self.intents.priority_class(intent, limits.intent_classes)
+            facts.details |= {"intent": intent, "priority_class": priority_class}
+            check_sampling(request.sampling)
+            # A short prompt's screen starts here, beside the token count and budget; a long one's
+            # only once they passed, so a call refused for its budget or rate costs no long screen.
+            screens_early = len(text) <= SCREEN_BEFORE_COUNT_MAX_CHARS
+            if on_prompt_ready is not None and screens_early:
+                await on_prompt_ready(text, principal, limits)
+            max_tokens = request.sampling.max_tokens or self.bounds.default_max_tokens
+            prompt_tokens = await self._take_prompt(
+                request, model, principal.tenant, limits, max_tokens, facts
+            )
+            if on_prompt_ready is not None and not screens_early:
+                await on_prompt_ready(text, principal, limits)
+            return Admission(
+                principal,
+                model,
+                text,
+                intent,
+                priority_class,
+                prompt_tokens,
+                max_tokens,
+                limits,
+                facts.request_id,
             )
         except BaseException:
-            self.tenant_streams.release(principal.tenant)
+            self.tenant_streams.release(principal.tenant)  # refused: the slot was never used
             raise
-
-    async def _check_identified(
-        self,
-        request: pb.GenerateRequest,
-        metadata: CallMetadata,
-        resolve: ModelResolver,
-        facts: _Facts,
-        on_prompt_ready: PromptReady | None,
-        principal: Principal,
-        limits: TenantLimits,
-    ) -> Admission:
-        if not limits.safety.is_empty:  # which categories the safety service will not apply as is
-            facts.details["tenant_safety_policy"] = limits.safety.describe()
-        check_metadata(metadata)
-        check_sizes(request)
-        text = prompt_text(request)
-        facts.prompt_sha256 = await off_loop_when_long(prompt_sha256, text, len(text))
-        facts.num_prompt_chars = len(text)
-        model = await self._authorize_model(principal, request.model, resolve, facts)
-        intent = self.intents.resolve(metadata.get("x-intent"), principal.roles)
-        priority_class = self.intents.priority_class(intent, limits.intent_classes)
-        facts.details |= {"intent": intent, "priority_class": priority_class}
-        check_sampling(request.sampling)
-        # A short prompt's screen starts here, beside the token count and budget; a long one's only
-        # once they passed, so a call refused for its budget or token rate costs no long screen.
-        screens_early = len(text) <= SCREEN_BEFORE_COUNT_MAX_CHARS
-        if on_prompt_ready is not None and screens_early:
-            await on_prompt_ready(text, principal, limits)
-        max_tokens = request.sampling.max_tokens or self.bounds.default_max_tokens
-        prompt_tokens = await self._take_prompt(request, model, principal.tenant, limits, max_tokens, facts)
-        if on_prompt_ready is not None and not screens_early:
-            await on_prompt_ready(text, principal, limits)
-        return Admission(
-            principal,
-            model,
-            text,
-            intent,
-            priority_class,
-            prompt_tokens,
-            max_tokens,
-            limits,
-            facts.request_id,
-        )
 
     async def _authorize_model(
         self, principal: Principal, requested: str, resolve: ModelResolver, facts: _Facts
