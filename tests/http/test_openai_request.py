@@ -71,3 +71,65 @@ def test_a_body_the_json_parser_cannot_take_is_a_400(
     assert answer.status == 400, answer.body
     assert answer.error["type"] == "invalid_request_error" and says in answer.error["message"]
     assert "set_int_max_str_digits" not in answer.error["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"max_tokens": "junk", "max_completion_tokens": 3}, "max_tokens", "non-negative integer"),
+        ({"max_tokens": 0, "max_completion_tokens": 3}, "max_tokens", "at least 1"),
+        ({"max_tokens": 5, "max_completion_tokens": 3}, "max_completion_tokens", "'max_tokens' is 5"),
+    ],
+    ids=["junk-beside-the-newer-name", "zero-beside-the-newer-name", "two-limits"],
+)
+def test_both_names_of_the_length_limit_are_checked(
+    http_gateway: HttpGateway, fields: dict[str, object], param: str, says: str
+) -> None:
+    answer = http_gateway.post("/chat/completions", json.dumps(CHAT | fields).encode())
+    assert answer.status == 400, answer.body
+    assert answer.error["param"] == param and says in answer.error["message"]
+
+
+def test_the_same_limit_under_both_names_is_served(http_gateway: HttpGateway) -> None:
+    body = COMPLETION | {"max_tokens": 2, "max_completion_tokens": 2}
+    answer = http_gateway.post("/completions", json.dumps(body).encode())
+    assert answer.status == 200, answer.body
+    assert answer.body["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("value", [[[0] * 10] * 1000, "yes", 1])
+def test_parallel_tool_calls_takes_only_a_boolean(http_gateway: HttpGateway, value: object) -> None:
+    body = CHAT | {"parallel_tool_calls": value}
+    answer = http_gateway.post("/chat/completions", json.dumps(body).encode())
+    assert answer.status == 400, answer.body
+    assert answer.error["param"] == "parallel_tool_calls" and "true or false" in answer.error["message"]
+
+
+def test_parallel_tool_calls_false_passes_the_front(http_gateway: HttpGateway) -> None:
+    body = CHAT | {"parallel_tool_calls": False}
+    answer = http_gateway.post("/chat/completions", json.dumps(body).encode())
+    # the test model has no chat template: the engine's refusal shows the front let the body through
+    assert "no chat template" in answer.error["message"], answer.body
+
+
+def test_a_message_name_is_refused_not_dropped(http_gateway: HttpGateway) -> None:
+    body = CHAT | {"messages": [{"role": "user", "name": "n" * 100_000, "content": "hi"}]}
+    answer = http_gateway.post("/chat/completions", json.dumps(body).encode())
+    assert answer.status == 400, answer.body
+    assert answer.error["param"] == "messages[0].name" and "content" in answer.error["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "nope", "model": "", "prompt": "Once upon a time", "max_tokens": 2}',
+        b'{"model": "", "prompt": "Once upon a time", "max_tokens": 2, '
+        b'"stream": true, "stream_options": {"include_usage": true, "include_usage": false}}',
+    ],
+    ids=["top-level", "nested"],
+)
+def test_a_repeated_key_is_refused_at_any_depth(http_gateway: HttpGateway, body: bytes) -> None:
+    answer = http_gateway.post("/completions", body)
+    assert answer.status == 400, answer.body
+    assert "repeats the key" in answer.error["message"]
+    assert answer.error["message"].split("'")[1] in ("model", "include_usage")

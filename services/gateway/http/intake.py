@@ -164,9 +164,9 @@ class Intake:
 
 
 def _json(body: bytes) -> Any:
-    """The body parsed as JSON."""
+    """The body parsed as JSON, every object's keys unique."""
     try:
-        return json.loads(body)
+        return json.loads(body, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise InvalidArgument(
             "request body nests too deeply to parse; an OpenAI request nests a few levels at most"
@@ -174,6 +174,27 @@ def _json(body: bytes) -> Any:
     except ValueError as error:  # bad JSON or UTF-8, or an integer of over 4300 digits
         reason = str(error).partition(";")[0]  # not Python's advice to raise its digit limit
         raise InvalidArgument(f"request body is not valid JSON: {reason}") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One JSON object, refused when it repeats a key: JSON readers differ on which copy wins
+    (Python's the last, many proxies and WAFs the first), so one body would be two requests."""
+    fields = dict(pairs)
+    if len(fields) < len(pairs):
+        raise InvalidArgument(
+            f"request body repeats the key {_first_repeated(pairs)!r} in one object; readers disagree "
+            "on which copy counts (a proxy may read the first, this server the last): send each key once"
+        )
+    return fields
+
+
+def _first_repeated(pairs: list[tuple[str, Any]]) -> str:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    raise AssertionError("no key repeats")
 
 
 def request_id_from(request: Request) -> str:

@@ -3,7 +3,9 @@
 Every field the OpenAI API defines for the two endpoints is either honoured (mapped onto the
 request), accepted only at its default value (it changes nothing here), or refused with a 400
 that names it and says what would work. A field the API does not define is refused too: a
-misspelt `max_token` silently ignored would cost the caller a full-length completion.
+misspelt `max_token` silently ignored would cost the caller a full-length completion. A chat
+message's `name` is refused for the same reason: the engine's chat template has no slot for it,
+so a name dropped on the floor would be a turn the model reads differently than the caller meant.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ MAX_USER_CHARS = 256
 # protobuf's ValueError. seed is uint64 on the wire, but the engine takes at most 2**63 - 1.
 _UINT32_BITS = 32
 _SEED_BITS = 63
+_MAX_TOKENS_NAMES = ("max_tokens", "max_completion_tokens")
 
 
 class Endpoint(Enum):
@@ -65,7 +68,10 @@ _DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_is_default(1), "only best_of=1 is supported"),
     "echo": (_is_default(False), "echo is not supported; the prompt is not repeated in the answer"),
     "suffix": (_is_default(None), "suffix (insertion) is not supported"),
-    "parallel_tool_calls": (lambda v: True, ""),
+    "parallel_tool_calls": (
+        lambda v: v is None or isinstance(v, bool),
+        "must be true or false (no tools are called here, so either changes nothing)",
+    ),
     "tools": (lambda v: not v, "tool calling is not supported; omit tools"),
     "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported; omit tool_choice"),
 }
@@ -129,9 +135,20 @@ def _sampling(body: dict[str, Any]) -> pb.SamplingOptions:
 
 
 def _max_tokens(body: dict[str, Any]) -> int:
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    """The completion's length limit (0: the gateway's default); both names are checked, and
+    when both are sent they must agree, so no reader of the body sees another limit."""
+    given = {name: _positive(body, name) for name in _MAX_TOKENS_NAMES if body.get(name) is not None}
+    if len(set(given.values())) > 1:
+        raise InvalidArgument(
+            f"field 'max_completion_tokens' is {given['max_completion_tokens']} but 'max_tokens' is "
+            f"{given['max_tokens']}; send one of them (max_tokens is the older name of the same limit)"
+        )
+    return next(iter(given.values()), 0)
+
+
+def _positive(body: dict[str, Any], name: str) -> int:
     value = _integer(body, name, 0, _UINT32_BITS)
-    if body.get(name) is not None and value < 1:
+    if value < 1:
         raise InvalidArgument(f"field {name!r} must be at least 1, got {value}")
     return value
 
@@ -146,7 +163,12 @@ def _message(index: int, message: Any) -> pb.ChatMessage:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise InvalidArgument(f"field {where!r} must be an object with a string 'role'")
-    extra = set(message) - {"role", "content", "name"}
+    if "name" in message:
+        raise InvalidArgument(
+            f"field '{where}.name' is not supported: the chat template has no slot for a "
+            "participant's name; put it in the message's content"
+        )
+    extra = set(message) - {"role", "content"}
     if extra:
         raise InvalidArgument(f"field {where}.{sorted(extra)[0]!r} is not supported (no tool calls here)")
     role = _unicode(f"{where}.role", message["role"])
