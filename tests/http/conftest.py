@@ -25,6 +25,8 @@ from tests.gateway.conftest import token, write_policy_files
 
 # One request per ~17 minutes after the first: the second call of this tenant is always refused.
 TIGHT_TENANT = {"requests_per_s": 0.001, "burst_requests": 1}
+# Tenants with TIGHT_TENANT's limits, one per test that spends a bucket (Redis outlives a gateway).
+TIGHT_TENANTS = ("tight", "tight-bodies", "tight-once")
 HTTP_GATEWAY = "gateway-http"
 STRICT_TIMEOUT_S = 1.0
 
@@ -156,7 +158,7 @@ def http_replica(
 ) -> Iterator[HttpGateway]:
     """A gateway process of its own on `mesh` (so the shared gateway's policy stays as it is),
     with `settings` added to its environment; stopped on exit."""
-    tenants = UNLIMITED_TENANTS | {"tenants": {"tight": TIGHT_TENANT}}
+    tenants = UNLIMITED_TENANTS | {"tenants": dict.fromkeys(TIGHT_TENANTS, TIGHT_TENANT)}
     env = write_policy_files(Path(tmp_path_factory.mktemp(f"{name}-policy")), tenants=tenants)
     # Every refusal written one by one: the tests here read refusals' events by request id, more
     # of them than the audit rate's burst (its sampling: tests/gateway/test_audit_flood.py).

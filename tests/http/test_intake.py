@@ -125,3 +125,29 @@ def test_a_client_that_leaves_mid_body_is_a_quiet_499(strict_gateway: HttpGatewa
         assert time.monotonic() < deadline, "the hang-up was never counted as 499"
     assert "Traceback" not in strict_gateway.log()[log_before:]
     assert strict_gateway.audit_events(request_id) == []  # no answer, so no decision
+
+
+def test_a_body_refusal_takes_a_request_from_the_tenants_bucket(http_gateway: HttpGateway) -> None:
+    # a verified caller's bad bodies cost it its rate, as every refusal after the token does on gRPC
+    headers = {"Authorization": f"Bearer {http_gateway.token(tenant='tight-bodies', roles=['user'])}"}
+    unknown_field = json.dumps(COMPLETION | {"max_token": 3}).encode()
+    first = http_gateway.post("/completions", unknown_field, headers)
+    assert first.status == 400 and "unknown field" in first.error["message"], first.body
+    request_id = fresh_request_id()
+    second = http_gateway.post("/completions", unknown_field, headers | {"X-Request-Id": request_id})
+    assert second.status == 429, second.body
+    assert "rate limit for tenant 'tight-bodies'" in second.error["message"]
+    assert int(second.headers["retry-after"]) > 0 and int(second.headers["retry-after-ms"]) > 0
+    events = http_gateway.audit_events(request_id)
+    assert [(e["decision"], e["tenant"], e["details"]) for e in events] == [
+        ("deny", "tight-bodies", {"front": "http"})
+    ]
+
+
+def test_a_call_that_passes_the_front_is_charged_one_request(http_gateway: HttpGateway) -> None:
+    # the tenant's bucket holds one request: a call charged by the front and again by the
+    # servicer would be refused
+    headers = {"Authorization": f"Bearer {http_gateway.token(tenant='tight-once', roles=['user'])}"}
+    answer = http_gateway.post("/completions", VALID, headers)
+    assert answer.status == 200, answer.body
+    assert http_gateway.post("/completions", VALID, headers).status == 429

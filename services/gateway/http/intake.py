@@ -1,17 +1,27 @@
 """The checks only the HTTP front makes, before a call reaches the servicer, each refusal audited.
 
-Order for a generation call: the drain, the body's declared size, the token, the headers
-(`X-Timeout-S`, `X-Retrieval-Mode`), then the body, read within its deadline and up to the size
-limit, as JSON and as a request this API serves. The token comes before the body so that a
-client without one cannot make the gateway hold a body it sends slowly or never finishes: it
-is answered 401 and its connection closed (framing.py) with the body unread. The servicer
-verifies the token again (the gatekeeper's verified-token cache makes that a lookup).
+Order for a generation call: the drain, the body's declared size, the token, one request from
+the tenant's rate limit, the headers (`X-Timeout-S`, `X-Retrieval-Mode`), then the body, read
+within its deadline and up to the size limit, as JSON and as a request this API serves. The
+token comes before the body so that a client without one cannot make the gateway hold a body it
+sends slowly or never finishes: it is answered 401 and its connection closed (framing.py) with
+the body unread. The servicer verifies the token again (the gatekeeper's verified-token cache
+makes that a lookup).
+
+The request is taken as the gatekeeper takes it on gRPC, right after the token, so that every
+later refusal (a late, oversized or malformed body) costs the caller its rate, and a caller over
+its rate gets 429 before its body is read. A call whose body passes gives the request back before
+the servicer runs, as the servicer's gatekeeper takes the call's request itself: the caller pays
+one request per call, not two. (Skipping the gatekeeper's take for a call the front has charged
+would spare the give-back's Redis round trip; the gatekeeper has no such way in today.)
 
 The servicer's gatekeeper audits every decision it makes; the refusals made here go to the same
 audit log, in its form (action `invoke` on `model:?`, or `list_models` on `model:*`), before
 the caller hears of them. Those made before the token has verified pass through the
-gatekeeper's rate of unauthenticated events, as on gRPC; after it they name the caller and are
-always written. A client that goes away before its body is in is no decision: it is not audited.
+gatekeeper's rate of unauthenticated events, as on gRPC; after it they name the caller, and
+those that cost the caller a request are always written (the rate limit itself, reached, costs
+nothing and is sampled per tenant, as on gRPC). A client that goes away before its body is in is
+no decision: it is not audited.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from opentelemetry import trace
 from starlette.requests import ClientDisconnect, Request
 
 from services.common import telemetry
-from services.common.errors import InvalidArgument, ThermoclineError, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted, ThermoclineError, Unavailable
 from services.common.metrics import DRAINING
 from services.gateway.audit import DENY, UNAUTHENTICATED, AuditEvent
 from services.gateway.auth import Principal
@@ -38,7 +48,9 @@ from services.gateway.http.call import HttpCallContext
 from services.gateway.http.errors import RequestTimeout
 from services.gateway.http.limits import HttpLimits
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
+from services.gateway.rate_limiter import refuse
 from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
+from services.gateway.tenants import TenantLimits
 
 # Headers passed on as call metadata, as a gRPC client would send them.
 FORWARDED_HEADERS = ("authorization", "x-intent", "x-retrieval-mode")
@@ -62,6 +74,7 @@ class _Facts:
     resource: str
     request_id: str
     principal: Principal | None = None  # once the token has verified
+    has_paid: bool = False  # once a request was taken from the tenant's bucket
 
     def denied(self, reason: str) -> AuditEvent:
         return AuditEvent(
@@ -94,9 +107,13 @@ class Intake:
                 raise draining()
             self._check_declared_size(request)
             facts.principal = self._authenticate(request)
+            limits = self.gatekeeper.tenants.limits(facts.principal.tenant)
+            await self._take_request(facts.principal.tenant, limits)
+            facts.has_paid = True
             timeout_s = timeout_s_of(request)  # the headers are checked before the body is read
             metadata = metadata_of(request, request_id)
             parsed = parse(endpoint, _json(await self._body(request)))
+            await self._give_request_back(facts.principal.tenant, limits)
         # X-Timeout-S counts from here, where the Generation's own timeout starts: the body's
         # reading has a deadline of its own, and the engine and safety get the whole budget.
         context = HttpCallContext(metadata, time.monotonic() + timeout_s)
@@ -113,7 +130,9 @@ class Intake:
         try:
             yield
         except ThermoclineError as error:
-            await self._record(facts, facts.denied(error.message))
+            await self._record(
+                facts, facts.denied(error.message), is_free=isinstance(error, ResourceExhausted)
+            )
             raise
         except ClientDisconnect:
             raise
@@ -121,13 +140,28 @@ class Intake:
             await self._record(facts, facts.denied("internal error in the gateway's HTTP front"))
             raise
 
-    async def _record(self, facts: _Facts, event: AuditEvent) -> None:
-        """Writes a refusal as the gatekeeper writes its own (one of a caller with no verified
-        token: one by one up to the audit rate, counted beyond it)."""
-        # Every refusal here costs the caller nothing from its bucket: sampled, per tenant once
-        # the token verified.
-        tenant = facts.principal.tenant if facts.principal is not None else UNAUTHENTICATED
-        await self.gatekeeper.record_denial(event, sampled_as=tenant)
+    async def _record(self, facts: _Facts, event: AuditEvent, is_free: bool = False) -> None:
+        """Writes a refusal as the gatekeeper writes its own: one that cost the caller nothing (no
+        verified token, no request taken yet, or the rate limit itself) one by one up to the
+        audit rate and counted beyond it; one that cost it a request always."""
+        if facts.principal is None:
+            sampled_as: str | None = UNAUTHENTICATED
+        else:
+            sampled_as = facts.principal.tenant if is_free or not facts.has_paid else None
+        await self.gatekeeper.record_denial(event, sampled_as)
+
+    async def _take_request(self, tenant: str, limits: TenantLimits) -> None:
+        """One request from the tenant's bucket, as the gatekeeper takes it; 429 with Retry-After
+        when the tenant is over its rate."""
+        decision = await self.gatekeeper.limiter.take_request(tenant, limits)
+        if not decision.is_admitted:
+            raise refuse(tenant, limits, decision)
+
+    async def _give_request_back(self, tenant: str, limits: TenantLimits) -> None:
+        """Returns the request taken for a body that passed: the servicer's gatekeeper takes the
+        call's own. (Not returned while the tenant's token bucket is in debt; the servicer then
+        refuses the call anyway.)"""
+        await self.gatekeeper.limiter.take(tenant, limits, num_requests=-1, num_tokens=0)
 
     def _authenticate(self, request: Request) -> Principal:
         """The caller, as the gatekeeper verifies it (every Authorization header, so two are refused)."""
