@@ -4,6 +4,9 @@ answered before its body was read, whose client could otherwise dribble that bod
 
 from __future__ import annotations
 
+import pytest
+
+from services.gateway.http.protocol import HeadLineEndings
 from tests.http.conftest import HttpGateway
 
 HIDDEN = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -32,3 +35,54 @@ def test_an_answer_sent_before_the_body_is_read_closes_the_connection(http_gatew
     exchange = http_gateway.exchange(head + b'{"prompt": "')
     assert exchange.status_lines == ["HTTP/1.1 404 Not Found"], exchange.received
     assert b"connection: close" in exchange.received.lower() and exchange.is_closed
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /health HTTP/1.1\nHost: x\n\n",
+        b"GET /health HTTP/1.1\r\nHost: x\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\n\n",
+        b"\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+    ],
+    ids=["every-line", "one-header", "blank-line", "before-the-request-line"],
+)
+def test_a_head_with_a_bare_lf_is_refused_and_the_connection_closed(
+    http_gateway: HttpGateway, request_bytes: bytes
+) -> None:
+    exchange = http_gateway.exchange(request_bytes + HIDDEN)
+    assert exchange.status_lines == ["HTTP/1.1 400 Bad Request"], exchange.received
+    assert b"bare LF" in exchange.received and exchange.is_closed
+
+
+def test_a_bare_lf_in_a_pipelined_head_is_refused_after_the_request_before_it(
+    http_gateway: HttpGateway,
+) -> None:
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    exchange = http_gateway.exchange(health + b"GET /health HTTP/1.1\r\nHost: x\n\n" + HIDDEN)
+    assert exchange.status_lines == ["HTTP/1.1 200 OK", "HTTP/1.1 400 Bad Request"], exchange.received
+    assert exchange.is_closed
+
+
+@pytest.mark.parametrize(
+    ("pieces", "is_bare"),
+    [
+        ([b"GET / HTTP/1.1\r", b"\nHost: x\r", b"\n\r", b"\n"], False),
+        ([b"GET / HTTP/1.1\r\nHost: x\r\n\r\nbody\nwith\nbare\nLFs"], False),
+        ([b"GET / HTTP/1.1\r\nHost: x\r\n\r", b"\nbody\n"], False),
+        ([b"GET / HTTP/1.1\r\nHost: x", b"\n\r\n"], True),
+        ([b"GET / HTTP/1.1\r\n", b"\n"], True),
+        ([b"\n"], True),
+    ],
+    ids=[
+        "crlf-split",
+        "lf-in-body",
+        "end-split-before-body",
+        "lf-at-a-read-start",
+        "lf-blank-line",
+        "lf-alone",
+    ],
+)
+def test_line_endings_are_followed_across_reads(pieces: list[bytes], is_bare: bool) -> None:
+    endings = HeadLineEndings()
+    assert any([endings.has_bare_lf(piece) for piece in pieces]) is is_bare

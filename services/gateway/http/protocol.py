@@ -1,4 +1,4 @@
-"""uvicorn's h11 protocol with the two connection limits uvicorn lacks.
+"""uvicorn's h11 protocol with the two connection limits uvicorn lacks, and CRLF-only heads.
 
 uvicorn closes a connection only when it idles between requests (`timeout_keep_alive`, armed
 after an answer), and `limit_concurrency` answers 503 to a request but never closes a connection
@@ -6,11 +6,19 @@ that sends none. So a connection that sends nothing, or a request head a byte at
 open for good. Here every request head has a deadline, counted from the connection's start or
 from the previous answer and not renewed by the bytes that dribble in, and a connection beyond
 `limit_concurrency` is closed as it opens.
+
+h11 ends a head's lines at a bare LF as well as at CRLF; a proxy in front that splits lines only
+at CRLF reads another set of headers, or another number of requests, from the same bytes
+(request smuggling). A head with a bare LF is answered 400 and its connection closed before h11
+parses it. The head is followed read by read (`HeadLineEndings`), and a head that arrived while
+the previous request was served is checked from h11's buffer as its cycle starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from typing import Any
 
 import h11
@@ -18,6 +26,38 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
+
+from services.gateway.http.errors import error_body
+
+_BARE_LF = re.compile(rb"(?<!\r)\n")
+_HEAD_END = b"\r\n\r\n"
+_BARE_LF_REFUSAL = (
+    "request head has a line that ends in a bare LF; end every line of the head with CRLF "
+    "(RFC 9112 §2.2): proxies split such a head into other lines, which is how requests are smuggled"
+)
+
+
+class HeadLineEndings:
+    """One request head's bytes, read by read up to its blank line: does a line end in a bare LF?
+
+    Keeps the last three bytes read, so a CRLF or the blank line split across two reads is seen
+    whole. The first CRLFCRLF ends the head: h11 ends it there or earlier, and earlier only at a
+    bare LF, which this finds first. Bytes after the head (the body) are not looked at."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.is_done = False  # the head's blank line has come
+
+    def has_bare_lf(self, data: bytes) -> bool:
+        """Whether `data`, the head's next bytes, holds a bare LF before the head's end."""
+        if self.is_done or not data:
+            return False
+        start, window = len(self._tail), self._tail + data
+        end = window.find(_HEAD_END)
+        if end >= 0:
+            self.is_done, window = True, window[: end + len(_HEAD_END)]
+        self._tail = window[-3:]
+        return _BARE_LF.search(window, start) is not None
 
 
 class DeadlineConfig(uvicorn.Config):
@@ -44,6 +84,7 @@ class HeadDeadlineProtocol(H11Protocol):
         assert isinstance(config, DeadlineConfig)
         self.header_timeout_s = config.header_timeout_s
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._head_endings: HeadLineEndings | None = None  # of the head h11 awaits
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -53,8 +94,19 @@ class HeadDeadlineProtocol(H11Protocol):
         self._follow_head()
 
     def data_received(self, data: bytes) -> None:
+        if self._has_bare_lf(data):
+            self._refuse_bare_lf()
+            return
         super().data_received(data)
         self._follow_head()
+
+    def handle_events(self) -> None:
+        if self._has_bare_lf(b""):  # a pipelined head, as its cycle starts
+            self._refuse_bare_lf()
+            return
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:
+            self._head_endings = None  # the head is in; the next one is followed afresh
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -71,6 +123,32 @@ class HeadDeadlineProtocol(H11Protocol):
             self._disarm()
         elif self._head_deadline is None:
             self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_is_late)
+
+    def _has_bare_lf(self, data: bytes) -> bool:
+        """Whether the head h11 awaits, with `data` (not yet given to h11), has a bare LF."""
+        if self.conn.their_state is not h11.IDLE:
+            self._head_endings = None
+            return False
+        if self._head_endings is None:  # a new head: h11 may hold some of it, sent while the last was served
+            self._head_endings = HeadLineEndings()
+            data = self.conn.trailing_data[0] + data
+        return self._head_endings.has_bare_lf(data)
+
+    def _refuse_bare_lf(self) -> None:
+        """400 with the reason, then the connection is closed: nothing after the head is read."""
+        body = json.dumps(error_body(400, _BARE_LF_REFUSAL, "bare_lf")).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        self.transport.write(
+            self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request"))
+        )
+        self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
+        self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
+        self.transport.close()
+        self._disarm()
 
     def _disarm(self) -> None:
         if self._head_deadline is not None:
