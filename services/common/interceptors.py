@@ -20,10 +20,11 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn
 
 import grpc
+from grpc._cython import cygrpc  # type: ignore[attr-defined]  # ExecuteBatchError: a failed batch
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 # span (they would drown the real traffic).
 _INFRASTRUCTURE_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 _DRAINING = "server is shutting down; retry on another replica"
+# How long a stream whose write failed waits for the core to report that its client closed the call;
+# the report comes in the same moment as the failure, so this bounds only a failure of another kind.
+CLIENT_CLOSE_WAIT_S = 5.0
 
 
 class CallTracker:
@@ -156,11 +160,12 @@ def _peer_attributes(peer: str) -> dict[str, str]:
 
 
 def _detach(token: object) -> None:
-    """Restores the context from before the call's span was made current. A streaming call that
-    its client cancels while the handler waits at a `yield` is closed by the event loop's
-    async-generator finalizer, in another task's context, where the token cannot be reset
-    (OpenTelemetry's `detach` then logs an ERROR with a traceback for every such stream); the
-    call's own context went with its task, so there is nothing to restore."""
+    """Restores the context from before the call's span was made current. A call closed outside its
+    own task (a stream handler left at a `yield` for the event loop's async-generator finalizer, as
+    grpc once left them) runs this in another task's context, where the token cannot be reset and
+    OpenTelemetry's `detach` logs an ERROR with a traceback; the call's own context went with its
+    task, so there is nothing to restore. Streams are now written and closed in their task
+    (_write_all); this stays tolerant for any handler that is not."""
     if isinstance(token, contextvars.Token):  # what OpenTelemetry's default runtime context hands out
         with contextlib.suppress(ValueError):
             token.var.reset(token)
@@ -293,23 +298,21 @@ def _wrap_unary(behavior: Callable[..., Any], method: _MethodGuard, is_stream: b
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]], method: _MethodGuard, is_stream: bool
+    behavior: Callable[..., AsyncGenerator[Any, None]], method: _MethodGuard, is_stream: bool
 ) -> Callable[..., Any]:
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> None:
         guard = method.call(context)
         try:
             started = await guard.admit(context)
             try:
-                async for response in behavior(_checked(request, is_stream), context):
-                    yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError):
+                await _write_all(behavior(_checked(request, is_stream), context), context)
+            except grpc.aio.AbortError:
                 raise
-            except GeneratorExit:
-                # Closed at a `yield`: the client cancelled while the stream waited to write, and the
-                # loop's finalizer closes the handler; the context may not say it was cancelled.
-                if guard.code is None:
-                    guard.code = grpc.StatusCode.CANCELLED
+            except asyncio.CancelledError:
+                guard.code = guard.code or grpc.StatusCode.CANCELLED  # the client left, or a timer ended it
                 raise
+            except cygrpc.ExecuteBatchError as error:
+                await _wait_for_client_close(guard, error)
             except Exception as error:
                 await guard.abort(context, error)
             finally:
@@ -318,6 +321,36 @@ def _wrap_stream(
             guard.close(context)
 
     return wrapper
+
+
+async def _write_all(responses: AsyncGenerator[Any, None], context: grpc.aio.ServicerContext) -> None:
+    """Sends each response with `context.write`, then closes `responses` in this call's task.
+
+    The stream is written here rather than handed to grpc as an async generator, because grpc's own
+    loop writes a generator's messages outside the handler: a write that fails because the client
+    went away while it waited (its window full, then the stream or connection closed) raised out of
+    grpc's loop, which logged "ExecuteBatchError raised in core by servicer method" with a traceback
+    for every such stream, and the handler was left at its `yield` for the loop's finalizer to close
+    in another task. Here the failure reaches the guard, and the servicer's cleanup runs at once.
+    """
+    async with contextlib.aclosing(responses):
+        async for response in responses:
+            await context.write(response)
+
+
+async def _wait_for_client_close(guard: _CallGuard, error: Exception) -> NoReturn:
+    """A write failed in the core. When the client closed the call, the core says so within moments
+    by cancelling this task, and the call ends CANCELLED (counted, and logged by grpc at DEBUG only).
+    A failure without a close is re-raised for grpc to log: it is not the client going away."""
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLIENT_CLOSE_WAIT_S):
+                await asyncio.get_running_loop().create_future()  # nobody resolves it: a cancel ends it
+    except asyncio.CancelledError:
+        guard.code = grpc.StatusCode.CANCELLED
+        log.debug("%s: the client went away while a message waited to be sent", guard.method)
+        raise
+    raise error
 
 
 def _wrap_handler(handler: grpc.RpcMethodHandler, guard: _MethodGuard) -> grpc.RpcMethodHandler:
