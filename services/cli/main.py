@@ -32,7 +32,9 @@ from services.gateway.tokens import ensure_dev_keys, mint_token
 DEMO_QUESTION = "What is the capital of France?"
 SETTING_HELP = (
     "a THERMOCLINE_* setting for every service, e.g. THERMOCLINE_ENGINE_KV_TIERS=true (repeatable); "
-    "the shell's own THERMOCLINE_* variables do not reach the services, only where models live does"
+    "not one the mesh sets itself (ports, the services' targets, the model: --model, the token key, "
+    "audit log, audit key and kvstore data: --state-dir), which is refused; the shell's own "
+    "THERMOCLINE_* variables do not reach the services, only where models live does"
 )
 
 

@@ -67,16 +67,59 @@ class Ports:
 
 
 MODEL_LOCATION_SETTINGS = ("THERMOCLINE_SHARED_DIR", "THERMOCLINE_CACHE_DIR")  # see Mesh._service_env
+# Set by the mesh only as a default (a source checkout's classes, as compose deploys them): `--env`
+# may name other classes.
+MESH_DEFAULT_SETTINGS = ("THERMOCLINE_ENGINE_INTENT_CLASSES",)
+
+_PORTS = (
+    "the mesh picks its ports (up: gRPC 50051-50054, HTTP 8080, metrics 9101-9104; demo: free ones); "
+    "to listen elsewhere, run the services yourself (python -m services.<name>, or compose.yaml)"
+)
+_WIRING = (
+    "the mesh points each service at the others it started; to wire services otherwise, run them "
+    "yourself (python -m services.<name>, or compose.yaml)"
+)
+
+
+def _under_state_dir(what: str) -> str:
+    return f"{what}, under the state directory: choose that directory with --state-dir"
+
+
+# What the mesh sets itself, and what changes it instead. `--env` may not replace these: `up` would
+# print endpoints the services no longer use, and the gateway would trust another token key or write
+# its audit log, signed with another key, where `thermocline audit verify` does not look.
+MESH_SETTINGS: dict[str, str] = {
+    **{f"THERMOCLINE_{name.upper()}_PORT": _PORTS for name in SERVICES},
+    **{f"THERMOCLINE_{name.upper()}_METRICS_PORT": _PORTS for name in SERVICES},
+    "THERMOCLINE_GATEWAY_HTTP_PORT": _PORTS,
+    "THERMOCLINE_GATEWAY_ENGINE_TARGET": _WIRING,
+    "THERMOCLINE_GATEWAY_ENGINE_TARGETS": _WIRING,
+    "THERMOCLINE_GATEWAY_SAFETY_TARGET": _WIRING,
+    "THERMOCLINE_ENGINE_SAFETY_TARGET": _WIRING,
+    "THERMOCLINE_ENGINE_KVSTORE_TARGET": _WIRING,
+    "THERMOCLINE_ENGINE_MODEL": "choose the model with --model",
+    "THERMOCLINE_GATEWAY_JWT_KEY_FILE": _under_state_dir(
+        "the gateway verifies tokens with keys/jwt-public.pem (`thermocline token` signs with its pair)"
+    ),
+    "THERMOCLINE_GATEWAY_AUDIT_DIR": _under_state_dir("the gateway writes its audit log to audit/"),
+    "THERMOCLINE_GATEWAY_AUDIT_KEY_FILE": _under_state_dir(
+        f"the gateway signs its audit log with keys/{AUDIT_KEY_NAME} (`thermocline audit verify` reads it)"
+    ),
+    "THERMOCLINE_KVSTORE_DATA_DIR": _under_state_dir("the kvstore keeps its blocks in kvstore/"),
+}
 
 
 def parse_settings(items: list[str], flag: str) -> dict[str, str]:
     """`THERMOCLINE_NAME=VALUE` arguments as a mapping for `MeshConfig.env`. The caller's own
-    THERMOCLINE_* environment does not reach a mesh's services, so settings are passed this way."""
+    THERMOCLINE_* environment does not reach a mesh's services, so settings are passed this way.
+    A setting the mesh makes itself (MESH_SETTINGS) is refused with what changes it instead."""
     settings = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("THERMOCLINE_"):
             raise ValueError(f"{flag} {item!r} is not THERMOCLINE_NAME=VALUE")
+        if key in MESH_SETTINGS:
+            raise ValueError(f"{flag} {key}=...: the mesh sets {key} itself; {MESH_SETTINGS[key]}")
         settings[key] = value
     return settings
 
@@ -90,7 +133,8 @@ class MeshConfig:
     ports: Ports = field(default_factory=Ports)
     otlp_endpoint: str | None = None
     start_redis: bool = True
-    # Extra THERMOCLINE_* settings passed to every service, e.g. a grace period for a test.
+    # Extra THERMOCLINE_* settings passed to every service, e.g. a grace period for a test. They win
+    # over the mesh's own; the command line's --env cannot name those (parse_settings), code can.
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
     # Engine processes behind the gateway; replicas after the first are named engine-2, engine-3, ...

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.main import build_parser
-from services.cli.mesh import Mesh, MeshConfig, parse_settings
+from services.cli.mesh import MESH_DEFAULT_SETTINGS, MESH_SETTINGS, Mesh, MeshConfig, parse_settings
 from services.cli.trace_collector import (
     GATEWAY_GENERATE,
     SAFETY_CHECK_PROMPT,
@@ -299,3 +299,45 @@ def test_up_refuses_a_setting_that_is_not_a_thermocline_assignment(
     args = build_parser().parse_args(["up", "--env", item])
     assert args.func(args) == 2
     assert "is not THERMOCLINE_NAME=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+@pytest.mark.parametrize(
+    ("key", "instead"),
+    [
+        ("THERMOCLINE_GATEWAY_JWT_KEY_FILE", "--state-dir"),
+        ("THERMOCLINE_GATEWAY_AUDIT_DIR", "--state-dir"),
+        ("THERMOCLINE_GATEWAY_AUDIT_KEY_FILE", "--state-dir"),
+        ("THERMOCLINE_GATEWAY_PORT", "the mesh picks its ports"),
+        ("THERMOCLINE_ENGINE_SAFETY_TARGET", "run them yourself"),
+        ("THERMOCLINE_ENGINE_MODEL", "--model"),
+    ],
+)
+def test_up_and_demo_refuse_a_setting_the_mesh_makes_itself(
+    command: str, key: str, instead: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(
+        [command, "--env", "THERMOCLINE_ENGINE_KV_TIERS=true", "--env", f"{key}=/x"]
+    )
+    with pytest.raises(ValueError, match=f"the mesh sets {key} itself"):
+        parse_settings(args.env, "--env")
+    assert args.func(args) == 2  # before any process starts
+    error = capsys.readouterr().err
+    assert f"--env {key}=" in error and instead in error
+
+
+def test_every_setting_the_mesh_makes_itself_is_one_env_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wiring setting added to Mesh._service_env later is refused too, or this fails."""
+    monkeypatch.delenv("THERMOCLINE_SHARED_DIR", raising=False)
+    monkeypatch.delenv("THERMOCLINE_CACHE_DIR", raising=False)
+    mesh = Mesh(MeshConfig(model="stories260k", state_dir=tmp_path, num_engines=2))
+    made = {key for key in mesh._service_env() if key.startswith("THERMOCLINE_")}
+    assert made - set(MESH_DEFAULT_SETTINGS) == set(MESH_SETTINGS)
+
+
+def test_env_may_replace_a_default_of_the_mesh(tmp_path: Path) -> None:
+    settings = parse_settings(["THERMOCLINE_ENGINE_INTENT_CLASSES=/etc/classes.toml"], "--env")
+    env = Mesh(MeshConfig(model="stories260k", state_dir=tmp_path, env=settings))._service_env()
+    assert env["THERMOCLINE_ENGINE_INTENT_CLASSES"] == "/etc/classes.toml"

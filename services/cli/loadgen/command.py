@@ -54,7 +54,8 @@ def add_loadgen_parser(commands: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="with --start-mesh: a THERMOCLINE_* setting for every service (repeatable)",
+        help="with --start-mesh: a THERMOCLINE_* setting for every service (repeatable), not one the "
+        "mesh sets itself (its ports, targets, model, keys and state paths)",
     )
     p.add_argument(
         "--mode", choices=[OPEN, CLOSED], default=OPEN, help="open: Poisson arrivals; closed: fixed clients"
