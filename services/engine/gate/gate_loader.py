@@ -10,9 +10,12 @@ at all, or a safety service that must supply the gate and does not answer, stops
 
 While the engine serves, gate_watch.py asks safety again every `recheck_s` seconds and applies the
 same rules to the gate the engine holds, so a gate swapped on either side shows (and a refusal
-lifts) without a restart. A refusing engine's health stays SERVING: each refusal says why, and
-the same check is the pod's liveness probe (deploy/k8s), whose restarts would not mend a gate file
-that differs from safety's, and would reload the model over and over.
+lifts) without a restart. A refusing engine's server health ("") stays SERVING: that check is the
+pod's liveness probe (deploy/k8s), whose restarts would not mend a gate file that differs from
+safety's, and would reload the model over and over. Readiness is another matter: a replica that
+refuses every Generate should get no traffic, and `GateWatch.readiness_problem` says so, for a
+probe that turns only the engine service's own health name NOT_SERVING (the server runner has no
+such probe yet: services/common/server.py sets every name alike).
 """
 
 from __future__ import annotations

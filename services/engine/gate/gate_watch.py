@@ -71,6 +71,16 @@ class GateWatch:
             and self.config.recheck_s > 0
         )
 
+    def readiness_problem(self) -> str | None:
+        """Why this engine should get no new traffic (its gate refuses every Generate), or None.
+
+        For a readiness check, never a liveness one: a restart reloads the model and the same gate,
+        so it mends nothing. It follows `loaded`, so the re-check that lifts the refusal clears it."""
+        report = self.loaded.report
+        if not report.is_refusing:
+            return None
+        return f"its safety gate {report.version} refuses every Generate ({report.detail})"
+
     def recheck(self, announced: Announcement | None) -> LoadedGate | None:
         """The gate to install after safety's answer (None: no answer), or None when nothing changed.
 
