@@ -33,6 +33,7 @@ from services.gateway.http.limits import HttpLimits
 from services.gateway.http.metrics import CountRequests
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest
 from services.gateway.http.openai_response import Rendering, sse
+from services.gateway.http.server import WRITE_STALL_STATE
 from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -55,7 +56,7 @@ class OpenAIRoutes:
     def app(self) -> Starlette:
         """The ASGI application: each finished request counted by route and status code, ambiguously
         framed requests refused before routing, and a connection closed after an answer sent
-        before its request's body was read."""
+        before its request's body was read; its state carries the write-stall limit for the server."""
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -63,7 +64,7 @@ class OpenAIRoutes:
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
         ]
-        return Starlette(
+        app = Starlette(
             routes=routes,
             middleware=[
                 Middleware(CountRequests, routes=[route.path for route in routes]),
@@ -72,6 +73,9 @@ class OpenAIRoutes:
             ],
             exception_handlers={HTTPException: _http_exception},
         )
+        # the server cuts a client that reads nothing for as long as the gRPC front allows
+        setattr(app.state, WRITE_STALL_STATE, self.servicer.config.limits.write_stall_s)
+        return app
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""

@@ -17,6 +17,10 @@ HTTP_HANDLED = Counter(
     "HTTP requests the OpenAI-compatible front answered, by route and status code.",
     ["route", "code"],
 )
+WRITE_STALLS = Counter(
+    "thermocline_gateway_http_write_stalls_total",
+    "HTTP connections aborted because the client read none of its answer for the write-stall limit.",
+)
 OTHER_ROUTE = "other"
 
 

@@ -7,6 +7,13 @@ open for good. Here every request head has a deadline, counted from the connecti
 from the previous answer and not renewed by the bytes that dribble in, and a connection beyond
 `limit_concurrency` is closed as it opens.
 
+A client that stops reading an answer (a stream, or a body larger than the socket's buffers)
+fills the transport's write buffer; its writes then wait for it for good, holding the
+connection and, for a stream, the call. Once writing has been paused for `write_stall_s` (the
+gateway's THERMOCLINE_GATEWAY_WRITE_STALL_S, which cuts a gRPC stream whose caller takes no
+message), the connection is aborted: uvicorn sees it as lost, the pending write returns, and the
+application hears `http.disconnect`, which cancels the call as a client that hangs up does.
+
 h11 ends a head's lines at a bare LF as well as at CRLF; a proxy in front that splits lines only
 at CRLF reads another set of headers, or another number of requests, from the same bytes
 (request smuggling). A head with a bare LF is answered 400 and its connection closed before h11
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from typing import Any
 
@@ -28,6 +36,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from services.gateway.http.errors import error_body
+from services.gateway.http.metrics import WRITE_STALLS
+
+log = logging.getLogger(__name__)
 
 _BARE_LF = re.compile(rb"(?<!\r)\n")
 _HEAD_END = b"\r\n\r\n"
@@ -61,11 +72,13 @@ class HeadLineEndings:
 
 
 class DeadlineConfig(uvicorn.Config):
-    """uvicorn's settings plus the request head's deadline, which `HeadDeadlineProtocol` reads."""
+    """uvicorn's settings plus the request head's deadline and the write-stall limit, which
+    `HeadDeadlineProtocol` reads."""
 
-    def __init__(self, app: ASGIApp, header_timeout_s: float, **settings: Any) -> None:
+    def __init__(self, app: ASGIApp, header_timeout_s: float, write_stall_s: float, **settings: Any) -> None:
         super().__init__(app, http=HeadDeadlineProtocol, **settings)
         self.header_timeout_s = header_timeout_s
+        self.write_stall_s = write_stall_s
 
 
 class HeadDeadlineProtocol(H11Protocol):
@@ -85,6 +98,8 @@ class HeadDeadlineProtocol(H11Protocol):
         self.header_timeout_s = config.header_timeout_s
         self._head_deadline: asyncio.TimerHandle | None = None
         self._head_endings: HeadLineEndings | None = None  # of the head h11 awaits
+        self.write_stall_s = config.write_stall_s
+        self._write_stall: asyncio.TimerHandle | None = None  # armed while writing is paused
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -114,7 +129,34 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._end_write_stall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(self.write_stall_s, self._write_has_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._end_write_stall()
+
+    def _end_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+    def _write_has_stalled(self) -> None:
+        """The client read nothing for `write_stall_s`: abort, so no fd waits on it to drain."""
+        self._write_stall = None
+        WRITE_STALLS.inc()
+        log.warning(
+            "HTTP client %s read none of its answer for %g s (THERMOCLINE_GATEWAY_WRITE_STALL_S); "
+            "connection aborted",
+            self.client,
+            self.write_stall_s,
+        )
+        self.transport.abort()
 
     def _follow_head(self) -> None:
         """Arms the deadline once h11 waits for a request head; disarms it once the head is in."""

@@ -5,6 +5,8 @@ object without locks. The gRPC runner owns SIGTERM: uvicorn must not install its
 (it would swallow the signal that starts the drain), and it stops when the gateway closes,
 giving HTTP calls in flight the same grace period as gRPC ones. Connections are bounded by
 `HttpLimits` (limits.py): a head deadline and a connection cap (protocol.py), keep-alive, head size.
+A client that reads none of its answer for the gateway's write-stall limit, which the app
+carries (`WRITE_STALL_STATE`, set by app.py from GatewayConfig), loses its connection.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.applications import Starlette
 
 from services.gateway.http.limits import HttpLimits
 from services.gateway.http.protocol import DeadlineConfig
 
 log = logging.getLogger(__name__)
+WRITE_STALL_STATE = "write_stall_s"  # the app's state key for THERMOCLINE_GATEWAY_WRITE_STALL_S
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -35,10 +38,11 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """Binds the port at start (so a taken port fails the gateway's start-up), serves until stop."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: float, limits: HttpLimits) -> None:
+    def __init__(self, app: Starlette, host: str, port: int, grace_s: float, limits: HttpLimits) -> None:
         config = DeadlineConfig(
             app,
             header_timeout_s=limits.header_timeout_s,
+            write_stall_s=getattr(app.state, WRITE_STALL_STATE),
             lifespan="off",
             log_config=None,
             access_log=False,
