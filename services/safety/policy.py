@@ -54,6 +54,18 @@ def _parse_line(line: str, line_number: int, path: Path) -> DenyRule | None:
     return DenyRule(category.strip(), pattern, line_number)
 
 
+def _decoded(data: bytes, path: Path) -> str:
+    """The file's text; PolicyError naming the line of the first byte that is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_number = data.count(b"\n", 0, error.start) + 1
+        raise PolicyError(
+            f"{path}:{line_number}: not UTF-8 (byte {data[error.start]:#04x} at offset {error.start}); "
+            "save the file as UTF-8"
+        ) from None
+
+
 class DenyPatternPolicy:
     """Blocks text that matches any rule of the file it was loaded from."""
 
@@ -64,13 +76,20 @@ class DenyPatternPolicy:
 
     @classmethod
     def load(cls, path: Path) -> DenyPatternPolicy:
-        """Parses the policy file; its version is the start of the file's sha256."""
+        """Parses the policy file; its version is the start of the file's sha256. PolicyError for a
+        file that is not UTF-8 or holds no rule: the layer no tenant can waive would vanish, with
+        nothing to show for it but another version string."""
         try:
             data = path.read_bytes()
         except OSError as error:
             raise PolicyError(f"cannot read deny-pattern file {path}: {error.strerror}") from None
-        lines = data.decode("utf-8").splitlines()
+        lines = _decoded(data, path).splitlines()
         rules = [rule for n, line in enumerate(lines, 1) if (rule := _parse_line(line, n, path))]
+        if not rules:
+            raise PolicyError(
+                f"deny-pattern file {path} holds no rule ({len(data)} bytes, {len(lines)} lines): "
+                "it is empty or cut short; restore it (the shipped one is services/safety/deny_patterns.txt)"
+            )
         return cls(rules, version="deny-patterns-" + hashlib.sha256(data).hexdigest()[:12])
 
     def check(self, text: str, kind: str = "prompt") -> Verdict:

@@ -96,3 +96,26 @@ def test_version_changes_with_the_file(tmp_path: Path) -> None:
     first = DenyPatternPolicy.load(path).version
     path.write_text("a: bar\n")
     assert DenyPatternPolicy.load(path).version != first
+
+
+@pytest.mark.parametrize("content", ["", "# only the header\n#\n\n", "   \n"])
+def test_a_file_without_rules_is_refused_naming_it(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "rules.txt"
+    path.write_text(content)
+    with pytest.raises(PolicyError, match=r"rules.txt holds no rule"):
+        DenyPatternPolicy.load(path)
+
+
+def test_a_file_cut_to_its_comment_header_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "rules.txt"
+    shipped = DEFAULT_PATTERNS.read_bytes()
+    path.write_bytes(shipped[: shipped.index(b"\nweapons:") + 1])
+    with pytest.raises(PolicyError, match="holds no rule"):
+        DenyPatternPolicy.load(path)
+
+
+def test_a_file_that_is_not_utf8_is_a_policy_error_naming_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "rules.txt"
+    path.write_bytes("weapons: bomb\nweapons: caf\xe9 bomb\n".encode("latin-1"))
+    with pytest.raises(PolicyError, match=r"rules.txt:2: not UTF-8 \(byte 0xe9"):
+        DenyPatternPolicy.load(path)
