@@ -31,6 +31,11 @@ _TAGS = dict.fromkeys(range(0xE0000, 0xE0080))
 # stacked over each letter ("Zalgo" text) or a strikethrough, they split a word past a pattern.
 _LOOSE_MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
 _WHITESPACE = re.compile(r"\s+")
+# A whitespace run past this many characters is cut to its first MAX_WHITESPACE_RUN before any
+# decoder reads the text: no encoding needs a longer one, and a pattern that retries a run from each
+# of its positions costs the square of the run's length (1,000,000 spaces never finished).
+MAX_WHITESPACE_RUN = 64
+_LONG_WHITESPACE = re.compile(rf"(\s{{{MAX_WHITESPACE_RUN}}})\s+")
 # ANSI escape sequences (colours, cursor moves, window titles): a terminal shows none of them, and
 # left in, "\x1b[31mHow" reads as one word.
 _TERMINAL_ESCAPE = re.compile(
@@ -91,14 +96,16 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 10
+VIEWS_VERSION = 11
 
 
 def _visible(text: str) -> str:
     """NFKC with zero-width characters and terminal escape sequences dropped and small capitals and
-    enclosed letters read as letters: what a reader sees, whitespace and tags as sent."""
+    enclosed letters read as letters: what a reader sees, tags as sent and whitespace as sent but
+    for runs past MAX_WHITESPACE_RUN, which are cut."""
     lettered = _TERMINAL_ESCAPE.sub("", text).translate(_ENCLOSED_LETTERS)
-    return unicodedata.normalize("NFKC", lettered).translate(_ZERO_WIDTH).translate(_SMALL_CAPITALS)
+    visible = unicodedata.normalize("NFKC", lettered).translate(_ZERO_WIDTH).translate(_SMALL_CAPITALS)
+    return _LONG_WHITESPACE.sub(r"\1", visible)
 
 
 def _cleaned(visible: str) -> str:
