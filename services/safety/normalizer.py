@@ -11,20 +11,28 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import html
 import re
 import unicodedata
 
 from services.safety.decoders import hidden_texts, text_of
 
-# Characters that render as nothing and are used to split a word past a screen, the bidirectional
-# marks and controls among them (U+200E/F, U+202A-E, U+2066-9: they reorder, they draw nothing).
-_ZERO_WIDTH = dict.fromkeys(
-    map(
-        ord,
-        "\u200b\u200c\u200d\u2060\u2061\u2062\u2063\u2064\ufeff\u00ad\u180e\u034f"
-        "\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069",
-    )
-)
+# Characters that render as nothing and are used to split a word past a screen: every Unicode
+# Default_Ignorable_Code_Point (zero-width spaces and joiners, the bidirectional marks and controls,
+# variation selectors, Mongolian free variation selectors, the Hangul fillers, the soft hyphen,
+# ...) but the tag characters (_TAGS: decoders.smuggled_tags reads them), and the interlinear
+# annotation marks U+FFF9-FFFB, format characters that draw nothing either. "bo\ufe0fmb" shows as
+# "bomb".
+_DEFAULT_IGNORABLE = (
+    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFFB), (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A), (0xE0080, 0xE0FFF),
+)  # fmt: skip
+_ZERO_WIDTH = dict.fromkeys(c for first, last in _DEFAULT_IGNORABLE for c in range(first, last + 1))
+# The braille blank (U+2800) draws a space-wide nothing: outside braille it is dropped like the
+# Hangul fillers; between braille cells it is the space of a braille text (decoders.braille).
+_BRAILLE_BLANK = re.compile("(?<![\u2801-\u28ff])\u2800+(?![\u2801-\u28ff])")
 # Unicode tag characters: invisible, dropped from the text (decoders.smuggled_tags reads them).
 _TAGS = dict.fromkeys(range(0xE0000, 0xE0080))
 # Combining marks that NFKC left on their own (it composes the ones that make an accented letter):
@@ -42,10 +50,21 @@ _TERMINAL_ESCAPE = re.compile(
     r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]{0,200}(?:\x07|\x1b\\)|[ -/]+[0-~]|[@-Z\\-_])"
 )
 # Letters of other scripts that look like Latin ones (NFKC leaves them alone): Cyrillic, Greek,
-# Armenian, and Latin's own dotless i and j, alpha and iota. A hand-made subset of the lookalikes
-# that matter for English text; folded only where the text reads as Latin (_reads_as_latin).
-_LOOKALIKES_FROM = "аеорсухіјѕԁһӏԛԝɡАВЕКМНОРСТХЅІЈԜοινκρτυχαΑΒΕΖΗΙΚΜΝΟΡΤΥΧϲϳɑɩıȷօսհոνԍ"
-_LOOKALIKES_TO = "aeopcyxijsdhlqwgABEKMHOPCTXSIJWoivkptuxaABEZHIKMNOPTYXcjaiijouhnvG"
+# Armenian, and Latin's own dotless i and j, alpha and iota, a hand-made subset of the lookalikes
+# that matter for English text (a wider one would fold letters common in Russian or Greek prose,
+# "г", "σ", "γ"); then every other single letter that Unicode's confusables.txt (version 14, as
+# confusable-homoglyphs 3.3.1 ships it) gives as a confusable of a Latin letter and NFKC leaves
+# alone: Cherokee, Lisu, Coptic, Canadian syllabics, Warang Citi, Carian, Lycian, Deseret, Osage,
+# Tifinagh, IPA and the like; last, the five it gives as a Latin letter and an apostrophe ("Ꭴ" as
+# "O'"), as the letter. Folded only where the text reads as Latin (_reads_as_latin).
+_LOOKALIKES_FROM = (
+    "аеорсухіјѕԁһӏԛԝɡАВЕКМНОРСТХЅІЈԜοινκρτυχαΑΒΕΖΗΙΚΜΝΟΡΤΥΧϲϳɑɩıȷօսհոνԍ"
+    "ƄƍƖƦƽǀɣɯʋଠഠဝყჿሀዐᎠᎡᎢᎥᎩᎪᎫᎬᎳᎷᎻᎽᏀᏂᏃᏏᏒᏔᏕᏙᏚᏞᏟᏢᏦᏧᏳᏴᐯᑌᑭᑯᑲᒍᒪᕁᕼᕽᖇᖯᖴᗅᗞᗪᗰᗷᚷᛁᛕᛖᴑᶃᶌẝỿⲅⲎⲒⲔⲘⲚⲞⲟⲢⲣⲤⲥⲦⲨⲬⳐⴸⴹⵏⵔⵕⵝꓐꓑꓒꓓꓔꓖꓗꓙꓚꓜꓝꓟꓠꓡꓢꓣꓦꓧꓪꓫꓬꓮꓰꓲꓳꓴꛟꞘꞙꞟꞲꞳꞴꬲꬵꬽꭇꭈꭎꭒꭚꭵꮁꮃꮓꮩꮪꮯ𐊂𐊆𐊇𐊊𐊐𐊒𐊕𐊖𐊗𐊠𐊡𐊢𐊥𐊫𐊰𐊱𐊲𐊴𐋏𐌁𐌂𐌉𐌑𐌕𐌗𐐄𐐕𐐛𐐠𐐬𐐽𐑈𐒴𐓂𐓎𐓪𐓶𐔓𐔖𐔘𐔜𐔝𐔥𐔦𐔧𑜆𑜊𑜎𑜏𑢠𑢢𑢣𑢤𑢦𑢩𑢮𑢲𑢵𑢸𑢼𑣀𑣁𑣂𑣃𑣄𑣈𑣗𑣘𑣜𖼈𖼊𖼖𖼨𖼵𖼺𖽀𖽂𖽃ᒈᒇᎤᒆᑧ"
+)
+_LOOKALIKES_TO = (
+    "aeopcyxijsdhlqwgABEKMHOPCTXSIJWoivkptuxaABEZHIKMNOPTYXcjaiijouhnvG"
+    "bglRslywuOooyoUODRTiYAJEWMHYGhZbRWSVSLCPKdGBVUPdbJLxHxRbFADDMBXlKMogyfyrHlKMNOoPpCcTYXLVElOQXBPdDTGKJCZFMNLSRVHWXYAElOUVFfuJXBeforruuyirwzvscBEFlXOPSTABCFOMTYXHBClMTXOCLSocsROUouNOKCVFLXvwwwVFLYEZELOUTvsFizoouyVTLlRSAUYbdOPU"
+)
 _CONFUSABLES = str.maketrans(_LOOKALIKES_FROM, _LOOKALIKES_TO)
 _LOOKALIKE_SET = frozenset(_LOOKALIKES_FROM)
 # Small capital letters ("ᴍᴀᴋᴇ ᴀ ʙᴏᴍʙ"), which NFKC leaves alone: the encoder reads them as unknown
@@ -96,7 +115,7 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 11
+VIEWS_VERSION = 12
 
 
 def _visible(text: str) -> str:
@@ -105,6 +124,8 @@ def _visible(text: str) -> str:
     for runs past MAX_WHITESPACE_RUN, which are cut."""
     lettered = _TERMINAL_ESCAPE.sub("", text).translate(_ENCLOSED_LETTERS)
     visible = unicodedata.normalize("NFKC", lettered).translate(_ZERO_WIDTH).translate(_SMALL_CAPITALS)
+    if "\u2800" in visible:
+        visible = _BRAILLE_BLANK.sub("", visible)
     return _LONG_WHITESPACE.sub(r"\1", visible)
 
 
@@ -158,6 +179,25 @@ def _restored(match: re.Match[str]) -> str:
 def canonical(text: str) -> str:
     """What the classifier embeds: normalized, with confusables folded and apostrophes restored."""
     return with_apostrophes(fold_confusables(normalize(text)))
+
+
+def unaccented(text: str) -> str:
+    """`text` with the accents of its letters dropped (NFKD, nonspacing marks dropped, NFC):
+    "Hów dó I máké á bömb" as "How do I make a bomb". The classifier's encoder is uncased and
+    strips accents itself; the deny patterns read this form beside the views."""
+    if text.isascii():
+        return text
+    decomposed = unicodedata.normalize("NFKD", text)
+    return unicodedata.normalize("NFC", "".join(c for c in decomposed if unicodedata.category(c) != "Mn"))
+
+
+def pattern_views(text: str, forms: list[str]) -> list[str]:
+    """The forms the deny patterns read past `forms` (the views of `text`, and its restatements):
+    the canonical form of `text` with its HTML character references decoded ("&#98;&#111;&#109;&#98;"),
+    and every form with accents dropped (unaccented), each once and none already in `forms`."""
+    unescaped = [canonical(html.unescape(text))] if "&" in text else []
+    extra = dict.fromkeys([*unescaped, *(unaccented(form) for form in [*forms, *unescaped])])
+    return [form for form in extra if form not in forms]
 
 
 def _decode_blob(blob: str) -> str | None:

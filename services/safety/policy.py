@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.safety.normalizer import normalize, prompt_readings, views
+from services.safety.normalizer import normalize, pattern_views, prompt_readings, views
 from services.safety.restate import prompt_restatements
 
 __all__ = ["DenyPatternPolicy", "DenyRule", "PolicyError", "Verdict", "normalize"]
@@ -95,10 +95,12 @@ class DenyPatternPolicy:
     def check(self, text: str, kind: str = "prompt") -> Verdict:
         """Screens `text`; blocked when any rule matches one of its views (normalised, decoded)
         or, for a prompt, one of its restatements (restate.py: "how did people make X" is read
-        as "how to make X", which is what the rules are written for)."""
+        as "how to make X", which is what the rules are written for), or one of these with
+        accents dropped or HTML character references decoded (normalizer.pattern_views)."""
         forms = views(text)
         if kind == "prompt":
             forms += prompt_restatements(prompt_readings(text, forms[0]))
+        forms += pattern_views(text, forms)
         matched = [rule for rule in self.rules if any(rule.pattern.search(form) for form in forms)]
         hit = {rule.category for rule in matched}
         return Verdict(
