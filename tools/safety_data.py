@@ -228,6 +228,8 @@ SOURCE_SPLITS: dict[str, str] = {
     "labelled_hh_harmless": TRAIN,
     # the rest of those turns, labelled 2026-12-06: a training candidate, not in LABELLED_FILES
     "labelled_hh_harmless_more": TRAIN,
+    # hand-written contrast pairs (2026-12-07): a harmful request and a harmless one sharing its word
+    "labelled_handmade_pairs": TRAIN,
     # GPTFuzz: harmful questions, category by the keyword rule.
     "harm_gptfuzz_questions": TRAIN,
     "jailbreak_gptfuzz": TRAIN,  # its jailbreakchat.com templates: the jailbreak head's positives
@@ -301,7 +303,7 @@ LABELLED_FILES = (
 # `labelled_hh_harmless_more` (the 1,433 HH-RLHF turns labelled after the first 700) moved the
 # harm categories along the same recall-against-FPR curve, not past it
 # (bench/results/safety_hh_labels_2026-12-06.md). Move it into LABELLED_FILES to train on it.
-CANDIDATE_LABELLED_FILES = ("labelled_hh_harmless_more",)
+CANDIDATE_LABELLED_FILES = ("labelled_hh_harmless_more", "labelled_handmade_pairs")
 # The data/safety sources of benign prompts near the harm topics, with no label field: the prompt
 # head's fine-tuning and retraining read them as benign rows (contrast_examples). The frames put a
 # topic in a benign question ("How do police investigate {}?"). `benign_handmade_lookalikes` (harm

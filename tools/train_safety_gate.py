@@ -64,7 +64,6 @@ from services.common.gate_file import (
     load_gate,
     write_gate,
 )
-from services.engine.gate.gate_loader import FINAL_NORM_LAYER
 from services.safety.attack_head import ATTACK_HEADS, tensor_names
 from services.safety.classifier import screen_rows
 from services.safety.config import DEFAULT_GATE
@@ -446,6 +445,10 @@ class Calibration(NamedTuple):
 
 def engine_features(hidden_size: int) -> dict[str, object]:
     """The engine head's manifest `features`: what the in-loop gate must feed it."""
+    # imported here: the engine's gate loader needs the generated gRPC stubs, which the encoder's
+    # fine-tuning (tools/finetune_safety_encoder.py, run on a GPU machine) does not carry
+    from services.engine.gate.gate_loader import FINAL_NORM_LAYER
+
     return {
         "model": ENGINE_MODEL,
         "layer": FINAL_NORM_LAYER,
