@@ -3,8 +3,13 @@
 Both the safety service and the engine read this module, so it depends on nothing in the
 project: only the standard library, torch and safetensors. The manifest holds:
 
+- `format`: "thermocline-gate/2";
 - `version`: a human label, e.g. "2026.11.30";
 - `sha256`: the hex sha256 of the safetensors file's bytes (what `GetGate` announces);
+- `manifest_sha256`: the hex sha256 of the manifest itself, less this one field, as canonical JSON
+  (`manifest_digest`): it covers the thresholds, the heads and `sha256`, so a manifest edited after
+  it was written is refused, not served as the same gate (format 1 hashed the weights alone, and a
+  threshold set to 1.0 in the JSON went unnoticed);
 - `categories`: the risk categories, in the order of the heads' outputs;
 - `heads`: one entry per head. Each names its tensor prefix (`<prefix>.weight` `[C + 1, H]`,
   `<prefix>.bias` `[C + 1]`; row 0 is the benign class), its per-category `thresholds`, and
@@ -14,7 +19,10 @@ project: only the standard library, torch and safetensors. The manifest holds:
   score higher than benign prompts, so a threshold calibrated on prompts blocks too many of
   them. A head without `output_thresholds` screens outputs with its `thresholds`.
 
-Loading refuses a file whose hash differs from the manifest's, naming both hashes.
+Loading refuses a file whose hash differs from the manifest's, naming both hashes, and a manifest
+whose own hash differs from its `manifest_sha256`. A manifest edited on purpose is sealed again
+with `python -m services.common.gate_file seal <gate.safetensors>` (`seal_gate`), which is also how
+a format-1 manifest becomes format 2.
 
 `gate_scores` is the reference form of a head. The engine does not call it per step: at
 start-up services/engine/gate/safety_gate.py folds the engine head and its thresholds into one matrix
@@ -25,6 +33,7 @@ are less calibrated than at the prompt's end.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from dataclasses import dataclass
@@ -34,7 +43,9 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-FORMAT = "thermocline-gate/1"
+FORMAT = "thermocline-gate/2"
+_UNSEALED_FORMATS = ("thermocline-gate/1",)  # formats whose manifest carries no manifest_sha256
+MANIFEST_HASH_KEY = "manifest_sha256"
 PROMPT_HEAD = "prompt"  # reads sentence embeddings of the text (the safety service's screen)
 ENGINE_HEAD = "engine"  # reads the serving model's final normed hidden state (the in-loop gate)
 
@@ -45,6 +56,10 @@ class GateFileError(ValueError):
 
 class GateHashMismatch(GateFileError):
     """The weights' sha256 is not the one the manifest (or the safety service) announces."""
+
+
+class GateManifestMismatch(GateFileError):
+    """The manifest does not hash to its own `manifest_sha256`: it was edited after it was written."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,7 @@ class GateManifest:
     categories: tuple[str, ...]
     heads: dict[str, HeadSpec]
     raw: dict[str, Any]
+    manifest_sha256: str  # as the manifest states it; parse_gate checks it against manifest_digest
 
     @classmethod
     def parse(cls, text: str) -> GateManifest:
@@ -74,21 +90,33 @@ class GateManifest:
             raw = json.loads(text)
         except json.JSONDecodeError as error:
             raise GateFileError(f"gate manifest is not JSON: {error}") from None
+        if isinstance(raw, dict) and raw.get("format") in _UNSEALED_FORMATS:
+            raise GateFileError(
+                f"gate manifest format {raw['format']!r} hashes the weights only, not the manifest's "
+                f"thresholds; check them, then seal it as {FORMAT!r} with "
+                "`python -m services.common.gate_file seal <gate.safetensors>`"
+            )
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise GateFileError(f"gate manifest format must be {FORMAT!r}")
         categories = tuple(_require(raw, "categories", list))
         heads = {
             name: _parse_head(name, spec, categories) for name, spec in _require(raw, "heads", dict).items()
         }
-        return cls(
-            _require(raw, "version", str), _require(raw, "sha256", str).lower(), categories, heads, raw
-        )
+        version, sha256 = _require(raw, "version", str), _require(raw, "sha256", str).lower()
+        return cls(version, sha256, categories, heads, raw, _require(raw, MANIFEST_HASH_KEY, str).lower())
 
     def head(self, name: str) -> HeadSpec:
         """The named head; GateFileError when the gate has none."""
         if name not in self.heads:
             raise GateFileError(f"gate {self.version} has no {name!r} head; it has {sorted(self.heads)}")
         return self.heads[name]
+
+
+def manifest_digest(raw: dict[str, Any]) -> str:
+    """The hex sha256 of a manifest less its `manifest_sha256`, as canonical JSON (sorted keys, no
+    spaces, ASCII): the same for any layout or key order of the file."""
+    rest = {key: value for key, value in raw.items() if key != MANIFEST_HASH_KEY}
+    return sha256_hex(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _require(raw: dict[str, Any], key: str, kind: type) -> Any:
@@ -139,6 +167,11 @@ class Gate:
         """The verified hex sha256 of the weights."""
         return self.manifest.sha256
 
+    @property
+    def manifest_sha256(self) -> str:
+        """The verified hex sha256 of the manifest (thresholds included; see manifest_digest)."""
+        return self.manifest.manifest_sha256
+
     def head_weights(self, name: str, for_outputs: bool = False) -> HeadWeights:
         """The named head's tensors, with its thresholds (for outputs: its output thresholds)
         in category order."""
@@ -183,8 +216,17 @@ def manifest_path_for(weights_path: Path) -> Path:
 
 
 def parse_gate(manifest_json: str, weights_bytes: bytes, expected_sha256: str | None = None) -> Gate:
-    """A Gate from bytes (e.g. a GetGate reply); GateHashMismatch when any hash disagrees."""
+    """A Gate from bytes (e.g. a GetGate reply); GateManifestMismatch when the manifest does not
+    hash to its manifest_sha256, GateHashMismatch when the weights' hash disagrees with it or with
+    `expected_sha256`."""
     manifest = GateManifest.parse(manifest_json)
+    if (digest := manifest_digest(manifest.raw)) != manifest.manifest_sha256:
+        raise GateManifestMismatch(
+            f"gate {manifest.version}: the manifest hashes to {digest}, but its {MANIFEST_HASH_KEY} "
+            f"is {manifest.manifest_sha256}; it was edited after it was written (its thresholds may "
+            "not be the gate's). Restore it, or check the edit and seal it again with "
+            "`python -m services.common.gate_file seal <gate.safetensors>`"
+        )
     actual = sha256_hex(weights_bytes)
     for source, expected in (("manifest", manifest.sha256), ("announced", expected_sha256)):
         if expected is not None and expected.lower() != actual:
@@ -222,13 +264,46 @@ def _check_tensors(manifest: GateManifest, tensors: dict[str, torch.Tensor]) -> 
 
 
 def write_gate(weights_path: Path, tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> str:
-    """Writes the weights and the manifest (with its sha256 filled in); returns the sha256."""
+    """Writes the weights and the manifest (with its format, sha256 and manifest_sha256 filled in,
+    whatever `manifest` held under those keys); returns the sha256."""
     from safetensors.torch import save
 
     data = save({k: v.contiguous().to(torch.float32) for k, v in tensors.items()})
     digest = sha256_hex(data)
     weights_path.parent.mkdir(parents=True, exist_ok=True)
     weights_path.write_bytes(data)
-    document = {"format": FORMAT, **manifest, "sha256": digest}
-    manifest_path_for(weights_path).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    _write_manifest(weights_path, {**manifest, "format": FORMAT, "sha256": digest})
     return digest
+
+
+def seal_gate(weights_path: Path) -> str:
+    """Seals the manifest beside `weights_path` as FORMAT with its manifest_sha256 (after an edit
+    made on purpose, or to lift a format-1 manifest); returns that hash. GateHashMismatch when the
+    weights do not hash to the manifest's sha256: sealing vouches for the manifest, never for
+    other weights."""
+    raw = json.loads(manifest_path_for(weights_path).read_text())
+    actual = sha256_hex(weights_path.read_bytes())
+    if str(raw.get("sha256", "")).lower() != actual:
+        raise GateHashMismatch(
+            f"{weights_path} hashes to sha256 {actual}, but its manifest says {raw.get('sha256')}; not sealed"
+        )
+    return _write_manifest(weights_path, {**raw, "format": FORMAT})
+
+
+def _write_manifest(weights_path: Path, manifest: dict[str, Any]) -> str:
+    document = {**manifest, MANIFEST_HASH_KEY: manifest_digest(manifest)}
+    manifest_path_for(weights_path).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    return document[MANIFEST_HASH_KEY]
+
+
+def main() -> None:
+    """`python -m services.common.gate_file seal <gate.safetensors>`: see seal_gate."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("command", choices=["seal"])
+    parser.add_argument("weights", type=Path, help="the gate's .safetensors (its .json beside it)")
+    args = parser.parse_args()
+    print(f"{manifest_path_for(args.weights)}: manifest_sha256 {seal_gate(args.weights)}")
+
+
+if __name__ == "__main__":
+    main()

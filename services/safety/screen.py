@@ -58,7 +58,11 @@ class Screen:
         self.gate = gate
         self.classifier = classifier
         self.patterns = patterns
-        self.version = f"gate-{gate.version}-{gate.sha256[:12]}+{patterns.version}"
+        # the manifest's hash too: a gate whose thresholds were edited and sealed again screens
+        # otherwise, and its checks should say so in the audit log and the traces
+        self.version = (
+            f"gate-{gate.version}-{gate.sha256[:12]}-{gate.manifest_sha256[:12]}+{patterns.version}"
+        )
 
     @classmethod
     def load(cls, config: SafetyConfig) -> Screen:

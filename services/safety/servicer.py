@@ -39,8 +39,9 @@ CHECK_SECONDS = Histogram(
 )
 GATE_INFO = Gauge(
     "thermocline_safety_gate_info",
-    "1 for the gate this service serves and screens with.",
-    ["version", "sha256"],
+    "1 for the gate this service serves and screens with (sha256: its weights'; manifest_sha256: "
+    "its manifest's, thresholds included).",
+    ["version", "sha256", "manifest_sha256"],
 )
 # Texts longer than this are refused rather than screened slowly; the gateway never sends more.
 MAX_TEXT_CHARS = 1_000_000
@@ -158,6 +159,6 @@ def tenant_policy_from_pb(policy: pb.TenantPolicy) -> TenantPolicy:
 def register(server: grpc.aio.Server, config: SafetyConfig) -> list[str]:
     """Loads and verifies the gate and the deny patterns, adds the servicer; returns its service name."""
     screen = Screen.load(config)
-    GATE_INFO.labels(screen.gate.version, screen.gate.sha256).set(1)
+    GATE_INFO.labels(screen.gate.version, screen.gate.sha256, screen.gate.manifest_sha256).set(1)
     pb_grpc.add_SafetyServiceServicer_to_server(SafetyServicer(config, screen), server)
     return [pb.DESCRIPTOR.services_by_name["SafetyService"].full_name]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,11 +16,14 @@ from services.common.gate_file import (
     PROMPT_HEAD,
     GateFileError,
     GateHashMismatch,
+    GateManifestMismatch,
     HeadWeights,
     gate_scores,
     load_gate,
+    manifest_digest,
     manifest_path_for,
     parse_gate,
+    seal_gate,
     sha256_hex,
     write_gate,
 )
@@ -108,6 +113,7 @@ def test_output_thresholds_are_read_and_a_manifest_without_them_screens_outputs_
     manifest = json.loads(manifest_path_for(path).read_text())
     manifest["heads"][ENGINE_HEAD]["output_thresholds"] = {"violence": 0.95, "hate": 0.99}
     manifest_path_for(path).write_text(json.dumps(manifest))
+    seal_gate(path)
     gate = load_gate(path)
     assert gate.manifest.head(ENGINE_HEAD).output_thresholds == {"violence": 0.95, "hate": 0.99}
     assert gate.head_weights(ENGINE_HEAD, for_outputs=True).thresholds.tolist() == [
@@ -143,3 +149,75 @@ def test_the_committed_gate_screens_outputs_with_their_own_thresholds() -> None:
     assert set(spec.output_thresholds) == set(spec.thresholds)
     assert spec.output_thresholds != spec.thresholds
     assert all(0.0 < t < 1.0 for t in spec.output_thresholds.values())
+
+
+# --- the manifest's own hash (format 2) ----------------------------------------------------------
+
+
+def _edit_manifest(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    manifest = json.loads(manifest_path_for(path).read_text())
+    edit(manifest)
+    manifest_path_for(path).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _thresholds_to_one(manifest: dict[str, Any]) -> None:
+    for head in manifest["heads"].values():
+        head["thresholds"] = dict.fromkeys(head["thresholds"], 1.0)
+
+
+def test_the_committed_manifest_is_sealed_and_its_hash_covers_the_thresholds() -> None:
+    gate = load_gate(DEFAULT_GATE)
+    assert gate.manifest.raw["format"] == "thermocline-gate/2"
+    assert gate.manifest_sha256 == manifest_digest(gate.manifest.raw)
+    edited = json.loads(gate.manifest_json)
+    edited["heads"][PROMPT_HEAD]["thresholds"]["violence"] = 1.0
+    assert manifest_digest(edited) != gate.manifest_sha256
+
+
+def test_a_manifest_whose_thresholds_were_edited_is_refused_naming_both_hashes(tmp_path: Path) -> None:
+    path = _copy_gate(tmp_path)
+    sealed = load_gate(path).manifest_sha256
+    _edit_manifest(path, _thresholds_to_one)
+    with pytest.raises(GateManifestMismatch, match="edited after it was written") as caught:
+        load_gate(path)
+    tampered = json.loads(manifest_path_for(path).read_text())
+    assert sealed in str(caught.value) and manifest_digest(tampered) in str(caught.value)
+    with pytest.raises(GateManifestMismatch):  # the same bytes as a GetGate reply carries them
+        parse_gate(manifest_path_for(path).read_text(), path.read_bytes())
+
+
+def test_a_format_1_manifest_is_refused_until_it_is_sealed(tmp_path: Path) -> None:
+    path = _copy_gate(tmp_path)
+
+    def unsealed(manifest: dict[str, Any]) -> None:
+        manifest["format"] = "thermocline-gate/1"
+        del manifest["manifest_sha256"]
+
+    _edit_manifest(path, unsealed)
+    with pytest.raises(GateFileError, match=r"hashes the weights only.*gate_file seal"):
+        load_gate(path)
+    seal_gate(path)
+    assert load_gate(path).manifest_sha256 == load_gate(DEFAULT_GATE).manifest_sha256
+
+
+def test_a_deliberate_edit_sealed_again_loads_as_another_manifest(tmp_path: Path) -> None:
+    path = _copy_gate(tmp_path)
+    _edit_manifest(path, _thresholds_to_one)
+    sealed = seal_gate(path)
+    gate = load_gate(path)
+    assert gate.manifest_sha256 == sealed != load_gate(DEFAULT_GATE).manifest_sha256
+    assert gate.sha256 == load_gate(DEFAULT_GATE).sha256  # the weights are the same
+    assert set(gate.manifest.head(PROMPT_HEAD).thresholds.values()) == {1.0}
+
+
+def test_sealing_refuses_weights_that_are_not_the_manifests(tmp_path: Path) -> None:
+    path = _copy_gate(tmp_path)
+    path.write_bytes(path.read_bytes()[:-1] + b" ")
+    with pytest.raises(GateHashMismatch, match="not sealed"):
+        seal_gate(path)
+
+
+def test_the_manifest_hash_does_not_depend_on_layout_or_key_order(tmp_path: Path) -> None:
+    gate = load_gate(_one_hot_gate(tmp_path))
+    compact = json.dumps(dict(reversed(list(gate.manifest.raw.items()))))
+    assert parse_gate(compact, gate.weights_bytes).manifest_sha256 == gate.manifest_sha256

@@ -46,3 +46,9 @@ def test_a_long_whitespace_run_is_screened_in_linear_time(screen: Screen, name: 
     for kind in ("prompt", "output"):
         verdict = screen.check(text, kind)  # type: ignore[arg-type]
         assert verdict.is_blocked == text.endswith("bomb?")
+
+
+def test_the_screens_version_names_the_gates_manifest_hash(screen: Screen) -> None:
+    """Audit records and traces carry it: a gate sealed again with other thresholds shows."""
+    gate = screen.gate
+    assert screen.version.startswith(f"gate-{gate.version}-{gate.sha256[:12]}-{gate.manifest_sha256[:12]}+")
