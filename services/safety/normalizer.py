@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import functools
 import html
 import re
@@ -115,7 +116,7 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 12
+VIEWS_VERSION = 13
 
 
 def _visible(text: str) -> str:
@@ -211,10 +212,12 @@ def _decode_blob(blob: str) -> str | None:
 
 
 def decoded_blobs(text: str) -> list[str]:
-    """The texts hidden in base64 runs of `text` (at most MAX_DECODED_BLOBS)."""
+    """The texts hidden in base64 runs of `text`, or in runs that are base64 once ROT13 is undone
+    (at most MAX_DECODED_BLOBS)."""
     found = []
     for match in _BASE64_RUN.finditer(text):
-        if (decoded := _decode_blob(match.group())) is not None:
+        run = match.group()
+        if (decoded := _decode_blob(run) or _decode_blob(codecs.encode(run, "rot13"))) is not None:
             found.append(decoded)
             if len(found) == MAX_DECODED_BLOBS:
                 break
@@ -245,12 +248,40 @@ def _views(text: str) -> list[str]:
     visible = _visible(text)
     normalized = _cleaned(visible)
     forms = [with_apostrophes(fold_confusables(normalized))]  # canonical(text), from the NFKC pass above
-    for hidden in (*decoded_blobs(normalized), *hidden_texts(visible)):
+    blobs, others = decoded_blobs(normalized), hidden_texts(visible)
+    for _ in range(MAX_DECODING_DEPTH):
+        added = _added_forms(forms, blobs, others)
+        if added is None:
+            break
+        blobs, others = _decoded_again(added)
+    return forms
+
+
+MAX_DECODING_DEPTH = 3  # encodings stacked on one another (base64 of ROT13 of base64) read through
+
+
+def _added_forms(forms: list[str], blobs: list[str], others: list[str]) -> tuple[list[str], list[str]] | None:
+    """Adds the canonical form of each decoded text that is new to `forms`; returns the decoded
+    texts added (from base64 blobs, from the other decoders), or None once `forms` is full."""
+    added: tuple[list[str], list[str]] = ([], [])
+    for kind, hidden in [*((0, b) for b in blobs), *((1, o) for o in others)]:
         if (form := canonical(hidden)) and form not in forms:
             forms.append(form)
+            added[kind].append(hidden)
             if len(forms) > MAX_HIDDEN_VIEWS:
-                break
-    return forms
+                return None
+    return added
+
+
+def _decoded_again(added: tuple[list[str], list[str]]) -> tuple[list[str], list[str]]:
+    """What the texts just decoded hide in turn: a base64 blob's text is read by every decoder (it
+    may be ROT13, hex or base64 again), any other decoded text only for base64 runs (ROT13 or hex of
+    base64), so that a decoder's guess at a benign text is not guessed at again. Each pass reads at
+    most MAX_HIDDEN_VIEWS texts, none longer than the text they came from."""
+    blobs, others = added
+    again_blobs = [b for text in (*blobs, *others) for b in decoded_blobs(_cleaned(_visible(text)))]
+    again_others = [o for blob in blobs for o in hidden_texts(_visible(blob))]
+    return again_blobs, again_others
 
 
 def clauses(view: str) -> list[str]:
