@@ -3,6 +3,12 @@
 A service hands `run_service` its config and a function that registers its servicers. The
 runner serves until SIGTERM or SIGINT, then drains: health turns NOT_SERVING at once, new
 calls get UNAVAILABLE, and calls in flight get `grace_s` seconds to finish.
+
+Health has two audiences. The server's name ("") is for liveness: it follows the drain and the
+service's health probe only, so a restart is asked for only where a restart can mend something.
+Each service's own name (e.g. "thermocline.engine.v1.EngineService") is for readiness: it is also
+NOT_SERVING while the readiness probe gives a reason, e.g. an engine whose safety gate refuses
+every Generate, which a restart would reload as it is.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -50,6 +57,9 @@ class ServiceSpec:
     # Polled every HEALTH_PROBE_INTERVAL_S while serving: None when healthy, else why not. A reason
     # turns health NOT_SERVING (so routers move traffic away) until the probe says None again.
     health_probe: Callable[[], str | None] | None = None
+    # Polled with health_probe: None when the service should get traffic, else why not. A reason
+    # turns only the service names NOT_SERVING (readiness); the server's "" (liveness) stays.
+    readiness_probe: Callable[[], str | None] | None = None
     # gRPC server options on top of the shared ones (channel_options), e.g. the gateway's
     # ("grpc.http2.bdp_probe", 0).
     server_options: list[tuple[str, int]] = field(default_factory=list)
@@ -61,6 +71,23 @@ def setup_logging(level: str) -> None:
     formatter = RedactingFormatter("%(asctime)s %(name)s %(levelname)s %(message)s")
     for handler in logging.getLogger().handlers:
         handler.setFormatter(formatter)
+
+
+class Problems(NamedTuple):
+    """What the service's probes last said: None where all is well, else why not."""
+
+    health: str | None = None  # turns every health name NOT_SERVING
+    readiness: str | None = None  # turns the service names NOT_SERVING, not ""
+
+
+def _ask(probe: Callable[[], str | None] | None) -> str | None:
+    return None if probe is None else probe()
+
+
+def _status(problem: str | None) -> int:
+    if problem is None:
+        return health_pb2.HealthCheckResponse.SERVING
+    return health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class RunningServer:
@@ -98,29 +125,45 @@ class RunningServer:
             await self.spec.on_start()
         if self.freeze_heap:
             freeze_start_up_heap()  # what start-up built, no later collection walks again
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        problems = self._ask_probes()  # a service not ready at start never says SERVING
+        self._log_problems(Problems(), problems)
+        await self._publish(problems)
         log.info("%s serving on %s", config.service, config.address)
-        if self.spec.health_probe is not None:
-            self._probe_task = asyncio.create_task(self._probe_health(self.spec.health_probe))
+        if self.spec.health_probe is not None or self.spec.readiness_probe is not None:
+            self._probe_task = asyncio.create_task(self._follow_probes(problems))
 
-    async def _probe_health(self, probe: Callable[[], str | None]) -> None:
-        """Mirror the service's own probe in its health status until the drain takes over."""
-        last: str | None = None
+    def _ask_probes(self) -> Problems:
+        return Problems(_ask(self.spec.health_probe), _ask(self.spec.readiness_probe))
+
+    async def _follow_probes(self, last: Problems) -> None:
+        """Mirrors the service's probes in its health statuses until the drain takes over."""
         while not self.tracker.is_draining:
-            reason = probe()
-            if reason != last and not self.tracker.is_draining:
-                if reason is None:
-                    log.info("%s is healthy again", self.spec.config.service)
-                else:
-                    log.error("%s is not serving: %s", self.spec.config.service, reason)
-                status = (
-                    health_pb2.HealthCheckResponse.SERVING
-                    if reason is None
-                    else health_pb2.HealthCheckResponse.NOT_SERVING
-                )
-                await self._set_health(status)
-                last = reason
             await asyncio.sleep(HEALTH_PROBE_INTERVAL_S)
+            problems = self._ask_probes()
+            if problems != last and not self.tracker.is_draining:
+                self._log_problems(last, problems)
+                await self._publish(problems)
+                last = problems
+
+    async def _publish(self, problems: Problems) -> None:
+        """The server's "" follows the health probe; each service name follows both probes."""
+        await self.health.set("", _status(problems.health))
+        service_status = _status(problems.health or problems.readiness)
+        for name in self.spec.service_names:
+            await self.health.set(name, service_status)
+
+    def _log_problems(self, last: Problems, problems: Problems) -> None:
+        service = self.spec.config.service
+        if problems.health != last.health:
+            if problems.health is None:
+                log.info("%s is healthy again", service)
+            else:
+                log.error("%s is not serving: %s", service, problems.health)
+        if problems.readiness != last.readiness:
+            if problems.readiness is None:
+                log.info("%s is ready again", service)
+            else:
+                log.error("%s is not ready (live, but no traffic): %s", service, problems.readiness)
 
     async def drain(self) -> None:
         """Stops admitting calls, lets those in flight finish within the grace period, then stops."""
@@ -129,7 +172,8 @@ class RunningServer:
         grace_s = self.spec.config.grace_s
         self.tracker.is_draining = True
         DRAINING.set(1)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        # every name NOT_SERVING for good: a probe's set still in flight cannot turn one back
+        await self.health.enter_graceful_shutdown()
         log.info("draining: %d call(s) in flight, grace %.1f s", self.tracker.num_in_flight, grace_s)
         if not await self.tracker.wait_idle(grace_s):
             log.warning(
