@@ -146,11 +146,12 @@ class RunningServer:
                 last = problems
 
     async def _publish(self, problems: Problems) -> None:
-        """The server's "" follows the health probe; each service name follows both probes."""
-        await self.health.set("", _status(problems.health))
+        """Each service name follows both probes; the server's "" follows the health probe, and is
+        set last, so a caller that saw "" change finds the service names already set."""
         service_status = _status(problems.health or problems.readiness)
         for name in self.spec.service_names:
             await self.health.set(name, service_status)
+        await self.health.set("", _status(problems.health))
 
     def _log_problems(self, last: Problems, problems: Problems) -> None:
         service = self.spec.config.service

@@ -63,6 +63,7 @@ def main() -> None:
             on_start=watch_gate,
             on_stop=stop_engine,
             health_probe=engine.health_problem,
+            readiness_probe=gate.readiness_problem,  # refusing every Generate: live, not ready
         )
     )
 

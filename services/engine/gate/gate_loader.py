@@ -13,9 +13,9 @@ same rules to the gate the engine holds, so a gate swapped on either side shows 
 lifts) without a restart. A refusing engine's server health ("") stays SERVING: that check is the
 pod's liveness probe (deploy/k8s), whose restarts would not mend a gate file that differs from
 safety's, and would reload the model over and over. Readiness is another matter: a replica that
-refuses every Generate should get no traffic, and `GateWatch.readiness_problem` says so, for a
-probe that turns only the engine service's own health name NOT_SERVING (the server runner has no
-such probe yet: services/common/server.py sets every name alike).
+refuses every Generate should get no traffic, and `GateWatch.readiness_problem` says so: it is the
+engine's readiness probe (services/common/server.py), which turns only the engine service's own
+health name NOT_SERVING, the name deploy/k8s's readinessProbe checks.
 """
 
 from __future__ import annotations
