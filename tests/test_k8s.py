@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import skip_unless_ci
+from thermocline.engine.v1 import engine_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -192,6 +193,24 @@ def test_engine_drains_within_its_grace_period(rendered: tuple[str, list[dict[st
         assert grace_s > pre_stop_s + drain_s, f"{name}: SIGKILL would cut the drain short"
     engine = container(find(objects, "StatefulSet", "engine"))
     assert engine["readinessProbe"]["grpc"]["port"] == 50052
+
+
+def test_a_refusing_engine_is_live_and_reachable_but_not_ready(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """Readiness reads the engine service's health name (NOT_SERVING while its gate refuses every
+    Generate), startup and liveness the server's "" (a restart reloads the same gate); the headless
+    Service keeps a not-ready replica's DNS name, so when every replica refuses, the gateway still
+    reaches one and the caller gets its FAILED_PRECONDITION rather than UNAVAILABLE."""
+    _, objects = rendered
+    engine = container(find(objects, "StatefulSet", "engine"))
+    service_name = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+    assert engine["readinessProbe"]["grpc"] == {"port": 50052, "service": service_name}
+    for probe in ("startupProbe", "livenessProbe"):
+        assert engine[probe]["grpc"].get("service", "") == "", f"{probe} must read the server's health"
+    headless = find(objects, "Service", "engine")["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert find(objects, "StatefulSet", "engine")["spec"]["serviceName"] == "engine"
 
 
 def test_the_gpu_overlay_asks_for_gpus_and_scales_on_golden_metrics() -> None:
