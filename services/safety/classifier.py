@@ -42,6 +42,7 @@ from services.safety.language import (
 )
 from services.safety.normalizer import (
     MAX_CLAUSES,
+    canonical,
     clauses,
     fold_confusables,
     normalize,
@@ -113,10 +114,24 @@ class TextClassifier:
 
     def _check_size(self, num_rows: int) -> None:
         if num_rows > self.max_windows:
-            raise TextTooLong(
-                f"text needs {num_rows} screening windows (one per sentence of a long text); "
-                f"the limit is {self.max_windows}: shorten it or send it in several requests"
-            )
+            raise self._too_long(str(num_rows))
+
+    def _check_plain_size(self, turns: Sequence[str]) -> None:
+        """TextTooLong when the turns' plain views alone need more than `max_windows`, counted
+        before any decoder runs or any window is embedded: a text that NFKC makes 18 times longer
+        ("\ufdfa" * 55000) cost seconds of views before its refusal. The count stops once past
+        the limit."""
+        num_rows = 0
+        for turn in turns:
+            num_rows += self.embedder.count_windows(canonical(turn), self.max_windows - num_rows)
+            if num_rows > self.max_windows:
+                raise self._too_long(f"more than {self.max_windows}")
+
+    def _too_long(self, num_rows: str) -> TextTooLong:
+        return TextTooLong(
+            f"text needs {num_rows} screening windows (one per sentence of a long text); "
+            f"the limit is {self.max_windows}: shorten it or send it in several requests"
+        )
 
     def score(self, text: str, kind: TextKind = "prompt") -> Scores:
         """The text's per-category scores (harm: the window aggregation, highest over views;
@@ -133,6 +148,7 @@ class TextClassifier:
         plain view is not, because a system prompt or a role label beside a question moves the
         question's score away from where the thresholds were calibrated. TextTooLong past
         `max_windows` windows in all."""
+        self._check_plain_size(turns)
         texts = [views(turn) for turn in turns]
         decoded_whole = views(whole)[1:] if whole is not None else []
         forms_of = texts + ([decoded_whole] if decoded_whole else [])  # the whole's decoded views last

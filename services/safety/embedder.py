@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,19 @@ def windows(ids: list[int], spec: EmbedderSpec) -> list[list[int]]:
     return [[CLS_ID, *ids[s : s + body], SEP_ID] for s in starts]
 
 
+PIECE_CHARS = 4096  # count_windows tokenizes a long sentence this much at a time, cut at a space
+
+
+def _pieces(sentence: str) -> Iterator[str]:
+    """`sentence` cut at a space about every PIECE_CHARS characters (a run without one is not cut)."""
+    start = 0
+    while start < len(sentence):
+        cut = sentence.find(" ", start + PIECE_CHARS)
+        end = len(sentence) if cut < 0 else cut
+        yield sentence[start:end]
+        start = end
+
+
 class MiniLMEmbedder:
     """all-MiniLM-L6-v2: token ids in windows -> unit-length 384-d embeddings."""
 
@@ -129,6 +143,31 @@ class MiniLMEmbedder:
                 rows += windows(pending, self.spec)
                 pending = []
         return rows + (windows(pending, self.spec) if pending else [])
+
+    def count_windows(self, text: str, limit: int) -> int:
+        """len(text_windows(text)) when at most `limit`; else a count past `limit`, found by reading
+        only as much of the text as it takes (the text is tokenized in pieces cut at spaces, which
+        tokenize as the whole does: the tokenizer splits words at whitespace first)."""
+        num_rows = num_tokens = pending = 0
+        for sentence in (s for s in _SENTENCE_END.split(text) if s.strip()):
+            for piece in _pieces(sentence):
+                num_new = len(self.token_ids(piece))
+                num_tokens, pending = num_tokens + num_new, pending + num_new
+                num_counted = num_rows + self.num_windows(pending)
+                if num_tokens > self.spec.max_tokens - 2 and num_counted > limit:
+                    return num_counted  # past the limit whatever the rest holds
+            if pending >= self.spec.min_row_tokens:
+                num_rows, pending = num_rows + self.num_windows(pending), 0
+        if num_tokens <= self.spec.max_tokens - 2:
+            return 1
+        return num_rows + (self.num_windows(pending) if pending else 0)
+
+    def num_windows(self, num_tokens: int) -> int:
+        """len(windows(ids, spec)) for `num_tokens` ids."""
+        if num_tokens <= self.spec.max_tokens - 2:
+            return 1
+        step = self.spec.long_window_tokens - 2 - self.spec.stride_tokens
+        return len(range(0, num_tokens - self.spec.stride_tokens, step))
 
     @torch.inference_mode()
     def embed_windows(self, rows: list[list[int]], batch_size: int = 32) -> torch.Tensor:

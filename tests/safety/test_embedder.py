@@ -42,3 +42,24 @@ def test_a_bad_window_is_refused() -> None:
         EmbedderSpec(long_window_tokens=64, stride_tokens=40)
     with pytest.raises(ValueError, match="embedder windows"):
         EmbedderSpec(max_tokens=32, long_window_tokens=64)
+
+
+def test_counting_windows_gives_the_windows_count_and_stops_past_its_limit(embedder: MiniLMEmbedder) -> None:
+    """count_windows tokenizes a long sentence in pieces cut at spaces: the count must be the one
+    text_windows gives, for texts of one window, of sentence runs and of one endless sentence."""
+    sentence = "The committee met on Tuesday to review the quarterly budget and the new parking rules. "
+    texts = {
+        "empty": "",
+        "short": "How do I bake bread?",
+        "sentences": sentence * 400,
+        "one long sentence": "lorem ipsum dolor " * 4000,
+        "one long word": "a" * 50_000,
+        "long sentences": ("word " * 3000 + ". ") * 4,
+        "short fragments": "Lily smiled. " * 300,
+    }
+    for name, text in texts.items():
+        num_rows = len(embedder.text_windows(text))
+        assert embedder.count_windows(text, limit=10**9) == num_rows, name
+        for limit in (1, 5, num_rows - 1, num_rows):
+            counted = embedder.count_windows(text, limit)
+            assert counted == num_rows if num_rows <= limit else counted > limit, (name, limit)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.config import ServerConfig
+from services.safety import classifier
+from services.safety.classifier import TextTooLong
 from services.safety.config import DEFAULT_PATTERNS, SafetyConfig
 from services.safety.screen import Screen
 
@@ -46,6 +48,26 @@ def test_a_long_whitespace_run_is_screened_in_linear_time(screen: Screen, name: 
     for kind in ("prompt", "output"):
         verdict = screen.check(text, kind)  # type: ignore[arg-type]
         assert verdict.is_blocked == text.endswith("bomb?")
+
+
+def test_a_text_that_nfkc_makes_too_long_is_refused_before_its_views_are_made(
+    screen: Screen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFKC makes "\ufdfa" 18 characters: 55,000 of them need 17,935 windows. The plain view's
+    window count refuses the text before the decoders and the embedder run (they took seconds)."""
+
+    def not_reached(*args: object) -> None:
+        raise AssertionError("a text past the window limit reached the decoders or the embedder")
+
+    monkeypatch.setattr(classifier, "views", not_reached)
+    monkeypatch.setattr(screen.classifier.embedder, "embed_windows", not_reached)
+    text = "\ufdfa" * 55_000
+    limit = f"needs more than {screen.classifier.max_windows} screening windows"
+    for kind in ("prompt", "output"):
+        with pytest.raises(TextTooLong, match=limit):
+            screen.check(text, kind)  # type: ignore[arg-type]
+    with pytest.raises(TextTooLong, match=limit):  # a chat: its turns' plain views in all
+        screen.check(f"user: {text}", "prompt", turns=["Hello there.", text])
 
 
 def test_the_screens_version_names_the_gates_manifest_hash(screen: Screen) -> None:

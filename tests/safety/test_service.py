@@ -118,6 +118,15 @@ def test_a_text_past_the_window_limit_is_refused_and_the_service_keeps_serving(
         stub.CheckOutput(pb.CheckOutputRequest(text="lorem ipsum dolor " * 2000), timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "the limit is 8: shorten it" in caught.value.details()
+    expanding = "\ufdfa" * 55_000  # NFKC makes it 990,000 characters
+    for check in (
+        lambda: stub.CheckPrompt(pb.CheckPromptRequest(text=expanding), timeout=60),
+        lambda: stub.CheckOutput(pb.CheckOutputRequest(text=expanding), timeout=60),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            check()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "needs more than 8 screening windows" in caught.value.details()
     assert stub.CheckPrompt(pb.CheckPromptRequest(text=BENIGN), timeout=30).decision == pb.DECISION_ALLOW
 
 
