@@ -9,6 +9,9 @@ nor a Redis round trip (and costs the caller no budget; a bad token costs none e
 Authentication and the rate limit come before any other work, so every later refusal has cost
 the caller budget; sizes are checked before any field reaches a message or the tokenizer; RBAC
 comes before NOT_FOUND, so a caller without a role learns nothing about which models are served.
+A call from the HTTP front arrives with its request already taken (the front takes it once the
+token verifies, before it reads the body: `request_taken`), so the gatekeeper takes none, and
+checks the prompt's size after the (cached) token: the caller has paid by then.
 The first refusal ends the call with its status; allow or deny, the decision is in the audit log
 (fsynced) before the caller hears of it. Once a Generate call is authorized and valid, the
 servicer's `on_prompt_ready` starts the prompt's safety screen, which then runs beside the token
@@ -115,6 +118,9 @@ class _Facts:
     actor_principal: str = UNAUTHENTICATED
     tenant: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    # The HTTP front's take of the call's request from the tenant's bucket; None: not taken yet.
+    # Never from metadata, which the caller writes: only the HTTP front's call context carries it.
+    request_taken: RateDecision | None = None
 
     def event(self, decision: str, reason: str) -> AuditEvent:
         return AuditEvent(
@@ -217,6 +223,7 @@ class Gatekeeper:
         metadata: CallMetadata,
         resolve: ModelResolver,
         on_prompt_ready: PromptReady | None = None,
+        request_taken: RateDecision | None = None,
     ) -> Admitted:
         """Every check for one Generate call. A refusal is durable when this raises; an allow is
         durable once `recorded` is done, which the caller awaits before it answers. An admitted
@@ -224,8 +231,9 @@ class Gatekeeper:
         (`tenant_streams.release`) when the stream ends.
         `on_prompt_ready` is awaited once the call is authorized and its fields valid: before the
         token count for a prompt of at most SCREEN_BEFORE_COUNT_MAX_CHARS, where a refusal after it
-        (budget, token rate) may follow a screen already started; after it for a longer prompt."""
-        facts = _Facts("invoke", "model:?", request_id_of(metadata))
+        (budget, token rate) may follow a screen already started; after it for a longer prompt.
+        `request_taken`: the HTTP front's take of this call's request, so none is taken here."""
+        facts = _Facts("invoke", "model:?", request_id_of(metadata), request_taken=request_taken)
         checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
         admission = await self._audited(facts, checks)
         # Queued now, so that it comes before any event of the answer (a safety block) in the log.
@@ -294,8 +302,11 @@ class Gatekeeper:
         facts: _Facts,
         on_prompt_ready: PromptReady | None,
     ) -> Admission:
-        check_prompt_size(request, self.bounds)
+        if facts.request_taken is None:  # before any signature check or Redis call
+            check_prompt_size(request, self.bounds)
         principal, limits = await self._identify(metadata, facts)
+        if facts.request_taken is not None:  # paid for: its refusal names the caller, always audited
+            check_prompt_size(request, self.bounds)
         self.tenant_streams.take(principal.tenant, limits.max_streams)
         try:
             if not limits.safety.is_empty:  # categories the safety service will not apply as is
@@ -372,13 +383,15 @@ class Gatekeeper:
         return prompt_tokens
 
     async def _identify(self, metadata: CallMetadata, facts: _Facts) -> tuple[Principal, TenantLimits]:
-        """Authenticates the caller and takes one request from its tenant's bucket."""
+        """Authenticates the caller and takes one request from its tenant's bucket, unless the HTTP
+        front took it already (`facts.request_taken`)."""
         principal = self.authenticate(metadata)
         facts.actor_principal, facts.tenant = principal.subject, principal.tenant
         limits = self.tenants.limits(principal.tenant)
-        _check_rate(
-            principal.tenant, limits, await self.limiter.take_request(principal.tenant, limits), facts
-        )
+        decision = facts.request_taken
+        if decision is None:
+            decision = await self.limiter.take_request(principal.tenant, limits)
+        _check_rate(principal.tenant, limits, decision, facts)
         return principal, limits
 
     async def admit_list_models(self, metadata: CallMetadata, list_models: ModelLister) -> list[str]:

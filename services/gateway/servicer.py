@@ -219,7 +219,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             await let_calls_go_out()
 
         try:
-            admitted = await self.gatekeeper.admit_generate(request, metadata, resolve, screen_prompt)
+            # the HTTP front's context carries the request it took for the call; a gRPC one none
+            taken = getattr(context, "request_taken", None)
+            admitted = await self.gatekeeper.admit_generate(request, metadata, resolve, screen_prompt, taken)
         except BaseException:
             for screen in screens:
                 discard(screen)  # admission refused the call

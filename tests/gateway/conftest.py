@@ -10,8 +10,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,11 @@ from typing import Any
 import grpc
 import pytest
 import redis
+from redis.client import Monitor
 
 from services.cli.client import StreamResult, build_request, call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh, free_port
+from services.gateway.rate_limiter import TAKE_SCRIPT, bucket_keys
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_PROMPT
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -237,3 +241,32 @@ def gauge_value(metrics_port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
+
+
+@contextlib.contextmanager
+def requests_taken(mesh: Mesh, tenant: str) -> Iterator[list[int]]:
+    """The requests that each take from `tenant`'s buckets asks for (negative: given back), as
+    Redis MONITOR sees the rate limiter's script calls while the block runs; filled in on exit."""
+    requests_key = bucket_keys(tenant)[0]
+    marker = f"end-of-{uuid.uuid4().hex}"
+    client = redis.Redis(port=mesh.config.ports.redis, socket_timeout=30)
+    client.script_load(TAKE_SCRIPT)  # else a gateway's first EVALSHA fails NOSCRIPT, shows, and is sent again
+    taken: list[int] = []
+
+    def follow(monitor: Monitor) -> None:
+        while marker not in (command := monitor.next_command()["command"]):
+            # EVALSHA sha 2 requests-key tokens-key ARGV...: TAKE_SCRIPT; ARGV[5], the requests to take
+            parts = command.split(" ")
+            if parts[0].upper() == "EVALSHA" and parts[2:4] == ["2", requests_key]:
+                taken.append(int(parts[9]))
+
+    with client.monitor() as monitor:
+        reader = threading.Thread(target=follow, args=(monitor,))
+        reader.start()
+        try:
+            yield taken
+        finally:
+            client.echo(marker)
+            reader.join(30)
+    client.close()
+    assert not reader.is_alive(), "the MONITOR stream never showed the end marker"

@@ -19,7 +19,7 @@ from services.cli.trace_collector import GATEWAY_GENERATE, GATEWAY_TO_SAFETY, Tr
 from services.gateway.audit_chain import segment_paths
 from services.gateway.rate_limiter import bucket_keys
 from tests.conftest import STORIES_PROMPT, start_mesh
-from tests.gateway.conftest import call, refusal, token, write_policy_files
+from tests.gateway.conftest import call, refusal, requests_taken, token, write_policy_files
 
 BURST = 10
 TENANTS = {
@@ -186,6 +186,19 @@ def test_the_request_bucket_is_taken_before_the_screen_or_leased_by_the_call_bef
     assert screen.start_ns <= take_tokens.start_ns, "the token bucket's round trip went ahead of the screen"
     screen, scripts = root_and_redis[1]  # the leased call: every script after the screen's start
     assert scripts and screen.start_ns <= scripts[0].start_ns, "the leased call went to Redis first"
+
+
+def test_a_grpc_caller_cannot_say_its_request_was_taken(mesh: Mesh) -> None:
+    """Only the HTTP front's call context carries a request it took for the call (its
+    `request_taken`); metadata saying so is the caller's word, and the call's request is taken."""
+    tenant = f"forger-{secrets.token_hex(6)}"
+    forged = [(name, "1") for name in ("request-taken", "x-request-taken", "request_taken")]
+    with requests_taken(mesh, tenant) as taken:
+        result = call(
+            mesh.target("gateway"), _user(mesh, tenant), intent="chat", max_tokens=1, extra_metadata=forged
+        )
+    assert result.done is not None
+    assert [n for n in taken if n != 0] == [1]
 
 
 def test_redis_down_fails_open_or_closed_per_tenant(mesh: Mesh) -> None:

@@ -26,7 +26,7 @@ from tests.gateway.conftest import token, write_policy_files
 # One request per ~17 minutes after the first: the second call of this tenant is always refused.
 TIGHT_TENANT = {"requests_per_s": 0.001, "burst_requests": 1}
 # Tenants with TIGHT_TENANT's limits, one per test that spends a bucket (Redis outlives a gateway).
-TIGHT_TENANTS = ("tight", "tight-bodies", "tight-once")
+TIGHT_TENANTS = ("tight", "tight-bodies", "tight-once", "tight-prompt")
 HTTP_GATEWAY = "gateway-http"
 STRICT_TIMEOUT_S = 1.0
 

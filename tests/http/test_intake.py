@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from tests.gateway.conftest import requests_taken
 from tests.http.conftest import STRICT_TIMEOUT_S, HttpGateway
 
 COMPLETION = {"model": "", "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0.0}
@@ -150,4 +151,28 @@ def test_a_call_that_passes_the_front_is_charged_one_request(http_gateway: HttpG
     headers = {"Authorization": f"Bearer {http_gateway.token(tenant='tight-once', roles=['user'])}"}
     answer = http_gateway.post("/completions", VALID, headers)
     assert answer.status == 200, answer.body
+    assert http_gateway.post("/completions", VALID, headers).status == 429
+
+
+def test_the_front_takes_a_passing_calls_request_in_its_one_redis_call(http_gateway: HttpGateway) -> None:
+    # the front's take is the call's own: no give-back and no second take by the gatekeeper (each a
+    # Redis round trip, and a give-back refused while the token bucket is in debt loses a request)
+    tenant = f"front-{uuid.uuid4().hex[:12]}"
+    headers = {"Authorization": f"Bearer {http_gateway.token(tenant=tenant, roles=['user'])}"}
+    with requests_taken(http_gateway.mesh, tenant) as taken:
+        answer = http_gateway.post("/completions", VALID, headers)
+    assert answer.status == 200, answer.body
+    assert [n for n in taken if n != 0] == [1]
+
+
+def test_a_prompt_over_the_limit_costs_the_request_the_front_took(http_gateway: HttpGateway) -> None:
+    # the body fits its envelope, the prompt does not: the gatekeeper refuses it after the token,
+    # the caller having paid, so the refusal names it and the next call finds the bucket empty
+    headers = {"Authorization": f"Bearer {http_gateway.token(tenant='tight-prompt', roles=['user'])}"}
+    request_id = fresh_request_id()
+    too_long = json.dumps(COMPLETION | {"prompt": "a" * (512 * 1024 + 1)}).encode()
+    answer = http_gateway.post("/completions", too_long, headers | {"X-Request-Id": request_id})
+    assert answer.status == 400 and "this gateway accepts at most" in answer.error["message"], answer.body
+    events = http_gateway.audit_events(request_id)
+    assert [(e["decision"], e["tenant"]) for e in events] == [("deny", "tight-prompt")]
     assert http_gateway.post("/completions", VALID, headers).status == 429

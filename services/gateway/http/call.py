@@ -19,6 +19,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.common.errors import DeadlineExceeded, ThermoclineError
+from services.gateway.rate_limiter import RateDecision
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,18 @@ _END: Any = object()
 class HttpCallContext:
     """The parts of a grpc.aio.ServicerContext that the gateway servicer reads."""
 
-    def __init__(self, metadata: list[tuple[str, str]], deadline_at: float | None) -> None:
+    def __init__(
+        self,
+        metadata: list[tuple[str, str]],
+        deadline_at: float | None,
+        request_taken: RateDecision | None = None,
+    ) -> None:
         self._metadata = tuple(metadata)
         self.deadline_at = deadline_at
+        # The front's take of this call's request from the tenant's bucket (intake.py), which the
+        # gatekeeper then does not repeat. A gRPC context has no such attribute, and no metadata
+        # entry sets it.
+        self.request_taken = request_taken
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         """The request headers the gatekeeper reads, as gRPC metadata pairs."""

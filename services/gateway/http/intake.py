@@ -10,10 +10,10 @@ makes that a lookup).
 
 The request is taken as the gatekeeper takes it on gRPC, right after the token, so that every
 later refusal (a late, oversized or malformed body) costs the caller its rate, and a caller over
-its rate gets 429 before its body is read. A call whose body passes gives the request back before
-the servicer runs, as the servicer's gatekeeper takes the call's request itself: the caller pays
-one request per call, not two. (Skipping the gatekeeper's take for a call the front has charged
-would spare the give-back's Redis round trip; the gatekeeper has no such way in today.)
+its rate gets 429 before its body is read. It is the call's request: a call whose body passes
+carries the front's take to the servicer in its `HttpCallContext.request_taken`, and the
+gatekeeper takes none of its own, so the caller pays one request per call and the call costs one
+Redis round trip for it. (The context is the front's object: no header or metadata entry sets it.)
 
 The servicer's gatekeeper audits every decision it makes; the refusals made here go to the same
 audit log, in its form (action `invoke` on `model:?`, or `list_models` on `model:*`), before
@@ -48,9 +48,8 @@ from services.gateway.http.call import HttpCallContext
 from services.gateway.http.errors import RequestTimeout
 from services.gateway.http.limits import HttpLimits
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
-from services.gateway.rate_limiter import refuse
+from services.gateway.rate_limiter import RateDecision, refuse
 from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
-from services.gateway.tenants import TenantLimits
 
 # Headers passed on as call metadata, as a gRPC client would send them.
 FORWARDED_HEADERS = ("authorization", "x-intent", "x-retrieval-mode")
@@ -107,16 +106,14 @@ class Intake:
                 raise draining()
             self._check_declared_size(request)
             facts.principal = self._authenticate(request)
-            limits = self.gatekeeper.tenants.limits(facts.principal.tenant)
-            await self._take_request(facts.principal.tenant, limits)
+            taken = await self._take_request(facts.principal.tenant)
             facts.has_paid = True
             timeout_s = timeout_s_of(request)  # the headers are checked before the body is read
             metadata = metadata_of(request, request_id)
             parsed = parse(endpoint, _json(await self._body(request)))
-            await self._give_request_back(facts.principal.tenant, limits)
         # X-Timeout-S counts from here, where the Generation's own timeout starts: the body's
         # reading has a deadline of its own, and the engine and safety get the whole budget.
-        context = HttpCallContext(metadata, time.monotonic() + timeout_s)
+        context = HttpCallContext(metadata, time.monotonic() + timeout_s, request_taken=taken)
         return GenerateCall(parsed, context, timeout_s)
 
     async def list_models(self, request: Request, request_id: str) -> HttpCallContext:
@@ -150,18 +147,14 @@ class Intake:
             sampled_as = facts.principal.tenant if is_free or not facts.has_paid else None
         await self.gatekeeper.record_denial(event, sampled_as)
 
-    async def _take_request(self, tenant: str, limits: TenantLimits) -> None:
-        """One request from the tenant's bucket, as the gatekeeper takes it; 429 with Retry-After
-        when the tenant is over its rate."""
+    async def _take_request(self, tenant: str) -> RateDecision:
+        """The call's one request from the tenant's bucket, as the gatekeeper takes it on gRPC; 429
+        with Retry-After when the tenant is over its rate."""
+        limits = self.gatekeeper.tenants.limits(tenant)
         decision = await self.gatekeeper.limiter.take_request(tenant, limits)
         if not decision.is_admitted:
             raise refuse(tenant, limits, decision)
-
-    async def _give_request_back(self, tenant: str, limits: TenantLimits) -> None:
-        """Returns the request taken for a body that passed: the servicer's gatekeeper takes the
-        call's own. (Not returned while the tenant's token bucket is in debt; the servicer then
-        refuses the call anyway.)"""
-        await self.gatekeeper.limiter.take(tenant, limits, num_requests=-1, num_tokens=0)
+        return decision
 
     def _authenticate(self, request: Request) -> Principal:
         """The caller, as the gatekeeper verifies it (every Authorization header, so two are refused)."""
