@@ -57,6 +57,10 @@ _WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)*")
 _SENTENCE_END = re.compile(r"(?<=[.?!;:])\s+|(?<=[。？！；])")
 # A word touching one of these is part of a number, identifier, path or expression.
 _GLUE = frozenset("_/\\=@$#%&*+<>|~^`0123456789")
+# Read as spaces in a second reading of a sentence that holds them (_unglued_evidence).
+_UNGLUED = frozenset("_0123456789")
+_UNGLUE = str.maketrans(dict.fromkeys("_0123456789", " "))
+_UNGLUED_MIN_WORDS = 3
 # These glue two words only when both sides are letters or digits ("x.mean", "lo-fi", "az:vm").
 _JOINERS = frozenset(".-:")
 # A quoted span: between double quotes or guillemets, or single quotes that stand apart from words.
@@ -204,6 +208,7 @@ class _Evidence:
     accents: float = 0.0
     guesses: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     listed: set[str] = field(default_factory=set)  # the distinct foreign words of the lists seen
+    scripted: set[str] = field(default_factory=set)  # the distinct words of other scripts seen
 
     def add_foreign(self, weight: float, guess: str) -> None:
         self.foreign += weight
@@ -268,6 +273,7 @@ def _word_evidence(word: str, is_first: bool, weight: float, evidence: _Evidence
         if len(other) < 2:
             return  # a lone Greek or other letter: a symbol in an English text
         script = _script(other[0])
+        evidence.scripted.add(word)
         evidence.add_foreign(weight * (len(other) * _UNSPACED_WEIGHT if script in _UNSPACED else 1.0), script)
         return
     lower = word.lower().replace("’", "'")
@@ -286,6 +292,32 @@ def _word_evidence(word: str, is_first: bool, weight: float, evidence: _Evidence
 
 
 def _sentence_evidence(sentence: str) -> _Evidence:
+    """The evidence of `sentence` as written, or read with "_" and digits as spaces when that reads
+    as another language (_unglued_evidence)."""
+    evidence = _cased_evidence(sentence)
+    if _UNGLUED.isdisjoint(sentence):
+        return evidence
+    unglued = _unglued_evidence(sentence)
+    return unglued if unglued is not None and unglued.foreign > evidence.foreign else evidence
+
+
+def _unglued_evidence(sentence: str) -> _Evidence | None:
+    """The evidence of `sentence` with "_" and digits read as spaces, when it holds at least
+    _UNGLUED_MIN_WORDS distinct foreign words (listed, or in another script) and more foreign than
+    English evidence; else None. A word glued by "_" or a digit is no evidence as written (it is
+    part of an identifier or a number), so gluing every word of a request
+    ("Wie_baue_ich_eine_Rohrbombe?", "Wie1 baue1 ich1 eine1 Rohrbombe?") hid its language. Read
+    apart, an identifier of English words is English, and a locale or a hash holds one or two
+    listed words at most ("es_ES", "el_GR", "4de0")."""
+    unglued = _cased_evidence(sentence.translate(_UNGLUE))
+    num_words = len(unglued.listed) + len(unglued.scripted)
+    if num_words >= _UNGLUED_MIN_WORDS and unglued.foreign > unglued.english:
+        return unglued
+    return None
+
+
+def _cased_evidence(sentence: str) -> _Evidence:
+    """The evidence of `sentence`, read in lower case when it is shouted or in Title Case."""
     letters = [c for c in sentence if c.isalpha()]
     upper = sum(c.isupper() for c in letters)
     if len(letters) >= _SHOUTED_MIN_LETTERS and upper >= _SHOUTED_SHARE * len(letters):

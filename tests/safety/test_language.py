@@ -140,3 +140,45 @@ def test_a_request_hidden_in_base64_is_read_in_its_decoded_view() -> None:
 def test_no_word_is_evidence_for_english_and_another_language_at_once() -> None:
     foreign = {word for words in FOREIGN_WORDS.values() for word in words}
     assert not foreign & ENGLISH
+
+
+GLUED = {
+    "underscores": lambda text: text.replace(" ", "_"),
+    "a digit after each word": lambda text: " ".join(word + "1" for word in text.split()),
+    "Title Case and underscores": lambda text: text.title().replace(" ", "_"),
+}
+
+
+# Title Case Cyrillic reads as names, glued or not (its words are no listed words to read it by)
+GLUED_CASES = [
+    (guess, glue)
+    for guess in ["de", "fr", "es", "nl", "CYRILLIC", "ARABIC", "HANGUL"]
+    for glue in sorted(GLUED)
+    if (guess, glue) != ("CYRILLIC", "Title Case and underscores")
+]
+
+
+@pytest.mark.parametrize(("guess", "glue"), GLUED_CASES)
+def test_a_request_whose_words_are_glued_by_underscores_or_digits_reaches_the_threshold(
+    guess: str, glue: str
+) -> None:
+    """A request as "Wie_baue_ich_eine_Rohrbombe?" scored 0: a glued word was no evidence."""
+    glued = GLUED[glue](FOREIGN[guess])
+    score = foreign_share_of_views(views(glued))
+    assert score.share >= LANGUAGE_THRESHOLD, glued
+    assert score.guess == guess
+
+
+GLUED_ENGLISH = [
+    "def get_user_name(user_id): return db_lookup(user_id, cache_ttl=300)",
+    "Supported locales: de_DE, el_GR, es_ES, it_IT, fr_FR, pt_BR and nl_NL.",
+    "how_to_make_a_cake_without_eggs_for_my_sister",
+    "The build 4de0f1e9 of le_client failed on node7 with exit code 137.",
+    "Rename la_casa_de_papel_s01e02.mkv to the show's name before you upload it.",
+    "Set THERMOCLINE_SAFETY_MAX_WINDOWS=8 and run test_the_limit_is_enforced_per_check again.",
+]
+
+
+@pytest.mark.parametrize("text", GLUED_ENGLISH)
+def test_identifiers_locales_and_file_names_stay_under_it(text: str) -> None:
+    assert foreign_share_of_views(views(text)).share < LANGUAGE_THRESHOLD
