@@ -302,7 +302,9 @@ LABELLED_FILES = (
 # Labelled like those, with the TRAIN role, but read by no tool: measured and not adopted.
 # `labelled_hh_harmless_more` (the 1,433 HH-RLHF turns labelled after the first 700) moved the
 # harm categories along the same recall-against-FPR curve, not past it
-# (bench/results/safety_hh_labels_2026-12-06.md). Move it into LABELLED_FILES to train on it.
+# (bench/results/safety_hh_labels_2026-12-06.md). `labelled_handmade_pairs` (hand-written contrast
+# pairs) moved the prompt side past that curve but raised the output screen's held-out FPR
+# (bench/results/safety_pairs_2026-12-07.md). Move one into LABELLED_FILES to train on it.
 CANDIDATE_LABELLED_FILES = ("labelled_hh_harmless_more", "labelled_handmade_pairs")
 # The data/safety sources of benign prompts near the harm topics, with no label field: the prompt
 # head's fine-tuning and retraining read them as benign rows (contrast_examples). The frames put a
