@@ -1,15 +1,20 @@
 """Choosing an engine replica: prefix affinity, queue-depth balancing, failover on NOT_SERVING.
 
 Affinity is rendezvous (highest-random-weight) hashing of the tenant and the prompt's first
-`prefix_chars` characters over the replicas that are serving: the same prefix lands on the same
+`prefix_chars` characters over the replicas that are ready: the same prefix lands on the same
 replica, where its KV blocks are likely still cached, and when a replica leaves only its own
-prefixes move. Each replica's health is followed through its Watch stream, so a replica that
-starts draining (NOT_SERVING) stops receiving new requests at once, and one that comes back is
-used as soon as its Watch says SERVING (the Watch waits for the connection, whose reconnect
-backoff is capped at 0.5 s in services/common/channels.py); its queue depth (running plus
-waiting, from GetStats) is polled. Balancing is intent-aware: when the affinity replica's
-queue is more than `max_queue_skew` longer than the shortest, latency-sensitive classes go to
-the shortest queue, while the `batch` class tolerates four times the skew to keep its prefix.
+prefixes move. Each replica's health is followed through two Watch streams: the server's ""
+(liveness) and the engine service's name (readiness, NOT_SERVING e.g. while its safety gate
+refuses every Generate; an older engine that does not know the name counts as ready). A replica
+that starts draining (both NOT_SERVING) stops receiving new requests at once, one that is live
+but not ready gets none while another is ready, and one that comes back is used as soon as its
+Watch says SERVING (the Watch waits for the connection, whose reconnect backoff is capped at
+0.5 s in services/common/channels.py). When no replica is ready the live ones still get traffic,
+so a caller gets their refusal (FAILED_PRECONDITION naming the gate), which says what to fix,
+not UNAVAILABLE. Each replica's queue depth (running plus waiting, from GetStats) is polled.
+Balancing is intent-aware: when the affinity replica's queue is more than `max_queue_skew`
+longer than the shortest, latency-sensitive classes go to the shortest queue, while the `batch`
+class tolerates four times the skew to keep its prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,17 +38,22 @@ log = logging.getLogger(__name__)
 BATCH_CLASS = "batch"
 _BATCH_SKEW_FACTOR = 4
 _RECONNECT_S = 0.5
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+# An engine from before readiness knows only "": its health server answers SERVICE_UNKNOWN.
+_READY_STATUSES = (_SERVING, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
 
 
 class Replica:
-    """One engine replica: its stub, whether it serves, and its last known queue depth."""
+    """One engine replica: its stub, whether it is live and ready, and its last known queue depth."""
 
     def __init__(self, target: str) -> None:
         self.target = target
         self.channel = open_channel(target, trace_calls=False)  # the stub traces its own calls
         service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
         self.stub = telemetry.traced_stub(engine_pb2_grpc.EngineServiceStub(self.channel), service)
-        self.is_serving = False
+        self.is_serving = False  # live: "" is SERVING
+        self.is_ready = False  # the engine service's name is SERVING (or unknown to the replica)
         self.queue_depth = 0
         self._serving = asyncio.Event()
 
@@ -52,18 +63,31 @@ class Replica:
         return int.from_bytes(digest, "big")
 
     async def follow_health(self) -> None:
-        """Keeps `is_serving` current from the replica's health Watch stream, reconnecting forever."""
+        """Keeps `is_serving` and `is_ready` current from the replica's health Watch streams, forever."""
+        await asyncio.gather(
+            self._follow("", self._set_serving), self._follow(ENGINE_SERVICE, self._set_ready)
+        )
+
+    async def _follow(self, service: str, update: Callable[[bool], None]) -> None:
+        """Follows `service`'s health Watch, reconnecting forever; `update` gets whether it counts."""
         stub = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        is_up = _READY_STATUSES if service else (_SERVING,)
         while True:
             try:
                 # wait_for_ready: while the replica is away the Watch waits for the connection
                 # instead of failing, and its first reply arrives as soon as the replica is back
-                async for reply in stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True):
-                    self._set_serving(reply.status == health_pb2.HealthCheckResponse.SERVING)
+                async for reply in stub.Watch(request, wait_for_ready=True):
+                    update(reply.status in is_up)
             except grpc.aio.AioRpcError:
                 pass
-            self._set_serving(False)
+            update(False)
             await asyncio.sleep(_RECONNECT_S)
+
+    def _set_ready(self, is_ready: bool) -> None:
+        if is_ready != self.is_ready:
+            log.info("engine %s is %s", self.target, "ready" if is_ready else "not ready")
+        self.is_ready = is_ready
 
     def _set_serving(self, is_serving: bool) -> None:
         if is_serving != self.is_serving:
@@ -117,14 +141,18 @@ class Router:
 
     def candidates(self, key: bytes, priority_class: str) -> list[Replica]:
         """Replicas to try in order: the chosen one first, then the rest by affinity."""
-        serving = [r for r in self.replicas if r.is_serving] or list(self.replicas)
-        ranked = sorted(serving, key=lambda r: r.affinity(key), reverse=True)
+        ranked = sorted(self.routable(), key=lambda r: r.affinity(key), reverse=True)
         skew = self.config.max_queue_skew * (_BATCH_SKEW_FACTOR if priority_class == BATCH_CLASS else 1)
         shortest = min(ranked, key=lambda r: r.queue_depth)
         if ranked[0].queue_depth - shortest.queue_depth > skew:
             ranked.remove(shortest)
             ranked.insert(0, shortest)
         return ranked
+
+    def routable(self) -> list[Replica]:
+        """The ready replicas; else the live ones (their refusal says why); else all of them."""
+        live = [r for r in self.replicas if r.is_serving]
+        return [r for r in live if r.is_ready] or live or list(self.replicas)
 
     def any_serving(self) -> Replica:
         """A serving replica (the first one when none is known to serve)."""
