@@ -134,7 +134,7 @@ async def _cancel_streams(num_calls: int) -> list[ReadableSpan]:
                 break
             call.cancel()
         deadline = time.monotonic() + 30
-        while len(exporter.get_finished_spans()) < num_calls:  # each closed by the loop's finalizer
+        while len(exporter.get_finished_spans()) < num_calls:  # each ends as its call's task is cancelled
             assert time.monotonic() < deadline, "a cancelled stream's span never ended"
             await asyncio.sleep(0)
     await server.stop(None)
