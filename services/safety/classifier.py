@@ -32,7 +32,7 @@ import torch
 
 from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.attack_head import JAILBREAK, AttackHead
-from services.safety.embedder import MiniLMEmbedder
+from services.safety.embedder import CheckProgress, MiniLMEmbedder
 from services.safety.language import (
     LANGUAGE_CATEGORY,
     LANGUAGE_THRESHOLD,
@@ -133,13 +133,17 @@ class TextClassifier:
             f"the limit is {self.max_windows}: shorten it or send it in several requests"
         )
 
-    def score(self, text: str, kind: TextKind = "prompt") -> Scores:
+    def score(self, text: str, kind: TextKind = "prompt", progress: CheckProgress | None = None) -> Scores:
         """The text's per-category scores (harm: the window aggregation, highest over views;
         the attack heads, for prompts: see attack_head.py), with the thresholds for its kind."""
-        return self.score_turns([text], kind)
+        return self.score_turns([text], kind, progress=progress)
 
     def score_turns(
-        self, turns: Sequence[str], kind: TextKind = "prompt", whole: str | None = None
+        self,
+        turns: Sequence[str],
+        kind: TextKind = "prompt",
+        whole: str | None = None,
+        progress: CheckProgress | None = None,
     ) -> Scores:
         """The scores of several texts read as one, a chat's turns: each turn is scored as `score`
         scores a text of its own, and each category takes its highest over the turns. With
@@ -147,22 +151,29 @@ class TextClassifier:
         one) are views too, so that an encoding or a payload split across turns is read whole; its
         plain view is not, because a system prompt or a role label beside a question moves the
         question's score away from where the thresholds were calibrated. TextTooLong past
-        `max_windows` windows in all."""
+        `max_windows` windows in all. With `progress`, CheckCancelled between stages and embedding
+        batches once the check's call is done."""
+        stage_done = progress.raise_if_cancelled if progress is not None else _no_check
         self._check_plain_size(turns)
+        stage_done()
         texts = [views(turn) for turn in turns]
         decoded_whole = views(whole)[1:] if whole is not None else []
         forms_of = texts + ([decoded_whole] if decoded_whole else [])  # the whole's decoded views last
+        stage_done()
         per_text = [[self.embedder.text_windows(form) for form in forms] for forms in forms_of]
         self._check_size(sum(len(rows) for per_view in per_text for rows in per_view))
+        stage_done()
         # a turn's clauses and restatements (extra_rows); the whole's decoded views have none
         extras = [
             extra_rows(self.embedder, turn, forms) if kind == "prompt" else []
             for turn, forms in zip(turns, texts, strict=True)
         ]
+        stage_done()
         rows = [row for per_view in per_text for view_rows in per_view for row in view_rows]
         num_view_rows = len(rows)
         rows += [row for extra in extras for row in extra]
-        embeddings = self.embedder.embed_windows(rows)  # [N, H]: every view's windows, then the extras
+        # [N, H]: every view's windows, then the extras
+        embeddings = self.embedder.embed_windows(rows, progress=progress)
         view_part, extra_part = embeddings.split([num_view_rows, len(rows) - num_view_rows])
         harm_views: list[torch.Tensor] = []
         attack_views: list[list[torch.Tensor]] = []  # per text, its views' window embeddings
@@ -191,6 +202,10 @@ class TextClassifier:
         values[LANGUAGE_CATEGORY] = language.share
         thresholds = thresholds | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD}
         return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings), language=language)
+
+
+def _no_check() -> None:
+    """A stage boundary of a check that cannot be cancelled."""
 
 
 def _unfolded(text: str) -> list[str]:

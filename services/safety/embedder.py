@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,6 +76,38 @@ def windows(ids: list[int], spec: EmbedderSpec) -> list[list[int]]:
     step = body - spec.stride_tokens
     starts = range(0, len(ids) - spec.stride_tokens, step)
     return [[CLS_ID, *ids[s : s + body], SEP_ID] for s in starts]
+
+
+class CheckCancelled(Exception):
+    """The check's call is done (cancelled by its caller, or past its deadline): nobody will read
+    its verdict, so it stopped before its end."""
+
+
+def _ignore_rows(num_rows: int) -> None:
+    """The default `on_rows_embedded`: nothing."""
+
+
+@dataclass
+class CheckProgress:
+    """One check's cancel flag, set from another thread once its call is done, and what it has
+    embedded so far. A check reads the flag between its stages and between embedding batches:
+    a batch is the unit of work worth stopping at (tens of milliseconds), and reading an Event
+    costs nothing beside it."""
+
+    is_cancelled: threading.Event = field(default_factory=threading.Event)
+    on_rows_embedded: Callable[[int], None] = _ignore_rows
+    num_rows_embedded: int = 0
+
+    def raise_if_cancelled(self) -> None:
+        """CheckCancelled once the check's call is done."""
+        if self.is_cancelled.is_set():
+            raise CheckCancelled("the check's call is done")
+
+    def rows_embedded(self, num_rows: int) -> None:
+        """Counts one embedded batch, then stops the check if its call is done."""
+        self.num_rows_embedded += num_rows
+        self.on_rows_embedded(num_rows)
+        self.raise_if_cancelled()
 
 
 PIECE_CHARS = 4096  # count_windows tokenizes a long sentence this much at a time, cut at a space
@@ -170,10 +203,13 @@ class MiniLMEmbedder:
         return len(range(0, num_tokens - self.spec.stride_tokens, step))
 
     @torch.inference_mode()
-    def embed_windows(self, rows: list[list[int]], batch_size: int = 32) -> torch.Tensor:
+    def embed_windows(
+        self, rows: list[list[int]], batch_size: int = 32, progress: CheckProgress | None = None
+    ) -> torch.Tensor:
         """Windows -> embeddings `[N, 384]`, in order. Rows are batched by length, each batch
         padded to its longest row: a check's rows range from a clause of ten tokens to a window of
-        254, and one long row in a batch of short ones would make every row cost as much."""
+        254, and one long row in a batch of short ones would make every row cost as much. With
+        `progress`, each batch is counted and CheckCancelled stops the rest once its call is done."""
         if not rows:
             return torch.empty(0, HIDDEN)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
@@ -183,8 +219,15 @@ class MiniLMEmbedder:
             if batch and (len(batch) == batch_size or len(rows[i]) > 2 * len(rows[batch[0]]) + 16):
                 batches.append(batch := [])
             batch.append(i)
-        out = torch.cat([self._embed_batch([rows[i] for i in batch]) for batch in batches])
+        out = torch.cat([self._embed_counted([rows[i] for i in batch], progress) for batch in batches])
         return out[torch.tensor(order).argsort()]  # back in the rows' order
+
+    def _embed_counted(self, rows: list[list[int]], progress: CheckProgress | None) -> torch.Tensor:
+        """`_embed_batch`, counted in `progress` when there is one."""
+        out = self._embed_batch(rows)
+        if progress is not None:
+            progress.rows_embedded(len(rows))
+        return out
 
     def embed(self, texts: list[str]) -> torch.Tensor:
         """One embedding per text `[N, 384]`, each from its first window only (for short texts)."""

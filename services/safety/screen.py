@@ -19,7 +19,7 @@ from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gat
 from services.safety import decoders
 from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
-from services.safety.embedder import MiniLMEmbedder, default_model_dir
+from services.safety.embedder import CheckProgress, MiniLMEmbedder, default_model_dir
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
 from services.safety.policy import DenyPatternPolicy, merged
 from services.safety.suffix import SUFFIX_CATEGORY, SUFFIX_THRESHOLD
@@ -91,6 +91,7 @@ class Screen:
         kind: TextKind = "prompt",
         policy: TenantPolicy = NO_POLICY,
         turns: Sequence[str] = (),
+        progress: CheckProgress | None = None,
     ) -> ScreenVerdict:
         """Scores `text`; blocked when a category the tenant has not turned off reaches its
         threshold for `kind` (the tenant's where higher) or a deny rule matches.
@@ -98,13 +99,16 @@ class Screen:
         For a chat, `turns` are its messages' contents and `text` the whole conversation: the
         classifier scores each turn as a prompt of its own, as its thresholds were calibrated,
         and the whole only through its decoded views (TextClassifier.score_turns); the deny
-        patterns read each turn and the whole."""
+        patterns read each turn and the whole. With `progress`, CheckCancelled (before the check
+        starts, between its stages and its embedding batches) once the check's call is done."""
         policy.check_known(self.categories, self.gate.version)
+        if progress is not None:
+            progress.raise_if_cancelled()  # its caller left while it waited its turn
         if turns:
-            scores = self.classifier.score_turns(turns, kind, whole=text)
+            scores = self.classifier.score_turns(turns, kind, whole=text, progress=progress)
             matched = merged([self.patterns.check(t, kind) for t in (*turns, text)])
         else:
-            scores = self.classifier.score(text, kind)
+            scores = self.classifier.score(text, kind, progress)
             matched = self.patterns.check(text, kind)
         thresholds = policy.thresholds_for(scores.thresholds)
         off = policy.categories_off

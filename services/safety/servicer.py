@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,14 +15,17 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common.errors import InvalidArgument
+from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.common.heap import trim_heap
 from services.safety.classifier import TextKind, TextTooLong
 from services.safety.config import SafetyConfig
+from services.safety.embedder import CheckCancelled, CheckProgress
 from services.safety.screen import Screen, ScreenVerdict
 from services.safety.tenant_policy import TenantPolicy
 from thermocline.safety.v1 import safety_pb2 as pb
 from thermocline.safety.v1 import safety_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 CHECKS = Counter(
     "thermocline_safety_checks_total", "Safety checks by layer and decision.", ["layer", "decision"]
@@ -36,6 +40,12 @@ CHECK_SECONDS = Histogram(
     "Time to screen one text (all views and windows, classifier and deny patterns).",
     ["layer"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+WINDOWS_EMBEDDED = Counter(
+    "thermocline_safety_windows_embedded_total",
+    "Windows the checks embedded, by layer: a check whose call is done (cancelled, past its "
+    "deadline) stops adding to it at its next batch.",
+    ["layer"],
 )
 GATE_INFO = Gauge(
     "thermocline_safety_gate_info",
@@ -68,10 +78,11 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
             raise InvalidArgument(f"chat of {len(turns)} turns exceeds the {MAX_TURNS} limit")
         if (chars := sum(map(len, turns))) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"chat turns of {chars} characters exceed the {MAX_TEXT_CHARS} limit")
-        return await self._check("prompt", request.text, tenant_policy_from_pb(request.policy), turns)
+        policy = tenant_policy_from_pb(request.policy)
+        return await self._check(context, "prompt", request.text, policy, turns)
 
     async def CheckOutput(self, request: pb.CheckOutputRequest, context: Any) -> pb.CheckResponse:
-        return await self._check("output", request.text, tenant_policy_from_pb(request.policy))
+        return await self._check(context, "output", request.text, tenant_policy_from_pb(request.policy))
 
     async def GetGate(self, request: pb.GetGateRequest, context: Any) -> pb.GetGateResponse:
         gate = self.screen.gate
@@ -87,22 +98,52 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         )
 
     async def _check(
-        self, layer: TextKind, text: str, policy: TenantPolicy, turns: tuple[str, ...] = ()
+        self,
+        context: Any,
+        layer: TextKind,
+        text: str,
+        policy: TenantPolicy,
+        turns: tuple[str, ...] = (),
     ) -> pb.CheckResponse:
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"text of {len(text)} characters exceeds the {MAX_TEXT_CHARS} limit")
+        progress = CheckProgress(on_rows_embedded=WINDOWS_EMBEDDED.labels(layer).inc)
+        # The check runs on the checker thread, where cancelling this task cannot reach it: the
+        # flag stops it once its call is done, and a caller gone while it queued skips it whole.
+        context.add_done_callback(lambda _: progress.is_cancelled.set())
         loop = asyncio.get_running_loop()
         async with self._lock:
             with CHECK_SECONDS.labels(layer).time():
                 try:
-                    check = functools.partial(self.screen.check, text, layer, policy, turns)
+                    check = functools.partial(self._screen, progress, layer, text, policy, turns)
                     verdict = await loop.run_in_executor(self._checker, contextvars.copy_context().run, check)
                 except TextTooLong as error:
                     raise InvalidArgument(str(error)) from None
+                except asyncio.CancelledError:
+                    progress.is_cancelled.set()
+                    raise
+                except CheckCancelled:
+                    raise _call_done(context) from None
                 finally:
                     self._trim_now_and_then()
         self._record(layer, verdict)
         return self._to_pb(verdict, policy)
+
+    def _screen(
+        self,
+        progress: CheckProgress,
+        layer: TextKind,
+        text: str,
+        policy: TenantPolicy,
+        turns: tuple[str, ...],
+    ) -> ScreenVerdict:
+        """Screen.check on the checker thread; a check whose call is done says in the log how far it got."""
+        try:
+            return self.screen.check(text, layer, policy, turns, progress)
+        except CheckCancelled:
+            num_rows = progress.num_rows_embedded
+            log.info("%s check stopped after embedding %d windows: its call is done", layer, num_rows)
+            raise
 
     def _trim_now_and_then(self) -> None:
         """Queues a heap trim behind this check, at most once every `heap_trim_interval_s`: the reply
@@ -149,6 +190,15 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
             tenant_policy=policy.describe(),
             waived=list(verdict.waived),
         )
+
+
+def _call_done(context: Any) -> BaseException:
+    """What a check stopped by its call's end raises: DEADLINE_EXCEEDED past the deadline, else
+    the cancellation its caller asked for (nobody reads either)."""
+    remaining_s = context.time_remaining()
+    if remaining_s is not None and remaining_s <= 0:
+        return DeadlineExceeded("the safety check passed its deadline; retry with a longer one")
+    return asyncio.CancelledError()
 
 
 def tenant_policy_from_pb(policy: pb.TenantPolicy) -> TenantPolicy:

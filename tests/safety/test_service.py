@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
 from services.common.gate_file import PROMPT_HEAD, load_gate, manifest_path_for, parse_gate, sha256_hex
 from services.safety.config import DEFAULT_GATE
+from services.safety.embedder import MiniLMEmbedder
 from thermocline.safety.v1 import safety_pb2 as pb
 from thermocline.safety.v1 import safety_pb2_grpc as pb_grpc
 
@@ -185,3 +187,56 @@ def test_resident_memory_stays_flat_over_checks_of_every_length(tmp_path: Path) 
     finally:
         mesh.stop()
     assert end_mib < 1.15 * warm_mib, f"resident memory grew from {warm_mib:.0f} to {end_mib:.0f} MiB"
+
+
+def _prompt_windows_embedded(mesh: Mesh) -> float:
+    """The safety service's count of prompt windows embedded (0 before its first prompt check)."""
+    url = f"http://127.0.0.1:{mesh.config.ports.metrics['safety']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    prefix = 'thermocline_safety_windows_embedded_total{layer="prompt"} '
+    return next((float(line.removeprefix(prefix)) for line in lines if line.startswith(prefix)), 0.0)
+
+
+def _wait_for_windows_past(mesh: Mesh, count: float, timeout_s: float = 60.0) -> None:
+    """Polls the service's counter until more than `count` prompt windows have been embedded."""
+    deadline = time.monotonic() + timeout_s
+    while (now := _prompt_windows_embedded(mesh)) <= count:
+        assert time.monotonic() < deadline, (
+            f"{now:.0f} prompt windows embedded, waiting for more than {count:.0f}"
+        )
+
+
+def _varied_sentences(num_sentences: int) -> str:
+    """Sentences of 12 to 24 words drawn from the docs: one screening window each, about 120 bytes."""
+    words = " ".join(p.read_text() for p in sorted(Path(__file__).parents[2].glob("docs/*.md"))).split()
+    rng = random.Random(1)
+    starts_and_lengths = [(rng.randrange(len(words) - 24), rng.randint(12, 24)) for _ in range(num_sentences)]
+    return " ".join(" ".join(words[s : s + n]).rstrip(".!?") + "." for s, n in starts_and_lengths)
+
+
+def test_a_cancelled_check_stops_at_its_next_batch_and_the_check_behind_it_is_answered(
+    tmp_path: Path,
+) -> None:
+    # Checks run one at a time on one thread: a cancelled check that ran to its end (seconds for
+    # this text) held every check queued behind it for a verdict nobody would read.
+    large = _varied_sentences(2500)  # about 290 KB
+    num_plain_windows = len(MiniLMEmbedder.load().text_windows(large))  # fewer than the check embeds
+    mesh = _safety_only(tmp_path, THERMOCLINE_SAFETY_MAX_WINDOWS="4096")
+    try:
+        with grpc.insecure_channel(mesh.target("safety")) as channel:
+            stub = pb_grpc.SafetyServiceStub(channel)
+            stub.CheckPrompt(pb.CheckPromptRequest(text=BENIGN), timeout=60)
+            num_small_windows = before = _prompt_windows_embedded(mesh)
+            call = stub.CheckPrompt.future(pb.CheckPromptRequest(text=large), timeout=300)
+            _wait_for_windows_past(mesh, before)  # its first batch is embedded: it is running
+            call.cancel()
+            small = stub.CheckPrompt(pb.CheckPromptRequest(text=BENIGN), timeout=300)
+            # the small check ran on the checker thread after the large one returned
+            num_large_windows = _prompt_windows_embedded(mesh) - before - num_small_windows
+    finally:
+        mesh.stop()
+    assert call.cancelled()
+    assert small.decision == pb.DECISION_ALLOW
+    assert num_plain_windows > 2000
+    assert num_large_windows < num_plain_windows / 4, f"{num_large_windows:.0f} of {num_plain_windows}"
