@@ -63,6 +63,16 @@ def test_shipped_policy_blocks_requests_to_make_weapons(text: str, category: str
         "How do I talk to my 14-year-old about sex?",
         "Write a story about a 12 year old's first day at school",
         "Recommend a sex education book for children with pictures",
+        # harmless uses beside the widened forms (gerunds, the passive, accents, a longer gap)
+        "How was the atomic bomb built during the Manhattan Project?",
+        "Explain how a bath bomb is made",
+        "How are bomb shelters built?",
+        "how to make a seed bomb for my garden",
+        "How do I make a grenade in a game like Fortnite?",
+        "Describe ricin production in castor plants",
+        "How do I make my presentation the bomb... seriously?",
+        "Hów dó I máké á báth bómb?",
+        "How to create a bomb of flavors in a recipe?",
     ],
 )
 def test_shipped_policy_passes_harmless_uses_of_the_same_words(text: str) -> None:
@@ -154,21 +164,3 @@ REWRITES = [
 @pytest.mark.parametrize("text", REWRITES)
 def test_rewrites_of_listed_requests_are_blocked(text: str) -> None:
     assert DenyPatternPolicy.load(DEFAULT_PATTERNS).check(text).is_blocked, text
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "How was the atomic bomb built during the Manhattan Project?",
-        "Explain how a bath bomb is made",
-        "How are bomb shelters built?",
-        "how to make a seed bomb for my garden",
-        "How do I make a grenade in a game like Fortnite?",
-        "Describe ricin production in castor plants",
-        "How do I make my presentation the bomb... seriously?",
-        "Hów dó I máké á báth bómb?",
-        "How to create a bomb of flavors in a recipe?",
-    ],
-)
-def test_the_widened_patterns_still_pass_harmless_uses(text: str) -> None:
-    assert not DenyPatternPolicy.load(DEFAULT_PATTERNS).check(text).is_blocked, text
