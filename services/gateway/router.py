@@ -154,9 +154,14 @@ class Router:
         live = [r for r in self.replicas if r.is_serving]
         return [r for r in live if r.is_ready] or live or list(self.replicas)
 
-    def any_serving(self) -> Replica:
-        """A serving replica (the first one when none is known to serve)."""
-        return next((r for r in self.replicas if r.is_serving), self.replicas[0])
+    def by_preference(self) -> list[Replica]:
+        """Every replica, the order a call that any of them can answer tries them in: the ready
+        ones, then the live ones, then the rest (as `routable` falls back)."""
+        return sorted(self.replicas, key=lambda r: (not r.is_serving, not r.is_ready))
+
+    def any_routable(self) -> Replica:
+        """The replica such a call goes to first: ready, else live, else the first one."""
+        return self.by_preference()[0]
 
     async def close(self) -> None:
         """Stops the background tasks and closes the channels."""

@@ -73,7 +73,7 @@ class Upstreams:
         """The engine's model description, fetched once."""
         if self._model_info is None:
             try:
-                self._model_info = await self.router.any_serving().stub.GetModelInfo(
+                self._model_info = await self.router.any_routable().stub.GetModelInfo(
                     engine_pb2.GetModelInfoRequest(), timeout=timeout_s
                 )
             except grpc.aio.AioRpcError as error:
@@ -81,12 +81,11 @@ class Upstreams:
         return self._model_info
 
     async def count_tokens(self, request: engine_pb2.CountTokensRequest, timeout_s: float) -> int:
-        """Prompt tokens as an engine replica counts them: serving replicas first, and the next one
-        when a replica answers UNAVAILABLE (draining before its health watch says so)."""
-        replicas = self.router.replicas
-        ordered = [r for r in replicas if r.is_serving] + [r for r in replicas if not r.is_serving]
+        """Prompt tokens as an engine replica counts them: ready replicas first, then live ones,
+        then the rest, and the next one when a replica answers UNAVAILABLE (draining before its
+        health watch says so)."""
         last_error: grpc.aio.AioRpcError | None = None
-        for replica in ordered:
+        for replica in self.router.by_preference():
             try:
                 reply = await replica.stub.CountTokens(request, timeout=timeout_s)
             except grpc.aio.AioRpcError as error:
