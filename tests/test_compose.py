@@ -2,7 +2,9 @@
 
 The structural tests run `docker-compose config` (the v1 tool is enough; no Docker engine is needed)
 and check its normalised output, so anchors, merge keys and interpolation are already resolved.
-The health-probe tests run the probe from compose.yaml against a real gRPC health server.
+The health-probe tests run the probe from compose.yaml against a real gRPC health server. Where a
+service's Kubernetes readinessProbe reads a named gRPC health status (deploy/k8s/base), compose's
+healthcheck reads the same one.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.conftest import skip_unless_ci
+from thermocline.engine.v1 import engine_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 PROMETHEUS_FILE = REPO_ROOT / "deploy" / "prometheus.yml"
+K8S_BASE = REPO_ROOT / "deploy" / "k8s" / "base"
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 THERMOCLINE_SERVICES = ("gateway", "engine", "safety", "kvstore")
+GRPC_READINESS_SERVICES = ("engine", "safety", "kvstore")  # the gateway's k8s readiness is HTTP /ready
 SUPPORT_SERVICES = ("redis", "jaeger", "prometheus")
 MIN_ENGINE_START_PERIOD_S = 120  # the engine loads (and on first start downloads) a model
 
@@ -108,6 +114,29 @@ def test_service_healthcheck_probes_its_own_grpc_port(compose: dict[str, Any], n
     assert test[:3] == ["CMD", "python", "-c"]
     assert "grpc_health.v1" in test[3]
     assert test[4] == f"127.0.0.1:{port}"
+
+
+def k8s_readiness_probe(name: str) -> dict[str, Any]:
+    """The readinessProbe of the workload `name` in deploy/k8s/base/<name>.yaml."""
+    documents = yaml.safe_load_all((K8S_BASE / f"{name}.yaml").read_text())
+    workload = next(d for d in documents if d and d["kind"] in ("Deployment", "StatefulSet"))
+    return workload["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]  # type: ignore[no-any-return]
+
+
+def probed_health_name(svc: Service) -> str:
+    """The grpc.health.v1 name a service's compose healthcheck asks about ("" is the whole server)."""
+    test = svc["healthcheck"]["test"]
+    return test[5] if len(test) > 5 else ""
+
+
+@pytest.mark.parametrize("name", GRPC_READINESS_SERVICES)
+def test_service_healthcheck_reads_the_health_name_k8s_readiness_reads(
+    compose: dict[str, Any], name: str
+) -> None:
+    """The gateway starts once its dependencies are healthy: for the engine that must mean ready (its
+    service name, NOT_SERVING while its safety gate refuses every Generate), not merely live ("")."""
+    readiness = k8s_readiness_probe(name)["grpc"]
+    assert probed_health_name(service(compose, name)) == readiness.get("service", "")
 
 
 @pytest.mark.parametrize(
@@ -207,11 +236,11 @@ def test_prometheus_scrapes_every_metrics_port(compose: dict[str, Any]) -> None:
 # The probe itself, run as compose would run it, against a real health server.
 
 
-def health_probe_argv(address: str) -> list[str]:
-    """The gateway's compose healthcheck command, with this interpreter and `address`."""
+def health_probe_argv(address: str, name: str = "gateway") -> list[str]:
+    """Service `name`'s compose healthcheck command, with this interpreter and `address`."""
     raw = yaml.safe_load(COMPOSE_FILE.read_text())  # PyYAML resolves the anchors and merge keys
-    test = raw["services"]["gateway"]["healthcheck"]["test"]
-    return [sys.executable, *test[2:4], address]
+    test = raw["services"][name]["healthcheck"]["test"]
+    return [sys.executable, *test[2:4], address, *test[5:]]
 
 
 @pytest.fixture
@@ -226,9 +255,10 @@ def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
     server.stop(grace=None)
 
 
-def run_probe(address: str) -> int:
-    """The probe's exit status."""
-    return subprocess.run(health_probe_argv(address), capture_output=True, timeout=30, check=False).returncode
+def run_probe(address: str, name: str = "gateway") -> int:
+    """The exit status of service `name`'s probe."""
+    argv = health_probe_argv(address, name)
+    return subprocess.run(argv, capture_output=True, timeout=30, check=False).returncode
 
 
 def test_health_probe_passes_when_serving(health_server: tuple[str, health.HealthServicer]) -> None:
@@ -247,3 +277,15 @@ def test_health_probe_fails_when_nothing_listens() -> None:
     with socket.socket() as held:  # bound but not listening: connections are refused
         held.bind(("127.0.0.1", 0))
         assert run_probe(f"127.0.0.1:{held.getsockname()[1]}") != 0
+
+
+def test_engine_probe_fails_while_live_but_not_ready(
+    health_server: tuple[str, health.HealthServicer],
+) -> None:
+    """An engine whose safety gate refuses: "" SERVING (live), its service name NOT_SERVING."""
+    address, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert run_probe(address, "engine") != 0
+    servicer.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)  # the gate matches again
+    assert run_probe(address, "engine") == 0
