@@ -44,7 +44,12 @@ CLIENT_CLOSE_WAIT_S = 5.0
 
 
 class CallTracker:
-    """Counts the calls in flight and says whether new ones are still admitted."""
+    """Counts the calls in flight and says whether new ones are still admitted.
+
+    A call is in flight until grpc has finished it: its status sent (or the call cancelled), not
+    only its handler returned. A stream's last messages and its status can wait behind a client
+    that reads slowly; a drain that stopped the server as soon as the handlers returned would cut
+    them off (a stream the drain cut would lose the status that says so)."""
 
     def __init__(self) -> None:
         self.num_in_flight = 0
@@ -191,11 +196,15 @@ class _CallGuard:
             self.code, self.details = grpc.StatusCode.UNAVAILABLE, _DRAINING
             await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         self.tracker.enter()
+        context.add_done_callback(self._finished_by_grpc)  # type: ignore[arg-type]  # stubs: a class
         return time.perf_counter()
 
-    def finish(self, started: float, code: grpc.StatusCode) -> None:
-        """Stops counting the call and records its outcome."""
+    def _finished_by_grpc(self, context: grpc.aio.ServicerContext) -> None:
+        """Stops counting the call, once its status is out."""
         self.tracker.exit()
+
+    def finish(self, started: float, code: grpc.StatusCode) -> None:
+        """Records the outcome of the call's handler."""
         RPC_HANDLED.labels(self.method, code.name).inc()
         RPC_DURATION.labels(self.method).observe(time.perf_counter() - started)
 
@@ -332,10 +341,32 @@ async def _write_all(responses: AsyncGenerator[Any, None], context: grpc.aio.Ser
     grpc's loop, which logged "ExecuteBatchError raised in core by servicer method" with a traceback
     for every such stream, and the handler was left at its `yield` for the loop's finalizer to close
     in another task. Here the failure reaches the guard, and the servicer's cleanup runs at once.
+
+    A cancellation of the call's task that lands while a write waits (a client reading slowly, a
+    handler's timer, a drain that cuts the stream) is thrown into the handler at its `yield`, where
+    it stands, as one that lands in an await of its own is: its scopes see it (an `asyncio.timeout`
+    turns it into its own error, the gateway's stream cut into its status) instead of a bare close.
     """
     async with contextlib.aclosing(responses):
         async for response in responses:
+            await _write(response, responses, context)
+
+
+async def _write(
+    response: Any, responses: AsyncGenerator[Any, None], context: grpc.aio.ServicerContext
+) -> None:
+    """Writes `response`, handing a cancellation that comes meanwhile to `responses`; writes what it
+    yields instead, should it carry on. The interrupted message stays queued in the core: a client
+    that reads on gets it before the call's status."""
+    while True:
+        try:
             await context.write(response)
+            return
+        except asyncio.CancelledError as cancelled:
+            try:
+                response = await responses.athrow(cancelled)
+            except StopAsyncIteration:
+                return
 
 
 async def _wait_for_client_close(guard: _CallGuard, error: Exception) -> NoReturn:

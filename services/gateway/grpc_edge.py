@@ -9,11 +9,18 @@ Here a `ThermoclineError` ends the call with its status, message and trailing me
 context (the span still gets the status), so refusing a call costs no more than its checks.
 Anything else still raises, and the server's interceptor answers INTERNAL and logs it. The HTTP
 front calls the servicer itself, where refusals stay exceptions.
+
+The server's write loop throws a cancellation that lands while a message is being written in at
+the edge's `yield`; the edge passes it on to the servicer's stream, as `yield from` would, so the
+servicer sees it where it stands and can end the call its own way (a stream the drain cut ends
+UNAVAILABLE, audited).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -39,9 +46,19 @@ class GrpcEdge(pb_grpc.GatewayServiceServicer):
         self.servicer = servicer
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        messages: AsyncGenerator[pb.GenerateResponse, None] = self.servicer.Generate(request, context)
         try:
-            async for message in self.servicer.Generate(request, context):
-                yield message
+            async with contextlib.aclosing(messages):
+                message = await anext(messages)
+                while True:
+                    try:
+                        yield message
+                    except asyncio.CancelledError as cancelled:  # thrown in by the write loop
+                        message = await messages.athrow(cancelled)
+                    else:
+                        message = await anext(messages)
+        except StopAsyncIteration:
+            return
         except ThermoclineError as error:
             end_with(context, error)
 

@@ -1,4 +1,14 @@
-"""The Generate streams a gateway is relaying, so a drain that runs out of grace can say which it cut."""
+"""The Generate streams a gateway is relaying, so a drain that runs out of grace can cut them and say
+which it cut.
+
+A cut is a flag and a cancellation, as `asyncio.timeout` is. The cancellation interrupts the
+stream's task wherever it waits: on the engine, on safety, on the audit log, or in a write to a
+client that reads slowly (the shared write loop hands that one to the stream at its `yield`,
+services/common/interceptors.py). The flag tells the stream's own code that it was cut, not left by
+its client or stalled, and that code ends it (GatewayServicer.Generate): the cut is audited, and the
+call ends UNAVAILABLE with the count of tokens sent. A flag alone would be seen only between
+messages: it cannot end a wait on the engine or on a client that never reads.
+"""
 
 from __future__ import annotations
 
@@ -7,48 +17,60 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.gateway.gatekeeper import Admission
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class InFlightStream:
-    """One stream being relayed: who asked, how far it got, and whether the drain cut it."""
+    """One Generate call: its task, its admission once admitted, how far it got, whether it was cut."""
 
-    request_id: str
-    tenant: str
-    task: asyncio.Task[object] | None
+    task: asyncio.Task[Any]
+    admission: Admission | None = None
     num_tokens: int = 0
     is_cut: bool = False
 
+    def cut(self) -> None:
+        """Marks the stream cut and interrupts its task wherever it waits."""
+        self.is_cut = True
+        self.task.cancel()
+
 
 class InFlightStreams:
-    """The streams in flight. `track` adds one for a body's duration; `cut_all` cancels them all."""
+    """The admitted streams in flight. `track` adds one for a body's duration; `cut_all` cuts them all."""
 
     def __init__(self) -> None:
         self._streams: dict[int, InFlightStream] = {}
 
     @contextmanager
-    def track(self, request_id: str, tenant: str) -> Iterator[InFlightStream]:
-        """Tracks the current task's stream for the body's duration."""
-        stream = InFlightStream(request_id, tenant, asyncio.current_task())
+    def track(self, stream: InFlightStream, admission: Admission) -> Iterator[None]:
+        """Tracks `stream`, admitted as `admission`, for the body's duration."""
+        stream.admission = admission
         self._streams[id(stream)] = stream
         try:
-            yield stream
+            yield
         finally:
             del self._streams[id(stream)]
 
     def cut_all(self) -> list[InFlightStream]:
-        """Cancels every stream in flight (each then ends UNAVAILABLE, saying it was cut); returns them."""
+        """Cuts every stream in flight (each then ends UNAVAILABLE, saying it was cut); returns them."""
         streams = list(self._streams.values())
         for stream in streams:
-            stream.is_cut = True
-            if stream.task is not None:
-                stream.task.cancel()
+            stream.cut()
         if streams:
             log.warning(
                 "grace period over: cutting %d stream(s): %s",
                 len(streams),
-                ", ".join(f"{s.request_id} (tenant {s.tenant}, {s.num_tokens} tokens sent)" for s in streams),
+                ", ".join(_described(stream) for stream in streams),
             )
         return streams
+
+
+def _described(stream: InFlightStream) -> str:
+    admission = stream.admission
+    assert admission is not None  # tracked streams are admitted
+    return f"{admission.request_id} (tenant {admission.principal.tenant}, {stream.num_tokens} tokens sent)"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -157,7 +158,7 @@ def _stream_event(admission: Admission, action: str, reason: str, num_sent: int)
 
 
 class _StreamCut(Unavailable):
-    """A stream cut when the gateway's grace period ran out (audited by `_record_cut`)."""
+    """A stream cut when the gateway's grace period ran out (audited by `_end_cut`)."""
 
 
 class GatewayServicer(pb_grpc.GatewayServiceServicer):
@@ -172,7 +173,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.slots = slots
         self.in_flight = InFlightStreams()
 
-    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         limits = self.config.limits
         remaining = context.time_remaining()
         lifetime_s = limits.max_stream_s if remaining is None or remaining > limits.max_stream_s else None
@@ -180,15 +183,19 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         # task waits to send: cancelling that task ends the call and frees its slot.
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
         assert task is not None
+        # The drain's cut cancels the task too, wherever it waits; a cancel that lands in a write
+        # is thrown in at the `yield` below, so either way it is ended here.
+        stream = InFlightStream(task)
         try:
             async with asyncio.timeout(lifetime_s) as lifetime:
                 with self.slots.hold():
-                    async for message in self._generate(request, context):
-                        stall = loop.call_later(limits.write_stall_s, task.cancel)
-                        try:
-                            yield message
-                        finally:
-                            stall.cancel()
+                    async with contextlib.aclosing(self._generate(request, context, stream)) as messages:
+                        async for message in messages:
+                            stall = loop.call_later(limits.write_stall_s, task.cancel)
+                            try:
+                                yield message
+                            finally:
+                                stall.cancel()
         except TimeoutError:
             if not lifetime.expired():
                 raise
@@ -197,10 +204,14 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 "a shorter deadline (THERMOCLINE_GATEWAY_MAX_STREAM_S); set a deadline, or ask for "
                 "fewer tokens"
             ) from None
+        except asyncio.CancelledError:
+            if not stream.is_cut:
+                raise  # the caller went away, or stopped reading for longer than the write stall
+            raise await self._end_cut(stream) from None
 
     async def _generate(
-        self, request: pb.GenerateRequest, context: Any
-    ) -> AsyncIterator[pb.GenerateResponse]:
+        self, request: pb.GenerateRequest, context: Any, stream: InFlightStream
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         resolve = lambda name: self._resolve_model(name, context.time_remaining())  # noqa: E731
         metadata = CallMetadata.of(context)
         screens: list[asyncio.Future[safety_pb2.CheckResponse]] = []
@@ -227,14 +238,14 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 discard(screen)  # admission refused the call
             raise
         (check,) = screens
-        answer = self._answer(request, context, metadata, admitted, check)
+        answer = self._answer(request, context, metadata, admitted, check, stream)
         num_sent = 0
         try:
-            async for message in answer:
-                num_sent += len(message.delta.token_ids)
-                yield message
-        except _StreamCut:
-            raise  # audited as a cut, and its message counts the tokens sent
+            # From its admission on, the drain cuts the stream (under strict, the prompt's screen too).
+            with self.in_flight.track(stream, admitted.admission):
+                async for message in answer:
+                    num_sent += len(message.delta.token_ids)
+                    yield message
         except ThermoclineError as error:
             # An error before the stream's own (the prompt's screen, routing) waits for the allow
             # event too; a failed write's UNAVAILABLE wins.
@@ -260,9 +271,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         metadata: CallMetadata,
         admitted: Admitted,
         check: asyncio.Future[safety_pb2.CheckResponse],
+        stream: InFlightStream,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """An admitted call's answer: the prompt's verdict, the engine's stream and its screens.
-        Nothing of it goes out before the allow event is on disk."""
+        Nothing of it goes out before the allow event is on disk; `stream` counts the tokens sent."""
         admission, recorded = admitted
         text = admission.prompt_text
         settings = self._settings(text, admission, context.time_remaining())
@@ -291,11 +303,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         relayed = relay(self.upstreams, converted, settings, replicas, audit, charge.engine_counted)
         if is_overlapped:
             relayed = self._behind_prompt_check(check, relayed, admission, settings, audit, charge)
-        # Waited for inside the stream's tracking: a cut during the wait is recorded as one, and
-        # the first text's event and the charge come only once the call is on record.
+        # The first text's event and the charge come only once the call is on record.
         relayed = _released_after(recorded, relayed)
         has_sent_text = False
-        with self.in_flight.track(admission.request_id, tenant) as stream, _traced_late(prompt_verdict):
+        with _traced_late(prompt_verdict):
             try:
                 async for message in relayed:
                     if message.HasField("done"):
@@ -305,14 +316,6 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                         trace.get_current_span().add_event(FIRST_TEXT_EVENT)
                     stream.num_tokens += len(message.delta.token_ids)
                     yield message
-            except asyncio.CancelledError:
-                if not stream.is_cut:
-                    raise
-                await self._record_cut(admission, stream)
-                raise _StreamCut(
-                    f"the gateway shut down and its {self.config.server.grace_s:g} s grace period ran out; "
-                    f"this stream was cut after {stream.num_tokens} tokens: retry on another replica"
-                ) from None
             finally:
                 charge.stream_ended(stream.num_tokens)  # a stream that ends early pays what it got
 
@@ -410,9 +413,19 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         except ThermoclineError:
             log.warning("could not audit the failure of request %s", admission.request_id)
 
-    async def _record_cut(self, admission: Admission, stream: InFlightStream) -> None:
+    async def _end_cut(self, stream: InFlightStream) -> _StreamCut:
+        """Audits a stream the drain cut; returns the error that ends its call. The count is of the
+        tokens yielded, the message whose write the cut interrupted included: it reaches a client
+        that reads on, ahead of the status."""
+        stream.task.uncancel()  # the cut is handled: the call goes on to send its status
+        admission = stream.admission
+        assert admission is not None  # only admitted streams are cut
         reason = f"gateway shut down; grace period over after {stream.num_tokens} tokens sent"
         await self.gatekeeper.record(_stream_event(admission, "stream.cut", reason, stream.num_tokens))
+        return _StreamCut(
+            f"the gateway shut down and its {self.config.server.grace_s:g} s grace period ran out; "
+            f"this stream was cut after {stream.num_tokens} tokens: retry on another replica"
+        )
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
         timeout_s = context.time_remaining()

@@ -1,10 +1,13 @@
 """SIGTERM on the gateway mid-stream: the stream finishes, new calls get UNAVAILABLE (503 on the HTTP
-front), the process exits."""
+front), the process exits; a stream still running when the grace period ends is cut, reported and
+audited, wherever its task waits (on safety, or on a client that stopped reading)."""
 
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh
@@ -29,6 +33,10 @@ STREAM_TOKENS = 64  # more than one screening window: the stream waits on the sa
 # Sixteen 16-token windows, screened one after another: a window or two may pass before the test
 # stops safety, but finishing takes every screen, so the stream waits on safety when the grace ends.
 CUT_STREAM_TOKENS = 256
+# A client that stops reading: no window beyond 1 byte (and no BDP probing to grow it) unless a read
+# waits, so once it stops, the gateway's next message waits in its write.
+SLOW_READER = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1)]
+CHECK_OUTPUT = "/thermocline.safety.v1.SafetyService/CheckOutput"
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +97,50 @@ def read_until_cut(stream: Iterator[pb.GenerateResponse]) -> tuple[int, grpc.Rpc
     raise AssertionError("the stream finished instead of being cut")
 
 
+def output_screens(mesh: Mesh) -> float:
+    """How many output screens the safety service has answered, from its /metrics."""
+    url = f"http://127.0.0.1:{mesh.config.ports.metrics['safety']}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as page:
+        families = text_string_to_metric_families(page.read().decode())
+    return sum(
+        sample.value
+        for family in families
+        for sample in family.samples
+        if sample.name == "thermocline_rpc_server_handled_total"
+        and sample.labels.get("method") == CHECK_OUTPUT
+    )
+
+
+def wait_for_output_screens(mesh: Mesh, num_screens: float, timeout_s: float = 60) -> None:
+    """Waits until the safety service has answered `num_screens` output screens."""
+    deadline = time.monotonic() + timeout_s
+    while output_screens(mesh) < num_screens:
+        assert time.monotonic() < deadline, f"safety answered fewer than {num_screens} output screens"
+
+
+def audit_events(mesh: Mesh, gateway: str, request_id: str) -> list[tuple[str, str]]:
+    """(action, decision) of each of a request's events in a gateway replica's decisions log."""
+    events = [
+        json.loads(line)
+        for path in segment_paths(mesh.config.state_dir / f"audit-{gateway}", "decisions")
+        for line in path.read_text().splitlines()
+    ]
+    return [(e["action"], e["decision"]) for e in events if e["request_id"] == request_id]
+
+
+def wait_for_cut_record(mesh: Mesh, gateway: str, request_id: str, timeout_s: float = 60) -> None:
+    """Waits until the gateway has audited the request's cut, or has exited (then it never will)."""
+    process = mesh.processes[gateway]
+    deadline = time.monotonic() + timeout_s
+    while ("stream.cut", "deny") not in audit_events(mesh, gateway, request_id):
+        assert time.monotonic() < deadline, f"no stream.cut for {request_id} after {timeout_s} s"
+        try:
+            process.wait(0.05)  # waits on the process's exit: the poll's pace, not a fixed delay
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def test_sigterm_drains_in_flight_streams_and_refuses_new_calls(mesh: Mesh) -> None:
     token = mint_token(mesh.private_key_path.read_bytes(), subject="tester")
     metadata = call_metadata(token)
@@ -132,12 +184,39 @@ def test_a_stream_still_running_when_the_grace_period_ends_is_cut_reported_and_a
     assert f"1 s grace period ran out; this stream was cut after {sent} tokens" in (cut.details() or "")
     assert mesh.processes[name].wait(60) == 0
     assert "cutting 1 stream(s): cut-me (tenant tester" in mesh.log_tail(name, 200)
-    events = [
-        json.loads(line)
-        for path in segment_paths(mesh.config.state_dir / f"audit-{name}", "decisions")
-        for line in path.read_text().splitlines()
-    ]
-    assert [(e["action"], e["decision"]) for e in events if e["request_id"] == "cut-me"] == [
-        ("invoke", "allow"),
-        ("stream.cut", "deny"),
-    ]
+    assert audit_events(mesh, name, "cut-me") == [("invoke", "allow"), ("stream.cut", "deny")]
+
+
+def test_streams_cut_while_their_writes_wait_on_clients_that_stopped_reading_are_reported_and_audited(
+    mesh: Mesh,
+) -> None:
+    """Two clients stop reading after the first message: the gateway's second waits in its write when
+    the grace period ends. One reads again after the cut and gets that message, then the cut's
+    status; the other never reads again, and holds the drain only until the server stops."""
+    name = "gateway-slow-readers"
+    target = mesh.start_gateway_replica(name, THERMOCLINE_GATEWAY_GRACE_S="1")
+    token = mint_token(mesh.private_key_path.read_bytes(), subject="tester")
+    request = build_request(STORIES_PROMPT, max_tokens=CUT_STREAM_TOKENS)
+    num_screens = output_screens(mesh)
+    with (
+        grpc.insecure_channel(target, options=SLOW_READER) as slow_channel,
+        grpc.insecure_channel(target, options=SLOW_READER) as gone_channel,
+    ):
+        slow = stream_generate(slow_channel, request, [*call_metadata(token), ("x-request-id", "slow")], 300)
+        gone = stream_generate(gone_channel, request, [*call_metadata(token), ("x-request-id", "gone")], 300)
+        first = next(slow)
+        next(gone)
+        # Each stream's second window is screened: the gateway holds its message, which waits in
+        # its write for a client that reads no more, through the whole grace period.
+        wait_for_output_screens(mesh, num_screens + 4)
+        mesh.processes[name].send_signal(signal.SIGTERM)
+        wait_for_cut_record(mesh, name, "slow")
+        num_after_first, cut = read_until_cut(slow)  # the client reads again
+        # The one that never reads again holds the drain only until the server stops (CUT_WAIT_S).
+        assert mesh.processes[name].wait(60) == 0
+    assert cut.code() == grpc.StatusCode.UNAVAILABLE, cut.details()
+    sent = len(first.delta.token_ids) + num_after_first
+    assert f"1 s grace period ran out; this stream was cut after {sent} tokens" in (cut.details() or "")
+    assert num_after_first > 0  # the message whose write the cut interrupted came ahead of the status
+    for request_id in ("slow", "gone"):
+        assert audit_events(mesh, name, request_id) == [("invoke", "allow"), ("stream.cut", "deny")]
