@@ -28,9 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.safety_heldout import hash_sample, roc_auc
-from services.common.gate_file import PROMPT_HEAD, Gate, gate_scores, load_gate
-from services.safety.classifier import TextKind
-from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
+from services.common.gate_file import Gate, load_gate
+from services.safety.classifier import HarmScreen, TextKind
 from tools.safety_data import (
     BENIGN,
     TEST,
@@ -76,10 +75,9 @@ def held_out_sets(wheels: Path) -> tuple[dict[str, list[str]], dict[str, list[st
 
 def blocked(views: list[list[torch.Tensor]], gate: Gate, kind: TextKind) -> torch.Tensor:
     """[N] bool: a harm category at or over the gate's threshold for `kind`, as the service decides."""
-    head = gate.head_weights(PROMPT_HEAD, for_outputs=kind == "output")
-    rule = WindowAggregation.from_manifest(gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY))
-    scores = torch.stack([rule.text_scores([gate_scores(v, head) for v in text]) for text in views])
-    return (scores >= head.thresholds).any(dim=1)
+    screen = HarmScreen.of(gate, kind)
+    scores = torch.stack([screen.text_scores(text) for text in views])
+    return (scores >= screen.head.thresholds).any(dim=1)
 
 
 RANKED_PAIRS = (  # (harmful set, benign sets) of the --ranking table, by held_out_sets' names
@@ -95,11 +93,11 @@ RANKED_PAIRS = (  # (harmful set, benign sets) of the --ranking table, by held_o
 
 def margins(views: list[list[torch.Tensor]], gate: Gate) -> torch.Tensor:
     """[N]: each prompt's largest logit margin over the prompt thresholds (>= 0 blocks)."""
-    head = gate.head_weights(PROMPT_HEAD)
-    rule = WindowAggregation.from_manifest(gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY))
-    scores = torch.stack([rule.text_scores([gate_scores(v, head) for v in text]) for text in views])
+    screen = HarmScreen.of(gate, "prompt")
+    scores = torch.stack([screen.text_scores(text) for text in views])
     eps = 1e-7
-    logits = torch.logit(scores.clamp(eps, 1 - eps)) - torch.logit(head.thresholds.clamp(eps, 1 - eps))
+    thresholds = screen.head.thresholds
+    logits = torch.logit(scores.clamp(eps, 1 - eps)) - torch.logit(thresholds.clamp(eps, 1 - eps))
     return logits.max(dim=1).values
 
 

@@ -3,6 +3,14 @@
     .venv/bin/python tools/calibrate_safety_gate.py --version 2026.12.01.3            # thresholds only
     .venv/bin/python tools/calibrate_safety_gate.py --retrain --version 2026.12.01.4  # prompt head too
     .venv/bin/python tools/calibrate_safety_gate.py --outputs-only --version 2026.12.01.5  # outputs only
+    .venv/bin/python tools/calibrate_safety_gate.py --retrain --split-output-head --version ...
+
+`--split-output-head` gives the new gate an output head of its own (gate_file.OUTPUT_HEAD): the base
+gate's output screen as it stands (its prompt head's weights, output thresholds and aggregation),
+so that a prompt head retrained on new prompt data leaves what the output screen blocks unchanged.
+A base gate that already has an output head keeps it; `--outputs-only` then re-sets its thresholds.
+`--train-output-head` trains the output head instead (`trained_output_head`): on the prompt head's
+training rows less PROMPT_ONLY_SOURCES, plus the training conversations' replies as benign outputs.
 
 The engine head and the jailbreak head are unchanged. What changes is the prompt head's
 per-category thresholds, its window aggregation (services/safety/window_aggregation.py) and its
@@ -47,7 +55,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.gate_file import PROMPT_HEAD, HeadWeights, gate_scores, load_gate, write_gate
+from services.common.gate_file import (
+    OUTPUT_HEAD,
+    PROMPT_HEAD,
+    Gate,
+    HeadWeights,
+    gate_scores,
+    load_gate,
+    write_gate,
+)
+from services.safety.classifier import HarmScreen
 from services.safety.config import DEFAULT_GATE
 from services.safety.window_aggregation import AGGREGATION_KEY, WindowAggregation
 from tools.safety_data import (
@@ -64,6 +81,7 @@ from tools.safety_data import (
     contrast_examples,
     fetch_wheels,
     label_index,
+    load_engine_training_replies,
     load_examples,
 )
 from tools.train_jailbreak_head import embed_views, read_source
@@ -211,6 +229,16 @@ def main() -> None:
     parser.add_argument("--sensitive-fpr", type=float, default=0.03)
     parser.add_argument("--retrain", action="store_true", help="retrain the prompt head's weights too")
     parser.add_argument("--outputs-only", action="store_true", help="re-set the output thresholds alone")
+    parser.add_argument(
+        "--train-output-head",
+        action="store_true",
+        help="give the new gate an output head trained for outputs (trained_output_head)",
+    )
+    parser.add_argument(
+        "--split-output-head",
+        action="store_true",
+        help="give the new gate an output head: the base gate's output screen, unchanged",
+    )
     args = parser.parse_args()
     cache = args.wheels / "features"
     gate = load_gate(args.base)
@@ -223,10 +251,13 @@ def main() -> None:
     heads = retrained_heads(examples, cache) if args.retrain else [(gate.head_weights(PROMPT_HEAD), None)]
     outcomes = [o for head, wd in heads for o in outcomes_of(head, wd, texts, args)]
     best = max(outcomes, key=choice_key)
-    outputs = calib_benign_outputs(examples, fetch_wheels(args.wheels))
-    output_views = window_scores(benign_output_views(outputs, texts, cache), best.head)
-    output_thresholds = calibrate_per_category(text_scores(best.rule, output_views), args.target_fpr)
-    write(gate, best, output_thresholds, {n: len(v) for n, v in texts["benign"].items()}, args)
+    output_thresholds = None  # the output head screens outputs; the prompt head then has no output thresholds
+    output_head = trained_output_head(gate, examples, args, cache) if args.train_output_head else None
+    if not (args.split_output_head or output_head or OUTPUT_HEAD in gate.manifest.heads):
+        outputs = calib_benign_outputs(examples, fetch_wheels(args.wheels))
+        output_views = window_scores(benign_output_views(outputs, texts, cache), best.head)
+        output_thresholds = calibrate_per_category(text_scores(best.rule, output_views), args.target_fpr)
+    write(gate, best, output_thresholds, {n: len(v) for n, v in texts["benign"].items()}, args, output_head)
 
 
 def recalibrate_outputs(gate, examples: list[Example], args: argparse.Namespace, cache: Path) -> None:
@@ -236,9 +267,9 @@ def recalibrate_outputs(gate, examples: list[Example], args: argparse.Namespace,
     docs, the standard library's code). The calibration split's PyRIT refusals and safe answers
     name the harm topic; they held 2026.12.01.4's output thresholds at 0.96-0.999, so they are
     scored and reported, not calibrated on."""
-    head = gate.head_weights(PROMPT_HEAD)
-    prompt = dict(gate.manifest.raw["heads"][PROMPT_HEAD])
-    rule = WindowAggregation.from_manifest(prompt.get(AGGREGATION_KEY))
+    screen = HarmScreen.of(gate, "output")
+    head, rule = screen.head, screen.aggregation
+    entry = dict(gate.manifest.raw["heads"][screen.head_name])
     answers = {name: embedded(read_source(name), cache) for name in OUTPUT_CALIBRATION_FILES}
     scores = text_scores(rule, window_scores([v for views in answers.values() for v in views], head))
     thresholds = calibrate_per_category(scores, args.target_fpr)
@@ -249,8 +280,9 @@ def recalibrate_outputs(gate, examples: list[Example], args: argparse.Namespace,
     answer_rate = float((scores >= torch.tensor(thresholds)).any(dim=1).float().mean())
     manifest = {k: v for k, v in gate.manifest.raw.items() if k not in ("sha256", "format")}
     manifest["version"] = args.version
-    prompt["output_thresholds"] = {c: round(t, 6) for c, t in zip(CATEGORIES, thresholds, strict=True)}
-    manifest["heads"] = manifest["heads"] | {PROMPT_HEAD: prompt}
+    key = "thresholds" if screen.head_name == OUTPUT_HEAD else "output_thresholds"
+    entry[key] = {c: round(t, 6) for c, t in zip(CATEGORIES, thresholds, strict=True)}
+    manifest["heads"] = manifest["heads"] | {screen.head_name: entry}
     manifest["calibration"] = dict(manifest["calibration"]) | {
         "output_calibration": "tools/calibrate_safety_gate.py --outputs-only: ordinary benign answers of "
         "the calibration split (OUTPUT_CALIBRATION_FILES), same aggregation, calibrate_per_category at "
@@ -266,8 +298,8 @@ def recalibrate_outputs(gate, examples: list[Example], args: argparse.Namespace,
         },
     }
     digest = write_gate(args.out, dict(gate.tensors), manifest)
-    print(f"wrote {args.out} version {args.version} (sha256 {digest}); output thresholds "
-          f"{prompt['output_thresholds']}; FPR on the answers {answer_rate:.4f}, on "
+    print(f"wrote {args.out} version {args.version} (sha256 {digest}); {screen.head_name} head's output "
+          f"thresholds {entry[key]}; FPR on the answers {answer_rate:.4f}, on "
           f"{len(refusals)} refusals and safe answers {refusal_rate:.4f}")  # fmt: skip
 
 
@@ -317,14 +349,108 @@ def calibration_texts(examples: list[Example], args: argparse.Namespace, cache: 
     }
 
 
-def write(gate, best: Outcome, output_thresholds: list[float], counts: dict[str, int], args) -> None:
-    """The shipped gate with the new thresholds and aggregation, as a new version."""
+def split_output_head(gate: Gate) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The manifest entry and tensors of an output head that screens outputs as `gate` does: its
+    output head where it has one, else its prompt head at its output thresholds and aggregation."""
+    screen = HarmScreen.of(gate, "output")
+    entry = dict(gate.manifest.raw["heads"][screen.head_name])
+    thresholds = dict(zip(CATEGORIES, screen.head.thresholds.tolist(), strict=True))
+    entry = {k: v for k, v in entry.items() if k not in ("output_thresholds", "retrained")}
+    entry |= {"thresholds": {c: round(t, 6) for c, t in thresholds.items()}}
+    entry[AGGREGATION_KEY] = screen.aggregation.to_manifest()
+    if screen.head_name == PROMPT_HEAD:
+        entry["split_from"] = (
+            f"gate {gate.version}'s prompt head at its output thresholds "
+            "(tools/calibrate_safety_gate.py --split-output-head)"
+        )
+    tensors = {
+        f"{OUTPUT_HEAD}.weight": screen.head.weight.clone(),
+        f"{OUTPUT_HEAD}.bias": screen.head.bias.clone(),
+    }
+    return entry, tensors
+
+
+# Training sources of prompts alone: the output head does not train on them. Hand-written contrast
+# pairs raised held-out chat replies' output scores when one head read both
+# (bench/results/safety_pairs_2026-12-07.md).
+PROMPT_ONLY_SOURCES = ("labelled_handmade_pairs",)
+
+
+def trained_output_head(
+    gate: Gate, examples: list[Example], args: argparse.Namespace, cache: Path
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An output head (entry, tensors) trained for outputs: the training split less
+    PROMPT_ONLY_SOURCES, the contrast sources, and the training conversations' replies as benign
+    outputs (load_engine_training_replies; the held-out replies are of later conversations). Per
+    weight decay, thresholds are set as `--outputs-only` sets them (OUTPUT_CALIBRATION_FILES at
+    `--target-fpr`, the prompt head's aggregation); the decay kept is the one that blocks the most
+    of the calibration split's harmful texts read as outputs (its prompts and outputs)."""
+    wheels = fetch_wheels(args.wheels)
+    train = [e for e in examples if e.split == TRAIN and e.source not in PROMPT_ONLY_SOURCES]
+    train += contrast_examples()
+    replies = load_engine_training_replies(wheels)
+    features = torch.cat([cached_features("prompt", rows, cache) for rows in (train, replies)])
+    labels = torch.tensor([label_index(e.label) for e in train + replies])
+    rule = HarmScreen.of(gate, "prompt").aggregation
+    answers = [v for name in OUTPUT_CALIBRATION_FILES for v in embedded(read_source(name), cache)]
+    harmful = embedded([e.text for e in examples if e.split == CALIB and e.label != BENIGN], cache)
+    best = None
+    for weight_decay in WEIGHT_DECAYS:
+        head = train_head(features, labels, weight_decay)
+        benign_scores = text_scores(rule, window_scores(answers, head))
+        thresholds = torch.tensor(calibrate_per_category(benign_scores, args.target_fpr))
+        fired = text_scores(rule, window_scores(harmful, head)) >= thresholds
+        recall = float(fired.any(dim=1).float().mean())
+        shown = [round(t, 4) for t in thresholds.tolist()]
+        print(f"  output head, weight decay {weight_decay}: thresholds {shown}, "
+              f"calibration harmful as outputs {recall:.3f}")  # fmt: skip
+        if best is None or recall > best[0]:
+            best = (recall, weight_decay, head, thresholds)
+    recall, weight_decay, head, thresholds = best
+    entry = dict(gate.manifest.raw["heads"][PROMPT_HEAD])
+    entry = {k: v for k, v in entry.items() if k not in ("output_thresholds", "retrained", AGGREGATION_KEY)}
+    entry["thresholds"] = {c: round(t, 6) for c, t in zip(CATEGORIES, thresholds.tolist(), strict=True)}
+    entry[AGGREGATION_KEY] = rule.to_manifest()
+    entry["trained"] = {
+        "script": "tools/calibrate_safety_gate.py --train-output-head",
+        "data": "tools/train_safety_gate.py's training split less "
+        + ", ".join(PROMPT_ONLY_SOURCES)
+        + ", plus data/safety/"
+        + ", ".join(CONTRAST_SOURCES)
+        + f" and {len(replies)} "
+        "sharegpt/training_replies as benign outputs",
+        "calibration": f"{', '.join(OUTPUT_CALIBRATION_FILES)} at {args.target_fpr} FPR",
+        "weight_decay": weight_decay,
+        "weight_decays_tried": list(WEIGHT_DECAYS),
+        "calibration_harmful_recall_as_outputs": round(recall, 4),
+    }
+    return entry, {f"{OUTPUT_HEAD}.weight": head.weight, f"{OUTPUT_HEAD}.bias": head.bias}
+
+
+def write(
+    gate,
+    best: Outcome,
+    output_thresholds: list[float] | None,
+    counts: dict[str, int],
+    args,
+    output_head: tuple[dict, dict[str, torch.Tensor]] | None = None,
+) -> None:
+    """The shipped gate with the new thresholds and aggregation, as a new version; with no
+    `output_thresholds`, an output head screens outputs: `output_head` (entry, tensors), else the
+    base gate's, or one split from its output screen."""
     manifest = {k: v for k, v in gate.manifest.raw.items() if k not in ("sha256", "format")}
     manifest["version"] = args.version
     prompt = dict(manifest["heads"][PROMPT_HEAD])
     prompt["thresholds"] = {c: round(t, 6) for c, t in zip(CATEGORIES, best.thresholds.tolist(), strict=True)}
-    prompt["output_thresholds"] = {c: round(t, 6) for c, t in zip(CATEGORIES, output_thresholds, strict=True)}
+    prompt.pop("output_thresholds", None)
+    if output_thresholds is not None:
+        prompt["output_thresholds"] = {
+            c: round(t, 6) for c, t in zip(CATEGORIES, output_thresholds, strict=True)
+        }
     prompt[AGGREGATION_KEY] = best.rule.to_manifest()
+    output_entry, output_tensors = (
+        ({}, {}) if output_thresholds is not None else output_head or (split_output_head(gate))
+    )
     if best.weight_decay is not None:
         prompt["retrained"] = {
             "script": "tools/calibrate_safety_gate.py --retrain",
@@ -334,6 +460,8 @@ def write(gate, best: Outcome, output_thresholds: list[float], counts: dict[str,
             "weight_decays_tried": list(WEIGHT_DECAYS),
         }
     manifest["heads"] = manifest["heads"] | {PROMPT_HEAD: prompt}
+    if output_entry:
+        manifest["heads"] |= {OUTPUT_HEAD: output_entry}
     manifest["calibration"] = {
         "script": "tools/calibrate_safety_gate.py",
         "commit": git_commit(),
@@ -344,15 +472,22 @@ def write(gate, best: Outcome, output_thresholds: list[float], counts: dict[str,
         "per_source_fpr": {"ordinary, long, code": args.target_fpr, "sensitive": args.sensitive_fpr},
         "aggregations_tried": [rule.to_manifest() for rule in CANDIDATES],
         "choice": "calibration-split harmful requests alone and pasted into long calibration documents",
-        "output_calibration": "calibration split's benign outputs, same aggregation, pooled target_fpr",
+        "output_calibration": "calibration split's benign outputs, same aggregation, pooled target_fpr"
+        if output_thresholds is not None
+        else f"none: the output head screens outputs as gate {gate.version} did",
     }
-    tensors = dict(gate.tensors) | {
-        f"{PROMPT_HEAD}.weight": best.head.weight,
-        f"{PROMPT_HEAD}.bias": best.head.bias,
-    }
+    tensors = (
+        dict(gate.tensors)
+        | output_tensors
+        | {
+            f"{PROMPT_HEAD}.weight": best.head.weight,
+            f"{PROMPT_HEAD}.bias": best.head.bias,
+        }
+    )
     digest = write_gate(args.out, tensors, manifest)
+    outputs = prompt.get("output_thresholds", f"the {OUTPUT_HEAD} head's")
     print(f"wrote {args.out} version {args.version} (sha256 {digest}); {best.rule}; "
-          f"thresholds {prompt['thresholds']}; output thresholds {prompt['output_thresholds']}")  # fmt: skip
+          f"thresholds {prompt['thresholds']}; output thresholds {outputs}")  # fmt: skip
 
 
 if __name__ == "__main__":

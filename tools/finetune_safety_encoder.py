@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.gate_file import PROMPT_HEAD, load_gate, write_gate
+from services.common.gate_file import OUTPUT_HEAD, PROMPT_HEAD, load_gate, write_gate
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import CLS_ID, NUM_LAYERS, SEP_ID, MiniLMEmbedder
 from services.safety.encoder_adapters import ADAPTERS_KEY, EncoderAdapters
@@ -146,7 +146,10 @@ def write(trainer: Trainer, done: dict[str, float], sizes: dict[str, int], args)
     prompt = dict(manifest["heads"][PROMPT_HEAD])
     prompt["features"] = dict(prompt["features"]) | {"encoder_adapters": f"manifest {ADAPTERS_KEY}"}
     prompt.pop("retrained", None)
-    manifest["heads"] = manifest["heads"] | {PROMPT_HEAD: prompt}
+    # An output head read the old encoder's embeddings: it is dropped, and outputs are screened by
+    # the new prompt head at the output thresholds that calibration sets (gate_file.OUTPUT_HEAD).
+    heads = {name: spec for name, spec in manifest["heads"].items() if name != OUTPUT_HEAD}
+    manifest["heads"] = heads | {PROMPT_HEAD: prompt}
     manifest[ADAPTERS_KEY] = trainer.adapters.manifest_entry(
         training={
             "script": "tools/finetune_safety_encoder.py",
@@ -168,7 +171,8 @@ def write(trainer: Trainer, done: dict[str, float], sizes: dict[str, int], args)
             "device": args.device,
         }
     )
-    tensors = dict(gate.tensors) | {k: v.cpu() for k, v in trainer.adapters.tensors().items()}
+    tensors = {k: v for k, v in gate.tensors.items() if not k.startswith(f"{OUTPUT_HEAD}.")}
+    tensors |= {k: v.cpu() for k, v in trainer.adapters.tensors().items()}
     tensors |= {
         f"{PROMPT_HEAD}.weight": trainer.weight.detach().cpu(),
         f"{PROMPT_HEAD}.bias": trainer.bias.detach().cpu(),

@@ -19,6 +19,11 @@ project: only the standard library, torch and safetensors. The manifest holds:
   score higher than benign prompts, so a threshold calibrated on prompts blocks too many of
   them. A head without `output_thresholds` screens outputs with its `thresholds`.
 
+The heads a gate may hold: `prompt` (the safety service's screen of prompts, and of outputs when
+there is no `output` head), `output` (optional: the output screen's own head, judged at its
+`thresholds`, so that training data for prompts cannot move what the output screen blocks) and
+`engine` (the in-loop gate).
+
 Loading refuses a file whose hash differs from the manifest's, naming both hashes, and a manifest
 whose own hash differs from its `manifest_sha256`. A manifest edited on purpose is sealed again
 with `python -m services.common.gate_file seal <gate.safetensors>` (`seal_gate`), which is also how
@@ -48,6 +53,7 @@ _UNSEALED_FORMATS = ("thermocline-gate/1",)  # formats whose manifest carries no
 MANIFEST_HASH_KEY = "manifest_sha256"
 PROMPT_HEAD = "prompt"  # reads sentence embeddings of the text (the safety service's screen)
 ENGINE_HEAD = "engine"  # reads the serving model's final normed hidden state (the in-loop gate)
+OUTPUT_HEAD = "output"  # optional: reads sentence embeddings of model outputs (the output screen)
 
 
 class GateFileError(ValueError):

@@ -2,8 +2,10 @@
 prompt head; a harm category's score is its highest over views, each view's from its windows by
 the gate's window aggregation (window_aggregation.py: a text of one window is scored by it).
 
-Prompts and outputs share the head but not the thresholds: each is judged against thresholds
+Outputs are scored by the gate's output head at its thresholds where the gate has one; otherwise
+prompts and outputs share the prompt head but not the thresholds: each is judged against thresholds
 calibrated on benign texts of its own kind (the manifest's `thresholds` and `output_thresholds`).
+`HarmScreen.of` says which.
 Prompts are also scored by the gate's attack heads (attack_head.py: jailbreak, prompt injection),
 from the same embeddings, as wholes and as windows; outputs are not (a model's answer is not an
 attack on the model).
@@ -30,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from services.common.gate_file import PROMPT_HEAD, Gate, HeadWeights, gate_scores
+from services.common.gate_file import OUTPUT_HEAD, PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.attack_head import JAILBREAK, AttackHead
 from services.safety.embedder import CheckProgress, MiniLMEmbedder
 from services.safety.language import (
@@ -76,6 +78,35 @@ class Scores:
         return [c for c, v in self.values.items() if v >= self.thresholds[c]]
 
 
+@dataclass(frozen=True)
+class HarmScreen:
+    """What scores one kind of text for the harm categories: a head, its thresholds (in
+    `head.thresholds`) and a window aggregation."""
+
+    head_name: str
+    head: HeadWeights
+    aggregation: WindowAggregation
+    thresholds: dict[str, float]  # `head.thresholds` by category
+
+    @classmethod
+    def of(cls, gate: Gate, kind: TextKind) -> HarmScreen:
+        """Prompts: the prompt head at its thresholds. Outputs: the output head at its thresholds
+        where the gate has one, else the prompt head at its output thresholds. The aggregation is
+        the one the head's manifest entry names; an output head without one takes the prompt
+        head's."""
+        rule = gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY)
+        name, head = PROMPT_HEAD, gate.head_weights(PROMPT_HEAD, for_outputs=kind == "output")
+        if kind == "output" and OUTPUT_HEAD in gate.manifest.heads:
+            rule = gate.manifest.raw["heads"][OUTPUT_HEAD].get(AGGREGATION_KEY, rule)
+            name, head = OUTPUT_HEAD, gate.head_weights(OUTPUT_HEAD)
+        thresholds = dict(zip(gate.manifest.categories, head.thresholds.tolist(), strict=True))
+        return cls(name, head, WindowAggregation.from_manifest(rule), thresholds)
+
+    def text_scores(self, views: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Scores `[C]` of one text from its views' window embeddings (each `[W, H]`)."""
+        return self.aggregation.text_scores([gate_scores(v, self.head) for v in views])
+
+
 class TextClassifier:
     """Scores texts with all-MiniLM-L6-v2 embeddings and the gate's prompt head."""
 
@@ -83,16 +114,11 @@ class TextClassifier:
         self.embedder = embedder
         self.max_windows = max_windows
         self.categories = gate.manifest.categories
-        self.head: HeadWeights = gate.head_weights(PROMPT_HEAD)
-        self.attack_heads = AttackHead.all_from_gate(gate)
-        self.aggregation = WindowAggregation.from_manifest(
-            gate.manifest.raw["heads"][PROMPT_HEAD].get(AGGREGATION_KEY)
-        )
-        output_head = gate.head_weights(PROMPT_HEAD, for_outputs=True)
-        self.thresholds: dict[TextKind, dict[str, float]] = {
-            "prompt": dict(zip(self.categories, self.head.thresholds.tolist(), strict=True)),
-            "output": dict(zip(self.categories, output_head.thresholds.tolist(), strict=True)),
+        self.screens: dict[TextKind, HarmScreen] = {
+            kind: HarmScreen.of(gate, kind) for kind in ("prompt", "output")
         }
+        self.attack_heads = AttackHead.all_from_gate(gate)
+        self.thresholds = {kind: screen.thresholds for kind, screen in self.screens.items()}
 
     @property
     def attack_head(self) -> AttackHead | None:
@@ -181,9 +207,9 @@ class TextClassifier:
         for per_view, text_embeddings in zip(per_text, view_part.split(per_text_rows), strict=True):
             view_embeddings = list(text_embeddings.split([len(view_rows) for view_rows in per_view]))
             attack_views.append(view_embeddings)
-            harm_views += [gate_scores(e, self.head) for e in view_embeddings]
-        harm_views += [gate_scores(extra_part[i : i + 1], self.head) for i in range(len(extra_part))]
-        harm = self.aggregation.text_scores(harm_views)  # [C]
+            harm_views += view_embeddings
+        harm_views += [extra_part[i : i + 1] for i in range(len(extra_part))]
+        harm = self.screens[kind].text_scores(harm_views)  # [C]
         values = dict(zip(self.categories, harm.tolist(), strict=True))
         thresholds = self.thresholds[kind]
         if kind == "prompt":

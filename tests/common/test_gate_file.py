@@ -27,6 +27,7 @@ from services.common.gate_file import (
     sha256_hex,
     write_gate,
 )
+from services.safety.classifier import HarmScreen
 from services.safety.config import DEFAULT_GATE
 
 
@@ -145,10 +146,13 @@ def test_the_committed_gate_screens_outputs_with_their_own_thresholds() -> None:
     # Each surface is calibrated on benign text of its own kind (tools/calibrate_safety_gate.py), so
     # an output threshold may land on either side of its prompt threshold (gate 2026.12.01.3:
     # violence 0.947 for outputs, 0.967 for prompts); it must not be a copy of the prompt's.
-    spec = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD)
-    assert set(spec.output_thresholds) == set(spec.thresholds)
-    assert spec.output_thresholds != spec.thresholds
-    assert all(0.0 < t < 1.0 for t in spec.output_thresholds.values())
+    # Since 2026.12.07 the output screen is a head of its own (OUTPUT_HEAD); HarmScreen.of reads
+    # either form.
+    gate = load_gate(DEFAULT_GATE)
+    outputs = HarmScreen.of(gate, "output").thresholds
+    assert set(outputs) == set(gate.manifest.categories)
+    assert outputs != HarmScreen.of(gate, "prompt").thresholds
+    assert all(0.0 < t < 1.0 for t in outputs.values())
 
 
 # --- the manifest's own hash (format 2) ----------------------------------------------------------

@@ -14,14 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
-from services.common.gate_file import PROMPT_HEAD, load_gate
-from services.safety.classifier import TextClassifier, TextTooLong
+from services.common.gate_file import Gate, load_gate, write_gate
+from services.safety.classifier import HarmScreen, TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
 from services.safety.normalizer import canonical, clauses, prompt_clauses, prompt_readings, views
 from services.safety.restate import restatements
+from services.safety.window_aggregation import WindowAggregation
 
 HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
 HELDOUT_OUTPUTS = json.loads((Path(__file__).parent / "heldout_outputs.json").read_text())
@@ -92,7 +94,7 @@ def test_held_out_benign_outputs_pass_the_output_screen_at_about_the_calibrated_
     as_outputs = [classifier.score(text, "output") for text in benign]
     # Calibrated to 1 % false positives: 0.24 expected in 24, so one is already unlucky.
     assert sum(bool(s.triggered) for s in as_outputs) <= 1
-    expected = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD).output_thresholds
+    expected = HarmScreen.of(load_gate(DEFAULT_GATE), "output").thresholds
     assert as_outputs[0].thresholds == pytest.approx(expected | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD})
     assert expected != classifier.score(benign[0], "prompt").thresholds  # outputs have their own
 
@@ -101,7 +103,7 @@ def test_held_out_harmful_outputs_are_still_blocked_by_the_output_screen(classif
     for text in HELDOUT_OUTPUTS["harmful"]:
         scores = classifier.score(text, "output")
         assert scores.triggered, text[:80]
-        expected = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD).output_thresholds
+        expected = HarmScreen.of(load_gate(DEFAULT_GATE), "output").thresholds
         assert scores.thresholds == pytest.approx(expected | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD})
 
 
@@ -213,3 +215,49 @@ def test_a_chat_past_the_window_limit_in_all_is_refused() -> None:
     assert tight.score(FILLER, "output").num_windows == 1  # each turn fits alone
     with pytest.raises(TextTooLong, match="limit is 2"):
         tight.score_turns([FILLER, FILLER, FILLER], "output")
+
+
+def _gate_with_heads(tmp_path: Path, output_head: bool) -> Gate:
+    """A two-category gate over 4-wide features: the prompt head reads feature 0 as violence, the
+    output head (when there is one) reads feature 1 as violence."""
+    prompt = torch.zeros(3, 4)
+    prompt[1, 0] = 8.0
+    tensors = {"prompt.weight": prompt, "prompt.bias": torch.zeros(3)}
+    features = {"embedder": "test"}
+    heads = {
+        "prompt": {
+            "features": features,
+            "thresholds": {"violence": 0.9, "hate": 0.9},
+            "output_thresholds": {"violence": 0.8, "hate": 0.8},
+            "aggregation": {"top_k": 2, "lone_window_margin": None},
+        }
+    }
+    if output_head:
+        output = torch.zeros(3, 4)
+        output[1, 1] = 8.0
+        tensors |= {"output.weight": output, "output.bias": torch.zeros(3)}
+        heads["output"] = {"features": features, "thresholds": {"violence": 0.7, "hate": 0.6}}
+    path = tmp_path / f"gate-{output_head}.safetensors"
+    write_gate(path, tensors, {"version": "t", "categories": ["violence", "hate"], "heads": heads})
+    return load_gate(path)
+
+
+def test_a_gate_with_an_output_head_screens_outputs_with_it_and_prompts_with_the_prompt_head(
+    tmp_path: Path,
+) -> None:
+    on_0, on_1 = torch.tensor([[1.0, 0.0, 0.0, 0.0]]), torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    split = _gate_with_heads(tmp_path, output_head=True)
+    prompts, outputs = HarmScreen.of(split, "prompt"), HarmScreen.of(split, "output")
+    assert (prompts.head_name, outputs.head_name) == ("prompt", "output")
+    assert prompts.thresholds == pytest.approx({"violence": 0.9, "hate": 0.9})
+    assert outputs.thresholds == pytest.approx({"violence": 0.7, "hate": 0.6})
+    assert prompts.text_scores([on_0])[0] > 0.99 and outputs.text_scores([on_0])[0] == 0.5
+    assert outputs.text_scores([on_1])[0] > 0.99 and prompts.text_scores([on_1])[0] == 0.5
+    # an output head without an aggregation of its own takes the prompt head's
+    assert outputs.aggregation == prompts.aggregation == WindowAggregation(2)
+
+    shared = _gate_with_heads(tmp_path, output_head=False)
+    outputs = HarmScreen.of(shared, "output")
+    assert outputs.head_name == "prompt"
+    assert outputs.thresholds == pytest.approx({"violence": 0.8, "hate": 0.8})
+    assert outputs.text_scores([on_0])[0] > 0.99

@@ -15,6 +15,7 @@ import pytest
 
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
 from services.common.gate_file import PROMPT_HEAD, load_gate, manifest_path_for, parse_gate, sha256_hex
+from services.safety.classifier import HarmScreen
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import MiniLMEmbedder
 from thermocline.safety.v1 import safety_pb2 as pb
@@ -74,11 +75,12 @@ def test_check_output_judges_outputs_against_the_gates_output_thresholds(
     stub: pb_grpc.SafetyServiceStub,
 ) -> None:
     spec = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD)
+    output_thresholds = HarmScreen.of(load_gate(DEFAULT_GATE), "output").thresholds
     harmful = min(OUTPUTS["harmful"], key=len)  # one window: within the fixture's limit of 8
     blocked = stub.CheckOutput(pb.CheckOutputRequest(text=harmful), timeout=30)
     assert blocked.decision == pb.DECISION_BLOCK and blocked.safe_message
     thresholds = {s.category: s.threshold for s in blocked.scores if s.category in spec.thresholds}
-    assert thresholds == pytest.approx(spec.output_thresholds)
+    assert thresholds == pytest.approx(output_thresholds)
     as_prompt = stub.CheckPrompt(pb.CheckPromptRequest(text=harmful), timeout=30)
     assert {s.category: s.threshold for s in as_prompt.scores if s.category in spec.thresholds} == (
         pytest.approx(spec.thresholds)
