@@ -258,7 +258,9 @@ def main() -> None:
     texts = calibration_texts(examples, args, cache)
     heads = retrained_heads(examples, cache) if args.retrain else [(gate.head_weights(PROMPT_HEAD), None)]
     outcomes = [o for head, wd in heads for o in outcomes_of(head, wd, texts, args)]
-    best = max(outcomes, key=choice_key)
+    # the bare maximum is calibrated and printed as the reference, not chosen: under it one
+    # sentence of a long text decides (see choice_key)
+    best = max((o for o in outcomes if not o.rule.is_bare_max), key=choice_key)
     output_thresholds = None  # the output head screens outputs; the prompt head then has no output thresholds
     output_head = trained_output_head(gate, examples, args, cache) if args.train_output_head else None
     if not (args.split_output_head or output_head or OUTPUT_HEAD in gate.manifest.heads):
@@ -331,9 +333,12 @@ def benign_output_views(outputs: list[Example], texts: dict, cache: Path) -> lis
 
 def choice_key(outcome: Outcome) -> tuple[float, float, float, int]:
     """Standalone harmful requests first (the issue's target), then requests pasted into long
-    documents, then the long sources' FPR, then the smaller top_k. A sum of the two recalls
-    picked the bare maximum on 9 of 90 pasted requests, and under it one window of a long
-    MedQuAD answer set the hate threshold (0.962) above a blatant hate request."""
+    documents, then the long sources' FPR, then the smaller top_k, among the rules that are not
+    the bare maximum. A sum of the two recalls picked the bare maximum on 9 of 90 pasted requests,
+    and under it one window of a long MedQuAD answer set the hate threshold (0.962) above a blatant
+    hate request; with this key alone it was chosen again on 2026-12-07 (tied with a top-3 rule on
+    42 of the 90 requests, ahead on pasted ones), and blocked 3.3% of held-out PEP sections (10 of
+    300) against 0.0% under the top-2 rule it replaced (bench/results/safety_gate_2026-12-07_pairs.md)."""
     return (outcome.recall_alone, outcome.recall_inserted, -outcome.long_fpr, -outcome.rule.top_k)
 
 
