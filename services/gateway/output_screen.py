@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -386,8 +386,27 @@ async def _cancelled(task: asyncio.Task[Any] | None) -> None:
     """Cancels `task` and waits until it has stopped."""
     if task is not None:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+        with _own_cancel_ended():
             await task
+
+
+@contextlib.contextmanager
+def _own_cancel_ended() -> Iterator[None]:
+    """Ends the error of a task or engine call this relay has just cancelled (CancelledError, or the
+    call's own error), and no other: a cancellation of the stream's own task that lands meanwhile
+    (the drain's cut, the caller gone, the stream's own timers) goes on, to be ended where the
+    stream is (GatewayServicer.Generate audits a cut as stream.cut). `contextlib.suppress` swallowed
+    both alike, and such a cut came out as a stream that finished normally, unaudited."""
+    task = asyncio.current_task()
+    assert task is not None
+    num_cancelling = task.cancelling()
+    try:
+        yield
+    except asyncio.CancelledError:
+        if task.cancelling() > num_cancelling:
+            raise
+    except grpc.aio.AioRpcError:
+        pass
 
 
 # How long an engine that sent its last message may take to end the stream before it is cancelled.
@@ -411,7 +430,7 @@ async def _read_out(call: grpc.aio.UnaryStreamCall) -> None:
 async def _abandon(call: grpc.aio.UnaryStreamCall) -> None:
     """Cancels the engine call (freeing its KV) and reads the stream out so its span ends."""
     call.cancel()
-    with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+    with _own_cancel_ended():  # a cancelled call's read raises CancelledError
         while await call.read() is not _EOF:
             pass
 

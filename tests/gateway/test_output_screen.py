@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from services.gateway.config import GatewayConfig, OutputScreening, ReleasePolicy
+from services.gateway.in_flight import InFlightStream
 from services.gateway.output_screen import RelaySettings, screened
 from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
@@ -206,6 +207,89 @@ def test_trailing_screens_while_the_caller_waits_and_audits_only_what_it_acts_on
 
     screened_while_held, audited = asyncio.run(scenario())
     assert screened_while_held == ["X"] and audited == []
+
+
+class _SlowToStopCall(_Call):
+    """A scripted engine call that is still decoding: past its messages, a read waits for more. A
+    read that is cancelled, or that comes after `cancel`, stops only once the test sets `stop`
+    (`is_stopping` is set meanwhile), then raises CancelledError, as a cancelled grpc call's read does."""
+
+    def __init__(self, messages: list[engine_pb2.GenerateResponse]) -> None:
+        super().__init__(messages)
+        self.is_cancelled = False
+        self.is_stopping = asyncio.Event()
+        self.stop = asyncio.Event()
+
+    async def read(self) -> Any:
+        if self.is_cancelled:
+            await self._stopping()
+        if self.messages:
+            return await super().read()
+        try:
+            await asyncio.Event().wait()  # the engine's next token, which never comes
+        except asyncio.CancelledError:
+            await self._stopping()
+
+    async def _stopping(self) -> None:
+        self.is_stopping.set()
+        await self.stop.wait()
+        raise asyncio.CancelledError()
+
+    def cancel(self) -> bool:
+        self.is_cancelled = True
+        return True
+
+
+def _relay_cut_while_the_engine_call_stops(
+    release: ReleasePolicy, text: str, is_cut: bool
+) -> list[Any] | None:
+    """Relays `text` (no finish: the engine decodes on) until a block cancels the engine call; while
+    that call stops, the drain cuts the relay's task when `is_cut`. What the client got, or None when
+    the relay ended cancelled (its handler then reports the cut)."""
+
+    async def scenario() -> list[Any] | None:
+        call = _SlowToStopCall(
+            [engine_pb2.GenerateResponse(token_ids=[i], text=c) for i, c in enumerate(text)]
+        )
+        stream = screened(_Screen(), call, await call.read(), _settings(release), _no_audit)  # type: ignore[arg-type]
+        relaying = asyncio.create_task(_all(stream))
+        await call.is_stopping.wait()
+        if is_cut:
+            InFlightStream(relaying).cut()
+        call.stop.set()
+        try:
+            sent = await relaying
+        except asyncio.CancelledError:
+            return None
+        assert call.is_cancelled
+        return sent
+
+    return asyncio.run(scenario())
+
+
+async def _all(stream: Any) -> list[pb.GenerateResponse]:
+    return [message async for message in stream]
+
+
+@pytest.mark.parametrize(
+    ("release", "text"),
+    [
+        # trailing: the block cancels the read in flight and waits for it to stop (_cancelled)
+        (ReleasePolicy.TRAILING, "X"),
+        # strict: the block cancels the engine call and reads it out (_abandon)
+        (ReleasePolicy.STRICT, "abcX"),
+    ],
+)
+def test_a_cut_that_lands_while_a_block_stops_the_engine_call_reaches_the_stream(
+    release: ReleasePolicy, text: str
+) -> None:
+    # The engine call's own cancellation ends inside the relay, which then sends the safe message;
+    # a cut of the stream's task that lands meanwhile goes on, so the stream can report and audit
+    # it (GatewayServicer.Generate), instead of finishing as if nothing had come.
+    blocked = _relay_cut_while_the_engine_call_stops(release, text, is_cut=False)
+    assert blocked is not None and blocked[-2].delta.text == SAFE
+    assert blocked[-1].done.finish_reason == pb.FINISH_REASON_SAFETY
+    assert _relay_cut_while_the_engine_call_stops(release, text, is_cut=True) is None
 
 
 def test_the_release_policy_is_a_validated_setting_with_strict_as_default() -> None:
