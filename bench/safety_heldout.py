@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -302,6 +302,7 @@ class Report:
         self.wrapped: list[str] = []
         self.timing: list[str] = []
         self.harm_rules: list[str] = []
+        self.harm_limits = _CalibrationArgs.of(bench.gate)
         self.wrapped_views: list[list[torch.Tensor]] = []
         self.outputs: list[str] = []
 
@@ -391,7 +392,7 @@ class Report:
         sources as tools/calibrate_safety_gate.py does, on the held-out sources and the wrapped case."""
         wheels = Path(self.args.wheels)
         examples = load_examples(fetch_wheels(wheels))
-        calib = calibration_texts(examples, _CalibrationArgs(), wheels / "features")
+        calib = calibration_texts(examples, self.harm_limits, wheels / "features")
         views_of = {name: scored.harm_views for name, scored in self.scored.items()}
         views_of["wrapped"] = self.wrapped_views
         for rule in dict.fromkeys((self.bench.aggregation, *CANDIDATES)):
@@ -485,8 +486,10 @@ class Report:
                 "",
                 "## Window aggregation of the harm categories",
                 "",
-                "Each rule re-calibrated on the harm calibration sources (pooled 1% FPR; per source 1%, "
-                "sensitive sources 3%) with the shipped prompt head. Block rates on held-out sources; "
+                "Each rule re-calibrated on the harm calibration sources (pooled "
+                f"{self.harm_limits.target_fpr:.0%} FPR; per source {self.harm_limits.target_fpr:.0%}, "
+                f"sensitive sources {self.harm_limits.sensitive_fpr:.0%}: the gate's own calibration "
+                "settings) with the shipped prompt head. Block rates on held-out sources; "
                 "`wrapped`: harm categories alone on the wrapped prompts whose request is blocked alone.",
                 "",
                 "| rule | XSTest safe FPR | PEPs long FPR | HumanEval FPR | XSTest unsafe recall "
@@ -516,11 +519,20 @@ class Report:
         )
 
 
+@dataclass(frozen=True)
 class _CalibrationArgs:
-    """The calibration settings the shipped gate was built with (tools/calibrate_safety_gate.py)."""
+    """The calibration settings a gate was built with (tools/calibrate_safety_gate.py)."""
 
-    target_fpr = 0.01
-    sensitive_fpr = 0.03
+    target_fpr: float = 0.01
+    sensitive_fpr: float = 0.03  # gates before 2026.12.07.1, whose manifests do not record it
+
+    @classmethod
+    def of(cls, gate) -> _CalibrationArgs:
+        """The settings the gate's manifest records."""
+        limits = gate.manifest.raw.get("calibration", {}).get("per_source_fpr", {})
+        return cls(
+            limits.get("ordinary, long, code", cls.target_fpr), limits.get("sensitive", cls.sensitive_fpr)
+        )
 
 
 def _rule_label(rule: WindowAggregation) -> str:
