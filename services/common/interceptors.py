@@ -27,6 +27,7 @@ import grpc
 from grpc._cython import cygrpc  # type: ignore[attr-defined]  # ExecuteBatchError: a failed batch
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from prometheus_client import Gauge
 
 from services.common import telemetry
 from services.common.errors import InvalidArgument, ThermoclineError
@@ -49,11 +50,16 @@ class CallTracker:
     A call is in flight until grpc has finished it: its status sent (or the call cancelled), not
     only its handler returned. A stream's last messages and its status can wait behind a client
     that reads slowly; a drain that stopped the server as soon as the handlers returned would cut
-    them off (a stream the drain cut would lose the status that says so)."""
+    them off (a stream the drain cut would lose the status that says so).
 
-    def __init__(self) -> None:
+    The gRPC server's tracker keeps `gauge` (RPCs in flight). A service that serves calls besides
+    its gRPC ones (the gateway's HTTP front) counts those in a tracker of their own, without it, for
+    the drain to wait on too (ServiceSpec.other_calls)."""
+
+    def __init__(self, gauge: Gauge | None = RPC_IN_FLIGHT) -> None:
         self.num_in_flight = 0
         self.is_draining = False
+        self.gauge = gauge
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -61,19 +67,23 @@ class CallTracker:
         """Records the start of a call."""
         self.num_in_flight += 1
         self._idle.clear()
-        RPC_IN_FLIGHT.inc()
+        if self.gauge is not None:
+            self.gauge.inc()
 
     def exit(self) -> None:
         """Records the end of a call."""
         self.num_in_flight -= 1
-        RPC_IN_FLIGHT.dec()
+        if self.gauge is not None:
+            self.gauge.dec()
         if self.num_in_flight == 0:
             self._idle.set()
 
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Waits until no call is in flight; False when the timeout came first."""
+    async def wait_idle(self, timeout_s: float, *others: CallTracker) -> bool:
+        """Waits until no call is in flight, here or in `others`; False when the timeout came first."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                while busy := [tracker for tracker in (self, *others) if tracker.num_in_flight]:
+                    await busy[0]._idle.wait()
             return True
         except TimeoutError:
             return False

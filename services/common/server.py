@@ -52,6 +52,10 @@ class ServiceSpec:
     # Runs when the drain's grace period ends with calls in flight: a chance to end them with a
     # status that says so (and report which) before the server cancels what is left.
     on_grace_over: Hook | None = None
+    # Calls the service serves besides its gRPC server's (the gateway's HTTP front), counted by the
+    # service: the drain waits for them as for its gRPC calls, within the grace period and for
+    # CUT_WAIT_S after on_grace_over, which ends them too.
+    other_calls: list[CallTracker] = field(default_factory=list)
     # Extra state the service wants reflected in its health status.
     service_names: list[str] = field(default_factory=list)
     # Polled every HEALTH_PROBE_INTERVAL_S while serving: None when healthy, else why not. A reason
@@ -175,20 +179,21 @@ class RunningServer:
         DRAINING.set(1)
         # every name NOT_SERVING for good: a probe's set still in flight cannot turn one back
         await self.health.enter_graceful_shutdown()
-        log.info("draining: %d call(s) in flight, grace %.1f s", self.tracker.num_in_flight, grace_s)
-        if not await self.tracker.wait_idle(grace_s):
-            log.warning(
-                "grace period over with %d call(s) in flight; cancelling them", self.tracker.num_in_flight
-            )
+        log.info("draining: %d call(s) in flight, grace %.1f s", self._num_in_flight(), grace_s)
+        if not await self.tracker.wait_idle(grace_s, *self.spec.other_calls):
+            log.warning("grace period over with %d call(s) in flight; cancelling them", self._num_in_flight())
             if self.spec.on_grace_over is not None:
                 await self.spec.on_grace_over()
-                await self.tracker.wait_idle(CUT_WAIT_S)
+                await self.tracker.wait_idle(CUT_WAIT_S, *self.spec.other_calls)
         # Only infrastructure calls (health Watch streams, reflection) can be left now: no new
         # application call was admitted while draining, so stop at once rather than wait them out.
         await self.server.stop(0)
         if self.spec.on_stop is not None:
             await self.spec.on_stop()
         self.stopped.set()
+
+    def _num_in_flight(self) -> int:
+        return self.tracker.num_in_flight + sum(calls.num_in_flight for calls in self.spec.other_calls)
 
     async def _set_health(self, status: int) -> None:
         for name in ["", *self.spec.service_names]:

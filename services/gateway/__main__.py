@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common.interceptors import CallTracker
 from services.common.server import ServiceSpec, run_service
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway import Gateway
@@ -11,9 +12,10 @@ def main() -> None:
     """Starts the gateway with settings from the environment."""
     config = GatewayConfig.from_env()
     built: list[Gateway] = []
+    http_calls = CallTracker(gauge=None)  # the HTTP front's, which the drain waits on too
 
     def register(server: object) -> list[str]:
-        gateway = Gateway(config)  # built inside the server's event loop
+        gateway = Gateway(config, http_calls)  # built inside the server's event loop
         built.append(gateway)
         return gateway.register(server)  # type: ignore[arg-type]
 
@@ -32,6 +34,7 @@ def main() -> None:
         on_start=start,
         on_stop=stop,
         on_grace_over=cut_streams,
+        other_calls=[http_calls],
         # No HTTP/2 window growth (BDP probing) on the public port: with it, the window grows to
         # megabytes and an oversized message is mostly read before it is refused. Without it, a
         # refused 10 MiB message cost ~3 ms of gateway CPU instead of ~12 ms, and a flood of them

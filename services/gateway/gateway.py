@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 
 from services.common.errors import ThermoclineError
+from services.common.interceptors import CallTracker
 from services.gateway import grpc_edge
 from services.gateway.admission import StreamSlots, TenantStreams
 from services.gateway.audit import ALLOW, AuditEvent, AuditLog
@@ -76,8 +77,9 @@ def policy_event(config: GatewayConfig) -> AuditEvent:
 class Gateway:
     """Everything the gateway process owns, built from its config, started and closed as one."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, http_calls: CallTracker) -> None:
         policies = load_policies(config)
+        self.http_calls = http_calls  # the HTTP front's in flight, which the drain waits on too
         self.audit = AuditLog(config.audit)
         limits = config.limits
         self.limiter = RateLimiter(limits.redis_url, limits.redis_timeout_s, limits.rate_lease_hold_s)
@@ -104,8 +106,10 @@ class Gateway:
         if config.http_port == 0:
             return None
         limits = config.http_limits
-        routes = OpenAIRoutes(self.servicer, self.upstreams.router, config.bounds.max_message_bytes, limits)
-        return HttpServer(routes.app(), config.server.host, config.http_port, config.server.grace_s, limits)
+        routes = OpenAIRoutes(
+            self.servicer, self.upstreams.router, config.bounds.max_message_bytes, limits, self.http_calls
+        )
+        return HttpServer(routes.app(), config.server.host, config.http_port, limits)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """Adds the servicer; returns its full service name."""
@@ -162,7 +166,8 @@ class Gateway:
             await asyncio.sleep(_PRUNE_INTERVAL_S)
 
     async def close(self) -> None:
-        """Stops the HTTP front (its calls get the grace period), then closes channels, limiter, audit."""
+        """Stops the HTTP front (the drain has waited for its calls, or cut them), then closes
+        channels, limiter, audit."""
         if self.http is not None:
             await self.http.stop()
         if self._pruner is not None:

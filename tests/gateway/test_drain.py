@@ -1,9 +1,10 @@
 """SIGTERM on the gateway mid-stream: the stream finishes, new calls get UNAVAILABLE (503 on the HTTP
 front), the process exits; a stream still running when the grace period ends is cut, reported and
-audited, wherever its task waits (on safety, or on a client that stopped reading)."""
+audited, wherever its task waits (on safety, or on a client that stopped reading), on either front."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -118,14 +120,19 @@ def wait_for_output_screens(mesh: Mesh, num_screens: float, timeout_s: float = 6
         assert time.monotonic() < deadline, f"safety answered fewer than {num_screens} output screens"
 
 
-def audit_events(mesh: Mesh, gateway: str, request_id: str) -> list[tuple[str, str]]:
-    """(action, decision) of each of a request's events in a gateway replica's decisions log."""
+def request_events(mesh: Mesh, gateway: str, request_id: str) -> list[dict[str, Any]]:
+    """A request's events in a gateway replica's decisions log, oldest first."""
     events = [
         json.loads(line)
         for path in segment_paths(mesh.config.state_dir / f"audit-{gateway}", "decisions")
         for line in path.read_text().splitlines()
     ]
-    return [(e["action"], e["decision"]) for e in events if e["request_id"] == request_id]
+    return [event for event in events if event["request_id"] == request_id]
+
+
+def audit_events(mesh: Mesh, gateway: str, request_id: str) -> list[tuple[str, str]]:
+    """(action, decision) of each of a request's events in a gateway replica's decisions log."""
+    return [(e["action"], e["decision"]) for e in request_events(mesh, gateway, request_id)]
 
 
 def wait_for_cut_record(mesh: Mesh, gateway: str, request_id: str, timeout_s: float = 60) -> None:
@@ -139,6 +146,32 @@ def wait_for_cut_record(mesh: Mesh, gateway: str, request_id: str, timeout_s: fl
             return
         except subprocess.TimeoutExpired:
             pass
+
+
+def post_stream(url: str, token: str, body: dict[str, Any], request_id: str) -> http.client.HTTPResponse:
+    """Opens an SSE stream on the HTTP front at `url` (…/v1/completions)."""
+    address = urlsplit(url)
+    assert address.hostname is not None
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+    headers = {
+        "Authorization": f"Bearer {token}",
+        "Content-Type": "application/json",
+        "X-Request-Id": request_id,
+    }
+    connection.request("POST", address.path, json.dumps(body | {"stream": True}), headers)
+    return connection.getresponse()
+
+
+def sse_data(answer: http.client.HTTPResponse) -> Iterator[Any]:
+    """The data of each server-sent event, parsed ("[DONE]" as is), until the server ends the answer
+    or breaks it off."""
+    try:
+        while line := answer.readline():
+            if line.startswith(b"data: "):
+                data = line.removeprefix(b"data: ").strip()
+                yield data.decode() if data == b"[DONE]" else json.loads(data)
+    except (http.client.HTTPException, OSError):
+        return
 
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_calls(mesh: Mesh) -> None:
@@ -220,3 +253,33 @@ def test_streams_cut_while_their_writes_wait_on_clients_that_stopped_reading_are
     assert num_after_first > 0  # the message whose write the cut interrupted came ahead of the status
     for request_id in ("slow", "gone"):
         assert audit_events(mesh, name, request_id) == [("invoke", "allow"), ("stream.cut", "deny")]
+
+
+def test_an_http_stream_still_running_when_the_grace_period_ends_is_cut_reported_and_audited(
+    mesh: Mesh,
+) -> None:
+    """No gRPC call is in flight: the drain waits for the HTTP front's calls all the same, cuts the
+    stream when the grace period ends, and waits for its answer to end. The SSE stream ends with an
+    error event (no finish reason, no [DONE]) that counts the tokens sent, as its stream.cut does."""
+    name = "gateway-http-cut"
+    mesh.start_gateway_replica(name, THERMOCLINE_GATEWAY_GRACE_S="1")
+    token = mint_token(mesh.private_key_path.read_bytes(), subject="tester")
+    body = {"model": "", "prompt": STORIES_PROMPT, "max_tokens": CUT_STREAM_TOKENS}
+    answer = post_stream(f"{mesh.http_url(name)}/completions", token, body, "http-cut")
+    assert answer.status == 200, answer.read()
+    events = sse_data(answer)
+    first = next(events)
+    # The stream cannot finish within the grace period: its next window waits on safety.
+    with stopped(mesh.processes["safety"]):
+        mesh.processes[name].send_signal(signal.SIGTERM)
+        *chunks, last = [first, *events]
+    assert mesh.processes[name].wait(60) == 0
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None] * len(chunks)
+    assert "error" in last, f"the stream ended without an error event: {last}"
+    cut = last["error"]
+    assert (cut["type"], cut["code"]) == ("server_error", "unavailable")
+    assert "1 s grace period ran out" in cut["message"]
+    assert "cutting 1 stream(s): http-cut (tenant tester" in mesh.log_tail(name, 200)
+    assert audit_events(mesh, name, "http-cut") == [("invoke", "allow"), ("stream.cut", "deny")]
+    num_sent = request_events(mesh, name, "http-cut")[-1]["details"]["tokens_sent"]
+    assert f"this stream was cut after {num_sent} tokens" in cut["message"]

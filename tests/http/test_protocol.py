@@ -52,7 +52,7 @@ class EndlessStream:
 
 async def _serve(stream: EndlessStream) -> tuple[HttpServer, int]:
     port = free_port()
-    server = HttpServer(stream.app(), "127.0.0.1", port, grace_s=1.0, limits=HttpLimits())
+    server = HttpServer(stream.app(), "127.0.0.1", port, limits=HttpLimits())
     await server.start()
     return server, port
 

@@ -25,9 +25,11 @@ from starlette.routing import Route
 
 from services.common import telemetry
 from services.common.errors import ThermoclineError, Unavailable
+from services.common.interceptors import CallTracker
 from services.gateway.http.call import Generation
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
 from services.gateway.http.framing import CloseAfterUnreadBody, RefuseAmbiguousFraming
+from services.gateway.http.in_flight import CountInFlight
 from services.gateway.http.intake import Intake, draining, is_draining, request_id_from
 from services.gateway.http.limits import HttpLimits
 from services.gateway.http.metrics import CountRequests
@@ -47,16 +49,23 @@ class OpenAIRoutes:
     """The handlers; each one a thin shell around the servicer."""
 
     def __init__(
-        self, servicer: GatewayServicer, router: Router, max_body_bytes: int, limits: HttpLimits
+        self,
+        servicer: GatewayServicer,
+        router: Router,
+        max_body_bytes: int,
+        limits: HttpLimits,
+        calls: CallTracker,
     ) -> None:
         self.servicer = servicer
         self.router = router
         self.intake = Intake(servicer.gatekeeper, max_body_bytes, limits)
+        self.calls = calls  # in flight, for the drain
 
     def app(self) -> Starlette:
-        """The ASGI application: each finished request counted by route and status code, ambiguously
-        framed requests refused before routing, and a connection closed after an answer sent
-        before its request's body was read; its state carries the write-stall limit for the server."""
+        """The ASGI application: each request counted in flight (for the drain) and, once finished,
+        by route and status code, ambiguously framed requests refused before routing, and a
+        connection closed after an answer sent before its request's body was read; its state
+        carries the write-stall limit for the server."""
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -67,6 +76,7 @@ class OpenAIRoutes:
         app = Starlette(
             routes=routes,
             middleware=[
+                Middleware(CountInFlight, calls=self.calls),
                 Middleware(CountRequests, routes=[route.path for route in routes]),
                 Middleware(RefuseAmbiguousFraming),
                 Middleware(CloseAfterUnreadBody),

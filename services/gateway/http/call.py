@@ -4,7 +4,8 @@
 so the HTTP front reuses every check, the relay and the audit trail as they are. `Generation`
 runs the servicer's stream in a task of its own: the HTTP span is current in that task from
 the first check to the last token, so every client span below it (Redis, safety, engine) joins
-the caller's trace, and cancelling the task is how a disconnected client cancels the engine.
+the caller's trace, and cancelling the task is how a disconnected client cancels the engine. The
+drain's cut cancels it too, wherever it waits; the servicer's stream then ends with the cut's error.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -57,18 +58,18 @@ class Generation:
     """A servicer stream consumed in its own task, with the HTTP span current; read with `next`."""
 
     def __init__(
-        self, messages: AsyncIterator[pb.GenerateResponse], span: trace.Span, timeout_s: float
+        self, messages: AsyncGenerator[pb.GenerateResponse, None], span: trace.Span, timeout_s: float
     ) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=QUEUE_MESSAGES)
         self._timeout_s = timeout_s
         self._task = asyncio.create_task(self._produce(messages, span))
 
-    async def _produce(self, messages: AsyncIterator[pb.GenerateResponse], span: trace.Span) -> None:
+    async def _produce(self, messages: AsyncGenerator[pb.GenerateResponse, None], span: trace.Span) -> None:
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             async with asyncio.timeout(self._timeout_s):
                 async for message in messages:
-                    await self._queue.put(message)
+                    await self._queue_message(message, messages)
             await self._queue.put(_END)
         except TimeoutError:
             await self._queue.put(
@@ -81,8 +82,33 @@ class Generation:
             span.record_exception(error)
             await self._queue.put(error)
         finally:
-            await messages.aclose()  # type: ignore[attr-defined]  # closes the relay: the engine call ends
+            await messages.aclose()  # closes the relay: the engine call ends
             otel_context.detach(token)
+
+    async def _queue_message(
+        self, message: pb.GenerateResponse, messages: AsyncGenerator[pb.GenerateResponse, None]
+    ) -> None:
+        """Queues `message`. A cancellation that comes while the queue is full (a client reading
+        slowly) is thrown into `messages` at its `yield`, where the servicer's stream stands, as the
+        gRPC server's write loop does (services/common/interceptors.py): a stream the drain cut
+        ends there, audited as stream.cut, with the error that says so, which is queued. Left to
+        `_produce`, the cancellation would only close the stream (GeneratorExit), unaudited. The
+        interrupted message is queued ahead of whatever follows: the stream counted it as sent."""
+        while True:
+            try:
+                await self._queue.put(message)
+                return
+            except asyncio.CancelledError as cancelled:
+                try:
+                    following = await messages.athrow(cancelled)
+                except StopAsyncIteration:
+                    await self._queue.put(message)
+                    return
+                except ThermoclineError:
+                    await self._queue.put(message)
+                    raise
+                await self._queue.put(message)
+                message = following
 
     async def next(self) -> pb.GenerateResponse | None:
         """The next message; None at the end; raises the refusal or failure that ended the stream."""

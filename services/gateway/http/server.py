@@ -2,9 +2,12 @@
 
 One loop serves both fronts, so they share the servicer, its stream slots and every policy
 object without locks. The gRPC runner owns SIGTERM: uvicorn must not install its own handlers
-(it would swallow the signal that starts the drain), and it stops when the gateway closes,
-giving HTTP calls in flight the same grace period as gRPC ones. Connections are bounded by
-`HttpLimits` (limits.py): a head deadline and a connection cap (protocol.py), keep-alive, head size.
+(it would swallow the signal that starts the drain). The drain counts HTTP calls with gRPC ones
+(in_flight.py): they get the same grace period, and the streams left then are cut, audited and
+waited for alike. uvicorn stops when the gateway closes, after the drain: its connections then get
+CLOSE_WAIT_S to take what was written to them (a client reading the end of an answer slowly), and
+whatever is still running is cancelled. Connections are bounded by `HttpLimits` (limits.py): a
+head deadline and a connection cap (protocol.py), keep-alive, head size.
 A client that reads none of its answer for the gateway's write-stall limit, which the app
 carries (`WRITE_STALL_STATE`, set by app.py from GatewayConfig), loses its connection.
 """
@@ -25,6 +28,8 @@ from services.gateway.http.protocol import DeadlineConfig
 
 log = logging.getLogger(__name__)
 WRITE_STALL_STATE = "write_stall_s"  # the app's state key for THERMOCLINE_GATEWAY_WRITE_STALL_S
+# How long uvicorn's shutdown, which comes after the drain, waits for its connections to close.
+CLOSE_WAIT_S = 1
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -38,7 +43,7 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """Binds the port at start (so a taken port fails the gateway's start-up), serves until stop."""
 
-    def __init__(self, app: Starlette, host: str, port: int, grace_s: float, limits: HttpLimits) -> None:
+    def __init__(self, app: Starlette, host: str, port: int, limits: HttpLimits) -> None:
         config = DeadlineConfig(
             app,
             header_timeout_s=limits.header_timeout_s,
@@ -46,7 +51,7 @@ class HttpServer:
             lifespan="off",
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=int(grace_s) + 1,
+            timeout_graceful_shutdown=CLOSE_WAIT_S,
             timeout_keep_alive=limits.keep_alive_s,
             limit_concurrency=limits.max_connections,
             h11_max_incomplete_event_size=limits.max_header_bytes,
@@ -73,7 +78,8 @@ class HttpServer:
         log.info("OpenAI-compatible HTTP front on http://%s:%d/v1", self.host, self.port)
 
     async def stop(self) -> None:
-        """Stops accepting, lets calls in flight finish within the grace period, then returns."""
+        """Stops accepting, closes the connections (each once what was written to it is sent, within
+        CLOSE_WAIT_S), cancels any call still running, then returns."""
         if self._task is None:
             return
         self._server.should_exit = True
