@@ -4,6 +4,11 @@ Eviction and expiry only drop index entries; the bytes stay in their segments un
 copies a mostly dead segment's live records to the active segment and deletes the file. Reads are
 never blocked: an index entry is switched to its copy by compare-and-set once the copy is durable,
 and a reader that still holds the old place finds the file gone and looks the key up again.
+
+A record is judged dead by the index alone, so a stale index (Redis back from an older snapshot)
+would have the compactor delete acknowledged blocks for good. It therefore runs only once the
+store has checked the index (`RedisIndex.is_adopted`), every index read it makes refuses a stale
+index (IndexStale ends the pass), and the index is checked once more right before each unlink.
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ class Compactor:
         store = self.store
         moved = reclaimed = done = 0
         async with store.maintenance_lock:
+            if not store.index.is_adopted:
+                return CompactionResult(0, 0, 0)  # the index is not checked yet: it could be stale
             try:
                 live = await store.index.live_bytes_by_segment()
                 for segment_id in list_segments(store.config.segments_dir):
@@ -122,10 +129,8 @@ class Compactor:
                     moved += await self._compact_segment(segment_id)
                     metrics.OPERATION_DURATION.labels("compact").observe(time.perf_counter() - started)
                     reclaimed, done = reclaimed + size, done + 1
-            except IndexLost:
-                log.warning(
-                    "the index was lost during compaction; it stops here and resumes after the rebuild"
-                )
+            except IndexLost as error:
+                log.warning("compaction stops here and resumes after the index is rebuilt: %s", error)
         store.counters.compacted_segments += done
         return CompactionResult(done, moved, reclaimed)
 
@@ -160,6 +165,7 @@ class Compactor:
         await store.writer.wait_durable(last_seq)
         for key, old, new in copies:
             await store.index.move(key, old, new)
+        await store.index.check_current()  # the judgements above came from an index that still holds
         await store.index.forget_segment(segment_id)
         segment_path(directory, segment_id).unlink()
         log.info("compacted segment %d: %d live blocks moved", segment_id, len(copies))

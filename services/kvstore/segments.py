@@ -62,6 +62,15 @@ def list_segments(directory: Path) -> list[int]:
     return sorted(int(p.stem) for p in directory.glob(f"*{SUFFIX}") if p.stem.isdigit())
 
 
+def segments_tail(directory: Path) -> str:
+    """Where the segments end: the newest segment's id and size ("" when there is none). Each
+    store start begins a new segment, so a tail never comes back once records follow it."""
+    existing = list_segments(directory) if directory.exists() else []
+    if not existing:
+        return ""
+    return f"{existing[-1]}:{segment_path(directory, existing[-1]).stat().st_size}"
+
+
 def segment_bytes(directory: Path) -> int:
     """Bytes of every segment file together."""
     return sum(p.stat().st_size for p in directory.glob(f"*{SUFFIX}"))

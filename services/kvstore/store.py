@@ -4,7 +4,9 @@ A put is `append` (the record is written) then `commit` (an fsync covers it, the
 entry is added): a block is acknowledged only once it is durable, and is never visible before.
 A read goes staging -> index -> segment and checks the record's checksum, key and place, so a
 corrupt or torn record is a miss, never a served block. When the index is gone (Redis restarted
-empty, FLUSHALL), the next call that notices rebuilds it from the segments.
+empty, FLUSHALL) or stale (Redis came back from an older snapshot: index.py says how that is
+told), the next call that notices rebuilds it from the segments. No call uses the index before
+the store has checked it at its first contact with Redis (`ensure_index`).
 
 The engine reaches this class through the gRPC service; `services/kvstore/client.py` is its
 client. State changes: append, commit, put (one put writes a key at a time: claims.py), delete,
@@ -32,7 +34,7 @@ from services.kvstore import kvstore_metrics as metrics
 from services.kvstore.blocks import BlockFound, BlockIn, BlockMissing, BlockSource, MissReason, check_block
 from services.kvstore.claims import BlockWait, KeyClaims, PutInFlight, wait_outcomes
 from services.kvstore.config import StoreConfig
-from services.kvstore.index import IndexEntry, IndexLost, RedisIndex
+from services.kvstore.index import IndexEntry, IndexLost, IndexStale, RedisIndex
 from services.kvstore.keys import BlockHash, Namespace, StoreKey, TenantSalts, check_hash
 from services.kvstore.record import Record, RecordError
 from services.kvstore.recovery import scan_live_entries
@@ -44,7 +46,14 @@ from services.kvstore.results import (
     StoreCounters,
     StoreStats,
 )
-from services.kvstore.segments import SegmentWriter, list_segments, read_record, segment_bytes, segment_path
+from services.kvstore.segments import (
+    SegmentWriter,
+    list_segments,
+    read_record,
+    segment_bytes,
+    segment_path,
+    segments_tail,
+)
 from services.kvstore.staging import Load, StagingCache
 
 log = logging.getLogger(__name__)
@@ -89,9 +98,17 @@ class BlockStore:
     """One store: its segments, its index, its staging cache and its background workers."""
 
     def __init__(
-        self, config: StoreConfig, index: RedisIndex, salts: TenantSalts, writer: SegmentWriter
+        self,
+        config: StoreConfig,
+        index: RedisIndex,
+        salts: TenantSalts,
+        writer: SegmentWriter,
+        opened_tail: str = "",
     ) -> None:
         self.config = config
+        # where the segments ended before this store wrote anything: the index in Redis is taken
+        # as current only if it can miss nothing up to here (RedisIndex.adopt)
+        self.opened_tail = opened_tail
         self.index = index
         self.salts = salts
         self.writer = writer
@@ -116,12 +133,14 @@ class BlockStore:
         writer = SegmentWriter(
             config.segments_dir, config.max_segment_bytes, config.fsync_policy, config.fsync_batch_window_s
         )
+        opened_tail = segments_tail(config.segments_dir)
         await writer.open()
         store = cls(
             config,
             RedisIndex(client, config.index_prefix),
             TenantSalts.load_or_create(config.secret_path),
             writer,
+            opened_tail,
         )
         try:
             await store.guarded(store.ensure_index)
@@ -132,13 +151,23 @@ class BlockStore:
         return store
 
     async def close(self) -> None:
-        """Stops the workers, then fsyncs and closes the active segment."""
+        """Stops the workers, fsyncs and closes the active segment, and marks the index closed
+        at the segments' tail (so the next start can trust a copy of it that Redis reloads)."""
         self._closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.writer.close()
+        await self._mark_closed()
         await self.index.client.aclose()
+
+    async def _mark_closed(self) -> None:
+        if not self.index.is_adopted:
+            return
+        try:
+            await self.index.mark_closed(await asyncio.to_thread(segments_tail, self.config.segments_dir))
+        except (IndexLost, RedisConnectionError, RedisTimeoutError) as error:  # the next start rebuilds
+            log.warning("could not mark the index closed: %s", error)
 
     def key(self, namespace: Namespace, block_hash: str) -> StoreKey:
         """The salted store key of a caller's hash (the hash is checked first)."""
@@ -156,11 +185,15 @@ class BlockStore:
     # --- the index, guarded -------------------------------------------------------------------
 
     async def guarded(self, call: Callable[[], Awaitable[T]]) -> T:
-        """Runs an index call: a lost index is rebuilt and the call retried; Redis down is UNAVAILABLE."""
+        """Runs an index call: the index is checked first (once), a lost or stale index is rebuilt
+        and the call retried; Redis down is UNAVAILABLE."""
         try:
             try:
+                await self.ensure_index()
                 return await call()
-            except IndexLost:
+            except IndexLost as error:
+                if isinstance(error, IndexStale):
+                    log.error("the index in Redis is stale; rebuilding it from the segments: %s", error)
                 await self.rebuild_index()
                 return await call()
         except (RedisConnectionError, RedisTimeoutError) as error:
@@ -170,15 +203,26 @@ class BlockStore:
             ) from error
 
     async def ensure_index(self) -> None:
-        """Rebuilds the index from the segments unless Redis holds it."""
-        if not await self.index.is_built():
-            await self.rebuild_index()
+        """At the store's first contact with Redis: takes the index there as current if it can
+        miss nothing (RedisIndex.adopt), else rebuilds it from the segments."""
+        if self.index.is_adopted:
+            return
+        async with self.maintenance_lock:
+            if self.index.is_adopted:
+                return  # another call took it while this one waited
+            if not await self.index.adopt(self.opened_tail):
+                log.warning("the index in Redis is missing or may be older than the segments")
+                await self._rebuild()
 
     async def rebuild_index(self) -> None:
         """Scans every segment (writes paused) and replaces the index with what it finds."""
-        async with self.maintenance_lock, self.writer.paused():
-            if await self.index.is_built():
+        async with self.maintenance_lock:
+            if self.index.is_adopted and await self.index.is_current():
                 return  # another call rebuilt it while this one waited
+            await self._rebuild()
+
+    async def _rebuild(self) -> None:
+        async with self.writer.paused():
             started = time.perf_counter()
             entries, num_corrupt = await asyncio.to_thread(
                 scan_live_entries, self.config.segments_dir, self.config.ttl_s, now_us()

@@ -86,6 +86,13 @@ class RedisServer:
             self.process.terminate()
             self.process.wait(30)
 
+    def restart(self) -> RedisServer:
+        """Stops and starts the server on its port. It saves nothing on the way down, so it comes
+        back with the snapshot of its last SAVE (`dump.rdb` in `directory`), or empty without one:
+        what a production Redis that persists RDB snapshots does after a crash or a move."""
+        self.stop()
+        return self.start()
+
     def _program(self) -> str:
         """The absolute path to run (the server starts in `directory`, where a relative one would miss)."""
         if self.binary is not None:
