@@ -8,11 +8,18 @@ counter-based: a hash (the splitmix64 finalizer, in int64 tensor arithmetic that
 request's seed and the index of the token being drawn. So a seeded request gives the same tokens
 whatever its batch neighbours are, and after a preemption that recomputes it, and no generator
 state lives on the device.
+
+A row's draw depends on nothing but its own logits, settings and key. A row that filters (top-k or
+top-p) ranks its tokens by logit, ties by id, and inverts in rank order; one that does not inverts
+in id order and never sorts, whatever its neighbours do. Weights are fixed-point integers, so the
+cumulative sums are exact and no float reduction's order (which follows the batch's shape) can move
+a draw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -63,74 +70,139 @@ def sample(
     """
     token_ids = logits.argmax(dim=-1)  # [B] greedy for everyone, overwritten for sampled rows
     token_ids.masked_fill_(~torch.isfinite(logits).all(dim=-1), FAULT)
-    rows = [r for r, p in enumerate(params) if not p.is_greedy]
-    if not rows:
-        return token_ids
     vocab = logits.shape[-1]
-    device = logits.device
-    top_ks = [params[r].top_k if 0 < params[r].top_k < vocab else vocab for r in rows]  # vocab: off
-    ints = _to_device(
-        torch.tensor(
-            [
-                rows,
-                top_ks,
-                [draw_keys[r][0] for r in rows],
-                [draw_keys[r][1] for r in rows],
-            ],
-            dtype=torch.int64,
-        ),
-        device,
-    )  # [4, R]
-    floats = _to_device(
-        torch.tensor([[params[r].temperature for r in rows], [params[r].top_p for r in rows]]), device
-    )  # [2, R] fp32
-    index, top_k, seeds, draws = ints
-    temperature, top_p = floats
-    largest_k = max(top_ks)
-    filtered = min(top_ks) < vocab or any(params[r].top_p < 1.0 for r in rows)
-    scaled = logits.index_select(0, index) / temperature[:, None]  # [R, V]
+    sampled = [r for r, p in enumerate(params) if not p.is_greedy]
+    if not sampled:
+        return token_ids
+    by_id = [r for r in sampled if not _filters(params[r], vocab)]
+    by_rank = [r for r in sampled if _filters(params[r], vocab)]
+    rows = _rows_on_device(by_id + by_rank, params, draw_keys, vocab, logits.device)
+    scaled = logits.index_select(0, rows.index) / rows.temperature[:, None]  # [R, V]
+    u = uniform(rows.seeds, rows.draws)  # [R]
+    scale_bits = _scale_bits(vocab)
+    split = len(by_id)
+    drawn = [] if not by_id else [_invert(_weights(scaled[:split], scale_bits), u[:split])]  # no sort
+    if by_rank:
+        largest_k = max(_top_k(params[r], vocab) for r in by_rank)
+        filters = rows.top_k[split:], rows.top_p[split:]
+        drawn.append(_draw_by_rank(scaled[split:], *filters, u[split:], largest_k, scale_bits))
     ok = torch.isfinite(scaled).all(dim=-1)
-    if filtered:  # rank by logit; the draw picks a rank, mapped back to its token
-        # when every row keeps a top-k, the ranks past the largest k never matter: no full sort
-        if largest_k < vocab:
-            scaled, order = torch.topk(scaled, largest_k, dim=-1)
-        else:
-            scaled, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = _filtered_probs(scaled, top_k, top_p)
-    else:
-        probs = torch.softmax(scaled, dim=-1)
-    drawn = _invert(probs, uniform(seeds, draws))
-    if filtered:
-        drawn = order.gather(1, drawn[:, None]).squeeze(1)
-    token_ids.index_copy_(0, index, torch.where(ok, drawn, FAULT))
+    token_ids.index_copy_(0, rows.index, torch.where(ok, torch.cat(drawn), FAULT))
     return token_ids
 
 
-def _filtered_probs(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities over ranks (logits sorted, most likely first), zero outside top-k, then top-p.
+class _Rows(NamedTuple):
+    """The sampled rows' settings on the device, each `[R]`."""
+
+    index: torch.Tensor  # int64: the row in the batch
+    top_k: torch.Tensor  # int64: the vocabulary size when top-k is off
+    seeds: torch.Tensor  # int64
+    draws: torch.Tensor  # int64: the index of the token being drawn
+    temperature: torch.Tensor  # fp32
+    top_p: torch.Tensor  # fp32
+
+
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    return params.top_k if 0 < params.top_k < vocab else vocab
+
+
+def _filters(params: SamplingParams, vocab: int) -> bool:
+    """True when the row keeps only some tokens (top-k or top-p), so it must rank them by logit."""
+    return _top_k(params, vocab) < vocab or params.top_p < 1.0
+
+
+def _rows_on_device(
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    draw_keys: Sequence[tuple[int, int]],
+    vocab: int,
+    device: torch.device,
+) -> _Rows:
+    """The rows' settings, in two host-to-device copies (one of ints, one of floats)."""
+    ints = torch.tensor(
+        [
+            rows,
+            [_top_k(params[r], vocab) for r in rows],
+            [draw_keys[r][0] for r in rows],
+            [draw_keys[r][1] for r in rows],
+        ],
+        dtype=torch.int64,
+    )  # [4, R]
+    floats = torch.tensor([[params[r].temperature for r in rows], [params[r].top_p for r in rows]])  # [2, R]
+    return _Rows(*_to_device(ints, device), *_to_device(floats, device))
+
+
+def _scale_bits(vocab: int) -> int:
+    """Fixed-point bits of a weight such that `vocab` weights of at most 1 sum below 2^62."""
+    return 62 - vocab.bit_length()
+
+
+def _weights(scaled: torch.Tensor, scale_bits: int) -> torch.Tensor:
+    """`[R, W]` int64 exp(logit - the row's largest) in fixed point: the best token weighs 2^scale_bits.
+
+    Integers make every cumulative sum exact, so a draw cannot depend on the order in which a
+    reduction added its terms, which varies with the batch's shape (and on a GPU with the kernel's
+    launch shape). The fp32 product is exact and the cast truncates, so a token whose weight is
+    below 2^-scale_bits of the best one's (2^-45 at a 128K vocabulary) is never drawn.
+    """
+    best = scaled.amax(dim=-1, keepdim=True)  # [R, 1]
+    return (scaled - best).exp_().mul_(float(1 << scale_bits)).long()
+
+
+def _draw_by_rank(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+    largest_k: int,
+    scale_bits: int,
+) -> torch.Tensor:
+    """`[R]` token ids drawn from each row's top-k, then top-p, tokens (ranked by logit).
 
     Top-p applies to the distribution renormalized over the top-k set; the most likely token always
-    survives. The result is not renormalized: `_invert` scales by each row's total.
+    survives. Only the first `largest_k` ranks are computed; a row's draw never looks past its own k.
     """
-    rank = torch.arange(ranked.shape[-1], device=ranked.device)
-    probs = torch.softmax(ranked.masked_fill(rank[None, :] >= top_k[:, None], float("-inf")), dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
-    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    return probs.masked_fill(~keep, 0.0)
+    order = _rank(scaled, largest_k)  # [R, W] token ids, best first
+    weights = _weights(scaled.gather(1, order), scale_bits)  # [R, W]
+    rank = torch.arange(order.shape[-1], device=order.device)
+    weights = weights.masked_fill(rank[None, :] >= top_k[:, None], 0)
+    cumulative = torch.cumsum(weights, dim=-1)  # [R, W] int64, exact
+    mass_before = cumulative - weights  # weight of strictly better tokens
+    within_p = mass_before < top_p[:, None].double() * cumulative[:, -1:].double()
+    weights = weights.masked_fill(~(within_p | (top_p[:, None] >= 1.0)), 0)
+    drawn = _invert(weights, u)  # [R] ranks
+    return order.gather(1, drawn[:, None]).squeeze(1)
 
 
-def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """`[R]` index where each row's cumulative probability first exceeds `u` of its total.
+def _rank(scaled: torch.Tensor, largest_k: int) -> torch.Tensor:
+    """`[R, W]` token ids by falling fp32 logit, ties broken by the lower id; W is `largest_k`.
 
-    A zero-probability index is never chosen: its cumulative value equals its predecessor's. Should
-    rounding push the target past the last step of the sum, the row falls back to its most likely
-    index.
+    `topk` and `sort` order ties each their own way, so each logit gets a unique int64 key first
+    (the float's bits made to sort as the float does, then the id): whether a row is ranked by
+    `topk` (when every row keeps a top-k, no full sort) or by `sort` depends on its neighbours,
+    and its order must not.
     """
-    cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [R, V]
-    target = (u * cumulative[:, -1])[:, None]  # [R, 1]
-    index = torch.searchsorted(cumulative, target, right=True).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
-    has_mass = probs.gather(1, index) > 0
-    return torch.where(has_mass, index, probs.argmax(dim=-1, keepdim=True)).squeeze(1)
+    vocab = scaled.shape[-1]
+    bits = scaled.contiguous().view(torch.int32)  # [R, V]
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    ids = torch.arange(vocab, device=scaled.device)
+    keys = ordered.long() * (1 << 32) + (vocab - 1 - ids)  # [R, V], unique within a row
+    if largest_k < vocab:
+        return torch.topk(keys, largest_k, dim=-1).indices
+    return torch.sort(keys, dim=-1, descending=True).indices
+
+
+def _invert(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`[R]` index where each row's cumulative int64 weight first exceeds `u` of its total.
+
+    The target is an integer below the total, so the chosen index always has a weight above zero.
+    A row with bad numbers gets some index in range (the caller faults it).
+    """
+    cumulative = torch.cumsum(weights, dim=-1)  # [R, W] exact
+    total = cumulative[:, -1:]  # [R, 1]
+    target = torch.minimum((u[:, None] * total.double()).long(), total - 1)  # [R, 1]
+    index = torch.searchsorted(cumulative, target, right=True)  # [R, 1]
+    return index.clamp_(0, weights.shape[-1] - 1).squeeze(1)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -138,22 +210,3 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
-
-
-def _draw_filtered(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor
-) -> torch.Tensor:
-    """The race over each row's top-k, then top-p, tokens (ranked by logit, most likely first).
-
-    Top-p applies to the distribution renormalized over the top-k set; the most likely token always
-    survives. The noise is attached to ranks, which is as random as attaching it to token ids.
-    """
-    ranked, order = torch.sort(scaled, dim=-1, descending=True)  # [R, V]
-    rank = torch.arange(ranked.shape[-1], device=ranked.device)
-    keep = rank[None, :] < top_k[:, None]
-    ranked = ranked.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(ranked, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
-    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    choice = ranked.masked_fill(~keep, float("-inf")).add(noise).argmax(dim=-1, keepdim=True)  # [R, 1]
-    return order.gather(1, choice).squeeze(1)

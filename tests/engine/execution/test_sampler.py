@@ -41,6 +41,46 @@ def test_rows_sample_independently_of_their_neighbours() -> None:
     assert len(set(alone)) > 1  # the draws move with the token index
 
 
+PLAIN = SamplingParams(temperature=1.0)
+TOP_K_5 = SamplingParams(temperature=1.0, top_k=5)
+TOP_K_50 = SamplingParams(temperature=1.0, top_k=50)
+TOP_P_09 = SamplingParams(temperature=1.0, top_p=0.9)
+
+
+@pytest.mark.parametrize(
+    ("mine", "neighbour"),
+    [
+        (PLAIN, TOP_K_5),
+        (PLAIN, TOP_P_09),
+        (TOP_K_5, TOP_K_50),
+        (TOP_K_5, TOP_P_09),
+        (TOP_P_09, PLAIN),
+        (TOP_P_09, TOP_K_5),
+    ],
+)
+def test_a_seeded_row_ignores_its_neighbours_settings(
+    mine: SamplingParams, neighbour: SamplingParams
+) -> None:
+    # whether the batch sorts, and how far (top-k alone: topk to the largest k), follows the neighbours
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(3))
+    alone = [int(sample(logits[1:2], [mine], [(7, index)])[0]) for index in range(40)]
+    beside = [
+        sample(logits, [neighbour, mine, PLAIN], [(99, i), (7, i), (5, i)])[1].item() for i in range(40)
+    ]
+    assert beside == alone
+    assert len(set(alone)) > 1
+
+
+def test_tied_logits_rank_the_same_whether_topk_or_sort_ranks_them() -> None:
+    logits = torch.zeros(2, 64)
+    logits[:, 10:20] = 2.0  # ten tokens tie for first place; top-k=4 keeps the four lowest ids
+    top_k_4 = SamplingParams(temperature=1.0, top_k=4)
+    by_topk = [sample(logits, [TOP_K_50, top_k_4], [(1, i), (2, i)])[1].item() for i in range(200)]
+    by_sort = [sample(logits, [TOP_P_09, top_k_4], [(1, i), (2, i)])[1].item() for i in range(200)]
+    assert by_topk == by_sort
+    assert set(by_topk) == {10, 11, 12, 13}
+
+
 def test_draws_follow_the_softmax_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     params = SamplingParams(temperature=0.8)
@@ -69,6 +109,12 @@ def test_same_seed_same_output_in_the_engine(tiny_engine: LLMEngine) -> None:
     )
     first = tiny_engine.generate([prompt], params)[0].token_ids
     batched = tiny_engine.generate([[9, 9, 9], prompt], [SamplingParams(temperature=1.0, seed=5), params])
+    plain = SamplingParams(max_new_tokens=24, temperature=1.0, seed=77, ignore_eos=True)
+    plain_alone = tiny_engine.generate([prompt], plain)[0].token_ids
+    beside_top_k = tiny_engine.generate(
+        [[9, 9, 9], prompt], [SamplingParams(temperature=1.0, top_k=5), plain]
+    )
+    assert beside_top_k[1].token_ids == plain_alone
     other_seed = tiny_engine.generate([prompt], SamplingParams(**{**params.__dict__, "seed": 4321}))[
         0
     ].token_ids
