@@ -9,6 +9,10 @@ itself). A duplicate therefore always means durable now.
 
 A put never waits while it holds a claim (its own records are committed and their claims settled
 first), so two puts that name the same keys in opposite orders cannot wait on each other.
+
+The compactor claims a key too, while it copies the key's tombstone forward (and settles it as
+failed: the block is absent), so a put of that key writes its record after the copy; a tombstone
+copied after a newer record would delete the block at the next rebuild.
 """
 
 from __future__ import annotations

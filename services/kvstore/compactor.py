@@ -19,13 +19,19 @@ import time
 from dataclasses import dataclass
 
 from services.kvstore import kvstore_metrics as metrics
+from services.kvstore.claims import PutInFlight
 from services.kvstore.index import IndexLost
 from services.kvstore.keys import StoreKey
+from services.kvstore.record import Record
 from services.kvstore.segments import list_segments, scan_segment, segment_path
 from services.kvstore.store import BlockStore, now_us
 
 log = logging.getLogger(__name__)
 EVICTION_BATCH = 256
+
+
+class SegmentBusy(Exception):
+    """A put in flight is writing a key whose tombstone the segment holds: compact it later."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,11 @@ class Compactor:
                         continue
                     size = segment_path(store.config.segments_dir, segment_id).stat().st_size
                     started = time.perf_counter()
-                    moved += await self._compact_segment(segment_id)
+                    try:
+                        moved += await self._compact_segment(segment_id)
+                    except SegmentBusy as busy:
+                        log.info("segment %d is left for a later pass: %s", segment_id, busy)
+                        continue
                     metrics.OPERATION_DURATION.labels("compact").observe(time.perf_counter() - started)
                     reclaimed, done = reclaimed + size, done + 1
             except IndexLost as error:
@@ -156,7 +166,7 @@ class Compactor:
                 if record.is_tombstone:
                     # needed while older segments may hold the key's records, unless a later put superseded it
                     if not is_oldest and entry is None:
-                        _, last_seq = await store.writer.append(record)
+                        last_seq = await self._copy_tombstone(record)
                     continue
                 if entry is None or entry.location != found.location:
                     continue  # dead: deleted, evicted, expired or superseded
@@ -170,3 +180,23 @@ class Compactor:
         segment_path(directory, segment_id).unlink()
         log.info("compacted segment %d: %d live blocks moved", segment_id, len(copies))
         return len(copies)
+
+    async def _copy_tombstone(self, tombstone: Record) -> int:
+        """Appends a tombstone to the active segment, holding its key's claim meanwhile; returns
+        its sequence number.
+
+        A rebuild lets a key's last record in the files win, so the copy must land before any
+        record of a put of that key: a put that claims the key while the copy is written waits,
+        and then writes the block itself (claims.py). A key a put in flight claimed first may
+        have its record written already, so the segment waits for a later pass (SegmentBusy).
+        """
+        claims = self.store.claims
+        if claims.outcome(tombstone.key) is not None:
+            raise SegmentBusy(f"a put of key {tombstone.key.hex()[:12]}… is in flight")
+        holder = PutInFlight(self.store.writer.segment_id)
+        claims.claim(holder, tombstone.key)
+        try:
+            _, seq = await self.store.writer.append(tombstone)
+        finally:
+            claims.settle(holder, tombstone.key, is_durable=False)  # absent: a waiting put writes it
+        return seq

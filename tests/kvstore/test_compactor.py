@@ -158,3 +158,29 @@ def test_a_touch_after_a_delete_leaves_no_entry_behind(tmp_path: Path, redis_ser
         assert (await store.index.totals()).num_blocks == 2
 
     run(tmp_path, redis_server, scenario)
+
+
+def test_a_tombstone_is_never_copied_after_a_put_of_its_key_in_flight(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A block deleted, then put again: a pass that compacts the tombstone's segment while that
+    put is between its append and its commit must not copy the tombstone after the new record,
+    or a rebuild (the last record of a key wins) drops the acknowledged block."""
+
+    async def scenario(store: BlockStore, compactor: Compactor) -> None:
+        block, filler = raw_block("put-again"), raw_block("filler")
+        await store.put(NAMESPACE, [raw_block("oldest")])  # every record fills a 4 KiB segment
+        await store.put(NAMESPACE, [block])
+        assert await store.delete(NAMESPACE, [block.block_hash]) == 1
+        await store.put(NAMESPACE, [filler])  # seals the tombstone's segment ...
+        assert await store.delete(NAMESPACE, [filler.block_hash]) == 1  # ... and leaves it dead
+        with store.writing() as put:
+            await store.append(put, NAMESPACE, block)
+            await compactor.compact()
+            assert (await store.commit(put)).stored == [block.block_hash]
+        await compactor.compact()  # once the put has committed, its tombstone is not needed
+        assert await read_all(store, [block.block_hash]) == {block.block_hash: block.payload}
+        await store.index.client.flushall()  # a rebuild from the segments keeps the block
+        assert await read_all(store, [block.block_hash]) == {block.block_hash: block.payload}
+
+    run(tmp_path, redis_server, scenario, max_segment_bytes=4096)
