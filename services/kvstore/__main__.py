@@ -2,14 +2,18 @@
 
 from services.common.server import ServiceSpec, run_service
 from services.kvstore.config import KVStoreConfig
+from services.kvstore.dir_lock import DataDirLock, DataDirLocked
 from services.kvstore.servicer import KVStoreServicer, register
 
 
 def main() -> None:
     """Starts the kvstore with settings from the environment."""
     config = KVStoreConfig.from_env()
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    servicer = KVStoreServicer(config)
+    try:  # before the port is bound: a second process over this data dir starts nothing
+        dir_lock = DataDirLock.acquire(config.data_dir)
+    except DataDirLocked as error:  # the operator's mistake, not a crash: one line, no traceback
+        raise SystemExit(f"kvstore: not starting: {error}") from None
+    servicer = KVStoreServicer(config, dir_lock)
     run_service(
         ServiceSpec(
             config=config.server,

@@ -18,6 +18,7 @@ from services.kvstore import kvstore_metrics as metrics
 from services.kvstore.blocks import BlockFound, BlockIn, Codec
 from services.kvstore.compactor import Compactor
 from services.kvstore.config import KVStoreConfig
+from services.kvstore.dir_lock import DataDirLock
 from services.kvstore.keys import Namespace, check_hash
 from services.kvstore.results import BlockLocated, StoreStats
 from services.kvstore.store import BlockStore
@@ -154,14 +155,15 @@ def location_to_pb(located: BlockLocated) -> pb.BlockLocation:
 class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
     """The block RPCs over one BlockStore."""
 
-    def __init__(self, config: KVStoreConfig) -> None:
+    def __init__(self, config: KVStoreConfig, dir_lock: DataDirLock | None = None) -> None:
         self.config = config
+        self._dir_lock = dir_lock  # taken by the process before it serves; the store releases it
         self._store: BlockStore | None = None
         self.compactor: Compactor | None = None
 
     async def start(self) -> None:
         """Opens the store (rebuilding the index if Redis lost it) and starts its maintenance."""
-        self._store = await BlockStore.open(self.config.store)
+        self._store = await BlockStore.open(self.config.store, self._dir_lock)
         self.compactor = Compactor(self._store)
         self.compactor.start()
 

@@ -34,6 +34,7 @@ from services.kvstore import kvstore_metrics as metrics
 from services.kvstore.blocks import BlockFound, BlockIn, BlockMissing, BlockSource, MissReason, check_block
 from services.kvstore.claims import BlockWait, KeyClaims, PutInFlight, wait_outcomes
 from services.kvstore.config import StoreConfig
+from services.kvstore.dir_lock import DataDirLock
 from services.kvstore.index import IndexEntry, IndexLost, IndexStale, RedisIndex
 from services.kvstore.keys import BlockHash, Namespace, StoreKey, TenantSalts, check_hash
 from services.kvstore.record import Record, RecordError
@@ -104,8 +105,10 @@ class BlockStore:
         salts: TenantSalts,
         writer: SegmentWriter,
         opened_tail: str = "",
+        dir_lock: DataDirLock | None = None,
     ) -> None:
         self.config = config
+        self.dir_lock = dir_lock  # this process's hold on the data dir (dir_lock.py), released at close
         # where the segments ended before this store wrote anything: the index in Redis is taken
         # as current only if it can miss nothing up to here (RedisIndex.adopt)
         self.opened_tail = opened_tail
@@ -127,8 +130,20 @@ class BlockStore:
         self.claims = KeyClaims()  # keys puts in flight are writing (see claims.py)
 
     @classmethod
-    async def open(cls, config: StoreConfig) -> BlockStore:
-        """Opens the segments and the index (rebuilding it when Redis lost it) and starts the workers."""
+    async def open(cls, config: StoreConfig, dir_lock: DataDirLock | None = None) -> BlockStore:
+        """Locks the data dir (unless the caller holds `dir_lock` already; DataDirLocked when
+        another process has it), opens the segments and the index (rebuilding it when Redis lost
+        it) and starts the workers. `close` releases the lock."""
+        dir_lock = dir_lock or DataDirLock.acquire(config.data_dir)
+        try:
+            store = await cls._open_locked(config, dir_lock)
+        except BaseException:
+            dir_lock.release()
+            raise
+        return store
+
+    @classmethod
+    async def _open_locked(cls, config: StoreConfig, dir_lock: DataDirLock) -> BlockStore:
         client = aioredis.from_url(config.redis_url, socket_timeout=10, socket_connect_timeout=5)
         writer = SegmentWriter(
             config.segments_dir, config.max_segment_bytes, config.fsync_policy, config.fsync_batch_window_s
@@ -141,6 +156,7 @@ class BlockStore:
             TenantSalts.load_or_create(config.secret_path),
             writer,
             opened_tail,
+            dir_lock,
         )
         try:
             await store.guarded(store.ensure_index)
@@ -160,6 +176,8 @@ class BlockStore:
         await self.writer.close()
         await self._mark_closed()
         await self.index.client.aclose()
+        if self.dir_lock is not None:
+            self.dir_lock.release()
 
     async def _mark_closed(self) -> None:
         if not self.index.is_adopted:

@@ -129,6 +129,24 @@ class KVStoreProcess:
 
     def start(self) -> KVStoreProcess:
         """Starts the process and waits until its health check says SERVING."""
+        self._launch()
+        self._wait_serving()
+        return self
+
+    def start_or_exit(self) -> int | None:
+        """Starts the process; its exit code if it exits before it serves, None once it serves."""
+        self._launch()
+        try:
+            self._wait_serving()
+        except AssertionError:
+            assert self.process is not None
+            exit_code = self.process.poll()
+            if exit_code is None:
+                raise
+            return exit_code
+        return None
+
+    def _launch(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("THERMOCLINE_", "OTEL_"))}
         env |= {
             "THERMOCLINE_KVSTORE_PORT": str(self.port),
@@ -146,8 +164,6 @@ class KVStoreProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        self._wait_serving()
-        return self
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
