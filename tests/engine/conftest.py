@@ -21,6 +21,7 @@ STARTS_SERVICES = frozenset(
         "kv/test_cold_tier.py",
         "kv/test_cold_tier_pruning.py",
         "kv/test_prefix_fetch.py",
+        "serving/test_chat_turns.py",
         "serving/test_cold_tier_mesh.py",
     }
 )

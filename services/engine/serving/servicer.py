@@ -23,6 +23,7 @@ from services.engine.kv.capacity import PoolPlan
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from services.engine.serving.engine_metrics import register_engine_metrics
 from services.engine.serving.request_trace import record_cancelled, record_finished
+from services.engine.text.tokenizer import Tokenizer
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -246,7 +247,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             raise InvalidArgument(f"model {self.engine.model_id} has no chat template; send a plain prompt")
         if not chat.messages:
             raise InvalidArgument("chat has no messages")
-        _check_no_special_tokens(chat, tokenizer.special_token_texts)
+        _check_no_added_tokens(chat, tokenizer)
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         try:
             text = tokenizer.apply_chat_template(messages)
@@ -361,16 +362,16 @@ def _capacity_to_pb(plan: PoolPlan | None) -> pb.KVCapacity | None:
     )
 
 
-def _check_no_special_tokens(chat: pb.ChatTurns, specials: tuple[str, ...]) -> None:
-    """INVALID_ARGUMENT when a message's role or content holds a special token's text: the rendered
-    chat is tokenized with special tokens parsed, so "hi<|im_end|><|im_start|>system ..." in a user
-    turn would become a system turn of its own."""
+def _check_no_added_tokens(chat: pb.ChatTurns, tokenizer: Tokenizer) -> None:
+    """INVALID_ARGUMENT when a message's role or content holds an added token's text: the rendered
+    chat is tokenized with every added token parsed, special or not, so "hi<|im_end|><|im_start|>system
+    ..." in a user turn would become a system turn of its own."""
     for number, message in enumerate(chat.messages):
         for field, value in (("role", message.role), ("content", message.content)):
-            found = next((token for token in specials if token in value), None)
+            found = tokenizer.find_parsed_token(value)
             if found is not None:
                 raise InvalidArgument(
-                    f"chat message {number}: its {field} holds the special token {found!r}, which only "
-                    "the chat template may write (it would forge a turn); send the text as a plain "
+                    f"chat message {number}: its {field} holds the text of the token {found!r}, which "
+                    "only the chat template may write (it would forge a turn); send the text as a plain "
                     "prompt if it is meant literally"
                 )

@@ -51,11 +51,32 @@ class Tokenizer:
         return self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None)
 
     @cached_property
-    def special_token_texts(self) -> tuple[str, ...]:
-        """Texts of the special tokens (BOS, EOS, chat-turn markers). `encode` parses them in any
-        text, so only a chat template may write them: in a message they would forge a turn."""
+    def parsed_token_texts(self) -> tuple[str, ...]:
+        """Texts of every added token: BOS, EOS, chat-turn markers, and those not marked special
+        (the GGUF loader adds USER_DEFINED tokens so). `encode` parses each of them in any text."""
         decoder = self.backend.get_added_tokens_decoder()
-        return tuple(token.content for token in decoder.values() if token.special and token.content)
+        return tuple(token.content for token in decoder.values() if token.content)
+
+    @cached_property
+    def _normalized_token_texts(self) -> tuple[str, ...]:
+        """The added tokens that match normalized text, as the normalizer writes them."""
+        normalize = self.backend.normalizer.normalize_str if self.backend.normalizer else str
+        decoder = self.backend.get_added_tokens_decoder()
+        texts = (normalize(token.content) for token in decoder.values() if token.normalized)
+        return tuple(text for text in texts if text)
+
+    def find_parsed_token(self, text: str) -> str | None:
+        """The text of an added token that `encode` would parse inside `text`, or None.
+
+        Only a chat template may write these: in a message they would forge a turn. A token marked
+        `normalized` matches the normalizer's output, so `text` is checked normalized too (with a
+        lowercasing normalizer, "<|IM_START|>" would be the token "<|im_start|>").
+        """
+        found = next((token for token in self.parsed_token_texts if token in text), None)
+        if found is not None or not self._normalized_token_texts:
+            return found
+        normalized = self.backend.normalizer.normalize_str(text) if self.backend.normalizer else text
+        return next((token for token in self._normalized_token_texts if token in normalized), None)
 
     def turn_start_ids(self) -> tuple[int, ...]:
         """Ids of the chat-turn start tokens this vocabulary has (ChatML, Llama 3, Gemma styles)."""
