@@ -52,7 +52,9 @@ class EngineConfig:
     itself (gloo on the CPU, NCCL with one GPU per rank; N must divide the KV heads).
     Cold tier (docs/kvstore.md): `_KVSTORE_TARGET` (host:port of the kvstore; empty: no cold tier),
     `_KVSTORE_DEADLINE_MS` (lookups, deletes, window gets; default 1000),
-    `_KVSTORE_TRANSFER_DEADLINE_MS` (a prefix get and every put; default 30000),
+    `_KVSTORE_TRANSFER_DEADLINE_MS` (every put, and at most a prefix load; default 30000),
+    `_KVSTORE_PREFIX_LOAD_DEADLINE_MS` (how long a new request waits for its stored prefix, and at
+    most half its class's queue timeout; then it computes the prompt; default 5000),
     `_KVSTORE_RETRY_AFTER_S` (loads skipped after a failure, default 5), `_COLD_PREFIX_REUSE`
     (store prompt blocks, load stored prefixes; default on),
     `_RETRIEVAL_MODE` (off or semantic: the default of requests and classes that set none),
@@ -178,6 +180,9 @@ def _cold_from_env(prefix: str, environ: Mapping[str, str] | None) -> ColdTierCo
         deadline_ms=env.get_int(prefix + "KVSTORE_DEADLINE_MS", defaults.deadline_ms, environ),
         transfer_deadline_ms=env.get_int(
             prefix + "KVSTORE_TRANSFER_DEADLINE_MS", defaults.transfer_deadline_ms, environ
+        ),
+        prefix_load_deadline_ms=env.get_int(
+            prefix + "KVSTORE_PREFIX_LOAD_DEADLINE_MS", defaults.prefix_load_deadline_ms, environ
         ),
         retry_after_s=env.get_float(prefix + "KVSTORE_RETRY_AFTER_S", defaults.retry_after_s, environ),
         prefix_reuse=env.get_bool(prefix + "COLD_PREFIX_REUSE", defaults.prefix_reuse, environ),

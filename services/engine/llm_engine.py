@@ -345,7 +345,9 @@ class LLMEngine:
         self.runner.attach_cold_tier(tier)
         assert self.runner.cold_summaries is not None
         max_prefix_blocks = (self.max_seq_len - 1) // self.runner.kv_cache.block_size
-        self.cold = ColdPlanner(tier, self.runner.kv_cache, self.runner.cold_summaries, max_prefix_blocks)
+        self.cold = ColdPlanner(
+            tier, self.runner.kv_cache, self.runner.cold_summaries, max_prefix_blocks, self.scheduler.classes
+        )
         self.scheduler.cold = self.cold
 
     def _wake(self) -> None:

@@ -1,12 +1,19 @@
 """The cold tier's client side: kvstore calls off the engine thread, and what they report back.
 
-The engine thread never waits on the kvstore. It hands jobs to two daemon threads (a writer for
-puts and deletes, a loader for lookups and gets) and, once per step, drains what they report
-(`take_outcomes`). Every call has a deadline; a failed call (UNAVAILABLE, deadline, a corrupt or
-undecodable block) is an outcome with a reason, after which calls are skipped for
-`retry_after_s` (loads only: nothing waits for a write), so a store that is down costs one deadline,
-not one per request. The caller
-then attends over hot + warm only: a request degrades, it never fails for the cold tier.
+The engine thread never waits on the kvstore. It hands jobs to three daemon threads (a writer for
+puts, deletes and prefetches, a prefix loader, a window loader) and, once per step, drains what
+they report (`take_outcomes`). Prefix and window loads have a thread each so that one long prefix
+transfer does not hold a decoding request's window behind it. Every call has a deadline; a failed
+call (UNAVAILABLE, deadline, a corrupt or undecodable block) is an outcome with a reason, after
+which loads are skipped for `retry_after_s` (nothing waits for a write), so a store that is down
+costs one deadline, not one per request. The caller then attends over hot + warm only: a request
+degrades, it never fails for the cold tier.
+
+A prefix load holds a new request, so it has a deadline of its own (`Job.deadline_s`, set by the
+caller from the request's budget): its calls get no more than what is left of it, and when it
+passes first (a store that streams slowly, or a load queued behind another), a `gave_up` outcome
+comes at once from a watch thread, so the request goes on to compute its prompt while the loader
+finishes with the blocks it writes.
 
 Token pruning (`prune_tokens`). Only demoted blocks are pruned: they come back solely through the
 auxiliary window, under a per-request name, while prompt blocks (prefix reuse) are stored raw under
@@ -60,6 +67,7 @@ from services.common.kvstore_api import (
     MissReason,
     Namespace,
 )
+from services.engine.kv.deadline_watch import DeadlineWatch, WatchId
 from services.engine.kv.prefix_fetch import PrefixFetcher, PrefixLayout, PrefixSink
 
 logger = logging.getLogger(__name__)
@@ -81,7 +89,12 @@ class ColdTierConfig:
 
     target: str = ""  # host:port of the kvstore service
     deadline_ms: int = 1000  # lookups, deletes and window gets; past it the engine carries on
-    transfer_deadline_ms: int = 30_000  # a prefix get and every put (a long prefix is many MB)
+    transfer_deadline_ms: int = 30_000  # every put, and at most a prefix load (a long prefix is many MB)
+    # The longest a new request waits for its stored prefix, lookup and transfer together (the
+    # caller also keeps it within half its class's queue timeout); past it the prompt is computed.
+    # 8B's 32K-token prefix loads in 0.33 s on the H200 and is computed in 1.9 s
+    # (bench/results/cold_tier_h200_2026-12-03_pipelined.md): a load this slow is a slow store.
+    prefix_load_deadline_ms: int = 5_000
     retry_after_s: float = 5.0  # after a failed call, loads are skipped this long
     prefix_reuse: bool = True  # store computed prompt blocks; load a new prompt's stored prefix
     retrieval_mode: RetrievalMode = RetrievalMode.OFF  # default for requests and classes that set none
@@ -112,10 +125,9 @@ class ColdTierConfig:
     codec: CodecSettings = field(default_factory=CodecSettings)
 
     def __post_init__(self) -> None:
-        if self.deadline_ms < 1 or self.transfer_deadline_ms < 1:
-            raise ValueError(
-                f"kvstore deadlines must be >= 1 ms, got {self.deadline_ms} and {self.transfer_deadline_ms}"
-            )
+        deadlines = (self.deadline_ms, self.transfer_deadline_ms, self.prefix_load_deadline_ms)
+        if min(deadlines) < 1:
+            raise ValueError(f"kvstore deadlines must be >= 1 ms, got {deadlines}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.score_layer < -1:
@@ -149,8 +161,8 @@ class Operation(enum.Enum):
     DELETE = "delete"
 
 
-# on the loader thread, and skipped while backing off; the rest (PREFETCH too: nothing waits for
-# it) go on the writer thread, so that no load queues behind them
+# on the loader threads (one each), and skipped while backing off; the rest (PREFETCH too: nothing
+# waits for it) go on the writer thread, so that no load queues behind them
 LOADS = frozenset({Operation.LOAD_PREFIX, Operation.LOAD_WINDOW})
 
 
@@ -184,6 +196,9 @@ class Outcome:
     detail: str = ""
     prefix_blocks: int = 0  # LOAD_PREFIX: its leading run of blocks, written into the job's sink
     num_read_locally: int = 0  # LOAD_PREFIX: of those, blocks read from the segment files directly
+    # LOAD_PREFIX: its deadline passed first, so its request goes on without it; the load's own
+    # outcome (its blocks are the loader's until then) still follows
+    gave_up: bool = False
 
 
 class BlockToStore(NamedTuple):
@@ -209,10 +224,12 @@ class Job:
     layout: PrefixLayout | None = None  # LOAD_PREFIX: how its blocks land on the host
     sink: PrefixSink | None = None  # LOAD_PREFIX: where they go (hot blocks allocated for them)
     fence: torch.cuda.Event | None = None  # LOAD_PREFIX: device work its blocks' writes go after
+    deadline_s: float | None = None  # LOAD_PREFIX: when (monotonic) its request stops waiting for it
+    watch_id: WatchId | None = None  # LOAD_PREFIX: its give-up, pending in the deadline watch
 
 
 class ColdTier:
-    """Owns the kvstore client and its two threads. `submit_*` queue work; `take_outcomes` drains.
+    """Owns the kvstore client and its threads. `submit_*` queue work; `take_outcomes` drains.
 
     Every call changes only this object's queues; the engine state the outcomes refer to is
     changed by the engine thread when it takes them.
@@ -238,12 +255,18 @@ class ColdTier:
         self._wake = wake
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._writes: queue.Queue[Job | None] = queue.Queue()
-        self._loads: queue.Queue[Job | None] = queue.Queue()
+        self._prefix_loads: queue.Queue[Job | None] = queue.Queue()
+        self._window_loads: queue.Queue[Job | None] = queue.Queue()
+        self._give_ups = DeadlineWatch("kvstore-prefix-deadlines")
         self._down_until = 0.0
         self._fenced: list[Job] = []  # prefix loads held until the tier moves before them are queued
         self._threads = [
-            threading.Thread(target=self._serve, args=(self._writes,), name="kvstore-writer", daemon=True),
-            threading.Thread(target=self._serve, args=(self._loads,), name="kvstore-loader", daemon=True),
+            threading.Thread(target=self._serve, args=(jobs,), name=name, daemon=True)
+            for jobs, name in (
+                (self._writes, "kvstore-writer"),
+                (self._prefix_loads, "kvstore-prefix-loader"),
+                (self._window_loads, "kvstore-window-loader"),
+            )
         ]
         for thread in self._threads:
             thread.start()
@@ -263,18 +286,36 @@ class ColdTier:
         return time.monotonic() < self._down_until
 
     def submit(self, job: Job) -> None:
-        """Queue a job: loads on the loader thread, everything else on the writer.
+        """Queue a job: each kind of load on its loader thread, everything else on the writer.
 
         A store slower than the engine would grow the queue (and the host copies it holds) without
         bound: past MAX_QUEUED_JOBS a job is refused at once, as if the store were down.
         """
-        jobs = self._loads if job.operation in LOADS else self._writes
+        jobs = self._queue_for(job.operation)
         if jobs.qsize() >= MAX_QUEUED_JOBS:
-            self._report(
-                Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail="queue full")
-            )
+            self._refuse(job, "queue full")
             return
+        if job.operation is Operation.LOAD_PREFIX and job.deadline_s is not None:
+            job = dataclasses.replace(job, watch_id=self._give_ups.at(job.deadline_s, self._giving_up(job)))
         jobs.put(job)
+
+    def _queue_for(self, operation: Operation) -> queue.Queue[Job | None]:
+        if operation is Operation.LOAD_PREFIX:
+            return self._prefix_loads
+        return self._window_loads if operation is Operation.LOAD_WINDOW else self._writes
+
+    def _refuse(self, job: Job, detail: str) -> None:
+        """Report a job not queued, as if the store were down."""
+        self._report(Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail=detail))
+
+    def _giving_up(self, job: Job) -> Callable[[], None]:
+        """What the watch runs when a prefix load's deadline passes before its outcome."""
+        assert job.deadline_s is not None
+        budget_s = job.deadline_s - time.monotonic()
+        detail = f"the stored prefix did not come within its {budget_s:.3g} s; the prompt is computed"
+        return lambda: self._report(
+            Outcome(job.operation, job.owner, degraded=Degradation.DEADLINE, detail=detail, gave_up=True)
+        )
 
     def take_outcomes(self) -> list[Outcome]:
         """Every outcome reported since the last call (engine thread)."""
@@ -323,15 +364,16 @@ class ColdTier:
 
     def flush(self) -> None:
         """Wait until every job queued so far is done (benchmarks, shutdown)."""
-        self._writes.join()
-        self._loads.join()
+        for jobs in (self._writes, self._prefix_loads, self._window_loads):
+            jobs.join()
 
     def close(self) -> None:
         """Stop the threads after the queued jobs, then close the channel."""
-        for jobs in (self._writes, self._loads):
+        for jobs in (self._writes, self._prefix_loads, self._window_loads):
             jobs.put(None)
         for thread in self._threads:
             thread.join(timeout=max(1.0, 4 * self.config.deadline_ms / 1000))
+        self._give_ups.close()
         self._prefixes.close()
         self._client.close()
 
@@ -360,8 +402,18 @@ class ColdTier:
     def _run(self, job: Job) -> Outcome:
         """One job's calls. Loads are skipped while backing off (a request may be waiting for them);
         writes are always tried: nothing waits for them, and they find out when the store is back."""
+        try:
+            return self._try(job)
+        finally:
+            if job.watch_id is not None:
+                self._give_ups.cancel(job.watch_id)
+
+    def _try(self, job: Job) -> Outcome:
         if self.is_backing_off and job.operation in LOADS:
             return Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail="backing off")
+        if job.deadline_s is not None and job.deadline_s <= time.monotonic():
+            late = "its deadline passed in the queue"
+            return Outcome(job.operation, job.owner, degraded=Degradation.DEADLINE, detail=late)
         namespace = Namespace(store_tenant(job.tenant), self.model_id)
         call = CallOptions(namespace, self.config.deadline_ms / 1000, job.trace_metadata)
         try:
@@ -393,7 +445,9 @@ class ColdTier:
         """Write the longest run of `job.hashes` the store holds and serves intact, from the first,
         into the job's sink; the outcome comes once it has all landed."""
         assert job.layout is not None and job.sink is not None, "a prefix load says where its blocks go"
-        transfer = dataclasses.replace(call, timeout_s=self.config.transfer_deadline_ms / 1000)
+        left_s = self._prefix_time_left(job)
+        transfer = dataclasses.replace(call, timeout_s=left_s)  # the whole load, its lookups too
+        call = dataclasses.replace(call, timeout_s=min(self.config.deadline_ms / 1000, left_s))
         if job.fence is not None:
             job.sink.wait_for(job.fence)
         fetched = self._prefixes.fetch(job.hashes, job.layout, job.sink, call, transfer)
@@ -409,6 +463,13 @@ class ColdTier:
             num_read_locally=fetched.num_read_locally,
             detail=f"block {fetched.first_bad[:16]} missing or corrupt: the loaded prefix ends before it",
         )  # fmt: skip
+
+    def _prefix_time_left(self, job: Job) -> float:
+        """Seconds a prefix load may still take: to its deadline, at most the transfer deadline."""
+        left_s = self.config.transfer_deadline_ms / 1000
+        if job.deadline_s is not None:
+            left_s = min(left_s, job.deadline_s - time.monotonic())
+        return max(left_s, 1e-3)
 
     def _loaded(
         self, job: Job, fetched: Mapping[str, FetchedBlock | MissReason], page_tokens: int

@@ -126,8 +126,10 @@ class PrefixFetcher:
         transfer: CallOptions,
     ) -> FetchedPrefix:
         """Write the longest run of `hashes`, from the first, that the store holds and serves
-        intact into `sink`; returns once all of it has landed. `call` bounds each lookup, `transfer`
-        the reads."""
+        intact into `sink`; returns once all of it has landed. `call` bounds the lookups, `transfer`
+        the whole fetch (a store that answers lookups at once and streams slowly must not hold
+        the request longer than it can afford)."""
+        began = time.monotonic()
         kv = self._host_buffer(len(hashes), layout)
         payloads = _payload_views(kv, layout.payload_bytes)
         try:
@@ -139,8 +141,9 @@ class PrefixFetcher:
                 )
             if stream_from is None:
                 return FetchedPrefix(num_local, num_local, None)
+            left = _remaining(transfer, began)
             num_streamed, first_bad = self._stream(
-                hashes[stream_from:], payloads[stream_from:], call, transfer
+                hashes[stream_from:], payloads[stream_from:], _no_longer_than(call, left), left
             )
             if num_streamed:
                 sink.write(stream_from, kv[stream_from : stream_from + num_streamed])
@@ -257,6 +260,13 @@ def _remaining(call: CallOptions, began: float) -> CallOptions:
         return call
     left = call.timeout_s - (time.monotonic() - began)
     return dataclasses.replace(call, timeout_s=max(left, 1e-3))
+
+
+def _no_longer_than(call: CallOptions, limit: CallOptions) -> CallOptions:
+    """`call`, its deadline cut down to `limit`'s."""
+    if limit.timeout_s is None or (call.timeout_s is not None and call.timeout_s <= limit.timeout_s):
+        return call
+    return dataclasses.replace(call, timeout_s=limit.timeout_s)
 
 
 def _leading(hashes: Sequence[str], present: set[str]) -> list[str]:

@@ -7,7 +7,8 @@ Three uses of the kvstore, each falling back to hot + warm when the store is dow
   the load starts, and the loader thread writes the blocks into them as they come off the store
   (services/engine/kv/prefix_fetch.py); the request then maps them instead of computing them. The
   blocks are the load's alone until its outcome is taken, even when the request is cancelled
-  meanwhile: the loader may still be writing them.
+  meanwhile: the loader may still be writing them. The wait is bounded by what the request can
+  afford (`prefix_load_budget_s`): past it the request stops waiting and computes its prompt.
 - **Demotion.** With the auxiliary window on, a warm group that leaves the warm tier is stored
   INT2 instead of being dropped, and its summary key stays in device memory.
 - **The auxiliary window** (Quest). Every `score_every_steps` decode steps, the query of one layer
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -38,6 +40,7 @@ from services.engine.kv.cold_tier import (
     Outcome,
 )
 from services.engine.kv.prefix_fetch import PrefixLayout
+from services.engine.scheduling.intent_class import IntentClasses
 from services.engine.scheduling.sequence import ColdPrefix, RequestId, Sequence
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,10 @@ MAX_REMEMBERED_PREFIX_BLOCKS = 1 << 16  # prompt blocks known stored, so they ar
 # instead. Those blocks belong to no running request, so preemption cannot take them back: without
 # a bound, a burst of long prefix hits could leave running requests no room to grow.
 MAX_PREFIX_LOAD_SHARE = 0.5
+# At most this share of its class's queue timeout is a new request held for its stored prefix: the
+# hold counts as queue wait, and a store that gives nothing in time must leave the request the
+# rest to be admitted and compute its prompt.
+PREFIX_LOAD_QUEUE_SHARE = 0.5
 
 
 @dataclass
@@ -69,9 +76,15 @@ class ColdPlanner:
     """Owns the engine's view of the cold tier; every call runs on the engine thread."""
 
     def __init__(
-        self, tier: ColdTier, kv_cache: KVCache, summaries: ColdSummaries, max_prefix_blocks: int = 0
+        self,
+        tier: ColdTier,
+        kv_cache: KVCache,
+        summaries: ColdSummaries,
+        max_prefix_blocks: int = 0,
+        classes: IntentClasses | None = None,
     ) -> None:
         self.tier = tier
+        self.classes = classes  # their queue timeouts bound prefix loads (None: the config alone)
         self.summaries = summaries
         self.config: ColdTierConfig = tier.config
         self.kv_cache = kv_cache
@@ -136,9 +149,18 @@ class ColdPlanner:
         job = Job(
             Operation.LOAD_PREFIX, seq, seq.cache_salt, seq.trace_metadata, names,
             layout=self._prefix_layout, sink=self.kv_cache.prefix_writer(block_ids),
+            deadline_s=time.monotonic() + self.prefix_load_budget_s(seq),
         )  # fmt: skip
         self.tier.submit_after_moves(job)  # the blocks' earlier device work first
         return True
+
+    def prefix_load_budget_s(self, seq: Sequence) -> float:
+        """How long `seq` may wait for its stored prefix: the configured cap, and at most
+        PREFIX_LOAD_QUEUE_SHARE of its class's queue timeout."""
+        cap_s = min(self.config.prefix_load_deadline_ms, self.config.transfer_deadline_ms) / 1000
+        if self.classes is None:
+            return cap_s
+        return min(cap_s, PREFIX_LOAD_QUEUE_SHARE * self.classes.get(seq.intent_class).queue_timeout_s)
 
     def take_held(self, request_id: RequestId) -> Sequence | None:
         """Stop waiting for a held request's prefix (cancel). Its load's blocks are freed when its
@@ -337,19 +359,33 @@ class ColdPlanner:
         for outcome in self.tier.take_outcomes():
             seq = outcome.owner
             assert isinstance(seq, Sequence)
+            if outcome.operation is Operation.LOAD_PREFIX:
+                self._prefix_outcome(seq, outcome, ready)
+                continue
             if outcome.degraded is not None and outcome.operation is not Operation.PREFETCH:
                 # a failed prefetch leaves the request's attention as it was (not a degradation);
                 # like any failed call, it starts the loads' backoff
                 self._degrade(seq, outcome.operation, outcome.degraded, outcome.detail)
-            if outcome.operation is Operation.LOAD_PREFIX:
-                self._prefix_loaded(seq, outcome, ready)
-            elif outcome.operation is Operation.STORE_PREFIX:
+            if outcome.operation is Operation.STORE_PREFIX:
                 self._prefix_stored(outcome)
             elif outcome.operation is Operation.DEMOTE:
                 self._demoted(seq, outcome)
             elif outcome.operation is Operation.LOAD_WINDOW and not seq.is_finished and outcome.loaded:
                 self._map_window(seq, outcome.loaded)
         return ready
+
+    def _prefix_outcome(self, seq: Sequence, outcome: Outcome, ready: list[Sequence]) -> None:
+        """A prefix load ended, or its deadline passed first (`gave_up`): then the request stops
+        waiting and computes its prompt, and the load's blocks stay its own until it ends. A
+        degradation counts once, for a request still waiting (not a cancelled or released one)."""
+        is_waiting = seq.request_id in self._held
+        if outcome.degraded is not None and is_waiting:
+            self._degrade(seq, outcome.operation, outcome.degraded, outcome.detail)
+        if not outcome.gave_up:
+            self._prefix_loaded(seq, outcome, ready)
+        elif is_waiting:
+            del self._held[seq.request_id]
+            ready.append(seq)
 
     def _prefix_loaded(self, seq: Sequence, outcome: Outcome, ready: list[Sequence]) -> None:
         """The loader is done with the load's blocks: the written run waits for the request's

@@ -33,6 +33,7 @@ from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.sequence import RequestId, Sequence
 from services.engine.serving.generation_result import GenerationResult, ResultCollector
 from services.engine.text.detokenizer import IncrementalDetokenizer
+from tests.engine.fake_clock import FakeClock
 from tests.engine.paged_helpers import ONE_HEAD, make_cache
 from tests.kvstore.conftest import KVStoreProcess, RedisServer
 
@@ -44,7 +45,7 @@ STORY = (
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 BLOCK_SIZE = 16
 # A healthy store on a loaded 2-core CI box can take seconds; only the frozen-store test is about time.
-HEALTHY = {"deadline_ms": 60_000, "transfer_deadline_ms": 120_000}
+HEALTHY = {"deadline_ms": 60_000, "transfer_deadline_ms": 120_000, "prefix_load_deadline_ms": 120_000}
 # A hot window and a warm tier of two groups each: a story's prompt sends most of its groups cold.
 WINDOW_TIERS = TierConfig(enabled=True, sink_tokens=4, hot_tokens=32, warm_tokens=32, group_size=16)
 
@@ -543,17 +544,19 @@ def test_a_request_that_expires_in_the_queue_lets_its_loaded_prefix_go(
     stories_hf_dir: Path, kvstore: KVStoreProcess
 ) -> None:
     """Its prefix came back, but the batch was full and its queue timeout ran out: the hot blocks
-    its prefix was loaded into must go back to the pool, not stay with a request that never maps them."""
+    its prefix was loaded into must go back to the pool, not stay with a request that never maps them.
+    (The queue's clock is the test's: the load's own deadline, half the queue timeout, is real time.)"""
     cold = ColdTierConfig(target=kvstore.target, **HEALTHY)
     first = load_engine(stories_hf_dir, cold)
     prompt = long_prompt(first)
     store_prefix(first, prompt)
-    impatient = IntentClasses({DEFAULT_CLASS: IntentClass(DEFAULT_CLASS, queue_timeout_s=1e-9)})
+    classes = IntentClasses({DEFAULT_CLASS: IntentClass(DEFAULT_CLASS, queue_timeout_s=120.0)})
     second = LLMEngine.load(
         stories_hf_dir, device="cpu", dtype="bfloat16", max_batch_size=1, max_seq_len=512, progress=False,
-        kv=KVCacheSpec(block_size=BLOCK_SIZE), cold=cold, classes=impatient,
+        kv=KVCacheSpec(block_size=BLOCK_SIZE), cold=cold, classes=classes,
     )  # fmt: skip
     assert second.cold is not None
+    second.scheduler.clock = clock = FakeClock()
     busy = ResultCollector([1, 2, 3])
     handle = second.submit(
         [1, 2, 3], SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True), busy
@@ -561,9 +564,14 @@ def test_a_request_that_expires_in_the_queue_lets_its_loaded_prefix_go(
     second.step()  # the only batch slot is taken
     waiting = ResultCollector(prompt)
     second.submit(prompt, GREEDY, waiting)
+    second.step()  # it arrives: its prefix load starts
+    second.cold.tier.flush()
+    while second.cold.num_held:  # until its prefix is back and it waits in the queue
+        second.step()
+    assert second.cold.num_load_blocks == (len(prompt) - 1) // BLOCK_SIZE
+    clock.now += 121.0
     while not waiting.done.is_set():
         second.step()
-        second.cold.tier.flush()
     assert waiting.result().error is not None  # expired in the queue
     with KVStoreClient(kvstore.target, Namespace(DEFAULT_TENANT, first.model_id)) as client:
         served = client.stats()
