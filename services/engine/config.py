@@ -55,6 +55,8 @@ class EngineConfig:
     `_KVSTORE_TRANSFER_DEADLINE_MS` (every put, and at most a prefix load; default 30000),
     `_KVSTORE_PREFIX_LOAD_DEADLINE_MS` (how long a new request waits for its stored prefix, and at
     most half its class's queue timeout; then it computes the prompt; default 5000),
+    `_KVSTORE_WRITE_BUFFER_MB` (host memory writes may hold while they wait for the kvstore; a
+    write past it is dropped; default 2048),
     `_KVSTORE_RETRY_AFTER_S` (loads skipped after a failure, default 5), `_COLD_PREFIX_REUSE`
     (store prompt blocks, load stored prefixes; default on),
     `_RETRIEVAL_MODE` (off or semantic: the default of requests and classes that set none),
@@ -184,6 +186,7 @@ def _cold_from_env(prefix: str, environ: Mapping[str, str] | None) -> ColdTierCo
         prefix_load_deadline_ms=env.get_int(
             prefix + "KVSTORE_PREFIX_LOAD_DEADLINE_MS", defaults.prefix_load_deadline_ms, environ
         ),
+        write_buffer_mb=env.get_int(prefix + "KVSTORE_WRITE_BUFFER_MB", defaults.write_buffer_mb, environ),
         retry_after_s=env.get_float(prefix + "KVSTORE_RETRY_AFTER_S", defaults.retry_after_s, environ),
         prefix_reuse=env.get_bool(prefix + "COLD_PREFIX_REUSE", defaults.prefix_reuse, environ),
         retrieval_mode=_choice(prefix + "RETRIEVAL_MODE", RetrievalMode, defaults.retrieval_mode, environ),

@@ -49,7 +49,7 @@ BATCH_SIZE = Histogram(
 COLD_DEGRADATIONS = Counter(
     "thermocline_engine_kv_cold_degradations",
     "kvstore calls that gave nothing, so requests fell back to hot + warm, by operation and reason "
-    "(unavailable, deadline, corrupt, error).",
+    "(unavailable, deadline, corrupt, error; dropped: a write with no room to wait for the store).",
     ["operation", "reason"],
 )
 COLD_BLOCKS = Counter(

@@ -15,6 +15,12 @@ passes first (a store that streams slowly, or a load queued behind another), a `
 comes at once from a watch thread, so the request goes on to compute its prompt while the loader
 finishes with the blocks it writes.
 
+Writes hold host copies of their blocks until their put returns, so they are bounded in bytes
+(`write_buffer_mb`) as well as in jobs: a write past either bound is dropped at once (DROPPED),
+never queued behind a store that is slower than the engine. The cold tier is a cache, not a
+promise: a dropped prompt block is computed again next time, a dropped demotion is lost as
+without a cold tier.
+
 Token pruning (`prune_tokens`). Only demoted blocks are pruned: they come back solely through the
 auxiliary window, under a per-request name, while prompt blocks (prefix reuse) are stored raw under
 their content hash, so no stored block serves both uses and a reused prefix stays lossless. The
@@ -69,6 +75,7 @@ from services.common.kvstore_api import (
 )
 from services.engine.kv.deadline_watch import DeadlineWatch, WatchId
 from services.engine.kv.prefix_fetch import PrefixFetcher, PrefixLayout, PrefixSink
+from services.engine.kv.write_buffer import WriteBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +102,10 @@ class ColdTierConfig:
     # 8B's 32K-token prefix loads in 0.33 s on the H200 and is computed in 1.9 s
     # (bench/results/cold_tier_h200_2026-12-03_pipelined.md): a load this slow is a slow store.
     prefix_load_deadline_ms: int = 5_000
+    # Host memory that writes (prompt blocks, demoted groups) may hold while they wait for the
+    # store; a write past it is dropped and counted. One write is always taken when none waits
+    # (so 0: one write at a time), however large: an 8B prefill chunk of 16K tokens is 2 GiB.
+    write_buffer_mb: int = 2048
     retry_after_s: float = 5.0  # after a failed call, loads are skipped this long
     prefix_reuse: bool = True  # store computed prompt blocks; load a new prompt's stored prefix
     retrieval_mode: RetrievalMode = RetrievalMode.OFF  # default for requests and classes that set none
@@ -128,6 +139,8 @@ class ColdTierConfig:
         deadlines = (self.deadline_ms, self.transfer_deadline_ms, self.prefix_load_deadline_ms)
         if min(deadlines) < 1:
             raise ValueError(f"kvstore deadlines must be >= 1 ms, got {deadlines}")
+        if self.write_buffer_mb < 0:
+            raise ValueError(f"write_buffer_mb must be >= 0, got {self.write_buffer_mb}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.score_layer < -1:
@@ -173,6 +186,7 @@ class Degradation(enum.Enum):
     DEADLINE = "deadline"  # slower than its deadline
     CORRUPT = "corrupt"  # a block the store reported corrupt, or one that does not decode
     ERROR = "error"  # any other status
+    DROPPED = "dropped"  # a write with no room in the engine's queue (the store is slower than the engine)
 
 
 class LoadedBlock(NamedTuple):
@@ -227,6 +241,11 @@ class Job:
     deadline_s: float | None = None  # LOAD_PREFIX: when (monotonic) its request stops waiting for it
     watch_id: WatchId | None = None  # LOAD_PREFIX: its give-up, pending in the deadline watch
 
+    @property
+    def num_bytes(self) -> int:
+        """Host memory its blocks hold (a write)."""
+        return sum(b.keys.nbytes + b.values.nbytes for b in self.blocks)
+
 
 class ColdTier:
     """Owns the kvstore client and its threads. `submit_*` queue work; `take_outcomes` drains.
@@ -258,6 +277,7 @@ class ColdTier:
         self._prefix_loads: queue.Queue[Job | None] = queue.Queue()
         self._window_loads: queue.Queue[Job | None] = queue.Queue()
         self._give_ups = DeadlineWatch("kvstore-prefix-deadlines")
+        self._write_buffer = WriteBuffer(config.write_buffer_mb * 2**20)
         self._down_until = 0.0
         self._fenced: list[Job] = []  # prefix loads held until the tier moves before them are queued
         self._threads = [
@@ -289,11 +309,15 @@ class ColdTier:
         """Queue a job: each kind of load on its loader thread, everything else on the writer.
 
         A store slower than the engine would grow the queue (and the host copies it holds) without
-        bound: past MAX_QUEUED_JOBS a job is refused at once, as if the store were down.
+        bound: past MAX_QUEUED_JOBS a job is refused at once, a load as if the store were down, and
+        a write is dropped, as it is when the write buffer has no room for its blocks.
         """
         jobs = self._queue_for(job.operation)
         if jobs.qsize() >= MAX_QUEUED_JOBS:
             self._refuse(job, "queue full")
+            return
+        if job.blocks and not self._write_buffer.take(job.num_bytes):
+            self._refuse(job, f"write buffer full: {self._write_buffer.describe()}")
             return
         if job.operation is Operation.LOAD_PREFIX and job.deadline_s is not None:
             job = dataclasses.replace(job, watch_id=self._give_ups.at(job.deadline_s, self._giving_up(job)))
@@ -305,8 +329,14 @@ class ColdTier:
         return self._window_loads if operation is Operation.LOAD_WINDOW else self._writes
 
     def _refuse(self, job: Job, detail: str) -> None:
-        """Report a job not queued, as if the store were down."""
-        self._report(Outcome(job.operation, job.owner, degraded=Degradation.UNAVAILABLE, detail=detail))
+        """Report a job not queued: a load as if the store were down, a write as dropped."""
+        reason = Degradation.UNAVAILABLE if job.operation in LOADS else Degradation.DROPPED
+        self._report(Outcome(job.operation, job.owner, degraded=reason, detail=detail))
+
+    @property
+    def num_write_bytes(self) -> int:
+        """Host memory held by writes queued or in flight."""
+        return self._write_buffer.num_bytes
 
     def _giving_up(self, job: Job) -> Callable[[], None]:
         """What the watch runs when a prefix load's deadline passes before its outcome."""
@@ -393,6 +423,8 @@ class ColdTier:
                         Outcome(job.operation, job.owner, degraded=Degradation.ERROR, detail=str(error))
                     )
             finally:
+                if job is not None and job.blocks:
+                    self._write_buffer.give_back(job.num_bytes)
                 jobs.task_done()
 
     def _report(self, outcome: Outcome) -> None:
