@@ -38,11 +38,12 @@ class BlockWait(NamedTuple):
 
 @dataclass
 class PutInFlight:
-    """One put between its first append and its commit: the segment active when it began, the keys
-    it has claimed and not yet settled, the records awaiting their commit, the blocks waiting on
-    other puts (payloads held until then), and what it has stored or found present so far."""
+    """One put between its first append and its commit: the keys it has claimed and not yet
+    settled, the records awaiting their commit, the blocks waiting on other puts (payloads held
+    until then), what it has stored or found present so far, and, while a record of it is being
+    written, the segment that was active when that write began (the record lands there or later)."""
 
-    floor_segment_id: int
+    appending_from: int | None = None
     claimed: set[StoreKey] = field(default_factory=set)
     pending: list[PendingWrite] = field(default_factory=list)
     waits: list[BlockWait] = field(default_factory=list)

@@ -147,9 +147,8 @@ class Compactor:
     def _is_candidate(self, segment_id: int, live_bytes: int) -> bool:
         if segment_id >= self.store.writer.segment_id:
             return False  # the active segment (and any opened during this pass)
-        floor = self.store.oldest_write_floor
-        if floor is not None and segment_id >= floor:
-            return False  # a put in flight may have records here with no index entry yet
+        if self.store.is_pinned(segment_id):
+            return False  # a put in flight has records here with no index entry yet
         size = segment_path(self.store.config.segments_dir, segment_id).stat().st_size
         return live_bytes < self.store.config.compact_live_ratio * size
 
@@ -193,7 +192,7 @@ class Compactor:
         claims = self.store.claims
         if claims.outcome(tombstone.key) is not None:
             raise SegmentBusy(f"a put of key {tombstone.key.hex()[:12]}… is in flight")
-        holder = PutInFlight(self.store.writer.segment_id)
+        holder = PutInFlight()
         claims.claim(holder, tombstone.key)
         try:
             _, seq = await self.store.writer.append(tombstone)

@@ -34,6 +34,10 @@ class StoreConfig:
     max_hashes_per_call: int = 4096
     compact_live_ratio: float = 0.5
     maintenance_interval_s: float = 10.0
+    # PutBlocks and GetBlocks served at once (each holds up to a block in memory: streams.py)
+    max_streams: int = 32
+    # a PutBlocks that sends nothing for this long is ended (DEADLINE_EXCEEDED)
+    stream_idle_s: float = 30.0
     # Hand out record locations (LocateBlocks) so a caller on this host reads segments itself. Off by
     # default: the caller must see this store's data dir at the same path, and can then read every
     # tenant's records from the files; only the engine should be given that (docs/kvstore.md).
@@ -52,6 +56,11 @@ class StoreConfig:
             raise ValueError(f"the compaction live ratio must be in (0, 1), got {self.compact_live_ratio}")
         if self.chunk_bytes < KIB or self.num_prefetch_workers < 1 or self.max_hashes_per_call < 1:
             raise ValueError("chunks must be >= 1 KiB, and prefetch workers and hashes per call >= 1")
+        if self.max_streams < 1 or self.stream_idle_s <= 0:
+            raise ValueError(
+                f"the kvstore needs max streams >= 1 and a stream idle limit > 0 s, got {self.max_streams} "
+                f"and {self.stream_idle_s} s"
+            )
 
     @property
     def segments_dir(self) -> Path:
@@ -117,4 +126,6 @@ def _store_from_env(environ: Mapping[str, str] | None, max_message_bytes: int) -
         compact_live_ratio=env.get_float(prefix + "COMPACT_LIVE_RATIO", 0.5, environ),
         maintenance_interval_s=env.get_float(prefix + "MAINTENANCE_S", 10.0, environ),
         serve_locations=env.get_bool(prefix + "SERVE_LOCATIONS", False, environ),
+        max_streams=env.get_int(prefix + "MAX_STREAMS", 32, environ),
+        stream_idle_s=env.get_float(prefix + "STREAM_IDLE_S", 30.0, environ),
     )

@@ -29,6 +29,14 @@ BLOCK_LOOKUPS = Counter(
     "thermocline_kvstore_block_lookups", "Blocks asked for by hash, by result (hit or miss).", ["result"]
 )
 STORED_BYTES = Gauge("thermocline_kvstore_stored_bytes", "Bytes held in live segment records.")
+OPEN_STREAMS = Gauge(
+    "thermocline_kvstore_open_streams", "Block streams being served, by RPC (put, get).", ["rpc"]
+)
+STREAMS_REFUSED = Counter(
+    "thermocline_kvstore_streams_refused",
+    "Block streams refused because THERMOCLINE_KVSTORE_MAX_STREAMS were open, by RPC (put, get).",
+    ["rpc"],
+)
 CAPACITY_BYTES = Gauge("thermocline_kvstore_capacity_bytes", "Bytes the store may hold before evicting.")
 
 
@@ -40,3 +48,6 @@ def init_kvstore_metrics(capacity_bytes: int) -> None:
         ERRORS.labels(operation)
     for result in ("hit", "miss"):
         BLOCK_LOOKUPS.labels(result)
+    for rpc in ("put", "get"):
+        OPEN_STREAMS.labels(rpc)
+        STREAMS_REFUSED.labels(rpc)

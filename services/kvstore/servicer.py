@@ -7,7 +7,7 @@ status codes (INVALID_ARGUMENT for a malformed call, UNAVAILABLE while Redis is 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -22,6 +22,7 @@ from services.kvstore.dir_lock import DataDirLock
 from services.kvstore.keys import Namespace, check_hash
 from services.kvstore.results import BlockLocated, StoreStats
 from services.kvstore.store import BlockStore
+from services.kvstore.streams import StreamSlots, within_idle_limit
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -105,17 +106,17 @@ class BlockAssembler:
             )
 
 
-def block_chunks(found: BlockFound, chunk_bytes: int) -> list[pb.GetBlocksResponse]:
-    """One served block as reply messages: the header with the first chunk, then the rest."""
+def block_chunks(found: BlockFound, chunk_bytes: int) -> Iterator[pb.GetBlocksResponse]:
+    """One served block as reply messages: the header with the first chunk, then the rest, each
+    copied out of the payload only when it is sent (not the whole block up front)."""
     record = found.record
     header = pb.BlockHeader(
         block_hash=found.block_hash, codec=record.codec, shape=record.shape, payload_bytes=len(record.payload)
     )
     payload = memoryview(record.payload)
-    replies = [pb.GetBlocksResponse(header=header, data=bytes(payload[:chunk_bytes]), source=found.source)]
+    yield pb.GetBlocksResponse(header=header, data=bytes(payload[:chunk_bytes]), source=found.source)
     for start in range(chunk_bytes, len(payload), chunk_bytes):
-        replies.append(pb.GetBlocksResponse(data=bytes(payload[start : start + chunk_bytes])))
-    return replies
+        yield pb.GetBlocksResponse(data=bytes(payload[start : start + chunk_bytes]))
 
 
 def stats_to_pb(stats: StoreStats) -> pb.GetStatsResponse:
@@ -160,6 +161,7 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
         self._dir_lock = dir_lock  # taken by the process before it serves; the store releases it
         self._store: BlockStore | None = None
         self.compactor: Compactor | None = None
+        self.streams = StreamSlots(config.store.max_streams)
 
     async def start(self) -> None:
         """Opens the store (rebuilding the index if Redis lost it) and starts its maintenance."""
@@ -182,10 +184,12 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
         return self._store
 
     async def PutBlocks(self, request_iterator: AsyncIterator[pb.PutBlocksRequest], context: Any) -> Any:
-        started, store = time.perf_counter(), self.store
-        assembler = BlockAssembler(self.config.store.max_block_bytes)
-        with store.writing() as put:  # the compactor leaves this put's segments until it has committed
-            async for request in request_iterator:
+        started, store, settings = time.perf_counter(), self.store, self.config.store
+        assembler = BlockAssembler(settings.max_block_bytes)
+        requests = within_idle_limit(request_iterator, settings.stream_idle_s, "PutBlocks")
+        # the compactor leaves the put's records alone until it commits (BlockStore.writing)
+        with self.streams.open("put"), store.writing() as put:
+            async for request in requests:
                 block = assembler.feed(request)
                 if block is not None:
                     assert assembler.namespace is not None
@@ -199,12 +203,13 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
     async def GetBlocks(self, request: pb.GetBlocksRequest, context: Any) -> AsyncIterator[Any]:
         _annotate(len(request.block_hashes))
         namespace = namespace_from_pb(request.namespace)
-        async for outcome in self.store.get(namespace, list(request.block_hashes)):
-            if isinstance(outcome, BlockFound):
-                for reply in block_chunks(outcome, self.config.store.chunk_bytes):
-                    yield reply
-            else:
-                yield pb.GetBlocksResponse(missing_hash=outcome.block_hash, miss_reason=outcome.reason)
+        with self.streams.open("get"):
+            async for outcome in self.store.get(namespace, list(request.block_hashes)):
+                if isinstance(outcome, BlockFound):
+                    for reply in block_chunks(outcome, self.config.store.chunk_bytes):
+                        yield reply
+                else:
+                    yield pb.GetBlocksResponse(missing_hash=outcome.block_hash, miss_reason=outcome.reason)
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> Any:
         _annotate(len(request.block_hashes))

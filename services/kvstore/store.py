@@ -21,7 +21,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import NamedTuple, TypeVar
 
@@ -125,8 +125,7 @@ class BlockStore:
         self._touches: set[asyncio.Task[None]] = set()  # LRU updates of located blocks, in flight
         # set by the compactor: eviction after each commit
         self.on_commit: Callable[[], Awaitable[object]] | None = None
-        # puts in flight, by the active segment when each began (see `writing`)
-        self._write_floors: Counter[int] = Counter()
+        self._puts: list[PutInFlight] = []  # between their first append and their end (`writing`)
         self.claims = KeyClaims()  # keys puts in flight are writing (see claims.py)
 
     @classmethod
@@ -264,25 +263,29 @@ class BlockStore:
 
         A put's records get their index entries only at the commit, after its last block, so until
         then they look dead to the compactor, and a long put's first records lie in segments that
-        rotation has sealed meanwhile. The compactor leaves every segment from the one active when
-        the put began (`oldest_write_floor`) until it ends. The keys the put writes are its own
-        until its commit settles them; a put that fails or is cancelled settles them as failed
-        here, so puts waiting on them write those blocks themselves (claims.py).
+        rotation has sealed meanwhile. The compactor leaves every segment that holds a record of a
+        put in flight with no index entry yet, or may be taking one now (`is_pinned`): only those,
+        so a put stream that idles pins nothing it has not written. The keys the put writes are
+        its own until its commit settles them; a put that fails or is cancelled settles them as
+        failed here, so puts waiting on them write those blocks themselves (claims.py).
         """
-        put = PutInFlight(self.writer.segment_id)
-        self._write_floors[put.floor_segment_id] += 1
+        put = PutInFlight()
+        self._puts.append(put)
         try:
             yield put
         finally:
             self.claims.settle_all(put, is_durable=False)
-            self._write_floors[put.floor_segment_id] -= 1
-            if not self._write_floors[put.floor_segment_id]:
-                del self._write_floors[put.floor_segment_id]
+            self._puts.remove(put)
 
-    @property
-    def oldest_write_floor(self) -> int | None:
-        """The oldest segment a put in flight may have written to; None when none is in flight."""
-        return min(self._write_floors, default=None)
+    def is_pinned(self, segment_id: int) -> bool:
+        """Whether a put in flight has, or may be writing, a record in the segment that the index
+        does not hold yet (the compactor must leave it)."""
+        for put in self._puts:
+            if put.appending_from is not None and segment_id >= put.appending_from:
+                return True
+            if any(write.entry.location.segment_id == segment_id for write in put.pending):
+                return True
+        return False
 
     async def append(self, put: PutInFlight, namespace: Namespace, block: BlockIn) -> None:
         """Writes one block's record for `put` (from `writing`); `commit(put)` makes it durable.
@@ -321,8 +324,12 @@ class BlockStore:
             block.payload,
             created,
         )
-        with disk_errors("put"):
-            location, seq = await self.writer.append(record)
+        put.appending_from = self.writer.segment_id  # pinned from here until it is pending
+        try:
+            with disk_errors("put"):
+                location, seq = await self.writer.append(record)
+        finally:
+            put.appending_from = None
         entry = IndexEntry(location, block.codec, namespace.tenant, created)
         put.pending.append(PendingWrite(block.block_hash, key, entry, seq))
 
@@ -340,8 +347,9 @@ class BlockStore:
         return put.result
 
     async def _commit_pending(self, put: PutInFlight) -> None:
-        """Waits until the put's records are durable, indexes them, and settles their claims."""
-        pending, put.pending = put.pending, []
+        """Waits until the put's records are durable, indexes them, and settles their claims; they
+        stay pending (their segments pinned) until all are indexed."""
+        pending = put.pending
         if not pending:
             return
         with disk_errors("put"):
@@ -353,6 +361,7 @@ class BlockStore:
             )
             metrics.WRITTEN_BYTES.inc(write.entry.location.length if is_new else 0)
             self.claims.settle(put, write.key, is_durable=True)
+        put.pending = []
 
     async def _append_after_waits(self, put: PutInFlight) -> None:
         """Waits, holding no claim, for the puts writing `put`'s remaining blocks; appends the

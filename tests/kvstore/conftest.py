@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.mesh import free_port
 from services.common.kvstore_api import KVStoreClient
@@ -199,11 +201,35 @@ class KVStoreProcess:
         lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
         return "\n".join(lines[-num_lines:])
 
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of its /metrics (start it with `with_metrics`); None when it has none."""
+        port = self.env["THERMOCLINE_KVSTORE_METRICS_PORT"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return None
+
     def client(
         self, tenant: str = "tenant-a", model: str = "tiny-llama", chunk_bytes: int = 4096
     ) -> KVStoreClient:
         """A client for one namespace; small chunks by default, so test blocks span several."""
         return KVStoreClient(self.target, Namespace(tenant, model), chunk_bytes=chunk_bytes, timeout_s=60)
+
+
+def with_metrics(env: dict[str, str]) -> dict[str, str]:
+    """`env` with a /metrics port of its own, for a test that waits on the process's metrics."""
+    return env | {"THERMOCLINE_KVSTORE_METRICS_PORT": str(free_port())}
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Polls `condition` (a metric, a stat, a file) until it holds; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up after {timeout_s} s waiting for {what}"
+        time.sleep(0.02)  # back off between polls
 
 
 @pytest.fixture
