@@ -69,6 +69,12 @@ class DeadlineExceeded(ThermoclineError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Internal(ThermoclineError):
+    """The server failed while serving the request (a fault or a bug); the message says what failed."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class Unimplemented(ThermoclineError):
     """The RPC exists in the contract but this version does not serve it."""
 

@@ -836,30 +836,38 @@ class LLMEngine:
         return _class_tiers(self.tiers, cls)
 
     def _commit(self, batch: ScheduledBatch, sampled: list[Sampled]) -> None:
-        """Take the step's tokens: ids, EOS and length now; their text in `_flush_text`, later."""
-        finished = SequenceStatus.FINISHED
-        pending = self._pending_text
+        """Take the step's tokens: ids, EOS and length now; their text in `_flush_text`, later.
+
+        A row whose own commit raises fails alone; the rest of the batch takes its tokens.
+        """
         num_generated = 0
         for seq, token_id, fired in sampled:
-            if seq.status is finished:  # a stop string in the last step's text ended it while this step ran
-                continue  # its blocks are already free; the token computed past the stop is dropped
-            if token_id == FAULT:  # this row's numbers went bad; its batch neighbours are unaffected
-                event = self._end_for_fault(seq)
-            elif fired:  # the state that chose this token is over a threshold: drop the token
-                event = self._end_for_safety(seq, fired)
-            else:
-                seq.append_token_id(token_id, self._eos_token_ids, self.max_seq_len)
-                num_generated += 1
-                if seq.block_table.tiers.restart_hot_at_turns:
-                    self._mark_turn(seq, (token_id,), seq.num_tokens - 1)
-                ended = seq.status is finished
-                pending.append(PendingText(seq, token_id, ended))
-                if ended:
-                    self._end(seq)
-                continue
-            self._end(seq)
-            _emit(seq, event)
+            if seq.status is SequenceStatus.FINISHED:  # a stop string in the last step's text ended it
+                continue  # while this step ran: its blocks are free; the token past the stop is dropped
+            try:
+                num_generated += self._commit_row(seq, token_id, fired)
+            except Exception as exc:
+                self._fail_one(seq, exc)
         self._counters["generated_tokens"] += num_generated
+
+    def _commit_row(self, seq: Sequence, token_id: int, fired: tuple[str, ...]) -> int:
+        """Take one row's token; returns how many tokens it generated (0 or 1)."""
+        if token_id == FAULT:  # this row's numbers went bad; its batch neighbours are unaffected
+            event = self._end_for_fault(seq)
+        elif fired:  # the state that chose this token is over a threshold: drop the token
+            event = self._end_for_safety(seq, fired)
+        else:
+            seq.append_token_id(token_id, self._eos_token_ids, self.max_seq_len)
+            if seq.block_table.tiers.restart_hot_at_turns:
+                self._mark_turn(seq, (token_id,), seq.num_tokens - 1)
+            ended = seq.status is SequenceStatus.FINISHED
+            if ended:
+                self._end(seq)
+            self._pending_text.append(PendingText(seq, token_id, ended))  # last: nothing after it raises
+            return 1
+        self._end(seq)
+        _emit(seq, event)
+        return 0
 
     def _end(self, seq: Sequence) -> None:
         self.scheduler.release(seq)
@@ -878,7 +886,11 @@ class LLMEngine:
         for seq, token_id, ended in pending:
             if seq.status is finished and not ended:
                 continue
-            event = seq.text_event(token_id)
+            try:
+                event = seq.text_event(token_id)
+            except Exception as exc:  # this sequence's detokenizing or stop check: it fails alone
+                self._fail_one(seq, exc)
+                continue
             if seq.status is finished and not ended:  # a stop string ended it
                 self._end(seq)
             _emit(seq, event)
@@ -916,6 +928,16 @@ class LLMEngine:
             return
         logger.exception("engine step failed; failing %d request(s)", len(batch.seqs))
         self._fail(batch, exc)
+
+    def _fail_one(self, seq: Sequence, exc: Exception) -> None:
+        """A stage of one sequence's own raised: that request ends with the error, and its batch
+        neighbours carry on. One already ended (its last token's text failed) gets its last event."""
+        logger.exception("request %s failed; failing it alone", seq.request_id)
+        if self.scheduler.remove(seq.request_id, FinishReason.ERROR) is not None:
+            self._counters["finished"] += 1
+        else:
+            seq.finish(FinishReason.ERROR)
+        _emit(seq, seq.event((), "", error=f"{type(exc).__name__}: {exc}"))
 
     def _fail(self, batch: ScheduledBatch, exc: Exception, error_status: str | None = None) -> None:
         self._flush_text()  # the last step's events go out before these errors

@@ -57,10 +57,10 @@ _FINISH_FROM_ENGINE = {
     engine_pb2.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH,
     engine_pb2.FINISH_REASON_SAFETY: pb.FINISH_REASON_SAFETY,
     engine_pb2.FINISH_REASON_CANCELLED: pb.FINISH_REASON_CANCELLED,
-    engine_pb2.FINISH_REASON_ERROR: pb.FINISH_REASON_ERROR,
 }
 
 NO_FINAL_MESSAGE = "engine ended the stream without a final message; retry the request"
+ENGINE_FAILED = "engine failed while generating and ended the stream with no detail; retry the request"
 # The event on the gateway's Generate span when the engine's last message has reached it.
 ENGINE_FINISHED_EVENT = "engine.finished"
 # The event on that span timed when the engine message that completed the first released text
@@ -343,6 +343,8 @@ class _OutputStream:
         if self.final is None:
             raise Unavailable(NO_FINAL_MESSAGE)
         _record_finish(self.final)
+        if self.final.finish_reason == engine_pb2.FINISH_REASON_ERROR:  # an engine that ends a failed
+            raise Unavailable(ENGINE_FAILED)  # request with status OK: still not a whole completion
         return final_message(_FINISH_FROM_ENGINE[self.final.finish_reason], self.settings, self.final.usage)
 
     def _usage_so_far(self) -> engine_pb2.Usage:

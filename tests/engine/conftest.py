@@ -23,6 +23,7 @@ STARTS_SERVICES = frozenset(
         "kv/test_prefix_fetch.py",
         "serving/test_chat_turns.py",
         "serving/test_cold_tier_mesh.py",
+        "serving/test_generate_failures.py",
     }
 )
 

@@ -491,3 +491,36 @@ def test_the_step_thread_sleeps_until_the_queue_timeout_when_no_request_can_star
     final = collector.final_event
     assert final is not None and final.error_status == "deadline_exceeded"
     assert "600" in (final.error or "")
+
+
+@pytest.mark.parametrize("fail_at", [3, 8], ids=["mid-stream", "last-token"])
+def test_a_row_whose_text_stage_raises_fails_alone(tiny_dir: Path, monkeypatch, fail_at: int) -> None:
+    """One sequence's detokenizer raises at its `fail_at`-th token (the last one: its final event
+    is still sent). That request ends with the error; its batch neighbours' tokens are unchanged."""
+    engine = LLMEngine.load(tiny_dir, device="cpu", max_batch_size=3, max_seq_len=128, progress=False)
+    prompts = _prompts(engine.config.vocab_size, (5, 9, 7), seed=17)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    collectors = [ResultCollector(p) for p in prompts]
+    for prompt, collector in zip(prompts, collectors, strict=True):
+        engine.submit(prompt, params, collector)
+    engine.step()  # the three prompts, in one step
+    broken = next(seq for seq in engine.scheduler.running if list(seq.prompt_ids) == prompts[1])
+    push, num_pushed = broken._detokenizer.push, [0]
+
+    def failing_push(token_id: int) -> str:
+        num_pushed[0] += 1
+        if num_pushed[0] == fail_at:
+            raise RuntimeError("the detokenizer broke")
+        return push(token_id)
+
+    monkeypatch.setattr(broken._detokenizer, "push", failing_push)
+    while not all(c.done.is_set() for c in collectors):
+        engine.step()
+    failed = collectors[1].final_event
+    assert failed is not None and failed.finish_reason is FinishReason.ERROR
+    assert "RuntimeError: the detokenizer broke" in (failed.error or "")
+    for i in (0, 2):
+        assert collectors[i].result().error is None
+        assert collectors[i].result().token_ids == alone[i], f"row {i} failed beside the broken row"
+    assert engine.stats().num_running == 0 and engine.stats().num_hot_tokens == 0

@@ -15,7 +15,13 @@ from typing import Any
 import grpc
 from opentelemetry import propagate, trace
 
-from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.engine.config import EngineConfig
 from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
 from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus
@@ -184,7 +190,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 is_finished = event.finished
                 if is_finished:  # spans and latency metrics from the engine's timeline
                     record_finished(event, intent_class)
-                _raise_refusal(event)
+                _raise_failure(event)
                 yield self._to_pb(event)
         finally:
             if not is_finished:
@@ -333,14 +339,17 @@ def gate_info_to_pb(report: GateReport) -> pb.SafetyGateInfo:
     )
 
 
-def _raise_refusal(event: StreamEvent) -> None:
-    """Requests the engine gave up on in its queue end with a status, not a normal finish."""
+def _raise_failure(event: StreamEvent) -> None:
+    """A request the engine gave up on (in its queue) or that failed ends with a status, not with
+    a normal finish: a caller must not take a cut-short completion for a whole one."""
     if event.error_status == "deadline_exceeded":
         raise DeadlineExceeded(event.error or "the request waited too long in the queue")
     if event.error_status == "resource_exhausted":
         raise ResourceExhausted(event.error or "the engine ran out of KV cache for this request")
     if event.error_status == "unavailable":
         raise Unavailable(event.error or "the engine cannot run steps; send the request to another replica")
+    if event.finish_reason is FinishReason.ERROR:
+        raise Internal(f"the engine failed while generating: {event.error or 'no detail'}; retry the request")
 
 
 def register(server: grpc.aio.Server, config: EngineConfig, engine: LLMEngine) -> list[str]:

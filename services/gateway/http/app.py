@@ -243,12 +243,13 @@ async def _whole_answer(
             text.append(message.delta.text)
             if (message := await generation.next()) is None:  # type: ignore[assignment]
                 raise Unavailable("the engine ended the stream without a final message; retry the request")
+        done = _completed(message)
     except ThermoclineError as error:
         return _refused(span, from_refusal(error))
     except Exception:
         return _refused(span, internal(telemetry.current_trace_id()))
     span.set_attribute("http.response.status_code", 200)
-    return JSONResponse(rendering.body("".join(text), message.done), headers=headers)
+    return JSONResponse(rendering.body("".join(text), done), headers=headers)
 
 
 async def _sse_events(
@@ -265,7 +266,7 @@ async def _sse_events(
             message = await generation.next()
         if message is None:
             raise Unavailable("the engine ended the stream without a final message; retry the request")
-        for event in rendering.closing(message.done):
+        for event in rendering.closing(_completed(message)):
             yield event
     except ThermoclineError as error:
         yield sse(from_refusal(error).body)
@@ -275,6 +276,14 @@ async def _sse_events(
     finally:
         generation.cancel()
         span.end()
+
+
+def _completed(message: pb.GenerateResponse) -> pb.Completion:
+    """The final message's completion. One that failed is an error: OpenAI has no finish reason
+    for it, and "stop" would pass a cut-short answer off as a whole one."""
+    if message.done.finish_reason == pb.FINISH_REASON_ERROR:
+        raise Unavailable("the engine failed while generating this answer; retry the request")
+    return message.done
 
 
 def _refused(span: trace.Span, refusal: HttpError) -> Response:
