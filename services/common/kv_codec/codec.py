@@ -123,11 +123,17 @@ def layout_for(keys: torch.Tensor, num_kept: int, settings: CodecSettings, tier:
 
 
 def read_token_mask(payload: bytes | memoryview, layout: BlockLayout) -> torch.Tensor:
-    """The `[T]` bool mask of kept tokens; a CodecError when it disagrees with the header's count."""
+    """The `[T]` bool mask of kept tokens; a CodecError when it disagrees with the header's count,
+    when it sets a bit past the block's T tokens, or when a keep-all block drops a token."""
     bits = np.frombuffer(payload, np.uint8, layout.mask_bytes, HEADER.size)
-    mask = np.unpackbits(bits, bitorder="little")[: layout.num_tokens].astype(bool)
+    unpacked = np.unpackbits(bits, bitorder="little")
+    if unpacked[layout.num_tokens :].any():
+        raise CodecError(f"token mask sets a bit past the block's {layout.num_tokens} tokens")
+    mask = unpacked[: layout.num_tokens].astype(bool)
     if int(mask.sum()) != layout.num_kept:
         raise CodecError(f"token mask keeps {int(mask.sum())} tokens; the header says {layout.num_kept}")
+    if layout.tier is SparsityTier.KEEP_ALL and layout.num_kept != layout.num_tokens:
+        raise CodecError(f"a keep-all block keeps {layout.num_kept} of its {layout.num_tokens} tokens")
     return torch.from_numpy(mask.copy())
 
 

@@ -189,6 +189,16 @@ class Degradation(enum.Enum):
     DROPPED = "dropped"  # a write with no room in the engine's queue (the store is slower than the engine)
 
 
+class WindowShape(NamedTuple):
+    """What a window block must decode to (`[L, T, KVH, D]`, T a warm group's tokens): anything
+    else from the store is a miss, never mapped (it could span more pages than its group has)."""
+
+    num_layers: int
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+
+
 class LoadedBlock(NamedTuple):
     """One block back from the store: keys and values `[L, T, KVH, D]` on the host; for a pruned
     block, its K kept tokens in order `[L, K, KVH, D]`, K a multiple of the page size."""
@@ -240,6 +250,7 @@ class Job:
     fence: torch.cuda.Event | None = None  # LOAD_PREFIX: device work its blocks' writes go after
     deadline_s: float | None = None  # LOAD_PREFIX: when (monotonic) its request stops waiting for it
     watch_id: WatchId | None = None  # LOAD_PREFIX: its give-up, pending in the deadline watch
+    window_shape: WindowShape | None = None  # LOAD_WINDOW: what each block must be (None: unchecked)
 
     @property
     def num_bytes(self) -> int:
@@ -459,7 +470,7 @@ class ColdTier:
         if job.operation is Operation.LOAD_PREFIX:
             return self._load_prefix(job, call)
         if job.operation is Operation.LOAD_WINDOW:
-            return self._loaded(job, self._client.get(list(job.hashes), call), page_tokens=self.page_tokens)
+            return self._loaded(job, self._client.get(list(job.hashes), call))
         if job.operation is Operation.PREFETCH:
             self._client.prefetch(list(job.hashes), call)
             return Outcome(job.operation, job.owner)
@@ -503,21 +514,20 @@ class ColdTier:
             left_s = min(left_s, job.deadline_s - time.monotonic())
         return max(left_s, 1e-3)
 
-    def _loaded(
-        self, job: Job, fetched: Mapping[str, FetchedBlock | MissReason], page_tokens: int
-    ) -> Outcome:
+    def _loaded(self, job: Job, fetched: Mapping[str, FetchedBlock | MissReason]) -> Outcome:
         """A window's decoded blocks, every good one (pruned ones too: their kept tokens fill pages)."""
         blocks: list[LoadedBlock] = []
         bad: list[str] = []
+        expected = job.window_shape
         for block_hash in job.hashes:
             item = fetched.get(block_hash, MissReason.ABSENT)
-            decoded = None if isinstance(item, MissReason) else _decode(item, page_tokens)
+            decoded = None if isinstance(item, MissReason) else _decode(item, self.page_tokens, expected)
             if decoded is None:
                 bad.append(block_hash)
                 continue
             blocks.append(LoadedBlock(BlockHash(block_hash), *decoded))
         if bad:
-            detail = f"{len(bad)} block(s) missing or corrupt, first {bad[0][:16]}"
+            detail = f"{len(bad)} block(s) missing, corrupt or not {_expected(expected)}, first {bad[0][:16]}"
             return Outcome(
                 job.operation, job.owner, loaded=tuple(blocks), degraded=Degradation.CORRUPT, detail=detail
             )
@@ -573,26 +583,52 @@ def store_tenant(cache_salt: str) -> str:
     return hashlib.sha256(cache_salt.encode(errors="surrogatepass")).hexdigest()
 
 
-def _decode(block: FetchedBlock, page_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _decode(
+    block: FetchedBlock, page_tokens: int, expected: WindowShape | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Keys and values `[L, T, KVH, D]` (fp32 or bf16) of a served window block, or of its K kept
-    tokens `[L, K, KVH, D]` when it was pruned; None when it does not decode, or is pruned unusably.
+    tokens `[L, K, KVH, D]` when it was pruned; None when it does not decode, is pruned unusably,
+    is not the `expected` shape, or holds a value that is not finite.
 
     A pruned block is usable only when its kept tokens fill whole pages of `page_tokens` (what
-    `_encode` writes): a partial page would attend whatever its other slots hold. (Prefix blocks
-    never come through here: services/engine/kv/prefix_fetch.py writes them into one buffer.)
+    `_encode` writes): a partial page would attend whatever its other slots hold. The store is
+    not trusted for the rest either: a block of another shape would be mapped over pages that are
+    not its own, and a NaN would poison every query that attends it. (Prefix blocks never come
+    through here: services/engine/kv/prefix_fetch.py writes them into one buffer.)
     """
     try:
-        if block.codec is Codec.RAW:
-            raw = np.frombuffer(block.payload, dtype=np.int16).reshape(block.shape)
-            stacked = torch.from_numpy(raw.copy()).view(torch.bfloat16)  # [L, 2, T, KVH, D]
-            return stacked[:, 0], stacked[:, 1]
-        decoded = decode_block(block.payload)
-        num_kept = decoded.keys.shape[1]
-        if num_kept < decoded.token_mask.numel() and num_kept % page_tokens:
-            return None
-        return decoded.keys, decoded.values
+        keys, values, num_tokens = _decode_raw(block) if block.codec is Codec.RAW else _decode_int2(block)
     except (CodecError, ValueError, RuntimeError):
         return None
+    num_kept = keys.shape[1]
+    if num_kept < num_tokens and num_kept % page_tokens:
+        return None
+    if expected is not None and (keys.shape[0], num_tokens, *keys.shape[2:]) != expected:
+        return None
+    if not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
+        return None
+    return keys, values
+
+
+def _decode_raw(block: FetchedBlock) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A raw block's keys and values `[L, T, KVH, D]` (bf16) and T."""
+    if len(block.shape) != 5 or block.shape[1] != 2:
+        raise ValueError(f"a raw block is [L, 2, T, KVH, D], got {list(block.shape)}")
+    raw = np.frombuffer(block.payload, dtype=np.int16).reshape(block.shape)
+    stacked = torch.from_numpy(raw.copy()).view(torch.bfloat16)  # [L, 2, T, KVH, D]
+    return stacked[:, 0], stacked[:, 1], block.shape[2]
+
+
+def _decode_int2(block: FetchedBlock) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """An INT2-sparse block's kept keys and values `[L, K, KVH, D]` (fp32) and its T."""
+    decoded = decode_block(block.payload)
+    return decoded.keys, decoded.values, decoded.token_mask.numel()
+
+
+def _expected(shape: WindowShape | None) -> str:
+    if shape is None:
+        return "decodable"
+    return f"[{shape.num_layers}, {shape.num_tokens}, {shape.num_kv_heads}, {shape.head_dim}]"
 
 
 def _degradation_of(error: grpc.RpcError) -> Degradation:

@@ -38,6 +38,7 @@ from services.engine.kv.cold_tier import (
     LoadedBlock,
     Operation,
     Outcome,
+    WindowShape,
 )
 from services.engine.kv.prefix_fetch import PrefixLayout
 from services.engine.scheduling.intent_class import IntentClasses
@@ -283,8 +284,16 @@ class ColdPlanner:
             self._window_asked_at[(seq.request_id, first)] = self.num_steps
         if missing:
             names = tuple(BlockHash(b.block_hash) for _, b in missing)
-            self.tier.submit(Job(Operation.LOAD_WINDOW, seq, seq.cache_salt, seq.trace_metadata, names))
+            shape = self._window_shape(seq)
+            self.tier.submit(
+                Job(Operation.LOAD_WINDOW, seq, seq.cache_salt, seq.trace_metadata, names, window_shape=shape)
+            )
         self._prefetch(seq, runner_ups)  # after the window's own load, on the writer thread
+
+    def _window_shape(self, seq: Sequence) -> WindowShape:
+        """What each of the sequence's window blocks is: a warm group `[L, G, KVH, D]` as demoted."""
+        num_layers, _, _, num_kv_heads, head_dim = self.kv_cache.hot.keys.shape  # [L, N, BS, KVH, D]
+        return WindowShape(num_layers, seq.block_table.tiers.group_size, num_kv_heads, head_dim)
 
     def _prefetch(self, seq: Sequence, runner_ups: list[tuple[int, ColdBlock]]) -> None:
         """Ask the store to stage stored runner-ups (first block, block) not attended and not asked
