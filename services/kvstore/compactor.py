@@ -14,6 +14,8 @@ index (IndexStale ends the pass), and the index is checked once more right befor
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import time
 from dataclasses import dataclass
@@ -54,7 +56,8 @@ class Compactor:
         self._stopping = False
 
     def start(self) -> None:
-        """Runs expiry and compaction every maintenance interval until `stop`."""
+        """Runs a maintenance pass every maintenance interval, and at once when a write found the
+        disk full, until `stop`."""
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -69,36 +72,51 @@ class Compactor:
         # come out as a connection error (UNAVAILABLE here), which the loop survives by design; the
         # process then hung on SIGTERM, its drain waiting for this task.
         while not self._stopping:
-            await asyncio.sleep(self.store.config.maintenance_interval_s)
+            await self._wait_for_pass()
             try:
-                await self.expire_idle()
-                await self.compact()
+                await self.run_pass()
             except Exception:  # the loop outlives one failed pass; the next interval tries again
                 if self._stopping:
                     return
                 log.exception("maintenance pass failed")
                 metrics.ERRORS.labels("compact").inc()
 
+    async def _wait_for_pass(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.store.config.maintenance_interval_s):
+                await self.store.space_wanted.wait()
+        self.store.space_wanted.clear()
+
+    async def run_pass(self) -> None:
+        """One maintenance pass: the capacity from the disk, eviction to it, expiry, compaction."""
+        await self.store.refresh_capacity()
+        await self.evict_to_capacity()
+        await self.expire_idle()
+        await self.compact()
+
     async def evict_to_capacity(self) -> int:
-        """Drops least recently used blocks until live bytes are under the low watermark."""
+        """Drops least recently used blocks until live bytes are under the low watermark (the
+        capacity read again from the disk first: it may have room again, or less)."""
         store, index = self.store, self.store.index
         live_bytes = (await store.guarded(index.totals)).live_bytes
         metrics.STORED_BYTES.set(live_bytes)
-        if live_bytes <= store.config.capacity_bytes:
+        if live_bytes <= store.capacity_bytes:
             return 0
+        if live_bytes <= await store.refresh_capacity():
+            return 0  # the disk has room again since the capacity was last read
         async with self._evict_lock:
             live_bytes, evicted = (await store.guarded(index.totals)).live_bytes, 0
-            while live_bytes > store.config.low_watermark_bytes:
+            while live_bytes > store.low_watermark_bytes:
                 victims = await store.guarded(lambda: index.least_recent(EVICTION_BATCH))
                 if not victims:
                     break
                 for key in victims:
                     removed = await self._drop(key)
                     live_bytes, evicted = live_bytes - removed, evicted + (removed > 0)
-                    if live_bytes <= store.config.low_watermark_bytes:
+                    if live_bytes <= store.low_watermark_bytes:
                         break
             store.counters.evicted_blocks += evicted
-            log.info("evicted %d blocks to stay under %d B", evicted, store.config.capacity_bytes)
+            log.info("evicted %d blocks to stay under %d B", evicted, store.capacity_bytes)
             return evicted
 
     async def _drop(self, key: StoreKey) -> int:
@@ -137,6 +155,13 @@ class Compactor:
                     except SegmentBusy as busy:
                         log.info("segment %d is left for a later pass: %s", segment_id, busy)
                         continue
+                    except OSError as error:
+                        if error.errno != errno.ENOSPC:
+                            raise
+                        log.warning(
+                            "the disk is too full to copy segment %d's live records; stopping", segment_id
+                        )
+                        break
                     metrics.OPERATION_DURATION.labels("compact").observe(time.perf_counter() - started)
                     reclaimed, done = reclaimed + size, done + 1
             except IndexLost as error:

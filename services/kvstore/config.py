@@ -72,11 +72,6 @@ class StoreConfig:
         """The tenant secret; back it up with the segments, or the blocks cannot be found again."""
         return self.data_dir / "tenant_secret"
 
-    @property
-    def low_watermark_bytes(self) -> int:
-        """Eviction runs down to here once live bytes pass the capacity, so it does not run every put."""
-        return int(self.capacity_bytes * 0.9)
-
 
 @dataclass(frozen=True)
 class KVStoreConfig:
@@ -92,7 +87,7 @@ class KVStoreConfig:
 
     @property
     def capacity_bytes(self) -> int:
-        """The capacity bound on live bytes."""
+        """The configured bound on live bytes (the store keeps less where the disk holds less)."""
         return self.store.capacity_bytes
 
     @classmethod

@@ -37,7 +37,10 @@ STREAMS_REFUSED = Counter(
     "Block streams refused because THERMOCLINE_KVSTORE_MAX_STREAMS were open, by RPC (put, get).",
     ["rpc"],
 )
-CAPACITY_BYTES = Gauge("thermocline_kvstore_capacity_bytes", "Bytes the store may hold before evicting.")
+CAPACITY_BYTES = Gauge(
+    "thermocline_kvstore_capacity_bytes",
+    "Live bytes the store keeps before evicting: the configured capacity, or less where the disk holds less.",
+)
 
 
 def init_kvstore_metrics(capacity_bytes: int) -> None:

@@ -72,8 +72,12 @@ def segments_tail(directory: Path) -> str:
 
 
 def segment_bytes(directory: Path) -> int:
-    """Bytes of every segment file together."""
-    return sum(p.stat().st_size for p in directory.glob(f"*{SUFFIX}"))
+    """Bytes of every segment file together (a segment compacted away meanwhile counts nothing)."""
+    total = 0
+    for path in directory.glob(f"*{SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+    return total
 
 
 class SegmentWriter:
@@ -107,10 +111,18 @@ class SegmentWriter:
         self._flush: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        """Starts a new active segment after the newest on disk."""
+        """Starts a new active segment after the newest on disk. On a full disk it starts none: the
+        store serves reads, and the next append starts the segment (or fails) instead."""
         self.directory.mkdir(parents=True, exist_ok=True)
         existing = list_segments(self.directory)
-        await self._start_segment((existing[-1] if existing else 0) + 1)
+        newest = existing[-1] if existing else 0
+        try:
+            await self._start_segment(newest + 1)
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            log.error("the disk is full: no new segment until there is room (%s)", error)
+            self.segment_id = newest  # the next append starts newest + 1
 
     async def _start_segment(self, segment_id: int) -> None:
         path = segment_path(self.directory, segment_id)

@@ -32,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.kvstore import kvstore_metrics as metrics
 from services.kvstore.blocks import BlockFound, BlockIn, BlockMissing, BlockSource, MissReason, check_block
+from services.kvstore.capacity import disk_capacity_bytes, free_disk_bytes
 from services.kvstore.claims import BlockWait, KeyClaims, PutInFlight, wait_outcomes
 from services.kvstore.config import StoreConfig
 from services.kvstore.dir_lock import DataDirLock
@@ -62,23 +63,6 @@ T = TypeVar("T")
 # Blocks a GetBlocks reads ahead of the one it is sending: reads (and their CRCs, on worker threads)
 # overlap the replies instead of waiting for each to be sent.
 READ_AHEAD_BLOCKS = 4
-
-
-@contextlib.contextmanager
-def disk_errors(operation: str) -> Iterator[None]:
-    """A failed segment write or fsync is the store's fault, not the caller's: nothing was acknowledged."""
-    try:
-        yield
-    except OSError as error:
-        metrics.ERRORS.labels(operation).inc()
-        log.error("segment %s failed: %s", operation, error)
-        if error.errno == errno.ENOSPC:
-            raise ResourceExhausted(
-                "the kvstore's disk is full; nothing was stored, retry after eviction"
-            ) from error
-        raise Unavailable(
-            f"the kvstore cannot write its segments ({error.strerror}); nothing was stored"
-        ) from error
 
 
 class PrefetchJob(NamedTuple):
@@ -126,6 +110,10 @@ class BlockStore:
         # set by the compactor: eviction after each commit
         self.on_commit: Callable[[], Awaitable[object]] | None = None
         self._puts: list[PutInFlight] = []  # between their first append and their end (`writing`)
+        # live bytes kept before eviction: the configured capacity, or less where the disk holds
+        # less (capacity.py); `refresh_capacity` sets it
+        self.capacity_bytes = config.capacity_bytes
+        self.space_wanted = asyncio.Event()  # a write found the disk full: the compactor runs a pass now
         self.claims = KeyClaims()  # keys puts in flight are writing (see claims.py)
 
     @classmethod
@@ -157,6 +145,7 @@ class BlockStore:
             opened_tail,
             dir_lock,
         )
+        await store.refresh_capacity()
         try:
             await store.guarded(store.ensure_index)
         except Unavailable as error:  # serve anyway: calls say UNAVAILABLE, and rebuild once Redis is back
@@ -185,6 +174,50 @@ class BlockStore:
             await self.index.mark_closed(await asyncio.to_thread(segments_tail, self.config.segments_dir))
         except (IndexLost, RedisConnectionError, RedisTimeoutError) as error:  # the next start rebuilds
             log.warning("could not mark the index closed: %s", error)
+
+    # --- capacity and a full disk ------------------------------------------------------------
+
+    async def refresh_capacity(self) -> int:
+        """Sets the capacity in force from the configured one and the disk (capacity.py); returns it."""
+        directory, config = self.config.segments_dir, self.config
+        free, used = await asyncio.to_thread(lambda: (free_disk_bytes(directory), segment_bytes(directory)))
+        disk = disk_capacity_bytes(free, used, config.max_segment_bytes, config.compact_live_ratio)
+        capacity = min(config.capacity_bytes, disk)
+        if capacity < config.capacity_bytes <= self.capacity_bytes:
+            log.warning(
+                "the disk holds less than THERMOCLINE_KVSTORE_CAPACITY_GB allows (%d B free, %d B in "
+                "segments): the capacity is %d B until it has room again",
+                free,
+                used,
+                capacity,
+            )
+        self.capacity_bytes = capacity
+        metrics.CAPACITY_BYTES.set(capacity)
+        return capacity
+
+    @property
+    def low_watermark_bytes(self) -> int:
+        """Eviction runs down to here once live bytes pass the capacity, so it does not run every put."""
+        return int(self.capacity_bytes * 0.9)
+
+    @contextlib.contextmanager
+    def disk_errors(self, operation: str) -> Iterator[None]:
+        """A failed segment write or fsync is the store's fault, not the caller's: nothing was
+        acknowledged. A full disk also starts a maintenance pass (eviction, then compaction)."""
+        try:
+            yield
+        except OSError as error:
+            metrics.ERRORS.labels(operation).inc()
+            log.error("segment %s failed: %s", operation, error)
+            if error.errno == errno.ENOSPC:
+                self.space_wanted.set()
+                raise ResourceExhausted(
+                    f"the kvstore's disk is full, so this {operation} did nothing; the store is evicting "
+                    "its least recently used blocks and compacting to make room: retry after a backoff"
+                ) from error
+            raise Unavailable(
+                f"the kvstore cannot write its segments ({error.strerror}); nothing was stored"
+            ) from error
 
     def key(self, namespace: Namespace, block_hash: str) -> StoreKey:
         """The salted store key of a caller's hash (the hash is checked first)."""
@@ -326,7 +359,7 @@ class BlockStore:
         )
         put.appending_from = self.writer.segment_id  # pinned from here until it is pending
         try:
-            with disk_errors("put"):
+            with self.disk_errors("put"):
                 location, seq = await self.writer.append(record)
         finally:
             put.appending_from = None
@@ -352,7 +385,7 @@ class BlockStore:
         pending = put.pending
         if not pending:
             return
-        with disk_errors("put"):
+        with self.disk_errors("put"):
             await self.writer.wait_durable(max(p.seq for p in pending))
         for write in pending:
             is_new = await self.guarded(lambda write=write: self.index.add(write.key, write.entry))  # type: ignore[misc]
@@ -410,13 +443,13 @@ class BlockStore:
                     key, namespace.tenant, namespace.model, block_hash, entry.codec, (), b"", now_us()
                 )
                 async with self.relocation_lock:  # the compactor cannot copy the record past its tombstone
-                    with disk_errors("delete"):
+                    with self.disk_errors("delete"):
                         _, seq = await self.writer.append(tombstone.tombstone(now_us()))
                     if await self.index.remove(key) > 0:
                         deleted += 1
                         removed.append((key, entry))
                     self.staging.drop(key)  # after the entry is gone: see `prefetch`
-            with disk_errors("delete"):
+            with self.disk_errors("delete"):
                 await self.writer.wait_durable(seq)
         except BaseException:
             # Tombstones that are not durable: a rebuild could bring their blocks back, so the
@@ -632,7 +665,7 @@ class BlockStore:
         return StoreStats(
             num_blocks=totals.num_blocks,
             used_bytes=totals.live_bytes,
-            capacity_bytes=self.config.capacity_bytes,
+            capacity_bytes=self.capacity_bytes,
             staged_blocks=len(self.staging),
             staged_bytes=self.staging.num_bytes,
             disk_bytes=disk_bytes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -118,6 +119,7 @@ class KVStoreProcess:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    log_dir: Path | None = None  # None: beside the data dir (give another where that disk fills up)
 
     @property
     def target(self) -> str:
@@ -127,7 +129,7 @@ class KVStoreProcess:
     @property
     def log_path(self) -> Path:
         """Where its output goes (appended across restarts)."""
-        return self.data_dir.parent / f"{self.data_dir.name}.log"
+        return (self.log_dir or self.data_dir.parent) / f"{self.data_dir.name}.log"
 
     def start(self) -> KVStoreProcess:
         """Starts the process and waits until its health check says SERVING."""
@@ -230,6 +232,30 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = STAR
     while not condition():
         assert time.monotonic() < deadline, f"gave up after {timeout_s} s waiting for {what}"
         time.sleep(0.02)  # back off between polls
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB filesystem of its own (a tmpfs; mounting one needs root, so the test is skipped
+    without it), for tests of a full disk."""
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a small disk: {mounted.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "--lazy", str(mount_point)], check=False)
+
+
+def fill_disk(path: Path) -> None:
+    """Writes `path` until the disk is full, down to its last byte (another program filling it)."""
+    with path.open("wb", buffering=0) as file:
+        for chunk in (b"\0" * 65536, b"\0" * 4096, b"\0"):
+            with contextlib.suppress(OSError):
+                while True:
+                    file.write(chunk)
 
 
 @pytest.fixture
