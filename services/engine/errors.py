@@ -31,7 +31,8 @@ class UnknownIntentClass(InvalidPrompt):
     """A request named an intent class this engine does not know."""
 
     def __init__(self, name: str, known: list[str]) -> None:
-        super().__init__(f"unknown intent_class {name!r}; known classes: {', '.join(known)}")
+        shown = repr(name) if len(name) <= 64 else f"{name[:64]!r}..."
+        super().__init__(f"unknown intent_class {shown}; known classes: {', '.join(known)}")
 
 
 class UnknownRetrievalMode(InvalidPrompt):

@@ -24,6 +24,7 @@ STARTS_SERVICES = frozenset(
         "serving/test_chat_turns.py",
         "serving/test_cold_tier_mesh.py",
         "serving/test_generate_failures.py",
+        "serving/test_request_bounds.py",
     }
 )
 

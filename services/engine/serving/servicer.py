@@ -23,11 +23,12 @@ from services.common.errors import (
     Unavailable,
 )
 from services.engine.config import EngineConfig
-from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded
+from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExceeded, UnknownIntentClass
 from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus
 from services.engine.kv.capacity import PoolPlan
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from services.engine.serving.engine_metrics import register_engine_metrics
+from services.engine.serving.request_bounds import check_generate_bounds
 from services.engine.serving.request_trace import record_cancelled, record_finished
 from services.engine.text.tokenizer import Tokenizer
 from thermocline.engine.v1 import engine_pb2 as pb
@@ -151,13 +152,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return self._mailbox
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        # the cheap checks first: a request refused for its settings costs no tokenizer pass
+        check_generate_bounds(request)
+        intent_class = self._intent_class(request.intent_class)
+        params = sampling_from_pb(request.sampling, self.config)
+        gate_policy = gate_policy_from_pb(request)
         if request.WhichOneof("input") == "prompt":
             self._check_raw_prompt(request.prompt)
         # Tokenizing is CPU-bound (the tokenizer lets the GIL go); off the loop, so streams in flight,
         # GetStats and health checks are served meanwhile.
         prompt_ids = await asyncio.to_thread(self._prompt_ids, request, self._prompt_limit)
-        params = sampling_from_pb(request.sampling, self.config)
-        gate_policy = gate_policy_from_pb(request)
         self._annotate_span(request, params, len(prompt_ids))
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         mailbox = self._mailbox_for(asyncio.get_running_loop())
@@ -183,7 +187,6 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         except EngineStopped as error:
             raise Unavailable(str(error)) from None
         is_finished = False
-        intent_class = self.engine.scheduler.classes.get(request.intent_class).name
         try:
             while not is_finished:
                 event = await events.get()
@@ -198,6 +201,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 # so the request is counted here; and its KV is freed at once
                 record_cancelled(intent_class)
                 self.engine.cancel(handle)
+
+    def _intent_class(self, name: str) -> str:
+        """The name of the class `name` selects (empty: the default); INVALID_ARGUMENT when unknown."""
+        try:
+            return self.engine.scheduler.classes.get(name).name
+        except UnknownIntentClass as error:
+            raise InvalidArgument(str(error)) from None
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.GetStatsResponse:
         stats = self.engine.stats()

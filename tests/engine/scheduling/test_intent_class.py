@@ -54,6 +54,9 @@ def test_unknown_names_and_keys_are_refused(tmp_path: Path) -> None:
         UnknownIntentClass, match="unknown intent_class 'vip'; known classes: batch, critical"
     ):
         IntentClasses.builtin().get("vip")
+    with pytest.raises(UnknownIntentClass) as long_name:
+        IntentClasses.builtin().get("v" * 40_000)
+    assert len(str(long_name.value)) < 200  # cut: a reply's status message must stay small
     bad = tmp_path / "classes.toml"
     bad.write_text("[class.standard]\npriorty = 3\n")
     with pytest.raises(ValueError, match=r"unknown keys \['priorty'\]"):

@@ -1,0 +1,52 @@
+"""The engine API's bounds on caller-supplied fields (services/engine/serving/request_bounds.py),
+through an engine process on stories260K: each is refused with INVALID_ARGUMENT, early, with a
+message that names the limit and echoes no more than a short cut of the value."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.engine.serving.request_bounds import MAX_INTENT_CLASS_CHARS
+from tests.conftest import STORIES_PROMPT
+from tests.engine.engine_process import start_engine
+from thermocline.engine.v1 import engine_pb2 as pb
+from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_CHARS = 1024  # no refusal's message is longer
+
+
+@pytest.fixture(scope="module")
+def stub(
+    stories_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[pb_grpc.EngineServiceStub]:
+    """A stub for an engine process serving stories260K."""
+    mesh = start_engine(stories_hf_dir, tmp_path_factory.mktemp("bounds-engine"))
+    with grpc.insecure_channel(mesh.target("engine")) as channel:
+        yield pb_grpc.EngineServiceStub(channel)
+    mesh.stop()
+
+
+def _refusal(stub: pb_grpc.EngineServiceStub, **fields: object) -> grpc.RpcError:
+    request = pb.GenerateRequest(prompt=STORIES_PROMPT, sampling=pb.SamplingParams(max_tokens=1), **fields)
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.Generate(request, timeout=60))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+    assert len(raised.value.details()) < MAX_MESSAGE_CHARS
+    return raised.value
+
+
+def test_an_intent_class_over_its_bound_is_refused_with_a_short_message(
+    stub: pb_grpc.EngineServiceStub,
+) -> None:
+    refused = _refusal(stub, intent_class="C" * 40_000)
+    assert f"class names have at most {MAX_INTENT_CLASS_CHARS}" in refused.details()
+    assert "40,000 characters" in refused.details()
+
+
+def test_an_unknown_intent_class_is_cut_in_the_message(stub: pb_grpc.EngineServiceStub) -> None:
+    refused = _refusal(stub, intent_class="u" * MAX_INTENT_CLASS_CHARS)
+    assert "unknown intent_class" in refused.details() and "known classes" in refused.details()
