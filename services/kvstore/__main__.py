@@ -20,6 +20,7 @@ def main() -> None:
             register=lambda server: register(server, servicer),
             on_start=servicer.start,
             on_stop=servicer.stop,
+            readiness_probe=servicer.readiness_problem,  # Redis down: live, but no traffic
         )
     )
 

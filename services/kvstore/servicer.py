@@ -176,6 +176,13 @@ class KVStoreServicer(pb_grpc.KVStoreServiceServicer):
         if self._store is not None:
             await self._store.close()
 
+    def readiness_problem(self) -> str | None:
+        """Why the kvstore should get no traffic now (its index is unreachable), or None; polled
+        for readiness only: a restart does not bring Redis back."""
+        if self._store is None:
+            return "it is still opening its segments"
+        return self._store.index_problem
+
     @property
     def store(self) -> BlockStore:
         """The open store; UNAVAILABLE until it is."""

@@ -63,6 +63,9 @@ T = TypeVar("T")
 # Blocks a GetBlocks reads ahead of the one it is sending: reads (and their CRCs, on worker threads)
 # overlap the replies instead of waiting for each to be sent.
 READ_AHEAD_BLOCKS = 4
+# How often the store PINGs Redis for its readiness, and how long an answer may take.
+REDIS_PROBE_INTERVAL_S = 1.0
+REDIS_PROBE_TIMEOUT_S = 2.0
 
 
 class PrefetchJob(NamedTuple):
@@ -114,6 +117,8 @@ class BlockStore:
         # less (capacity.py); `refresh_capacity` sets it
         self.capacity_bytes = config.capacity_bytes
         self.space_wanted = asyncio.Event()  # a write found the disk full: the compactor runs a pass now
+        # why the index (Redis) cannot be reached now, or None: readiness, from a PING each second
+        self.index_problem: str | None = None
         self.claims = KeyClaims()  # keys puts in flight are writing (see claims.py)
 
     @classmethod
@@ -152,6 +157,7 @@ class BlockStore:
             log.error("starting without the index: %s", error.message)
         for _ in range(config.num_prefetch_workers):
             store._tasks.append(asyncio.create_task(store._prefetch_worker()))
+        store._tasks.append(asyncio.create_task(store._watch_redis()))
         return store
 
     async def close(self) -> None:
@@ -174,6 +180,18 @@ class BlockStore:
             await self.index.mark_closed(await asyncio.to_thread(segments_tail, self.config.segments_dir))
         except (IndexLost, RedisConnectionError, RedisTimeoutError) as error:  # the next start rebuilds
             log.warning("could not mark the index closed: %s", error)
+
+    async def _watch_redis(self) -> None:
+        """Keeps `index_problem` current, traffic or not: a router should move calls away while
+        Redis is down (each would fail UNAVAILABLE), and back once it answers."""
+        while not self._closing:
+            try:
+                async with asyncio.timeout(REDIS_PROBE_TIMEOUT_S):
+                    await self.index.client.ping()
+                self.index_problem = None
+            except (RedisConnectionError, RedisTimeoutError, TimeoutError) as error:
+                self.index_problem = f"its index (Redis) is unreachable: {error or 'no answer to PING'}"
+            await asyncio.sleep(REDIS_PROBE_INTERVAL_S)
 
     # --- capacity and a full disk ------------------------------------------------------------
 
@@ -247,6 +265,7 @@ class BlockStore:
                 await self.rebuild_index()
                 return await call()
         except (RedisConnectionError, RedisTimeoutError) as error:
+            self.index_problem = f"its index (Redis) is unreachable: {error}"
             raise Unavailable(
                 f"the kvstore's index (Redis) is unreachable: {error}; the cold tier is down, so callers "
                 "should fall back to their hot and warm tiers"

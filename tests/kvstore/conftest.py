@@ -186,6 +186,24 @@ class KVStoreProcess:
                         raise
         raise TimeoutError(f"kvstore was not serving after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
 
+    def wait_health(self, service: str, status: int) -> None:
+        """Returns once the health of `service` ("" for the whole server) is `status`."""
+        with grpc.insecure_channel(self.target) as channel:
+            replies = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=service), timeout=STARTUP_TIMEOUT_S
+            )
+            for reply in replies:
+                if reply.status == status:
+                    replies.cancel()
+                    return
+        raise AssertionError(f"the health of {service!r} never became {status}")
+
+    def health(self, service: str) -> int:
+        """The health of `service` now."""
+        with grpc.insecure_channel(self.target) as channel:
+            request = health_pb2.HealthCheckRequest(service=service)
+            return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status)
+
     def kill(self) -> None:
         """SIGKILL: no drain, no fsync on the way out."""
         assert self.process is not None

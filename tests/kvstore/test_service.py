@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckResponse
 
 from services.common.kvstore_api import FetchedBlock
 from services.kvstore.blocks import BlockSource, Codec, MissReason
@@ -148,6 +149,20 @@ def test_redis_down_is_unavailable_and_a_fresh_redis_is_rebuilt(
         assert "fall back to their hot and warm tiers" in caught.value.details()
         redis_server.start()  # same port, empty: Redis lost everything
         assert client.lookup([b.block_hash for b in blocks]) == [b.block_hash for b in blocks]
+
+
+def test_readiness_follows_redis_and_liveness_stays(
+    kvstore: KVStoreProcess, redis_server: RedisServer
+) -> None:
+    """While Redis is down every call fails UNAVAILABLE: the service's name (readiness) says
+    NOT_SERVING so routers move away, and "" (liveness) stays SERVING, since a restart mends nothing."""
+    service = pb.DESCRIPTOR.services_by_name["KVStoreService"].full_name
+    kvstore.wait_health(service, HealthCheckResponse.SERVING)
+    redis_server.stop()
+    kvstore.wait_health(service, HealthCheckResponse.NOT_SERVING)
+    assert kvstore.health("") == HealthCheckResponse.SERVING
+    redis_server.start()
+    kvstore.wait_health(service, HealthCheckResponse.SERVING)
 
 
 @pytest.mark.parametrize(
