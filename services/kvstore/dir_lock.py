@@ -33,7 +33,7 @@ class DataDirLock:
     @classmethod
     def acquire(cls, data_dir: Path) -> DataDirLock:
         """Takes the lock at once; DataDirLocked, naming the holder, when another process has it."""
-        data_dir.mkdir(parents=True, exist_ok=True)
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # segments, secret: the store's user only
         path = data_dir / LOCK_NAME
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:

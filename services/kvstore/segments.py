@@ -32,6 +32,10 @@ from services.kvstore.record import Record, RecordError
 log = logging.getLogger(__name__)
 
 SEGMENT_MAGIC = b"TKVSEG01"
+# Segments hold every tenant's KV and names: readable by the store's own user only (the engine's
+# same-host reads run as that user too, as the image's services all do).
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
 SEGMENT_HEADER = struct.Struct("<8sQ")
 SUFFIX = ".seg"
 
@@ -113,7 +117,7 @@ class SegmentWriter:
     async def open(self) -> None:
         """Starts a new active segment after the newest on disk. On a full disk it starts none: the
         store serves reads, and the next append starts the segment (or fails) instead."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_private(self.directory)
         existing = list_segments(self.directory)
         newest = existing[-1] if existing else 0
         try:
@@ -126,7 +130,7 @@ class SegmentWriter:
 
     async def _start_segment(self, segment_id: int) -> None:
         path = segment_path(self.directory, segment_id)
-        file = await aiofiles.open(path, "xb", buffering=0)
+        file = await aiofiles.open(path, "xb", buffering=0, opener=_private_file)
         try:
             await _write_all(file, SEGMENT_HEADER.pack(SEGMENT_MAGIC, segment_id))
             await asyncio.to_thread(_fsync_file_and_directory, file.fileno(), self.directory)
@@ -251,6 +255,22 @@ class SegmentWriter:
         async with self._append_lock, self._sync_lock:
             if self._file is not None:
                 await self._seal()
+
+
+def make_private(directory: Path) -> None:
+    """Creates `directory` (mode 0700) if need be, and takes away what other users may do with it
+    and with the segments in it (written by an older store, with the umask's modes)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=DIRECTORY_MODE)
+    for path, mode in [(directory, DIRECTORY_MODE)] + [(p, FILE_MODE) for p in directory.glob(f"*{SUFFIX}")]:
+        if path.stat().st_mode & 0o077:
+            try:
+                path.chmod(mode)
+            except OSError as error:  # not ours to change (a mount point): say so, and go on
+                log.warning("cannot make %s private to the kvstore's user: %s", path, error)
+
+
+def _private_file(path: str, flags: int) -> int:
+    return os.open(path, flags, FILE_MODE)
 
 
 async def _write_all(file: AsyncFileIO, data: bytes) -> None:
