@@ -11,6 +11,13 @@ from services.common.errors import InvalidArgument
 from thermocline.engine.v1 import engine_pb2 as pb
 
 MAX_INTENT_CLASS_CHARS = 64  # class names are short; a longer one is refused before any lookup
+# The salt goes into the hash of every full block of the prompt, on the step thread: a megabyte of it
+# stalled every stream for a quarter of a second. The gateway sends the tenant id (128 at most).
+MAX_CACHE_SALT_BYTES = 256
+MAX_REQUEST_ID_CHARS = 256  # the gateway's x-request-id bound
+# A chat is rendered by its template before its length can be checked: a million empty messages
+# took seconds to render. The gateway's bound too.
+MAX_CHAT_MESSAGES = 1024
 
 
 def check_generate_bounds(request: pb.GenerateRequest) -> None:
@@ -19,6 +26,26 @@ def check_generate_bounds(request: pb.GenerateRequest) -> None:
         raise InvalidArgument(
             f"intent_class {cut(request.intent_class)} has {len(request.intent_class):,} characters; "
             f"class names have at most {MAX_INTENT_CLASS_CHARS} (empty means the default class)"
+        )
+    salt = request.cache_salt  # UTF-8 has at least a byte a character: no need to encode a long one
+    if len(salt) > MAX_CACHE_SALT_BYTES or len(salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidArgument(
+            f"cache_salt has more than {MAX_CACHE_SALT_BYTES} UTF-8 bytes; send a short tenant id "
+            "(or a digest of a longer one)"
+        )
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(
+            f"request_id has {len(request.request_id):,} characters; "
+            f"at most {MAX_REQUEST_ID_CHARS} are allowed"
+        )
+    check_chat_bounds(request)
+
+
+def check_chat_bounds(request: pb.GenerateRequest | pb.CountTokensRequest) -> None:
+    """INVALID_ARGUMENT when a chat input has more messages than its bound."""
+    if request.WhichOneof("input") == "chat" and len(request.chat.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgument(
+            f"chat has {len(request.chat.messages):,} messages; at most {MAX_CHAT_MESSAGES} are allowed"
         )
 
 

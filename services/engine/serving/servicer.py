@@ -28,7 +28,7 @@ from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus
 from services.engine.kv.capacity import PoolPlan
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
 from services.engine.serving.engine_metrics import register_engine_metrics
-from services.engine.serving.request_bounds import check_generate_bounds
+from services.engine.serving.request_bounds import check_chat_bounds, check_generate_bounds
 from services.engine.serving.request_trace import record_cancelled, record_finished
 from services.engine.text.tokenizer import Tokenizer
 from thermocline.engine.v1 import engine_pb2 as pb
@@ -231,6 +231,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         )
 
     async def CountTokens(self, request: pb.CountTokensRequest, context: Any) -> pb.CountTokensResponse:
+        check_chat_bounds(request)
         # Tokenizing is CPU-bound; off the loop, so streams in flight keep flowing meanwhile.
         prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
         return pb.CountTokensResponse(num_tokens=len(prompt_ids), model=self.engine.model_id)

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from services.cli.mesh import Mesh
+from services.engine.serving.request_bounds import MAX_CHAT_MESSAGES
 from tests.engine.chatml_stories import TURN_END, TURN_START, make_chatml_stories
 from tests.engine.engine_process import start_engine
 from thermocline.engine.v1 import engine_pb2 as pb
@@ -75,3 +76,20 @@ def test_an_honest_chat_is_served_with_one_turn_start_per_turn(stub: pb_grpc.Eng
     assert final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
     counted = stub.CountTokens(pb.CountTokensRequest(chat=chat), timeout=30).num_tokens
     assert final.usage.prompt_tokens == counted
+
+
+def test_a_chat_over_its_message_bound_is_refused_before_it_is_rendered(
+    stub: pb_grpc.EngineServiceStub,
+) -> None:
+    chat = pb.ChatTurns(messages=[pb.ChatMessage(role="user", content="hi")] * (MAX_CHAT_MESSAGES + 1))
+    with pytest.raises(grpc.RpcError) as counted:
+        stub.CountTokens(pb.CountTokensRequest(chat=chat), timeout=30)
+    with pytest.raises(grpc.RpcError) as generated:
+        list(
+            stub.Generate(pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=1)), timeout=30)
+        )
+    for error in (counted.value, generated.value):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert f"chat has {MAX_CHAT_MESSAGES + 1:,} messages; at most {MAX_CHAT_MESSAGES}" in error.details()
+    at_bound = pb.ChatTurns(messages=chat.messages[:MAX_CHAT_MESSAGES])
+    assert stub.CountTokens(pb.CountTokensRequest(chat=at_bound), timeout=30).num_tokens > MAX_CHAT_MESSAGES

@@ -10,7 +10,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.engine.serving.request_bounds import MAX_INTENT_CLASS_CHARS
+from services.engine.serving.request_bounds import (
+    MAX_CACHE_SALT_BYTES,
+    MAX_INTENT_CLASS_CHARS,
+    MAX_REQUEST_ID_CHARS,
+)
 from tests.conftest import STORIES_PROMPT
 from tests.engine.engine_process import start_engine
 from thermocline.engine.v1 import engine_pb2 as pb
@@ -50,3 +54,20 @@ def test_an_intent_class_over_its_bound_is_refused_with_a_short_message(
 def test_an_unknown_intent_class_is_cut_in_the_message(stub: pb_grpc.EngineServiceStub) -> None:
     refused = _refusal(stub, intent_class="u" * MAX_INTENT_CLASS_CHARS)
     assert "unknown intent_class" in refused.details() and "known classes" in refused.details()
+
+
+def test_a_cache_salt_over_its_bound_is_refused_and_one_at_it_is_served(
+    stub: pb_grpc.EngineServiceStub,
+) -> None:
+    for salt in ("s" * 15_000_000, "s" * (MAX_CACHE_SALT_BYTES + 1), "é" * (MAX_CACHE_SALT_BYTES // 2 + 1)):
+        refused = _refusal(stub, cache_salt=salt)
+        assert f"cache_salt has more than {MAX_CACHE_SALT_BYTES} UTF-8 bytes" in refused.details()
+    at_bound = pb.GenerateRequest(
+        prompt=STORIES_PROMPT, sampling=pb.SamplingParams(max_tokens=1), cache_salt="s" * MAX_CACHE_SALT_BYTES
+    )
+    assert list(stub.Generate(at_bound, timeout=60))[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_request_id_over_its_bound_is_refused(stub: pb_grpc.EngineServiceStub) -> None:
+    refused = _refusal(stub, request_id="r" * (MAX_REQUEST_ID_CHARS + 1))
+    assert f"at most {MAX_REQUEST_ID_CHARS} are allowed" in refused.details()
