@@ -574,7 +574,10 @@ class BlockStore:
         finally:
             for read in reads:  # the caller went away mid-stream
                 read.cancel()
-        await self.guarded(lambda: self.index.touch(served, now_us()))
+        try:  # best effort: every block is sent, and a stale LRU order costs less than a failed call
+            await self.guarded(lambda: self.index.touch(served, now_us()))
+        except Unavailable as error:
+            log.warning("marking %d served blocks used failed: %s", len(served), error.message)
 
     async def _served(
         self, read: asyncio.Task[BlockFound | BlockMissing], served: list[StoreKey]

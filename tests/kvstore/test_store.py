@@ -165,3 +165,22 @@ def test_a_put_naming_one_block_twice_stores_it_once(tmp_path: Path, redis_serve
         assert await served_payload(store, block.block_hash) == block.payload
 
     run_store(tmp_path, redis_server, scenario)
+
+
+def test_a_get_whose_blocks_were_all_sent_ends_well_when_marking_them_used_fails(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Marking the served blocks used (LRU order) comes after the last block is sent; Redis lost
+    then must not turn the whole call into a failure, which makes the caller drop every block."""
+
+    async def scenario(store: BlockStore) -> None:
+        blocks = [raw_block(f"block-{n}") for n in range(3)]
+        await store.put(NAMESPACE, blocks)
+        outcomes = store.get(NAMESPACE, [b.block_hash for b in blocks])
+        served = [await anext(outcomes) for _ in blocks]
+        assert [o.record.payload for o in served if isinstance(o, BlockFound)] == [b.payload for b in blocks]
+        await asyncio.to_thread(redis_server.stop)
+        with pytest.raises(StopAsyncIteration):
+            await anext(outcomes)
+
+    run_store(tmp_path, redis_server, scenario)
