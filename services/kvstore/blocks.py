@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from services.common.errors import InvalidArgument
 from services.common.kv_codec import codec_format as codec
 from services.common.kvstore_api import BlockHash, BlockIn, BlockSource, Codec, MissReason
@@ -66,4 +68,23 @@ def check_block(block: BlockIn, max_block_bytes: int) -> None:
         raise InvalidArgument(
             f"{where}: shape {list(block.shape)} disagrees with its INT2-sparse payload's "
             f"{layout.dense_shape}"
+        )
+    _check_token_mask(block.payload, layout, where)
+
+
+def _check_token_mask(payload: bytes, layout: codec.BlockLayout, where: str) -> None:
+    """The kept-token mask agrees with the header, as the engine's decode checks it: a block it
+    would drop as corrupt on every read is refused at the put instead."""
+    bits = np.unpackbits(
+        np.frombuffer(payload, np.uint8, layout.mask_bytes, codec.HEADER.size), bitorder="little"
+    )
+    num_kept = int(bits[: layout.num_tokens].sum())
+    if bits[layout.num_tokens :].any() or num_kept != layout.num_kept:
+        raise InvalidArgument(
+            f"{where}: its INT2-sparse token mask keeps {num_kept} tokens (or marks tokens past the "
+            f"block's {layout.num_tokens}); its header says {layout.num_kept}"
+        )
+    if layout.tier is codec.SparsityTier.KEEP_ALL and layout.num_kept != layout.num_tokens:
+        raise InvalidArgument(
+            f"{where}: a keep-all block keeps {layout.num_kept} of {layout.num_tokens} tokens"
         )

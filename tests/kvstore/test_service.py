@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 
-from services.common.kvstore_api import FetchedBlock
+from services.common.kv_codec import codec_format
+from services.common.kvstore_api import BlockIn, FetchedBlock
 from services.kvstore.blocks import BlockSource, Codec, MissReason
 from tests.kvstore.conftest import KVStoreProcess, RedisServer, block_hash, raw_block
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
@@ -282,6 +284,30 @@ def test_malformed_reads_are_invalid_argument(
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.GetBlocks(pb.GetBlocksRequest(namespace=namespace, block_hashes=hashes), timeout=30))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def int2_block(name: str, num_kept: int, mask: list[bool]) -> BlockIn:
+    """An INT2-sparse block of 8 tokens whose header keeps `num_kept` and whose mask keeps `mask`
+    (codes and scales zero: the store checks a payload's layout, never its numbers)."""
+    layout = codec_format.BlockLayout(
+        1, len(mask), 1, 4, num_kept, 32, codec_format.ScaleDtype.FLOAT16, codec_format.SparsityTier.TOP_K
+    )
+    head = codec_format.pack_header(layout, np.array(mask))
+    payload = head + bytes(layout.payload_bytes - len(head))
+    return BlockIn(block_hash(name), Codec.INT2_SPARSE, tuple(layout.dense_shape), payload)
+
+
+def test_an_int2_block_whose_mask_disagrees_with_its_kept_count_is_refused(
+    shared_kvstore: KVStoreProcess,
+) -> None:
+    """The engine would drop such a block as corrupt when it decodes it: the put says so instead."""
+    mask = [True, False] * 4  # 4 of 8 tokens
+    with shared_kvstore.client() as client:
+        assert client.put([int2_block("mask-agrees", 4, mask)]).stored == [block_hash("mask-agrees")]
+        with pytest.raises(grpc.RpcError) as refused:
+            client.put([int2_block("mask-disagrees", 5, mask)])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "keeps 4 tokens" in refused.value.details()
 
 
 def test_codec_of_a_stored_block_is_kept(shared_kvstore: KVStoreProcess) -> None:
