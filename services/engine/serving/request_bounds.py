@@ -18,6 +18,9 @@ MAX_REQUEST_ID_CHARS = 256  # the gateway's x-request-id bound
 # A chat is rendered by its template before its length can be checked: a million empty messages
 # took seconds to render. The gateway's bound too.
 MAX_CHAT_MESSAGES = 1024
+# CountTokens counts text that need not fit the context (the gateway counts before the engine's
+# context check), but not any amount: the gateway sends at most 1,000,000 bytes.
+MAX_COUNT_CHARS = 1 << 20
 
 
 def check_generate_bounds(request: pb.GenerateRequest) -> None:
@@ -52,3 +55,18 @@ def check_chat_bounds(request: pb.GenerateRequest | pb.CountTokensRequest) -> No
 def cut(value: str, max_chars: int = MAX_INTENT_CLASS_CHARS) -> str:
     """`value` quoted for a message, cut to `max_chars` characters."""
     return repr(value) if len(value) <= max_chars else f"{value[:max_chars]!r}..."
+
+
+def check_count_bounds(request: pb.CountTokensRequest) -> None:
+    """INVALID_ARGUMENT when a CountTokens input is over its bounds: the prompt, or the chat's roles
+    and contents together, over MAX_COUNT_CHARS characters, or a chat of too many messages."""
+    check_chat_bounds(request)
+    if request.WhichOneof("input") == "chat":
+        num_chars = sum(len(m.role) + len(m.content) for m in request.chat.messages)
+    else:
+        num_chars = len(request.prompt)
+    if num_chars > MAX_COUNT_CHARS:
+        raise InvalidArgument(
+            f"CountTokens counts at most {MAX_COUNT_CHARS:,} characters (a prompt, or a chat's roles and "
+            f"contents together); this input has {num_chars:,}"
+        )

@@ -27,8 +27,9 @@ from services.engine.errors import EngineStopped, InvalidPrompt, KVCapacityExcee
 from services.engine.gate.safety_gate import GatePolicy, GateReport, GateStatus
 from services.engine.kv.capacity import PoolPlan
 from services.engine.llm_engine import FinishReason, LLMEngine, SamplingParams, StreamEvent
+from services.engine.serving import tokenizing
 from services.engine.serving.engine_metrics import register_engine_metrics
-from services.engine.serving.request_bounds import check_chat_bounds, check_generate_bounds
+from services.engine.serving.request_bounds import check_count_bounds, check_generate_bounds
 from services.engine.serving.request_trace import record_cancelled, record_finished
 from services.engine.text.tokenizer import Tokenizer
 from thermocline.engine.v1 import engine_pb2 as pb
@@ -159,9 +160,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         gate_policy = gate_policy_from_pb(request)
         if request.WhichOneof("input") == "prompt":
             self._check_raw_prompt(request.prompt)
-        # Tokenizing is CPU-bound (the tokenizer lets the GIL go); off the loop, so streams in flight,
-        # GetStats and health checks are served meanwhile.
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, request, self._prompt_limit)
+        prompt_ids = await tokenizing.for_generate(self._prompt_ids, request, self._prompt_limit)
         self._annotate_span(request, params, len(prompt_ids))
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         mailbox = self._mailbox_for(asyncio.get_running_loop())
@@ -231,9 +230,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         )
 
     async def CountTokens(self, request: pb.CountTokensRequest, context: Any) -> pb.CountTokensResponse:
-        check_chat_bounds(request)
-        # Tokenizing is CPU-bound; off the loop, so streams in flight keep flowing meanwhile.
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+        check_count_bounds(request)
+        prompt_ids = await tokenizing.for_count(self._prompt_ids, request)
         return pb.CountTokensResponse(num_tokens=len(prompt_ids), model=self.engine.model_id)
 
     def _prompt_ids(

@@ -12,6 +12,7 @@ import pytest
 
 from services.engine.serving.request_bounds import (
     MAX_CACHE_SALT_BYTES,
+    MAX_COUNT_CHARS,
     MAX_INTENT_CLASS_CHARS,
     MAX_REQUEST_ID_CHARS,
 )
@@ -71,3 +72,17 @@ def test_a_cache_salt_over_its_bound_is_refused_and_one_at_it_is_served(
 def test_a_request_id_over_its_bound_is_refused(stub: pb_grpc.EngineServiceStub) -> None:
     refused = _refusal(stub, request_id="r" * (MAX_REQUEST_ID_CHARS + 1))
     assert f"at most {MAX_REQUEST_ID_CHARS} are allowed" in refused.details()
+
+
+def test_counttokens_counts_up_to_its_bound_and_refuses_more(stub: pb_grpc.EngineServiceStub) -> None:
+    at_bound = stub.CountTokens(pb.CountTokensRequest(prompt="a" * MAX_COUNT_CHARS), timeout=60)
+    assert at_bound.num_tokens > 1
+    chat = pb.ChatTurns(messages=[pb.ChatMessage(role="user", content="a" * (MAX_COUNT_CHARS // 2))] * 2)
+    for request in (
+        pb.CountTokensRequest(prompt="a" * (MAX_COUNT_CHARS + 1)),
+        pb.CountTokensRequest(chat=chat),
+    ):
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.CountTokens(request, timeout=60)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+        assert f"CountTokens counts at most {MAX_COUNT_CHARS:,} characters" in raised.value.details()

@@ -9,6 +9,7 @@ import contextlib
 import re
 import threading
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from prometheus_client import REGISTRY
 from services.common.interceptors import CallTracker, GuardInterceptor
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine, RequestHandle
+from services.engine.serving import tokenizing
 from services.engine.serving.servicer import EngineServicer
 from tests.conftest import STORIES_GOLDEN_IDS, STORIES_PROMPT_IDS
 from thermocline.engine.v1 import engine_pb2 as pb
@@ -206,6 +208,45 @@ def test_a_prompt_being_tokenized_leaves_other_streams_and_getstats_served(
     held_stream = asyncio.run(scenario())
     assert order == ["tokenizing", "served others (4 tokens)", "released"]
     assert held_stream[-1].usage.completion_tokens == 4
+
+
+def test_counts_held_on_every_thread_they_may_take_leave_generate_served(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CountTokens calls are held inside the tokenizer on every thread of their pool until a Generate
+    has been served: counts have a pool of their own. On a pool shared with Generate (the loop's
+    default one, here as small as the counts' pool) the Generate would wait for them to be let go."""
+    held_text = "a count held in the tokenizer"
+    num_held = tokenizing.NUM_COUNT_THREADS
+    entered, released = threading.Semaphore(0), threading.Event()
+    order: list[str] = []
+    encode = engine.tokenizer.encode
+
+    def held_encode(text: str, add_bos: bool | None = None) -> list[int]:
+        if text == held_text:
+            entered.release()
+            order.append("released" if released.wait(RELEASE_TIMEOUT_S) else "timed out")
+        return encode(text, add_bos)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", held_encode)
+
+    async def scenario() -> list[int]:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(num_held))
+        async with serving(engine) as stub, contextlib.AsyncExitStack() as stack:
+            waiter = stack.enter_context(ThreadPoolExecutor(1))  # neither pool: it may be full
+            request = pb.CountTokensRequest(prompt=held_text)
+            counts = [asyncio.ensure_future(stub.CountTokens(request)) for _ in range(num_held + 2)]
+            for _ in range(num_held):
+                assert await loop.run_in_executor(waiter, entered.acquire, True, RELEASE_TIMEOUT_S)
+            served = await generate(stub, "Once upon a time", max_tokens=2)
+            order.append(f"served a Generate ({served[-1].usage.completion_tokens} tokens)")
+            released.set()
+            return [reply.num_tokens for reply in await asyncio.gather(*counts)]
+
+    counted = asyncio.run(scenario())
+    assert order[: num_held + 1] == ["served a Generate (2 tokens)", *["released"] * num_held]
+    assert counted == [len(encode(held_text))] * (num_held + 2)
 
 
 def _requests_total(intent_class: str, finish_reason: str) -> float:
