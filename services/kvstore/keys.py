@@ -20,7 +20,15 @@ from typing import NewType
 from services.common.errors import InvalidArgument
 from services.common.kvstore_api import MAX_NAME_BYTES, BlockHash, Namespace
 
-__all__ = ["MAX_NAME_BYTES", "BlockHash", "Namespace", "StoreKey", "TenantSalts", "check_hash"]
+__all__ = [
+    "MAX_NAME_BYTES",
+    "BlockHash",
+    "Namespace",
+    "SecretMissing",
+    "StoreKey",
+    "TenantSalts",
+    "check_hash",
+]
 
 StoreKey = NewType("StoreKey", bytes)  # 32 bytes: what the index and the records are keyed by
 
@@ -38,6 +46,28 @@ def check_hash(block_hash: str) -> BlockHash:
     return BlockHash(block_hash)
 
 
+class SecretMissing(Exception):
+    """The data dir holds segments, but not the secret their keys were derived with."""
+
+
+def _write_secret(path: Path) -> None:
+    """A new secret, whole or not at all: a temporary file, fsynced, renamed over, and the
+    directory fsynced (a crash mid-write left an empty secret, and the store could not start)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".new")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(secrets.token_bytes(SECRET_BYTES))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 class TenantSalts:
     """Derives each tenant's salt from the store's secret, and keys from salts."""
 
@@ -48,15 +78,18 @@ class TenantSalts:
         self._salts: dict[str, bytes] = {}
 
     @classmethod
-    def load_or_create(cls, path: Path) -> TenantSalts:
-        """The secret in `path`, created (mode 0600) on first start; keep it with the segments."""
+    def load_or_create(cls, path: Path, may_create: bool = True) -> TenantSalts:
+        """The secret in `path`, created (mode 0600) on a first start; keep it with the segments.
+
+        With `may_create` False (the data dir holds segments) a missing secret is SecretMissing:
+        a new one would leave every stored block unreachable while the store looked healthy."""
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(secrets.token_bytes(SECRET_BYTES))
-                file.flush()
-                os.fsync(file.fileno())
+            if not may_create:
+                raise SecretMissing(
+                    f"the tenant secret {path} is missing, but the data dir holds segments keyed with it: "
+                    "restore it from the backup of this data dir, or delete the segments to start empty"
+                )
+            _write_secret(path)
         return cls(path.read_bytes())
 
     def salt(self, tenant: str) -> bytes:

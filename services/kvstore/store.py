@@ -68,6 +68,11 @@ REDIS_PROBE_INTERVAL_S = 1.0
 REDIS_PROBE_TIMEOUT_S = 2.0
 
 
+def load_salts(config: StoreConfig) -> TenantSalts:
+    """The store's tenant salts; SecretMissing when segments exist but their secret does not."""
+    return TenantSalts.load_or_create(config.secret_path, may_create=not list_segments(config.segments_dir))
+
+
 class PrefetchJob(NamedTuple):
     """One queued prefetch: the key, the entry its load reads, and the load it ends."""
 
@@ -141,11 +146,12 @@ class BlockStore:
             config.segments_dir, config.max_segment_bytes, config.fsync_policy, config.fsync_batch_window_s
         )
         opened_tail = segments_tail(config.segments_dir)
+        salts = load_salts(config)  # before a new segment is made: SecretMissing starts nothing
         await writer.open()
         store = cls(
             config,
             RedisIndex(client, config.index_prefix),
-            TenantSalts.load_or_create(config.secret_path),
+            salts,
             writer,
             opened_tail,
             dir_lock,

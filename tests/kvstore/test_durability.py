@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import shutil
 import threading
 from pathlib import Path
 
@@ -217,3 +218,21 @@ def test_a_delete_whose_tombstone_fsync_fails_is_refused_and_a_retry_deletes_for
         assert await store.lookup(NAMESPACE, [block.block_hash]) == []
 
     run_store(tmp_path, redis_server, scenario)
+
+
+def test_a_lost_tenant_secret_is_not_silently_replaced(kvstore: KVStoreProcess) -> None:
+    """Every stored key derives from the secret: a new one would make every block unreachable
+    while the store looked healthy. With segments there, the store refuses to start and says how
+    to mend it; with none, a fresh one is made."""
+    with kvstore.client() as client:
+        client.put([raw_block("keyed-with-the-old-secret")])
+    kvstore.stop()
+    (kvstore.data_dir / "tenant_secret").unlink()
+    exit_code = kvstore.start_or_exit()
+    if exit_code is None:
+        kvstore.stop()
+    assert exit_code not in (None, 0)
+    assert "restore it from the backup of this data dir" in kvstore.log_tail()
+    shutil.rmtree(kvstore.data_dir / "segments")  # the operator starts empty instead
+    kvstore.start()
+    assert (kvstore.data_dir / "tenant_secret").stat().st_size == 32
