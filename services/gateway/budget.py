@@ -54,9 +54,12 @@ class PromptCounter:
         self.num_hits = 0
         self.num_misses = 0
 
-    async def count(self, request: pb.GenerateRequest, model: str, num_chars: int = 0) -> int:
+    async def count(
+        self, request: pb.GenerateRequest, model: str, num_chars: int = 0, caller_left_s: float | None = None
+    ) -> int:
         """The number of prompt tokens the engine serving `model` will see (`num_chars`: the prompt's
-        length, which decides whether its hash is taken on a worker thread)."""
+        length, which decides whether its hash is taken on a worker thread). The engine's count
+        waits COUNT_TIMEOUT_S, or the caller's `caller_left_s` when that is shorter."""
         counted = count_request(request)
         key = (model, await off_loop_when_long(prompt_hash, counted, num_chars))
         if (cached := self._counts.get(key)) is not None:
@@ -64,7 +67,7 @@ class PromptCounter:
             self.num_hits += 1
             return cached
         self.num_misses += 1
-        num_tokens = await self.upstreams.count_tokens(counted, COUNT_TIMEOUT_S)
+        num_tokens = await self.upstreams.count_tokens(counted, COUNT_TIMEOUT_S, caller_left_s)
         self._remember(key, num_tokens)
         return num_tokens
 

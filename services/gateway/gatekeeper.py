@@ -67,6 +67,8 @@ ModelResolver = Callable[[str], Awaitable[str]]
 # bucket, the audit write) instead of waiting behind their CPU work.
 PromptReady = Callable[[str, "Principal", "TenantLimits"], Awaitable[None]]
 ModelLister = Callable[[], Awaitable[list[str]]]
+# The seconds a call has left before its deadline (None: no deadline), as a context's time_remaining.
+TimeLeft = Callable[[], float | None]
 _MAX_REQUEST_ID_CHARS = 128
 # Prompts up to this length are screened beside the token count (a few ms of screening, hidden
 # behind it); longer ones after the count, budget and token rate passed. A long prompt's screen
@@ -121,6 +123,7 @@ class _Facts:
     # The HTTP front's take of the call's request from the tenant's bucket; None: not taken yet.
     # Never from metadata, which the caller writes: only the HTTP front's call context carries it.
     request_taken: RateDecision | None = None
+    time_left: TimeLeft = field(default=lambda: None)  # the call's seconds left (None: no deadline)
 
     def event(self, decision: str, reason: str) -> AuditEvent:
         return AuditEvent(
@@ -224,6 +227,7 @@ class Gatekeeper:
         resolve: ModelResolver,
         on_prompt_ready: PromptReady | None = None,
         request_taken: RateDecision | None = None,
+        time_left: TimeLeft | None = None,
     ) -> Admitted:
         """Every check for one Generate call. A refusal is durable when this raises; an allow is
         durable once `recorded` is done, which the caller awaits before it answers. An admitted
@@ -232,8 +236,11 @@ class Gatekeeper:
         `on_prompt_ready` is awaited once the call is authorized and its fields valid: before the
         token count for a prompt of at most SCREEN_BEFORE_COUNT_MAX_CHARS, where a refusal after it
         (budget, token rate) may follow a screen already started; after it for a longer prompt.
-        `request_taken`: the HTTP front's take of this call's request, so none is taken here."""
+        `request_taken`: the HTTP front's take of this call's request, so none is taken here.
+        `time_left`: the call's seconds left (the context's `time_remaining`), which bound the count."""
         facts = _Facts("invoke", "model:?", request_id_of(metadata), request_taken=request_taken)
+        if time_left is not None:
+            facts.time_left = time_left
         checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
         admission = await self._audited(facts, checks)
         # Queued now, so that it comes before any event of the answer (a safety block) in the log.
@@ -376,7 +383,7 @@ class Gatekeeper:
         facts: _Facts,
     ) -> int:
         """Counts the prompt (the engine tokenizes; this loop only awaits), checks and charges it."""
-        prompt_tokens = await self.counter.count(request, model, facts.num_prompt_chars)
+        prompt_tokens = await self.counter.count(request, model, facts.num_prompt_chars, facts.time_left())
         facts.details |= {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
         check_request_budget(tenant, limits, prompt_tokens, max_tokens, self.counter.name)
         _check_rate(tenant, limits, await self.limiter.take_tokens(tenant, limits, prompt_tokens), facts)

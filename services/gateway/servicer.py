@@ -232,7 +232,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         try:
             # the HTTP front's context carries the request it took for the call; a gRPC one none
             taken = getattr(context, "request_taken", None)
-            admitted = await self.gatekeeper.admit_generate(request, metadata, resolve, screen_prompt, taken)
+            admitted = await self.gatekeeper.admit_generate(
+                request, metadata, resolve, screen_prompt, taken, context.time_remaining
+            )
         except BaseException:
             for screen in screens:
                 discard(screen)  # admission refused the call

@@ -54,6 +54,15 @@ def upstream_error(service: str, error: grpc.aio.AioRpcError) -> ThermoclineErro
     return Unavailable(f"{service} is unavailable ({error.code().name}: {error.details()}); retry later")
 
 
+def _count_error(error: grpc.aio.AioRpcError, timeout_s: float, waited_s: float) -> ThermoclineError:
+    """A count that ran out of the gateway's own bound is UNAVAILABLE (an overloaded engine; clients
+    retry it), not the caller's DEADLINE_EXCEEDED: the caller's deadline was further off. One cut
+    by the caller's shorter deadline stays DEADLINE_EXCEEDED."""
+    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and waited_s >= timeout_s:
+        return Unavailable(f"the engine did not count the prompt within {timeout_s:g} s; retry later")
+    return upstream_error("engine", error)
+
+
 class Upstreams:
     """The engine replicas (through the router) and the safety service."""
 
@@ -80,17 +89,21 @@ class Upstreams:
                 raise upstream_error("engine", error) from None
         return self._model_info
 
-    async def count_tokens(self, request: engine_pb2.CountTokensRequest, timeout_s: float) -> int:
+    async def count_tokens(
+        self, request: engine_pb2.CountTokensRequest, timeout_s: float, caller_left_s: float | None = None
+    ) -> int:
         """Prompt tokens as an engine replica counts them: ready replicas first, then live ones,
         then the rest, and the next one when a replica answers UNAVAILABLE (draining before its
-        health watch says so)."""
+        health watch says so). A count waits `timeout_s`, the gateway's own bound, or the caller's
+        `caller_left_s` when that is shorter."""
         last_error: grpc.aio.AioRpcError | None = None
+        waits_s = timeout_s if caller_left_s is None else min(timeout_s, caller_left_s)
         for replica in self.router.by_preference():
             try:
-                reply = await replica.stub.CountTokens(request, timeout=timeout_s)
+                reply = await replica.stub.CountTokens(request, timeout=waits_s)
             except grpc.aio.AioRpcError as error:
                 if error.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise upstream_error("engine", error) from None
+                    raise _count_error(error, timeout_s, waits_s) from None
                 last_error = error
                 continue
             return int(reply.num_tokens)
