@@ -81,7 +81,7 @@ def sample(
     u = uniform(rows.seeds, rows.draws)  # [R]
     scale_bits = _scale_bits(vocab)
     split = len(by_id)
-    drawn = [] if not by_id else [_invert(_weights(scaled[:split], scale_bits), u[:split])]  # no sort
+    drawn = [] if not by_id else [_draw_by_id(scaled[:split], u[:split], scale_bits)]
     if by_rank:
         largest_k = max(_top_k(params[r], vocab) for r in by_rank)
         filters = rows.top_k[split:], rows.top_p[split:]
@@ -149,6 +149,12 @@ def _weights(scaled: torch.Tensor, scale_bits: int) -> torch.Tensor:
     return (scaled - best).exp_().mul_(float(1 << scale_bits)).long()
 
 
+def _draw_by_id(scaled: torch.Tensor, u: torch.Tensor, scale_bits: int) -> torch.Tensor:
+    """`[R]` token ids drawn from each row's whole distribution, in id order: no sort."""
+    cumulative = torch.cumsum(_weights(scaled, scale_bits), dim=-1)  # [R, V] int64, exact
+    return _invert(cumulative, cumulative[:, -1:], u)
+
+
 def _draw_by_rank(
     scaled: torch.Tensor,
     top_k: torch.Tensor,
@@ -157,52 +163,56 @@ def _draw_by_rank(
     largest_k: int,
     scale_bits: int,
 ) -> torch.Tensor:
-    """`[R]` token ids drawn from each row's top-k, then top-p, tokens (ranked by logit).
+    """`[R]` token ids drawn from each row's top-k, then top-p, tokens (ranked by logit, ties by id).
 
     Top-p applies to the distribution renormalized over the top-k set; the most likely token always
-    survives. Only the first `largest_k` ranks are computed; a row's draw never looks past its own k.
+    survives. Only the first `largest_k` ranks are computed; a row's draw never looks past its own
+    k. Both filters keep a prefix of the ranks, so one cumulative sum serves both.
     """
-    order = _rank(scaled, largest_k)  # [R, W] token ids, best first
-    weights = _weights(scaled.gather(1, order), scale_bits)  # [R, W]
-    rank = torch.arange(order.shape[-1], device=order.device)
-    weights = weights.masked_fill(rank[None, :] >= top_k[:, None], 0)
+    vocab = scaled.shape[-1]
+    if largest_k < vocab:  # every row keeps a top-k: no full sort
+        ranked, order = torch.topk(scaled, largest_k, dim=-1).values, None  # [R, W]
+    else:
+        ranked, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [R, V] each
+    weights = _weights(ranked, scale_bits)  # [R, W]
+    rank = torch.arange(ranked.shape[-1], device=ranked.device)
+    weights.masked_fill_(rank[None, :] >= top_k[:, None], 0)
     cumulative = torch.cumsum(weights, dim=-1)  # [R, W] int64, exact
     mass_before = cumulative - weights  # weight of strictly better tokens
     within_p = mass_before < top_p[:, None].double() * cumulative[:, -1:].double()
-    weights = weights.masked_fill(~(within_p | (top_p[:, None] >= 1.0)), 0)
-    drawn = _invert(weights, u)  # [R] ranks
+    num_kept = within_p.sum(dim=-1, keepdim=True).clamp_(min=1)  # [R, 1]; rank 0 always survives
+    kept = torch.where(top_p[:, None] >= 1.0, cumulative[:, -1:], cumulative.gather(1, num_kept - 1))
+    drawn = _invert(cumulative, kept, u)  # [R] ranks
+    if order is None:
+        return _id_at_rank(scaled, ranked, drawn)
     return order.gather(1, drawn[:, None]).squeeze(1)
 
 
-def _rank(scaled: torch.Tensor, largest_k: int) -> torch.Tensor:
-    """`[R, W]` token ids by falling fp32 logit, ties broken by the lower id; W is `largest_k`.
+def _id_at_rank(scaled: torch.Tensor, ranked: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """`[R]` the id of the token at `rank` of each row, tied logits ranked by id, as the stable sort
+    ranks them: `topk` orders (and picks) tied logits its own way, so only its values are used.
 
-    `topk` and `sort` order ties each their own way, so each logit gets a unique int64 key first
-    (the float's bits made to sort as the float does, then the id): whether a row is ranked by
-    `topk` (when every row keeps a top-k, no full sort) or by `sort` depends on its neighbours,
-    and its order must not.
+    The token is the j-th lowest id among those whose logit equals the rank's, where j counts the
+    tied ranks before it: whether a row is ranked by `topk` or by `sort` depends on its neighbours,
+    and the token it draws must not.
     """
-    vocab = scaled.shape[-1]
-    bits = scaled.contiguous().view(torch.int32)  # [R, V]
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
-    ids = torch.arange(vocab, device=scaled.device)
-    keys = ordered.long() * (1 << 32) + (vocab - 1 - ids)  # [R, V], unique within a row
-    if largest_k < vocab:
-        return torch.topk(keys, largest_k, dim=-1).indices
-    return torch.sort(keys, dim=-1, descending=True).indices
+    value = ranked.gather(1, rank[:, None])  # [R, 1]
+    num_better = (ranked > value).sum(dim=-1, keepdim=True)  # [R, 1]: every better token is ranked
+    tied_so_far = torch.cumsum(scaled == value, dim=-1, dtype=torch.int32)  # [R, V]
+    token_ids = (tied_so_far <= rank[:, None] - num_better).sum(dim=-1)  # [R]
+    return token_ids.clamp_(max=scaled.shape[-1] - 1)  # a row with bad numbers (the caller faults it)
 
 
-def _invert(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """`[R]` index where each row's cumulative int64 weight first exceeds `u` of its total.
+def _invert(cumulative: torch.Tensor, total: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`[R]` index where each row's cumulative int64 weight first exceeds `u` of `total` `[R, 1]`.
 
-    The target is an integer below the total, so the chosen index always has a weight above zero.
-    A row with bad numbers gets some index in range (the caller faults it).
+    The target is an integer below `total`, a value `cumulative` reaches, so the chosen index has a
+    weight above zero and lies at or before it. A row with bad numbers gets some index in range
+    (the caller faults it).
     """
-    cumulative = torch.cumsum(weights, dim=-1)  # [R, W] exact
-    total = cumulative[:, -1:]  # [R, 1]
     target = torch.minimum((u[:, None] * total.double()).long(), total - 1)  # [R, 1]
     index = torch.searchsorted(cumulative, target, right=True)  # [R, 1]
-    return index.clamp_(0, weights.shape[-1] - 1).squeeze(1)
+    return index.clamp_(0, cumulative.shape[-1] - 1).squeeze(1)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

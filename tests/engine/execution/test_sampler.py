@@ -71,14 +71,18 @@ def test_a_seeded_row_ignores_its_neighbours_settings(
     assert len(set(alone)) > 1
 
 
-def test_tied_logits_rank_the_same_whether_topk_or_sort_ranks_them() -> None:
+@pytest.mark.parametrize("tie", ["ten-way", "signed-zeros"])
+def test_tied_logits_rank_the_same_whether_topk_or_sort_ranks_them(tie: str) -> None:
     logits = torch.zeros(2, 64)
-    logits[:, 10:20] = 2.0  # ten tokens tie for first place; top-k=4 keeps the four lowest ids
+    if tie == "ten-way":
+        logits[:, 10:20] = 2.0  # ten tokens tie for first place; top-k=4 keeps the four lowest ids
+    else:
+        logits[:, 1::2] = -0.0  # -0.0 equals 0.0: every token ties
     top_k_4 = SamplingParams(temperature=1.0, top_k=4)
     by_topk = [sample(logits, [TOP_K_50, top_k_4], [(1, i), (2, i)])[1].item() for i in range(200)]
     by_sort = [sample(logits, [TOP_P_09, top_k_4], [(1, i), (2, i)])[1].item() for i in range(200)]
     assert by_topk == by_sort
-    assert set(by_topk) == {10, 11, 12, 13}
+    assert set(by_topk) == ({10, 11, 12, 13} if tie == "ten-way" else {0, 1, 2, 3})
 
 
 def test_draws_follow_the_softmax_distribution() -> None:
