@@ -30,7 +30,7 @@ BLOCK_LOOKUPS = Counter(
 )
 STORED_BYTES = Gauge("thermocline_kvstore_stored_bytes", "Bytes held in live segment records.")
 OPEN_STREAMS = Gauge(
-    "thermocline_kvstore_open_streams", "Block streams being served, by RPC (put, get).", ["rpc"]
+    "thermocline_kvstore_open_stream_requests", "Block streams being served, by RPC (put, get).", ["rpc"]
 )
 STREAMS_REFUSED = Counter(
     "thermocline_kvstore_streams_refused",
