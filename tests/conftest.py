@@ -19,12 +19,14 @@ if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
 
 import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.mesh import Mesh, MeshConfig, Ports
 from services.cli.trace_collector import TraceCollector
@@ -151,6 +153,21 @@ def wait_for_engine_idle(
     while (stats := engine_stats(mesh, engine)).num_running + stats.num_waiting:
         assert time.monotonic() < deadline, f"the engine still holds requests after {timeout_s} s: {stats}"
     return stats
+
+
+def rpcs_handled(metrics_url: str, method: str, code: str | None = None) -> float:
+    """thermocline_rpc_server_handled_total for one full method name (/pkg.Service/Method), summed
+    over status codes, or for one code ("OK", "UNAVAILABLE", ...), from a process's /metrics URL."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as page:
+        families = text_string_to_metric_families(page.read().decode())
+    return sum(
+        sample.value
+        for family in families
+        for sample in family.samples
+        if sample.name == "thermocline_rpc_server_handled_total"
+        and sample.labels.get("method") == method
+        and (code is None or sample.labels.get("code") == code)
+    )
 
 
 # A deny rule that only the test meshes carry: stories260K's golden continuation of STORIES_PROMPT

@@ -19,14 +19,13 @@ from urllib.parse import urlsplit
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.client import build_request, call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
 from services.gateway.audit_chain import segment_paths
 from services.gateway.tokens import mint_token
-from tests.conftest import STORIES_PROMPT, start_mesh
+from tests.conftest import STORIES_PROMPT, rpcs_handled, start_mesh
 from tests.gateway.conftest import stopped
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
@@ -101,16 +100,7 @@ def read_until_cut(stream: Iterator[pb.GenerateResponse]) -> tuple[int, grpc.Rpc
 
 def output_screens(mesh: Mesh) -> float:
     """How many output screens the safety service has answered, from its /metrics."""
-    url = f"http://127.0.0.1:{mesh.config.ports.metrics['safety']}/metrics"
-    with urllib.request.urlopen(url, timeout=30) as page:
-        families = text_string_to_metric_families(page.read().decode())
-    return sum(
-        sample.value
-        for family in families
-        for sample in family.samples
-        if sample.name == "thermocline_rpc_server_handled_total"
-        and sample.labels.get("method") == CHECK_OUTPUT
-    )
+    return rpcs_handled(f"http://127.0.0.1:{mesh.config.ports.metrics['safety']}/metrics", CHECK_OUTPUT)
 
 
 def wait_for_output_screens(mesh: Mesh, num_screens: float, timeout_s: float = 60) -> None:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.mesh import Mesh
-from tests.conftest import STORIES_PROMPT, STORIES_PROMPT_IDS
+from tests.conftest import STORIES_PROMPT, STORIES_PROMPT_IDS, rpcs_handled
 from tests.http.conftest import HttpGateway
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -25,17 +22,7 @@ def count_tokens(mesh: Mesh, request: engine_pb2.CountTokensRequest) -> engine_p
 
 def engine_counts_served(mesh: Mesh) -> float:
     """How many CountTokens calls the engine has answered OK, from its /metrics."""
-    url = f"http://127.0.0.1:{mesh.config.ports.metrics['engine']}/metrics"
-    with urllib.request.urlopen(url, timeout=30) as page:
-        families = text_string_to_metric_families(page.read().decode())
-    return sum(
-        sample.value
-        for family in families
-        for sample in family.samples
-        if sample.name == "thermocline_rpc_server_handled_total"
-        and sample.labels.get("method") == COUNT_TOKENS
-        and sample.labels.get("code") == "OK"
-    )
+    return rpcs_handled(f"http://127.0.0.1:{mesh.config.ports.metrics['engine']}/metrics", COUNT_TOKENS, "OK")
 
 
 def test_the_engine_counts_as_generate_tokenizes(http_gateway: HttpGateway) -> None:
