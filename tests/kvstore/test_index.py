@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import NamedTuple
 
-from services.common.kvstore_api import FetchedBlock
-from services.kvstore.blocks import MissReason
+from services.common.kvstore_api import FetchedBlock, KVStoreClient
+from services.kvstore.blocks import BlockIn, MissReason
 from services.kvstore.compactor import Compactor
-from services.kvstore.keys import Namespace
+from services.kvstore.keys import BlockHash, Namespace
 from services.kvstore.segments import list_segments
 from services.kvstore.store import BlockStore
 from tests.kvstore.conftest import KVStoreProcess, RedisServer, raw_block, run_store
@@ -19,41 +20,61 @@ from tests.kvstore.conftest import KVStoreProcess, RedisServer, raw_block, run_s
 NAMESPACE = Namespace("tenant-a", "tiny-llama")
 
 
+class WritesPastSnapshot(NamedTuple):
+    """Three acknowledged writes that a Redis snapshot falls behind: it still holds `deleted` and
+    lacks `later`; only `kept` is the same in the snapshot and in the store."""
+
+    deleted: BlockIn
+    kept: BlockIn
+    later: BlockIn
+
+    @property
+    def hashes(self) -> list[BlockHash]:
+        """The three blocks' hashes, in field order."""
+        return [block.block_hash for block in self]
+
+    @property
+    def live_hashes(self) -> list[BlockHash]:
+        """What an index that lost no acknowledged write finds: `kept` and `later`."""
+        return [self.kept.block_hash, self.later.block_hash]
+
+
+def write_past_a_snapshot(client: KVStoreClient, redis_server: RedisServer) -> WritesPastSnapshot:
+    """Puts two blocks, has Redis save the snapshot it will come back from, then puts a third and
+    deletes the first."""
+    writes = WritesPastSnapshot(raw_block("deleted"), raw_block("kept"), raw_block("put-after-the-snapshot"))
+    client.put([writes.deleted, writes.kept])
+    redis_server.client().save()
+    client.put([writes.later])
+    assert client.delete([writes.deleted.block_hash]) == 1
+    return writes
+
+
 def test_a_redis_back_from_an_older_snapshot_under_a_running_store_is_rebuilt(
     kvstore: KVStoreProcess, redis_server: RedisServer
 ) -> None:
-    deleted, kept, later = raw_block("deleted"), raw_block("kept"), raw_block("put-after-the-snapshot")
-    hashes = [deleted.block_hash, kept.block_hash, later.block_hash]
     with kvstore.client() as client:
-        client.put([deleted, kept])
-        redis_server.client().save()  # the snapshot Redis comes back from
-        client.put([later])
-        assert client.delete([deleted.block_hash]) == 1
+        writes = write_past_a_snapshot(client, redis_server)
         rebuilds_before = client.stats().index_rebuilds
         redis_server.restart()
-        assert client.lookup(hashes) == [kept.block_hash, later.block_hash]
-        fetched = client.get(hashes)
+        assert client.lookup(writes.hashes) == writes.live_hashes
+        fetched = client.get(writes.hashes)
         assert client.stats().index_rebuilds == rebuilds_before + 1
-    assert fetched[deleted.block_hash] is MissReason.ABSENT  # an acknowledged delete stays deleted
-    served = fetched[later.block_hash]
-    assert isinstance(served, FetchedBlock) and served.payload == later.payload
+    assert fetched[writes.deleted.block_hash] is MissReason.ABSENT  # an acknowledged delete stays deleted
+    served = fetched[writes.later.block_hash]
+    assert isinstance(served, FetchedBlock) and served.payload == writes.later.payload
 
 
 def test_a_store_started_on_a_redis_back_from_an_older_snapshot_rebuilds(
     kvstore: KVStoreProcess, redis_server: RedisServer
 ) -> None:
-    deleted, kept, later = raw_block("deleted"), raw_block("kept"), raw_block("put-after-the-snapshot")
-    hashes = [deleted.block_hash, kept.block_hash, later.block_hash]
     with kvstore.client() as client:
-        client.put([deleted, kept])
-        redis_server.client().save()
-        client.put([later])
-        assert client.delete([deleted.block_hash]) == 1
+        writes = write_past_a_snapshot(client, redis_server)
     kvstore.stop()
     redis_server.restart()
     kvstore.start()
     with kvstore.client() as client:
-        assert client.lookup(hashes) == [kept.block_hash, later.block_hash]
+        assert client.lookup(writes.hashes) == writes.live_hashes
         assert client.stats().index_rebuilds == 1
 
 
