@@ -42,6 +42,16 @@ def _chat(role: str, content: str) -> pb.ChatTurns:
     )
 
 
+def _refusals(stub: pb_grpc.EngineServiceStub, chat: pb.ChatTurns) -> list[grpc.RpcError]:
+    """The errors that CountTokens and Generate each end with on `chat`; both must refuse it."""
+    with pytest.raises(grpc.RpcError) as counted:
+        stub.CountTokens(pb.CountTokensRequest(chat=chat), timeout=30)
+    request = pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=1))
+    with pytest.raises(grpc.RpcError) as generated:
+        list(stub.Generate(request, timeout=30))
+    return [counted.value, generated.value]
+
+
 def test_the_markers_are_parsed_as_tokens_in_any_text(stub: pb_grpc.EngineServiceStub) -> None:
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert info.vocab_size == 514 and info.has_chat_template
@@ -56,14 +66,7 @@ def test_the_markers_are_parsed_as_tokens_in_any_text(stub: pb_grpc.EngineServic
 def test_a_message_that_holds_a_marker_is_refused_by_generate_and_counttokens(
     stub: pb_grpc.EngineServiceStub, role: str, content: str
 ) -> None:
-    chat = _chat(role, content)
-    with pytest.raises(grpc.RpcError) as counted:
-        stub.CountTokens(pb.CountTokensRequest(chat=chat), timeout=30)
-    with pytest.raises(grpc.RpcError) as generated:
-        list(
-            stub.Generate(pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=2)), timeout=30)
-        )
-    for error in (counted.value, generated.value):
+    for error in _refusals(stub, _chat(role, content)):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
         assert "which only the chat template may write" in error.details()
         assert "chat message 1" in error.details()
@@ -82,13 +85,7 @@ def test_a_chat_over_its_message_bound_is_refused_before_it_is_rendered(
     stub: pb_grpc.EngineServiceStub,
 ) -> None:
     chat = pb.ChatTurns(messages=[pb.ChatMessage(role="user", content="hi")] * (MAX_CHAT_MESSAGES + 1))
-    with pytest.raises(grpc.RpcError) as counted:
-        stub.CountTokens(pb.CountTokensRequest(chat=chat), timeout=30)
-    with pytest.raises(grpc.RpcError) as generated:
-        list(
-            stub.Generate(pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=1)), timeout=30)
-        )
-    for error in (counted.value, generated.value):
+    for error in _refusals(stub, chat):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
         assert f"chat has {MAX_CHAT_MESSAGES + 1:,} messages; at most {MAX_CHAT_MESSAGES}" in error.details()
     at_bound = pb.ChatTurns(messages=chat.messages[:MAX_CHAT_MESSAGES])
