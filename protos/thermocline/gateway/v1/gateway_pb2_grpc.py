@@ -53,7 +53,8 @@ class GatewayServiceServicer:
 
     def Generate(self, request, context):
         """Streams the completion of one prompt: zero or more deltas, then exactly one
-        final message carrying usage and the finish reason.
+        final message carrying usage and the finish reason. A request that fails
+        ends with an error status instead of a final message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
