@@ -7,6 +7,7 @@ protos/thermocline/kvstore/v1/kvstore.proto; docs/kvstore.md shows how the engin
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -18,6 +19,8 @@ from services.common.config import MIB, channel_options
 from services.common.errors import InvalidArgument
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 BlockHash = NewType("BlockHash", str)  # the caller's content hash, lowercase hex
 MAX_NAME_BYTES = 255  # tenant and model names; the record header holds their lengths in a byte
@@ -211,12 +214,16 @@ class KVStoreClient:
         self,
         block_hashes: list[str],
         buffers: list[memoryview],
+        shape: tuple[int, ...],
         call: CallOptions = NO_OPTIONS,
         codec: Codec = Codec.RAW,
     ) -> list[MissReason | None]:
         """Streams each block's payload straight into its buffer (bytes, exactly the payload's size),
         with no per-block objects; per hash, None once filled, else why not (ABSENT when not served,
-        CORRUPT when served in another codec or size: its bytes are not written)."""
+        CORRUPT when served in another codec, `shape` or size: its bytes are not written, and a
+        warning says what came). The codec pins the dtype (CODEC_RAW is BF16). The shape is checked,
+        not only the size: the same byte count in another layout (another head count, say) would be
+        copied in and attended as the caller's."""
         position = {h: i for i, h in enumerate(block_hashes)}
         results: list[MissReason | None] = [MissReason.ABSENT] * len(block_hashes)
         request = pb.GetBlocksRequest(namespace=self._namespace_pb(call.namespace), block_hashes=block_hashes)
@@ -228,11 +235,16 @@ class KVStoreClient:
                 continue
             if reply.HasField("header"):
                 index, filled = position[reply.header.block_hash], 0
-                fits = reply.header.codec == codec and reply.header.payload_bytes == len(buffers[index])
-                target = buffers[index] if fits else None
-                results[index] = MissReason.ABSENT if fits else MissReason.CORRUPT
+                mismatch = _header_mismatch(reply.header, codec, shape, len(buffers[index]))
+                if mismatch is not None:
+                    logger.warning("kvstore block %s is a miss: %s", reply.header.block_hash[:16], mismatch)
+                target = buffers[index] if mismatch is None else None
+                results[index] = MissReason.ABSENT if mismatch is None else MissReason.CORRUPT
             if target is not None and filled + len(reply.data) > len(target):
-                results[index], target = MissReason.CORRUPT, None  # more bytes than its header said
+                logger.warning(
+                    "kvstore block %s is a miss: more bytes than its header said", block_hashes[index][:16]
+                )
+                results[index], target = MissReason.CORRUPT, None
             if target is not None:
                 target[filled : filled + len(reply.data)] = reply.data
                 filled += len(reply.data)
@@ -275,3 +287,17 @@ class KVStoreClient:
     def _call_kwargs(self, call: CallOptions) -> dict[str, object]:
         timeout = self.timeout_s if call.timeout_s is None else call.timeout_s
         return {"timeout": timeout, "metadata": call.metadata or None}
+
+
+def _header_mismatch(
+    header: pb.BlockHeader, codec: Codec, shape: tuple[int, ...], num_bytes: int
+) -> str | None:
+    """How a served block's header differs from the block the caller's buffer holds; None when it
+    does not."""
+    if header.codec != codec:
+        return f"served in codec {header.codec}, expected {int(codec)} ({codec.name})"
+    if tuple(header.shape) != tuple(shape):
+        return f"served as {list(header.shape)}, expected {list(shape)}"
+    if header.payload_bytes != num_bytes:
+        return f"served {header.payload_bytes:,} B, expected {num_bytes:,} B"
+    return None

@@ -143,7 +143,7 @@ class PrefixFetcher:
                 return FetchedPrefix(num_local, num_local, None)
             left = _remaining(transfer, began)
             num_streamed, first_bad = self._stream(
-                hashes[stream_from:], payloads[stream_from:], _no_longer_than(call, left), left
+                hashes[stream_from:], payloads[stream_from:], layout, _no_longer_than(call, left), left
             )
             if num_streamed:
                 sink.write(stream_from, kv[stream_from : stream_from + num_streamed])
@@ -236,14 +236,20 @@ class PrefixFetcher:
             return None
 
     def _stream(
-        self, hashes: Sequence[str], payloads: list[memoryview], call: CallOptions, transfer: CallOptions
+        self,
+        hashes: Sequence[str],
+        payloads: list[memoryview],
+        layout: PrefixLayout,
+        call: CallOptions,
+        transfer: CallOptions,
     ) -> tuple[int, str | None]:
         """Lookup, then the GetBlocks stream into the payloads: how many leading blocks of `hashes`
-        came back intact, and the first present one that did not (None: none)."""
+        came back intact (raw, of the layout's block shape), and the first present one that did not
+        (None: none)."""
         run = _leading(hashes, set(self.client.lookup(list(hashes), call))) if hashes else []
         if not run:
             return 0, None
-        results = self.client.get_into(run, payloads[: len(run)], transfer)
+        results = self.client.get_into(run, payloads[: len(run)], layout.block_shape, transfer)
         num_good = next((i for i, miss in enumerate(results) if isinstance(miss, MissReason)), len(run))
         return num_good, run[num_good] if num_good < len(run) else None
 
