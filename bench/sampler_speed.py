@@ -4,9 +4,12 @@
 
 The engine's sampler (services/engine/execution/sampler.py) draws each seeded row from its own
 logits, settings and key only: fixed-point weights, exact cumulative sums, a counter-based uniform.
-The baselines are what a step costs without that promise, on the same logits: `argmax` (greedy),
-and `torch.multinomial` over the softmax after the same top-k / top-p filter (one generator for
-the batch, so a row's draw depends on its neighbours). `--compare-to FILE` also times another
+`engine sampler` times `sample`, what the engine runs; on CUDA, `engine kernels` times the Triton
+path (`sample_fused`, sampler_kernel.py) and `rows != reference` counts the rows of the cell where
+it drew other tokens than the torch code (`sample_reference`) on the same logits. The baselines are
+what a step costs without that promise, on the same logits: `argmax` (greedy), and
+`torch.multinomial` over the softmax after the same top-k / top-p filter (one generator for the
+batch, so a row's draw depends on its neighbours). `--compare-to FILE` also times another
 sampler module with the same `sample` signature (e.g. an earlier version, `git show
 <commit>:services/engine/execution/sampler.py > /tmp/old_sampler.py`).
 
@@ -64,6 +67,12 @@ def torch_baseline(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return order.gather(1, picked[:, None]).squeeze(1)
 
 
+def rows_off_reference(logits: torch.Tensor, params: list[SamplingParams], keys: list) -> int:
+    """How many rows the kernels draw other tokens for than the torch reference does."""
+    fused = engine_sampler.sample_fused(logits, params, keys)
+    return int((fused != engine_sampler.sample_reference(logits, params, keys)).sum())
+
+
 def timed(step: Callable[[], torch.Tensor], device: torch.device, warmup: int, iters: int) -> float:
     """Median milliseconds of one call of `step`."""
     for _ in range(warmup):
@@ -107,7 +116,9 @@ def main() -> None:
     device = torch.device(args.device)
     compared = load_module(args.compare_to) if args.compare_to else None
     generator = torch.Generator(device=device).manual_seed(0)
-    columns = ["argmax", "torch multinomial", "engine sampler"] + (["compared sampler"] if compared else [])
+    kernels = device.type == "cuda"  # the CPU runs them only in Triton's interpreter
+    columns = ["argmax", "torch multinomial", "engine sampler"] + (["engine kernels"] if kernels else [])
+    columns += ["compared sampler"] if compared else []
     rows = []
     for vocab in args.vocabs:
         for batch in args.batches:
@@ -120,11 +131,15 @@ def main() -> None:
                     partial(torch_baseline, logits, params),
                     partial(engine_sampler.sample, logits, params, keys),
                 ]
+                if kernels:
+                    steps.append(partial(engine_sampler.sample_fused, logits, params, keys))
                 if compared is not None:
                     steps.append(partial(compared.sample, logits, params, keys))
                 cells = [timed(step, device, args.warmup, args.iters) for step in steps]
-                rows.append((vocab, batch, name, cells))
-                print(f"V={vocab} B={batch} {name}: " + ", ".join(f"{c:.3f} ms" for c in cells), flush=True)
+                differ = str(rows_off_reference(logits, params, keys)) if kernels else "-"
+                rows.append((vocab, batch, name, cells, differ))
+                timings = ", ".join(f"{c:.3f} ms" for c in cells)
+                print(f"V={vocab} B={batch} {name}: {timings}; {differ} rows != reference", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
     lines = [
@@ -134,9 +149,12 @@ def main() -> None:
         f"- median of {args.iters} steps after {args.warmup} warm-up steps; logits fp32 N(0, 16)",
         f"- `{' '.join(sys.argv)}`",
         "",
-        "| vocab | batch | setting | " + " | ".join(f"{c} (ms)" for c in columns) + " |",
-        "| ---: | ---: | --- |" + " ---: |" * len(columns),
-        *(f"| {v} | {b} | {n} | " + " | ".join(f"{c:.3f}" for c in cells) + " |" for v, b, n, cells in rows),
+        "| vocab | batch | setting | " + " | ".join(f"{c} (ms)" for c in columns) + " | rows != reference |",
+        "| ---: | ---: | --- |" + " ---: |" * (len(columns) + 1),
+        *(
+            f"| {v} | {b} | {n} | " + " | ".join(f"{c:.3f}" for c in cells) + f" | {differ} |"
+            for v, b, n, cells, differ in rows
+        ),
         "",
     ]
     text = "\n".join(lines)

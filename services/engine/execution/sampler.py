@@ -14,6 +14,16 @@ top-p) ranks its tokens by logit, ties by id, and inverts in rank order; one tha
 in id order and never sorts, whatever its neighbours do. Weights are fixed-point integers, so the
 cumulative sums are exact and no float reduction's order (which follows the batch's shape) can move
 a draw.
+
+The same draw also runs as Triton kernels (`sample_fused`, sampler_kernel.py): one settings copy and
+one program per row, plus a scaling launch and `torch.topk`/`torch.sort` when some row filters, in
+place of about 35 small launches. `sample_reference`, the torch code, is the CPU path and the
+kernels' oracle. The kernels repeat its arithmetic operation for operation, with libdevice's `expf`
+for `exp` (what PyTorch's CUDA `exp` calls), so on a GPU both should give the same weights and tokens
+(test_sampler_kernel checks that premise there). Where an `exp` differs by an ulp (the CPU
+interpreter's numpy against PyTorch's CPU `exp`), a draw can differ only where its uniform lies
+within that ulp's weight of a boundary between two tokens. `sample` takes the kernels on CUDA once
+KERNELS_ON_CUDA is set, which waits on a GPU run of bench/sampler_speed.py that shows them faster.
 """
 
 from __future__ import annotations
@@ -23,9 +33,12 @@ from typing import NamedTuple
 
 import torch
 
+from services.engine.execution import sampler_kernel
+from services.engine.execution.sampler_kernel import BY_ID, GREEDY
 from services.engine.scheduling.sampling_params import SamplingParams
 
 FAULT = -1  # the token id of a row whose logits or probabilities are not finite
+KERNELS_ON_CUDA = False  # not yet measured on a GPU (see the module docstring)
 
 
 def _signed(value: int) -> int:
@@ -68,6 +81,49 @@ def sample(
     instead of a token, so that the caller fails that row alone and the batch carries on. Nothing
     here synchronizes with the host.
     """
+    if KERNELS_ON_CUDA and logits.device.type == "cuda" and not all(p.is_greedy for p in params):
+        return sample_fused(logits, params, draw_keys)
+    return sample_reference(logits, params, draw_keys)
+
+
+def sample_fused(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    draw_keys: Sequence[tuple[int, int]],
+    block: int | None = None,
+) -> torch.Tensor:
+    """`sample` through the Triton kernels (the CUDA path); `block` logits per step (tests: small)."""
+    logits = logits.float() if logits.stride(-1) == 1 else logits.float().contiguous()
+    vocab = logits.shape[-1]
+    settings = _to_device(_settings(params, draw_keys, vocab), logits.device)  # [B, 6]
+    ranked_rows = [r for r, p in enumerate(params) if not p.is_greedy and _filters(p, vocab)]
+    ranked = order = None
+    if ranked_rows:
+        scaled = sampler_kernel.scale_ranked_rows(logits, settings, len(ranked_rows), block)  # [R, V]
+        ranked, order = _rank(scaled, max(_top_k(params[r], vocab) for r in ranked_rows))
+    return sampler_kernel.draw(logits, settings, ranked, order, _scale_bits(vocab), block)
+
+
+def _settings(
+    params: Sequence[SamplingParams], draw_keys: Sequence[tuple[int, int]], vocab: int
+) -> torch.Tensor:
+    """`[B, 6]` int64 on the host, per row: slot (GREEDY, BY_ID or its rank among the rows that
+    filter), top-k, seed, draw index, and temperature and top-p as float64 bits."""
+    ints, floats = [], []
+    num_ranked = 0
+    for p, (seed, index) in zip(params, draw_keys, strict=True):
+        slot = GREEDY if p.is_greedy else num_ranked if _filters(p, vocab) else BY_ID
+        num_ranked += slot >= 0
+        ints.append((slot, _top_k(p, vocab), seed, index))
+        floats.append((1.0 if p.is_greedy else p.temperature, p.top_p))  # greedy: argmax of the logits
+    as_bits = torch.tensor(floats, dtype=torch.float64).view(torch.int64)  # [B, 2]
+    return torch.cat([torch.tensor(ints, dtype=torch.int64), as_bits], dim=1)
+
+
+def sample_reference(
+    logits: torch.Tensor, params: Sequence[SamplingParams], draw_keys: Sequence[tuple[int, int]]
+) -> torch.Tensor:
+    """`sample` in plain torch ops: the CPU path, and the oracle the kernels are tested against."""
     token_ids = logits.argmax(dim=-1)  # [B] greedy for everyone, overwritten for sampled rows
     token_ids.masked_fill_(~torch.isfinite(logits).all(dim=-1), FAULT)
     vocab = logits.shape[-1]
@@ -77,7 +133,7 @@ def sample(
     by_id = [r for r in sampled if not _filters(params[r], vocab)]
     by_rank = [r for r in sampled if _filters(params[r], vocab)]
     rows = _rows_on_device(by_id + by_rank, params, draw_keys, vocab, logits.device)
-    scaled = logits.index_select(0, rows.index) / rows.temperature[:, None]  # [R, V]
+    scaled = logits.index_select(0, rows.batch_rows) / rows.temperature[:, None]  # [R, V]
     u = uniform(rows.seeds, rows.draws)  # [R]
     scale_bits = _scale_bits(vocab)
     split = len(by_id)
@@ -87,14 +143,14 @@ def sample(
         filters = rows.top_k[split:], rows.top_p[split:]
         drawn.append(_draw_by_rank(scaled[split:], *filters, u[split:], largest_k, scale_bits))
     ok = torch.isfinite(scaled).all(dim=-1)
-    token_ids.index_copy_(0, rows.index, torch.where(ok, torch.cat(drawn), FAULT))
+    token_ids.index_copy_(0, rows.batch_rows, torch.where(ok, torch.cat(drawn), FAULT))
     return token_ids
 
 
 class _Rows(NamedTuple):
     """The sampled rows' settings on the device, each `[R]`."""
 
-    index: torch.Tensor  # int64: the row in the batch
+    batch_rows: torch.Tensor  # int64: the row in the batch
     top_k: torch.Tensor  # int64: the vocabulary size when top-k is off
     seeds: torch.Tensor  # int64
     draws: torch.Tensor  # int64: the index of the token being drawn
@@ -169,11 +225,7 @@ def _draw_by_rank(
     survives. Only the first `largest_k` ranks are computed; a row's draw never looks past its own
     k. Both filters keep a prefix of the ranks, so one cumulative sum serves both.
     """
-    vocab = scaled.shape[-1]
-    if largest_k < vocab:  # every row keeps a top-k: no full sort
-        ranked, order = torch.topk(scaled, largest_k, dim=-1).values, None  # [R, W]
-    else:
-        ranked, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [R, V] each
+    ranked, order = _rank(scaled, largest_k)
     weights = _weights(ranked, scale_bits)  # [R, W]
     rank = torch.arange(ranked.shape[-1], device=ranked.device)
     weights.masked_fill_(rank[None, :] >= top_k[:, None], 0)
@@ -186,6 +238,18 @@ def _draw_by_rank(
     if order is None:
         return _id_at_rank(scaled, ranked, drawn)
     return order.gather(1, drawn[:, None]).squeeze(1)
+
+
+def _rank(scaled: torch.Tensor, largest_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[R, W]` each row's scaled logits best first, and `[R, V]` their ids when the rows are sorted.
+
+    With every row keeping a top-k (W = the largest k), `topk` ranks only that far and its ids are not
+    used (see `_id_at_rank`); otherwise a stable sort ranks the whole row, ties by id.
+    """
+    if largest_k < scaled.shape[-1]:  # every row keeps a top-k: no full sort
+        return torch.topk(scaled, largest_k, dim=-1).values, None
+    ranked, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    return ranked, order
 
 
 def _id_at_rank(scaled: torch.Tensor, ranked: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
