@@ -19,15 +19,24 @@ CHATML_TEMPLATE = (
     "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% endif %}"
 )
+# ChatML that writes consecutive messages of one role as one turn, their texts side by side (templates
+# that merge turns so exist): a marker split across two messages forms where they meet.
+MERGING_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first or message['role'] != messages[loop.index0 - 1]['role'] %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}{% endif %}{{ message['content'] }}"
+    "{% if loop.last or message['role'] != messages[loop.index0 + 1]['role'] %}{{ '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
-def make_chatml_stories(hf_dir: Path, out: Path) -> Path:
+def make_chatml_stories(hf_dir: Path, out: Path, chat_template: str = CHATML_TEMPLATE) -> Path:
     """A copy of stories260K at `out` whose markers are ids 512 and 513 (vocabulary 514)."""
     shutil.copytree(hf_dir, out)
     for path in out.iterdir():
         path.chmod(0o644)
     _add_markers(out / "tokenizer.json", first_id=512)
-    _edit_json(out / "tokenizer_config.json", chat_template=CHATML_TEMPLATE)
+    _edit_json(out / "tokenizer_config.json", chat_template=chat_template)
     _edit_json(out / "config.json", vocab_size=514)
     weights = load_file(out / "model.safetensors")
     for name, weight in weights.items():

@@ -58,6 +58,11 @@ class Tokenizer:
         return tuple(token.content for token in decoder.values() if token.content)
 
     @cached_property
+    def parsed_token_ids(self) -> frozenset[int]:
+        """Ids of every added token (`parsed_token_texts`): in a chat's ids, only its template's."""
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @cached_property
     def _normalized_token_texts(self) -> tuple[str, ...]:
         """The added tokens that match normalized text, as the normalizer writes them."""
         normalize = self.backend.normalizer.normalize_str if self.backend.normalizer else str
