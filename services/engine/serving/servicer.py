@@ -31,6 +31,7 @@ from services.engine.serving import tokenizing
 from services.engine.serving.engine_metrics import register_engine_metrics
 from services.engine.serving.request_bounds import check_count_bounds, check_generate_bounds
 from services.engine.serving.request_trace import record_cancelled, record_finished
+from services.engine.text.chat_markers import find_unwritten_marker
 from services.engine.text.tokenizer import Tokenizer
 from thermocline.engine.v1 import engine_pb2 as pb
 from thermocline.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -269,7 +270,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         except ValueError as error:
             raise InvalidArgument(f"chat template rejected the messages: {error}") from None
         _check_text_fits(text, limit)
-        return tokenizer.encode(text, add_bos=False)
+        ids = tokenizer.encode(text, add_bos=False)
+        _check_only_template_markers(tokenizer, messages, ids)
+        return ids
 
     def _check_raw_prompt(self, text: str) -> None:
         """Refuses an empty prompt, and one too long to fit, before tokenizing it (megabytes take seconds)."""
@@ -393,3 +396,17 @@ def _check_no_added_tokens(chat: pb.ChatTurns, tokenizer: Tokenizer) -> None:
                     "only the chat template may write (it would forge a turn); send the text as a plain "
                     "prompt if it is meant literally"
                 )
+
+
+def _check_only_template_markers(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], ids: list[int]
+) -> None:
+    """INVALID_ARGUMENT when the rendered chat's ids hold a marker its template did not write: one that
+    formed where a message's text meets the template's or another message's (text/chat_markers.py)."""
+    found = find_unwritten_marker(tokenizer, messages, ids)
+    if found is not None:
+        raise InvalidArgument(
+            f"chat messages join with the text around them into the token {found!r}, which only the chat "
+            "template may write (it would forge a turn): a message ends or begins with part of it; send "
+            "the text as a plain prompt if it is meant literally"
+        )
