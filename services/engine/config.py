@@ -48,8 +48,10 @@ class EngineConfig:
     (default on: running streams decode a token in every step, prompt chunks beside them; off:
     prompts are computed first and decoding waits for them), `_WARM_UP` (default on: at start-up,
     three made-up requests compile the fused prefill kernels on CUDA) and `_INTENT_CLASSES` (a TOML
-    file; empty = the built-in classes). `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1
-    itself (gloo on the CPU, NCCL with one GPU per rank; N must divide the KV heads).
+    file; empty = the built-in classes). `_MAX_QUEUED_COUNTS`: CountTokens calls waiting for their
+    tokenizing pool or on it (default 64); past it a count is refused with RESOURCE_EXHAUSTED.
+    `_TP`: tensor-parallel ranks; the engine starts ranks 1..N-1 itself (gloo on the CPU, NCCL with
+    one GPU per rank; N must divide the KV heads).
     Cold tier (docs/kvstore.md): `_KVSTORE_TARGET` (host:port of the kvstore; empty: no cold tier),
     `_KVSTORE_DEADLINE_MS` (lookups, deletes, window gets; default 1000),
     `_KVSTORE_TRANSFER_DEADLINE_MS` (every put, and at most a prefix load; default 30000),
@@ -80,6 +82,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
     max_prefill_tokens: int = 4096
+    max_queued_counts: int = 64  # CountTokens calls on or waiting for their pool (serving/tokenizing.py)
     mixed_steps: bool = True  # decode rows ride along prompt chunks (Scheduler)
     warm_up: bool = True  # compile the fused prefill kernels at start-up (LLMEngine.warm_up)
     kv: KVCacheSpec = field(default_factory=KVCacheSpec)
@@ -102,6 +105,10 @@ class EngineConfig:
             raise ValueError(f"THERMOCLINE_ENGINE_MAX_BATCH_SIZE must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len < 0:
             raise ValueError(f"THERMOCLINE_ENGINE_MAX_SEQ_LEN must be >= 0, got {self.max_seq_len}")
+        if self.max_queued_counts < 1:
+            raise ValueError(
+                f"THERMOCLINE_ENGINE_MAX_QUEUED_COUNTS must be >= 1, got {self.max_queued_counts}"
+            )
         if self.tp < 1:
             raise ValueError(f"THERMOCLINE_ENGINE_TP must be >= 1, got {self.tp}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
@@ -124,6 +131,7 @@ class EngineConfig:
             default_max_tokens=env.get_int(prefix + "DEFAULT_MAX_TOKENS", 256, environ),
             max_tokens_limit=env.get_int(prefix + "MAX_TOKENS_LIMIT", 4096, environ),
             max_prefill_tokens=env.get_int(prefix + "MAX_PREFILL_TOKENS", 4096, environ),
+            max_queued_counts=env.get_int(prefix + "MAX_QUEUED_COUNTS", 64, environ),
             mixed_steps=env.get_bool(prefix + "MIXED_STEPS", True, environ),
             warm_up=env.get_bool(prefix + "WARM_UP", True, environ),
             kv=_kv_from_env(prefix + "KV_", environ),
