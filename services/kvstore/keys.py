@@ -14,6 +14,7 @@ import hmac
 import os
 import re
 import secrets
+from collections import OrderedDict
 from pathlib import Path
 from typing import NewType
 
@@ -34,6 +35,7 @@ StoreKey = NewType("StoreKey", bytes)  # 32 bytes: what the index and the record
 
 MAX_HASH_CHARS = 128
 SECRET_BYTES = 32
+MAX_CACHED_SALTS = 4096  # tenants whose salt is kept; a salt is one HMAC, recomputed past this
 _HEX = re.compile(r"[0-9a-f]+")
 
 
@@ -75,7 +77,7 @@ class TenantSalts:
         if len(secret) < 16:
             raise ValueError(f"the tenant secret must be at least 16 bytes, got {len(secret)}")
         self._secret = secret
-        self._salts: dict[str, bytes] = {}
+        self._salts: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
 
     @classmethod
     def load_or_create(cls, path: Path, may_create: bool = True) -> TenantSalts:
@@ -93,10 +95,22 @@ class TenantSalts:
         return cls(path.read_bytes())
 
     def salt(self, tenant: str) -> bytes:
-        """HMAC-SHA256 of the tenant name under the secret."""
-        if tenant not in self._salts:
-            self._salts[tenant] = hmac.new(self._secret, tenant.encode(), hashlib.sha256).digest()
-        return self._salts[tenant]
+        """HMAC-SHA256 of the tenant name under the secret. The last MAX_CACHED_SALTS tenants' salts
+        are kept: callers name their tenant, so an unbounded cache grew with every name sent."""
+        salt = self._salts.get(tenant)
+        if salt is None:
+            salt = hmac.new(self._secret, tenant.encode(), hashlib.sha256).digest()
+            if len(self._salts) >= MAX_CACHED_SALTS:
+                self._salts.popitem(last=False)
+            self._salts[tenant] = salt
+        else:
+            self._salts.move_to_end(tenant)
+        return salt
+
+    @property
+    def num_cached_salts(self) -> int:
+        """Salts kept now (at most MAX_CACHED_SALTS)."""
+        return len(self._salts)
 
     def key(self, namespace: Namespace, block_hash: BlockHash) -> StoreKey:
         """The store key of one block."""

@@ -11,7 +11,7 @@ from services.common.errors import InvalidArgument
 from services.common.kv_record import VERSION, extend_crc, record_crc
 from services.common.kvstore_api import BlockLocation, Codec
 from services.common.segment_reader import ExpectedRecord, SegmentFiles, read_record_into
-from services.kvstore.keys import BlockHash, Namespace, TenantSalts, check_hash
+from services.kvstore.keys import MAX_CACHED_SALTS, BlockHash, Namespace, TenantSalts, check_hash
 from services.kvstore.record import FIXED, Record, RecordError, decode, read_extent
 
 SECRET = bytes(range(32))
@@ -70,6 +70,15 @@ def test_keys_differ_by_tenant_model_and_secret() -> None:
     assert salts.key(Namespace("tenant-a", "m"), block_hash) == TenantSalts(SECRET).key(
         Namespace("tenant-a", "m"), block_hash
     )
+
+
+def test_salt_cache_is_bounded_and_salts_survive_eviction() -> None:
+    salts = TenantSalts(SECRET)
+    first = salts.salt("tenant-0")
+    for i in range(1, MAX_CACHED_SALTS + 100):
+        salts.salt(f"tenant-{i}")
+    assert salts.num_cached_salts == MAX_CACHED_SALTS
+    assert salts.salt("tenant-0") == first == TenantSalts(SECRET).salt("tenant-0")
 
 
 @pytest.mark.parametrize("value", ["", "ab", "AB" * 8, "xy" * 8, "a" * 129])
