@@ -1,4 +1,4 @@
-"""Client channels between services: traced, with the shared limits and keepalive."""
+"""Client channels between services: traced, authenticated, with the shared limits and keepalive."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import telemetry
 from services.common.config import channel_options
+from services.common.service_auth import ServiceToken, authenticated_aio, token_from_env
 
 # gRPC's default reconnect backoff grows to 120 s (1 s, 1.6 s, 2.6 s, ...): a service restarted after a
 # few seconds' absence would sit unreachable for up to 15 s after it reports SERVING. Between our
@@ -22,15 +23,22 @@ RECONNECT_BACKOFF_OPTIONS = [
 
 
 def open_channel(
-    target: str, max_message_bytes: int = 16 * 1024 * 1024, *, trace_calls: bool = True
+    target: str,
+    max_message_bytes: int = 16 * 1024 * 1024,
+    *,
+    trace_calls: bool = True,
+    service_token: ServiceToken | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure aio channel to `target` whose calls carry the current trace context; with
-    `trace_calls=False` it has no interceptors, and its stubs are traced by telemetry.traced_stub."""
-    return grpc.aio.insecure_channel(
+    """An insecure aio channel to `target` whose calls carry the current trace context and the
+    service token (`service_token`, or by default this process's, from THERMOCLINE_SERVICE_TOKEN_FILE;
+    none when that is unset). With `trace_calls=False` it has no interceptors, and its stubs are
+    traced by telemetry.traced_stub."""
+    channel = grpc.aio.insecure_channel(
         target,
         options=channel_options(max_message_bytes) + RECONNECT_BACKOFF_OPTIONS,
         interceptors=telemetry.client_interceptors() if trace_calls else None,
     )
+    return authenticated_aio(channel, service_token or token_from_env())
 
 
 async def health_status(target: str, service: str = "", timeout_s: float = 1.0) -> int | None:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.common import env
+from services.common.service_auth import ServiceToken, check_listener, token_from_env
 
 MIB = 1024 * 1024
 # Metadata a call may carry: a bearer token of up to 16 KiB (the gateway's limit) plus the rest.
@@ -19,7 +20,8 @@ class ServerConfig:
 
     Variables, with `<S>` the service name in capitals (GATEWAY, ENGINE, SAFETY, KVSTORE):
     `THERMOCLINE_<S>_HOST`, `_PORT`, `_METRICS_PORT` (0 turns /metrics off),
-    `_MAX_MESSAGE_MB`, `_GRACE_S`, `_KEEPALIVE_S`, and `THERMOCLINE_LOG_LEVEL`.
+    `_MAX_MESSAGE_MB`, `_GRACE_S`, `_KEEPALIVE_S`, and the shared `THERMOCLINE_LOG_LEVEL` and
+    `THERMOCLINE_SERVICE_TOKEN_FILE` (service_auth.py).
     """
 
     service: str
@@ -30,8 +32,14 @@ class ServerConfig:
     grace_s: float = 30.0
     keepalive_s: float = 30.0
     log_level: str = "INFO"
+    # What internal callers must present (service_auth.py); None: no check, on loopback only.
+    service_token: ServiceToken | None = None
+    # The gateway: its callers authenticate with JWTs, and its port takes no service token.
+    is_public: bool = False
 
     def __post_init__(self) -> None:
+        if not self.is_public:
+            check_listener(self.service, self.host, self.service_token)
         if not 0 < self.port < 65536:
             raise ValueError(f"{self.service}: port {self.port} is outside 1..65535")
         if not 0 <= self.metrics_port < 65536:
@@ -48,7 +56,12 @@ class ServerConfig:
 
     @classmethod
     def from_env(
-        cls, service: str, default_port: int, environ: Mapping[str, str] | None = None
+        cls,
+        service: str,
+        default_port: int,
+        environ: Mapping[str, str] | None = None,
+        *,
+        is_public: bool = False,
     ) -> ServerConfig:
         """Reads the settings of `service` from the environment."""
         prefix = f"{env.PREFIX}{service.upper()}_"
@@ -61,6 +74,8 @@ class ServerConfig:
             grace_s=env.get_float(prefix + "GRACE_S", 30.0, environ),
             keepalive_s=env.get_float(prefix + "KEEPALIVE_S", 30.0, environ),
             log_level=env.get_str(env.PREFIX + "LOG_LEVEL", "INFO", environ),
+            service_token=token_from_env(environ),
+            is_public=is_public,
         )
 
 

@@ -17,6 +17,7 @@ import grpc
 
 from services.common.config import MIB, channel_options
 from services.common.errors import InvalidArgument
+from services.common.service_auth import ServiceToken, authenticated, token_from_env
 from thermocline.kvstore.v1 import kvstore_pb2 as pb
 from thermocline.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -130,7 +131,8 @@ NO_OPTIONS = CallOptions()
 
 
 class KVStoreClient:
-    """Calls one kvstore for one namespace (tenant and model)."""
+    """Calls one kvstore for one namespace (tenant and model), with the service token
+    (`service_token`, or by default this process's, from THERMOCLINE_SERVICE_TOKEN_FILE)."""
 
     def __init__(
         self,
@@ -140,11 +142,13 @@ class KVStoreClient:
         chunk_bytes: int = 1 * MIB,
         timeout_s: float = 30.0,
         max_message_bytes: int = 16 * MIB,
+        service_token: ServiceToken | None = None,
     ) -> None:
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self.channel = authenticated(channel, service_token or token_from_env())
         self.stub = pb_grpc.KVStoreServiceStub(self.channel)
 
     def __enter__(self) -> KVStoreClient:

@@ -30,6 +30,7 @@ from services.common.gc_pauses import freeze_start_up_heap, watch_gc_pauses
 from services.common.interceptors import CallTracker, GuardInterceptor
 from services.common.metrics import DRAINING, start_metrics_server
 from services.common.redaction import RedactingFormatter
+from services.common.service_auth import ServiceToken, server_interceptors, warn_if_open
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +106,24 @@ class RunningServer:
         self.tracker = CallTracker()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.server = grpc.aio.server(
-            interceptors=[GuardInterceptor(self.tracker)],
+            # the token check runs inside the guard, which counts and traces its refusals
+            interceptors=[GuardInterceptor(self.tracker), *server_interceptors(self._checked_token())],
             options=channel_options(spec.config.max_message_bytes, spec.config.keepalive_s)
             + spec.server_options,
         )
         self.stopped = asyncio.Event()
         self._probe_task: asyncio.Task[None] | None = None
 
+    def _checked_token(self) -> ServiceToken | None:
+        """The token callers must present: none on the gateway's public port, whose callers bring JWTs."""
+        config = self.spec.config
+        return None if config.is_public else config.service_token
+
     async def start(self) -> None:
         """Registers everything, binds the port and turns health SERVING."""
         config = self.spec.config
+        if not config.is_public:
+            warn_if_open(config.service, config.service_token)
         self.spec.service_names = self.spec.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflected = [*self.spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

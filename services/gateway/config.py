@@ -240,7 +240,7 @@ class GatewayConfig:
                 PREFIX + "DEFAULT_MAX_TOKENS", RequestBounds.default_max_tokens, environ
             ),
         )
-        server = ServerConfig.from_env("gateway", DEFAULT_PORT, environ)
+        server = ServerConfig.from_env("gateway", DEFAULT_PORT, environ, is_public=True)
         return cls(
             server=replace(server, max_message_bytes=min(server.max_message_bytes, bounds.max_message_bytes)),
             bounds=bounds,

@@ -38,6 +38,7 @@ from services.common.gate_file import (
     parse_gate,
     sha256_hex,
 )
+from services.common.service_auth import authenticated, token_from_env
 from services.engine.gate.safety_gate import DEFAULT_SAFE_MESSAGE, GateReport, GateStatus, InLoopGate
 from services.engine.model.registry import REGISTRY, SharedModel, model_dirs
 from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc
@@ -168,7 +169,7 @@ def ask_safety(config: GateConfig) -> Announcement | None:
         return None
     request = safety_pb2.GetGateRequest(metadata_only=config.source is GateSource.FILE)
     try:
-        with grpc.insecure_channel(config.safety_target) as channel:
+        with authenticated(grpc.insecure_channel(config.safety_target), token_from_env()) as channel:
             stub = safety_pb2_grpc.SafetyServiceStub(channel)
             reply = stub.GetGate(request, timeout=config.safety_timeout_s, wait_for_ready=True)
     except grpc.RpcError as error:
