@@ -147,6 +147,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.engine = engine
         self._mailbox: LoopMailbox | None = None
         self._prompt_limit = prompt_char_limit(engine)
+        self._counts = tokenizing.CountQueue(config.max_queued_counts)
 
     def _mailbox_for(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
         if self._mailbox is None or self._mailbox.loop is not loop:
@@ -232,7 +233,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     async def CountTokens(self, request: pb.CountTokensRequest, context: Any) -> pb.CountTokensResponse:
         check_count_bounds(request)
-        prompt_ids = await tokenizing.for_count(self._prompt_ids, request)
+        prompt_ids = await self._counts.run(self._prompt_ids, request)
         return pb.CountTokensResponse(num_tokens=len(prompt_ids), model=self.engine.model_id)
 
     def _prompt_ids(

@@ -6,6 +6,10 @@ loop's default pool served both RPCs, first come first served: a flood of large 
 thread, and a 3-token Generate waited 30 s behind it. Now CountTokens has a pool of its own, a
 quarter of the cores: counts queue there, and take neither Generate's threads nor every core. A
 call that goes away drops its work if it is still queued; a thread already tokenizing finishes.
+
+The counts' queue is bounded (`CountQueue`): each queued count holds its text (up to a megabyte of
+characters), and a client could queue millions of them. Generate needs no such bound here: its
+requests are bounded by the context, and the engine's own queue and intent classes pace them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+from services.common.errors import ResourceExhausted
 
 _Result = TypeVar("_Result")
 
@@ -33,9 +39,35 @@ async def for_generate(call: Callable[..., _Result], *args: object) -> _Result:
     return await _run(_generate_pool, call, *args)
 
 
-async def for_count(call: Callable[..., _Result], *args: object) -> _Result:
-    """`call(*args)` on CountTokens' pool."""
-    return await _run(_count_pool, call, *args)
+class CountQueue:
+    """The CountTokens calls waiting for their pool or running on it, at most `max_counts`.
+
+    `run` changes `num_counts`; it runs on the event loop only, so a plain count needs no lock. A
+    call that goes away stops counting at once, even while a thread still finishes its work: at most
+    the pool's threads run beyond the bound.
+    """
+
+    def __init__(self, max_counts: int) -> None:
+        self.max_counts = max_counts
+        self.num_counts = 0
+
+    def can_queue(self) -> bool:
+        """Whether one more count may queue."""
+        return self.num_counts < self.max_counts
+
+    async def run(self, call: Callable[..., _Result], *args: object) -> _Result:
+        """`call(*args)` on CountTokens' pool; RESOURCE_EXHAUSTED when the queue is full."""
+        if not self.can_queue():
+            raise ResourceExhausted(
+                f"this engine already has {self.max_counts} CountTokens calls queued or running, its "
+                "limit (THERMOCLINE_ENGINE_MAX_QUEUED_COUNTS); retry once some have finished, or raise "
+                "the setting"
+            )
+        self.num_counts += 1
+        try:
+            return await _run(_count_pool, call, *args)
+        finally:
+            self.num_counts -= 1
 
 
 async def _run(pool: ThreadPoolExecutor, call: Callable[..., _Result], *args: object) -> _Result:
