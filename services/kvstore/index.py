@@ -299,8 +299,14 @@ class RedisIndex:
     async def rebuild(self, entries: dict[StoreKey, IndexEntry]) -> None:
         """Replaces the whole index with `entries` under a new generation; the marker is written last."""
         await self.client.delete(self._meta)
-        async for stale in self.client.scan_iter(match=f"{self.prefix}*", count=REBUILD_BATCH):
-            await self.client.delete(stale)
+        stale: list[Any] = []  # deleted a batch per command: one command per key took 8 s of 13 at 40K
+        async for key in self.client.scan_iter(match=f"{self.prefix}*", count=REBUILD_BATCH):
+            stale.append(key)
+            if len(stale) == REBUILD_BATCH:
+                await self.client.unlink(*stale)
+                stale.clear()
+        if stale:
+            await self.client.unlink(*stale)
         items = list(entries.items())
         for start in range(0, len(items), REBUILD_BATCH):
             async with self.client.pipeline(transaction=False) as pipe:
