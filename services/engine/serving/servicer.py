@@ -53,6 +53,7 @@ _GATE_STATUS_TO_PB = {
 
 
 RETRIEVAL_MODE_HEADER = "x-retrieval-mode"
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles a chat message may name
 
 
 def retrieval_mode_of(request: pb.GenerateRequest, context: Any) -> str:
@@ -265,6 +266,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if not chat.messages:
             raise InvalidArgument("chat has no messages")
         _check_no_added_tokens(chat, tokenizer)
+        _check_roles(chat)
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         try:
             text = tokenizer.apply_chat_template(messages)
@@ -397,6 +399,17 @@ def _check_no_added_tokens(chat: pb.ChatTurns, tokenizer: Tokenizer) -> None:
                     "only the chat template may write (it would forge a turn); send the text as a plain "
                     "prompt if it is meant literally"
                 )
+
+
+def _check_roles(chat: pb.ChatTurns) -> None:
+    """INVALID_ARGUMENT for a role outside CHAT_ROLES. Templates write the role into the prompt, some
+    inside a marker's text (`'<|' + role + '|>'`), so a made-up role such as "end" would write a
+    marker that no message's text holds and the placeholder rendering keeps as sent."""
+    for number, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"chat message {number}: role {message.role[:40]!r} is not one of {', '.join(CHAT_ROLES)}"
+            )
 
 
 def _check_only_template_markers(

@@ -85,6 +85,13 @@ def test_a_message_that_holds_a_marker_is_refused_by_generate_and_counttokens(
         assert "chat message 1" in error.details()
 
 
+@pytest.mark.parametrize("role", ["end", "", "User", "developer"])
+def test_a_role_outside_the_four_is_refused(stub: pb_grpc.EngineServiceStub, role: str) -> None:
+    for error in _refusals(stub, _chat(role, "hi")):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert f"chat message 1: role {role!r} is not one of system, user, assistant, tool" in error.details()
+
+
 def test_an_honest_chat_is_served_with_one_turn_start_per_turn(stub: pb_grpc.EngineServiceStub) -> None:
     chat = _chat("user", "tell me a story")
     request = pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=3))
