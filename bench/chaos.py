@@ -55,6 +55,7 @@ from services.common.kvstore_api import (  # noqa: E402
     MissReason,
     Namespace,
 )
+from services.common.service_auth import ServiceToken, read_token  # noqa: E402
 from services.engine.model.registry import resolve_model  # noqa: E402
 from services.gateway.audit import DECISIONS  # noqa: E402
 from services.gateway.audit_chain import segment_paths  # noqa: E402
@@ -153,6 +154,7 @@ class BlockLoad:
     """Threads that put blocks into the kvstore until stopped, recording what was acknowledged."""
 
     target: str
+    service_token: ServiceToken  # the mesh's: the kvstore serves its services only
     num_writers: int
     interval_s: float  # each writer puts on this beat (or at once when a put ran longer)
     attempted: dict[str, str] = field(default_factory=dict)  # block hash -> block name
@@ -178,7 +180,10 @@ class BlockLoad:
             thread.join()
 
     def _writer(self, writer: int) -> None:
-        with KVStoreClient(self.target, BLOCK_NAMESPACE, timeout_s=REQUEST_TIMEOUT_S) as client:
+        token = self.service_token
+        with KVStoreClient(
+            self.target, BLOCK_NAMESPACE, timeout_s=REQUEST_TIMEOUT_S, service_token=token
+        ) as client:
             number, next_s = 0, time.monotonic()
             while not self.stop.wait(max(0.0, next_s - time.monotonic())):  # pacing, not synchronisation
                 next_s = max(next_s + self.interval_s, time.monotonic())
@@ -219,7 +224,8 @@ def check_blocks(target: str, load: BlockLoad) -> BlockCheck:
     """Reads every block the load tried to put, and compares each served one with its bytes."""
     fetched: dict[str, FetchedBlock | MissReason] = {}
     hashes = sorted(load.attempted)
-    with KVStoreClient(target, BLOCK_NAMESPACE, timeout_s=RECOVERY_TIMEOUT_S) as client:
+    token = load.service_token
+    with KVStoreClient(target, BLOCK_NAMESPACE, timeout_s=RECOVERY_TIMEOUT_S, service_token=token) as client:
         for start in range(0, len(hashes), MAX_HASHES_PER_GET):
             fetched |= client.get(hashes[start : start + MAX_HASHES_PER_GET])
     served = {h: got for h, got in fetched.items() if isinstance(got, FetchedBlock)}
@@ -238,11 +244,13 @@ def check_blocks(target: str, load: BlockLoad) -> BlockCheck:
     )
 
 
-def block_round_trip(target: str, name: str) -> bool:
+def block_round_trip(target: str, name: str, token: ServiceToken) -> bool:
     """Whether one block can be put and read back with its bytes."""
     block = chaos_block(name)
     try:
-        with KVStoreClient(target, BLOCK_NAMESPACE, timeout_s=REQUEST_TIMEOUT_S) as client:
+        with KVStoreClient(
+            target, BLOCK_NAMESPACE, timeout_s=REQUEST_TIMEOUT_S, service_token=token
+        ) as client:
             client.put([block])
             got = client.get([block.block_hash])[block.block_hash]
     except grpc.RpcError:
@@ -289,7 +297,7 @@ def wait_for_success(mesh: Mesh, token: str, since: float, victim: str) -> float
 def probe(mesh: Mesh, channel: grpc.Channel, token: str, name: str, victim: str) -> bool:
     """One request to the service the victim's outage took away: whether it succeeded."""
     if victim == "kvstore":
-        return block_round_trip(mesh.target("kvstore"), name)
+        return block_round_trip(mesh.target("kvstore"), name, read_token(mesh.service_token_path))
     return generate(channel, token, name) == "OK"
 
 
@@ -377,7 +385,10 @@ def chaos(
     with Mesh(config) as mesh:
         token = mint_token(mesh.private_key_path.read_bytes(), subject="chaos", tenant="chaos")
         load = Load(mesh.target("gateway"), token, num_clients, 1.0 / rate_per_client).start()
-        block_load = BlockLoad(mesh.target("kvstore"), num_block_writers, 1.0 / put_rate_per_writer).start()
+        service_token = read_token(mesh.service_token_path)
+        block_load = BlockLoad(
+            mesh.target("kvstore"), service_token, num_block_writers, 1.0 / put_rate_per_writer
+        ).start()
         try:
             cycles = [run_cycle(mesh, token, VICTIMS[i % len(VICTIMS)]) for i in range(num_cycles)]
         finally:

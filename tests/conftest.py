@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
+import contextlib
 import json
 import time
 import urllib.request
@@ -30,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.mesh import Mesh, MeshConfig, Ports
 from services.cli.trace_collector import TraceCollector
+from services.common.service_auth import TOKEN_FILE_SETTING
 from services.engine.model.registry import model_dirs, resolve_model
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -139,9 +141,18 @@ def stories_mesh(
     mesh.stop()
 
 
+@contextlib.contextmanager
+def holding_service_token(token_file: Path) -> Iterator[None]:
+    """This process calls the services as one of them: with THERMOCLINE_SERVICE_TOKEN_FILE set, the
+    clients it builds in process (Router, ColdTier, KVStoreClient) carry the token, as a service's do."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(TOKEN_FILE_SETTING, str(token_file))
+        yield
+
+
 def engine_stats(mesh: Mesh, engine: str = "engine") -> engine_pb2.GetStatsResponse:
     """The engine's GetStats: its queue now and the tokens it has generated in its lifetime."""
-    with grpc.insecure_channel(mesh.target(engine)) as channel:
+    with mesh.channel(engine) as channel:
         return engine_pb2_grpc.EngineServiceStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=10)
 
 

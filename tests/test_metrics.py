@@ -90,7 +90,7 @@ def traffic(stories_mesh: Mesh) -> dict[str, tuple[Samples, Samples]]:
         result = collect(stream_generate(channel, request, call_metadata(token), timeout_s=120))
     assert result.done is not None
     with (
-        grpc.insecure_channel(stories_mesh.target("kvstore")) as channel,
+        stories_mesh.channel("kvstore") as channel,
         pytest.raises(grpc.RpcError) as refused,
     ):
         kvstore_pb2_grpc.KVStoreServiceStub(channel).Lookup(kvstore_pb2.LookupRequest(block_hashes=["ab"]))

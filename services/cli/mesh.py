@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
 from services.common.ports import free_port
+from services.common.service_auth import TOKEN_FILE_SETTING, authenticated, ensure_token_file, read_token
 from services.gateway.audit_checkpoint import ensure_key
 from services.gateway.tokens import ensure_dev_keys
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SERVICES = ("kvstore", "safety", "engine", "gateway")
 AUDIT_KEY_NAME = "audit.key"  # the audit signing key, in the keys directory
+SERVICE_TOKEN_NAME = "service.token"  # what the services present to each other, in the keys directory
 # The engine's intent classes as deployed (reserved slots, per-class timeouts and tier sizes).
 ENGINE_INTENT_CLASSES = Path(__file__).resolve().parents[2] / "deploy" / "engine" / "intent_classes.toml"
 
@@ -106,6 +108,9 @@ MESH_SETTINGS: dict[str, str] = {
         f"the gateway signs its audit log with keys/{AUDIT_KEY_NAME} (`thermocline audit verify` reads it)"
     ),
     "THERMOCLINE_KVSTORE_DATA_DIR": _under_state_dir("the kvstore keeps its blocks in kvstore/"),
+    TOKEN_FILE_SETTING: _under_state_dir(
+        f"the services authenticate to each other with keys/{SERVICE_TOKEN_NAME}"
+    ),
 }
 
 
@@ -202,6 +207,7 @@ class Mesh:
         self.logs_dir = config.state_dir / "logs"
         self.private_key_path, self.public_key_path = ensure_dev_keys(self.keys_dir)
         self.audit_key_path = ensure_key(self.keys_dir / AUDIT_KEY_NAME)  # outside the audit directory
+        self.service_token_path = ensure_token_file(self.keys_dir / SERVICE_TOKEN_NAME)
         self.audit_dir = config.state_dir / "audit"
         # gRPC ports of the processes that Ports does not name (engine replicas, extra gateways).
         self.extra_ports: dict[str, int] = {
@@ -227,6 +233,12 @@ class Mesh:
         if service in self.extra_ports:
             return f"127.0.0.1:{self.extra_ports[service]}"
         return f"127.0.0.1:{self.config.ports.grpc_port(service)}"
+
+    def channel(self, service: str) -> grpc.Channel:
+        """A blocking channel to a service that carries the mesh's service token, as the services'
+        own calls to each other do (the engine, kvstore and safety refuse calls without it)."""
+        token = read_token(self.service_token_path)
+        return authenticated(grpc.insecure_channel(self.target(service)), token)
 
     def http_url(self, gateway: str = "gateway") -> str:
         """Base URL of a gateway's OpenAI-compatible front, e.g. http://127.0.0.1:8080/v1."""
@@ -345,6 +357,7 @@ class Mesh:
             "THERMOCLINE_ENGINE_KVSTORE_TARGET": self.target("kvstore"),
             "THERMOCLINE_GATEWAY_JWT_KEY_FILE": str(self.public_key_path),
             "THERMOCLINE_GATEWAY_AUDIT_KEY_FILE": str(self.audit_key_path),
+            TOKEN_FILE_SETTING: str(self.service_token_path),
             "THERMOCLINE_KVSTORE_DATA_DIR": str(config.state_dir / "kvstore"),
             "REDIS_URL": f"redis://127.0.0.1:{ports.redis}/0",
             "OTEL_BSP_SCHEDULE_DELAY": "200",

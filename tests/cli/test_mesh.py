@@ -153,7 +153,7 @@ def test_cancelling_a_stream_cancels_the_engine_request(
 @pytest.mark.parametrize("service", sorted(SERVICE_NAMES))
 def test_health_and_reflection(stories_mesh: Mesh, service: str) -> None:
     name = SERVICE_NAMES[service]
-    with grpc.insecure_channel(stories_mesh.target(service)) as channel:
+    with grpc.insecure_channel(stories_mesh.target(service)) as channel:  # as the probes: no service token
         health = health_pb2_grpc.HealthStub(channel)
         for checked in ("", name):
             reply = health.Check(health_pb2.HealthCheckRequest(service=checked), timeout=5)
@@ -170,6 +170,36 @@ def test_health_and_reflection(stories_mesh: Mesh, service: str) -> None:
         "kvstore": {"PutBlocks", "GetBlocks", "Lookup", "Prefetch", "Delete", "GetStats", "LocateBlocks"},
     }[service]
     assert methods == expected
+
+
+def test_the_meshs_services_hold_the_service_token_and_serve_through_the_gateway(
+    stories_mesh: Mesh, gateway_channel: grpc.Channel
+) -> None:
+    """`thermocline up` hands every service its token: a caller without it is refused by the engine,
+    safety and the kvstore, while a request through the gateway (to safety and the engine, the
+    engine to the kvstore and safety) is served."""
+    from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
+    from thermocline.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+    from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc
+
+    assert stories_mesh.service_token_path.stat().st_mode & 0o777 == 0o600
+    calls = {
+        "engine": lambda c: engine_pb2_grpc.EngineServiceStub(c).GetStats(engine_pb2.GetStatsRequest()),
+        "safety": lambda c: safety_pb2_grpc.SafetyServiceStub(c).GetGate(safety_pb2.GetGateRequest()),
+        "kvstore": lambda c: kvstore_pb2_grpc.KVStoreServiceStub(c).GetStats(kvstore_pb2.GetStatsRequest()),
+    }
+    for service, call in calls.items():
+        with (
+            grpc.insecure_channel(stories_mesh.target(service)) as channel,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            call(channel)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (service, refused.value)
+        assert "THERMOCLINE_SERVICE_TOKEN_FILE" in refused.value.details()
+        with stories_mesh.channel(service) as channel:
+            call(channel)
+    result = generate(gateway_channel, stories_mesh, build_request(STORIES_PROMPT, max_tokens=8))
+    assert result.token_ids == STORIES_GOLDEN_IDS[:8]
 
 
 def test_list_models_names_the_served_model(stories_mesh: Mesh, gateway_channel: grpc.Channel) -> None:
@@ -192,7 +222,7 @@ def test_the_meshs_kvstore_stores_a_block_and_finds_it_for_its_tenant_only(stori
         block_hash=block_hash, codec=kvstore_pb2.CODEC_RAW, shape=[1, 2, 1, 1, 4], payload_bytes=16
     )
     put = kvstore_pb2.PutBlocksRequest(namespace=ours, header=header, data=bytes(range(16)))
-    with grpc.insecure_channel(stories_mesh.target("kvstore")) as channel:
+    with stories_mesh.channel("kvstore") as channel:
         stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
         stored = stub.PutBlocks(iter([put]), timeout=30)
         found = stub.Lookup(kvstore_pb2.LookupRequest(namespace=ours, block_hashes=[block_hash]), timeout=10)

@@ -59,7 +59,7 @@ def _rank1_pid(engine_pid: int) -> int:
 
 def _wait_not_serving(mesh: Mesh) -> None:
     """Follow the engine's health Watch until it reports NOT_SERVING (or the deadline passes)."""
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(
             health_pb2.HealthCheckRequest(service=""), timeout=60
         )

@@ -43,7 +43,7 @@ CASES = [(*c, GARBAGE) for c in CALLS] + [(*c, NOT_UTF8) for c in STRING_FIELD_C
 def test_an_unparseable_request_is_invalid_argument(
     stories_mesh: Mesh, service: str, method: str, kind: str, payload: bytes
 ) -> None:
-    with grpc.insecure_channel(stories_mesh.target(service)) as channel:
+    with stories_mesh.channel(service) as channel:
         error = _call(channel, method, kind, payload)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
     assert "not a valid protobuf message" in error.details()

@@ -44,7 +44,7 @@ def fuzz_mesh(open_mesh: Mesh) -> Mesh:
 @pytest.fixture(scope="session")
 def fuzz_channels(fuzz_mesh: Mesh) -> Iterator[dict[str, grpc.Channel]]:
     """One channel per service of the fuzz mesh."""
-    channels = {name: grpc.insecure_channel(fuzz_mesh.target(name)) for name in SERVICES}
+    channels = {name: fuzz_mesh.channel(name) for name in SERVICES}
     yield channels
     for channel in channels.values():
         channel.close()

@@ -135,7 +135,7 @@ def test_an_expired_deadline_frees_the_engine(mesh: Mesh) -> None:
         with pytest.raises(grpc.RpcError) as caught:
             collect(stream)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         deadline = time.monotonic() + 30
         while (stats := stub.GetStats(engine_pb2.GetStatsRequest())).num_running + stats.num_waiting:

@@ -47,7 +47,7 @@ def phrase_tokens(open_mesh: Mesh) -> int:
         prompt=STORIES_PROMPT, sampling=engine_pb2.SamplingParams(max_tokens=MAX_TOKENS)
     )
     text, num_tokens = "", 0
-    with grpc.insecure_channel(open_mesh.target("engine")) as channel:
+    with open_mesh.channel("engine") as channel:
         for message in engine_pb2_grpc.EngineServiceStub(channel).Generate(request, timeout=120):
             text, num_tokens = text + message.text, num_tokens + len(message.token_ids)
             if TEST_DENY_PHRASE in text:

@@ -16,7 +16,7 @@ from services.cli.mesh import Mesh, MeshConfig, Ports
 from services.gateway.config import RoutingConfig
 from services.gateway.router import Router
 from services.gateway.upstream import Upstreams
-from tests.conftest import STORIES_PROMPT, STORIES_PROMPT_IDS
+from tests.conftest import STORIES_PROMPT, STORIES_PROMPT_IDS, holding_service_token
 from tests.engine.gate.test_gate_watch import _restart_safety, _safety_and_engine, _stories_gate
 from tests.gateway.test_router import _wait_until
 from tests.http.test_prompt_count import engine_counts_served
@@ -48,7 +48,8 @@ def test_an_engine_that_turns_refusing_is_live_not_ready_and_still_routed_to(
     )
 
     async def scenario() -> None:
-        router = Router(RoutingConfig(engine_targets=(mesh.target("engine"),)))
+        with holding_service_token(mesh.service_token_path):  # the router here calls as the gateway
+            router = Router(RoutingConfig(engine_targets=(mesh.target("engine"),)))
         (replica,) = router.replicas
         await router.start()
         try:
@@ -87,7 +88,8 @@ def refusing_and_ready(stories_model: Path, tmp_path_factory: pytest.TempPathFac
         for name, gate in (("engine", gate_a), ("engine-2", gate_b)):
             config.env["THERMOCLINE_ENGINE_GATE_FILE"] = str(gate)
             mesh.start_service(name)
-        yield mesh
+        with holding_service_token(mesh.service_token_path):  # the router here calls as the gateway
+            yield mesh
     finally:
         mesh.stop()
 

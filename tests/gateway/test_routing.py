@@ -49,7 +49,7 @@ def generated_tokens(mesh: Mesh) -> dict[str, int]:
     for name in mesh.engine_names:
         if mesh.processes[name].poll() is not None:
             continue
-        with grpc.insecure_channel(mesh.target(name)) as channel:
+        with mesh.channel(name) as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
             stats = stub.GetStats(engine_pb2.GetStatsRequest(), timeout=10)
         counts[name] = int(stats.generated_tokens_total)

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from services.cli.mesh import Mesh, ServiceFailed
@@ -102,7 +101,7 @@ def mesh(
 def blocking(mesh: Mesh) -> dict[str, float]:
     """The categories for which the gate in force blocks the prompt, with their scores. Asked of
     the mesh's safety service, so the tests hold for whichever gate is installed."""
-    with grpc.insecure_channel(mesh.target("safety")) as channel:
+    with mesh.channel("safety") as channel:
         reply = safety_pb2_grpc.SafetyServiceStub(channel).CheckPrompt(
             safety_pb2.CheckPromptRequest(text=SELF_HARM_PROMPT), timeout=60
         )

@@ -16,7 +16,7 @@ COUNT_TOKENS = "/thermocline.engine.v1.EngineService/CountTokens"
 
 def count_tokens(mesh: Mesh, request: engine_pb2.CountTokensRequest) -> engine_pb2.CountTokensResponse:
     """The engine's CountTokens, called directly."""
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         return engine_pb2_grpc.EngineServiceStub(channel).CountTokens(request, timeout=30)
 
 

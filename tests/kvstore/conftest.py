@@ -27,6 +27,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.mesh import free_port
 from services.common.kvstore_api import KVStoreClient
+from services.common.service_auth import (
+    TOKEN_FILE_SETTING,
+    ServiceToken,
+    authenticated,
+    ensure_token_file,
+    read_token,
+)
 from services.kvstore.blocks import BlockIn, Codec
 from services.kvstore.config import StoreConfig
 from services.kvstore.keys import BlockHash, Namespace
@@ -120,6 +127,15 @@ class KVStoreProcess:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     log_dir: Path | None = None  # None: beside the data dir (give another where that disk fills up)
+    # The mesh's shared secret (service_auth.py), made beside the log; every call the test's
+    # client() and channel() make carries it, as the engine's do.
+    service_token_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.service_token_path is None:
+            self.service_token_path = ensure_token_file(
+                (self.log_dir or self.data_dir.parent) / "service.token"
+            )
 
     @property
     def target(self) -> str:
@@ -159,6 +175,7 @@ class KVStoreProcess:
             "THERMOCLINE_KVSTORE_GRACE_S": "2",
             "REDIS_URL": self.redis_url,
             "PYTHONUNBUFFERED": "1",
+            TOKEN_FILE_SETTING: str(self.service_token_path),
         } | self.env
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
@@ -236,7 +253,23 @@ class KVStoreProcess:
         self, tenant: str = "tenant-a", model: str = "tiny-llama", chunk_bytes: int = 4096
     ) -> KVStoreClient:
         """A client for one namespace; small chunks by default, so test blocks span several."""
-        return KVStoreClient(self.target, Namespace(tenant, model), chunk_bytes=chunk_bytes, timeout_s=60)
+        return KVStoreClient(
+            self.target,
+            Namespace(tenant, model),
+            chunk_bytes=chunk_bytes,
+            timeout_s=60,
+            service_token=self.service_token,
+        )
+
+    @property
+    def service_token(self) -> ServiceToken:
+        """The token the process requires of its callers."""
+        assert self.service_token_path is not None
+        return read_token(self.service_token_path)
+
+    def channel(self) -> grpc.Channel:
+        """A channel whose calls carry the service token."""
+        return authenticated(grpc.insecure_channel(self.target), self.service_token)
 
 
 def with_metrics(env: dict[str, str]) -> dict[str, str]:

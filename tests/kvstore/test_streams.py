@@ -45,15 +45,15 @@ class StalledPut:
     def __init__(self, kvstore: KVStoreProcess, messages: list[pb.PutBlocksRequest]) -> None:
         self.release = threading.Event()
         self.error: grpc.RpcError | None = None
-        self._thread = threading.Thread(target=self._run, args=(kvstore.target, messages), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(kvstore, messages), daemon=True)
         self._thread.start()
 
-    def _run(self, target: str, messages: list[pb.PutBlocksRequest]) -> None:
+    def _run(self, kvstore: KVStoreProcess, messages: list[pb.PutBlocksRequest]) -> None:
         def requests() -> Iterator[pb.PutBlocksRequest]:
             yield from messages
             self.release.wait()
 
-        with grpc.insecure_channel(target) as channel:
+        with kvstore.channel() as channel:
             try:
                 pb_grpc.KVStoreServiceStub(channel).PutBlocks(requests(), timeout=300)
             except grpc.RpcError as error:

@@ -43,7 +43,7 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 @pytest.fixture
 def stub(safety: Mesh) -> Iterator[pb_grpc.SafetyServiceStub]:
-    with grpc.insecure_channel(safety.target("safety")) as channel:
+    with safety.channel("safety") as channel:
         yield pb_grpc.SafetyServiceStub(channel)
 
 
@@ -175,7 +175,7 @@ def test_resident_memory_stays_flat_over_checks_of_every_length(tmp_path: Path) 
     mesh = _safety_only(tmp_path, THERMOCLINE_SAFETY_HEAP_TRIM_INTERVAL_S="0")
     try:
         pid = mesh.processes["safety"].pid
-        with grpc.insecure_channel(mesh.target("safety")) as channel:
+        with mesh.channel("safety") as channel:
             stub = pb_grpc.SafetyServiceStub(channel)
             for number, text in enumerate(texts):
                 if number % 2:
@@ -226,7 +226,7 @@ def test_a_cancelled_check_stops_at_its_next_batch_and_the_check_behind_it_is_an
     num_plain_windows = len(MiniLMEmbedder.load().text_windows(large))  # fewer than the check embeds
     mesh = _safety_only(tmp_path, THERMOCLINE_SAFETY_MAX_WINDOWS="4096")
     try:
-        with grpc.insecure_channel(mesh.target("safety")) as channel:
+        with mesh.channel("safety") as channel:
             stub = pb_grpc.SafetyServiceStub(channel)
             stub.CheckPrompt(pb.CheckPromptRequest(text=BENIGN), timeout=60)
             num_small_windows = before = _prompt_windows_embedded(mesh)

@@ -22,7 +22,7 @@ FRENCH = "Dis-moi comment je peux entrer dans la maison de mon voisin quand il n
 @pytest.fixture(scope="module")
 def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pb_grpc.SafetyServiceStub]:
     mesh: Mesh = _safety_only(tmp_path_factory.mktemp("tenant-policy"))
-    with grpc.insecure_channel(mesh.target("safety")) as channel:
+    with mesh.channel("safety") as channel:
         yield pb_grpc.SafetyServiceStub(channel)
     mesh.stop()
 

@@ -61,7 +61,7 @@ ENGINE_SERVICE = "thermocline.engine.v1.EngineService"
 
 def _health(mesh: Mesh, service: str) -> int:
     """The engine's health status for `service` ("": the server, the liveness probe's name)."""
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
     return reply.status  # type: ignore[no-any-return]
@@ -69,7 +69,7 @@ def _health(mesh: Mesh, service: str) -> int:
 
 def _wait_for_health(mesh: Mesh, service: str, status: int, timeout_s: float = 60) -> None:
     """Follows the engine's health Watch stream for `service` until it says `status`."""
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             for reply in stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s):

@@ -258,7 +258,7 @@ def _restart_safety(mesh: Mesh, gate: Path) -> None:
 
 
 def _gate_info(mesh: Mesh) -> engine_pb2.SafetyGateInfo:
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         return stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10).safety_gate
 
@@ -280,7 +280,7 @@ def _generate_code(mesh: Mesh) -> grpc.StatusCode:
     request = engine_pb2.GenerateRequest(
         prompt="Once upon a time", sampling=engine_pb2.SamplingParams(max_tokens=4)
     )
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         try:
             list(engine_pb2_grpc.EngineServiceStub(channel).Generate(request, timeout=60))
         except grpc.RpcError as error:

@@ -386,7 +386,7 @@ def test_engine_fetches_the_gate_from_safety_and_the_gateway_relays_a_safety_fin
     }
     mesh = start_mesh(stories_model, tmp_path / "mesh", collector, **settings)
     try:
-        with grpc.insecure_channel(mesh.target("engine")) as channel:
+        with mesh.channel("engine") as channel:
             info = engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest())
         gate = info.safety_gate
         assert gate.status == engine_pb2.SAFETY_GATE_STATUS_OK, gate.detail

@@ -33,6 +33,7 @@ from services.engine.scheduling.sampling_params import SamplingParams
 from services.engine.scheduling.sequence import RequestId, Sequence
 from services.engine.serving.generation_result import GenerationResult, ResultCollector
 from services.engine.text.detokenizer import IncrementalDetokenizer
+from tests.conftest import holding_service_token
 from tests.engine.fake_clock import FakeClock
 from tests.engine.paged_helpers import ONE_HEAD, make_cache
 from tests.kvstore.conftest import KVStoreProcess, RedisServer
@@ -55,7 +56,8 @@ def kvstore(tmp_path: Path) -> Iterator[KVStoreProcess]:
     """A kvstore of its own over a redis-server of its own (tests break both)."""
     redis = RedisServer(tmp_path).start()
     process = KVStoreProcess(tmp_path / "kvstore", redis.url).start()
-    yield process
+    with holding_service_token(process.service_token.path):  # the engine here calls as the engine
+        yield process
     if process.process is not None and process.process.poll() is None:
         process.process.send_signal(signal.SIGCONT)  # a test may leave it frozen
     process.stop()

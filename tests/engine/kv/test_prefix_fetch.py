@@ -24,6 +24,7 @@ from services.engine.kv import prefix_fetch
 from services.engine.kv.cold_tier import DEFAULT_TENANT, ColdTierConfig
 from services.engine.kv.prefix_fetch import PrefixLayout
 from services.engine.llm_engine import LLMEngine
+from tests.conftest import holding_service_token
 from tests.engine.kv.test_cold_tier import (
     BLOCK_SIZE,
     HEALTHY,
@@ -47,7 +48,8 @@ def locating(tmp_path: Path) -> Iterator[KVStoreProcess]:
     redis = RedisServer(tmp_path).start()
     env = {"THERMOCLINE_KVSTORE_SERVE_LOCATIONS": "true"}
     process = KVStoreProcess(tmp_path / "kvstore", redis.url, env).start()
-    yield process
+    with holding_service_token(process.service_token.path):  # the engine here calls as the engine
+        yield process
     process.stop()
     redis.stop()
 

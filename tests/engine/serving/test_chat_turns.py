@@ -44,7 +44,7 @@ def merging_stub(
 
 def _serve(model: Path, state_dir: Path) -> Iterator[pb_grpc.EngineServiceStub]:
     mesh: Mesh = start_engine(model, state_dir, THERMOCLINE_ENGINE_MAX_SEQ_LEN="256")
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         yield pb_grpc.EngineServiceStub(channel)
     mesh.stop()
 

@@ -26,7 +26,7 @@ def stub(
     mesh = start_engine(
         model, tmp_path_factory.mktemp("overflow-engine"), THERMOCLINE_ENGINE_MAX_SEQ_LEN="128"
     )
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         yield pb_grpc.EngineServiceStub(channel)
     mesh.stop()
 

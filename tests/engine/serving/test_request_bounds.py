@@ -30,7 +30,7 @@ def stub(
 ) -> Iterator[pb_grpc.EngineServiceStub]:
     """A stub for an engine process serving stories260K."""
     mesh = start_engine(stories_hf_dir, tmp_path_factory.mktemp("bounds-engine"))
-    with grpc.insecure_channel(mesh.target("engine")) as channel:
+    with mesh.channel("engine") as channel:
         yield pb_grpc.EngineServiceStub(channel)
     mesh.stop()
 
