@@ -176,6 +176,18 @@ def test_gateway_mounts_the_jwt_public_key_read_only(compose: dict[str, Any]) ->
     assert mounts[0]["source"].endswith("deploy/keys/jwt-public.pem")
 
 
+@pytest.mark.parametrize("name", THERMOCLINE_SERVICES)
+def test_service_mounts_the_service_token_read_only(compose: dict[str, Any], name: str) -> None:
+    """The engine, safety and kvstore refuse calls without it and, listening beyond loopback, will
+    not start without it; the gateway sends it on every internal call."""
+    svc = service(compose, name)
+    token_path = env_of(svc)["THERMOCLINE_SERVICE_TOKEN_FILE"]
+    mounts = [m for m in svc.get("volumes", []) if isinstance(m, dict) and m["target"] == token_path]
+    assert len(mounts) == 1, f"{name}: nothing is mounted at {token_path}"
+    assert mounts[0]["type"] == "bind" and mounts[0]["read_only"] is True
+    assert mounts[0]["source"].endswith("deploy/keys/service.token")
+
+
 def test_engine_reserves_an_nvidia_gpu(compose: dict[str, Any]) -> None:
     devices = service(compose, "engine")["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)

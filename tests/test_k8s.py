@@ -183,6 +183,23 @@ def test_each_service_is_there_with_its_shape(rendered: tuple[str, list[dict[str
     assert env_of(find(objects, "Deployment", "gateway"))["THERMOCLINE_GATEWAY_HTTP_PORT"] == "8080"
 
 
+def test_every_service_holds_the_service_token(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """The file THERMOCLINE_SERVICE_TOKEN_FILE names lies in the service-token Secret's mount."""
+    _, objects = rendered
+    for kind, name in [
+        ("Deployment", "gateway"),
+        ("StatefulSet", "engine"),
+        ("Deployment", "safety"),
+        ("StatefulSet", "kvstore"),
+    ]:
+        workload = find(objects, kind, name)
+        token_file = Path(env_of(workload)["THERMOCLINE_SERVICE_TOKEN_FILE"])
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        mounts = [m for m in container(workload)["volumeMounts"] if Path(m["mountPath"]) == token_file.parent]
+        assert len(mounts) == 1 and mounts[0]["readOnly"], f"{name}: {token_file} is not mounted read-only"
+        assert volumes[mounts[0]["name"]]["secret"]["secretName"] == "service-token", name
+
+
 def test_engine_drains_within_its_grace_period(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, objects = rendered
     for kind, name in [("StatefulSet", "engine"), ("Deployment", "gateway"), ("StatefulSet", "kvstore")]:

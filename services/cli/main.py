@@ -23,9 +23,18 @@ from services.cli.client import (
     stream_generate,
 )
 from services.cli.loadgen.command import add_loadgen_parser
-from services.cli.mesh import AUDIT_KEY_NAME, Mesh, MeshConfig, Ports, ServiceFailed, parse_settings
+from services.cli.mesh import (
+    AUDIT_KEY_NAME,
+    SERVICE_TOKEN_NAME,
+    Mesh,
+    MeshConfig,
+    Ports,
+    ServiceFailed,
+    parse_settings,
+)
 from services.cli.trace_collector import REQUEST_PATH, TraceCollector, format_trace
 from services.common import env
+from services.common.service_auth import ensure_token_file
 from services.engine.model.registry import DEFAULT_MODEL, resolve_model
 from services.gateway.tokens import ensure_dev_keys, mint_token
 
@@ -212,9 +221,10 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    """Makes an RSA key pair for the gateway (e.g. for compose: deploy/keys)."""
+    """Makes the gateway's RSA key pair and the services' shared token (e.g. for compose: deploy/keys)."""
     private_path, public_path = ensure_dev_keys(Path(args.directory))
-    print(f"private key {private_path}\npublic key  {public_path}")
+    token_path = ensure_token_file(Path(args.directory) / SERVICE_TOKEN_NAME)
+    print(f"private key   {private_path}\npublic key    {public_path}\nservice token {token_path}")
     return 0
 
 
@@ -271,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.set_defaults(func=cmd_audit_verify)
 
-    keys = commands.add_parser("keys", help="make an RSA key pair for token signing")
+    keys = commands.add_parser("keys", help="make an RSA key pair for token signing and the service token")
     keys.add_argument("directory")
     keys.set_defaults(func=cmd_keys)
 
