@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode_gpu import LLAMA_8B, random_checkpoint, write_tokenizer
 from bench.machine import cpu_name
 from services.common.kvstore_api import KVStoreClient, Namespace
+from services.common.service_auth import TOKEN_FILE_SETTING
 from services.engine.kv.cold_tier import ColdTierConfig
 from services.engine.kv.tiers import KVCacheSpec, TierConfig
 from services.engine.llm_engine import DEFAULT_MAX_PREFILL_TOKENS, LLMEngine
@@ -623,6 +624,7 @@ def main() -> None:
         redis = RedisServer(directory, binary=args.redis_server).start()
         serving = {"THERMOCLINE_KVSTORE_SERVE_LOCATIONS": "true"} if args.local_reads else {}
         kvstore = KVStoreProcess(data_dir, redis.url, serving).start()
+        os.environ[TOKEN_FILE_SETTING] = str(kvstore.service_token_path)  # call it as the engine does
         try:
             started = time.perf_counter()
             window = None if args.skip_window else prefetch(source, kvstore.target, args, notes)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import sys
 import tempfile
 import threading
@@ -42,6 +43,7 @@ import torch
 
 from bench.cold_tier import SHAPES, cold_config, kv_spec, model_source, prompt_of, timed
 from services.common import kvstore_api, segment_reader
+from services.common.service_auth import TOKEN_FILE_SETTING
 from services.engine.execution import model_runner
 from services.engine.kv import cache, cold_tier, prefix_fetch
 from services.engine.llm_engine import EngineStats, LLMEngine
@@ -163,6 +165,7 @@ def run(args: argparse.Namespace) -> None:
         redis = RedisServer(directory, binary=args.redis_server).start()
         store_env = {"THERMOCLINE_KVSTORE_SERVE_LOCATIONS": "true"} | args.store_env
         kvstore = KVStoreProcess(directory / "kvstore", redis.url, store_env).start()
+        os.environ[TOKEN_FILE_SETTING] = str(kvstore.service_token_path)  # call it as the engine does
         try:
             measure(args, source, kvstore, directory)
         finally:

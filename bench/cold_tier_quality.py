@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import platform
 import random
 import statistics
@@ -78,6 +79,7 @@ from services.common.kv_codec.sparsity import (
     SparsityRule,
     attention_entropy,
 )
+from services.common.service_auth import TOKEN_FILE_SETTING
 from services.engine import llm_engine as llm_engine_module
 from services.engine.attention.backend import AttentionBackend
 from services.engine.attention.metadata import AttentionMetadata, RowInput
@@ -585,6 +587,7 @@ def forced_passkeys(args: argparse.Namespace) -> list[tuple[ContextSetting, list
     with tempfile.TemporaryDirectory(prefix="cold-tier-quality-") as tmp:
         redis = RedisServer(Path(tmp)).start()
         kvstore = KVStoreProcess(Path(tmp) / "kvstore", redis.url).start()
+        os.environ[TOKEN_FILE_SETTING] = str(kvstore.service_token_path)  # call it as the engine does
         try:
             for setting in context_settings(args):
                 engine = load_engine(setting, kvstore.target, args)
@@ -704,6 +707,7 @@ def long_context(args: argparse.Namespace) -> list[ContextRow]:
     with tempfile.TemporaryDirectory(prefix="cold-tier-quality-") as tmp:
         redis = RedisServer(Path(tmp)).start()
         kvstore = KVStoreProcess(Path(tmp) / "kvstore", redis.url).start()
+        os.environ[TOKEN_FILE_SETTING] = str(kvstore.service_token_path)  # call it as the engine does
         try:
             for setting in context_settings(args):
                 engine = load_engine(setting, kvstore.target, args)

@@ -52,6 +52,7 @@ from bench.machine import cpu_name, default_engine_device  # noqa: E402
 from services.cli.client import build_request, call_metadata  # noqa: E402
 from services.cli.mesh import Mesh, MeshConfig, Ports, free_port  # noqa: E402
 from services.common.channels import wait_until_serving  # noqa: E402
+from services.common.service_auth import ServiceToken, authenticated_aio, read_token  # noqa: E402
 from services.engine.model.registry import resolve_model  # noqa: E402
 from services.gateway.tokens import mint_token  # noqa: E402
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
@@ -171,7 +172,9 @@ async def measure_ttft(mesh: Mesh, num_requests: int) -> dict[str, list[float]]:
         grpc.aio.insecure_channel(mesh.target("engine")) as engine_channel,
         grpc.aio.insecure_channel(mesh.target("gateway")) as gateway_channel,
     ):
-        engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
+        # The engine serves the mesh's services alone: the direct calls carry its service token.
+        service = read_token(mesh.service_token_path)
+        engine = engine_pb2_grpc.EngineServiceStub(authenticated_aio(engine_channel, service))
         gateway = gateway_pb2_grpc.GatewayServiceStub(gateway_channel)
         for index in range(NUM_WARMUP + num_requests):
             direct = await first_token_s(engine, engine_request, [])
@@ -296,7 +299,12 @@ def release_paths(args: argparse.Namespace) -> dict[str, tuple[int, str]]:
 
 
 async def measure_release(
-    args: argparse.Namespace, engine_target: str, gateways: dict[str, str], safety_target: str, token: str
+    args: argparse.Namespace,
+    engine_target: str,
+    gateways: dict[str, str],
+    safety_target: str,
+    token: str,
+    service: ServiceToken,
 ) -> dict[str, list[float]]:
     """Interleaved samples: direct engine token times, each policy's TTFT, direct safety checks."""
     engine_request = engine_pb2.GenerateRequest(
@@ -309,8 +317,8 @@ async def measure_release(
         grpc.aio.insecure_channel(engine_target) as engine_channel,
         grpc.aio.insecure_channel(safety_target) as safety_channel,
     ):
-        engine = engine_pb2_grpc.EngineServiceStub(engine_channel)
-        safety = safety_pb2_grpc.SafetyServiceStub(safety_channel)
+        engine = engine_pb2_grpc.EngineServiceStub(authenticated_aio(engine_channel, service))
+        safety = safety_pb2_grpc.SafetyServiceStub(authenticated_aio(safety_channel, service))
         texts = await window_texts(engine, engine_request, sizes)
         channels = {p: grpc.aio.insecure_channel(t) for p, t in gateways.items()}
         stubs = {p: gateway_pb2_grpc.GatewayServiceStub(c) for p, c in channels.items()}
@@ -391,14 +399,15 @@ def release_part(args: argparse.Namespace, state_dir: Path) -> dict[str, dict[st
         asyncio.run(wait_until_serving(f"127.0.0.1:{port}", 30))
         with start_mesh(state_dir, str(resolve_model("stories260k"))) as mesh:
             token = mint_token(mesh.private_key_path.read_bytes(), subject="bench", tenant="bench")
+            service = read_token(mesh.service_token_path)
             on_model = start_release_gateways(mesh, args, "")
             results["stories260K"] = asyncio.run(
-                measure_release(args, mesh.target("engine"), on_model, mesh.target("safety"), token)
+                measure_release(args, mesh.target("engine"), on_model, mesh.target("safety"), token, service)
             )
             fake = f"127.0.0.1:{port}"
             on_source = start_release_gateways(mesh, args, "-fixed", THERMOCLINE_GATEWAY_ENGINE_TARGETS=fake)
             results[f"fixed-rate source, {args.release_tpot_ms:g} ms/token"] = asyncio.run(
-                measure_release(args, fake, on_source, mesh.target("safety"), token)
+                measure_release(args, fake, on_source, mesh.target("safety"), token, service)
             )
     finally:
         source.kill()
