@@ -137,10 +137,10 @@ class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, token: ServiceToken) -> None:
         self._token = token
+        # The caller is not trusted yet: the message names the setting, not this host's file.
         self._refusal = (
             f"this service takes calls from the mesh's services only: send the token of the file "
-            f"{TOKEN_FILE_SETTING} names (this service reads {token.path}) in the {METADATA_KEY} "
-            "metadata entry; users call the gateway"
+            f"{TOKEN_FILE_SETTING} names in the {METADATA_KEY} metadata entry; users call the gateway"
         )
         self._refusers = _refusers(self._refusal)
         self._num_refused = 0
@@ -168,9 +168,11 @@ class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
         now = time.monotonic()
         if now - self._last_logged >= REFUSAL_LOG_INTERVAL_S:
             log.warning(
-                "refused %d call(s) without the service token (latest: %s); callers need %s",
+                "refused %d call(s) without the service token (latest: %s); callers need the token "
+                "this service reads from %s (%s)",
                 self._num_refused,
                 method,
+                self._token.path,
                 TOKEN_FILE_SETTING,
             )
             self._num_refused, self._last_logged = 0, now
