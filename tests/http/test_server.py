@@ -1,6 +1,7 @@
 """The HTTP front's connection limits against real sockets: a connection that sends no request
-head in time is closed, however slowly its bytes come, and one beyond the cap is closed at once;
-a head with the longest token the gateway verifies still fits."""
+head in time is closed, however slowly its bytes come; at the cap the oldest connection waiting
+for a head makes room for a new one, and one host keeps only so many waiting; a head with the
+longest token the gateway verifies still fits."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ import pytest
 
 from services.cli.mesh import Mesh
 from services.gateway.request_bounds import MAX_TOKEN_CHARS
-from tests.http.conftest import STRICT_TIMEOUT_S, HttpGateway, http_replica, read_until_closed
+from tests.http.conftest import (
+    STRICT_TIMEOUT_S,
+    Exchange,
+    HttpGateway,
+    http_replica,
+    read_until_closed,
+)
 
 MAX_CONNECTIONS = 4
+MAX_AWAITING_HEAD_PER_IP = 3
 PARTIAL_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 CLOSE_HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+COMPLETION = b'{"prompt": "Once", "max_tokens": 1, "temperature": 0.0}'
 # What uvicorn let h11 hold of an incomplete head before THERMOCLINE_GATEWAY_HTTP_MAX_HEADER_BYTES.
 H11_DEFAULT_HEAD_BYTES = 16 * 1024
 
@@ -61,18 +70,62 @@ def test_a_kept_alive_connection_gets_a_deadline_for_its_next_head(strict_gatewa
     assert exchange.is_closed and not exchange.received
 
 
-def test_a_connection_over_the_cap_is_closed_as_it_opens(
+def test_idle_connections_at_the_cap_make_room_for_a_request(
     open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    # a peer that held every slot with sockets that send nothing locked every caller out: the
+    # new connection was the one closed. Now the oldest idle one goes, never one in a request.
     settings = {"THERMOCLINE_GATEWAY_HTTP_MAX_CONNECTIONS": str(MAX_CONNECTIONS)}
     with (
         http_replica(open_mesh, tmp_path_factory, "gateway-http-capped", **settings) as gateway,
         contextlib.ExitStack() as held,
     ):
-        for _ in range(MAX_CONNECTIONS):
-            held.enter_context(socket.create_connection(gateway.address))
-        extra = gateway.exchange(HEALTH)
-    assert extra.is_closed and not extra.received, extra.received
+        in_request = held.enter_context(_connect(gateway))
+        _start_request(in_request, gateway.user_token)
+        idle = [held.enter_context(_connect(gateway)) for _ in range(MAX_CONNECTIONS + 2)]
+        assert gateway.call("GET", "/models").status == 200
+        assert read_until_closed(idle[0]) == Exchange(b"", is_closed=True)  # the oldest made room
+        in_request.sendall(COMPLETION)
+        assert read_until_closed(in_request).status_lines == ["HTTP/1.1 200 OK"]
+
+
+def test_one_host_keeps_only_its_cap_of_connections_waiting_for_a_head(
+    open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    settings = {
+        "THERMOCLINE_GATEWAY_HTTP_MAX_AWAITING_HEAD_PER_IP": str(MAX_AWAITING_HEAD_PER_IP),
+        "THERMOCLINE_GATEWAY_HTTP_HEADER_TIMEOUT_S": "600",  # no head deadline closes them
+    }
+    with (
+        http_replica(open_mesh, tmp_path_factory, "gateway-http-per-ip", **settings) as gateway,
+        contextlib.ExitStack() as held,
+    ):
+        idle = [held.enter_context(_connect(gateway)) for _ in range(MAX_AWAITING_HEAD_PER_IP + 2)]
+        for oldest in idle[:2]:
+            assert read_until_closed(oldest) == Exchange(b"", is_closed=True)
+        for newest in idle[2:]:
+            newest.sendall(CLOSE_HEALTH)
+            assert read_until_closed(newest).status_lines == ["HTTP/1.1 200 OK"]
+
+
+def _connect(gateway: HttpGateway) -> socket.socket:
+    """A connection to the front that has sent nothing yet."""
+    return socket.create_connection(gateway.address, timeout=10)
+
+
+def _start_request(connection: socket.socket, token: str) -> None:
+    """Sends the head of a COMPLETION and returns once the front reads its body: the connection
+    is then in a request (uvicorn sends 100 Continue on the app's first read)."""
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        f"X-Intent: chat\r\nContent-Length: {len(COMPLETION)}\r\nConnection: close\r\n"
+        "Expect: 100-continue\r\n\r\n"
+    )
+    connection.sendall(head.encode())
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += connection.recv(1024)
+    assert answer.startswith(b"HTTP/1.1 100 Continue"), answer
 
 
 def test_a_head_with_the_longest_token_fits_when_it_comes_in_pieces(http_gateway: HttpGateway) -> None:

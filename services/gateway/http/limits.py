@@ -28,8 +28,14 @@ class HttpLimits:
     the call is answered 408 and the connection closed; the body is read only once the caller's
     token has verified.
     `_KEEP_ALIVE_S`: an idle connection between requests is closed after this (uvicorn's keep-alive).
-    `_MAX_CONNECTIONS`: open connections; one beyond it is closed at once, and a request that
-    arrives while this many are open or in progress is answered 503 (uvicorn's limit_concurrency).
+    `_MAX_CONNECTIONS`: open connections (uvicorn's limit_concurrency). A new one that reaches it
+    closes the connections that have waited longest for a request head, so that its own request
+    can be served; one beyond it that finds every other connection in a request is closed at once;
+    a request that arrives while this many are open or in progress is answered 503.
+    `_MAX_AWAITING_HEAD_PER_IP`: connections from one client address waiting for a request head
+    (before their first, or between requests); one more closes that address's oldest. A peer
+    reopening idle sockets then holds no more than this many of the cap. Behind a proxy or NAT
+    that brings many clients from one address, raise it to that address's share of connections.
     `_MAX_HEADER_BYTES`: the bytes of a request head held while it is incomplete (h11's
     incomplete-event limit; a head that grows past it is answered 400), room for a 16 KiB token as
     on gRPC. A complete head that arrives in one read (up to 256 KiB) is parsed whole.
@@ -39,6 +45,7 @@ class HttpLimits:
     body_timeout_s: float = 30.0
     keep_alive_s: int = 5
     max_connections: int = 1024
+    max_awaiting_head_per_ip: int = 64
     max_header_bytes: int = 32 * KIB
 
     def __post_init__(self) -> None:
@@ -50,6 +57,10 @@ class HttpLimits:
             raise ValueError(f"{PREFIX}KEEP_ALIVE_S must be >= 1, got {self.keep_alive_s}")
         if self.max_connections < 1:
             raise ValueError(f"{PREFIX}MAX_CONNECTIONS must be >= 1, got {self.max_connections}")
+        if self.max_awaiting_head_per_ip < 1:
+            raise ValueError(
+                f"{PREFIX}MAX_AWAITING_HEAD_PER_IP must be >= 1, got {self.max_awaiting_head_per_ip}"
+            )
         if self.max_header_bytes < MIN_HEADER_BYTES:
             raise ValueError(
                 f"{PREFIX}MAX_HEADER_BYTES must be at least {MIN_HEADER_BYTES} (the longest bearer "
@@ -64,5 +75,8 @@ class HttpLimits:
             body_timeout_s=env.get_float(PREFIX + "BODY_TIMEOUT_S", cls.body_timeout_s, environ),
             keep_alive_s=env.get_int(PREFIX + "KEEP_ALIVE_S", cls.keep_alive_s, environ),
             max_connections=env.get_int(PREFIX + "MAX_CONNECTIONS", cls.max_connections, environ),
+            max_awaiting_head_per_ip=env.get_int(
+                PREFIX + "MAX_AWAITING_HEAD_PER_IP", cls.max_awaiting_head_per_ip, environ
+            ),
             max_header_bytes=env.get_int(PREFIX + "MAX_HEADER_BYTES", cls.max_header_bytes, environ),
         )

@@ -4,8 +4,11 @@ uvicorn closes a connection only when it idles between requests (`timeout_keep_a
 after an answer), and `limit_concurrency` answers 503 to a request but never closes a connection
 that sends none. So a connection that sends nothing, or a request head a byte at a time, stayed
 open for good. Here every request head has a deadline, counted from the connection's start or
-from the previous answer and not renewed by the bytes that dribble in, and a connection beyond
-`limit_concurrency` is closed as it opens.
+from the previous answer and not renewed by the bytes that dribble in. At `limit_concurrency` a
+new connection closes the ones that have waited longest for their heads (awaiting_heads.py), and
+each client host may keep only `max_awaiting_head_per_ip` connections waiting, its oldest closed
+first: a peer that reopens idle sockets as fast as they are closed takes neither every slot nor
+a real caller's. A connection in a request is never closed for another.
 
 A client that stops reading an answer (a stream, or a body larger than the socket's buffers)
 fills the transport's write buffer; its writes then wait for it for good, holding the
@@ -35,6 +38,7 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from services.gateway.http.awaiting_heads import AwaitingHeads
 from services.gateway.http.errors import error_body
 from services.gateway.http.metrics import WRITE_STALLS
 
@@ -72,19 +76,29 @@ class HeadLineEndings:
 
 
 class DeadlineConfig(uvicorn.Config):
-    """uvicorn's settings plus the request head's deadline and the write-stall limit, which
+    """uvicorn's settings plus the request head's deadline, the write-stall limit and the
+    connections waiting for a head (shared by the server's connections), which
     `HeadDeadlineProtocol` reads."""
 
-    def __init__(self, app: ASGIApp, header_timeout_s: float, write_stall_s: float, **settings: Any) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        header_timeout_s: float,
+        write_stall_s: float,
+        max_awaiting_head_per_ip: int,
+        **settings: Any,
+    ) -> None:
         super().__init__(app, http=HeadDeadlineProtocol, **settings)
         self.header_timeout_s = header_timeout_s
         self.write_stall_s = write_stall_s
+        self.awaiting_heads: AwaitingHeads[HeadDeadlineProtocol] = AwaitingHeads(max_awaiting_head_per_ip)
 
 
 class HeadDeadlineProtocol(H11Protocol):
-    """h11 over one connection: a request head that is late closes it, and so does opening it
-    while `limit_concurrency` connections are open. The deadline runs while h11 waits for a head
-    (its peer is IDLE); the body's deadline is the application's (intake.py)."""
+    """h11 over one connection: a request head that is late closes it, and so does a newer
+    connection while this one waits for its head at the connection cap or past its host's cap.
+    The deadline runs while h11 waits for a head (its peer is IDLE); the body's deadline is the
+    application's (intake.py)."""
 
     def __init__(
         self,
@@ -96,6 +110,7 @@ class HeadDeadlineProtocol(H11Protocol):
         super().__init__(config, server_state, app_state, _loop)
         assert isinstance(config, DeadlineConfig)
         self.header_timeout_s = config.header_timeout_s
+        self.awaiting_heads = config.awaiting_heads
         self._head_deadline: asyncio.TimerHandle | None = None
         self._head_endings: HeadLineEndings | None = None  # of the head h11 awaits
         self.write_stall_s = config.write_stall_s
@@ -103,10 +118,28 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
-            transport.close()  # over the cap: the fd goes back at once
-            return
         self._follow_head()
+        self._make_room()
+
+    def _make_room(self) -> None:
+        """Closes the connections that have waited longest for a head until a request on this one
+        would be served (uvicorn answers 503 to one that arrives with `limit_concurrency` open),
+        or closes this one when every other is in a request and the cap is passed."""
+        if self.limit_concurrency is None:
+            return
+        while len(self.connections) >= self.limit_concurrency:
+            oldest = self.awaiting_heads.oldest(other_than=self)
+            if oldest is None:
+                break
+            oldest.close_awaiting_head()
+        if len(self.connections) > self.limit_concurrency:
+            self.close_awaiting_head()  # over the cap: the fd goes back at once
+
+    def close_awaiting_head(self) -> None:
+        """Closes this connection, which waits for a head, and frees its slot at once."""
+        self.connections.discard(self)  # uvicorn's count, before connection_lost comes
+        self._disarm()
+        self.timeout_keep_alive_handler()  # closes as uvicorn closes an idle connection
 
     def data_received(self, data: bytes) -> None:
         if self._has_bare_lf(data):
@@ -165,6 +198,14 @@ class HeadDeadlineProtocol(H11Protocol):
             self._disarm()
         elif self._head_deadline is None:
             self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_is_late)
+            self._await_head()
+
+    def _await_head(self) -> None:
+        """Counts this connection as waiting for a head; its host's oldest goes past the host's cap."""
+        host = self.client[0] if self.client else ""
+        self.awaiting_heads.add(self, host)
+        if (oldest := self.awaiting_heads.oldest_over_host_cap(host)) is not None:
+            oldest.close_awaiting_head()
 
     def _has_bare_lf(self, data: bytes) -> bool:
         """Whether the head h11 awaits, with `data` (not yet given to h11), has a bare LF."""
@@ -193,10 +234,11 @@ class HeadDeadlineProtocol(H11Protocol):
         self._disarm()
 
     def _disarm(self) -> None:
+        self.awaiting_heads.discard(self)
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
 
     def _head_is_late(self) -> None:
         self._head_deadline = None
-        self.timeout_keep_alive_handler()  # closes as uvicorn closes an idle connection
+        self.close_awaiting_head()

@@ -7,7 +7,8 @@ object without locks. The gRPC runner owns SIGTERM: uvicorn must not install its
 waited for alike. uvicorn stops when the gateway closes, after the drain: its connections then get
 CLOSE_WAIT_S to take what was written to them (a client reading the end of an answer slowly), and
 whatever is still running is cancelled. Connections are bounded by `HttpLimits` (limits.py): a
-head deadline and a connection cap (protocol.py), keep-alive, head size.
+head deadline, a connection cap and a cap per client host on connections waiting for a head
+(protocol.py), keep-alive, head size.
 A client that reads none of its answer for the gateway's write-stall limit, which the app
 carries (`WRITE_STALL_STATE`, set by app.py from GatewayConfig), loses its connection.
 """
@@ -48,6 +49,7 @@ class HttpServer:
             app,
             header_timeout_s=limits.header_timeout_s,
             write_stall_s=getattr(app.state, WRITE_STALL_STATE),
+            max_awaiting_head_per_ip=limits.max_awaiting_head_per_ip,
             lifespan="off",
             log_config=None,
             access_log=False,
