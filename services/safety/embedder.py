@@ -12,6 +12,7 @@ import json
 import math
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +111,9 @@ class CheckProgress:
         self.raise_if_cancelled()
 
 
+# Windows whose embeddings are kept (1.5 KB each): the output screen re-checks a stream's whole
+# text every few tokens, and every window but the last few comes back unchanged.
+MAX_CACHED_WINDOWS = 4096
 PIECE_CHARS = 4096  # count_windows tokenizes a long sentence this much at a time, cut at a space
 
 
@@ -132,6 +136,9 @@ class MiniLMEmbedder:
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
         self.spec = spec
+        self._cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # least recent first
+        self._cache_weights = self.w  # the weights the cached embeddings were computed with
+        self._cache_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -206,12 +213,41 @@ class MiniLMEmbedder:
     def embed_windows(
         self, rows: list[list[int]], batch_size: int = 32, progress: CheckProgress | None = None
     ) -> torch.Tensor:
-        """Windows -> embeddings `[N, 384]`, in order. Rows are batched by length, each batch
-        padded to its longest row: a check's rows range from a clause of ten tokens to a window of
-        254, and one long row in a batch of short ones would make every row cost as much. With
-        `progress`, each batch is counted and CheckCancelled stops the rest once its call is done."""
+        """Windows -> embeddings `[N, 384]`, in order. A window embedded before (one of the last
+        MAX_CACHED_WINDOWS) is not computed again, and a row that repeats is computed once. The
+        rest are batched by length, each batch padded to its longest row: a check's rows range
+        from a clause of ten tokens to a window of 254, and one long row in a batch of short ones
+        would make every row cost as much. With `progress`, each batch is counted and
+        CheckCancelled stops the rest once its call is done."""
         if not rows:
             return torch.empty(0, HIDDEN)
+        keys = [tuple(row) for row in rows]
+        with self._cache_lock:
+            if self._cache_weights is not self.w:  # new weights (a tool merged adapters): start over
+                self._cache.clear()
+                self._cache_weights = self.w
+            cached = [self._cache.get(key) for key in keys]
+            for key, hit in zip(keys, cached, strict=True):
+                if hit is not None:
+                    self._cache.move_to_end(key)
+        missing = sorted(
+            dict.fromkeys(k for k, hit in zip(keys, cached, strict=True) if hit is None), key=len
+        )
+        if missing:
+            computed = self._embed_rows([list(key) for key in missing], batch_size, progress)
+            fresh = dict(zip(missing, computed, strict=True))
+            with self._cache_lock:
+                for key, embedding in fresh.items():
+                    self._cache[key] = embedding.clone()  # a row of its own, not a view of the batch
+                while len(self._cache) > MAX_CACHED_WINDOWS:
+                    self._cache.popitem(last=False)
+            cached = [hit if hit is not None else fresh[key] for key, hit in zip(keys, cached, strict=True)]
+        return torch.stack(cached)  # type: ignore[arg-type]
+
+    def _embed_rows(
+        self, rows: list[list[int]], batch_size: int, progress: CheckProgress | None
+    ) -> torch.Tensor:
+        """`embed_windows` without the cache: every row computed."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         batches: list[list[int]] = [[]]
         for i in order:
