@@ -345,14 +345,29 @@ def _lower_if_title(word: re.Match[str]) -> str:
 def _words_evidence(sentence: str, words: list[re.Match[str]]) -> _Evidence:
     """The evidence of `sentence`'s words (`words`: its _WORD matches)."""
     evidence = _Evidence()
-    quoted = [m.span(1 if m.group(1) is not None else 2) for m in _QUOTED.finditer(sentence)]
+    quoted = (m.span(1 if m.group(1) is not None else 2) for m in _QUOTED.finditer(sentence))
+    is_quoted = _in_spans([match.start() for match in words], quoted)
     for index, match in enumerate(words):
         if not _is_glued(sentence, match.start(), match.end()):
-            is_quoted = any(start <= match.start() < end for start, end in quoted)
-            _word_evidence(match.group(), index == 0, _QUOTED_WEIGHT if is_quoted else 1.0, evidence)
+            _word_evidence(match.group(), index == 0, _QUOTED_WEIGHT if is_quoted[index] else 1.0, evidence)
     if inverted := sentence.count("¿") + sentence.count("¡"):
         evidence.add_foreign(inverted, "es")
     return evidence
+
+
+def _in_spans(positions: list[int], spans: Iterable[tuple[int, int]]) -> list[bool]:
+    """Whether each of `positions` (ascending) lies in one of `spans` ((start, end), ascending and
+    apart, as finditer gives them): one sweep over both. Testing each word against every span cost
+    words x spans, and words split by characters the tokenizer drops ("a\x01a\x01...") cost next
+    to no window: 210 KB of them after 1,000 quoted spans took 24 s."""
+    found = []
+    iter_spans = iter(spans)
+    span = next(iter_spans, None)
+    for position in positions:
+        while span is not None and span[1] <= position:
+            span = next(iter_spans, None)
+        found.append(span is not None and span[0] <= position)
+    return found
 
 
 def _blank_if_encoded(run: re.Match[str]) -> str:

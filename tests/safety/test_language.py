@@ -8,13 +8,17 @@ loanwords, short quotes, code, shell output or maths must stay under it.
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator
 
 import pytest
 
 from services.safety.language import (
+    _WORD,
     ENGLISH,
     FOREIGN_WORDS,
     LANGUAGE_THRESHOLD,
+    _in_spans,
+    _words_evidence,
     foreign_share,
     foreign_share_of_views,
 )
@@ -182,3 +186,34 @@ GLUED_ENGLISH = [
 @pytest.mark.parametrize("text", GLUED_ENGLISH)
 def test_identifiers_locales_and_file_names_stay_under_it(text: str) -> None:
     assert foreign_share_of_views(views(text)).share < LANGUAGE_THRESHOLD
+
+
+class _CountedSpans:
+    """Spans that count how many times they are read, one span a read."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self.spans = spans
+        self.num_reads = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for span in self.spans:
+            self.num_reads += 1
+            yield span
+
+
+def test_words_are_placed_in_quoted_spans_in_one_sweep_over_the_spans() -> None:
+    """Each word was tested against every quoted span of its sentence (words x spans): words split
+    by a character the tokenizer drops cost almost no window, so 210 KB of them after 1,000 quoted
+    spans took 24 s and held every other check behind it."""
+    spans = _CountedSpans([(10 * n + 1, 10 * n + 3) for n in range(1_000)])
+    positions = list(range(0, 20_000, 2))
+    is_quoted = _in_spans(positions, spans)
+    assert spans.num_reads <= len(spans.spans)
+    assert is_quoted == [any(s <= p < e for s, e in spans.spans) for p in positions]
+
+
+def test_a_word_in_a_quoted_span_counts_half() -> None:
+    sentence = 'He said "je ne sais quoi" and "mais" again, pourquoi.'
+    words = list(_WORD.finditer(sentence))
+    evidence = _words_evidence(sentence, words)
+    assert evidence.foreign == pytest.approx(4 * 0.5 + 1.0)  # je, ne, quoi, mais quoted; pourquoi not
