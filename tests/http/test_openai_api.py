@@ -13,10 +13,11 @@ import grpc
 import openai
 import pytest
 
+from services.cli.mesh import Mesh
 from services.cli.trace_collector import ENGINE_GENERATE, SAFETY_CHECK_PROMPT, TraceCollector
 from tests.conftest import STORIES_PROMPT, TEST_SAFE_MESSAGE, engine_stats, wait_for_engine_idle
 from tests.gateway.conftest import call
-from tests.http.conftest import HTTP_GATEWAY, HttpGateway
+from tests.http.conftest import HTTP_GATEWAY, HttpGateway, http_replica
 
 NUM_TOKENS = 12
 HTTP_COMPLETIONS = ("thermocline-gateway", "POST /v1/completions")
@@ -164,9 +165,21 @@ def test_an_output_block_ends_with_content_filter(http_gateway: HttpGateway) -> 
     # the open mesh's deny rule matches the golden continuation's third 16-token window
     answer = complete(http_gateway, max_tokens=64)
     assert answer.choices[0].finish_reason == "content_filter"
-    assert answer.choices[0].text.endswith(TEST_SAFE_MESSAGE)
+    assert answer.choices[0].text == TEST_SAFE_MESSAGE
     assert answer.usage is not None and answer.usage.prompt_tokens == 5
     assert 16 <= answer.usage.completion_tokens <= 64  # what ran before the block, charged and reported
+
+
+def test_a_whole_answer_under_trailing_release_holds_none_of_the_blocked_text(
+    open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # trailing streams text up to a window ahead of the screen; a whole answer had carried that
+    # text, the deny phrase among it, ahead of the safe message
+    settings = {"THERMOCLINE_GATEWAY_OUTPUT_RELEASE": "trailing"}
+    with http_replica(open_mesh, tmp_path_factory, "gateway-http-trailing", **settings) as gateway:
+        answer = complete(gateway, max_tokens=64)
+    assert answer.choices[0].finish_reason == "content_filter"
+    assert answer.choices[0].text == TEST_SAFE_MESSAGE
 
 
 def test_the_http_span_joins_the_callers_trace(http_gateway: HttpGateway, collector: TraceCollector) -> None:

@@ -237,10 +237,10 @@ async def _whole_answer(
     span: trace.Span,
 ) -> Response:
     """Reads the stream to its end and answers once."""
-    text, message = [], first
+    deltas, message = [], first
     try:
         while not message.HasField("done"):
-            text.append(message.delta.text)
+            deltas.append(message.delta)
             if (message := await generation.next()) is None:  # type: ignore[assignment]
                 raise Unavailable("the engine ended the stream without a final message; retry the request")
         done = _completed(message)
@@ -249,7 +249,19 @@ async def _whole_answer(
     except Exception:
         return _refused(span, internal(telemetry.current_trace_id()))
     span.set_attribute("http.response.status_code", 200)
-    return JSONResponse(rendering.body("".join(text), done), headers=headers)
+    return JSONResponse(rendering.body(_whole_text(deltas, done), done), headers=headers)
+
+
+def _whole_text(deltas: list[pb.TextDelta], done: pb.Completion) -> str:
+    """The text of a whole answer. A blocked prompt or output gives the safe message alone, which
+    comes as a delta of its own with no token ids (it is no model output; output_screen.py):
+    under trailing release the text sent before it ran up to a window past what the screen had
+    passed, the blocked text among it, and a caller that waits for the whole answer gains nothing
+    from text released early. (The engine's own gate ends a text the screen passed whole with its
+    safe message; that text stays.)"""
+    if done.finish_reason == pb.FINISH_REASON_SAFETY and deltas and not deltas[-1].token_ids:
+        return deltas[-1].text
+    return "".join(delta.text for delta in deltas)
 
 
 async def _sse_events(
