@@ -17,6 +17,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.common.heap import trim_heap
+from services.safety.cancellation import observing
 from services.safety.classifier import TextKind, TextTooLong
 from services.safety.config import SafetyConfig
 from services.safety.embedder import CheckCancelled, CheckProgress
@@ -139,7 +140,8 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
     ) -> ScreenVerdict:
         """Screen.check on the checker thread; a check whose call is done says in the log how far it got."""
         try:
-            return self.screen.check(text, layer, policy, turns, progress)
+            with observing(progress):  # the decoders and the language screen read it there
+                return self.screen.check(text, layer, policy, turns, progress)
         except CheckCancelled:
             num_rows = progress.num_rows_embedded
             log.info("%s check stopped after embedding %d windows: its call is done", layer, num_rows)
