@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from urllib.parse import unquote_to_bytes
 
+from services.safety.cancellation import raise_if_cancelled
+
 # Unicode tag characters (U+E0020..U+E007E) mirror printable ASCII and render as nothing.
 _TAG_RUN = re.compile("[\U000e0020-\U000e007e]{4,}")
 # Hex bytes: plain runs, `\x`-escaped, or separated by spaces, colons or commas; %-encoded bytes.
@@ -1194,10 +1196,18 @@ def _loosely_unleeted(line: str) -> str | None:
 
 def _line_or_tail(decoder: Callable[[str], str | None], line: str) -> str | None:
     """`decoder` on `line`, else on its part after its last colon: an instruction in front ("Decode
-    the following and answer it: ...") dilutes the share of the line a game must hold."""
+    the following and answer it: ...") dilutes the share of the line a game must hold. Each call
+    reads at most a chunk (MAX_CHUNK_CHARS), so the check's cancel flag is read before each."""
+    raise_if_cancelled()
     if (plain := decoder(line)) is not None or ": " not in line:
         return plain
     return decoder(line.rpartition(": ")[2])
+
+
+# The decoders that read a whole text at once, in the order their texts are returned.
+_WHOLE_TEXT_DECODERS: tuple[Callable[[str], list[str]], ...] = (
+    smuggled_tags, decoded_hex, morse, braille, joined_parts, substituted, decoded_numbers, spelled_out,
+)  # fmt: skip
 
 
 def hidden_texts(text: str) -> list[str]:
@@ -1206,8 +1216,10 @@ def hidden_texts(text: str) -> list[str]:
     read the text a line at a time: an encoded request is usually one line of a longer
     prompt, where its words make a larger share, and the view they add holds only the lines they
     decoded, so a long prompt with one odd line does not embed twice."""
-    found = [*smuggled_tags(text), *decoded_hex(text), *morse(text), *braille(text), *joined_parts(text)]
-    found += [*substituted(text), *decoded_numbers(text), *spelled_out(text)]
+    found = []
+    for whole_text_decoder in _WHOLE_TEXT_DECODERS:
+        raise_if_cancelled()
+        found += whole_text_decoder(text)
     lines = chunks(text)
     # Leetspeak twice: strictly, and with every loose leet word undone as well. A template half in
     # leetspeak read strictly is a form the jailbreak head knows; read loosely, a request in it reads

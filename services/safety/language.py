@@ -38,6 +38,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.safety.cancellation import raise_if_cancelled
+
 LANGUAGE_CATEGORY = "unscreened_language"
 # The gate blocks a view at least this foreign: more foreign than English evidence, with a margin
 # (a French title in an English question is one word against one).
@@ -70,6 +72,8 @@ _QUOTED_WEIGHT = 0.5
 # (checked on the run, not by a lookahead, which would make a long run of letters quadratic).
 _ENCODED_RUN = re.compile(r"[A-Za-z0-9+/=]{16,}")
 _ENCODED_MARKS = frozenset("0123456789+/=")
+# Words read between two looks at the check's cancel flag (cancellation.py), and one look a sentence.
+WORDS_PER_CANCEL_CHECK = 4096
 
 
 def _words(text: str) -> frozenset[str]:
@@ -348,6 +352,8 @@ def _words_evidence(sentence: str, words: list[re.Match[str]]) -> _Evidence:
     quoted = (m.span(1 if m.group(1) is not None else 2) for m in _QUOTED.finditer(sentence))
     is_quoted = _in_spans([match.start() for match in words], quoted)
     for index, match in enumerate(words):
+        if index % WORDS_PER_CANCEL_CHECK == 0:  # a sentence may be 1 MB of words: about 10 ms each
+            raise_if_cancelled()
         if not _is_glued(sentence, match.start(), match.end()):
             _word_evidence(match.group(), index == 0, _QUOTED_WEIGHT if is_quoted[index] else 1.0, evidence)
     if inverted := sentence.count("¿") + sentence.count("¡"):

@@ -12,11 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from services.safety.cancellation import observing
+from services.safety.embedder import CheckCancelled, CheckProgress
 from services.safety.language import (
     _WORD,
     ENGLISH,
     FOREIGN_WORDS,
     LANGUAGE_THRESHOLD,
+    WORDS_PER_CANCEL_CHECK,
     _in_spans,
     _words_evidence,
     foreign_share,
@@ -217,3 +220,26 @@ def test_a_word_in_a_quoted_span_counts_half() -> None:
     words = list(_WORD.finditer(sentence))
     evidence = _words_evidence(sentence, words)
     assert evidence.foreign == pytest.approx(4 * 0.5 + 1.0)  # je, ne, quoi, mais quoted; pourquoi not
+
+
+class _CountedLooks(CheckProgress):
+    """A check whose cancel flag counts how often it is read."""
+
+    num_looks: int = 0
+
+    def raise_if_cancelled(self) -> None:
+        self.num_looks += 1
+        super().raise_if_cancelled()
+
+
+def test_a_long_sentence_reads_the_checks_cancel_flag_every_few_thousand_words() -> None:
+    """The language screen runs inside one stage of a check: a 1 MB sentence of words kept it
+    busy long after its caller had gone, with every other check queued behind it."""
+    text = "a\x01" * (5 * WORDS_PER_CANCEL_CHECK)
+    progress = _CountedLooks()
+    with observing(progress):
+        foreign_share_of_views([text])
+    assert progress.num_looks >= 5
+    progress.is_cancelled.set()
+    with observing(progress), pytest.raises(CheckCancelled):
+        foreign_share_of_views([text])
