@@ -170,6 +170,17 @@ def test_an_output_block_ends_with_content_filter(http_gateway: HttpGateway) -> 
     assert 16 <= answer.usage.completion_tokens <= 64  # what ran before the block, charged and reported
 
 
+def test_top_p_zero_keeps_only_the_most_likely_token(http_gateway: HttpGateway) -> None:
+    # the gRPC API's top_p 0 is "off"; OpenAI's is the smallest nucleus, the most likely token
+    sampled = {seed: complete(http_gateway, temperature=1.0, seed=seed, max_tokens=24) for seed in (1, 2)}
+    assert sampled[1].choices[0].text != sampled[2].choices[0].text  # temperature 1 does sample
+    seeds = (1, 2, None, None)
+    texts = {
+        complete(http_gateway, temperature=1.0, top_p=0, seed=s, max_tokens=24).choices[0].text for s in seeds
+    }
+    assert texts == {complete(http_gateway, temperature=0.0, max_tokens=24).choices[0].text}
+
+
 def test_a_whole_answer_under_trailing_release_holds_none_of_the_blocked_text(
     open_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -129,6 +129,8 @@ def _sampling(body: dict[str, Any]) -> pb.SamplingOptions:
         top_k=_integer(body, "top_k", 0, _UINT32_BITS),
         stop=_stop(body.get("stop")),
     )
+    if body.get("top_p") is not None and sampling.top_p == 0.0:
+        sampling.top_k = 1  # a nucleus of no mass: OpenAI's greedy, where the gRPC API's 0 is off
     if body.get("seed") is not None:
         sampling.seed = _integer(body, "seed", 0, _SEED_BITS)
     return sampling
