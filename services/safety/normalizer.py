@@ -13,10 +13,20 @@ import binascii
 import codecs
 import functools
 import html
+import itertools
 import re
 import unicodedata
 
 from services.safety.decoders import hidden_texts, text_of
+
+
+def _code_points(category: str) -> list[int]:
+    """The code points of a general category, as this Python's unicodedata has them. Planes 0, 1
+    and 14 hold every format character, control and enclosing mark; the rest hold ideographs and
+    private use (a scan of all 17 planes took 0.25 s at import)."""
+    planes = itertools.chain(range(0x20000), range(0xE0000, 0xF0000))
+    return [c for c in planes if unicodedata.category(chr(c)) == category]
+
 
 # Characters that render as nothing and are used to split a word past a screen: every Unicode
 # Default_Ignorable_Code_Point (zero-width spaces and joiners, the bidirectional marks and controls,
@@ -37,15 +47,28 @@ _ZERO_WIDTH = dict.fromkeys(c for first, last in _DEFAULT_IGNORABLE for c in ran
 # separators U+001C-001F and NEL (U+0085) are dropped too, though Python counts them as whitespace:
 # the tokenizer drops them, so "b\x0comb" reads as "bomb" to the encoder, and it has to read so here.
 _CONTROLS = dict.fromkeys(c for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in "\t\n\r")
-_INVISIBLE = {**_ZERO_WIDTH, **_CONTROLS}
+# Every format character (general category Cf) but the tags: the default-ignorable ones above and
+# the rest, which draw a sign over a number or an ayah (U+0600-0605, 06DD, 08E2, 0890-0891, 110BD),
+# mark a Syriac abbreviation (U+070F) or set Egyptian hieroglyphs in a block (U+13430-13438). Left
+# in, one per word split it past the deny patterns, and the tokenizer read it as an unknown token
+# ("b\u0890omb" did not read as "bomb" to either screen). No format character changes which word a
+# text spells: the joiners (U+200C, 200D) choose how an Indic or Arabic word or an emoji sequence is
+# drawn, and the tokenizer drops them anyway, so none is kept. The tags stay for
+# decoders.smuggled_tags and are dropped by _cleaned.
+_FORMAT = dict.fromkeys(c for c in _code_points("Cf") if not 0xE0000 <= c < 0xE0080)
+_INVISIBLE = {**_ZERO_WIDTH, **_CONTROLS, **_FORMAT}
 # The braille blank (U+2800) draws a space-wide nothing: outside braille it is dropped like the
 # Hangul fillers; between braille cells it is the space of a braille text (decoders.braille).
 _BRAILLE_BLANK = re.compile("(?<![\u2801-\u28ff])\u2800+(?![\u2801-\u28ff])")
-# Unicode tag characters: invisible, dropped from the text (decoders.smuggled_tags reads them).
-_TAGS = dict.fromkeys(range(0xE0000, 0xE0080))
 # Combining marks that NFKC left on their own (it composes the ones that make an accented letter):
 # stacked over each letter ("Zalgo" text) or a strikethrough, they split a word past a pattern.
 _LOOSE_MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
+# Unicode tag characters: invisible, dropped from the text (decoders.smuggled_tags reads them); and
+# every enclosing mark (general category Me), which draws a circle, a keycap or a Cyrillic
+# hundred-thousands sign round the letter before it: NFKC leaves them, and the tokenizer read
+# "b\u0489omb" as an unknown token, so the word did not read as "bomb" to the classifier or the rules.
+_TAGS = dict.fromkeys(range(0xE0000, 0xE0080))
+_TAGS_AND_ENCLOSING_MARKS = {**_TAGS, **dict.fromkeys(_code_points("Me"))}
 _WHITESPACE = re.compile(r"\s+")
 # A whitespace run past this many characters is cut to its first MAX_WHITESPACE_RUN before any
 # decoder reads the text: no encoding needs a longer one, and a pattern that retries a run from each
@@ -123,7 +146,7 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 14
+VIEWS_VERSION = 15
 
 
 def _visible(text: str) -> str:
@@ -138,13 +161,14 @@ def _visible(text: str) -> str:
 
 
 def _cleaned(visible: str) -> str:
-    """A _visible text with tag characters and loose combining marks dropped, whitespace collapsed."""
-    return _WHITESPACE.sub(" ", _LOOSE_MARKS.sub("", visible.translate(_TAGS))).strip()
+    """A _visible text with tag characters, enclosing marks and loose combining marks dropped,
+    whitespace collapsed."""
+    return _WHITESPACE.sub(" ", _LOOSE_MARKS.sub("", visible.translate(_TAGS_AND_ENCLOSING_MARKS))).strip()
 
 
 def normalize(text: str) -> str:
-    """NFKC, zero-width, control and tag characters and loose combining marks dropped, whitespace
-    collapsed: the deny patterns' view (views() starts from it)."""
+    """NFKC, zero-width, control, format and tag characters and enclosing and loose combining marks
+    dropped, whitespace collapsed: the deny patterns' view (views() starts from it)."""
     return _cleaned(_visible(text))
 
 
