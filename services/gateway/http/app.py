@@ -60,6 +60,7 @@ class OpenAIRoutes:
         self.router = router
         self.intake = Intake(servicer.gatekeeper, max_body_bytes, limits)
         self.calls = calls  # in flight, for the drain
+        self._serving: list[str] | None = None  # the replicas /ready saw serving last
 
     def app(self) -> Starlette:
         """The ASGI application: each request counted in flight (for the drain) and, once finished,
@@ -104,10 +105,18 @@ class OpenAIRoutes:
         if is_draining():
             return _error_response(from_refusal(draining()))
         serving = [r.target for r in self.router.replicas if r.is_serving]
+        self._log_serving(serving)
         if not serving:
             refusal = Unavailable("no engine replica is serving yet; wait for the engines' health checks")
             return _error_response(from_refusal(refusal))
-        return JSONResponse({"status": "ready", "engines_serving": serving})
+        return JSONResponse({"status": "ready", "engines_serving": len(serving)})
+
+    def _log_serving(self, serving: list[str]) -> None:
+        """Logs the serving replicas' addresses when they change: /ready answers anyone, so it
+        tells only their number, and the mesh's addresses stay in the operator's log."""
+        if serving != self._serving:
+            self._serving = serving
+            log.info("engine replicas serving: %s", ", ".join(serving) or "none")
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: what the caller's roles may list."""
