@@ -5,16 +5,23 @@ exactly what Generate will see (BOS, or the chat rendered by the model's templat
 asynchronous, so the gateway's event loop never tokenizes. Counts are cached by (model, prompt
 hash): a tokenizer is deterministic per model, and callers repeat themselves (retries, long
 shared system prompts, benchmark loops), so a hit saves one engine round trip per request.
+
+A call reserves its prompt plus its max_tokens in the tenant's token bucket (rate_limiter.py):
+one that can never fit the bucket is INVALID_ARGUMENT here, like one over `max_request_tokens`;
+one that does not fit now is RESOURCE_EXHAUSTED (`refuse_reservation`), saying when it will and
+which smaller max_tokens would fit now.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from typing import NewType
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, ResourceExhausted
 from services.gateway.off_loop import off_loop_when_long
+from services.gateway.rate_limiter import RateDecision, refuse, retry_after_s, retry_metadata
 from services.gateway.tenants import TenantLimits
 from services.gateway.upstream import Upstreams
 from thermocline.engine.v1 import engine_pb2
@@ -88,8 +95,36 @@ def check_request_budget(
             f"{max_tokens} max_tokens = {asked}, but tenant {tenant!r} allows {limits.max_request_tokens} "
             "per request; shorten the prompt or lower max_tokens"
         )
-    if prompt_tokens > limits.token_capacity:
+    if prompt_tokens >= limits.token_capacity:
         raise InvalidArgument(
-            f"prompt of {prompt_tokens} tokens exceeds tenant {tenant!r}'s token bucket of "
-            f"{limits.token_capacity} tokens ({limits.tokens_per_min} tokens/min); it can never be admitted"
+            f"prompt of {prompt_tokens} tokens leaves no room for a completion in tenant {tenant!r}'s token "
+            f"bucket of {limits.token_capacity} tokens ({limits.tokens_per_min} tokens/min); it can never "
+            "be admitted: shorten the prompt"
         )
+    if asked > limits.token_capacity:
+        raise InvalidArgument(
+            f"request reserves {prompt_tokens} prompt tokens + {max_tokens} max_tokens = {asked}, more than "
+            f"tenant {tenant!r}'s token bucket of {limits.token_capacity} tokens ({limits.tokens_per_min} "
+            f"tokens/min) holds; it can never be admitted: set max_tokens to at most "
+            f"{limits.token_capacity - prompt_tokens}"
+        )
+
+
+def refuse_reservation(
+    tenant: str, limits: TenantLimits, decision: RateDecision, prompt_tokens: int, max_tokens: int
+) -> ResourceExhausted:
+    """The RESOURCE_EXHAUSTED of a call whose prompt plus max_tokens does not fit the tenant's token
+    bucket now: when it will, and the largest max_tokens that fits now, when one does."""
+    if decision.retry_after_ms < 0:
+        return refuse(tenant, limits, decision)
+    num_left = max(0, math.floor(decision.num_tokens_left))
+    seconds = retry_after_s(decision)
+    max_fitting = num_left - prompt_tokens
+    advice = f"set max_tokens to at most {max_fitting} to run now, or " if max_fitting >= 1 else ""
+    return ResourceExhausted(
+        f"token budget of tenant {tenant!r} reached: this request reserves {prompt_tokens} prompt tokens + "
+        f"{max_tokens} max_tokens = {prompt_tokens + max_tokens}, and the bucket holds {num_left} now "
+        f"({limits.tokens_per_min} tokens/min in bursts of {limits.token_capacity}; requests in flight "
+        f"give back what they do not use when they end); {advice}retry after {seconds:g} s",
+        trailing_metadata=retry_metadata(decision.retry_after_ms),
+    )

@@ -1,4 +1,13 @@
-"""Charging a stream's completion tokens to its tenant as soon as the engine has counted them.
+"""Settling a stream's token reservation with its completion as soon as the engine has counted it.
+
+Admission took the prompt plus max_tokens from the tenant's bucket (gatekeeper.py); the charge
+here is the completion's actual tokens less the `num_reserved` max_tokens, so what the stream did
+not use goes back to the bucket (never past its capacity). Every way a call ends after its
+reservation settles it exactly once: the done message (`settle`), a cancel, a failure or a
+prompt blocked before the engine ran (`stream_ended`, which the servicer also calls when the call
+ends, whether or not its answer started), and a refusal after the take (`refused`). A gateway that
+dies mid-stream settles nothing: its reservations stay spent until the bucket refills, which errs
+on the tenant's side of its budget, never past it.
 
 The engine's last message carries the completion's token count, and the output screen of the
 last text comes after it. The charge (one Redis script, a round trip of about 0.5-1 ms) starts
@@ -14,6 +23,8 @@ only once the prompt passed. A stream that the caller cancels, or that fails, af
 last message came is charged its completion, and one that ends before it is charged the tokens
 already released to the caller (`stream_ended`): cancelling a stream after its first windows
 does not make them free. A charge once started completes even when the caller goes away.
+A call admitted while Redis was down reserved nothing (`num_reserved` 0): its completion is
+charged after the fact, as before reservations.
 """
 
 from __future__ import annotations
@@ -27,13 +38,18 @@ from services.gateway.tenants import TenantLimits
 
 
 class CompletionCharge:
-    """One stream's completion charge: started by `engine_counted` and `prompt_passed` together,
-    awaited by `settle` before the done message. Only the first count is charged, and only once."""
+    """One stream's completion charge against its reservation: started by `engine_counted` and
+    `prompt_passed` together, awaited by `settle` before the done message. Only the first count is
+    charged, and only once; `num_reserved` (the max_tokens taken at admission) is given back less
+    what the count used."""
 
-    def __init__(self, limiter: RateLimiter, tenant: str, limits: TenantLimits) -> None:
+    def __init__(
+        self, limiter: RateLimiter, tenant: str, limits: TenantLimits, num_reserved: int = 0
+    ) -> None:
         self.limiter = limiter
         self.tenant = tenant
         self.limits = limits
+        self.num_reserved = num_reserved
         self.is_prompt_passed = False
         self.num_tokens: int | None = None  # the engine's count, once its last message came
         self._task: asyncio.Task[None] | None = None
@@ -55,10 +71,15 @@ class CompletionCharge:
         self._start_when_due()
 
     def stream_ended(self, num_released: int) -> None:
-        """The stream ended (cancelled, failed or done); when no charge has started, charges the
-        `num_released` tokens the caller received. Tokens released at all mean the prompt passed."""
-        if self._task is None and num_released > 0:
+        """The stream ended (cancelled, failed, blocked or done); when no charge has started, charges
+        the `num_released` tokens the caller received and gives the rest of the reservation back.
+        Tokens released at all mean the prompt passed."""
+        if self._task is None and (num_released > 0 or self.num_reserved > 0):
             self._start(num_released)
+
+    def refused(self) -> None:
+        """The call was refused after its reservation was taken: gives all of it back."""
+        self.stream_ended(0)
 
     async def settle(self, num_tokens: int) -> None:
         """Waits for the charge; starts it with `num_tokens`, the done message's count, if none started."""
@@ -79,4 +100,4 @@ class CompletionCharge:
         # The engine's last message starts the output screen's last check in the same loop turn;
         # that call goes out first, and the charge has the whole check to finish in.
         await let_calls_go_out()
-        await self.limiter.charge_tokens(self.tenant, self.limits, num_tokens)
+        await self.limiter.charge_tokens(self.tenant, self.limits, num_tokens - self.num_reserved)

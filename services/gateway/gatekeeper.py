@@ -3,9 +3,11 @@
 Order: the prompt's size in bytes, then the JWT, then one request from the tenant's rate limit,
 then the size of every other caller-supplied field, then RBAC (role → model → operation), then
 the request's content (the model exists, the intent, sampling ranges, the token budget), then
-the prompt's tokens from the rate limit. The byte limit comes first because it is the cheapest
-check and the one a flood of oversized prompts hits: such a call costs neither a signature check
-nor a Redis round trip (and costs the caller no budget; a bad token costs none either).
+the prompt's tokens plus max_tokens from the rate limit: a reservation of the most the call can
+spend, which the stream's end settles with what it used (`Admission.charge`). The byte limit
+comes first because it is the cheapest check and the one a flood of oversized prompts hits: such
+a call costs neither a signature check nor a Redis round trip (and costs the caller no budget; a
+bad token costs none either).
 Authentication and the rate limit come before any other work, so every later refusal has cost
 the caller budget; sizes are checked before any field reaches a message or the tokenizer; RBAC
 comes before NOT_FOUND, so a caller without a role learns nothing about which models are served.
@@ -42,8 +44,9 @@ from services.gateway.admission import TenantStreams
 from services.gateway.audit import ALLOW, DENY, UNAUTHENTICATED, AuditEvent, AuditLog, prompt_sha256
 from services.gateway.audit_sampling import DenialSampler
 from services.gateway.auth import JwtVerifier, Principal
-from services.gateway.budget import PromptCounter, check_request_budget
+from services.gateway.budget import PromptCounter, check_request_budget, refuse_reservation
 from services.gateway.call_metadata import CallMetadata
+from services.gateway.completion_charge import CompletionCharge
 from services.gateway.intents import IntentPolicy
 from services.gateway.off_loop import off_loop_when_long
 from services.gateway.rate_limiter import RateDecision, RateLimiter, refuse
@@ -87,7 +90,8 @@ class Policies(NamedTuple):
 
 @dataclass(frozen=True)
 class Admission:
-    """A call that passed every check, with what the rest of the path needs."""
+    """A call that passed every check, with what the rest of the path needs. `charge` settles the
+    call's token reservation; whoever ends the call must end it (`stream_ended`) on every path."""
 
     principal: Principal
     model: str
@@ -98,6 +102,7 @@ class Admission:
     max_tokens: int
     limits: TenantLimits
     request_id: str
+    charge: CompletionCharge
 
 
 class Admitted(NamedTuple):
@@ -174,10 +179,15 @@ def prompt_turns(request: pb.GenerateRequest) -> tuple[str, ...]:
     return tuple(m.content for m in request.chat.messages)
 
 
-def _check_rate(tenant: str, limits: TenantLimits, decision: RateDecision, facts: _Facts) -> None:
-    """Notes a fail-open limiter in the audit details; raises the refusal of a refused call."""
+def _note_degraded(decision: RateDecision, facts: _Facts) -> None:
+    """Notes a fail-open limiter in the audit details."""
     if decision.is_degraded:
         facts.details["rate_limit"] = "redis unreachable; tenant fails open"
+
+
+def _check_rate(tenant: str, limits: TenantLimits, decision: RateDecision, facts: _Facts) -> None:
+    """Notes a fail-open limiter in the audit details; raises the refusal of a refused call."""
+    _note_degraded(decision, facts)
     if not decision.is_admitted:
         raise refuse(tenant, limits, decision)
 
@@ -248,6 +258,7 @@ class Gatekeeper:
             recorded = self.audit.submit(facts.event(ALLOW, "all checks passed"))
         except BaseException:
             self.tenant_streams.release(admission.principal.tenant)
+            admission.charge.refused()
             raise
         recorded.add_done_callback(_mark_retrieved)  # a failure no caller reads is not logged as lost
         return Admitted(admission, recorded)
@@ -315,6 +326,7 @@ class Gatekeeper:
         if facts.request_taken is not None:  # paid for: its refusal names the caller, always audited
             check_prompt_size(request, self.bounds)
         self.tenant_streams.take(principal.tenant, limits.max_streams)
+        charge: CompletionCharge | None = None  # once the call's tokens are reserved
         try:
             if not limits.safety.is_empty:  # categories the safety service will not apply as is
                 facts.details["tenant_safety_policy"] = limits.safety.describe()
@@ -334,7 +346,7 @@ class Gatekeeper:
             if on_prompt_ready is not None and screens_early:
                 await on_prompt_ready(text, principal, limits)
             max_tokens = request.sampling.max_tokens or self.bounds.default_max_tokens
-            prompt_tokens = await self._take_prompt(
+            prompt_tokens, charge = await self._reserve_tokens(
                 request, model, principal.tenant, limits, max_tokens, facts
             )
             if on_prompt_ready is not None and not screens_early:
@@ -349,9 +361,12 @@ class Gatekeeper:
                 max_tokens,
                 limits,
                 facts.request_id,
+                charge,
             )
         except BaseException:
             self.tenant_streams.release(principal.tenant)  # refused: the slot was never used
+            if charge is not None:
+                charge.refused()  # the prompt stays spent; the max_tokens go back
             raise
 
     async def _authorize_model(
@@ -373,7 +388,7 @@ class Gatekeeper:
             ) from denied
         return await resolve(requested)
 
-    async def _take_prompt(
+    async def _reserve_tokens(
         self,
         request: pb.GenerateRequest,
         model: str,
@@ -381,13 +396,20 @@ class Gatekeeper:
         limits: TenantLimits,
         max_tokens: int,
         facts: _Facts,
-    ) -> int:
-        """Counts the prompt (the engine tokenizes; this loop only awaits), checks and charges it."""
+    ) -> tuple[int, CompletionCharge]:
+        """Counts the prompt (the engine tokenizes; this loop only awaits), checks it, and takes the
+        prompt plus `max_tokens` from the tenant's bucket at once: the most the call can spend, so
+        concurrent calls never spend more than the bucket holds. Returns the prompt's count and the
+        charge that settles the max_tokens part with the completion's actual tokens."""
         prompt_tokens = await self.counter.count(request, model, facts.num_prompt_chars, facts.time_left())
         facts.details |= {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
         check_request_budget(tenant, limits, prompt_tokens, max_tokens, self.counter.name)
-        _check_rate(tenant, limits, await self.limiter.take_tokens(tenant, limits, prompt_tokens), facts)
-        return prompt_tokens
+        decision = await self.limiter.take_tokens(tenant, limits, prompt_tokens + max_tokens)
+        _note_degraded(decision, facts)
+        if not decision.is_admitted:
+            raise refuse_reservation(tenant, limits, decision, prompt_tokens, max_tokens)
+        num_reserved = 0 if decision.is_degraded else max_tokens  # fails open: nothing was taken
+        return prompt_tokens, CompletionCharge(self.limiter, tenant, limits, num_reserved)
 
     async def _identify(self, metadata: CallMetadata, facts: _Facts) -> tuple[Principal, TenantLimits]:
         """Authenticates the caller and takes one request from its tenant's bucket, unless the HTTP

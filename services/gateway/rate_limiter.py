@@ -5,16 +5,19 @@ One Lua script takes from both buckets of a tenant (requests, refilled at `reque
 from Redis's own clock, and charges both or neither. Because Redis runs a script atomically, any
 number of gateways share the buckets without races. A call is charged in two steps: one request
 right after authentication (`take_request`), before any other work, so that every later refusal
-has cost the caller; then its prompt tokens once they are counted (`take_tokens`). The
-completion's tokens are charged when the engine reports them, before the stream's done message
-(`charge_tokens`, driven by completion_charge.py), and may push the token bucket below zero; the
-tenant then waits until it refills.
+has cost the caller; then, once the prompt is counted, its prompt tokens plus its max_tokens, the
+most the call can spend (`take_tokens`): concurrent calls can never spend more than the bucket
+holds. When the stream ends, the completion's actual tokens settle that reservation
+(`charge_tokens` with the difference, driven by completion_charge.py): what the call did not use
+goes back, never past the bucket's capacity. A call admitted while Redis was down (fails open)
+reserved nothing and is charged its completion after the fact, which may push the bucket below
+zero; the tenant then waits until it refills.
 
 When Redis cannot be reached within the timeout, the tenant's `on_redis_down` rule decides:
 "open" lets the call through (and says so in the audit log), "closed" refuses it UNAVAILABLE.
 
 **Request leases.** The request bucket's round trip is the one Redis call in front of every
-other piece of a call's work. To take it off the path, the prompt's token charge (which runs while
+other piece of a call's work. To take it off the path, the call's token reservation (which runs while
 the screen is in flight) also takes one request ahead of the tenant's next call, when a whole
 request is left in the bucket after it, and this gateway holds it (`_Lease`). The tenant's next
 call here spends it with no Redis call. A lease is taken from the shared bucket before it is
@@ -110,11 +113,13 @@ PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 class RateDecision(NamedTuple):
-    """The limiter's answer: admitted, or how long to wait; `is_degraded` when Redis was down."""
+    """The limiter's answer: admitted, or how long to wait; `is_degraded` when Redis was down.
+    `num_tokens_left`: the token bucket's level after the take (for a refusal, what it holds now)."""
 
     is_admitted: bool
     retry_after_ms: int = 0
     is_degraded: bool = False
+    num_tokens_left: float = 0.0
 
 
 def bucket_keys(tenant: str) -> tuple[str, str]:
@@ -180,12 +185,14 @@ class RateLimiter:
         args = [limits.requests_per_s, limits.burst_requests, limits.tokens_per_s]
         args += [limits.token_capacity, num_requests, num_tokens, num_lease]
         try:
-            admitted, wait_ms, _, _, leased = await self._take(keys=list(bucket_keys(tenant)), args=args)
+            admitted, wait_ms, _, tokens_left, leased = await self._take(
+                keys=list(bucket_keys(tenant)), args=args
+            )
         except (RedisError, OSError) as error:
             return self._redis_down(tenant, limits, error)
         if int(leased) > 0:
             self._hold(tenant, limits)
-        return RateDecision(is_admitted=bool(admitted), retry_after_ms=int(wait_ms))
+        return RateDecision(bool(admitted), int(wait_ms), num_tokens_left=float(tokens_left))
 
     def _hold(self, tenant: str, limits: TenantLimits) -> None:
         """Keeps a leased request for `lease_hold_s` (`take_tokens` asks for one only when none
@@ -224,15 +231,19 @@ class RateLimiter:
         )
 
     async def charge_tokens(self, tenant: str, limits: TenantLimits, num_tokens: int) -> None:
-        """Charges generated tokens after the fact; a Redis failure only logs."""
-        if num_tokens <= 0:
+        """Charges tokens after the fact; a negative count gives them back (a reservation's unused
+        part), never past the bucket's capacity. A Redis failure only logs: a reservation not given
+        back stays spent, which errs on the tenant's side of its budget."""
+        if num_tokens == 0:
             return
         try:
             await self._charge(
                 keys=[bucket_keys(tenant)[1]], args=[limits.tokens_per_s, limits.token_capacity, num_tokens]
             )
         except (RedisError, OSError) as error:
-            log.warning("could not charge %d tokens to %s: %s", num_tokens, tenant, error)
+            log.warning(
+                "could not charge %d tokens to %s (negative: a give-back): %s", num_tokens, tenant, error
+            )
 
     async def close(self) -> None:
         """Gives every held lease back to its bucket, then closes the connection pool."""
@@ -251,10 +262,14 @@ def refuse(tenant: str, limits: TenantLimits, decision: RateDecision) -> Resourc
         return ResourceExhausted(
             f"tenant {tenant!r} has a rate of zero for this request; ask an administrator to raise it"
         )
-    seconds = math.ceil(decision.retry_after_ms / 100) / 10
     return ResourceExhausted(
         f"rate limit for tenant {tenant!r} reached ({limits.requests_per_s:g} requests/s in bursts of "
         f"{limits.burst_requests}, {limits.tokens_per_min} tokens/min in bursts of {limits.token_capacity}); "
-        f"retry after {seconds:g} s",
+        f"retry after {retry_after_s(decision):g} s",
         trailing_metadata=retry_metadata(decision.retry_after_ms),
     )
+
+
+def retry_after_s(decision: RateDecision) -> float:
+    """A refusal's wait in seconds, rounded up to a tenth, as its messages state it."""
+    return math.ceil(decision.retry_after_ms / 100) / 10

@@ -264,6 +264,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             raise
         finally:
             self.gatekeeper.tenant_streams.release(admitted.admission.principal.tenant)
+            # Every end settles the call's reservation, its answer started or not (a blocked prompt).
+            admitted.admission.charge.stream_ended(num_sent)
             await answer.aclose()  # type: ignore[attr-defined]
 
     async def _answer(
@@ -281,9 +283,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         text = admission.prompt_text
         settings = self._settings(text, admission, context.time_remaining())
         self._annotate_span(request, admission)
-        tenant = admission.principal.tenant
         audit = lambda layer, verdict: self._record_verdict(admission, layer, verdict)  # noqa: E731
-        charge = CompletionCharge(self.gatekeeper.limiter, tenant, admission.limits)
+        charge = admission.charge  # settles the tokens the gatekeeper reserved
         # Built while the prompt's screen is in flight, not after its verdict; the replica is still
         # chosen after it, on the queue depths of that moment.
         converted = engine_request(request, admission, metadata.get(RETRIEVAL_MODE_HEADER, ""))

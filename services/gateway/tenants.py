@@ -100,8 +100,8 @@ class TenantLimits:
     """What one tenant may use.
 
     `requests_per_s` refills a bucket of `burst_requests`; `tokens_per_min` refills a bucket of
-    `burst_tokens` (default: `tokens_per_min`), charged the prompt at admission and the completion
-    at the end (or, for a stream cut short, the tokens it was sent). `max_request_tokens` caps
+    `burst_tokens` (default: `tokens_per_min`), from which a call reserves its prompt plus max_tokens
+    at admission and gets back, when it ends, what its completion did not use. `max_request_tokens` caps
     prompt plus max_tokens of one request. `max_streams` caps the tenant's Generate streams in
     flight on one gateway process (0: only the gateway's own cap). `on_redis_down` says whether
     calls pass ("open") or are refused ("closed") while the shared limiter cannot be reached. `safety`: see

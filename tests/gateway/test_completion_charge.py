@@ -97,3 +97,75 @@ def test_a_stream_that_released_nothing_is_charged_nothing_when_it_ends(redis_ur
         assert not charge.is_started
 
     assert _charged(redis_url, scenario) == 0
+
+
+def _reserved(
+    redis_url: str, num_reserved: int, scenario: Callable[[CompletionCharge], Awaitable[None]]
+) -> int:
+    """Runs `scenario` on a fresh tenant whose call reserved 5 prompt tokens + `num_reserved`
+    max_tokens, as the gatekeeper takes them; the tokens its bucket is down by at the end."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def run() -> None:
+        limiter = RateLimiter(redis_url, timeout_s=2.0)
+        try:
+            assert (await limiter.take_tokens(tenant, LIMITS, 5 + num_reserved)).is_admitted
+            await scenario(CompletionCharge(limiter, tenant, LIMITS, num_reserved))
+        finally:
+            await limiter.close()
+
+    asyncio.run(run())
+    level = redis.Redis.from_url(redis_url).hget(bucket_keys(tenant)[1], "level")
+    assert level is not None
+    return LIMITS.token_capacity - round(float(level))
+
+
+def test_a_finished_stream_gives_back_the_max_tokens_it_did_not_use(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.prompt_passed()
+        charge.engine_counted(7)
+        await charge.settle(7)
+
+    assert _reserved(redis_url, 60, scenario) == 5 + 7
+
+
+def test_a_cancelled_stream_gives_back_all_but_what_it_released(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.prompt_passed()
+        charge.stream_ended(24)
+        await charge.settle(24)
+
+    assert _reserved(redis_url, 60, scenario) == 5 + 24
+
+
+def test_a_stream_that_released_nothing_gives_its_whole_reservation_back(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.stream_ended(0)  # a prompt blocked before the engine ran, or cancelled in its screen
+        assert charge.is_started
+        await charge.settle(0)
+
+    assert _reserved(redis_url, 60, scenario) == 5
+
+
+def test_a_call_refused_after_its_reservation_keeps_only_its_prompt_spent(redis_url: str) -> None:
+    async def scenario(charge: CompletionCharge) -> None:
+        charge.refused()
+        charge.stream_ended(0)  # the servicer's end finds it settled already
+        await charge.settle(0)
+
+    assert _reserved(redis_url, 60, scenario) == 5
+
+
+def test_a_give_back_never_lifts_the_bucket_past_its_capacity(redis_url: str) -> None:
+    """The bucket refilled while the call ran (moved back in time here): the unused reservation
+    is given back only up to the bucket's capacity."""
+
+    async def scenario(charge: CompletionCharge) -> None:
+        key = bucket_keys(charge.tenant)[1]
+        client = redis.Redis.from_url(redis_url)
+        client.hset(key, "at_us", int(client.hget(key, "at_us") or 0) - 3600 * 10**6)  # 60 tokens' worth
+        charge.prompt_passed()
+        charge.engine_counted(2)
+        await charge.settle(2)
+
+    assert _reserved(redis_url, 60, scenario) == 0
