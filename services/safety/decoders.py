@@ -158,6 +158,13 @@ MIN_CIPHER_SHARE = 0.4  # ... and their share of its words that are not plain co
 MIN_LEET_WORDS = 3  # leetspeak words a line needs before it is undone
 MIN_LEET_SHARE = 0.2  # ... and their share of its words
 MAX_LEET_WORD_CHARS = 16
+# What one call of hidden_texts returns, against the length of the text it reads: each decoded text
+# at most MAX_DECODED_GROWTH times it (words given back their vowels, spaces or a code word's meaning
+# are longer than the text they were read from; no decoder needs more), and all of them together at
+# most MAX_DECODED_SHARE times it (the normalizer keeps 8 decoded views of a text). A sum of names
+# ("a + b + a + b ...") is cut at the text's length itself: its parts are in the text.
+MAX_DECODED_GROWTH = 2
+MAX_DECODED_SHARE = 8
 
 
 def _segments(line: str) -> list[str]:
@@ -597,6 +604,7 @@ _JOIN_WORDS = re.compile(
     r"\b(?:concatenat\w*|combin\w*|join\w*|put (?:them )?together|append\w*|merg\w*)\b", re.I
 )
 MAX_PARTS = 16
+MAX_SUMS = 2  # distinct sums of names joined per text
 
 
 def joined_parts(text: str) -> list[str]:
@@ -613,10 +621,24 @@ def joined_parts(text: str) -> list[str]:
         return []
     names = "|".join(re.escape(name) for name in sorted(parts, key=len, reverse=True))
     sums = re.finditer(rf"(?<![\w.])(?:{names})(?:\s*\+\s*(?:{names}))+(?![\w])", text)
-    joined = ["".join(parts[name] for name in re.split(r"\s*\+\s*", found.group(0))) for found in sums]
+    added = dict.fromkeys(tuple(re.split(r"\s*\+\s*", found.group(0))) for found in sums)
+    joined = [_joined(sum_names, parts, len(text)) for sum_names in itertools.islice(added, MAX_SUMS)]
     if not joined and _JOIN_WORDS.search(text):
-        joined = ["".join(parts.values())]
-    return list(dict.fromkeys(joined))[:2]
+        joined = [_joined(parts, parts, len(text))]
+    return list(dict.fromkeys(joined))
+
+
+def _joined(names: Iterable[str], parts: dict[str, str], max_chars: int) -> str:
+    """The parts named by `names` joined in order, at most `max_chars` of them: a sum that repeats
+    its names ("a + b + a + b ...", each part up to 300 characters) stops there. An 11.8 KB prompt
+    joined 2,800 names into a 1.68M-character view, decoded again and embedded (15 s, +116 MB)."""
+    pieces, num_chars = [], 0
+    for name in names:
+        if num_chars >= max_chars:
+            break
+        pieces.append(parts[name])
+        num_chars += len(parts[name])
+    return "".join(pieces)[:max_chars]
 
 
 # Word games: a code word defined as the word it hides ('"banana" means "bomb"', 'let apple stand
@@ -670,14 +692,17 @@ def substituted(text: str) -> list[str]:
             words.append((word, meant))
     if not words:
         return []
-    read = []
+    read, num_chars = [], 0
     for line in chunks(text):
+        if num_chars >= MAX_DECODED_GROWTH * len(text):
+            break  # "zz" read as a meaning of 40 characters, 20 times the length of each use
         plain = line
         for word, meant in words:
             plain = word.sub(meant.replace("\\", "\\\\"), plain)
         if plain != line:
             read.append(plain)
-    return ["\n".join(read)]
+            num_chars += len(plain)
+    return ["\n".join(read)[: MAX_DECODED_GROWTH * len(text)]]
 
 
 # Numbers and escapes that spell text: bytes in binary ("01001000 01101111 ..."), character codes
@@ -1210,16 +1235,40 @@ _WHOLE_TEXT_DECODERS: tuple[Callable[[str], list[str]], ...] = (
 )  # fmt: skip
 
 
+class _DecodedTexts:
+    """The texts one call of hidden_texts has found so far, each once, within its budget of
+    characters (MAX_DECODED_GROWTH, MAX_DECODED_SHARE): a text past it is cut, and once the budget
+    is spent no more decoders run."""
+
+    def __init__(self, num_chars_read: int) -> None:
+        self.texts: list[str] = []
+        self.max_text_chars = MAX_DECODED_GROWTH * num_chars_read
+        self.num_chars_left = MAX_DECODED_SHARE * num_chars_read
+
+    @property
+    def is_full(self) -> bool:
+        return self.num_chars_left <= 0
+
+    def add(self, decoded: str) -> None:
+        kept = decoded[: min(self.max_text_chars, self.num_chars_left)]
+        if kept and kept not in self.texts:
+            self.texts.append(kept)
+            self.num_chars_left -= len(kept)
+
+
 def hidden_texts(text: str) -> list[str]:
     """Every plain text this module finds hidden in `text` (NFKC, zero-width characters dropped,
-    tag characters and whitespace as sent). The whole-text decoders (ciphers, leetspeak, spacing)
-    read the text a line at a time: an encoded request is usually one line of a longer
-    prompt, where its words make a larger share, and the view they add holds only the lines they
-    decoded, so a long prompt with one odd line does not embed twice."""
-    found = []
+    tag characters and whitespace as sent), within _DecodedTexts's budget. The whole-text decoders
+    (ciphers, leetspeak, spacing) read the text a line at a time: an encoded request is usually one
+    line of a longer prompt, where its words make a larger share, and the view they add holds only
+    the lines they decoded, so a long prompt with one odd line does not embed twice."""
+    found = _DecodedTexts(len(text))
     for whole_text_decoder in _WHOLE_TEXT_DECODERS:
+        if found.is_full:
+            return found.texts
         raise_if_cancelled()
-        found += whole_text_decoder(text)
+        for decoded in whole_text_decoder(text):
+            found.add(decoded)
     lines = chunks(text)
     # Leetspeak twice: strictly, and with every loose leet word undone as well. A template half in
     # leetspeak read strictly is a form the jailbreak head knows; read loosely, a request in it reads
@@ -1232,12 +1281,14 @@ def hidden_texts(text: str) -> list[str]:
         if votes[0] == "reversed":
             decoders.insert(1, words_reversed)
     for decoder in decoders:
+        if found.is_full:
+            return found.texts
         decoded = [plain for line in lines if (plain := _line_or_tail(decoder, line)) is not None]
         if decoded:
-            found.append("\n".join(decoded))
+            found.add("\n".join(decoded))
     # a line run together, or its part after an instruction's colon ("Answer this: Howdoimake...")
     tails = (line if _is_unspaced(line) else line.rpartition(": ")[2] for line in lines)
     unspaced = [tail for tail in tails if _is_unspaced(tail)][:MAX_UNJOINED_LINES]
     if apart := [plain for line in unspaced if (plain := unjoined(line)) is not None]:
-        found.append("\n".join(apart))
-    return found
+        found.add("\n".join(apart))
+    return found.texts

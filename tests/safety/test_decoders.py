@@ -389,3 +389,34 @@ def test_the_decoders_read_the_checks_cancel_flag_before_each_chunk() -> None:
     progress.is_cancelled.set()
     with observing(progress), pytest.raises(CheckCancelled):
         decoders.hidden_texts(text)
+
+
+def _joined_bomb(num_names: int) -> str:
+    """The reviewer's payload-splitting bomb: two parts of 300 characters (base64 of "AAA"...,
+    which decodes again) summed `num_names` times over."""
+    part = "QUFB" * 75
+    return f"a = '{part}'; b = '{part}'. Join them: " + "+".join(["a", "b"] * (num_names // 2))
+
+
+def test_a_sum_that_repeats_its_names_is_joined_no_longer_than_the_text() -> None:
+    """2,800 names in 6 KB joined into 840,000 characters, decoded again and embedded."""
+    text = _joined_bomb(2_800)
+    joined = decoders.joined_parts(text)
+    assert joined and all(len(piece) <= len(text) for piece in joined)
+    assert joined[0].startswith("QUFB" * 150)
+
+
+def test_the_views_of_a_decoder_bomb_hold_a_bounded_multiple_of_its_characters() -> None:
+    text = _joined_bomb(2_800)
+    assert sum(map(len, views(text))) <= (1 + decoders.MAX_DECODED_SHARE) * len(text)
+
+
+def test_a_code_word_read_as_a_long_meaning_grows_its_view_at_most_twofold() -> None:
+    """A code word of two letters for 40 characters: each use grew 20-fold."""
+    text = 'Let "zz" mean "' + "x" * 40 + '".\n' + "\n".join(["zz " * 300] * 30)
+    read = decoders.substituted(text)
+    assert read and ("x" * 40 + " ") * 299 in read[0]
+    assert len(read[0]) <= decoders.MAX_DECODED_GROWTH * len(text)
+    found = decoders.hidden_texts(text)
+    assert sum(map(len, found)) <= decoders.MAX_DECODED_SHARE * len(text)
+    assert all(len(piece) <= decoders.MAX_DECODED_GROWTH * len(text) for piece in found)
