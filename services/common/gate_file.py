@@ -256,17 +256,38 @@ def load_gate(weights_path: Path, expected_sha256: str | None = None) -> Gate:
     return parse_gate(manifest_json, weights_bytes, expected_sha256)
 
 
+# The width of the features each sentence embedder named in a head's `features.embedder` gives.
+EMBEDDER_WIDTHS = {"sentence-transformers/all-MiniLM-L6-v2": 384}
+
+
 def _check_tensors(manifest: GateManifest, tensors: dict[str, torch.Tensor]) -> None:
+    """GateFileError for a tensor that is not finite (a NaN head never blocks: NaN >= threshold is
+    false) or a head whose shape is not [C + 1, H] over the width of what it reads (one that fits
+    no input failed every check, INTERNAL, instead of failing to load)."""
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise GateFileError(f"gate {manifest.version}: tensor {key!r} holds NaN or infinite values")
     num_classes = len(manifest.categories) + 1
-    for name in manifest.heads:
+    for name, spec in manifest.heads.items():
         weight, bias = tensors.get(f"{name}.weight"), tensors.get(f"{name}.bias")
         if weight is None or bias is None:
             raise GateFileError(f"gate {manifest.version}: head {name!r} lacks its weight or bias tensor")
-        if weight.ndim != 2 or weight.shape[0] != num_classes or tuple(bias.shape) != (num_classes,):
+        width = _input_width(spec)
+        expected = (num_classes, width if width is not None else weight.shape[-1])
+        if tuple(weight.shape) != expected or tuple(bias.shape) != (num_classes,):
             raise GateFileError(
                 f"gate {manifest.version}: head {name!r} has weight {tuple(weight.shape)} and bias "
-                f"{tuple(bias.shape)}; expected [{num_classes}, H] and [{num_classes}]"
+                f"{tuple(bias.shape)}; expected [{num_classes}, {width or 'H'}] and [{num_classes}]"
             )
+
+
+def _input_width(spec: HeadSpec) -> int | None:
+    """The width of the features a head reads: its `features.hidden_size` (the engine head: the
+    engine checks it against its model's), else its embedder's; None when the manifest names
+    neither (a test gate)."""
+    if "hidden_size" in spec.features:
+        return int(spec.features["hidden_size"])
+    return EMBEDDER_WIDTHS.get(spec.features.get("embedder", ""))
 
 
 def write_gate(weights_path: Path, tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> str:

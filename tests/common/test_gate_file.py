@@ -13,6 +13,7 @@ import torch
 
 from services.common.gate_file import (
     ENGINE_HEAD,
+    OUTPUT_HEAD,
     PROMPT_HEAD,
     GateFileError,
     GateHashMismatch,
@@ -225,3 +226,36 @@ def test_the_manifest_hash_does_not_depend_on_layout_or_key_order(tmp_path: Path
     gate = load_gate(_one_hot_gate(tmp_path))
     compact = json.dumps(dict(reversed(list(gate.manifest.raw.items()))))
     assert parse_gate(compact, gate.weights_bytes).manifest_sha256 == gate.manifest_sha256
+
+
+def _tampered_gate(tmp_path: Path, key: str, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Path:
+    """The committed gate with one tensor replaced, written and sealed by the repo's own writer."""
+    gate = load_gate(DEFAULT_GATE)
+    tensors = dict(gate.tensors) | {key: tensor(gate.tensors[key])}
+    path = tmp_path / "tampered.safetensors"
+    write_gate(path, tensors, json.loads(gate.manifest_json))
+    return path
+
+
+@pytest.mark.parametrize("key", [f"{PROMPT_HEAD}.weight", f"{ENGINE_HEAD}.bias", "jailbreak.weight"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_gate_with_a_tensor_that_is_not_finite_is_refused(tmp_path: Path, key: str, value: float) -> None:
+    """The reviewer's hostile gate: a prompt head of NaN loaded, and then nothing ever blocked."""
+    path = _tampered_gate(tmp_path, key, lambda t: torch.full_like(t, value))
+    with pytest.raises(GateFileError, match=f"tensor '{key}' holds NaN or infinite values"):
+        load_gate(path)
+
+
+@pytest.mark.parametrize(("head", "width"), [(PROMPT_HEAD, 100), (OUTPUT_HEAD, 383), (ENGINE_HEAD, 100)])
+def test_a_head_narrower_or_wider_than_what_it_reads_is_refused(
+    tmp_path: Path, head: str, width: int
+) -> None:
+    """A [C + 1, 100] prompt head loaded, and then every check failed INTERNAL."""
+    path = _tampered_gate(tmp_path, f"{head}.weight", lambda t: t[:, :width].contiguous())
+    num_classes = len(load_gate(DEFAULT_GATE).manifest.categories) + 1
+    expected = load_gate(DEFAULT_GATE).head_weights(head).weight.shape[1]
+    with pytest.raises(
+        GateFileError,
+        match=rf"head '{head}' has weight \({num_classes}, {width}\).*\[{num_classes}, {expected}\]",
+    ):
+        load_gate(path)
