@@ -285,6 +285,15 @@ def test_an_unknown_path_gets_an_openai_error_object(http_gateway: HttpGateway) 
     assert status == "404" and "/v1/completions" in json.loads(body)["error"]["message"]
 
 
+@pytest.mark.parametrize(("method", "path"), [("GET", "/models/"), ("POST", "/completions/")])
+def test_a_trailing_slash_is_an_unknown_path_not_a_redirect(
+    http_gateway: HttpGateway, method: str, path: str
+) -> None:
+    answer = http_gateway.call(method, path, b"{}", {"Host": "evil.example"})
+    assert answer.status == 404 and "location" not in answer.headers
+    assert answer.error["type"] == "not_found_error" and path in answer.error["message"]
+
+
 def test_grpc_still_serves_beside_http(http_gateway: HttpGateway) -> None:
     with pytest.raises(grpc.RpcError) as refused:
         call(http_gateway.mesh.target(HTTP_GATEWAY), None)

@@ -84,6 +84,8 @@ class OpenAIRoutes:
             ],
             exception_handlers={HTTPException: _http_exception},
         )
+        # "/v1/models/" is a 404, not a redirect to a Location built from the caller's Host header
+        app.router.redirect_slashes = False
         # the server cuts a client that reads nothing for as long as the gRPC front allows
         setattr(app.state, WRITE_STALL_STATE, self.servicer.config.limits.write_stall_s)
         return app
