@@ -16,6 +16,8 @@ import html
 import itertools
 import re
 import unicodedata
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from services.safety.decoders import hidden_texts, text_of
 
@@ -146,7 +148,7 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 15
+VIEWS_VERSION = 16
 
 
 def _visible(text: str) -> str:
@@ -210,7 +212,12 @@ def _restored(match: re.Match[str]) -> str:
 
 def canonical(text: str) -> str:
     """What the classifier embeds: normalized, with confusables folded and apostrophes restored."""
-    return with_apostrophes(fold_confusables(normalize(text)))
+    return _folded(normalize(text))
+
+
+def _folded(normalized: str) -> str:
+    """A normalized text with confusables folded and apostrophes restored."""
+    return with_apostrophes(fold_confusables(normalized))
 
 
 def unaccented(text: str) -> str:
@@ -243,27 +250,55 @@ def _decode_blob(blob: str) -> str | None:
 
 
 def decoded_blobs(text: str) -> list[str]:
-    """The texts hidden in base64 runs of `text`, or in runs that are base64 once ROT13 is undone
-    (at most MAX_DECODED_BLOBS)."""
-    found = []
-    for match in _BASE64_RUN.finditer(text):
-        run = match.group()
-        if (decoded := _decode_blob(run) or _decode_blob(codecs.encode(run, "rot13"))) is not None:
-            found.append(decoded)
-            if len(found) == MAX_DECODED_BLOBS:
-                break
-    return found
+    """The texts hidden in base64 runs of `text`, or in runs that are base64 once ROT13 is undone,
+    each once, at most MAX_DECODED_BLOBS (_kept says which share one)."""
+    return _kept(_blob_texts(text))
+
+
+def _blob_texts(text: str) -> list[str]:
+    """Every text hidden in a base64 (or ROT13 of base64) run of `text`, each once."""
+    runs = _BASE64_RUN.findall(text)
+    found = (_decode_blob(run) or _decode_blob(codecs.encode(run, "rot13")) for run in runs)
+    return list(dict.fromkeys(decoded for decoded in found if decoded is not None))
+
+
+def _kept(texts: list[str]) -> list[str]:
+    """`texts` if there are MAX_DECODED_BLOBS at most; else the first MAX_DECODED_BLOBS - 2, the
+    others but the last joined into one text, and the last. Decoding only the first few let eight
+    benign blobs before a harmful one hide it; now every blob is read, and the last, where a
+    request after decoys goes, keeps a text of its own (decoys after it land it in the joined one:
+    DecodedViews.is_capped tells the screen)."""
+    if len(texts) <= MAX_DECODED_BLOBS:
+        return texts
+    return [*texts[: MAX_DECODED_BLOBS - 2], "\n".join(texts[MAX_DECODED_BLOBS - 2 : -1]), texts[-1]]
+
+
+class DecodedViews(NamedTuple):
+    """The views of a text (views()), and whether its decoded texts outnumbered the views a text
+    may have: MAX_DECODED_BLOBS blobs, MAX_HIDDEN_VIEWS views. When `is_capped`, some decoded
+    texts share a view with others (the deny patterns read them all; the classifier reads them
+    diluted) and texts past the views were not decoded again: the screen should not treat the text
+    as fully read."""
+
+    forms: tuple[str, ...]
+    is_capped: bool
 
 
 def views(text: str) -> list[str]:
     """Every form of `text` to screen: its canonical form, then each decoded blob's and each text
-    decoders.py finds hidden in it (at most MAX_HIDDEN_VIEWS, each once).
+    decoders.py finds hidden in it (at most MAX_HIDDEN_VIEWS, each once; decoded_views says whether
+    some had to share one)."""
+    return list(decoded_views(text).forms)
+
+
+def decoded_views(text: str) -> DecodedViews:
+    """views(text), and whether they are capped (DecodedViews).
 
     One check reads a text's views twice (the classifier, then the deny patterns), so the last
     few short texts' views are kept."""
     if len(text) > MAX_REMEMBERED_CHARS:
-        return _views(text)
-    return list(_remembered_views(text))
+        return _decoded_views(text)
+    return _remembered_views(text)
 
 
 MAX_REMEMBERED_CHARS = 20_000  # texts whose views are kept: a few per check, a few MB in all
@@ -271,48 +306,71 @@ _REMEMBERED = 64
 
 
 @functools.lru_cache(maxsize=_REMEMBERED)
-def _remembered_views(text: str) -> tuple[str, ...]:
-    return tuple(_views(text))
+def _remembered_views(text: str) -> DecodedViews:
+    return _decoded_views(text)
 
 
-def _views(text: str) -> list[str]:
+def _decoded_views(text: str) -> DecodedViews:
     visible = _visible(text)
     normalized = _cleaned(visible)
-    forms = [with_apostrophes(fold_confusables(normalized))]  # canonical(text), from the NFKC pass above
-    blobs, others = decoded_blobs(normalized), hidden_texts(visible)
+    decoding = _Decoding([_folded(normalized)])  # canonical(text), from the NFKC pass above
+    blobs, others = decoding.blobs(normalized), hidden_texts(visible)
     for _ in range(MAX_DECODING_DEPTH):
-        added = _added_forms(forms, blobs, others)
-        if added is None:
+        added = decoding.add(blobs, others)
+        if not any(added):
             break
-        blobs, others = _decoded_again(added)
-    return forms
+        blobs, others = decoding.decoded_again(added)
+    return DecodedViews(tuple(decoding.forms), decoding.is_capped)
 
 
 MAX_DECODING_DEPTH = 3  # encodings stacked on one another (base64 of ROT13 of base64) read through
 
 
-def _added_forms(forms: list[str], blobs: list[str], others: list[str]) -> tuple[list[str], list[str]] | None:
-    """Adds the canonical form of each decoded text that is new to `forms`; returns the decoded
-    texts added (from base64 blobs, from the other decoders), or None once `forms` is full."""
-    added: tuple[list[str], list[str]] = ([], [])
-    for kind, hidden in [*((0, b) for b in blobs), *((1, o) for o in others)]:
-        if (form := canonical(hidden)) and form not in forms:
-            forms.append(form)
-            added[kind].append(hidden)
-            if len(forms) > MAX_HIDDEN_VIEWS:
-                return None
-    return added
+@dataclass
+class _Decoding:
+    """The views of one text as its decoded texts are found; `add` and `blobs` change it."""
 
+    forms: list[str]
+    spilled: list[str] = field(default_factory=list)  # forms past MAX_HIDDEN_VIEWS, in the last view
+    is_capped: bool = False
 
-def _decoded_again(added: tuple[list[str], list[str]]) -> tuple[list[str], list[str]]:
-    """What the texts just decoded hide in turn: a base64 blob's text is read by every decoder (it
-    may be ROT13, hex or base64 again), any other decoded text only for base64 runs (ROT13 or hex of
-    base64), so that a decoder's guess at a benign text is not guessed at again. Each pass reads at
-    most MAX_HIDDEN_VIEWS texts, none longer than the text they came from."""
-    blobs, others = added
-    again_blobs = [b for text in (*blobs, *others) for b in decoded_blobs(_cleaned(_visible(text)))]
-    again_others = [o for blob in blobs for o in hidden_texts(_visible(blob))]
-    return again_blobs, again_others
+    def blobs(self, text: str) -> list[str]:
+        """decoded_blobs(text), noting when some had to share a text."""
+        found = _blob_texts(text)
+        self.is_capped |= len(found) > MAX_DECODED_BLOBS
+        return _kept(found)
+
+    def add(self, blobs: list[str], others: list[str]) -> tuple[list[str], list[str]]:
+        """Adds the canonical form of each decoded text that is new, as a view of its own while
+        there are fewer than MAX_HIDDEN_VIEWS, else joined into the last view; returns the decoded
+        texts that got a view of their own (from base64 blobs, from the other decoders): only
+        those are decoded again, so that each pass reads MAX_HIDDEN_VIEWS texts at most."""
+        added: tuple[list[str], list[str]] = ([], [])
+        for kind, hidden in [*((0, b) for b in blobs), *((1, o) for o in others)]:
+            form = canonical(hidden)
+            if not form or form in self.forms or form in self.spilled:
+                continue
+            if len(self.forms) <= MAX_HIDDEN_VIEWS:
+                self.forms.append(form)
+                added[kind].append(hidden)
+            else:
+                self._spill(form)
+        return added
+
+    def _spill(self, form: str) -> None:
+        self.spilled.append(form)
+        self.forms[-1] += "\n" + form
+        self.is_capped = True
+
+    def decoded_again(self, added: tuple[list[str], list[str]]) -> tuple[list[str], list[str]]:
+        """What the texts just decoded hide in turn: a base64 blob's text is read by every decoder
+        (it may be ROT13, hex or base64 again), any other decoded text only for base64 runs (ROT13
+        or hex of base64), so that a decoder's guess at a benign text is not guessed at again. Each
+        pass reads at most MAX_HIDDEN_VIEWS texts, none longer than the text they came from."""
+        blobs, others = added
+        again_blobs = [b for text in (*blobs, *others) for b in self.blobs(_cleaned(_visible(text)))]
+        again_others = [o for blob in blobs for o in hidden_texts(_visible(blob))]
+        return again_blobs, again_others
 
 
 def clauses(view: str) -> list[str]:
