@@ -294,6 +294,12 @@ def test_a_trailing_slash_is_an_unknown_path_not_a_redirect(
     assert answer.error["type"] == "not_found_error" and path in answer.error["message"]
 
 
+def test_a_wrong_method_is_a_405_that_says_which_method_to_use(http_gateway: HttpGateway) -> None:
+    answer = http_gateway.call("GET", "/completions")
+    assert answer.status == 405 and answer.headers["allow"] == "POST"
+    assert answer.error["type"] == "invalid_request_error" and "takes POST" in answer.error["message"]
+
+
 def test_grpc_still_serves_beside_http(http_gateway: HttpGateway) -> None:
     with pytest.raises(grpc.RpcError) as refused:
         call(http_gateway.mesh.target(HTTP_GATEWAY), None)

@@ -317,14 +317,19 @@ def _refused(span: trace.Span, refusal: HttpError) -> Response:
 
 
 async def _http_exception(request: Request, error: Exception) -> Response:
-    """Starlette's own refusals (unknown path, wrong method) as OpenAI error objects."""
+    """Starlette's own refusals (unknown path, wrong method) as OpenAI error objects, with the
+    headers they carry (a 405's Allow)."""
     status = error.status_code if isinstance(error, HTTPException) else 500
+    headers = error.headers if isinstance(error, HTTPException) else None
     message = (
         f"{request.method} {request.url.path}: {error.detail if isinstance(error, HTTPException) else error}"
     )
     if status == 404:
         message += "; this server serves /v1/chat/completions, /v1/completions, /v1/models, /health, /ready"
-    return JSONResponse(error_body(status, message, "not_found" if status == 404 else "bad_request"), status)
+    elif status == 405 and headers and "Allow" in headers:
+        message += f"; this path takes {headers['Allow']}"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "bad_request")
+    return JSONResponse(error_body(status, message, code), status, headers=headers)
 
 
 def _hung_up(span: trace.Span) -> Response:

@@ -34,6 +34,7 @@ _ERROR_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     429: "rate_limit_error",
 }
 
