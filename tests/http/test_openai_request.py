@@ -97,6 +97,30 @@ def test_the_same_limit_under_both_names_is_served(http_gateway: HttpGateway) ->
     assert answer.body["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": True}, "n"),
+        ({"best_of": True}, "best_of"),
+        ({"echo": 0}, "echo"),
+        ({"frequency_penalty": False}, "frequency_penalty"),
+    ],
+)
+def test_a_default_only_field_takes_its_default_in_its_json_type(
+    http_gateway: HttpGateway, fields: dict[str, object], param: str
+) -> None:
+    # Python's True == 1 and 0 == False let these through as the default
+    answer = http_gateway.post("/completions", json.dumps(COMPLETION | fields).encode())
+    assert answer.status == 400, answer.body
+    assert answer.error["param"] == param
+
+
+def test_default_only_fields_at_their_defaults_pass(http_gateway: HttpGateway) -> None:
+    fields = {"n": 1, "best_of": 1, "echo": False, "frequency_penalty": 0.0, "presence_penalty": 0}
+    answer = http_gateway.post("/completions", json.dumps(COMPLETION | fields).encode())
+    assert answer.status == 200, answer.body
+
+
 @pytest.mark.parametrize("value", [[[0] * 10] * 1000, "yes", 1])
 def test_parallel_tool_calls_takes_only_a_boolean(http_gateway: HttpGateway, value: object) -> None:
     body = CHAT | {"parallel_tool_calls": value}

@@ -45,7 +45,17 @@ class OpenAIRequest:
 
 
 def _is_default(default: Any) -> Callable[[Any], bool]:
-    return lambda value: value is None or value == default
+    """Whether a value is absent or `default`, a JSON boolean never standing for a number nor a
+    number for a boolean (in Python True == 1 and 0 == False, so `n: true` passed as n=1)."""
+
+    def is_default(value: Any) -> bool:
+        if value is None:
+            return True
+        if isinstance(value, bool) or isinstance(default, bool):
+            return value is default
+        return bool(value == default)
+
+    return is_default
 
 
 def _no_logprobs(value: Any) -> bool:
