@@ -180,9 +180,10 @@ class TextClassifier:
         `max_windows` windows in all. With `progress`, CheckCancelled between stages and embedding
         batches once the check's call is done."""
         stage_done = progress.raise_if_cancelled if progress is not None else _no_check
-        self._check_plain_size(turns)
+        scored = [*turns, *joined_turns(turns, whole)]  # the turns, then their joined fragments
+        self._check_plain_size(scored)
         stage_done()
-        texts = [views(turn) for turn in turns]
+        texts = [views(text) for text in scored]
         decoded_whole = views(whole)[1:] if whole is not None else []
         forms_of = texts + ([decoded_whole] if decoded_whole else [])  # the whole's decoded views last
         stage_done()
@@ -191,8 +192,8 @@ class TextClassifier:
         stage_done()
         # a turn's clauses and restatements (extra_rows); the whole's decoded views have none
         extras = [
-            extra_rows(self.embedder, turn, forms) if kind == "prompt" else []
-            for turn, forms in zip(turns, texts, strict=True)
+            extra_rows(self.embedder, text, forms) if kind == "prompt" else []
+            for text, forms in zip(scored, texts, strict=True)
         ]
         stage_done()
         rows = [row for per_view in per_text for view_rows in per_view for row in view_rows]
@@ -213,6 +214,8 @@ class TextClassifier:
         values = dict(zip(self.categories, harm.tolist(), strict=True))
         thresholds = self.thresholds[kind]
         if kind == "prompt":
+            # the attack heads judge what was sent; a join of fragments is for the harm categories
+            del attack_views[len(turns) : len(scored)]
             for head in self.attack_heads:
                 values[head.name] = max(head.score(text_views) for text_views in attack_views)
                 thresholds = thresholds | {head.name: head.threshold}
@@ -228,6 +231,60 @@ class TextClassifier:
         values[LANGUAGE_CATEGORY] = language.share
         thresholds = thresholds | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD}
         return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings), language=language)
+
+
+# A turn this short may be a piece of a request split across turns. At 4, splits of the held-out
+# harmful prompts into 1-4 word turns are all blocked and XSTest's safe questions sent two to a
+# chat are blocked no more often than without joins; at 6, 5-word splits are blocked too, but 3 in
+# 120 of those chats more (a join of two whole benign questions reads as neither alone).
+MAX_FRAGMENT_WORDS = 4
+
+
+def joined_turns(turns: Sequence[str], whole: str | None) -> list[str]:
+    """A chat's fragments (turns of at most MAX_FRAGMENT_WORDS words) joined with a space, without
+    role labels: those of each run of consecutive turns of one role, of the "user" turns, and of
+    every turn past a leading system prompt (the caller names the roles). Each join of two or more
+    fragments is screened as a prompt of its own beside the turns, so a request sent a word or two
+    per message is read as one sentence. Only fragments: a longer turn is read alone, and whole
+    turns joined would cost a window per 48 tokens of the chat; not a leading system prompt, which
+    beside a question moves its scores (bench/results/safety_chat_2026-12-06.md). Roles come from
+    `whole` (turn_roles); a chat whose roles cannot be read is one run of "user" turns."""
+    roles = turn_roles(turns, whole) or ["user"] * len(turns)
+    runs: list[list[str]] = []
+    for at, (role, turn) in enumerate(zip(roles, turns, strict=True)):
+        if at == 0 or role != roles[at - 1]:
+            runs.append([])
+        if _is_fragment(turn):
+            runs[-1].append(turn)
+    users = [turn for role, turn in zip(roles, turns, strict=True) if role.strip().lower() == "user"]
+    # every fragment, whatever its role (the caller names the roles), past a leading system prompt
+    start = 1 if roles[0].strip().lower() == "system" else 0
+    everyone = [turn for turn in turns[start:] if _is_fragment(turn)]
+    groups = [*runs, [turn for turn in users if _is_fragment(turn)], everyone]
+    return list(dict.fromkeys(" ".join(group) for group in groups if len(group) > 1))
+
+
+def _is_fragment(turn: str) -> bool:
+    return 0 < len(turn.split()) <= MAX_FRAGMENT_WORDS
+
+
+def turn_roles(turns: Sequence[str], whole: str | None) -> list[str] | None:
+    """Each turn's role, read off `whole` where it is the turns rendered as the gateway renders a
+    chat ("role: content" lines, gateway/gatekeeper.prompt_text); else None."""
+    if whole is None:
+        return None
+    roles: list[str] = []
+    at = 0
+    for number, turn in enumerate(turns, 1):
+        line = ": " + turn + ("\n" if number < len(turns) else "")
+        colon = whole.find(": ", at)
+        while colon >= 0 and not whole.startswith(line, colon):
+            colon = whole.find(": ", colon + 1)
+        if colon < 0:
+            return None
+        roles.append(whole[at:colon])
+        at = colon + len(line)
+    return roles if at == len(whole) else None
 
 
 def _no_check() -> None:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
 from services.safety import decoders
-from services.safety.classifier import TextClassifier, TextKind
+from services.safety.classifier import TextClassifier, TextKind, joined_turns
 from services.safety.config import SafetyConfig
 from services.safety.embedder import CheckProgress, MiniLMEmbedder, default_model_dir
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
@@ -99,14 +99,17 @@ class Screen:
         For a chat, `turns` are its messages' contents and `text` the whole conversation: the
         classifier scores each turn as a prompt of its own, as its thresholds were calibrated,
         and the whole only through its decoded views (TextClassifier.score_turns); the deny
-        patterns read each turn and the whole. With `progress`, CheckCancelled (before the check
-        starts, between its stages and its embedding batches) once the check's call is done."""
+        patterns read each turn and the whole. Both also read a chat's short turns joined
+        (joined_turns), so that a request sent a word or two per message is read as one sentence.
+        With `progress`, CheckCancelled (before the check starts, between its stages and its
+        embedding batches) once the check's call is done."""
         policy.check_known(self.categories, self.gate.version)
         if progress is not None:
             progress.raise_if_cancelled()  # its caller left while it waited its turn
         if turns:
             scores = self.classifier.score_turns(turns, kind, whole=text, progress=progress)
-            matched = merged([self.patterns.check(t, kind) for t in (*turns, text)])
+            chat = (*turns, *joined_turns(turns, text), text)
+            matched = merged([self.patterns.check(t, kind) for t in chat])
         else:
             scores = self.classifier.score(text, kind, progress)
             matched = self.patterns.check(text, kind)
