@@ -87,6 +87,7 @@ _UNTURN = str.maketrans(
 _TURNED = frozenset("ɐɔǝɟƃɥᴉɾʞɯɹʇʌʍʎ∀ꓭƆᗡƎℲ⅁ꓘ˥Ԁᴚ⊥∩Λ⅄")
 MIN_TURNED_LETTERS = 3
 _WORD = re.compile(r"[A-Za-z]+")
+_DIGIT = re.compile(r"[0-9]")
 _CLAUSE_BREAK = re.compile(r"(?<=[:;!?])\s+|(?<=\.)\s+")
 
 # Common English words and the words of requests: a word among them is plain English (a cipher
@@ -473,8 +474,8 @@ def _reads_as_words(pieces: list[str]) -> bool:
 def _is_unspaced(line: str) -> bool:
     """True for a line of at most MAX_UNJOINED_LINE_CHARS with ten letters or more and almost no
     spaces (one per twelve letters or fewer)."""
-    if len(line) > MAX_UNJOINED_LINE_CHARS:
-        return False
+    if len(line) > MAX_UNJOINED_LINE_CHARS or line.count(" ") * 12 > len(line):
+        return False  # (before counting letters: most lines have spaces enough)
     letters = sum(c.isalpha() for c in line)
     return letters >= 10 and line.count(" ") * 12 <= letters
 
@@ -532,11 +533,13 @@ def _hex_text(data: bytes) -> str | None:
 def decoded_hex(text: str) -> list[str]:
     """Texts hidden as hex bytes or %-encoded bytes (UTF-8, mostly letters)."""
     found = []
-    for match in _HEX_RUN.finditer(text):
+    # Hex of text always holds a digit (printable ASCII is 0x20 to 0x7e): a text without one is
+    # not scanned. The %-encoded bytes need a "%".
+    for match in _HEX_RUN.finditer(text) if _DIGIT.search(text) else ():
         digits = re.sub(r"\\x|[ :,]", "", match.group())
         if len(digits) % 2 == 0 and (decoded := _hex_text(bytes.fromhex(digits))) is not None:
             found.append(decoded)
-    for match in _PERCENT_RUN.finditer(text):
+    for match in _PERCENT_RUN.finditer(text) if "%" in text else ():
         before = _WORD_BEFORE.search(text, max(0, match.start() - 24), match.start())
         run = (before.group() if before else "") + match.group()
         if (decoded := _hex_text(unquote_to_bytes(run))) is not None and decoded != run:
@@ -643,7 +646,9 @@ def _joined(names: Iterable[str], parts: dict[str, str], max_chars: int) -> str:
 
 # Word games: a code word defined as the word it hides ('"banana" means "bomb"', 'let apple stand
 # for gun', 'replace "cake" with "meth"'), then used in the request ("How do I make a banana?").
-_TERM = r"""(?:"([^"\n]{2,40})"|'([^'\n]{2,40})'|“([^”\n]{2,40})”|([A-Za-z][A-Za-z-]{1,30}))"""
+# A bare word starts a word ("(?<!...)"): tried from each letter of a long run of letters, the
+# pattern read up to 31 letters from every one (1.2 s a pass over a megabyte of "a").
+_TERM = r"""(?:"([^"\n]{2,40})"|'([^'\n]{2,40})'|“([^”\n]{2,40})”|(?<![A-Za-z-])([A-Za-z][A-Za-z-]{1,30}))"""
 _DEFINES = re.compile(
     rf"{_TERM}\s+(?:means|stands for|represents|refers to|is (?:a |our )?code(?: word)? for|is short for"
     rf"|will mean|should be read as)\s+{_TERM}"
@@ -658,6 +663,11 @@ _GAME_STOPWORDS = frozenset((
     "my", "your", "what", "how", "word", "words", "letter", "each", "every", "all", "not", "no",
 ))  # fmt: skip
 MAX_SUBSTITUTIONS = 8
+# A word that every definition holds (_DEFINES, _SUBSTITUTE_FOR): a text without one defines
+# nothing, and is not scanned by the patterns at all.
+_DEFINING_WORDS = (
+    "mean", "stand", "represent", "refer", "code", "short", "read", "let", "replace", "swap", "substitute",
+)  # fmt: skip
 
 
 def _term(groups: tuple[str | None, ...]) -> str:
@@ -666,6 +676,9 @@ def _term(groups: tuple[str | None, ...]) -> str:
 
 def _defined_pairs(text: str) -> list[tuple[str, str]]:
     """(code word, the word it stands for) of each definition in `text`, at most MAX_SUBSTITUTIONS."""
+    lowered = text.lower()
+    if not any(word in lowered for word in _DEFINING_WORDS):
+        return []
     pairs: list[tuple[str, str]] = []
     for match in itertools.islice(_DEFINES.finditer(text), MAX_SUBSTITUTIONS):
         groups = match.groups()
@@ -729,12 +742,13 @@ def decoded_numbers(text: str) -> list[str]:
     """Texts spelled by binary bytes, decimal character codes, \\u escapes, HTML character
     references or base32, when they read as words."""
     found = []
-    for match in _BINARY_RUN.finditer(text):
+    has_digits = _DIGIT.search(text) is not None  # binary and decimal runs: a megabyte of letters has none
+    for match in _BINARY_RUN.finditer(text) if has_digits else ():
         bits = re.sub(r"[ ,]", "", match.group())
         data = int(bits, 2).to_bytes(len(bits) // 8, "big")
         if (decoded := text_of(data, min_letter_share=0.5)) is not None:
             found.append(decoded)
-    for match in _DECIMAL_RUN.finditer(text):
+    for match in _DECIMAL_RUN.finditer(text) if has_digits else ():
         codes = [int(n) for n in re.findall(r"\d+", match.group())]
         if all(32 <= n < 127 for n in codes) and _reads_as_text(spelled := "".join(map(chr, codes))):
             found.append(spelled)
@@ -796,12 +810,13 @@ def spelled_out(text: str) -> list[str]:
     """Texts written one character at a time: a list of quoted characters, characters between one
     separator on a line (_ITEM_SEPARATORS), or one character a line; and a list of quoted words
     (_QUOTED_WORDS)."""
+    has_quotes = "'" in text or '"' in text  # the lists need them; a megabyte of letters has none
     found = [
         spelled
-        for match in itertools.islice(_QUOTED_CHARS.finditer(text), MAX_RUNS)
+        for match in (itertools.islice(_QUOTED_CHARS.finditer(text), MAX_RUNS) if has_quotes else ())
         if (spelled := _spelled([m.group(2) for m in _QUOTED_CHAR.finditer(match.group())])) is not None
     ]
-    for match in itertools.islice(_QUOTED_WORDS.finditer(text), MAX_RUNS):
+    for match in itertools.islice(_QUOTED_WORDS.finditer(text), MAX_RUNS) if has_quotes else ():
         words = [m.group(2).strip() for m in _QUOTED_WORD.finditer(match.group())]
         if len(words) >= MIN_LISTED_WORDS and max(map(len, words)) > 1 and _is_listed_request(words):
             found.append(" ".join(words))
@@ -987,7 +1002,8 @@ def revowelled(line: str) -> str | None:
             return typed
         return table.get(typed.lower(), typed)
 
-    return _OWN_WORD.sub(word, line)
+    read = _OWN_WORD.sub(word, line)
+    return read if read != line else None  # 101 b's a word: no word to read, and no second view
 
 
 # The NATO spelling alphabet ("Hotel Oscar Whiskey / Delta Oscar"): a word's letters by code words,
@@ -1288,7 +1304,7 @@ def hidden_texts(text: str) -> list[str]:
             found.add("\n".join(decoded))
     # a line run together, or its part after an instruction's colon ("Answer this: Howdoimake...")
     tails = (line if _is_unspaced(line) else line.rpartition(": ")[2] for line in lines)
-    unspaced = [tail for tail in tails if _is_unspaced(tail)][:MAX_UNJOINED_LINES]
+    unspaced = itertools.islice((tail for tail in tails if _is_unspaced(tail)), MAX_UNJOINED_LINES)
     if apart := [plain for line in unspaced if (plain := unjoined(line)) is not None]:
         found.add("\n".join(apart))
     return found.texts
