@@ -148,7 +148,7 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 16
+VIEWS_VERSION = 17
 
 
 def _visible(text: str) -> str:
@@ -322,7 +322,7 @@ def _decoded_views(text: str) -> DecodedViews:
     visible = _visible(text)
     normalized = _cleaned(visible)
     decoding = _Decoding([_folded(normalized)])  # canonical(text), from the NFKC pass above
-    blobs, others = decoding.blobs(normalized), hidden_texts(visible)
+    blobs, others = decoding.blobs(normalized), [*_escapes_kept(text), *hidden_texts(visible)]
     for _ in range(MAX_DECODING_DEPTH):
         added = decoding.add(blobs, others)
         if not any(added):
@@ -332,6 +332,14 @@ def _decoded_views(text: str) -> DecodedViews:
 
 
 MAX_DECODING_DEPTH = 3  # encodings stacked on one another (base64 of ROT13 of base64) read through
+
+
+def _escapes_kept(text: str) -> list[str]:
+    """`text` with its ESC characters dropped but the rest of its terminal escapes kept, if it has
+    any. A terminal hides an escape and what it takes with it, so the canonical form drops them,
+    but the model reads every character: a request set in a window title ("\\x1b]0;<request>\\x07")
+    or a letter taken by the escape before it ("pipe\\x1b bomb" shows as "pipeomb") is read here."""
+    return [text.replace("\x1b", "")] if "\x1b" in text else []
 
 
 @dataclass
