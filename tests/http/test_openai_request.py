@@ -3,6 +3,7 @@ naming the field, never a 500 (protobuf's range and encoding errors, the JSON pa
 
 from __future__ import annotations
 
+import codecs
 import json
 
 import pytest
@@ -62,6 +63,11 @@ def test_a_lone_surrogate_names_the_field(
         (b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nests too deeply"),
         (b'{"prompt": "x", "seed": ' + b"1" * 4301 + b"}", "4300 digits"),
         (b"{not json", "not valid JSON"),
+        (codecs.BOM_UTF8 + json.dumps(COMPLETION).encode(), "byte order mark"),
+        (json.dumps(COMPLETION).encode("utf-16"), "not UTF-8"),  # with its BOM, FF FE
+        (json.dumps(COMPLETION).encode("utf-16-le"), "NUL byte"),
+        (json.dumps(COMPLETION).encode("utf-32-be"), "NUL byte"),
+        (json.dumps(COMPLETION | {"prompt": "Once"}).encode().replace(b"Once", b"On\xe9e"), "not UTF-8"),
     ],
 )
 def test_a_body_the_json_parser_cannot_take_is_a_400(

@@ -27,6 +27,7 @@ no decision: it is not audited.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import time
@@ -193,7 +194,7 @@ class Intake:
 def _json(body: bytes) -> Any:
     """The body parsed as JSON, every object's keys unique."""
     try:
-        return json.loads(body, object_pairs_hook=_unique_keys)
+        return json.loads(_utf8(body), object_pairs_hook=_unique_keys)
     except RecursionError:
         raise InvalidArgument(
             "request body nests too deeply to parse; an OpenAI request nests a few levels at most"
@@ -201,6 +202,25 @@ def _json(body: bytes) -> Any:
     except ValueError as error:  # bad JSON or UTF-8, or an integer of over 4300 digits
         reason = str(error).partition(";")[0]  # not Python's advice to raise its digit limit
         raise InvalidArgument(f"request body is not valid JSON: {reason}") from None
+
+
+def _utf8(body: bytes) -> str:
+    """The body as UTF-8 text, strictly: json.loads of bytes also reads UTF-16 and UTF-32 and
+    skips a byte order mark, which a proxy or WAF reading UTF-8 (RFC 8259 §8.1) does not, so it
+    would screen other text than this server serves."""
+    if body.startswith(codecs.BOM_UTF8):
+        raise InvalidArgument(
+            "request body starts with a UTF-8 byte order mark; send JSON in UTF-8 without one"
+        )
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidArgument(
+            f"request body is not UTF-8 (byte {error.start}); send JSON encoded as UTF-8"
+        ) from None
+    if "\x00" in text:  # never in JSON text; ASCII in UTF-16 or UTF-32 is valid UTF-8 with NULs
+        raise InvalidArgument("request body holds a NUL byte (UTF-16 or UTF-32?); send JSON encoded as UTF-8")
+    return text
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
