@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from services.common.errors import Unavailable
 from services.gateway.http.openai_request import Endpoint, parse
-from services.gateway.http.openai_response import Rendering
+from services.gateway.http.openai_response import Rendering, completed
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
@@ -48,3 +50,14 @@ def test_chat_chunks_parse_as_the_clients_chunks_and_end_with_usage_then_done() 
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
     assert chunks[-2].choices[0].finish_reason == "content_filter"
     assert not chunks[-1].choices and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("reason", [pb.FINISH_REASON_CANCELLED, pb.FINISH_REASON_ERROR])
+def test_an_answer_cut_short_is_an_error_not_a_stop(reason: int) -> None:
+    # "stop" would pass a cancelled or failed answer off as whole (docs/http_api.md)
+    with pytest.raises(Unavailable, match="retry the request"):
+        completed(pb.GenerateResponse(done=pb.Completion(finish_reason=reason)))
+
+
+def test_a_whole_answer_is_its_completion() -> None:
+    assert completed(pb.GenerateResponse(done=DONE)) == DONE

@@ -34,7 +34,7 @@ from services.gateway.http.intake import Intake, draining, is_draining, request_
 from services.gateway.http.limits import HttpLimits
 from services.gateway.http.metrics import CountRequests
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest
-from services.gateway.http.openai_response import Rendering, sse
+from services.gateway.http.openai_response import Rendering, completed, sse
 from services.gateway.http.server import WRITE_STALL_STATE
 from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
@@ -254,7 +254,7 @@ async def _whole_answer(
             deltas.append(message.delta)
             if (message := await generation.next()) is None:  # type: ignore[assignment]
                 raise Unavailable("the engine ended the stream without a final message; retry the request")
-        done = _completed(message)
+        done = completed(message)
     except ThermoclineError as error:
         return _refused(span, from_refusal(error))
     except Exception:
@@ -289,7 +289,7 @@ async def _sse_events(
             message = await generation.next()
         if message is None:
             raise Unavailable("the engine ended the stream without a final message; retry the request")
-        for event in rendering.closing(_completed(message)):
+        for event in rendering.closing(completed(message)):
             yield event
     except ThermoclineError as error:
         yield sse(from_refusal(error).body)
@@ -299,14 +299,6 @@ async def _sse_events(
     finally:
         generation.cancel()
         span.end()
-
-
-def _completed(message: pb.GenerateResponse) -> pb.Completion:
-    """The final message's completion. One that failed is an error: OpenAI has no finish reason
-    for it, and "stop" would pass a cut-short answer off as a whole one."""
-    if message.done.finish_reason == pb.FINISH_REASON_ERROR:
-        raise Unavailable("the engine failed while generating this answer; retry the request")
-    return message.done
 
 
 def _refused(span: trace.Span, refusal: HttpError) -> Response:

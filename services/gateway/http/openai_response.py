@@ -6,6 +6,7 @@ import json
 import time
 from typing import Any
 
+from services.common.errors import Unavailable
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
@@ -13,7 +14,12 @@ FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_SAFETY: "content_filter",
-    pb.FINISH_REASON_CANCELLED: "stop",
+}
+# Finishes of an answer cut short: OpenAI has no reason for them, and "stop" would pass such an
+# answer off as whole, so the caller gets an error (503, or a stream's error event) instead.
+_CUT_SHORT = {
+    pb.FINISH_REASON_ERROR: "the engine failed while generating this answer; retry the request",
+    pb.FINISH_REASON_CANCELLED: "the engine cancelled this answer before it was complete; retry the request",
 }
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -26,6 +32,13 @@ def usage_json(usage: pb.Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
     }
+
+
+def completed(message: pb.GenerateResponse) -> pb.Completion:
+    """The final message's completion; Unavailable when the answer was cut short."""
+    if (reason := _CUT_SHORT.get(message.done.finish_reason)) is not None:
+        raise Unavailable(reason)
+    return message.done
 
 
 class Rendering:
