@@ -26,8 +26,16 @@ def _code_points(category: str) -> list[int]:
     """The code points of a general category, as this Python's unicodedata has them. Planes 0, 1
     and 14 hold every format character, control and enclosing mark; the rest hold ideographs and
     private use (a scan of all 17 planes took 0.25 s at import)."""
-    planes = itertools.chain(range(0x20000), range(0xE0000, 0xF0000))
-    return [c for c in planes if unicodedata.category(chr(c)) == category]
+    return _by_category().get(category, [])
+
+
+@functools.cache
+def _by_category() -> dict[str, list[int]]:
+    """Every code point of planes 0, 1 and 14 by general category: one scan for all callers."""
+    found: dict[str, list[int]] = {}
+    for c in itertools.chain(range(0x20000), range(0xE0000, 0xF0000)):
+        found.setdefault(unicodedata.category(chr(c)), []).append(c)
+    return found
 
 
 # Characters that render as nothing and are used to split a word past a screen: every Unicode
@@ -65,6 +73,13 @@ _BRAILLE_BLANK = re.compile("(?<![\u2801-\u28ff])\u2800+(?![\u2801-\u28ff])")
 # Combining marks that NFKC left on their own (it composes the ones that make an accented letter):
 # stacked over each letter ("Zalgo" text) or a strikethrough, they split a word past a pattern.
 _LOOSE_MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
+# Any other nonspacing mark (general category Mn) left after a Latin letter: the encoder's tokenizer
+# strips the marks of its own, older table only, and kept about 360 newer ones (U+07FD, U+0898, ...)
+# as unknown pieces, so "b\u0898omb" did not read as "bomb" to the classifier. Latin text has none
+# after NFKC (it composes the accented letters that exist); other scripts keep their vowel signs.
+_LATIN_MARKS = re.compile(
+    "(?<=[A-Za-z\u00c0-\u024f\u1e00-\u1eff])[" + "".join(re.escape(chr(c)) for c in _code_points("Mn")) + "]+"
+)
 # Unicode tag characters: invisible, dropped from the text (decoders.smuggled_tags reads them); and
 # every enclosing mark (general category Me), which draws a circle, a keycap or a Cyrillic
 # hundred-thousands sign round the letter before it: NFKC leaves them, and the tokenizer read
@@ -103,7 +118,9 @@ _LOOKALIKE_SET = frozenset(_LOOKALIKES_FROM)
 # Small capital letters ("ᴍᴀᴋᴇ ᴀ ʙᴏᴍʙ"), which NFKC leaves alone: the encoder reads them as unknown
 # tokens, so they hide a request as an encoding does. In IPA they are vowels and consonants close
 # to the letter they are read as here.
-_SMALL_CAPITALS = str.maketrans("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘǫʀꜱᴛᴜᴠᴡʏᴢ", "abcdefghijklmnopqrstuvwyz")
+# (Small capital Q is U+A7AF, not U+01EB "ǫ", an o with an ogonek, which NFKC makes of "o\u0328":
+# read as "q", it turned "bo\u0328mb" into "bqmb".)
+_SMALL_CAPITALS = str.maketrans("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘꞯʀꜱᴛᴜᴠᴡʏᴢ", "abcdefghijklmnopqrstuvwyz")
 # Letters drawn in boxes and circles that NFKC leaves alone or wraps in brackets: regional
 # indicators (the letters of flags: "🇭🇴🇼"), negative circled and squared letters ("🅗🅞🅦",
 # "🅷🅾🆆") and parenthesized ones ("⒣⒪⒲", which NFKC makes "(h)(o)(w)"). A flag reads as its
@@ -148,7 +165,7 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 17
+VIEWS_VERSION = 18
 
 
 def _visible(text: str) -> str:
@@ -173,7 +190,8 @@ def _cleaned(visible: str) -> str:
 
 def _unmarked(visible: str) -> str:
     """A _visible text with tag characters, enclosing marks and loose combining marks dropped."""
-    return _LOOSE_MARKS.sub("", visible.translate(_TAGS_AND_ENCLOSING_MARKS))
+    unmarked = _LOOSE_MARKS.sub("", visible.translate(_TAGS_AND_ENCLOSING_MARKS))
+    return unmarked if unmarked.isascii() else _LATIN_MARKS.sub("", unmarked)
 
 
 def normalize(text: str) -> str:
