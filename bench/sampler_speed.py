@@ -4,9 +4,10 @@
 
 The engine's sampler (services/engine/execution/sampler.py) draws each seeded row from its own
 logits, settings and key only: fixed-point weights, exact cumulative sums, a counter-based uniform.
-`engine sampler` times `sample`, what the engine runs; on CUDA, `engine kernels` times the Triton
-path (`sample_fused`, sampler_kernel.py) and `rows != reference` counts the rows of the cell where
-it drew other tokens than the torch code (`sample_reference`) on the same logits. The baselines are
+`engine sampler` times the torch code (`sample_reference`, what the engine runs on the CPU); on
+CUDA, `engine kernels` times the Triton path (`sample_fused`, sampler_kernel.py, what the engine
+runs there) and `rows != reference` counts the rows of the cell where it drew other tokens than the
+torch code on the same logits. The baselines are
 what a step costs without that promise, on the same logits: `argmax` (greedy), and
 `torch.multinomial` over the softmax after the same top-k / top-p filter (one generator for the
 batch, so a row's draw depends on its neighbours). `--compare-to FILE` also times another
@@ -129,7 +130,7 @@ def main() -> None:
                 steps = [
                     partial(torch.argmax, logits, dim=-1),
                     partial(torch_baseline, logits, params),
-                    partial(engine_sampler.sample, logits, params, keys),
+                    partial(engine_sampler.sample_reference, logits, params, keys),
                 ]
                 if kernels:
                     steps.append(partial(engine_sampler.sample_fused, logits, params, keys))
