@@ -31,6 +31,16 @@ def test_an_integer_beyond_its_protobuf_type_names_the_field(
     assert answer.error["param"] == param and says in answer.error["message"]
 
 
+@pytest.mark.parametrize("temperature", [1e-50, -1e-50, 0.0005])
+def test_a_temperature_too_small_to_sample_with_is_refused_not_run_greedy(
+    http_gateway: HttpGateway, temperature: float
+) -> None:
+    """float32 rounds 1e-50 to 0, which the gateway's range check reads as greedy."""
+    answer = http_gateway.post("/completions", json.dumps(COMPLETION | {"temperature": temperature}).encode())
+    assert answer.status == 400, answer.body
+    assert "temperature" in answer.error["message"] and "[0.001, 100]" in answer.error["message"]
+
+
 # json.dumps keeps "\ud800" as the escape JSON allows; Python decodes it to a lone surrogate.
 @pytest.mark.parametrize(
     ("path", "body", "param"),

@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.gateway.request_bounds import MAX_TEMPERATURE, MIN_TEMPERATURE
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 MAX_USER_CHARS = 256
@@ -132,9 +133,15 @@ def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
 
 
 def _sampling(body: dict[str, Any]) -> pb.SamplingOptions:
+    temperature = _number(body, "temperature", 1.0)
+    if 0.0 < abs(temperature) < MIN_TEMPERATURE:  # float32 would round 1e-50 to 0, i.e. greedy
+        raise InvalidArgument(
+            f"field 'temperature' must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+            f"got {temperature:g}"
+        )
     sampling = pb.SamplingOptions(
         max_tokens=_max_tokens(body),
-        temperature=_number(body, "temperature", 1.0),
+        temperature=temperature,
         top_p=_number(body, "top_p", 0.0),
         top_k=_integer(body, "top_k", 0, _UINT32_BITS),
         stop=_stop(body.get("stop")),
