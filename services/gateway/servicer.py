@@ -298,6 +298,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             if blocked := await self._screen_prompt(
                 prompt_verdict, admission, settings, audit, is_pass_traced=False
             ):
+                await charge.settle(0)  # the reservation is back before the caller hears of the block
                 for message in blocked:
                     yield message
                 return
