@@ -21,8 +21,6 @@ import collections
 import hmac
 import ipaddress
 import logging
-import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ import grpc
 
 from services.common import env
 from services.common.redaction import add_secret
+from services.common.secret_file import ensure_secret_file
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +93,7 @@ def token_from_env(environ: Mapping[str, str] | None = None) -> ServiceToken | N
 
 def ensure_token_file(path: Path) -> Path:
     """A random token at `path` (made once, mode 0600), as `thermocline up` keeps one."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            file.write(secrets.token_hex(32) + "\n")
-    return path
+    return ensure_secret_file(path)
 
 
 def is_loopback(host: str) -> bool:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from services.common.secret_file import ensure_secret_file
 
 MIN_KEY_BYTES = 32
 
@@ -37,12 +37,7 @@ def load_key(path: Path) -> bytes:
 
 def ensure_key(path: Path) -> Path:
     """A random signing key at `path` (made once, mode 0600)."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            file.write(secrets.token_hex(32) + "\n")
-    return path
+    return ensure_secret_file(path)
 
 
 def check_key_outside(key_file: Path, audit_directory: Path) -> None:
