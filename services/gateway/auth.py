@@ -2,8 +2,9 @@
 
 The key is chosen by the token's `kid` from a fixed local key set (jwks.py), and the algorithm
 is the one that key pins: the token's `alg` must equal it, so `none` and HS256-with-a-public-key
-tricks fail before any signature check. `exp`, `iss`, `aud` and `sub` are required, `nbf` is
-honoured, both with a small leeway, and `typ` must be the configured one (explicit typing).
+tricks fail before any signature check. `exp`, `iss`, `aud` and `sub` are required, `nbf` and
+`iat` are honoured, and `typ` must be the configured one (explicit typing). The dates are checked,
+with a small leeway, by one rule (verified_tokens.check_times) that names the claim that failed.
 Header fields that point at other keys (`jku`, `x5u`, `jwk`, `x5c`) are refused, never followed.
 A token that passed is remembered (verified_tokens.py): its repeats skip the signature check but
 not the clock or the key set.
@@ -11,6 +12,7 @@ not the clock or the key set.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +22,7 @@ from services.common.errors import Unauthenticated
 from services.gateway.config import JwtConfig
 from services.gateway.jwks import KeySet, VerificationKey
 from services.gateway.request_bounds import MAX_TOKEN_CHARS
-from services.gateway.verified_tokens import VerifiedToken, VerifiedTokens
+from services.gateway.verified_tokens import VerifiedToken, VerifiedTokens, check_times
 
 _REMOTE_KEY_HEADERS = ("jku", "x5u", "jwk", "x5c")
 MAX_SUBJECT_CHARS = 256
@@ -71,13 +73,15 @@ class JwtVerifier:
             return principal
         header = self._header(token)
         key = self._key_for(header)
-        principal = self._principal(self._decode(token, key))
+        claims = self._decode(token, key)
+        _check_numeric_dates(claims)
+        check_times(claims, self.verified.clock(), self.config.leeway_s)
+        principal = self._principal(claims)
         self.verified.put(token, VerifiedToken(principal, header.get("kid"), key))
         return principal
 
     def _principal(self, claims: dict[str, Any]) -> Principal:
         """The principal a verified token's claims name, once their types and sizes pass."""
-        _check_numeric_dates(claims)
         subject = claims.get("sub")
         if not isinstance(subject, str) or not subject:
             raise Unauthenticated("token has no 'sub' claim naming the caller")
@@ -133,12 +137,15 @@ class JwtVerifier:
                 audience=self.config.audience,
                 issuer=self.config.issuer,
                 leeway=self.config.leeway_s,
-                options={"require": ["exp", "iss", "aud", "sub"], "verify_nbf": True},
+                # the dates are checked after, by check_times: PyJWT calls an `iat` in the future
+                # "not yet valid", as it calls an `nbf`, and the cache's repeats need the same rule
+                options={
+                    "require": ["exp", "iss", "aud", "sub"],
+                    "verify_exp": False,
+                    "verify_nbf": False,
+                    "verify_iat": False,
+                },
             )
-        except jwt.ExpiredSignatureError:
-            raise Unauthenticated("token has expired; mint a new one") from None
-        except jwt.ImmatureSignatureError:
-            raise Unauthenticated("token is not valid yet (nbf is in the future)") from None
         except jwt.InvalidAudienceError:
             raise Unauthenticated(
                 f"token audience is wrong; this gateway is {self.config.audience!r}"
@@ -161,11 +168,17 @@ def _bounded(text: str, max_chars: int = 200) -> str:
 
 
 def _check_numeric_dates(claims: dict[str, Any]) -> None:
-    """Refuses `exp`, `nbf` or `iat` given as anything but a JSON number."""
+    """Refuses `exp`, `nbf` or `iat` given as anything but a finite JSON number."""
     for name in _NUMERIC_DATE_CLAIMS:
         value = claims.get(name)
-        if name in claims and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if name not in claims:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise Unauthenticated(
                 f"token claim '{name}' must be a JSON number (seconds since the epoch), "
                 f"not {type(value).__name__}"
+            )
+        if not math.isfinite(value):  # Python's JSON reader takes NaN and Infinity
+            raise Unauthenticated(
+                f"token claim '{name}' must be a finite JSON number (seconds since the epoch), not {value}"
             )

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import time
 from pathlib import Path
 
@@ -255,4 +256,29 @@ def test_an_oversize_token_is_refused_and_the_limit_stated(
     token = mint_token(keys[0], subject="alice", extra_claims={"pad": "x" * 13_000})
     assert len(token) > 16 * 1024
     with pytest.raises(Unauthenticated, match=f"token is {len(token)} characters, longer than the 16384"):
+        verifier.verify(_bearer(token))
+
+
+@pytest.mark.parametrize(
+    ("claim", "says", "not_says"),
+    [("iat", "issued in the future (iat", "nbf"), ("nbf", "not valid yet (nbf", "iat")],
+)
+def test_a_date_in_the_future_is_refused_naming_that_claim(
+    keys: tuple[bytes, Path], verifier: JwtVerifier, claim: str, says: str, not_says: str
+) -> None:
+    # mint_token sets both iat and nbf to now; only `claim` moves past the 5 s leeway
+    token = mint_token(keys[0], subject="alice", extra_claims={claim: int(time.time()) + 600})
+    with pytest.raises(Unauthenticated) as refused:
+        verifier.verify(_bearer(token))
+    assert says in refused.value.message and not_says not in refused.value.message
+
+
+@pytest.mark.parametrize("claim", ["exp", "nbf", "iat"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_dates_must_be_finite(
+    keys: tuple[bytes, Path], verifier: JwtVerifier, claim: str, value: float
+) -> None:
+    # JSON has no such numbers, but Python's reader takes NaN and Infinity; no clock compares with them
+    token = _forged(keys, {"typ": "JWT", "kid": key_id(keys[0], "RS256")}, _claims(**{claim: value}))
+    with pytest.raises(Unauthenticated, match=f"'{claim}' must be a finite JSON number"):
         verifier.verify(_bearer(token))

@@ -113,6 +113,15 @@ def test_nbf_in_the_future_is_refused(stories_mesh: Mesh) -> None:
     _expect(stories_mesh, _signed(stories_mesh, _claims(nbf=int(time.time()) + 600)), "not valid yet")
 
 
+def test_iat_in_the_future_is_refused_naming_iat_not_nbf(stories_mesh: Mesh) -> None:
+    # the mesh runs the default 30 s leeway; the token has no nbf
+    error = refusal(
+        stories_mesh.target("gateway"), _signed(stories_mesh, _claims(iat=int(time.time()) + 600))
+    )
+    assert error.code() == UNAUTHENTICATED
+    assert "issued in the future (iat" in error.details() and "nbf" not in error.details()
+
+
 @pytest.mark.parametrize(
     "kid",
     [

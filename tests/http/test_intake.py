@@ -49,6 +49,14 @@ def test_a_refusal_before_the_servicer_is_audited(
     assert (events[0]["actor_principal"], events[0]["tenant"]) == ("tester", "acme")  # the token came first
 
 
+def test_a_token_issued_in_the_future_is_refused_naming_iat(http_gateway: HttpGateway) -> None:
+    # the gateway allows 30 s of clock skew; the token's nbf is now
+    bearer = http_gateway.token(iat=int(time.time()) + 600)
+    answer = http_gateway.post("/completions", VALID, {"Authorization": f"Bearer {bearer}"})
+    assert answer.status == 401
+    assert "issued in the future (iat" in answer.error["message"] and "nbf" not in answer.error["message"]
+
+
 def test_a_models_refusal_before_the_servicer_is_audited(http_gateway: HttpGateway) -> None:
     request_id = fresh_request_id()
     answer = http_gateway.call("GET", "/models", headers={"X-Timeout-S": "0", "X-Request-Id": request_id})
