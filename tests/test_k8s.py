@@ -29,6 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("laptop", "gpu")
 KUBERNETES_VERSION = "1.32.0"
+# The mesh's own services, each the workload kind it renders as.
+SERVICES = (
+    ("Deployment", "gateway"),
+    ("StatefulSet", "engine"),
+    ("Deployment", "safety"),
+    ("StatefulSet", "kvstore"),
+)
 # Config that kustomize must read from inside deploy/k8s/base: each copy and its original.
 COPIES = {
     "config/policy.json": "deploy/gateway/policy.json",
@@ -167,14 +174,7 @@ def test_the_validator_rejects_a_misspelt_field() -> None:
 
 def test_each_service_is_there_with_its_shape(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, objects = rendered
-    for kind, name in [
-        ("Deployment", "gateway"),
-        ("StatefulSet", "engine"),
-        ("Deployment", "safety"),
-        ("StatefulSet", "kvstore"),
-        ("Deployment", "redis"),
-        ("Deployment", "otel-collector"),
-    ]:
+    for kind, name in [*SERVICES, ("Deployment", "redis"), ("Deployment", "otel-collector")]:
         find(objects, kind, name)
     kvstore = find(objects, "StatefulSet", "kvstore")
     assert kvstore["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "segments"
@@ -186,12 +186,7 @@ def test_each_service_is_there_with_its_shape(rendered: tuple[str, list[dict[str
 def test_every_service_holds_the_service_token(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     """The file THERMOCLINE_SERVICE_TOKEN_FILE names lies in the service-token Secret's mount."""
     _, objects = rendered
-    for kind, name in [
-        ("Deployment", "gateway"),
-        ("StatefulSet", "engine"),
-        ("Deployment", "safety"),
-        ("StatefulSet", "kvstore"),
-    ]:
+    for kind, name in SERVICES:
         workload = find(objects, kind, name)
         token_file = Path(env_of(workload)["THERMOCLINE_SERVICE_TOKEN_FILE"])
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
