@@ -80,6 +80,25 @@ def test_async_streaming_gives_the_same_text_then_usage_then_done(http_gateway: 
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("is_named", [False, True], ids=["default-model", "named-model"])
+def test_every_streamed_chunk_names_the_model_of_the_whole_answer(
+    http_gateway: HttpGateway, is_named: bool
+) -> None:
+    served = complete(http_gateway).model  # a request that names no model gets the default
+    assert served
+    chunks = list(
+        client(http_gateway).completions.create(
+            model=served if is_named else "",
+            prompt=STORIES_PROMPT,
+            max_tokens=NUM_TOKENS,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len(chunks) > 2 and {chunk.model for chunk in chunks} == {served}
+
+
 def test_chat_without_a_template_is_refused_with_the_fix(http_gateway: HttpGateway) -> None:
     # stories260K has no chat template: the engine's refusal reaches the caller as a 400
     with pytest.raises(openai.BadRequestError) as refused:

@@ -13,7 +13,7 @@ from services.gateway.http.openai_request import Endpoint, parse
 from services.gateway.http.openai_response import Rendering, completed
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
-BODY = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+BODY = {"model": "", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
 DONE = pb.Completion(
     finish_reason=pb.FINISH_REASON_SAFETY,
     model="served-model",
@@ -29,7 +29,7 @@ def events(chunks: list[bytes]) -> list[str]:
 def test_a_chat_answer_parses_as_the_clients_chat_completion() -> None:
     parsed = parse(Endpoint.CHAT, BODY)
     assert [(m.role, m.content) for m in parsed.request.chat.messages] == [("user", "hi")]
-    answer = ChatCompletion.model_validate(Rendering(parsed, "r1").body("Hello", DONE))
+    answer = ChatCompletion.model_validate(Rendering(parsed, "r1", "m").body("Hello", DONE))
     assert answer.id == "chatcmpl-r1" and answer.model == "served-model"
     assert answer.choices[0].message.content == "Hello"
     assert answer.choices[0].finish_reason == "content_filter"
@@ -40,7 +40,7 @@ def test_a_chat_answer_parses_as_the_clients_chat_completion() -> None:
 
 def test_chat_chunks_parse_as_the_clients_chunks_and_end_with_usage_then_done() -> None:
     parsed = parse(Endpoint.CHAT, BODY | {"stream": True, "stream_options": {"include_usage": True}})
-    rendering = Rendering(parsed, "r2")
+    rendering = Rendering(parsed, "r2", "served-model")
     payloads = events(
         [rendering.chunk("Hel", is_first=True), rendering.chunk("lo"), *rendering.closing(DONE)]
     )
@@ -50,6 +50,7 @@ def test_chat_chunks_parse_as_the_clients_chunks_and_end_with_usage_then_done() 
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
     assert chunks[-2].choices[0].finish_reason == "content_filter"
     assert not chunks[-1].choices and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    assert {chunk.model for chunk in chunks} == {"served-model"}
 
 
 @pytest.mark.parametrize("reason", [pb.FINISH_REASON_CANCELLED, pb.FINISH_REASON_ERROR])

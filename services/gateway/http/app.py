@@ -30,7 +30,7 @@ from services.gateway.http.call import Generation
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
 from services.gateway.http.framing import CloseAfterUnreadBody, RefuseAmbiguousFraming
 from services.gateway.http.in_flight import CountInFlight
-from services.gateway.http.intake import Intake, draining, is_draining, request_id_from
+from services.gateway.http.intake import GenerateCall, Intake, draining, is_draining, request_id_from
 from services.gateway.http.limits import HttpLimits
 from services.gateway.http.metrics import CountRequests
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest
@@ -140,9 +140,11 @@ class OpenAIRoutes:
         request_id = request_id_from(request)
         try:
             with trace.use_span(span):
-                parsed, context, timeout_s = await self.intake.generate(request, endpoint, request_id)
-                _annotate(span, parsed)
-                generation = Generation(self.servicer.Generate(parsed.request, context), span, timeout_s)
+                call = await self.intake.generate(request, endpoint, request_id)
+                _annotate(span, call.parsed)
+                generation = Generation(
+                    self.servicer.Generate(call.parsed.request, call.context), span, call.timeout_s
+                )
         except ClientDisconnect:
             return _ended(span, _hung_up(span))
         except ThermoclineError as error:
@@ -150,7 +152,7 @@ class OpenAIRoutes:
         except Exception:
             return _ended(span, _unexpected(span))
         try:
-            return await self._answer(request, parsed, generation, Rendering(parsed, request_id), span)
+            return await self._answer(request, call, generation, request_id, span)
         except ClientDisconnect:  # the engine request ends with the generation's task
             generation.cancel()
             return _ended(span, _hung_up(span))
@@ -163,26 +165,29 @@ class OpenAIRoutes:
             raise
 
     async def _answer(
-        self,
-        request: Request,
-        parsed: OpenAIRequest,
-        generation: Generation,
-        rendering: Rendering,
-        span: trace.Span,
+        self, request: Request, call: GenerateCall, generation: Generation, request_id: str, span: trace.Span
     ) -> Response:
         """The answer once the call is running: an error, one JSON body, or an SSE stream."""
-        headers = {"x-request-id": rendering.request_id}
+        headers, parsed = {"x-request-id": request_id}, call.parsed
         async with _cancelled_on_disconnect(request):
             with trace.use_span(span):
                 try:
                     first = await _first(generation)
+                    model = await self._answering_model(parsed.request.model, call.context.time_remaining())
                 except ThermoclineError as error:
                     return _ended(span, _refused(span, from_refusal(error)))
+                rendering = Rendering(parsed, request_id, model)
                 if not parsed.is_stream:
                     return _ended(span, await _whole_answer(generation, first, rendering, headers, span))
         # From here Starlette's StreamingResponse notices a disconnect and cancels the stream.
         stream = _sse_events(generation, first, rendering, span)
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+    async def _answering_model(self, requested: str, timeout_s: float | None) -> str:
+        """The model an answer names, as its final message will: the one the request named, else
+        the default the gateway routed it to. The stream's first message comes after admission,
+        which resolved the default, so the engine's model description is then already fetched."""
+        return requested or (await self.servicer.upstreams.model_info(timeout_s)).model
 
 
 @contextlib.asynccontextmanager

@@ -42,16 +42,20 @@ def completed(message: pb.GenerateResponse) -> pb.Completion:
 
 
 class Rendering:
-    """The fixed parts of one answer: its id, creation time, model and shape."""
+    """The fixed parts of one answer: its id, creation time, model and shape.
 
-    def __init__(self, parsed: OpenAIRequest, request_id: str) -> None:
+    `model` is the model the answer names: the one the request named, else the default the gateway
+    routed it to, which is what the final message reports. A stream's chunks all carry it, the
+    first ones included, which go out before the final message says it."""
+
+    def __init__(self, parsed: OpenAIRequest, request_id: str, model: str) -> None:
         self.endpoint = parsed.endpoint
         self.include_usage = parsed.include_usage
         prefix = "chatcmpl" if parsed.endpoint is Endpoint.CHAT else "cmpl"
         self.request_id = request_id
         self.id = f"{prefix}-{request_id}"
         self.created = int(time.time())
-        self.model = parsed.request.model
+        self.model = model
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -90,8 +94,8 @@ class Rendering:
         return sse(event)
 
     def closing(self, done: pb.Completion) -> list[bytes]:
-        """The finish-reason chunk, the usage chunk when asked for, and [DONE]."""
-        self.model = done.model or self.model
+        """The finish-reason chunk, the usage chunk when asked for, and [DONE]; they name the
+        model the stream's first chunks named."""
         events = [self.chunk("", FINISH_REASONS.get(done.finish_reason, "stop"))]
         if self.include_usage:
             kind = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
