@@ -12,6 +12,11 @@ Watch says SERVING (the Watch waits for the connection, whose reconnect backoff 
 0.5 s in services/common/channels.py). When no replica is ready the live ones still get traffic,
 so a caller gets their refusal (FAILED_PRECONDITION naming the gate), which says what to fix,
 not UNAVAILABLE. Each replica's queue depth (running plus waiting, from GetStats) is polled.
+GetStats carries the mesh's service token, where the health Watch needs none: a replica that
+answers it UNAUTHENTICATED reads another token than this gateway (THERMOCLINE_SERVICE_TOKEN_FILE),
+so it counts as not serving (the gateway's /ready with it) and gets no traffic while another
+takes the token, until a later poll is answered; the operator hears of it in an ERROR and in
+thermocline_gateway_upstream_token_refused_seconds (services/gateway/metrics.py).
 Balancing is intent-aware: when the affinity replica's queue is more than `max_queue_skew`
 longer than the shortest, latency-sensitive classes go to the shortest queue, while the `batch`
 class tolerates four times the skew to keep its prefix.
@@ -31,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import telemetry
 from services.common.channels import open_channel
 from services.gateway.config import RoutingConfig
+from services.gateway.metrics import TokenHealth
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,17 +51,24 @@ _READY_STATUSES = (_SERVING, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
 
 
 class Replica:
-    """One engine replica: its stub, whether it is live and ready, and its last known queue depth."""
+    """One engine replica: its stub, whether it is live, ready and takes our service token, and its
+    last known queue depth."""
 
     def __init__(self, target: str) -> None:
         self.target = target
         self.channel = open_channel(target, trace_calls=False)  # the stub traces its own calls
         service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
         self.stub = telemetry.traced_stub(engine_pb2_grpc.EngineServiceStub(self.channel), service)
-        self.is_serving = False  # live: "" is SERVING
+        self.is_live = False  # "" is SERVING
         self.is_ready = False  # the engine service's name is SERVING (or unknown to the replica)
+        self.token = TokenHealth("engine", target)  # refused: its last GetStats was UNAUTHENTICATED
         self.queue_depth = 0
-        self._serving = asyncio.Event()
+        self._live = asyncio.Event()
+
+    @property
+    def is_serving(self) -> bool:
+        """Live, and taking our service token: one that refuses it answers health checks only."""
+        return self.is_live and not self.token.is_refused
 
     def affinity(self, key: bytes) -> int:
         """This replica's rendezvous weight for `key`."""
@@ -63,10 +76,8 @@ class Replica:
         return int.from_bytes(digest, "big")
 
     async def follow_health(self) -> None:
-        """Keeps `is_serving` and `is_ready` current from the replica's health Watch streams, forever."""
-        await asyncio.gather(
-            self._follow("", self._set_serving), self._follow(ENGINE_SERVICE, self._set_ready)
-        )
+        """Keeps `is_live` and `is_ready` current from the replica's health Watch streams, forever."""
+        await asyncio.gather(self._follow("", self._set_live), self._follow(ENGINE_SERVICE, self._set_ready))
 
     async def _follow(self, service: str, update: Callable[[bool], None]) -> None:
         """Follows `service`'s health Watch, reconnecting forever; `update` gets whether it counts."""
@@ -89,29 +100,33 @@ class Replica:
             log.info("engine %s is %s", self.target, "ready" if is_ready else "not ready")
         self.is_ready = is_ready
 
-    def _set_serving(self, is_serving: bool) -> None:
-        if is_serving != self.is_serving:
-            log.info("engine %s is %s", self.target, "SERVING" if is_serving else "NOT_SERVING")
-        self.is_serving = is_serving
-        if is_serving:
-            self._serving.set()
+    def _set_live(self, is_live: bool) -> None:
+        if is_live != self.is_live:
+            log.info("engine %s is %s", self.target, "SERVING" if is_live else "NOT_SERVING")
+        self.is_live = is_live
+        if is_live:
+            self._live.set()
         else:
-            self._serving.clear()
+            self._live.clear()
 
     async def wait_serving(self, timeout_s: float) -> bool:
         """Waits up to `timeout_s` for the health Watch to report SERVING; whether it did."""
         try:
-            await asyncio.wait_for(self._serving.wait(), timeout_s)
+            await asyncio.wait_for(self._live.wait(), timeout_s)
         except TimeoutError:
             return False
         return True
 
     async def poll_stats(self, timeout_s: float) -> None:
-        """Refreshes the queue depth; keeps the old value when the replica does not answer."""
+        """Refreshes the queue depth and whether the replica takes our service token; keeps the old
+        depth when the replica does not answer."""
         try:
             stats = await self.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                self.token.record_refusal()
             return
+        self.token.record_accepted()
         self.queue_depth = int(stats.num_running + stats.num_waiting)
 
 
@@ -136,7 +151,8 @@ class Router:
     async def _poll_forever(self) -> None:
         interval = self.config.stats_interval_s
         while True:
-            await asyncio.gather(*(r.poll_stats(interval) for r in self.replicas if r.is_serving))
+            # the live ones: a replica refusing our token is asked again, to see it take it
+            await asyncio.gather(*(r.poll_stats(interval) for r in self.replicas if r.is_live))
             await asyncio.sleep(interval)
 
     def candidates(self, key: bytes, priority_class: str) -> list[Replica]:
@@ -150,17 +166,19 @@ class Router:
         return ranked
 
     def routable(self) -> list[Replica]:
-        """The ready replicas; else the live ones (their refusal says why); else all of them."""
-        live = [r for r in self.replicas if r.is_serving]
-        return [r for r in live if r.is_ready] or live or list(self.replicas)
+        """The ready replicas; else the serving ones (their refusal says why); else the live ones,
+        which refuse our token (the caller hears that no usable engine is reachable); else all."""
+        live = [r for r in self.replicas if r.is_live]
+        serving = [r for r in live if r.is_serving]
+        return [r for r in serving if r.is_ready] or serving or live or list(self.replicas)
 
     def by_preference(self) -> list[Replica]:
         """Every replica, the order a call that any of them can answer tries them in: the ready
-        ones, then the live ones, then the rest (as `routable` falls back)."""
-        return sorted(self.replicas, key=lambda r: (not r.is_serving, not r.is_ready))
+        ones, then the serving ones, then the live ones, then the rest (as `routable` falls back)."""
+        return sorted(self.replicas, key=lambda r: (not r.is_serving, not r.is_live, not r.is_ready))
 
     def any_routable(self) -> Replica:
-        """The replica such a call goes to first: ready, else live, else the first one."""
+        """The replica such a call goes to first: ready, else serving, else live, else the first one."""
         return self.by_preference()[0]
 
     async def close(self) -> None:

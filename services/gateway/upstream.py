@@ -47,10 +47,18 @@ class GateInfo(NamedTuple):
 
 
 def upstream_error(service: str, error: grpc.aio.AioRpcError) -> ThermoclineError:
-    """The error the client should see when `service` failed with `error`."""
+    """The error the client should see when `service` failed with `error`. UNAUTHENTICATED is the
+    gateway's own service token refused: no retry mends it, and its details (the setting to send)
+    are the operator's, who reads them in the gateway's log (metrics.TokenHealth)."""
     passed = _PASSED_THROUGH.get(error.code())
     if passed is not None:
         return passed(f"{service}: {error.details()}")
+    if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return Unavailable(
+            f"the gateway cannot reach a usable {service}: the {service} refuses the gateway's calls, "
+            "a configuration fault that the operator must fix (the gateway logs it); retrying will not "
+            "help until then"
+        )
     return Unavailable(f"{service} is unavailable ({error.code().name}: {error.details()}); retry later")
 
 

@@ -1,0 +1,183 @@
+"""A gateway whose service token its engine or safety service refuses: THERMOCLINE_SERVICE_TOKEN_FILE
+names another token on each side. Their health checks stay open, so only calls that carry the
+token see it: the router's GetStats poll marks the replica as refusing (live, but not serving),
+the gateway's /ready says 503, thermocline_gateway_upstream_token_refused_seconds rises for that
+target and one ERROR names it and the setting; a caller hears UNAVAILABLE saying that no usable
+engine (or safety service) is reachable, not "retry later". Once the tokens match, the next poll
+makes the gateway ready again, without a restart of the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.cli.mesh import Mesh, MeshConfig, Ports
+from services.common.ports import free_port
+from services.common.service_auth import METADATA_KEY, TOKEN_FILE_SETTING, ensure_token_file
+from services.gateway.config import RoutingConfig
+from services.gateway.router import Router
+from tests.conftest import holding_service_token
+from tests.gateway.conftest import call, refusal, token
+from tests.gateway.test_router import _wait_until
+
+GAUGE = "thermocline_gateway_upstream_token_refused_seconds"
+REFUSAL_LOGGED = "refuses this gateway's service token"
+NO_USABLE = "the gateway cannot reach a usable"
+WAIT_S = 30.0
+POLL_INTERVAL_S = 0.05  # the in-process router's: one second of refusals is about 20 polls
+
+
+@pytest.fixture(scope="module")
+def mesh(stories_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Redis, safety and an engine, all on the mesh's own service token."""
+    state_dir = tmp_path_factory.mktemp("token-refusal")
+    settings = {"THERMOCLINE_ENGINE_KVSTORE_TARGET": ""}  # no kvstore: no cold tier
+    mesh = Mesh(MeshConfig(str(stories_model), state_dir, Ports.free(), env=settings))
+    mesh.logs_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for service in ("redis", "safety", "engine"):
+            mesh.start_service(service)
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def other_token(mesh: Mesh) -> Path:
+    """A token no service of the mesh reads, whatever the tests below switch them to."""
+    return ensure_token_file(mesh.keys_dir / "other.token")
+
+
+def _refusals_logged(messages: list[str], target: str) -> list[str]:
+    return [m for m in messages if REFUSAL_LOGGED in m and target in m]
+
+
+def _services_token(mesh: Mesh) -> Path:
+    """The token file the mesh's services read now (the last test switches them to another)."""
+    return Path(mesh.config.env.get(TOKEN_FILE_SETTING, str(mesh.service_token_path)))
+
+
+def _assert_generic(message: str) -> None:
+    """The caller's message says no usable upstream is reachable, and nothing of the mesh's setup."""
+    assert any(f"{NO_USABLE} {service}:" in message for service in ("engine", "safety")), message
+    assert "retry later" not in message, message
+    assert TOKEN_FILE_SETTING not in message and METADATA_KEY not in message and "/" not in message, message
+
+
+def test_a_replica_that_refuses_our_token_is_live_but_not_serving_and_logged_once(
+    mesh: Mesh, other_token: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = mesh.target("engine")
+    labels = {"upstream": "engine", "target": engine}
+
+    async def scenario() -> None:
+        with holding_service_token(other_token):  # the router here calls as a gateway on another token
+            router = Router(RoutingConfig(engine_targets=(engine,), stats_interval_s=POLL_INTERVAL_S))
+        (replica,) = router.replicas
+        await router.start()
+        try:
+            await _wait_until(lambda: replica.is_live and replica.token.refused_s() > 1.0, WAIT_S)
+            assert not replica.is_serving
+            assert router.routable() == [replica]  # the only one: a caller's error comes from it
+            assert (REGISTRY.get_sample_value(GAUGE, labels) or 0.0) > 1.0
+        finally:
+            await router.close()
+
+    caplog.set_level(logging.INFO, logger="services.gateway.metrics")
+    asyncio.run(scenario())
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    (logged,) = _refusals_logged(errors, engine)  # about 20 refused polls, one line
+    assert TOKEN_FILE_SETTING in logged, logged
+
+
+def test_a_replica_that_takes_our_token_is_serving(mesh: Mesh) -> None:
+    engine = mesh.target("engine")
+
+    async def scenario() -> None:
+        with holding_service_token(_services_token(mesh)):
+            router = Router(RoutingConfig(engine_targets=(engine,), stats_interval_s=POLL_INTERVAL_S))
+        (replica,) = router.replicas
+        await router.start()
+        try:
+            await _wait_until(lambda: replica.is_live, WAIT_S)
+            await replica.poll_stats(WAIT_S)
+            assert replica.is_serving and not replica.token.is_refused
+            assert REGISTRY.get_sample_value(GAUGE, {"upstream": "engine", "target": engine}) == 0.0
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
+
+
+def _ready_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def _refused_s(metrics_url: str, target: str) -> float | None:
+    """The gateway's gauge for the engine at `target`, None while it does not export one."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as page:
+        families = text_string_to_metric_families(page.read().decode())
+    for family in families:
+        for sample in family.samples:
+            if sample.name == GAUGE and sample.labels == {"upstream": "engine", "target": target}:
+                return sample.value
+    return None
+
+
+def _wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Checks `condition` until it holds; fails naming `what` after WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {WAIT_S:.0f} s: {what}"
+        time.sleep(0.05)
+
+
+def _restart(mesh: Mesh, service: str) -> None:
+    process = mesh.processes[service]
+    process.terminate()
+    process.wait(60)
+    mesh.start_service(service)
+
+
+def test_a_gateway_whose_token_the_engine_refuses_is_not_ready_until_the_tokens_match(mesh: Mesh) -> None:
+    gateway_token = ensure_token_file(mesh.keys_dir / "gateway.token")
+    name, metrics_port, engine = "gateway-own-token", free_port(), mesh.target("engine")
+    target = mesh.start_gateway_replica(
+        name,
+        THERMOCLINE_SERVICE_TOKEN_FILE=str(gateway_token),
+        THERMOCLINE_GATEWAY_METRICS_PORT=str(metrics_port),
+        THERMOCLINE_GATEWAY_ENGINE_STATS_INTERVAL_S="0.1",
+    )
+    ready_url = mesh.http_url(name).removesuffix("/v1") + "/ready"
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    _wait_for(lambda: (_refused_s(metrics_url, engine) or 0.0) > 1.0, "the gauge shows the refusal")
+    assert _ready_status(ready_url) == 503
+    refused = refusal(target, token(mesh))
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+    _assert_generic(refused.details() or "")  # the engine's count or safety's screen, whichever failed first
+    log_lines = (mesh.logs_dir / f"{name}.log").read_text().splitlines()
+    (logged,) = _refusals_logged([line for line in log_lines if " ERROR " in line], engine)
+    assert TOKEN_FILE_SETTING in logged, logged
+
+    # the operator hands safety and the engine the gateway's token; the gateway itself runs on
+    mesh.config.env[TOKEN_FILE_SETTING] = str(gateway_token)
+    _restart(mesh, "safety")
+    _restart(mesh, "engine")
+    _wait_for(lambda: _ready_status(ready_url) == 200, "the gateway reports ready")
+    assert _refused_s(metrics_url, engine) == 0.0
+    assert call(target, token(mesh)).done is not None
