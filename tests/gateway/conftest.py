@@ -243,6 +243,13 @@ def gauge_value(metrics_port: int, name: str) -> float:
     return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
 
 
+def token_level(mesh: Mesh, tenant: str) -> float:
+    """The tokens left in `tenant`'s token bucket in the mesh's redis-server; fails when it has none yet."""
+    level = redis.Redis(port=mesh.config.ports.redis).hget(bucket_keys(tenant)[1], "level")
+    assert level is not None, f"tenant {tenant} has no token bucket yet"
+    return float(level)
+
+
 @contextlib.contextmanager
 def requests_taken(mesh: Mesh, tenant: str) -> Iterator[list[int]]:
     """The requests that each take from `tenant`'s buckets asks for (negative: given back), as

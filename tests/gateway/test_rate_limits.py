@@ -11,15 +11,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
 
 from services.cli.client import build_request, call_metadata, stream_generate
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import GATEWAY_GENERATE, GATEWAY_TO_SAFETY, TraceCollector
 from services.gateway.audit_chain import segment_paths
-from services.gateway.rate_limiter import bucket_keys
 from tests.conftest import STORIES_PROMPT, start_mesh
-from tests.gateway.conftest import call, refusal, requests_taken, token, write_policy_files
+from tests.gateway.conftest import call, refusal, requests_taken, token, token_level, write_policy_files
 
 BURST = 10
 TENANTS = {
@@ -106,12 +104,6 @@ def test_tokens_per_minute_count_prompt_and_completion(mesh: Mesh) -> None:
     assert "1 tokens/min in bursts of 30" in error.details()
 
 
-def _token_level(mesh: Mesh, tenant: str) -> float:
-    level = redis.Redis(port=mesh.config.ports.redis).hget(bucket_keys(tenant)[1], "level")
-    assert level is not None, f"tenant {tenant} has no token bucket yet"
-    return float(level)
-
-
 def test_a_stream_cancelled_by_its_caller_is_charged_the_tokens_it_received(mesh: Mesh) -> None:
     bearer = _user(mesh, "canceller")
     request = build_request(STORIES_PROMPT, max_tokens=400)
@@ -127,7 +119,7 @@ def test_a_stream_cancelled_by_its_caller_is_charged_the_tokens_it_received(mesh
     # back once the gateway sees the cancel: wait for it, not for a fixed time.
     prompt_tokens, refill = 5, 1  # the bucket refills under one token within the test
     deadline = time.monotonic() + 30
-    while (charged := 500 - _token_level(mesh, "canceller")) >= prompt_tokens + 400 - refill:
+    while (charged := 500 - token_level(mesh, "canceller")) >= prompt_tokens + 400 - refill:
         assert time.monotonic() < deadline, f"{charged:.0f} tokens still charged after receiving {received}"
     assert charged >= prompt_tokens + received - refill  # the tokens released stay charged
 

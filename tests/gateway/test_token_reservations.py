@@ -21,15 +21,13 @@ from urllib.parse import urlsplit
 
 import grpc
 import pytest
-import redis
 
 from services.cli.client import call_metadata, collect, stream_generate
 from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
 from services.gateway.audit_chain import segment_paths
-from services.gateway.rate_limiter import bucket_keys
 from tests.conftest import STORIES_PROMPT, TEST_DENY_PHRASE, start_mesh
-from tests.gateway.conftest import call, refusal, stopped, token, write_policy_files
+from tests.gateway.conftest import call, refusal, stopped, token, token_level, write_policy_files
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 BUCKET = 300  # the reviewer's 300 tokens/min, refilled at one token a minute: nothing refills in a test
@@ -79,12 +77,6 @@ def _user(mesh: Mesh, tenant: str) -> str:
 
 def _fresh_tenant(name: str) -> str:
     return f"{name}-{time.monotonic_ns()}"
-
-
-def _level(mesh: Mesh, tenant: str) -> float:
-    level = redis.Redis(port=mesh.config.ports.redis).hget(bucket_keys(tenant)[1], "level")
-    assert level is not None, f"tenant {tenant} has no token bucket yet"
-    return float(level)
 
 
 def _num_allowed(mesh: Mesh, tenant: str) -> int:
@@ -157,7 +149,7 @@ def _check_burst(mesh: Mesh, tenant: str, outcomes: list[Outcome]) -> None:
         assert f"token budget of tenant {tenant!r} reached" in refused.message
         # 105 tokens left once the one call reserved 195: its prompt and 100 more fit now
         assert "set max_tokens to at most 100 to run now, or retry after" in refused.message
-    spent = BUCKET - _level(mesh, tenant)  # the admitted call's done message came after its charge
+    spent = BUCKET - token_level(mesh, tenant)  # the admitted call's done message came after its charge
     assert spent == pytest.approx(PROMPT_TOKENS + num_completion_tokens, abs=1)
     assert spent <= BUCKET
 
@@ -185,7 +177,7 @@ def test_a_call_that_ends_early_gives_back_what_it_did_not_use_and_the_next_fits
     assert first.done is not None and first.done.finish_reason == pb.FINISH_REASON_STOP
     used = first.done.usage.completion_tokens
     assert used < MAX_TOKENS - 100, f"the first sentence took {used} tokens"
-    assert BUCKET - _level(mesh, tenant) == pytest.approx(PROMPT_TOKENS + used, abs=1)
+    assert BUCKET - token_level(mesh, tenant) == pytest.approx(PROMPT_TOKENS + used, abs=1)
     # Without the give-back, 105 tokens would be left: too few for a second reservation of 195.
     assert call(mesh.target("gateway"), bearer, intent="chat", max_tokens=MAX_TOKENS).done is not None
 
@@ -195,7 +187,7 @@ def test_a_prompt_blocked_by_safety_gives_its_whole_max_tokens_back(mesh: Mesh) 
     prompt = f"Once upon a time there was a {TEST_DENY_PHRASE}"
     result = call(mesh.target("gateway"), _user(mesh, tenant), intent="chat", max_tokens=150, prompt=prompt)
     assert result.done is not None and result.done.finish_reason == pb.FINISH_REASON_SAFETY
-    assert BUCKET - _level(mesh, tenant) == pytest.approx(result.done.usage.prompt_tokens, abs=1)
+    assert BUCKET - token_level(mesh, tenant) == pytest.approx(result.done.usage.prompt_tokens, abs=1)
 
 
 def test_a_call_cancelled_before_its_first_token_gives_its_reservation_back(mesh: Mesh) -> None:
@@ -209,7 +201,9 @@ def test_a_call_cancelled_before_its_first_token_gives_its_reservation_back(mesh
         error = refusal(mesh.target("gateway"), bearer, intent="chat", max_tokens=MAX_TOKENS)
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
         held.cancel()  # type: ignore[attr-defined]
-        _wait_until(lambda: BUCKET - _level(mesh, tenant) < PROMPT_TOKENS + 1, "the reservation came back")
+        _wait_until(
+            lambda: BUCKET - token_level(mesh, tenant) < PROMPT_TOKENS + 1, "the reservation came back"
+        )
     assert call(mesh.target("gateway"), bearer, intent="chat", max_tokens=MAX_TOKENS).done is not None
 
 
