@@ -4,12 +4,20 @@ answered before its body was read, whose client could otherwise dribble that bod
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.gateway.http.protocol import HeadLineEndings
 from tests.http.conftest import HttpGateway
 
 HIDDEN = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+MALFORMED = {
+    "request-line": b"GET /health\r\nHost: x\r\n\r\n",
+    "header-without-colon": b"GET /health HTTP/1.1\r\nHost x\r\n\r\n",
+    "content-length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n{}",
+}
+MALFORMED_LOG_LINE = "Invalid HTTP request received"
 
 
 def test_content_length_with_transfer_encoding_is_refused_and_the_connection_closed(
@@ -86,3 +94,27 @@ def test_a_bare_lf_in_a_pipelined_head_is_refused_after_the_request_before_it(
 def test_line_endings_are_followed_across_reads(pieces: list[bytes], is_bare: bool) -> None:
     endings = HeadLineEndings()
     assert any([endings.has_bare_lf(piece) for piece in pieces]) is is_bare
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_framing_is_a_400_in_the_fronts_error_shape(
+    http_gateway: HttpGateway, request_bytes: bytes
+) -> None:
+    exchange = http_gateway.exchange(request_bytes + HIDDEN)
+    assert exchange.status_lines == ["HTTP/1.1 400 Bad Request"], exchange.received
+    head, _, body = exchange.received.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower() and exchange.is_closed
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http")
+    assert "not valid HTTP/1.1" in error["message"]
+
+
+def test_a_flood_of_malformed_requests_logs_one_line_a_minute(http_gateway: HttpGateway) -> None:
+    before = http_gateway.log().count(MALFORMED_LOG_LINE)
+    for _ in range(10):
+        for request_bytes in MALFORMED.values():
+            assert http_gateway.exchange(request_bytes).status_lines == ["HTTP/1.1 400 Bad Request"]
+    logged = http_gateway.log().count(MALFORMED_LOG_LINE)
+    # uvicorn logs before it answers: the first of the run is in the log, and 30 more add one line
+    # at most (one when the last was logged a minute or more ago)
+    assert logged >= 1 and logged - before <= 1, f"{logged - before} lines for 30 malformed requests"

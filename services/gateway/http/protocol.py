@@ -22,6 +22,11 @@ at CRLF reads another set of headers, or another number of requests, from the sa
 (request smuggling). A head with a bare LF is answered 400 and its connection closed before h11
 parses it. The head is followed read by read (`HeadLineEndings`), and a head that arrived while
 the previous request was served is checked from h11's buffer as its cycle starts.
+
+A head h11 cannot parse (a malformed request line or header line, a bad Content-Length, a head
+over the size limit) gets uvicorn's 400, whose body is here the front's JSON error object
+(`code` "invalid_http") instead of uvicorn's plain text; uvicorn's warning for it is sampled
+(sampled_log.py).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ _HEAD_END = b"\r\n\r\n"
 _BARE_LF_REFUSAL = (
     "request head has a line that ends in a bare LF; end every line of the head with CRLF "
     "(RFC 9112 §2.2): proxies split such a head into other lines, which is how requests are smuggled"
+)
+_MALFORMED_REFUSAL = (
+    "request is not valid HTTP/1.1: a malformed request line or header line, a bad Content-Length "
+    "or Transfer-Encoding, or a head over {max_head_bytes} bytes; send a well-formed request"
 )
 
 
@@ -115,6 +124,7 @@ class HeadDeadlineProtocol(H11Protocol):
         self._head_endings: HeadLineEndings | None = None  # of the head h11 awaits
         self.write_stall_s = config.write_stall_s
         self._write_stall: asyncio.TimerHandle | None = None  # armed while writing is paused
+        self.max_head_bytes = config.h11_max_incomplete_event_size
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -217,9 +227,17 @@ class HeadDeadlineProtocol(H11Protocol):
             data = self.conn.trailing_data[0] + data
         return self._head_endings.has_bare_lf(data)
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a head h11 cannot parse (`msg` is uvicorn's plain text for it), as
+        the front's JSON error object; the connection is closed."""
+        self._refuse(_MALFORMED_REFUSAL.format(max_head_bytes=self.max_head_bytes), "invalid_http")
+
     def _refuse_bare_lf(self) -> None:
+        self._refuse(_BARE_LF_REFUSAL, "bare_lf")
+
+    def _refuse(self, message: str, code: str) -> None:
         """400 with the reason, then the connection is closed: nothing after the head is read."""
-        body = json.dumps(error_body(400, _BARE_LF_REFUSAL, "bare_lf")).encode()
+        body = json.dumps(error_body(400, message, code)).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

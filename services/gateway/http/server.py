@@ -8,7 +8,9 @@ waited for alike. uvicorn stops when the gateway closes, after the drain: its co
 CLOSE_WAIT_S to take what was written to them (a client reading the end of an answer slowly), and
 whatever is still running is cancelled. Connections are bounded by `HttpLimits` (limits.py): a
 head deadline, a connection cap and a cap per client host on connections waiting for a head
-(protocol.py), keep-alive, head size.
+(protocol.py), keep-alive, head size. uvicorn's warning for each request it refuses itself (a
+malformed head, one past the connection cap) is logged at most once a minute, with a count
+(sampled_log.py), so a client cannot flood the log.
 A client that reads none of its answer for the gateway's write-stall limit, which the app
 carries (`WRITE_STALL_STATE`, set by app.py from GatewayConfig), loses its connection.
 """
@@ -26,6 +28,7 @@ from starlette.applications import Starlette
 
 from services.gateway.http.limits import HttpLimits
 from services.gateway.http.protocol import DeadlineConfig
+from services.gateway.http.sampled_log import UVICORN_LOGGER, SampledLog
 
 log = logging.getLogger(__name__)
 WRITE_STALL_STATE = "write_stall_s"  # the app's state key for THERMOCLINE_GATEWAY_WRITE_STALL_S
@@ -61,6 +64,7 @@ class HttpServer:
         self._server = _EmbeddedServer(config)
         self.host, self.port = host, port
         self._task: asyncio.Task[None] | None = None
+        self._sampled_log = SampledLog()
 
     async def start(self) -> None:
         """Listens on host:port and starts serving."""
@@ -76,6 +80,7 @@ class HttpServer:
             ) from None
         sock.listen(1024)
         sock.setblocking(False)
+        logging.getLogger(UVICORN_LOGGER).addFilter(self._sampled_log)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         log.info("OpenAI-compatible HTTP front on http://%s:%d/v1", self.host, self.port)
 
@@ -86,3 +91,4 @@ class HttpServer:
             return
         self._server.should_exit = True
         await self._task
+        logging.getLogger(UVICORN_LOGGER).removeFilter(self._sampled_log)
