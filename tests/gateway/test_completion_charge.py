@@ -16,20 +16,30 @@ from services.gateway.tenants import TenantLimits
 LIMITS = TenantLimits(tokens_per_min=1, burst_tokens=100)
 
 
-def _charged(redis_url: str, scenario: Callable[[CompletionCharge], Awaitable[None]]) -> int:
-    """Runs `scenario` on a fresh tenant's charge; the tokens charged to its bucket."""
+def _charged(
+    redis_url: str, scenario: Callable[[CompletionCharge], Awaitable[None]], num_reserved: int | None = None
+) -> int:
+    """Runs `scenario` on a fresh tenant's charge; the tokens its bucket is down by at the end.
+
+    With `num_reserved`, the call first reserved 5 prompt tokens + `num_reserved` max_tokens, as the
+    gatekeeper takes them, and its bucket must exist at the end."""
     tenant = f"t-{uuid.uuid4().hex[:8]}"
 
     async def run() -> None:
         limiter = RateLimiter(redis_url, timeout_s=2.0)
         try:
-            await scenario(CompletionCharge(limiter, tenant, LIMITS))
+            if num_reserved is not None:
+                assert (await limiter.take_tokens(tenant, LIMITS, 5 + num_reserved)).is_admitted
+            await scenario(CompletionCharge(limiter, tenant, LIMITS, num_reserved or 0))
         finally:
             await limiter.close()
 
     asyncio.run(run())
     level = redis.Redis.from_url(redis_url).hget(bucket_keys(tenant)[1], "level")
-    return 0 if level is None else LIMITS.token_capacity - round(float(level))
+    if level is None:  # nothing was ever taken from the bucket
+        assert num_reserved is None, f"tenant {tenant} reserved tokens but has no token bucket"
+        return 0
+    return LIMITS.token_capacity - round(float(level))
 
 
 def test_the_engine_count_is_charged_once_the_prompt_passed_and_before_settle(redis_url: str) -> None:
@@ -99,34 +109,13 @@ def test_a_stream_that_released_nothing_is_charged_nothing_when_it_ends(redis_ur
     assert _charged(redis_url, scenario) == 0
 
 
-def _reserved(
-    redis_url: str, num_reserved: int, scenario: Callable[[CompletionCharge], Awaitable[None]]
-) -> int:
-    """Runs `scenario` on a fresh tenant whose call reserved 5 prompt tokens + `num_reserved`
-    max_tokens, as the gatekeeper takes them; the tokens its bucket is down by at the end."""
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-
-    async def run() -> None:
-        limiter = RateLimiter(redis_url, timeout_s=2.0)
-        try:
-            assert (await limiter.take_tokens(tenant, LIMITS, 5 + num_reserved)).is_admitted
-            await scenario(CompletionCharge(limiter, tenant, LIMITS, num_reserved))
-        finally:
-            await limiter.close()
-
-    asyncio.run(run())
-    level = redis.Redis.from_url(redis_url).hget(bucket_keys(tenant)[1], "level")
-    assert level is not None
-    return LIMITS.token_capacity - round(float(level))
-
-
 def test_a_finished_stream_gives_back_the_max_tokens_it_did_not_use(redis_url: str) -> None:
     async def scenario(charge: CompletionCharge) -> None:
         charge.prompt_passed()
         charge.engine_counted(7)
         await charge.settle(7)
 
-    assert _reserved(redis_url, 60, scenario) == 5 + 7
+    assert _charged(redis_url, scenario, num_reserved=60) == 5 + 7
 
 
 def test_a_cancelled_stream_gives_back_all_but_what_it_released(redis_url: str) -> None:
@@ -135,7 +124,7 @@ def test_a_cancelled_stream_gives_back_all_but_what_it_released(redis_url: str) 
         charge.stream_ended(24)
         await charge.settle(24)
 
-    assert _reserved(redis_url, 60, scenario) == 5 + 24
+    assert _charged(redis_url, scenario, num_reserved=60) == 5 + 24
 
 
 def test_a_stream_that_released_nothing_gives_its_whole_reservation_back(redis_url: str) -> None:
@@ -144,7 +133,7 @@ def test_a_stream_that_released_nothing_gives_its_whole_reservation_back(redis_u
         assert charge.is_started
         await charge.settle(0)
 
-    assert _reserved(redis_url, 60, scenario) == 5
+    assert _charged(redis_url, scenario, num_reserved=60) == 5
 
 
 def test_a_call_refused_after_its_reservation_keeps_only_its_prompt_spent(redis_url: str) -> None:
@@ -153,7 +142,7 @@ def test_a_call_refused_after_its_reservation_keeps_only_its_prompt_spent(redis_
         charge.stream_ended(0)  # the servicer's end finds it settled already
         await charge.settle(0)
 
-    assert _reserved(redis_url, 60, scenario) == 5
+    assert _charged(redis_url, scenario, num_reserved=60) == 5
 
 
 def test_a_give_back_never_lifts_the_bucket_past_its_capacity(redis_url: str) -> None:
@@ -168,4 +157,4 @@ def test_a_give_back_never_lifts_the_bucket_past_its_capacity(redis_url: str) ->
         charge.engine_counted(2)
         await charge.settle(2)
 
-    assert _reserved(redis_url, 60, scenario) == 0
+    assert _charged(redis_url, scenario, num_reserved=60) == 0
