@@ -17,6 +17,7 @@ from services.common.errors import (
     ThermoclineError,
     Unavailable,
 )
+from services.gateway.metrics import TokenHealth
 from services.gateway.router import Router
 from services.gateway.tenants import GateCategory, SafetyOverrides
 from thermocline.engine.v1 import engine_pb2
@@ -84,6 +85,7 @@ class Upstreams:
             safety_pb2_grpc.SafetyServiceStub(self._safety_channel),
             safety_pb2.DESCRIPTOR.services_by_name["SafetyService"],
         )
+        self.safety_token = TokenHealth("safety", safety_target)
         self._model_info: engine_pb2.GetModelInfoResponse | None = None
 
     async def model_info(self, timeout_s: float | None) -> engine_pb2.GetModelInfoResponse:
@@ -130,9 +132,11 @@ class Upstreams:
         under the tenant's policy."""
         request = safety_pb2.CheckPromptRequest(text=text, tenant=tenant, policy=policy, turns=turns)
         try:
-            return await self.safety.CheckPrompt(request, timeout=timeout_s)
+            reply = await self.safety.CheckPrompt(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise self._safety_error(error, timeout_s) from None
+        self.safety_token.record_accepted()
+        return reply
 
     async def check_output(
         self, text: str, prompt: str, tenant: str, policy: safety_pb2.TenantPolicy, timeout_s: float
@@ -140,9 +144,11 @@ class Upstreams:
         """The safety service's verdict on generated text, under the tenant's policy."""
         request = safety_pb2.CheckOutputRequest(text=text, prompt=prompt, tenant=tenant, policy=policy)
         try:
-            return await self.safety.CheckOutput(request, timeout=timeout_s)
+            reply = await self.safety.CheckOutput(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise self._safety_error(error, timeout_s) from None
+        self.safety_token.record_accepted()
+        return reply
 
     def _safety_error(self, error: grpc.aio.AioRpcError, timeout_s: float) -> ThermoclineError:
         """A check that ran out of the gateway's own safety timeout is UNAVAILABLE (a hung or
@@ -153,6 +159,13 @@ class Upstreams:
             return Unavailable(
                 f"safety did not answer within {own:g} s (THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S); retry later"
             )
+        return self._safety_failed(error)
+
+    def _safety_failed(self, error: grpc.aio.AioRpcError) -> ThermoclineError:
+        """The client's error for a failed safety call; a refused service token is the operator's
+        to hear of too."""
+        if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+            self.safety_token.record_refusal()
         return upstream_error("safety", error)
 
     async def gate_info(self, timeout_s: float) -> GateInfo:
@@ -162,7 +175,8 @@ class Upstreams:
         try:
             reply = await self.safety.GetGate(request, timeout=timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as error:
-            raise upstream_error("safety", error) from None
+            raise self._safety_failed(error) from None
+        self.safety_token.record_accepted()
         categories = {
             c.name: GateCategory(c.prompt_threshold, c.output_threshold or None) for c in reply.categories
         }

@@ -22,18 +22,22 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.mesh import Mesh, MeshConfig, Ports
+from services.common.errors import ThermoclineError
 from services.common.ports import free_port
 from services.common.service_auth import METADATA_KEY, TOKEN_FILE_SETTING, ensure_token_file
 from services.gateway.config import RoutingConfig
 from services.gateway.router import Router
+from services.gateway.upstream import Upstreams
 from tests.conftest import holding_service_token
 from tests.gateway.conftest import call, refusal, token
 from tests.gateway.test_router import _wait_until
+from thermocline.safety.v1 import safety_pb2
 
 GAUGE = "thermocline_gateway_upstream_token_refused_seconds"
 REFUSAL_LOGGED = "refuses this gateway's service token"
 NO_USABLE = "the gateway cannot reach a usable"
 WAIT_S = 30.0
+NO_POLICY = safety_pb2.TenantPolicy()
 POLL_INTERVAL_S = 0.05  # the in-process router's: one second of refusals is about 20 polls
 
 
@@ -119,6 +123,36 @@ def test_a_replica_that_takes_our_token_is_serving(mesh: Mesh) -> None:
     asyncio.run(scenario())
 
 
+def test_safety_refusing_our_token_is_logged_once_and_the_caller_told_generically(
+    mesh: Mesh, other_token: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    safety = mesh.target("safety")
+
+    async def scenario() -> list[ThermoclineError]:
+        with holding_service_token(other_token):
+            upstreams = Upstreams(Router(RoutingConfig(engine_targets=(mesh.target("engine"),))), safety)
+        failures = []
+        try:
+            for _ in range(3):
+                with pytest.raises(ThermoclineError) as raised:
+                    await upstreams.check_prompt("Once upon a time", "acme", NO_POLICY, WAIT_S)
+                failures.append(raised.value)
+            assert upstreams.safety_token.is_refused
+            assert (REGISTRY.get_sample_value(GAUGE, {"upstream": "safety", "target": safety}) or 0.0) > 0
+        finally:
+            await upstreams.close()
+        return failures
+
+    caplog.set_level(logging.INFO, logger="services.gateway.metrics")
+    for failure in asyncio.run(scenario()):
+        assert failure.code == grpc.StatusCode.UNAVAILABLE, failure
+        assert failure.message.startswith(f"{NO_USABLE} safety:"), failure.message
+        _assert_generic(failure.message)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    (logged,) = _refusals_logged(errors, safety)  # three refused checks, one line
+    assert TOKEN_FILE_SETTING in logged, logged
+
+
 def _ready_status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
@@ -127,13 +161,13 @@ def _ready_status(url: str) -> int:
         return error.code
 
 
-def _refused_s(metrics_url: str, target: str) -> float | None:
-    """The gateway's gauge for the engine at `target`, None while it does not export one."""
+def _refused_s(metrics_url: str, target: str, upstream: str = "engine") -> float | None:
+    """The gateway's gauge for the `upstream` at `target`, None while it does not export one."""
     with urllib.request.urlopen(metrics_url, timeout=10) as page:
         families = text_string_to_metric_families(page.read().decode())
     for family in families:
         for sample in family.samples:
-            if sample.name == GAUGE and sample.labels == {"upstream": "engine", "target": target}:
+            if sample.name == GAUGE and sample.labels == {"upstream": upstream, "target": target}:
                 return sample.value
     return None
 
@@ -181,3 +215,4 @@ def test_a_gateway_whose_token_the_engine_refuses_is_not_ready_until_the_tokens_
     _wait_for(lambda: _ready_status(ready_url) == 200, "the gateway reports ready")
     assert _refused_s(metrics_url, engine) == 0.0
     assert call(target, token(mesh)).done is not None
+    assert _refused_s(metrics_url, mesh.target("safety"), "safety") == 0.0  # it screened the call
