@@ -123,6 +123,46 @@ def _total(
 
 
 @triton.jit
+def _is_within(cumulative, bound, IS_THRESHOLD: tl.constexpr):
+    """Whether a cumulative weight stays within `bound`: below a float64 top-p threshold, or at most
+    an int64 target."""
+    return cumulative.to(tl.float64) < bound if IS_THRESHOLD else cumulative <= bound
+
+
+@triton.jit
+def _crossing_block(
+    row_ptr,
+    width,
+    temperature,
+    best,
+    top_k,
+    bound,
+    IS_THRESHOLD: tl.constexpr,
+    SCALE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The start of the first block whose cumulative weight leaves `bound` (the last block when none
+    does) and the weight of the blocks before it.
+
+    Blocks are skipped whole while the cumulative weight through them stays within `bound`; the
+    caller sums only the block returned, rank by rank.
+    """
+    start = tl.full((), 0, tl.int32)
+    carry = tl.full((), 0, tl.int64)
+    block_sum = tl.sum(
+        _block_weights(row_ptr, start, width, temperature, best, top_k, SCALE, LIBDEVICE, BLOCK)
+    )
+    while (start + BLOCK < width) & _is_within(carry + block_sum, bound, IS_THRESHOLD):
+        carry += block_sum
+        start += BLOCK
+        block_sum = tl.sum(
+            _block_weights(row_ptr, start, width, temperature, best, top_k, SCALE, LIBDEVICE, BLOCK)
+        )
+    return start, carry
+
+
+@triton.jit
 def _kept(
     row_ptr,
     width,
@@ -136,20 +176,12 @@ def _kept(
 ):
     """The cumulative weight through the last rank whose weight before it is below `threshold` (top-p).
 
-    The weight before a rank only grows, so the kept ranks are a prefix: blocks are skipped whole while
-    the next block's first rank is still kept, and only the last one is summed rank by rank.
+    The weight before a rank only grows, so the kept ranks are a prefix, and only the block where it
+    ends is summed rank by rank.
     """
-    start = tl.full((), 0, tl.int32)
-    carry = tl.full((), 0, tl.int64)
-    block_sum = tl.sum(
-        _block_weights(row_ptr, start, width, temperature, best, top_k, SCALE, LIBDEVICE, BLOCK)
+    start, carry = _crossing_block(
+        row_ptr, width, temperature, best, top_k, threshold, True, SCALE, LIBDEVICE, BLOCK
     )
-    while (start + BLOCK < width) & ((carry + block_sum).to(tl.float64) < threshold):
-        carry += block_sum
-        start += BLOCK
-        block_sum = tl.sum(
-            _block_weights(row_ptr, start, width, temperature, best, top_k, SCALE, LIBDEVICE, BLOCK)
-        )
     weights = _block_weights(row_ptr, start, width, temperature, best, top_k, SCALE, LIBDEVICE, BLOCK)
     cumulative = carry + tl.cumsum(weights, 0)
     offs = start + tl.arange(0, BLOCK)
@@ -170,17 +202,9 @@ def _search(
     BLOCK: tl.constexpr,
 ):
     """How many ranks have a cumulative weight at most `target` (searchsorted right), below `width`."""
-    start = tl.full((), 0, tl.int32)
-    carry = tl.full((), 0, tl.int64)
-    block_sum = tl.sum(
-        _block_weights(row_ptr, start, width, temperature, best, top_k, SCALE, LIBDEVICE, BLOCK)
+    start, carry = _crossing_block(
+        row_ptr, width, temperature, best, top_k, target, False, SCALE, LIBDEVICE, BLOCK
     )
-    while (start + BLOCK < width) & (carry + block_sum <= target):
-        carry += block_sum
-        start += BLOCK
-        block_sum = tl.sum(
-            _block_weights(row_ptr, start, width, temperature, best, top_k, SCALE, LIBDEVICE, BLOCK)
-        )
     weights = _block_weights(row_ptr, start, width, temperature, best, top_k, SCALE, LIBDEVICE, BLOCK)
     offs = start + tl.arange(0, BLOCK)
     is_below = ((carry + tl.cumsum(weights, 0)) <= target) & (offs < width)
