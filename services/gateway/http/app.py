@@ -58,7 +58,7 @@ class OpenAIRoutes:
     ) -> None:
         self.servicer = servicer
         self.router = router
-        self.intake = Intake(servicer.gatekeeper, max_body_bytes, limits)
+        self.intake = Intake(servicer.gatekeeper, servicer.slots, max_body_bytes, limits)
         self.calls = calls  # in flight, for the drain
         self._serving: list[str] | None = None  # the replicas /ready saw serving last
 

@@ -1,12 +1,17 @@
-"""The checks only the HTTP front makes, before a call reaches the servicer, each refusal audited.
+"""The checks only the HTTP front makes, before a call reaches the servicer, each refusal audited
+(but the gateway's stream cap's).
 
-Order for a generation call: the drain, the body's declared size, the token, one request from
-the tenant's rate limit, the headers (`X-Timeout-S`, `X-Retrieval-Mode`), then the body, read
-within its deadline and up to the size limit, as JSON and as a request this API serves. The
-token comes before the body so that a client without one cannot make the gateway hold a body it
-sends slowly or never finishes: it is answered 401 and its connection closed (framing.py) with
-the body unread. The servicer verifies the token again (the gatekeeper's verified-token cache
-makes that a lookup).
+Order for a generation call: the drain, the gateway's cap on concurrent streams, the body's
+declared size, the token, one request from the tenant's rate limit, the headers (`X-Timeout-S`,
+`X-Retrieval-Mode`), then the body, read within its deadline and up to the size limit, as JSON
+and as a request this API serves. A gateway at its stream cap refuses a call from its head, as it
+refuses a gRPC call before any other work, with the same refusal and unaudited, as that one is:
+a flood of large bodies to a full gateway costs it no body read, no token check and no Redis
+call. The servicer checks the cap again once the body is in, which a call that came with room
+may find full. The token comes before the body so that a client without one cannot make the
+gateway hold a body it sends slowly or never finishes: it is answered 401 and its connection
+closed (framing.py) with the body unread. The servicer verifies the token again (the
+gatekeeper's verified-token cache makes that a lookup).
 
 The request is taken as the gatekeeper takes it on gRPC, right after the token, so that every
 later refusal (a late, oversized or malformed body) costs the caller its rate, and a caller over
@@ -41,6 +46,7 @@ from starlette.requests import ClientDisconnect, Request
 from services.common import telemetry
 from services.common.errors import InvalidArgument, ResourceExhausted, ThermoclineError, Unavailable
 from services.common.metrics import DRAINING
+from services.gateway.admission import StreamSlots
 from services.gateway.audit import DENY, UNAUTHENTICATED, AuditEvent
 from services.gateway.auth import Principal
 from services.gateway.call_metadata import CallMetadata
@@ -93,8 +99,11 @@ class _Facts:
 class Intake:
     """Runs the front's own checks; the refusals they make are in the audit log when they raise."""
 
-    def __init__(self, gatekeeper: Gatekeeper, max_body_bytes: int, limits: HttpLimits) -> None:
+    def __init__(
+        self, gatekeeper: Gatekeeper, slots: StreamSlots, max_body_bytes: int, limits: HttpLimits
+    ) -> None:
         self.gatekeeper = gatekeeper
+        self.slots = slots  # the servicer's, shared with the gRPC front
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = limits.body_timeout_s
 
@@ -102,6 +111,8 @@ class Intake:
         """The call a POST to a generation endpoint asks for; ClientDisconnect if the client goes
         away before its body is in."""
         facts = _Facts("invoke", "model:?", request_id)
+        if not is_draining():  # the drain's own refusal, audited, comes below
+            self._check_room()
         async with self._audited(facts):
             if is_draining():
                 raise draining()
@@ -161,6 +172,13 @@ class Intake:
         """The caller, as the gatekeeper verifies it (every Authorization header, so two are refused)."""
         credentials = [("authorization", value) for value in request.headers.getlist("authorization")]
         return self.gatekeeper.authenticate(CallMetadata(credentials))
+
+    def _check_room(self) -> None:
+        """RESOURCE_EXHAUSTED with pushback, the servicer's own refusal, when the gateway's streams
+        are at their cap."""
+        if not self.slots.can_admit():
+            with self.slots.hold():  # raises, full: the refusal is the cap's own, and nothing is held
+                pass
 
     def _check_declared_size(self, request: Request) -> None:
         """Refuses a Content-Length over the limit before the token or any of the body is read."""
