@@ -56,5 +56,7 @@ class AwaitingHeads(Generic[Connection]):
 
     def oldest_over_host_cap(self, host: str) -> Connection | None:
         """The longest waiting connection of `host` while it holds more than `max_per_host`."""
-        waiting = self._by_host.get(host, {})
-        return next(iter(waiting)) if len(waiting) > self.max_per_host else None
+        waiting = self._by_host.get(host)
+        if waiting is None or len(waiting) <= self.max_per_host:
+            return None
+        return next(iter(waiting))
