@@ -179,6 +179,14 @@ def prompt_turns(request: pb.GenerateRequest) -> tuple[str, ...]:
     return tuple(m.content for m in request.chat.messages)
 
 
+def prompt_roles(request: pb.GenerateRequest) -> tuple[str, ...]:
+    """A chat's roles, one per turn of prompt_turns, which the safety service joins turns by; none
+    for a raw prompt."""
+    if request.WhichOneof("input") != "chat":
+        return ()
+    return tuple(m.role for m in request.chat.messages)
+
+
 def _note_degraded(decision: RateDecision, facts: _Facts) -> None:
     """Notes a fail-open limiter in the audit details."""
     if decision.is_degraded:

@@ -19,7 +19,7 @@ from services.gateway.auth import Principal
 from services.gateway.call_metadata import CallMetadata
 from services.gateway.completion_charge import CompletionCharge
 from services.gateway.config import GatewayConfig, ReleasePolicy
-from services.gateway.gatekeeper import Admission, Admitted, Gatekeeper, prompt_turns
+from services.gateway.gatekeeper import Admission, Admitted, Gatekeeper, prompt_roles, prompt_turns
 from services.gateway.in_flight import InFlightStream, InFlightStreams
 from services.gateway.loop import discard, let_calls_go_out
 from services.gateway.output_screen import (
@@ -221,10 +221,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             # beside the rest of admission (token count, budget and bucket, audit write).
             timeout_s = self._safety_timeout_s(context.time_remaining())
             policy = tenant_policy_pb(limits.safety)
-            turns = prompt_turns(request)
+            turns, roles = prompt_turns(request), prompt_roles(request)
             screens.append(
                 asyncio.ensure_future(
-                    self.upstreams.check_prompt(text, principal.tenant, policy, timeout_s, turns)
+                    self.upstreams.check_prompt(text, principal.tenant, policy, timeout_s, turns, roles)
                 )
             )
             await let_calls_go_out()

@@ -127,10 +127,13 @@ class Upstreams:
         policy: safety_pb2.TenantPolicy,
         timeout_s: float,
         turns: Sequence[str] = (),
+        roles: Sequence[str] = (),
     ) -> safety_pb2.CheckResponse:
-        """The safety service's verdict on a prompt (a chat: the conversation and its turns),
-        under the tenant's policy."""
-        request = safety_pb2.CheckPromptRequest(text=text, tenant=tenant, policy=policy, turns=turns)
+        """The safety service's verdict on a prompt (a chat: the conversation, its turns and their
+        roles), under the tenant's policy."""
+        request = safety_pb2.CheckPromptRequest(
+            text=text, tenant=tenant, policy=policy, turns=turns, roles=roles
+        )
         try:
             reply = await self.safety.CheckPrompt(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:

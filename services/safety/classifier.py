@@ -170,9 +170,11 @@ class TextClassifier:
         kind: TextKind = "prompt",
         whole: str | None = None,
         progress: CheckProgress | None = None,
+        roles: Sequence[str] | None = None,
     ) -> Scores:
         """The scores of several texts read as one, a chat's turns: each turn is scored as `score`
-        scores a text of its own, and each category takes its highest over the turns. With
+        scores a text of its own, and each category takes its highest over the turns; so are
+        their joins (joined_turns, by `roles`, one per turn; None: every turn a user's). With
         `whole` (the conversation as one text), its decoded views (normalizer.views past the plain
         one) are views too, so that an encoding or a payload split across turns is read whole; its
         plain view is not, because a system prompt or a role label beside a question moves the
@@ -180,7 +182,7 @@ class TextClassifier:
         `max_windows` windows in all. With `progress`, CheckCancelled between stages and embedding
         batches once the check's call is done."""
         stage_done = progress.raise_if_cancelled if progress is not None else _no_check
-        scored = [*turns, *joined_turns(turns, whole)]  # the turns, then their joined fragments
+        scored = [*turns, *joined_turns(turns, roles)]  # the turns, then their joined fragments
         self._check_plain_size(scored)
         stage_done()
         texts = [views(text) for text in scored]
@@ -240,16 +242,16 @@ class TextClassifier:
 MAX_FRAGMENT_WORDS = 4
 
 
-def joined_turns(turns: Sequence[str], whole: str | None) -> list[str]:
+def joined_turns(turns: Sequence[str], roles: Sequence[str] | None = None) -> list[str]:
     """A chat's fragments (turns of at most MAX_FRAGMENT_WORDS words) joined with a space, without
     role labels: those of each run of consecutive turns of one role, of the "user" turns, and of
     every turn past a leading system prompt (the caller names the roles). Each join of two or more
     fragments is screened as a prompt of its own beside the turns, so a request sent a word or two
     per message is read as one sentence. Only fragments: a longer turn is read alone, and whole
     turns joined would cost a window per 48 tokens of the chat; not a leading system prompt, which
-    beside a question moves its scores (bench/results/safety_chat_2026-12-06.md). Roles come from
-    `whole` (turn_roles); a chat whose roles cannot be read is one run of "user" turns."""
-    roles = turn_roles(turns, whole) or ["user"] * len(turns)
+    beside a question moves its scores (bench/results/safety_chat_2026-12-06.md). `roles` has one
+    role per turn; without them the chat is one run of "user" turns."""
+    roles = roles or ["user"] * len(turns)
     runs: list[list[str]] = []
     for at, (role, turn) in enumerate(zip(roles, turns, strict=True)):
         if at == 0 or role != roles[at - 1]:
@@ -270,7 +272,9 @@ def _is_fragment(turn: str) -> bool:
 
 def turn_roles(turns: Sequence[str], whole: str | None) -> list[str] | None:
     """Each turn's role, read off `whole` where it is the turns rendered as the gateway renders a
-    chat ("role: content" lines, gateway/gatekeeper.prompt_text); else None."""
+    chat ("role: content" lines, gateway/gatekeeper.prompt_text); else None. Only for a caller
+    that sends no roles (a gateway that predates CheckPromptRequest.roles): a caller renders
+    `text` as it likes, and a role it names is the one that counts."""
     if whole is None:
         return None
     roles: list[str] = []

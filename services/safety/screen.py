@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
 from services.safety import decoders
-from services.safety.classifier import TextClassifier, TextKind, joined_turns
+from services.safety.classifier import TextClassifier, TextKind, joined_turns, turn_roles
 from services.safety.config import SafetyConfig
 from services.safety.embedder import CheckProgress, MiniLMEmbedder, default_model_dir
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
@@ -92,6 +92,7 @@ class Screen:
         policy: TenantPolicy = NO_POLICY,
         turns: Sequence[str] = (),
         progress: CheckProgress | None = None,
+        roles: Sequence[str] = (),
     ) -> ScreenVerdict:
         """Scores `text`; blocked when a category the tenant has not turned off reaches its
         threshold for `kind` (the tenant's where higher) or a deny rule matches.
@@ -101,14 +102,17 @@ class Screen:
         and the whole only through its decoded views (TextClassifier.score_turns); the deny
         patterns read each turn and the whole. Both also read a chat's short turns joined
         (joined_turns), so that a request sent a word or two per message is read as one sentence.
-        With `progress`, CheckCancelled (before the check starts, between its stages and its
-        embedding batches) once the check's call is done."""
+        `roles` are the turns' roles, one per turn; none: read off `text` where it is the gateway's
+        "role: content" rendering (turn_roles), else every turn is a user's. With `progress`,
+        CheckCancelled (before the check starts, between its stages and its embedding batches)
+        once the check's call is done."""
         policy.check_known(self.categories, self.gate.version)
         if progress is not None:
             progress.raise_if_cancelled()  # its caller left while it waited its turn
         if turns:
-            scores = self.classifier.score_turns(turns, kind, whole=text, progress=progress)
-            chat = (*turns, *joined_turns(turns, text), text)
+            chat_roles = roles or turn_roles(turns, text)
+            scores = self.classifier.score_turns(turns, kind, text, progress, chat_roles)
+            chat = (*turns, *joined_turns(turns, chat_roles), text)
             matched = merged([self.patterns.check(t, kind) for t in chat])
         else:
             scores = self.classifier.score(text, kind, progress)

@@ -79,8 +79,14 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
             raise InvalidArgument(f"chat of {len(turns)} turns exceeds the {MAX_TURNS} limit")
         if (chars := sum(map(len, turns))) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"chat turns of {chars} characters exceed the {MAX_TEXT_CHARS} limit")
+        roles = tuple(request.roles)
+        if roles and len(roles) != len(turns):
+            raise InvalidArgument(
+                f"chat has {len(roles)} roles for {len(turns)} turns; send one role per turn, in the "
+                "order of turns, or none"
+            )
         policy = tenant_policy_from_pb(request.policy)
-        return await self._check(context, "prompt", request.text, policy, turns)
+        return await self._check(context, "prompt", request.text, policy, turns, roles)
 
     async def CheckOutput(self, request: pb.CheckOutputRequest, context: Any) -> pb.CheckResponse:
         return await self._check(context, "output", request.text, tenant_policy_from_pb(request.policy))
@@ -105,6 +111,7 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         text: str,
         policy: TenantPolicy,
         turns: tuple[str, ...] = (),
+        roles: tuple[str, ...] = (),
     ) -> pb.CheckResponse:
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"text of {len(text)} characters exceeds the {MAX_TEXT_CHARS} limit")
@@ -116,7 +123,7 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         async with self._lock:
             with CHECK_SECONDS.labels(layer).time():
                 try:
-                    check = functools.partial(self._screen, progress, layer, text, policy, turns)
+                    check = functools.partial(self._screen, progress, layer, text, policy, turns, roles)
                     verdict = await loop.run_in_executor(self._checker, contextvars.copy_context().run, check)
                 except TextTooLong as error:
                     raise InvalidArgument(str(error)) from None
@@ -137,11 +144,12 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         text: str,
         policy: TenantPolicy,
         turns: tuple[str, ...],
+        roles: tuple[str, ...] = (),
     ) -> ScreenVerdict:
         """Screen.check on the checker thread; a check whose call is done says in the log how far it got."""
         try:
             with observing(progress):  # the decoders and the language screen read it there
-                return self.screen.check(text, layer, policy, turns, progress)
+                return self.screen.check(text, layer, policy, turns, progress, roles)
         except CheckCancelled:
             num_rows = progress.num_rows_embedded
             log.info("%s check stopped after embedding %d windows: its call is done", layer, num_rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.gateway.gatekeeper import prompt_text, prompt_turns
+from services.gateway.gatekeeper import prompt_roles, prompt_text, prompt_turns
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 
@@ -18,8 +18,9 @@ def test_a_chat_is_screened_whole_and_turn_by_turn_and_a_raw_prompt_as_it_is() -
     chat = _chat(("system", "Be brief."), ("user", "Hi?"))
     assert prompt_text(chat) == "system: Be brief.\nuser: Hi?"
     assert prompt_turns(chat) == ("Be brief.", "Hi?")  # no role labels: as the gate was calibrated
+    assert prompt_roles(chat) == ("system", "user")  # beside them, one per turn
     raw = pb.GenerateRequest(prompt="Hi?")
-    assert (prompt_text(raw), prompt_turns(raw)) == ("Hi?", ())
+    assert (prompt_text(raw), prompt_turns(raw), prompt_roles(raw)) == ("Hi?", (), ())
 
 
 def test_an_empty_chat_or_request_is_refused_with_what_to_send() -> None:

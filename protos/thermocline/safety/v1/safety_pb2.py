@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"thermocline/safety/v1/safety.proto\x12\x15thermocline.safety.v1\"v\n\x12\x43heckPromptRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x33\n\x06policy\x18\x03 \x01(\x0b\x32#.thermocline.safety.v1.TenantPolicy\x12\r\n\x05turns\x18\x04 \x03(\t\"w\n\x12\x43heckOutputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x33\n\x06policy\x18\x04 \x01(\x0b\x32#.thermocline.safety.v1.TenantPolicy\"\xa2\x01\n\x0cTenantPolicy\x12\x16\n\x0e\x63\x61tegories_off\x18\x01 \x03(\t\x12G\n\nthresholds\x18\x02 \x03(\x0b\x32\x33.thermocline.safety.v1.TenantPolicy.ThresholdsEntry\x1a\x31\n\x0fThresholdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"S\n\rCategoryScore\x12\x10\n\x08\x63\x61tegory\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x11\n\tthreshold\x18\x03 \x01(\x02\x12\x0e\n\x06is_off\x18\x04 \x01(\x08\"\xde\x01\n\rCheckResponse\x12\x31\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x1f.thermocline.safety.v1.Decision\x12\x34\n\x06scores\x18\x02 \x03(\x0b\x32$.thermocline.safety.v1.CategoryScore\x12\x0f\n\x07reasons\x18\x03 \x03(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\t\x12\x14\n\x0csafe_message\x18\x05 \x01(\t\x12\x15\n\rtenant_policy\x18\x06 \x01(\t\x12\x0e\n\x06waived\x18\x07 \x03(\t\"\'\n\x0eGetGateRequest\x12\x15\n\rmetadata_only\x18\x01 \x01(\x08\"\x93\x01\n\x0fGetGateResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0f\n\x07weights\x18\x03 \x01(\x0c\x12\x15\n\rmanifest_json\x18\x04 \x01(\t\x12\x37\n\ncategories\x18\x05 \x03(\x0b\x32#.thermocline.safety.v1.GateCategory\"P\n\x0cGateCategory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10prompt_threshold\x18\x02 \x01(\x02\x12\x18\n\x10output_threshold\x18\x03 \x01(\x02*L\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x45\x43ISION_ALLOW\x10\x01\x12\x12\n\x0e\x44\x45\x43ISION_BLOCK\x10\x02\x32\xa9\x02\n\rSafetyService\x12^\n\x0b\x43heckPrompt\x12).thermocline.safety.v1.CheckPromptRequest\x1a$.thermocline.safety.v1.CheckResponse\x12^\n\x0b\x43heckOutput\x12).thermocline.safety.v1.CheckOutputRequest\x1a$.thermocline.safety.v1.CheckResponse\x12X\n\x07GetGate\x12%.thermocline.safety.v1.GetGateRequest\x1a&.thermocline.safety.v1.GetGateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"thermocline/safety/v1/safety.proto\x12\x15thermocline.safety.v1\"\x85\x01\n\x12\x43heckPromptRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x33\n\x06policy\x18\x03 \x01(\x0b\x32#.thermocline.safety.v1.TenantPolicy\x12\r\n\x05turns\x18\x04 \x03(\t\x12\r\n\x05roles\x18\x05 \x03(\t\"w\n\x12\x43heckOutputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x33\n\x06policy\x18\x04 \x01(\x0b\x32#.thermocline.safety.v1.TenantPolicy\"\xa2\x01\n\x0cTenantPolicy\x12\x16\n\x0e\x63\x61tegories_off\x18\x01 \x03(\t\x12G\n\nthresholds\x18\x02 \x03(\x0b\x32\x33.thermocline.safety.v1.TenantPolicy.ThresholdsEntry\x1a\x31\n\x0fThresholdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"S\n\rCategoryScore\x12\x10\n\x08\x63\x61tegory\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x11\n\tthreshold\x18\x03 \x01(\x02\x12\x0e\n\x06is_off\x18\x04 \x01(\x08\"\xde\x01\n\rCheckResponse\x12\x31\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x1f.thermocline.safety.v1.Decision\x12\x34\n\x06scores\x18\x02 \x03(\x0b\x32$.thermocline.safety.v1.CategoryScore\x12\x0f\n\x07reasons\x18\x03 \x03(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\t\x12\x14\n\x0csafe_message\x18\x05 \x01(\t\x12\x15\n\rtenant_policy\x18\x06 \x01(\t\x12\x0e\n\x06waived\x18\x07 \x03(\t\"\'\n\x0eGetGateRequest\x12\x15\n\rmetadata_only\x18\x01 \x01(\x08\"\x93\x01\n\x0fGetGateResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0f\n\x07weights\x18\x03 \x01(\x0c\x12\x15\n\rmanifest_json\x18\x04 \x01(\t\x12\x37\n\ncategories\x18\x05 \x03(\x0b\x32#.thermocline.safety.v1.GateCategory\"P\n\x0cGateCategory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10prompt_threshold\x18\x02 \x01(\x02\x12\x18\n\x10output_threshold\x18\x03 \x01(\x02*L\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x45\x43ISION_ALLOW\x10\x01\x12\x12\n\x0e\x44\x45\x43ISION_BLOCK\x10\x02\x32\xa9\x02\n\rSafetyService\x12^\n\x0b\x43heckPrompt\x12).thermocline.safety.v1.CheckPromptRequest\x1a$.thermocline.safety.v1.CheckResponse\x12^\n\x0b\x43heckOutput\x12).thermocline.safety.v1.CheckOutputRequest\x1a$.thermocline.safety.v1.CheckResponse\x12X\n\x07GetGate\x12%.thermocline.safety.v1.GetGateRequest\x1a&.thermocline.safety.v1.GetGateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENANTPOLICY_THRESHOLDSENTRY']._loaded_options = None
   _globals['_TENANTPOLICY_THRESHOLDSENTRY']._serialized_options = b'8\001'
-  _globals['_DECISION']._serialized_start=1050
-  _globals['_DECISION']._serialized_end=1126
-  _globals['_CHECKPROMPTREQUEST']._serialized_start=61
-  _globals['_CHECKPROMPTREQUEST']._serialized_end=179
-  _globals['_CHECKOUTPUTREQUEST']._serialized_start=181
-  _globals['_CHECKOUTPUTREQUEST']._serialized_end=300
-  _globals['_TENANTPOLICY']._serialized_start=303
-  _globals['_TENANTPOLICY']._serialized_end=465
-  _globals['_TENANTPOLICY_THRESHOLDSENTRY']._serialized_start=416
-  _globals['_TENANTPOLICY_THRESHOLDSENTRY']._serialized_end=465
-  _globals['_CATEGORYSCORE']._serialized_start=467
-  _globals['_CATEGORYSCORE']._serialized_end=550
-  _globals['_CHECKRESPONSE']._serialized_start=553
-  _globals['_CHECKRESPONSE']._serialized_end=775
-  _globals['_GETGATEREQUEST']._serialized_start=777
-  _globals['_GETGATEREQUEST']._serialized_end=816
-  _globals['_GETGATERESPONSE']._serialized_start=819
-  _globals['_GETGATERESPONSE']._serialized_end=966
-  _globals['_GATECATEGORY']._serialized_start=968
-  _globals['_GATECATEGORY']._serialized_end=1048
-  _globals['_SAFETYSERVICE']._serialized_start=1129
-  _globals['_SAFETYSERVICE']._serialized_end=1426
+  _globals['_DECISION']._serialized_start=1066
+  _globals['_DECISION']._serialized_end=1142
+  _globals['_CHECKPROMPTREQUEST']._serialized_start=62
+  _globals['_CHECKPROMPTREQUEST']._serialized_end=195
+  _globals['_CHECKOUTPUTREQUEST']._serialized_start=197
+  _globals['_CHECKOUTPUTREQUEST']._serialized_end=316
+  _globals['_TENANTPOLICY']._serialized_start=319
+  _globals['_TENANTPOLICY']._serialized_end=481
+  _globals['_TENANTPOLICY_THRESHOLDSENTRY']._serialized_start=432
+  _globals['_TENANTPOLICY_THRESHOLDSENTRY']._serialized_end=481
+  _globals['_CATEGORYSCORE']._serialized_start=483
+  _globals['_CATEGORYSCORE']._serialized_end=566
+  _globals['_CHECKRESPONSE']._serialized_start=569
+  _globals['_CHECKRESPONSE']._serialized_end=791
+  _globals['_GETGATEREQUEST']._serialized_start=793
+  _globals['_GETGATEREQUEST']._serialized_end=832
+  _globals['_GETGATERESPONSE']._serialized_start=835
+  _globals['_GETGATERESPONSE']._serialized_end=982
+  _globals['_GATECATEGORY']._serialized_start=984
+  _globals['_GATECATEGORY']._serialized_end=1064
+  _globals['_SAFETYSERVICE']._serialized_start=1145
+  _globals['_SAFETYSERVICE']._serialized_end=1442
 # @@protoc_insertion_point(module_scope)

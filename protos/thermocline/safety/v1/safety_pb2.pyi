@@ -17,16 +17,18 @@ DECISION_ALLOW: Decision
 DECISION_BLOCK: Decision
 
 class CheckPromptRequest(_message.Message):
-    __slots__ = ("text", "tenant", "policy", "turns")
+    __slots__ = ("text", "tenant", "policy", "turns", "roles")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
     text: str
     tenant: str
     policy: TenantPolicy
     turns: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., tenant: _Optional[str] = ..., policy: _Optional[_Union[TenantPolicy, _Mapping]] = ..., turns: _Optional[_Iterable[str]] = ...) -> None: ...
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, text: _Optional[str] = ..., tenant: _Optional[str] = ..., policy: _Optional[_Union[TenantPolicy, _Mapping]] = ..., turns: _Optional[_Iterable[str]] = ..., roles: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckOutputRequest(_message.Message):
     __slots__ = ("text", "prompt", "tenant", "policy")
