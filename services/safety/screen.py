@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
 from services.safety import decoders
-from services.safety.classifier import TextClassifier, TextKind, joined_turns, turn_roles
+from services.safety.chat import joined_turns, turn_roles
+from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
 from services.safety.embedder import CheckProgress, MiniLMEmbedder, default_model_dir
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
