@@ -9,6 +9,7 @@ makes the gateway ready again, without a restart of the gateway."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import urllib.error
@@ -39,6 +40,7 @@ NO_USABLE = "the gateway cannot reach a usable"
 WAIT_S = 30.0
 NO_POLICY = safety_pb2.TenantPolicy()
 POLL_INTERVAL_S = 0.05  # the in-process router's: one second of refusals is about 20 polls
+NOT_SERVING_YET = "no engine replica is serving yet"  # /ready's reason while none is live
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +155,17 @@ def test_safety_refusing_our_token_is_logged_once_and_the_caller_told_genericall
     assert TOKEN_FILE_SETTING in logged, logged
 
 
-def _ready_status(url: str) -> int:
+def _ready(url: str) -> tuple[int, str]:
+    """/ready's status code and, for a 503, its error message ("" for a 200)."""
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status
+            return response.status, ""
     except urllib.error.HTTPError as error:
-        return error.code
+        return error.code, json.loads(error.read())["error"]["message"]
+
+
+def _ready_status(url: str) -> int:
+    return _ready(url)[0]
 
 
 def _refused_s(metrics_url: str, target: str, upstream: str = "engine") -> float | None:
@@ -200,7 +207,10 @@ def test_a_gateway_whose_token_the_engine_refuses_is_not_ready_until_the_tokens_
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
 
     _wait_for(lambda: (_refused_s(metrics_url, engine) or 0.0) > 1.0, "the gauge shows the refusal")
-    assert _ready_status(ready_url) == 503
+    status, message = _ready(ready_url)  # for the operator: the setting to check, not "wait"
+    assert status == 503, status
+    assert "service token" in message and TOKEN_FILE_SETTING in message, message
+    assert NOT_SERVING_YET not in message and engine not in message, message
     refused = refusal(target, token(mesh))
     assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
     _assert_generic(refused.details() or "")  # the engine's count or safety's screen, whichever failed first

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from services.common import telemetry
 from services.common.errors import ThermoclineError, Unavailable
 from services.common.interceptors import CallTracker
+from services.common.service_auth import TOKEN_FILE_SETTING
 from services.gateway.http.call import Generation
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
 from services.gateway.http.framing import CloseAfterUnreadBody, RefuseAmbiguousFraming
@@ -41,6 +42,12 @@ from services.gateway.servicer import GatewayServicer
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 CLIENT_CLOSED_REQUEST = 499
+NOT_SERVING_YET = "no engine replica is serving yet; wait for the engines' health checks"
+TOKEN_REFUSED = (
+    "no engine replica accepts this gateway's service token: a configuration fault that the operator "
+    f"must fix, which waiting will not mend; check that {TOKEN_FILE_SETTING} names the same token on "
+    "this gateway and on its engines (the gateway's log names each replica that refuses it)"
+)
 _tracer = telemetry.tracer(__name__)
 log = logging.getLogger(__name__)
 
@@ -103,14 +110,15 @@ class OpenAIRoutes:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        """Readiness: not draining, and at least one engine replica reports SERVING."""
+        """Readiness: not draining, and at least one engine replica serves (SERVING, and takes the
+        gateway's service token)."""
         if is_draining():
             return _error_response(from_refusal(draining()))
         serving = [r.target for r in self.router.replicas if r.is_serving]
         self._log_serving(serving)
-        if not serving:
-            refusal = Unavailable("no engine replica is serving yet; wait for the engines' health checks")
-            return _error_response(from_refusal(refusal))
+        problem = readiness_problem(self.router)
+        if problem is not None:
+            return _error_response(from_refusal(Unavailable(problem)))
         return JSONResponse({"status": "ready", "engines_serving": len(serving)})
 
     def _log_serving(self, serving: list[str]) -> None:
@@ -304,6 +312,16 @@ async def _sse_events(
     finally:
         generation.cancel()
         span.end()
+
+
+def readiness_problem(router: Router) -> str | None:
+    """Why the gateway should get no traffic now, or None while an engine replica serves; /ready
+    answers it, and it names no replica, as /ready answers anyone."""
+    if any(r.is_serving for r in router.replicas):
+        return None
+    if any(r.is_live for r in router.replicas):  # live, and each one refuses our token
+        return TOKEN_REFUSED
+    return NOT_SERVING_YET
 
 
 def _refused(span: trace.Span, refusal: HttpError) -> Response:
