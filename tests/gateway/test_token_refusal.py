@@ -1,8 +1,9 @@
 """A gateway whose service token its engine or safety service refuses: THERMOCLINE_SERVICE_TOKEN_FILE
 names another token on each side. Their health checks stay open, so only calls that carry the
 token see it: the router's GetStats poll marks the replica as refusing (live, but not serving),
-the gateway's /ready says 503, thermocline_gateway_upstream_token_refused_seconds rises for that
-target and one ERROR names it and the setting; a caller hears UNAVAILABLE saying that no usable
+the gateway's /ready says 503 naming the setting, its gRPC readiness (the service's name, not "")
+turns NOT_SERVING, thermocline_gateway_upstream_token_refused_seconds rises for that target and
+one ERROR names it and the setting; a caller hears UNAVAILABLE saying that no usable
 engine (or safety service) is reachable, not "retry later". Once the tokens match, the next poll
 makes the gateway ready again, without a restart of the gateway."""
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,6 +34,7 @@ from services.gateway.upstream import Upstreams
 from tests.conftest import holding_service_token
 from tests.gateway.conftest import call, refusal, token
 from tests.gateway.test_router import _wait_until
+from thermocline.gateway.v1 import gateway_pb2
 from thermocline.safety.v1 import safety_pb2
 
 GAUGE = "thermocline_gateway_upstream_token_refused_seconds"
@@ -40,6 +43,8 @@ NO_USABLE = "the gateway cannot reach a usable"
 WAIT_S = 30.0
 NO_POLICY = safety_pb2.TenantPolicy()
 POLL_INTERVAL_S = 0.05  # the in-process router's: one second of refusals is about 20 polls
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name  # readiness
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 NOT_SERVING_YET = "no engine replica is serving yet"  # /ready's reason while none is live
 
 
@@ -168,6 +173,33 @@ def _ready_status(url: str) -> int:
     return _ready(url)[0]
 
 
+def _health(target: str, service: str) -> int:
+    """The gateway's gRPC health for `service` ("" is liveness), asked as a probe: without a token."""
+    with grpc.insecure_channel(target) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+
+
+def _wait_for_health(target: str, service: str, status: int) -> None:
+    """Follows the gateway's health Watch for `service` until it reports `status`; fails after WAIT_S."""
+    with grpc.insecure_channel(target) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            for reply in health_pb2_grpc.HealthStub(channel).Watch(request, timeout=WAIT_S):
+                if reply.status == status:
+                    return
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    raise AssertionError(f"the gateway's health for {service!r} was not {name} within {WAIT_S:.0f} s")
+
+
+def _not_ready_logged(log_path: Path) -> list[str]:
+    """The gateway's ERROR lines saying it is not ready (services/common/server.py writes them)."""
+    return [line for line in log_path.read_text().splitlines() if " ERROR " in line and "not ready" in line]
+
+
 def _refused_s(metrics_url: str, target: str, upstream: str = "engine") -> float | None:
     """The gateway's gauge for the `upstream` at `target`, None while it does not export one."""
     with urllib.request.urlopen(metrics_url, timeout=10) as page:
@@ -194,6 +226,20 @@ def _restart(mesh: Mesh, service: str) -> None:
     mesh.start_service(service)
 
 
+def test_a_gateway_with_no_engine_live_is_not_ready_and_told_to_wait(mesh: Mesh) -> None:
+    """Nothing listens at its engine target: /ready and the gRPC readiness say to wait for the
+    engines (no token is at fault), while liveness stays SERVING."""
+    name = "gateway-no-engine"
+    target = mesh.start_gateway_replica(name, THERMOCLINE_GATEWAY_ENGINE_TARGETS=f"127.0.0.1:{free_port()}")
+    status, message = _ready(mesh.http_url(name).removesuffix("/v1") + "/ready")
+    assert status == 503 and NOT_SERVING_YET in message, message
+    assert TOKEN_FILE_SETTING not in message, message
+    _wait_for_health(target, GATEWAY_SERVICE, NOT_SERVING)
+    assert _health(target, "") == SERVING  # a restart would not bring an engine
+    (logged,) = _not_ready_logged(mesh.logs_dir / f"{name}.log")
+    assert NOT_SERVING_YET in logged, logged
+
+
 def test_a_gateway_whose_token_the_engine_refuses_is_not_ready_until_the_tokens_match(mesh: Mesh) -> None:
     gateway_token = ensure_token_file(mesh.keys_dir / "gateway.token")
     name, metrics_port, engine = "gateway-own-token", free_port(), mesh.target("engine")
@@ -211,6 +257,10 @@ def test_a_gateway_whose_token_the_engine_refuses_is_not_ready_until_the_tokens_
     assert status == 503, status
     assert "service token" in message and TOKEN_FILE_SETTING in message, message
     assert NOT_SERVING_YET not in message and engine not in message, message
+    _wait_for_health(target, GATEWAY_SERVICE, NOT_SERVING)  # gRPC readiness follows /ready
+    assert _health(target, "") == SERVING  # liveness: a restart would read the same token
+    not_ready = _not_ready_logged(mesh.logs_dir / f"{name}.log")
+    assert any(TOKEN_FILE_SETTING in line for line in not_ready), not_ready
     refused = refusal(target, token(mesh))
     assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
     _assert_generic(refused.details() or "")  # the engine's count or safety's screen, whichever failed first
@@ -223,6 +273,7 @@ def test_a_gateway_whose_token_the_engine_refuses_is_not_ready_until_the_tokens_
     _restart(mesh, "safety")
     _restart(mesh, "engine")
     _wait_for(lambda: _ready_status(ready_url) == 200, "the gateway reports ready")
+    _wait_for_health(target, GATEWAY_SERVICE, SERVING)
     assert _refused_s(metrics_url, engine) == 0.0
     assert call(target, token(mesh)).done is not None
     assert _refused_s(metrics_url, mesh.target("safety"), "safety") == 0.0  # it screened the call

@@ -315,8 +315,9 @@ async def _sse_events(
 
 
 def readiness_problem(router: Router) -> str | None:
-    """Why the gateway should get no traffic now, or None while an engine replica serves; /ready
-    answers it, and it names no replica, as /ready answers anyone."""
+    """Why the gateway should get no traffic now, or None while an engine replica serves. /ready
+    answers it, and the gRPC service's readiness (services/gateway/__main__.py) follows it, so an
+    operator reads the same reason at either; it names no replica, as /ready answers anyone."""
     if any(r.is_serving for r in router.replicas):
         return None
     if any(r.is_live for r in router.replicas):  # live, and each one refuses our token
