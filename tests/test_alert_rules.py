@@ -22,6 +22,7 @@ REQUIRED_ALERTS = {
     "ThermoclineLongGcPauses",
     "ThermoclineKVStoreErrors",
     "ThermoclineAuditUnwritable",
+    "ThermoclineUpstreamTokenRefused",
     "ThermoclineHotTierHitRateLow",
     "ThermoclineQueueWaitOverSLA",
     "ThermoclineSafetyTriggerRateHigh",
