@@ -6,7 +6,6 @@ from services.common.interceptors import CallTracker
 from services.common.server import ServiceSpec, run_service
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway import Gateway
-from services.gateway.http.app import readiness_problem
 
 
 def main() -> None:
@@ -37,7 +36,7 @@ def main() -> None:
         on_grace_over=cut_streams,
         other_calls=[http_calls],
         # no engine replica serves, or none takes our service token: live, but no traffic, as /ready
-        readiness_probe=lambda: readiness_problem(built[0].upstreams.router),
+        readiness_probe=lambda: built[0].upstreams.router.readiness_problem(),
         # No HTTP/2 window growth (BDP probing) on the public port: with it, the window grows to
         # megabytes and an oversized message is mostly read before it is refused. Without it, a
         # refused 10 MiB message cost ~3 ms of gateway CPU instead of ~12 ms, and a flood of them

@@ -35,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import telemetry
 from services.common.channels import open_channel
+from services.common.service_auth import TOKEN_FILE_SETTING
 from services.gateway.config import RoutingConfig
 from services.gateway.metrics import TokenHealth
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -130,6 +131,14 @@ class Replica:
         self.queue_depth = int(stats.num_running + stats.num_waiting)
 
 
+NOT_SERVING_YET = "no engine replica is serving yet; wait for the engines' health checks"
+TOKEN_REFUSED = (
+    "no engine replica accepts this gateway's service token: a configuration fault that the operator "
+    f"must fix, which waiting will not mend; check that {TOKEN_FILE_SETTING} names the same token on "
+    "this gateway and on its engines (the gateway's log names each replica that refuses it)"
+)
+
+
 def affinity_key(tenant: str, prompt_text: str, prefix_chars: int) -> bytes:
     """What affinity hashes: the tenant (its cache salt) and the start of the prompt."""
     return tenant.encode() + b"\x00" + prompt_text[:prefix_chars].encode()
@@ -164,6 +173,16 @@ class Router:
             ranked.remove(shortest)
             ranked.insert(0, shortest)
         return ranked
+
+    def readiness_problem(self) -> str | None:
+        """Why the gateway should get no traffic now, or None while an engine replica serves. /ready
+        answers it, and the gRPC service's readiness (services/gateway/__main__.py) follows it, so an
+        operator reads the same reason at either; it names no replica, as /ready answers anyone."""
+        if any(r.is_serving for r in self.replicas):
+            return None
+        if any(r.is_live for r in self.replicas):  # live, and each one refuses our token
+            return TOKEN_REFUSED
+        return NOT_SERVING_YET
 
     def routable(self) -> list[Replica]:
         """The ready replicas; else the serving ones (their refusal says why); else the live ones,

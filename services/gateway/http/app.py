@@ -26,7 +26,6 @@ from starlette.routing import Route
 from services.common import telemetry
 from services.common.errors import ThermoclineError, Unavailable
 from services.common.interceptors import CallTracker
-from services.common.service_auth import TOKEN_FILE_SETTING
 from services.gateway.http.call import Generation
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
 from services.gateway.http.framing import CloseAfterUnreadBody, RefuseAmbiguousFraming
@@ -42,12 +41,6 @@ from services.gateway.servicer import GatewayServicer
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 CLIENT_CLOSED_REQUEST = 499
-NOT_SERVING_YET = "no engine replica is serving yet; wait for the engines' health checks"
-TOKEN_REFUSED = (
-    "no engine replica accepts this gateway's service token: a configuration fault that the operator "
-    f"must fix, which waiting will not mend; check that {TOKEN_FILE_SETTING} names the same token on "
-    "this gateway and on its engines (the gateway's log names each replica that refuses it)"
-)
 _tracer = telemetry.tracer(__name__)
 log = logging.getLogger(__name__)
 
@@ -116,7 +109,7 @@ class OpenAIRoutes:
             return _error_response(from_refusal(draining()))
         serving = [r.target for r in self.router.replicas if r.is_serving]
         self._log_serving(serving)
-        problem = readiness_problem(self.router)
+        problem = self.router.readiness_problem()
         if problem is not None:
             return _error_response(from_refusal(Unavailable(problem)))
         return JSONResponse({"status": "ready", "engines_serving": len(serving)})
@@ -312,17 +305,6 @@ async def _sse_events(
     finally:
         generation.cancel()
         span.end()
-
-
-def readiness_problem(router: Router) -> str | None:
-    """Why the gateway should get no traffic now, or None while an engine replica serves. /ready
-    answers it, and the gRPC service's readiness (services/gateway/__main__.py) follows it, so an
-    operator reads the same reason at either; it names no replica, as /ready answers anyone."""
-    if any(r.is_serving for r in router.replicas):
-        return None
-    if any(r.is_live for r in router.replicas):  # live, and each one refuses our token
-        return TOKEN_REFUSED
-    return NOT_SERVING_YET
 
 
 def _refused(span: trace.Span, refusal: HttpError) -> Response:
