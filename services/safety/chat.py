@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.safety.normalizer import MAX_CLAUSE_TEXT_CHARS
+
 # A turn this short may be a piece of a request split across turns. At 4, splits of the held-out
 # harmful prompts into 1-4 word turns are all blocked and XSTest's safe questions sent two to a
 # chat are blocked no more often than without joins; at 6, 5-word splits are blocked too, but 3 in
@@ -31,7 +33,7 @@ def joined_turns(turns: Sequence[str], roles: Sequence[str] | None = None) -> li
             runs[-1].append(turn)
     users = [turn for role, turn in zip(roles, turns, strict=True) if role.strip().lower() == "user"]
     # every fragment, whatever its role (the caller names the roles), past a leading system prompt
-    start = 1 if roles[0].strip().lower() == "system" else 0
+    start = _num_leading_system(roles)
     everyone = [turn for turn in turns[start:] if _is_fragment(turn)]
     groups = [*runs, [turn for turn in users if _is_fragment(turn)], everyone]
     return list(dict.fromkeys(" ".join(group) for group in groups if len(group) > 1))
@@ -39,6 +41,35 @@ def joined_turns(turns: Sequence[str], roles: Sequence[str] | None = None) -> li
 
 def _is_fragment(turn: str) -> bool:
     return 0 < len(turn.split()) <= MAX_FRAGMENT_WORDS
+
+
+def _num_leading_system(roles: Sequence[str]) -> int:
+    """1 when the chat opens with a system prompt, else 0."""
+    return 1 if roles and roles[0].strip().lower() == "system" else 0
+
+
+# A chat whose turns and joins need more rows than the screen embeds per check (its max_windows)
+# has its turns screened packed: up to this many consecutive turns to a text, each on a line of its
+# own, in a text short enough to be read clause by clause (normalizer.MAX_CLAUSE_TEXT_CHARS), so
+# that each packed turn of normalizer.MIN_CLAUSE_WORDS words or more is still embedded alone as
+# well, as a clause of the pack (classifier.extra_rows); the fewer a pack holds, the less a short
+# harmful turn is diluted by its neighbours.
+MAX_TURNS_PER_PACK = 8
+
+
+def packed_turns(turns: Sequence[str], roles: Sequence[str] | None, per_pack: int) -> list[str]:
+    """`turns` with consecutive ones past a leading system prompt joined a line each, up to
+    `per_pack` to a text of at most MAX_CLAUSE_TEXT_CHARS characters; a longer turn, and a leading
+    system prompt (which beside a question moves its scores), stay alone. per_pack 1: the turns."""
+    start = _num_leading_system(roles or [])
+    packs = [[turn] for turn in turns[:start]]
+    for turn in turns[start:]:
+        last = packs[-1] if len(packs) > start else []
+        if 0 < len(last) < per_pack and len("\n".join([*last, turn])) <= MAX_CLAUSE_TEXT_CHARS:
+            last.append(turn)
+        else:
+            packs.append([turn])
+    return ["\n".join(pack) for pack in packs]
 
 
 def turn_roles(turns: Sequence[str], whole: str | None) -> list[str] | None:

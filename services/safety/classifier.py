@@ -34,7 +34,7 @@ import torch
 
 from services.common.gate_file import OUTPUT_HEAD, PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.attack_head import JAILBREAK, AttackHead
-from services.safety.chat import joined_turns
+from services.safety.chat import MAX_TURNS_PER_PACK, joined_turns, packed_turns
 from services.safety.embedder import CheckProgress, MiniLMEmbedder
 from services.safety.language import (
     LANGUAGE_CATEGORY,
@@ -139,22 +139,48 @@ class TextClassifier:
         self._check_size(sum(len(rows) for rows in per_view))
         return per_view
 
-    def _check_size(self, num_rows: int) -> None:
+    def _check_size(self, num_rows: int, is_chat: bool = False) -> None:
         if num_rows > self.max_windows:
-            raise self._too_long(str(num_rows))
+            raise self._too_long(str(num_rows), is_chat)
 
-    def _check_plain_size(self, turns: Sequence[str]) -> None:
-        """TextTooLong when the turns' plain views alone need more than `max_windows`, counted
+    def _screened_turns(
+        self, turns: Sequence[str], roles: Sequence[str] | None, joins: list[str]
+    ) -> list[str]:
+        """The texts a chat's turns are screened as: the turns, while they and their joins need at
+        most `max_windows` rows; else consecutive turns packed (chat.packed_turns), the fewest to a
+        text that fits, so that a chat of hundreds of short messages is read, every message of it.
+        TextTooLong when MAX_TURNS_PER_PACK to a text do not fit. Counted on the plain views,
         before any decoder runs or any window is embedded: a text that NFKC makes 18 times longer
-        ("\ufdfa" * 55000) cost seconds of views before its refusal. The count stops once past
-        the limit."""
-        num_rows = 0
-        for turn in turns:
-            num_rows += self.embedder.count_windows(canonical(turn), self.max_windows - num_rows)
-            if num_rows > self.max_windows:
-                raise self._too_long(f"more than {self.max_windows}")
+        ("\ufdfa" * 55000) cost seconds of views before its refusal."""
+        num_free = self.max_windows - self._num_rows(joins, self.max_windows)
+        num_texts = 0
+        for per_pack in range(1, MAX_TURNS_PER_PACK + 1):
+            packed = packed_turns(turns, roles, per_pack)
+            if num_free >= 0 and self._num_rows(packed, num_free) <= num_free:
+                return packed
+            if len(packed) == num_texts:
+                break  # no pack took another turn: a bigger one would not either
+            num_texts = len(packed)
+        raise self._too_long(f"more than {self.max_windows}", is_chat=len(turns) > 1)
 
-    def _too_long(self, num_rows: str) -> TextTooLong:
+    def _num_rows(self, texts: Sequence[str], limit: int) -> int:
+        """The rows of the texts' plain views; once past `limit`, some count past it (the count
+        stops there)."""
+        num_rows = 0
+        for text in texts:
+            num_rows += self.embedder.count_windows(canonical(text), limit - num_rows)
+            if num_rows > limit:
+                break
+        return num_rows
+
+    def _too_long(self, num_rows: str, is_chat: bool = False) -> TextTooLong:
+        if is_chat:
+            return TextTooLong(
+                f"chat needs {num_rows} screening windows (one per message, short messages up to "
+                f"{MAX_TURNS_PER_PACK} to a window, one per sentence of a long message, and the "
+                f"joins of short messages); the limit is {self.max_windows}: send fewer or shorter "
+                "messages, or raise THERMOCLINE_SAFETY_MAX_WINDOWS"
+            )
         return TextTooLong(
             f"text needs {num_rows} screening windows (one per sentence of a long text); "
             f"the limit is {self.max_windows}: shorten it or send it in several requests"
@@ -174,8 +200,9 @@ class TextClassifier:
         roles: Sequence[str] | None = None,
     ) -> Scores:
         """The scores of several texts read as one, a chat's turns: each turn is scored as `score`
-        scores a text of its own, and each category takes its highest over the turns; so are
-        their joins (joined_turns, by `roles`, one per turn; None: every turn a user's). With
+        scores a text of its own (in a chat past `max_windows` rows, consecutive turns in packs:
+        _screened_turns), and each category takes its highest over the turns; so are their joins
+        (joined_turns, by `roles`, one per turn; None: every turn a user's). With
         `whole` (the conversation as one text), its decoded views (normalizer.views past the plain
         one) are views too, so that an encoding or a payload split across turns is read whole; its
         plain view is not, because a system prompt or a role label beside a question moves the
@@ -183,15 +210,16 @@ class TextClassifier:
         `max_windows` windows in all. With `progress`, CheckCancelled between stages and embedding
         batches once the check's call is done."""
         stage_done = progress.raise_if_cancelled if progress is not None else _no_check
-        scored = [*turns, *joined_turns(turns, roles)]  # the turns, then their joined fragments
-        self._check_plain_size(scored)
+        joins = joined_turns(turns, roles)
+        screened = self._screened_turns(turns, roles, joins)  # the turns, or packs of them
+        scored = [*screened, *joins]
         stage_done()
         texts = [views(text) for text in scored]
         decoded_whole = views(whole)[1:] if whole is not None else []
         forms_of = texts + ([decoded_whole] if decoded_whole else [])  # the whole's decoded views last
         stage_done()
         per_text = [[self.embedder.text_windows(form) for form in forms] for forms in forms_of]
-        self._check_size(sum(len(rows) for per_view in per_text for rows in per_view))
+        self._check_size(sum(len(rows) for per_view in per_text for rows in per_view), len(turns) > 1)
         stage_done()
         # a turn's clauses and restatements (extra_rows); the whole's decoded views have none
         extras = [
@@ -218,7 +246,7 @@ class TextClassifier:
         thresholds = self.thresholds[kind]
         if kind == "prompt":
             # the attack heads judge what was sent; a join of fragments is for the harm categories
-            del attack_views[len(turns) : len(scored)]
+            del attack_views[len(screened) : len(scored)]
             for head in self.attack_heads:
                 values[head.name] = max(head.score(text_views) for text_views in attack_views)
                 thresholds = thresholds | {head.name: head.threshold}
@@ -227,7 +255,7 @@ class TextClassifier:
         # The language screen also reads a turn as written where look-alike letters of another
         # script were folded into Latin ones: a request in Cyrillic look-alikes is read in Latin
         # letters by the heads, and refused as a script the gate does not read where most of it is.
-        unfolded = [_unfolded(turn) for turn in turns] + [[]] * (len(forms_of) - len(turns))
+        unfolded = [_unfolded(text) for text in screened] + [[]] * (len(forms_of) - len(screened))
         read = zip(unfolded, forms_of, strict=True)
         shares = (foreign_share_of_views([*raw, *forms]) for raw, forms in read)
         language = max(shares, key=lambda share: share.share, default=NO_LANGUAGE_EVIDENCE)

