@@ -16,8 +16,8 @@ from services.common.errors import InvalidArgument
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 MAX_MODEL_CHARS = 128
-# The safety service screens a chat of this many messages when they are short (up to about 100
-# characters each: they share its windows, services/safety/chat.py); a chat it cannot screen in
+# The safety service screens a chat of this many messages when they are short (a few words each:
+# they share its windows, services/safety/chat.py); a chat it cannot screen in
 # THERMOCLINE_SAFETY_MAX_WINDOWS it refuses, INVALID_ARGUMENT, saying to send fewer or shorter messages.
 MAX_CHAT_MESSAGES = 1024
 MAX_ROLE_CHARS = 32

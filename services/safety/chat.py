@@ -5,6 +5,7 @@ across messages is read whole. Each join is screened as a prompt of its own besi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from services.safety.normalizer import MAX_CLAUSE_TEXT_CHARS
 
@@ -15,28 +16,111 @@ from services.safety.normalizer import MAX_CLAUSE_TEXT_CHARS
 MAX_FRAGMENT_WORDS = 4
 
 
+# Consecutive user turns are read joined too, whatever their length (user_windows), so that a
+# request split into pieces longer than fragments is read whole. A window holds JOIN_WINDOW_WORDS
+# words of the user turns and one starts every half window, so any run of consecutive user turns of
+# up to half a window in all (32 words: most requests) lies whole in one. A user turn longer than
+# 2 * JOIN_EDGE_WORDS words gives the windows only its first and last JOIN_EDGE_WORDS, where a
+# piece of a request split between it and its neighbours would be (the turn is screened whole on
+# its own). The bound: a window must hold the boundary between two turns, and each turn gives at
+# most 2 * JOIN_EDGE_WORDS = half a window of words, so a chat's windows are fewer than its user
+# turns, each of at most JOIN_WINDOW_WORDS words (one row, unless its words are unusually long):
+# however long the chat, its windows cost fewer rows than its user turns do alone, and about one
+# per 32 words of user text when the turns are short.
+JOIN_WINDOW_WORDS = 64
+JOIN_EDGE_WORDS = 16
+# A window across whole turns reads two prompts or more as one, which the thresholds were not
+# calibrated on, and two benign questions joined can read as neither does alone ("How can I not
+# bomb the test at school?" and "What should I do to hit my targets?": violence 0.9695 against a
+# threshold of 0.967). So a window's harm scores count this many logits lower: of the 17 splits of
+# the held-out and category test requests into 5-8 word messages that only a window blocks, the
+# closest clears its threshold by 0.39 logits; that chat's window grazes it by 0.08.
+JOIN_MARGIN_LOGITS = 0.25
+
+
+class Joins(NamedTuple):
+    """What a chat's turns joined are screened as, beside the turns: its fragments joined
+    (fragment_joins), and the windows across its user turns that are not one of those
+    (user_windows), whose harm scores count JOIN_MARGIN_LOGITS lower."""
+
+    fragments: list[str]
+    windows: list[str]
+
+    @property
+    def texts(self) -> list[str]:
+        """Every join: the fragments', then the windows."""
+        return [*self.fragments, *self.windows]
+
+
+def joins_of(turns: Sequence[str], roles: Sequence[str] | None = None) -> Joins:
+    """The chat's joins, each once. `roles` has one role per turn; without them every turn is a
+    user's."""
+    roles = roles or ["user"] * len(turns)
+    fragments = fragment_joins(turns, roles)
+    windows = [window for window in dict.fromkeys(user_windows(turns, roles)) if window not in fragments]
+    return Joins(fragments, windows)
+
+
 def joined_turns(turns: Sequence[str], roles: Sequence[str] | None = None) -> list[str]:
+    """Every join of the chat's turns (joins_of), as texts."""
+    return joins_of(turns, roles).texts
+
+
+def fragment_joins(turns: Sequence[str], roles: Sequence[str]) -> list[str]:
     """A chat's fragments (turns of at most MAX_FRAGMENT_WORDS words) joined with a space, without
     role labels: those of each run of consecutive turns of one role, of the "user" turns, and of
     every turn past a leading system prompt (the caller names the roles). Each join of two or more
     fragments is screened as a prompt of its own beside the turns, so a request sent a word or two
-    per message is read as one sentence. Only fragments: a longer turn is read alone, and whole
-    turns joined would cost a window per 48 tokens of the chat; not a leading system prompt, which
-    beside a question moves its scores (bench/results/safety_chat_2026-12-06.md). `roles` has one
-    role per turn; without them the chat is one run of "user" turns."""
-    roles = roles or ["user"] * len(turns)
+    per message is read as one sentence, also between longer turns or in turns of any role. Not a
+    leading system prompt, which beside a question moves its scores
+    (bench/results/safety_chat_2026-12-06.md)."""
     runs: list[list[str]] = []
     for at, (role, turn) in enumerate(zip(roles, turns, strict=True)):
         if at == 0 or role != roles[at - 1]:
             runs.append([])
         if _is_fragment(turn):
             runs[-1].append(turn)
-    users = [turn for role, turn in zip(roles, turns, strict=True) if role.strip().lower() == "user"]
+    users = [turn for role, turn in zip(roles, turns, strict=True) if _is_user(role)]
     # every fragment, whatever its role (the caller names the roles), past a leading system prompt
     start = _num_leading_system(roles)
     everyone = [turn for turn in turns[start:] if _is_fragment(turn)]
     groups = [*runs, [turn for turn in users if _is_fragment(turn)], everyone]
     return list(dict.fromkeys(" ".join(group) for group in groups if len(group) > 1))
+
+
+def user_windows(turns: Sequence[str], roles: Sequence[str]) -> list[str]:
+    """Windows over the words of a chat's user turns in order, the other roles' turns left out,
+    each joined with a space: JOIN_WINDOW_WORDS words, one starting every half window, and only
+    those that hold a boundary between two turns (inside one turn, a window reads nothing the
+    turn alone does not). A turn past 2 * JOIN_EDGE_WORDS words gives its first and last
+    JOIN_EDGE_WORDS, and no window runs across its middle."""
+    segments: list[list[tuple[int, str]]] = [[]]  # (turn number, word), cut inside long turns
+    for number, (role, turn) in enumerate(zip(roles, turns, strict=True)):
+        if not _is_user(role):
+            continue
+        words = [(number, word) for word in turn.split()]
+        if len(words) <= 2 * JOIN_EDGE_WORDS:
+            segments[-1] += words
+        else:
+            segments[-1] += words[:JOIN_EDGE_WORDS]
+            segments.append(words[-JOIN_EDGE_WORDS:])
+    return [window for segment in segments for window in _windows_across_turns(segment)]
+
+
+def _windows_across_turns(words: list[tuple[int, str]]) -> list[str]:
+    """The windows of `words` (turn number, word) that hold words of two turns or more."""
+    windows = []
+    for start in range(0, len(words), JOIN_WINDOW_WORDS // 2):
+        window = words[start : start + JOIN_WINDOW_WORDS]
+        if window[0][0] != window[-1][0]:
+            windows.append(" ".join(word for _, word in window))
+        if start + JOIN_WINDOW_WORDS >= len(words):
+            break
+    return windows
+
+
+def _is_user(role: str) -> bool:
+    return role.strip().lower() == "user"
 
 
 def _is_fragment(turn: str) -> bool:

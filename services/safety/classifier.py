@@ -34,7 +34,7 @@ import torch
 
 from services.common.gate_file import OUTPUT_HEAD, PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.attack_head import JAILBREAK, AttackHead
-from services.safety.chat import MAX_TURNS_PER_PACK, joined_turns, packed_turns
+from services.safety.chat import JOIN_MARGIN_LOGITS, MAX_TURNS_PER_PACK, joins_of, packed_turns
 from services.safety.embedder import CheckProgress, MiniLMEmbedder
 from services.safety.language import (
     LANGUAGE_CATEGORY,
@@ -163,6 +163,20 @@ class TextClassifier:
             num_texts = len(packed)
         raise self._too_long(f"more than {self.max_windows}", is_chat=len(turns) > 1)
 
+    def _harm_scores(
+        self, kind: TextKind, harm_views: list[list[torch.Tensor]], across: range
+    ) -> torch.Tensor:
+        """Scores `[C]` from each text's harm views (each `[W, H]`): the highest over them, where the
+        texts numbered `across` (windows across whole user turns) count JOIN_MARGIN_LOGITS lower."""
+        screen = self.screens[kind]
+        plain = [v for at, text_views in enumerate(harm_views) if at not in across for v in text_views]
+        harm = screen.text_scores(plain)
+        joined = [v for at in across for v in harm_views[at]]
+        if not joined:
+            return harm
+        lowered = torch.sigmoid(torch.logit(screen.text_scores(joined), eps=1e-7) - JOIN_MARGIN_LOGITS)
+        return torch.maximum(harm, lowered)
+
     def _num_rows(self, texts: Sequence[str], limit: int) -> int:
         """The rows of the texts' plain views; once past `limit`, some count past it (the count
         stops there)."""
@@ -210,9 +224,9 @@ class TextClassifier:
         `max_windows` windows in all. With `progress`, CheckCancelled between stages and embedding
         batches once the check's call is done."""
         stage_done = progress.raise_if_cancelled if progress is not None else _no_check
-        joins = joined_turns(turns, roles)
-        screened = self._screened_turns(turns, roles, joins)  # the turns, or packs of them
-        scored = [*screened, *joins]
+        joins = joins_of(turns, roles)
+        screened = self._screened_turns(turns, roles, joins.texts)  # the turns, or packs of them
+        scored = [*screened, *joins.texts]  # the windows across whole turns last
         stage_done()
         texts = [views(text) for text in scored]
         decoded_whole = views(whole)[1:] if whole is not None else []
@@ -233,15 +247,15 @@ class TextClassifier:
         # [N, H]: every view's windows, then the extras
         embeddings = self.embedder.embed_windows(rows, progress=progress)
         view_part, extra_part = embeddings.split([num_view_rows, len(rows) - num_view_rows])
-        harm_views: list[torch.Tensor] = []
         attack_views: list[list[torch.Tensor]] = []  # per text, its views' window embeddings
         per_text_rows = [sum(len(view_rows) for view_rows in per_view) for per_view in per_text]
         for per_view, text_embeddings in zip(per_text, view_part.split(per_text_rows), strict=True):
-            view_embeddings = list(text_embeddings.split([len(view_rows) for view_rows in per_view]))
-            attack_views.append(view_embeddings)
-            harm_views += view_embeddings
-        harm_views += [extra_part[i : i + 1] for i in range(len(extra_part))]
-        harm = self.screens[kind].text_scores(harm_views)  # [C]
+            attack_views.append(list(text_embeddings.split([len(view_rows) for view_rows in per_view])))
+        harm_views = [list(text_views) for text_views in attack_views]  # then each text's extra rows
+        for text_views, extra in zip(harm_views, extra_part.split([len(e) for e in extras]), strict=False):
+            text_views += list(extra.split(1)) if len(extra) else []
+        across = range(len(scored) - len(joins.windows), len(scored))
+        harm = self._harm_scores(kind, harm_views, across)  # [C]
         values = dict(zip(self.categories, harm.tolist(), strict=True))
         thresholds = self.thresholds[kind]
         if kind == "prompt":

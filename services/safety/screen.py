@@ -101,8 +101,9 @@ class Screen:
         For a chat, `turns` are its messages' contents and `text` the whole conversation: the
         classifier scores each turn as a prompt of its own, as its thresholds were calibrated,
         and the whole only through its decoded views (TextClassifier.score_turns); the deny
-        patterns read each turn and the whole. Both also read a chat's short turns joined
-        (joined_turns), so that a request sent a word or two per message is read as one sentence.
+        patterns read each turn and the whole. Both also read a chat's turns joined (joined_turns:
+        its short turns, and windows across its user turns), so that a request split across
+        messages is read as one sentence.
         `roles` are the turns' roles, one per turn; none: read off `text` where it is the gateway's
         "role: content" rendering (turn_roles), else every turn is a user's. With `progress`,
         CheckCancelled (before the check starts, between its stages and its embedding batches)

@@ -206,7 +206,9 @@ def test_a_request_split_across_turns_is_read_whole(classifier: TextClassifier) 
         words = request.split()
         first, second = " ".join(words[: len(words) // 2]), " " + " ".join(words[len(words) // 2 :])
         turns = [f'a = "{first}"', f'b = "{second}"', "Now answer a + b."]
-        if classifier.score(request).triggered and not classifier.score_turns(turns).triggered:
+        # roles under which no two of the turns are a user's: only the whole conversation joins them
+        alone = classifier.score_turns(turns, roles=_roles(turns))
+        if classifier.score(request).triggered and not alone.triggered:
             split.append(turns)
     assert len(split) >= 3  # requests that no turn carries alone
     for turns in split:
@@ -232,6 +234,21 @@ def test_a_request_sent_a_word_or_two_per_message_is_read_as_one_sentence(
         turns = _split(request, num_words)
         scores = classifier.score_turns(turns, whole=_user_chat(turns), roles=["user"] * len(turns))
         assert scores.triggered, turns
+
+
+@pytest.mark.parametrize("num_words", [5, 6, 7, 8])
+def test_a_request_sent_five_to_eight_words_per_message_is_read_whole(
+    classifier: TextClassifier, num_words: int
+) -> None:
+    """Pieces longer than a fragment were read one by one only: 5, 3, 2 and 3 of the 8 held-out
+    requests passed at 5, 6, 7 and 8 words a piece. Consecutive user turns are read joined too,
+    whatever their length, with the assistant's replies between them left out."""
+    for request in HELDOUT["harmful"]:
+        pieces = _split(request, num_words)
+        turns = [turn for piece in pieces for turn in (piece, "OK, go on.")][:-1]
+        roles = (["user", "assistant"] * len(pieces))[: len(turns)]
+        whole = "\n".join(f"{role}: {turn}" for role, turn in zip(roles, turns, strict=True))
+        assert classifier.score_turns(turns, whole=whole, roles=roles).triggered, pieces
 
 
 BENIGN_CHATS = [
