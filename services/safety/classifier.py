@@ -21,7 +21,9 @@ respond with one line at a time.") reads as an ordinary instruction, and they ju
 
 Every text, prompt or output, is also scored for the share of it the gate cannot read
 (language.py: `unscreened_language`, the highest over views): the encoder and heads know English
-only, and a text in another language would otherwise score as noise and pass.
+only, and a text in another language would otherwise score as noise and pass. And for holding more
+encoded texts than it has views to read them alone (normalizer.ENCODINGS_CATEGORY,
+`unscreened_encodings`: 1.0 when some had to share a view, else 0.0).
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ from services.safety.language import (
     foreign_share_of_views,
 )
 from services.safety.normalizer import (
+    ENCODINGS_CATEGORY,
+    ENCODINGS_THRESHOLD,
     MAX_CLAUSES,
     canonical,
     clauses,
+    decoded_views,
     fold_confusables,
     normalize,
     prompt_clauses,
@@ -228,8 +233,9 @@ class TextClassifier:
         screened = self._screened_turns(turns, roles, joins.texts)  # the turns, or packs of them
         scored = [*screened, *joins.texts]  # the windows across whole turns last
         stage_done()
-        texts = [views(text) for text in scored]
-        decoded_whole = views(whole)[1:] if whole is not None else []
+        decoded = [decoded_views(text) for text in [*scored, *([whole] if whole is not None else [])]]
+        texts = [list(text_views.forms) for text_views in decoded[: len(scored)]]
+        decoded_whole = list(decoded[-1].forms[1:]) if whole is not None else []
         forms_of = texts + ([decoded_whole] if decoded_whole else [])  # the whole's decoded views last
         stage_done()
         per_text = [[self.embedder.text_windows(form) for form in forms] for forms in forms_of]
@@ -274,7 +280,11 @@ class TextClassifier:
         shares = (foreign_share_of_views([*raw, *forms]) for raw, forms in read)
         language = max(shares, key=lambda share: share.share, default=NO_LANGUAGE_EVIDENCE)
         values[LANGUAGE_CATEGORY] = language.share
-        thresholds = thresholds | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD}
+        values[ENCODINGS_CATEGORY] = float(any(text_views.is_capped for text_views in decoded))
+        thresholds = thresholds | {
+            LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD,
+            ENCODINGS_CATEGORY: ENCODINGS_THRESHOLD,
+        }
         return Scores(values=values, thresholds=thresholds, num_windows=len(embeddings), language=language)
 
 

@@ -295,18 +295,27 @@ def _kept(texts: list[str]) -> list[str]:
     others but the last joined into one text, and the last. Decoding only the first few let eight
     benign blobs before a harmful one hide it; now every blob is read, and the last, where a
     request after decoys goes, keeps a text of its own (decoys after it land it in the joined one:
-    DecodedViews.is_capped tells the screen)."""
+    DecodedViews.is_capped tells the screen, which blocks such a text)."""
     if len(texts) <= MAX_DECODED_BLOBS:
         return texts
     return [*texts[: MAX_DECODED_BLOBS - 2], "\n".join(texts[MAX_DECODED_BLOBS - 2 : -1]), texts[-1]]
+
+
+# A text whose decoded texts outnumbered its views (DecodedViews.is_capped) is blocked, as a
+# category of its own: some of its texts were read only joined with others, diluted, and a harmful
+# request amid 30 benign base64 notes passed for 8 of the 10 requests tried. No text of the benign
+# code and long-document sources gets there (0 of 835: the stdlib's code, the PEPs, HumanEval, the
+# project's docs). A tenant whose users send texts of many encoded parts turns it off.
+ENCODINGS_CATEGORY = "unscreened_encodings"
+ENCODINGS_THRESHOLD = 1.0  # its score is 1.0 for a capped text, else 0.0
 
 
 class DecodedViews(NamedTuple):
     """The views of a text (views()), and whether its decoded texts outnumbered the views a text
     may have: MAX_DECODED_BLOBS blobs, MAX_HIDDEN_VIEWS views. When `is_capped`, some decoded
     texts share a view with others (the deny patterns read them all; the classifier reads them
-    diluted) and texts past the views were not decoded again: the screen should not treat the text
-    as fully read."""
+    diluted) and texts past the views were not decoded again: the text is not fully read, and the
+    screen blocks it as ENCODINGS_CATEGORY."""
 
     forms: tuple[str, ...]
     is_capped: bool

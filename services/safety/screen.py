@@ -4,7 +4,8 @@ The classifier decides by its calibrated per-category thresholds, adjusted by th
 (tenant_policy.py: categories off, looser thresholds); the deny patterns are an extra operator
 layer that blocks on any match, whatever the classifier or the tenant's policy says. Beside the
 gate's categories the classifier scores `unscreened_language` (language.py), the share of a text in
-a language the gate cannot read; tenants turn it off or loosen it like any category.
+a language the gate cannot read, and `unscreened_encodings` (normalizer.ENCODINGS_CATEGORY), a text
+with more encoded parts than it reads alone; tenants turn them off or loosen them like any category.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
 from services.safety.embedder import CheckProgress, MiniLMEmbedder, default_model_dir
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
+from services.safety.normalizer import ENCODINGS_CATEGORY, ENCODINGS_THRESHOLD
 from services.safety.policy import DenyPatternPolicy, merged
 from services.safety.suffix import SUFFIX_CATEGORY, SUFFIX_THRESHOLD
 from services.safety.tenant_policy import NO_POLICY, TenantPolicy
@@ -84,6 +86,7 @@ class Screen:
             table[attack.name] = CategoryThresholds(attack.threshold, None)
         table[SUFFIX_CATEGORY] = CategoryThresholds(SUFFIX_THRESHOLD, None)
         table[LANGUAGE_CATEGORY] = CategoryThresholds(LANGUAGE_THRESHOLD, LANGUAGE_THRESHOLD)
+        table[ENCODINGS_CATEGORY] = CategoryThresholds(ENCODINGS_THRESHOLD, ENCODINGS_THRESHOLD)
         return table
 
     def check(

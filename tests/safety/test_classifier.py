@@ -21,12 +21,22 @@ from services.safety.classifier import HarmScreen, TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
 from services.safety.language import LANGUAGE_CATEGORY, LANGUAGE_THRESHOLD
-from services.safety.normalizer import canonical, clauses, prompt_clauses, prompt_readings, views
+from services.safety.normalizer import (
+    ENCODINGS_CATEGORY,
+    ENCODINGS_THRESHOLD,
+    canonical,
+    clauses,
+    prompt_clauses,
+    prompt_readings,
+    views,
+)
 from services.safety.restate import restatements
 from services.safety.window_aggregation import WindowAggregation
 
 HELDOUT = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())
 HELDOUT_OUTPUTS = json.loads((Path(__file__).parent / "heldout_outputs.json").read_text())
+# the thresholds of what the screen scores beside the gate's harm categories, outputs too
+UNSCREENED = {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD, ENCODINGS_CATEGORY: ENCODINGS_THRESHOLD}
 FILLER = "The committee met on Tuesday to review the quarterly budget and the new parking rules. "
 
 
@@ -95,7 +105,7 @@ def test_held_out_benign_outputs_pass_the_output_screen_at_about_the_calibrated_
     # Calibrated to 1 % false positives: 0.24 expected in 24, so one is already unlucky.
     assert sum(bool(s.triggered) for s in as_outputs) <= 1
     expected = HarmScreen.of(load_gate(DEFAULT_GATE), "output").thresholds
-    assert as_outputs[0].thresholds == pytest.approx(expected | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD})
+    assert as_outputs[0].thresholds == pytest.approx(expected | UNSCREENED)
     assert expected != classifier.score(benign[0], "prompt").thresholds  # outputs have their own
 
 
@@ -104,7 +114,7 @@ def test_held_out_harmful_outputs_are_still_blocked_by_the_output_screen(classif
         scores = classifier.score(text, "output")
         assert scores.triggered, text[:80]
         expected = HarmScreen.of(load_gate(DEFAULT_GATE), "output").thresholds
-        assert scores.thresholds == pytest.approx(expected | {LANGUAGE_CATEGORY: LANGUAGE_THRESHOLD})
+        assert scores.thresholds == pytest.approx(expected | UNSCREENED)
 
 
 def test_one_sentence_of_a_long_prompt_counts_only_far_past_what_benign_sentences_reach(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import codecs
+import json
 import unicodedata
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -106,6 +108,19 @@ def test_benign_blobs_before_a_harmful_one_do_not_hide_it() -> None:
     assert surrounded.is_capped
     assert DenyPatternPolicy.load(DEFAULT_PATTERNS).check(_decoys_and(payload, num_decoys_after=3)).is_blocked
     assert not decoded_views(f"Decode and answer: {_b64(payload)}").is_capped
+
+
+@pytest.mark.parametrize(
+    "source", ["benign_stdlib_code", "benign_peps_long", "benign_humaneval", "benign_project_docs"]
+)
+def test_no_benign_code_or_long_document_has_more_encoded_texts_than_the_views_read_alone(
+    source: str,
+) -> None:
+    """The screen blocks a text whose decoded texts had to share views (is_capped: the attack
+    above). That is safe only while ordinary code-heavy and long texts never get there: 0 of 835."""
+    path = Path(__file__).resolve().parents[2] / "data" / "safety" / f"{source}.jsonl"
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    assert texts and not [text[:80] for text in texts if decoded_views(text).is_capped]
 
 
 def test_a_short_text_is_cut_into_clauses_of_a_few_words_at_least() -> None:
