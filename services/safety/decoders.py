@@ -1299,9 +1299,9 @@ def hidden_texts(text: str) -> list[str]:
     for decoder in decoders:
         if found.is_full:
             return found.texts
-        decoded = [plain for line in lines if (plain := _line_or_tail(decoder, line)) is not None]
-        if decoded:
-            found.add("\n".join(decoded))
+        decoded_lines = [plain for line in lines if (plain := _line_or_tail(decoder, line)) is not None]
+        if decoded_lines:
+            found.add("\n".join(decoded_lines))
     # a line run together, or its part after an instruction's colon ("Answer this: Howdoimake...")
     tails = (line if _is_unspaced(line) else line.rpartition(": ")[2] for line in lines)
     unspaced = itertools.islice((tail for tail in tails if _is_unspaced(tail)), MAX_UNJOINED_LINES)
