@@ -150,8 +150,7 @@ def test_a_row_draws_the_same_token_whatever_its_neighbours(mine) -> None:
 @pytest.mark.parametrize("tie", ["ten-way", "signed-zeros"])
 def test_tied_logits_rank_by_id_under_topk_of_any_width(tie) -> None:
     """Ties spread over blocks of 16: topk's own order of tied values must not leak into the draw,
-    whether the batch's topk is 40 wide (a TOP_K_40 neighbour) or 4 (a PLAIN one), and the draw is the
-    one the reference makes from its full sort (a TOP_P neighbour makes it sort)."""
+    whether the batch's topk is 40 wide (a TOP_K_40 neighbour) or 4 (a top-p-only one)."""
     logits = torch.full((2, 64), -3.0)
     if tie == "ten-way":
         logits[:, [3, 14, 17, 30, 31, 33, 47, 50, 58, 63]] = 2.0  # top-k 4 keeps 3, 14, 17 and 30
@@ -164,7 +163,7 @@ def test_tied_logits_rank_by_id_under_topk_of_any_width(tie) -> None:
     pairs = logits.repeat(draws, 1)
     keys = [(1 + r % 2, r // 2) for r in range(2 * draws)]
     by_topk = _fused(pairs, [TOP_K_40, top_k_4] * draws, keys, 16)[1::2]
-    by_top_4 = _fused(pairs, [PLAIN, top_k_4] * draws, keys, 16)[1::2]
+    by_top_4 = _fused(pairs, [TOP_P, top_k_4] * draws, keys, 16)[1::2]
     assert by_topk == by_top_4 == sample_reference(pairs, [TOP_P, top_k_4] * draws, keys)[1::2].tolist()
     assert set(by_topk) == expected
 
