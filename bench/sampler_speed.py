@@ -43,8 +43,6 @@ from services.engine.scheduling.sampling_params import SamplingParams
 SETTINGS: dict[str, Callable[[int], SamplingParams]] = {
     "temperature 0.8": lambda r: SamplingParams(temperature=0.8, seed=r),
     "top-p 0.9": lambda r: SamplingParams(temperature=0.8, top_p=0.9, seed=r),
-    # flat: tens of thousands of tokens kept at V = 128K, more than a program sorts (sort-free path)
-    "top-p 0.95, temperature 3": lambda r: SamplingParams(temperature=3.0, top_p=0.95, seed=r),
     "top-k 50": lambda r: SamplingParams(temperature=0.8, top_k=50, seed=r),
     "mixed (thirds)": lambda r: (
         SamplingParams(temperature=0.8, seed=r),
