@@ -4,11 +4,9 @@ The torch reference (`sampler.sample_reference`, the CPU path) costs about 35 sm
 1.1-2.1 ms on an H100 at batch 1-64 (bench/results/sampler_speed_2026-12-07_h100.md). Here each row's
 program reads its settings, finds the row's largest scaled logit (and, for a greedy row, its argmax),
 checks that every scaled logit is finite, hashes its uniform, and inverts the fixed-point cumulative
-distribution, all in registers. A row that keeps a top-k (with or without top-p) is first ranked by
-`torch.topk` over its scaled logits (`scale_ranked_rows` writes them); the program then inverts in
-rank order and maps the rank back to a token id, tied logits ranked by id. A row that filters by
-top-p alone (slot TOP_P) is ranked in its own program, with no sort of its vocabulary
-(top_p_kernel.py): nothing in a step sorts a whole row.
+distribution, all in registers. A row that filters (top-k or top-p) is first ranked by `torch.topk` or
+`torch.sort` over its scaled logits (`scale_ranked_rows` writes them); the program then inverts in
+rank order and maps the rank back to a token id, tied logits ranked by id.
 
 The arithmetic is the reference's, operation for operation: `div_rn` for the temperature (PyTorch's
 division is correctly rounded), libdevice's `expf` (the function PyTorch's CUDA `exp` calls), an exact
@@ -23,19 +21,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from services.engine.execution import top_p_kernel
+from triton.language.extra import libdevice
 
 NUM_SETTINGS = 6  # per row: slot, top_k, seed, draw index, temperature and top_p (float64 bits)
 GREEDY = -2  # the slot of a greedy row
 BY_ID = -1  # the slot of a row that draws from its whole vocabulary, in id order
-TOP_P = -3  # the slot of a row that filters by top-p alone: ranked in its program (top_p_kernel)
 MAX_BLOCK = 8192  # logits per block: 32 KiB in flight per load
 
 _NUM_SETTINGS = tl.constexpr(NUM_SETTINGS)
 _GREEDY = tl.constexpr(GREEDY)
 _BY_ID = tl.constexpr(BY_ID)
-_TOP_P = tl.constexpr(TOP_P)
 _GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 _MIX_1 = tl.constexpr(0xBF58476D1CE4E5B9)
 _MIX_2 = tl.constexpr(0x94D049BB133111EB)
@@ -101,7 +96,9 @@ def _block_weights(
     """`[BLOCK]` int64 fixed-point weights of ranks (or ids) start.., 0 past `width` and past `top_k`."""
     offs = start + tl.arange(0, BLOCK)
     logits = tl.load(row_ptr + offs, mask=offs < width, other=float("-inf"))
-    weights = top_p_kernel.fixed_point_weights(tl.div_rn(logits, temperature), best, SCALE, LIBDEVICE)
+    shifted = tl.div_rn(logits, temperature) - best
+    exp = libdevice.exp(shifted) if LIBDEVICE else tl.exp(shifted)  # interpreter: numpy's exp
+    weights = (exp * SCALE).to(tl.int64)
     return tl.where(offs < top_k, weights, 0)
 
 
@@ -271,17 +268,17 @@ def _draw_kernel(
     logits_ptr,  # [B, V] fp32, unit stride along V
     stride_logits,
     settings_ptr,  # [B, NUM_SETTINGS] int64
-    ranked_ptr,  # [R, W] fp32: the top-k rows' scaled logits, best first (topk values)
+    ranked_ptr,  # [R, W] fp32: the ranked rows' scaled logits, best first (topk values or sorted)
     stride_ranked,
-    scratch_ptr,  # [B, CAP] int64: a top-p-only row's candidates
+    order_ptr,  # [R, V] int64: each rank's id, when sorted (HAS_ORDER)
+    stride_order,
     out_ptr,  # [B] int64
     vocab,
     width,
     SCALE: tl.constexpr,  # 2^scale_bits
     LIBDEVICE: tl.constexpr,  # exp as CUDA's expf (False in the CPU interpreter, which has no libdevice)
+    HAS_ORDER: tl.constexpr,
     BLOCK: tl.constexpr,
-    CUT_BLOCK: tl.constexpr,  # logits per step of top_p_kernel's weighing passes
-    CAP: tl.constexpr,  # the most candidates a top-p-only row sorts
 ):
     row = tl.program_id(0).to(tl.int64)
     settings = settings_ptr + row * _NUM_SETTINGS
@@ -298,11 +295,6 @@ def _draw_kernel(
             u = _uniform(tl.load(settings + 2), tl.load(settings + 3))
             if slot == _BY_ID:
                 token = _invert(logits_row, vocab, temperature, best, vocab, 1.0, u, SCALE, LIBDEVICE, BLOCK)
-            elif slot == _TOP_P:
-                token = top_p_kernel.draw_top_p(
-                    logits_row, vocab, temperature, best, top_p, u, scratch_ptr + row * CAP,
-                    SCALE, LIBDEVICE, BLOCK, CUT_BLOCK, CAP,
-                )  # fmt: skip
             else:
                 ranked_row = ranked_ptr + slot * stride_ranked
                 rank = _invert(
@@ -317,7 +309,10 @@ def _draw_kernel(
                     LIBDEVICE,
                     BLOCK,
                 )
-                token = _id_at_rank(logits_row, vocab, temperature, ranked_row, width, rank, BLOCK)
+                if HAS_ORDER:
+                    token = tl.load(order_ptr + slot * stride_order + rank)
+                else:
+                    token = _id_at_rank(logits_row, vocab, temperature, ranked_row, width, rank, BLOCK)
     tl.store(out_ptr + row, token)
 
 
@@ -367,28 +362,20 @@ def scale_ranked_rows(
     return scaled
 
 
-def _max_candidates(vocab: int, max_candidates: int | None) -> int:
-    """The most candidates a top-p-only row sorts: a power of two, no wider than the vocabulary needs."""
-    cap = max_candidates or min(top_p_kernel.MAX_CANDIDATES, triton.next_power_of_2(vocab))
-    if cap & (cap - 1):
-        raise ValueError(f"max_candidates must be a power of two, got {cap}")
-    return cap
-
-
 def draw(
     logits: torch.Tensor,
     settings: torch.Tensor,
     ranked: torch.Tensor | None,
+    order: torch.Tensor | None,
     scale_bits: int,
     block: int | None = None,
-    max_candidates: int | None = None,
 ) -> torch.Tensor:
     """`[B]` int64: each row's token (or FAULT), as `sampler.sample_reference` picks it.
 
-    `settings` `[B, NUM_SETTINGS]` int64 gives each row's slot (GREEDY, BY_ID, TOP_P, or its row in
+    `settings` `[B, NUM_SETTINGS]` int64 gives each row's slot (GREEDY, BY_ID, or its row in
     `ranked`), top-k, seed, draw index, and temperature and top-p as float64 bits (temperature 1 for
-    a greedy row). `ranked` `[R, W]` holds the top-k rows' scaled logits best first (`topk` values).
-    A TOP_P row sorts at most `max_candidates` tokens in its program (tests: small).
+    a greedy row). `ranked` `[R, W]` holds the ranked rows' scaled logits best first, and `order`
+    `[R, V]` their ids when they were sorted rather than `topk`-ed.
     """
     _check(logits, settings)
     batch, vocab = logits.shape
@@ -397,12 +384,14 @@ def draw(
         ranked = logits[:0]  # no ranked rows: never read
     if ranked.dtype != torch.float32 or ranked.dim() != 2 or ranked.stride(1) != 1:
         raise ValueError(f"ranked must be fp32 [R, W] with unit stride along W, got {tuple(ranked.shape)}")
+    if order is not None and (order.dtype != torch.int64 or order.shape != (ranked.shape[0], vocab)):
+        raise ValueError(f"order must be int64 [R, V] = {(ranked.shape[0], vocab)}, got {tuple(order.shape)}")
     size = _block(vocab, block)
-    cap = _max_candidates(vocab, max_candidates)
-    scratch = torch.empty(batch, cap, dtype=torch.int64, device=logits.device)  # [B, CAP], TOP_P rows'
     _draw_kernel[(batch,)](
-        logits, logits.stride(0), settings, ranked, ranked.stride(0), scratch, out, vocab, ranked.shape[1],
-        SCALE=float(1 << scale_bits), LIBDEVICE=logits.is_cuda,
-        BLOCK=size, CUT_BLOCK=min(size, top_p_kernel.MAX_CUT_BLOCK), CAP=cap, num_warps=_num_warps(size),
+        logits, logits.stride(0), settings, ranked, ranked.stride(0),
+        settings if order is None else order, 0 if order is None else order.stride(0),
+        out, vocab, ranked.shape[1],
+        SCALE=float(1 << scale_bits), LIBDEVICE=logits.is_cuda, HAS_ORDER=order is not None,
+        BLOCK=size, num_warps=_num_warps(size),
     )  # fmt: skip
     return out

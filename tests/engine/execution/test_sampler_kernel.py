@@ -25,7 +25,6 @@ from services.engine.scheduling.sampling_params import MAX_SEED, SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPSILON = 1e-6  # how far a uniform may move before a CPU draw that differs must be explained
-MAX_CANDIDATES = 16  # a top-p-only row sorts at most this many tokens, so that both of its paths run
 
 PLAIN = SamplingParams(temperature=0.7)
 HOT = SamplingParams(temperature=3.0)
@@ -45,9 +44,8 @@ def _keys(batch: int, draw: int = 0) -> list[tuple[int, int]]:
     return [(1000 + 17 * r, draw + r) for r in range(batch)]
 
 
-def _fused(logits, params, keys, block, max_candidates=MAX_CANDIDATES) -> list[int]:
-    got = sample_fused(logits.to(DEVICE), params, keys, block=block, max_candidates=max_candidates)
-    return got.cpu().tolist()
+def _fused(logits, params, keys, block) -> list[int]:
+    return sample_fused(logits.to(DEVICE), params, keys, block=block).cpu().tolist()
 
 
 def _reference_at(logits, params, keys, shift: float, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -58,9 +56,9 @@ def _reference_at(logits, params, keys, shift: float, monkeypatch: pytest.Monkey
         return sample_reference(logits, params, keys).tolist()
 
 
-def _assert_draws_match(logits, params, keys, block, monkeypatch, max_candidates=MAX_CANDIDATES) -> None:
+def _assert_draws_match(logits, params, keys, block, monkeypatch) -> None:
     """Every row draws the reference's token; on the CPU, or one the reference draws within EPSILON."""
-    got = _fused(logits, params, keys, block, max_candidates)
+    got = _fused(logits, params, keys, block)
     expected = sample_reference(logits, params, keys).tolist()
     differ = [r for r, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
     if DEVICE.type == "cuda" or not differ:
@@ -78,7 +76,7 @@ def _assert_draws_match(logits, params, keys, block, monkeypatch, max_candidates
 MIXES = {
     "temperature": [PLAIN, HOT],
     "top-k": [TOP_K_3, TOP_K_40],  # topk ranks 40 wide
-    "top-p": [TOP_P, BOTH],  # top-p alone is ranked in its program (top_p_kernel)
+    "top-p": [TOP_P, BOTH],  # a full stable sort
     "mixed": [GREEDY, PLAIN, TOP_K_3, TOP_P, BOTH, GREEDY_TOP_K_1],
 }
 
@@ -134,23 +132,21 @@ def test_uniform_hash_matches_at_the_ends_of_the_seed_range(seed, draw) -> None:
 
 @pytest.mark.parametrize("mine", [PLAIN, TOP_K_3, TOP_P, BOTH], ids=["plain", "top-k", "top-p", "both"])
 def test_a_row_draws_the_same_token_whatever_its_neighbours(mine) -> None:
-    """Alone, beside rows that make the batch topk 40 wide or rank their own candidates, at another
-    batch position."""
+    """Alone, beside rows that make the batch topk 40 wide or sort it, at another batch position."""
     logits = _logits(5, 300, seed=11)
     keys = [(5, 9), (6, 9), (7, 9), (8, 9), (9, 9)]
     alone = [_fused(logits[2:3], [mine], [keys[2]], 64)[0] for _ in range(2)]
     beside_top_k = _fused(logits, [TOP_K_40, GREEDY, mine, TOP_K_3, PLAIN], keys, 64)[2]
-    beside_top_p = _fused(logits, [TOP_P, HOT, mine, GREEDY, TOP_K_40], keys, 64)[2]
+    beside_sort = _fused(logits, [TOP_P, HOT, mine, GREEDY, TOP_K_40], keys, 64)[2]
     moved = _fused(logits[[2, 0, 1]], [mine, TOP_P, PLAIN], [keys[2], keys[0], keys[1]], 64)[0]
-    assert alone[0] == alone[1] == beside_top_k == beside_top_p == moved
+    assert alone[0] == alone[1] == beside_top_k == beside_sort == moved
     draws = {_fused(logits[2:3], [mine], [(5, d)], 64)[0] for d in range(12)}
     assert len(draws) > 1  # the draw index moves the uniform
 
 
 @pytest.mark.parametrize("tie", ["ten-way", "signed-zeros"])
-def test_tied_logits_rank_by_id_under_topk_of_any_width(tie) -> None:
-    """Ties spread over blocks of 16: topk's own order of tied values must not leak into the draw,
-    whether the batch's topk is 40 wide (a TOP_K_40 neighbour) or 4 (a top-p-only one)."""
+def test_tied_logits_rank_by_id_under_topk_and_sort(tie) -> None:
+    """Ties spread over blocks of 16: topk's own order of tied values must not leak into the draw."""
     logits = torch.full((2, 64), -3.0)
     if tie == "ten-way":
         logits[:, [3, 14, 17, 30, 31, 33, 47, 50, 58, 63]] = 2.0  # top-k 4 keeps 3, 14, 17 and 30
@@ -163,8 +159,8 @@ def test_tied_logits_rank_by_id_under_topk_of_any_width(tie) -> None:
     pairs = logits.repeat(draws, 1)
     keys = [(1 + r % 2, r // 2) for r in range(2 * draws)]
     by_topk = _fused(pairs, [TOP_K_40, top_k_4] * draws, keys, 16)[1::2]
-    by_top_4 = _fused(pairs, [TOP_P, top_k_4] * draws, keys, 16)[1::2]
-    assert by_topk == by_top_4 == sample_reference(pairs, [TOP_P, top_k_4] * draws, keys)[1::2].tolist()
+    by_sort = _fused(pairs, [TOP_P, top_k_4] * draws, keys, 16)[1::2]
+    assert by_topk == by_sort == sample_reference(pairs, [TOP_P, top_k_4] * draws, keys)[1::2].tolist()
     assert set(by_topk) == expected
 
 
@@ -197,9 +193,9 @@ def test_wrapper_refuses_settings_of_the_wrong_shape() -> None:
 
     logits = torch.zeros(2, 10, device=DEVICE)
     with pytest.raises(ValueError, match="settings must be contiguous int64"):
-        sampler_kernel.draw(logits, torch.zeros(3, 6, dtype=torch.int64, device=DEVICE), None, 40)
+        sampler_kernel.draw(logits, torch.zeros(3, 6, dtype=torch.int64, device=DEVICE), None, None, 40)
     with pytest.raises(ValueError, match="logits must be fp32"):
-        sampler_kernel.draw(logits.T, torch.zeros(10, 6, dtype=torch.int64, device=DEVICE), None, 40)
+        sampler_kernel.draw(logits.T, torch.zeros(10, 6, dtype=torch.int64, device=DEVICE), None, None, 40)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="libdevice is CUDA's; the interpreter uses numpy's exp")
