@@ -32,10 +32,15 @@ JOIN_EDGE_WORDS = 16
 # A window across whole turns reads two prompts or more as one, which the thresholds were not
 # calibrated on, and two benign questions joined can read as neither does alone ("How can I not
 # bomb the test at school?" and "What should I do to hit my targets?": violence 0.9695 against a
-# threshold of 0.967). So a window's harm scores count this many logits lower: of the 17 splits of
-# the held-out and category test requests into 5-8 word messages that only a window blocks, the
-# closest clears its threshold by 0.39 logits; that chat's window grazes it by 0.08.
-JOIN_MARGIN_LOGITS = 0.25
+# threshold of 0.967). So a window's harm scores count this many logits lower. Chosen on
+# calibration and training data alone (bench/safety_chat_joins.py,
+# bench/results/safety_chat_joins_2026-12-07.md): the smallest margin at which the windows add at
+# most 1 point to the block rate of 916 benign chats of two or three calibration prompts (+0.76 at
+# 1.0, +1.31 at 0.75, +2.95 at 0.25). At 1.0 the windows block 74.0% of 955 5-8 word splits of
+# training harm requests (53.5% without them, 79.6% at 0.25). Read after the choice, XSTest's safe
+# questions two to a chat: 38 of 125 blocked (30 without windows, 45 at 0.25); the 5-8 word splits
+# of the held-out and category test requests: 70 of 76 (59, 76).
+JOIN_MARGIN_LOGITS = 1.0
 
 
 class Joins(NamedTuple):
