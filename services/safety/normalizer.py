@@ -165,7 +165,7 @@ _CONTRACTIONS = {
 _LETTER_RUN = re.compile(r"(?<!['\u2019])\b[A-Za-z]{2,10}\b(?!['\u2019])")
 # Bumped whenever views() changes what it returns for some text: training and evaluation tools key
 # their cached embeddings by it.
-VIEWS_VERSION = 18
+VIEWS_VERSION = 19
 
 
 def _visible(text: str) -> str:
@@ -291,18 +291,44 @@ def _blob_texts(text: str) -> list[str]:
 
 
 def _kept(texts: list[str]) -> list[str]:
-    """`texts` if there are MAX_DECODED_BLOBS at most; else the first MAX_DECODED_BLOBS - 2, the
-    others but the last joined into one text, and the last. Decoding only the first few let eight
-    benign blobs before a harmful one hide it; now every blob is read, and the last, where a
-    request after decoys goes, keeps a text of its own (decoys after it land it in the joined one:
-    DecodedViews.is_capped tells the screen, which blocks such a text)."""
+    """`texts` if there are MAX_DECODED_BLOBS at most; else, prose first (_prose_first), the first
+    MAX_DECODED_BLOBS - 2, the others but the last joined into one text, and the last. Decoding
+    only the first few let eight benign blobs before a harmful one hide it; now every blob is read,
+    and the last, where a request after decoys goes, keeps a text of its own (decoys after it land
+    it in the joined one: DecodedViews.is_capped tells the screen, which blocks such a text)."""
     if len(texts) <= MAX_DECODED_BLOBS:
         return texts
+    texts = _prose_first(texts)
     return [*texts[: MAX_DECODED_BLOBS - 2], "\n".join(texts[MAX_DECODED_BLOBS - 2 : -1]), texts[-1]]
 
 
-# A text whose decoded texts outnumbered its views (DecodedViews.is_capped) is blocked, as a
-# category of its own: some of its texts were read only joined with others, diluted, and a harmful
+_WORD = re.compile(r"[^\W\d_][^\W\d_'’]*[.,;:!?]?")
+MIN_PROSE_WORDS = 3
+
+
+def is_prose(text: str) -> bool:
+    """Whether a decoded text holds a sentence: MIN_PROSE_WORDS or more white-space-separated plain
+    words. A JWT's JSON, a key, a password or a hash holds none, and a request must; so only prose
+    counts toward the cap, and a Kubernetes secret or a few tokens in a debugging question (many
+    blobs, none of them prose) are read, not blocked."""
+    return sum(1 for token in text.split() if _WORD.fullmatch(token)) >= MIN_PROSE_WORDS
+
+
+def _prose_first(texts: list[str]) -> list[str]:
+    """Prose before the rest, each kept in its order: blobs that hold no sentence cannot push one
+    that does into the shared text. The last prose text goes last, where _kept gives it a view."""
+    prose = [t for t in texts if is_prose(t)]
+    rest = [t for t in texts if not is_prose(t)]
+    return [*prose[:-1], *rest, *prose[-1:]] if prose else rest
+
+
+def _is_capped(texts: list[str]) -> bool:
+    """More prose than the views read alone (MAX_DECODED_BLOBS): some sentence shares a view."""
+    return sum(map(is_prose, texts)) > MAX_DECODED_BLOBS
+
+
+# A text whose decoded sentences (is_prose) outnumbered its views (DecodedViews.is_capped) is blocked,
+# as a category of its own: some of its texts were read only joined with others, diluted, and a harmful
 # request amid 30 benign base64 notes passed for 8 of the 10 requests tried. No text of the benign
 # code and long-document sources gets there (0 of 835: the stdlib's code, the PEPs, HumanEval, the
 # project's docs). A tenant whose users send texts of many encoded parts turns it off.
@@ -382,7 +408,7 @@ class _Decoding:
     def blobs(self, text: str) -> list[str]:
         """decoded_blobs(text), noting when some had to share a text."""
         found = _blob_texts(text)
-        self.is_capped |= len(found) > MAX_DECODED_BLOBS
+        self.is_capped |= _is_capped(found)
         return _kept(found)
 
     def add(self, blobs: list[str], others: list[str]) -> tuple[list[str], list[str]]:
@@ -391,7 +417,8 @@ class _Decoding:
         texts that got a view of their own (from base64 blobs, from the other decoders): only
         those are decoded again, so that each pass reads MAX_HIDDEN_VIEWS texts at most."""
         added: tuple[list[str], list[str]] = ([], [])
-        for kind, hidden in [*((0, b) for b in blobs), *((1, o) for o in others)]:
+        found = [*((0, b) for b in blobs), *((1, o) for o in others)]
+        for kind, hidden in sorted(found, key=lambda pair: not is_prose(pair[1])):  # prose first
             form = canonical(hidden)
             if not form or form in self.forms or form in self.spilled:
                 continue
@@ -405,7 +432,7 @@ class _Decoding:
     def _spill(self, form: str) -> None:
         self.spilled.append(form)
         self.forms[-1] += "\n" + form
-        self.is_capped = True
+        self.is_capped |= is_prose(form)
 
     def decoded_again(self, added: tuple[list[str], list[str]]) -> tuple[list[str], list[str]]:
         """What the texts just decoded hide in turn: a base64 blob's text is read by every decoder
