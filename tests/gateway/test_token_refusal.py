@@ -34,6 +34,7 @@ from services.gateway.upstream import Upstreams
 from tests.conftest import holding_service_token
 from tests.gateway.conftest import call, refusal, token
 from tests.gateway.test_router import _wait_until
+from tests.health import watch_until
 from thermocline.gateway.v1 import gateway_pb2
 from thermocline.safety.v1 import safety_pb2
 
@@ -183,14 +184,8 @@ def _health(target: str, service: str) -> int:
 def _wait_for_health(target: str, service: str, status: int) -> None:
     """Follows the gateway's health Watch for `service` until it reports `status`; fails after WAIT_S."""
     with grpc.insecure_channel(target) as channel:
-        request = health_pb2.HealthCheckRequest(service=service)
-        try:
-            for reply in health_pb2_grpc.HealthStub(channel).Watch(request, timeout=WAIT_S):
-                if reply.status == status:
-                    return
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise
+        if watch_until(channel, service, status, WAIT_S):
+            return
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     raise AssertionError(f"the gateway's health for {service!r} was not {name} within {WAIT_S:.0f} s")
 

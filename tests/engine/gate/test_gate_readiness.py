@@ -22,6 +22,7 @@ from tests.engine.gate.test_gate_watch import (
     _watch,
 )
 from tests.engine.gate.test_safety_gate import _random_gate
+from tests.health import watch_until
 
 
 @pytest.fixture
@@ -70,14 +71,8 @@ def _health(mesh: Mesh, service: str) -> int:
 def _wait_for_health(mesh: Mesh, service: str, status: int, timeout_s: float = 60) -> None:
     """Follows the engine's health Watch stream for `service` until it says `status`."""
     with mesh.channel("engine") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            for reply in stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s):
-                if reply.status == status:
-                    return
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise
+        if watch_until(channel, service, status, timeout_s):
+            return
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     raise AssertionError(f"{service!r} not {name} after {timeout_s} s\n{mesh.log_tail('engine')}")
 
