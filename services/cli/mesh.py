@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
-from services.common.ports import free_port
+from services.common.ports import free_port, port_holders
 from services.common.service_auth import TOKEN_FILE_SETTING, authenticated, ensure_token_file, read_token
 from services.gateway.audit_checkpoint import ensure_key
 from services.gateway.tokens import ensure_dev_keys
@@ -418,4 +418,25 @@ class Mesh:
     def _check_alive(self, name: str) -> None:
         code = self.processes[name].poll()
         if code is not None:
-            raise ServiceFailed(f"{name} exited with code {code}:\n{self.log_tail(name)}")
+            tail = self.log_tail(name)
+            if "Address already in use" in tail:
+                tail += self._port_report()
+            raise ServiceFailed(f"{name} exited with code {code}:\n{tail}")
+
+    def _port_report(self) -> str:
+        """Who holds each of the mesh's ports now: for a child that could not bind one, so that the
+        failure names what took it (the ports were picked free, see services/common/ports.py)."""
+        ports = self.config.ports
+        named = {
+            **{service: ports.grpc_port(service) for service in (*SERVICES, "redis")},
+            "gateway_http": ports.gateway_http,
+            **{f"{service} metrics": port for service, port in ports.metrics.items()},
+            **self.extra_ports,
+            **{f"{name} http": port for name, port in self.extra_http_ports.items()},
+        }
+        lines = [
+            f"  {name} {port}: {', '.join(held)}"
+            for name, port in named.items()
+            if (held := port_holders(port))
+        ]
+        return "\nthe mesh's ports held now:\n" + ("\n".join(lines) if lines else "  none")

@@ -66,3 +66,57 @@ def free_port() -> int:
     port = _kernel_pick()
     _handed_out.add(port)
     return port
+
+
+_TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+_TCP_STATES = {
+    "01": "ESTABLISHED",
+    "02": "SYN_SENT",
+    "03": "SYN_RECV",
+    "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2",
+    "06": "TIME_WAIT",
+    "07": "CLOSE",
+    "08": "CLOSE_WAIT",
+    "09": "LAST_ACK",
+    "0A": "LISTEN",
+    "0B": "CLOSING",
+}
+
+
+def port_holders(port: int) -> list[str]:
+    """Who holds local TCP `port` now, one line per socket: its state and, where this process may
+    read it, the pid and command line of a process with it open. For the message of a child that
+    failed with "Address already in use", so that the next such failure says what took the port.
+    Linux only (/proc); elsewhere, or where nothing holds it, an empty list."""
+    sockets: list[tuple[str, str]] = []  # (state, inode)
+    for table in _TCP_TABLES:
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                sockets.append((_TCP_STATES.get(fields[3], fields[3]), fields[9]))
+    owners = _socket_owners({inode for _, inode in sockets if inode != "0"})
+    return [f"{state} ({owner})" if (owner := owners.get(inode)) else state for state, inode in sockets]
+
+
+def _socket_owners(inodes: set[str]) -> dict[str, str]:
+    """inode -> "pid N: command line" of a process holding that socket open."""
+    owners: dict[str, str] = {}
+    if not inodes:
+        return owners
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = fd.readlink().name
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    owners.setdefault(target[8:-1], f"pid {proc.name}: {command.strip()[:200]}")
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return owners
