@@ -35,8 +35,9 @@ def main() -> None:
         on_stop=stop,
         on_grace_over=cut_streams,
         other_calls=[http_calls],
-        # no engine replica serves, or none takes our service token: live, but no traffic, as /ready
-        readiness_probe=lambda: built[0].upstreams.router.readiness_problem(),
+        # no engine replica serves, none takes our service token, or safety refuses it: live, but
+        # no traffic, with the reason /ready gives
+        readiness_probe=lambda: built[0].upstreams.readiness_problem(),
         # No HTTP/2 window growth (BDP probing) on the public port: with it, the window grows to
         # megabytes and an oversized message is mostly read before it is refused. Without it, a
         # refused 10 MiB message cost ~3 ms of gateway CPU instead of ~12 ms, and a flood of them

@@ -107,7 +107,7 @@ class Gateway:
             return None
         limits = config.http_limits
         routes = OpenAIRoutes(
-            self.servicer, self.upstreams.router, config.bounds.max_message_bytes, limits, self.http_calls
+            self.servicer, self.upstreams, config.bounds.max_message_bytes, limits, self.http_calls
         )
         return HttpServer(routes.app(), config.server.host, config.http_port, limits)
 
@@ -117,9 +117,9 @@ class Gateway:
 
     async def start(self) -> None:
         """Checks the tenants' safety overrides against the gate, starts following the engine
-        replicas, records the policies in force, starts pruning."""
+        replicas and polling the safety service, records the policies in force, starts pruning."""
         await self._check_safety_overrides()
-        await self.upstreams.router.start()
+        await self.upstreams.start()
         await self.audit.record(policy_event(self.config))
         self._pruner = asyncio.create_task(self._prune_forever())
         self._summarizer = asyncio.create_task(self._summarize_forever())

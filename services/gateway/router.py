@@ -175,9 +175,9 @@ class Router:
         return ranked
 
     def readiness_problem(self) -> str | None:
-        """Why the gateway should get no traffic now, or None while an engine replica serves. /ready
-        answers it, and the gRPC service's readiness (services/gateway/__main__.py) follows it, so an
-        operator reads the same reason at either; it names no replica, as /ready answers anyone."""
+        """The engines' part of why the gateway should get no traffic now, or None while a replica
+        serves; Upstreams.readiness_problem adds the safety service's, and /ready and the gRPC
+        readiness both answer that. It names no replica, as /ready answers anyone."""
         if any(r.is_serving for r in self.replicas):
             return None
         if any(r.is_live for r in self.replicas):  # live, and each one refuses our token

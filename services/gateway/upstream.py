@@ -1,7 +1,24 @@
-"""Calls from the gateway to safety and the engine, with their failures made actionable."""
+"""Calls from the gateway to safety and the engine, with their failures made actionable, and the
+gateway's readiness, which depends on both.
+
+The safety service's health checks stay open, like the engine's, so only a call that carries the
+mesh's service token shows whether it takes ours. The screens are such calls, but a gateway with
+no traffic makes none, and would look ready while every first request fails. So the gateway also
+asks the safety service for its gate's metadata (GetGate, metadata_only: no weights) on the
+engine stats poll's interval (THERMOCLINE_GATEWAY_ENGINE_STATS_INTERVAL_S): UNAUTHENTICATED marks
+the token refused (metrics.TokenHealth: one ERROR a minute, the gauge), an answer clears it, and
+any other failure (safety down, slow) leaves it as it was. A safety service that is down says
+nothing about the token, and it is not a readiness problem of its own: every gateway shares it, so
+taking them all out of rotation would help no one, while its callers hear UNAVAILABLE "retry
+later", which is true. `Upstreams.readiness_problem` is the one place the gateway's readiness is
+composed: /ready answers it and the gRPC readiness (services/gateway/__main__.py) follows it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -17,11 +34,14 @@ from services.common.errors import (
     ThermoclineError,
     Unavailable,
 )
+from services.common.service_auth import TOKEN_FILE_SETTING
 from services.gateway.metrics import TokenHealth
 from services.gateway.router import Router
 from services.gateway.tenants import GateCategory, SafetyOverrides
 from thermocline.engine.v1 import engine_pb2
 from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # Statuses an upstream returns about the request itself: the caller sees them as they are.
 _PASSED_THROUGH: dict[grpc.StatusCode, type[ThermoclineError]] = {
@@ -31,6 +51,13 @@ _PASSED_THROUGH: dict[grpc.StatusCode, type[ThermoclineError]] = {
     # e.g. the tenant's safety policy names a category the gate no longer has: the operator's to fix
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
 }
+
+
+SAFETY_TOKEN_REFUSED = (
+    "the safety service refuses this gateway's service token: a configuration fault that the operator "
+    f"must fix, which waiting will not mend; check that {TOKEN_FILE_SETTING} names the same token on "
+    "this gateway and on its safety service (the gateway's log names the safety service's address)"
+)
 
 
 def tenant_policy_pb(overrides: SafetyOverrides) -> safety_pb2.TenantPolicy:
@@ -87,6 +114,50 @@ class Upstreams:
         )
         self.safety_token = TokenHealth("safety", safety_target)
         self._model_info: engine_pb2.GetModelInfoResponse | None = None
+        self._safety_poll: asyncio.Task[None] | None = None
+        self._poll_interval_s = router.config.stats_interval_s  # the engine stats poll's, for safety too
+
+    async def start(self) -> None:
+        """Starts following the engine replicas and polling the safety service; the first poll ends
+        (within the interval) before this returns, so the gateway's first readiness knows of a refusal."""
+        await self.router.start()
+        await self._poll_safety_once()
+        self._safety_poll = asyncio.create_task(self._poll_safety_forever())
+
+    async def _poll_safety_forever(self) -> None:
+        """Polls the safety service every interval, until cancelled."""
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            await self._poll_safety_once()
+
+    async def _poll_safety_once(self) -> None:
+        """One poll, bounded by the interval; an unexpected error is logged, and the next poll tries
+        again: a gateway never stops (or stops polling) for it."""
+        try:
+            await self.poll_safety_token(self._poll_interval_s)
+        except Exception:
+            log.exception("the safety service's token poll failed; the next one tries again")
+
+    async def poll_safety_token(self, timeout_s: float) -> None:
+        """Asks the safety service for its gate's metadata, a cheap call that carries our service
+        token, and records whether it took it; a call that failed otherwise records nothing."""
+        request = safety_pb2.GetGateRequest(metadata_only=True)
+        try:
+            await self.safety.GetGate(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                self.safety_token.record_refusal()
+            return
+        self.safety_token.record_accepted()
+
+    def readiness_problem(self) -> str | None:
+        """Why the gateway should get no traffic now, or None: the router's reason (no engine
+        replica serving, or none taking our token) and the safety service refusing our token, each
+        that holds. /ready answers it and the gRPC readiness follows it; it names no address, as
+        /ready answers anyone."""
+        safety = SAFETY_TOKEN_REFUSED if self.safety_token.is_refused else None
+        problems = [p for p in (self.router.readiness_problem(), safety) if p is not None]
+        return "; and ".join(problems) or None
 
     async def model_info(self, timeout_s: float | None) -> engine_pb2.GetModelInfoResponse:
         """The engine's model description, fetched once."""
@@ -186,6 +257,10 @@ class Upstreams:
         return GateInfo(reply.version, categories)
 
     async def close(self) -> None:
-        """Closes the channels and stops following the replicas."""
+        """Stops the safety poll, closes the channels and stops following the replicas."""
+        if self._safety_poll is not None:
+            self._safety_poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._safety_poll
         await self.router.close()
         await self._safety_channel.close(grace=None)

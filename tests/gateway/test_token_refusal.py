@@ -5,7 +5,8 @@ the gateway's /ready says 503 naming the setting, its gRPC readiness (the servic
 turns NOT_SERVING, thermocline_gateway_upstream_token_refused_seconds rises for that target and
 one ERROR names it and the setting; a caller hears UNAVAILABLE saying that no usable
 engine (or safety service) is reachable, not "retry later". Once the tokens match, the next poll
-makes the gateway ready again, without a restart of the gateway."""
+makes the gateway ready again, without a restart of the gateway. The safety service is polled too
+(GetGate): a gateway whose safety service refuses its token turns not ready with no request sent."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ POLL_INTERVAL_S = 0.05  # the in-process router's: one second of refusals is abo
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name  # readiness
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 NOT_SERVING_YET = "no engine replica is serving yet"  # /ready's reason while none is live
+SAFETY_REFUSED = "the safety service refuses this gateway's service token"  # ... while safety refuses it
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +163,51 @@ def test_safety_refusing_our_token_is_logged_once_and_the_caller_told_genericall
     assert TOKEN_FILE_SETTING in logged, logged
 
 
+def test_safety_refusing_our_token_is_seen_by_the_poll_with_no_call_sent(
+    mesh: Mesh, other_token: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No CheckPrompt or CheckOutput: the gateway's own GetGate poll finds the refusal, and the
+    readiness problem names the safety service's token (not its address)."""
+    safety = mesh.target("safety")
+
+    async def scenario() -> str | None:
+        with holding_service_token(other_token):
+            routing = RoutingConfig(engine_targets=(mesh.target("engine"),), stats_interval_s=POLL_INTERVAL_S)
+            upstreams = Upstreams(Router(routing), safety)
+        await upstreams.start()
+        try:
+            await _wait_until(lambda: upstreams.safety_token.refused_s() > 1.0, WAIT_S)
+            assert (REGISTRY.get_sample_value(GAUGE, {"upstream": "safety", "target": safety}) or 0.0) > 1.0
+            return upstreams.readiness_problem()
+        finally:
+            await upstreams.close()
+
+    caplog.set_level(logging.INFO, logger="services.gateway.metrics")
+    problem = asyncio.run(scenario()) or ""
+    assert SAFETY_REFUSED in problem and TOKEN_FILE_SETTING in problem and safety not in problem, problem
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    (logged,) = _refusals_logged(errors, safety)  # about 20 refused polls, one line
+    assert TOKEN_FILE_SETTING in logged, logged
+
+
+def test_safety_taking_our_token_is_no_readiness_problem(mesh: Mesh) -> None:
+    safety = mesh.target("safety")
+
+    async def scenario() -> None:
+        with holding_service_token(_services_token(mesh)):
+            upstreams = Upstreams(Router(RoutingConfig(engine_targets=(mesh.target("engine"),))), safety)
+        await upstreams.start()
+        try:
+            await upstreams.poll_safety_token(WAIT_S)
+            assert not upstreams.safety_token.is_refused
+            assert SAFETY_REFUSED not in (upstreams.readiness_problem() or "")
+            assert REGISTRY.get_sample_value(GAUGE, {"upstream": "safety", "target": safety}) == 0.0
+        finally:
+            await upstreams.close()
+
+    asyncio.run(scenario())
+
+
 def _ready(url: str) -> tuple[int, str]:
     """/ready's status code and, for a 503, its error message ("" for a 200)."""
     try:
@@ -221,6 +268,21 @@ def _restart(mesh: Mesh, service: str) -> None:
     mesh.start_service(service)
 
 
+def _start_safety(mesh: Mesh, name: str, token_file: Path) -> str:
+    """Another safety process, on a port of its own, that reads `token_file`; returns its target."""
+    mesh.extra_ports[name] = free_port()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(mesh.config.env, TOKEN_FILE_SETTING, str(token_file))
+        mesh.start_service(name)
+    return mesh.target(name)
+
+
+def _stop(mesh: Mesh, name: str) -> None:
+    process = mesh.processes.pop(name)
+    process.terminate()
+    process.wait(60)
+
+
 def test_a_gateway_with_no_engine_live_is_not_ready_and_told_to_wait(mesh: Mesh) -> None:
     """Nothing listens at its engine target: /ready and the gRPC readiness say to wait for the
     engines (no token is at fault), while liveness stays SERVING."""
@@ -233,6 +295,60 @@ def test_a_gateway_with_no_engine_live_is_not_ready_and_told_to_wait(mesh: Mesh)
     assert _health(target, "") == SERVING  # a restart would not bring an engine
     (logged,) = _not_ready_logged(mesh.logs_dir / f"{name}.log")
     assert NOT_SERVING_YET in logged, logged
+
+
+def test_a_gateway_whose_token_safety_refuses_is_not_ready_with_no_call_sent(
+    mesh: Mesh, other_token: Path
+) -> None:
+    """The engine takes the gateway's token, a safety service on another token refuses it: with no
+    request sent, the gateway's safety poll turns /ready 503 naming the setting, its gRPC readiness
+    NOT_SERVING and the safety gauge up. A gateway beside it whose safety takes the token stays ready."""
+    safety_name, matched_name, refused_name = (
+        "safety-other-token",
+        "gateway-safety-takes",
+        "gateway-safety-refuses",
+    )
+    safety = _start_safety(mesh, safety_name, other_token)
+    matched_metrics_port, metrics_port = free_port(), free_port()
+    try:
+        matched = mesh.start_gateway_replica(
+            matched_name,
+            THERMOCLINE_GATEWAY_METRICS_PORT=str(matched_metrics_port),
+            THERMOCLINE_GATEWAY_ENGINE_STATS_INTERVAL_S="0.1",
+        )
+        matched_ready_url = mesh.http_url(matched_name).removesuffix("/v1") + "/ready"
+        _wait_for(lambda: _ready_status(matched_ready_url) == 200, "the gateway on matching tokens is ready")
+        target = mesh.start_gateway_replica(
+            refused_name,
+            THERMOCLINE_GATEWAY_SAFETY_TARGET=safety,
+            THERMOCLINE_GATEWAY_METRICS_PORT=str(metrics_port),
+            THERMOCLINE_GATEWAY_ENGINE_STATS_INTERVAL_S="0.1",
+        )
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+        _wait_for(lambda: (_refused_s(metrics_url, safety, "safety") or 0.0) > 1.0, "the safety gauge rises")
+        status, message = _ready(mesh.http_url(refused_name).removesuffix("/v1") + "/ready")
+        assert status == 503, status
+        assert SAFETY_REFUSED in message and TOKEN_FILE_SETTING in message, message
+        assert safety not in message and NOT_SERVING_YET not in message, message
+        _wait_for_health(target, GATEWAY_SERVICE, NOT_SERVING)  # gRPC readiness follows /ready
+        assert _health(target, "") == SERVING  # liveness: a restart would read the same token
+        assert _refused_s(metrics_url, mesh.target("engine")) == 0.0  # the engine takes it
+        not_ready = _not_ready_logged(mesh.logs_dir / f"{refused_name}.log")
+        assert any(SAFETY_REFUSED in line and TOKEN_FILE_SETTING in line for line in not_ready), not_ready
+        log_lines = (mesh.logs_dir / f"{refused_name}.log").read_text().splitlines()
+        (logged,) = _refusals_logged([line for line in log_lines if " ERROR " in line], safety)
+        assert TOKEN_FILE_SETTING in logged, logged
+
+        # started first, polled as often: its safety service takes the token, and it stays ready
+        assert _ready_status(matched_ready_url) == 200
+        assert _health(matched, GATEWAY_SERVICE) == SERVING
+        matched_metrics_url = f"http://127.0.0.1:{matched_metrics_port}/metrics"
+        assert _refused_s(matched_metrics_url, mesh.target("safety"), "safety") == 0.0
+    finally:
+        for name in (refused_name, matched_name, safety_name):
+            if name in mesh.processes:
+                _stop(mesh, name)
 
 
 def test_a_gateway_whose_token_the_engine_refuses_is_not_ready_until_the_tokens_match(mesh: Mesh) -> None:

@@ -36,8 +36,8 @@ from services.gateway.http.metrics import CountRequests
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest
 from services.gateway.http.openai_response import Rendering, completed, sse
 from services.gateway.http.server import WRITE_STALL_STATE
-from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
+from services.gateway.upstream import Upstreams
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 CLIENT_CLOSED_REQUEST = 499
@@ -51,13 +51,13 @@ class OpenAIRoutes:
     def __init__(
         self,
         servicer: GatewayServicer,
-        router: Router,
+        upstreams: Upstreams,
         max_body_bytes: int,
         limits: HttpLimits,
         calls: CallTracker,
     ) -> None:
         self.servicer = servicer
-        self.router = router
+        self.upstreams = upstreams  # whose readiness /ready answers
         self.intake = Intake(servicer.gatekeeper, servicer.slots, max_body_bytes, limits)
         self.calls = calls  # in flight, for the drain
         self._serving: list[str] | None = None  # the replicas /ready saw serving last
@@ -103,13 +103,13 @@ class OpenAIRoutes:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        """Readiness: not draining, and at least one engine replica serves (SERVING, and takes the
-        gateway's service token)."""
+        """Readiness: not draining, at least one engine replica serves (SERVING, and takes the
+        gateway's service token), and the safety service does not refuse that token."""
         if is_draining():
             return _error_response(from_refusal(draining()))
-        serving = [r.target for r in self.router.replicas if r.is_serving]
+        serving = [r.target for r in self.upstreams.router.replicas if r.is_serving]
         self._log_serving(serving)
-        problem = self.router.readiness_problem()
+        problem = self.upstreams.readiness_problem()
         if problem is not None:
             return _error_response(from_refusal(Unavailable(problem)))
         return JSONResponse({"status": "ready", "engines_serving": len(serving)})
