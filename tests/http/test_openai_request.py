@@ -173,3 +173,33 @@ def test_a_repeated_key_is_refused_at_any_depth(http_gateway: HttpGateway, body:
     assert answer.status == 400, answer.body
     assert "repeats the key" in answer.error["message"]
     assert answer.error["message"].split("'")[1] in ("model", "include_usage")
+
+
+# Every numeric field of each endpoint, at an integer past float's range (float() raises
+# OverflowError) and at a float literal that parses to inf.
+_NUMERIC_FIELDS = {
+    "/completions": ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "n",
+                     "best_of", "logprobs", "frequency_penalty", "presence_penalty"),
+    "/chat/completions": ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+                          "n", "top_logprobs", "frequency_penalty", "presence_penalty"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "param", "literal"),
+    [
+        (path, param, literal)
+        for path, params in _NUMERIC_FIELDS.items()
+        for param in params
+        for literal in ("1" + "0" * 400, "1e999")
+    ],
+    ids=lambda value: "10**400" if value.startswith("1000") else value,
+)
+def test_a_number_beyond_float_range_names_the_field(
+    http_gateway: HttpGateway, path: str, param: str, literal: str
+) -> None:
+    base = COMPLETION if path == "/completions" else CHAT
+    body = json.dumps({k: v for k, v in base.items() if k != param})[:-1] + f', "{param}": {literal}}}'
+    answer = http_gateway.post(path, body.encode())
+    assert answer.status == 400, answer.body
+    assert answer.error["param"] == param, answer.error

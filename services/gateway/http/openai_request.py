@@ -10,6 +10,7 @@ so a name dropped on the floor would be a turn the model reads differently than 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -285,7 +286,13 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(f"field {name!r} must be a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal past float's range: 10**400
+        number = math.inf
+    if not math.isfinite(number):  # a float literal past it parses to inf: 1e999
+        raise InvalidArgument(f"field {name!r} must be a finite number; this one is beyond float's range")
+    return number
 
 
 def _integer(body: dict[str, Any], name: str, default: int, num_bits: int) -> int:
