@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -48,7 +48,7 @@ class ExpiredRequest:
     seq: Sequence
     waited_s: float
     timeout_s: float
-    num_ahead: int
+    num_ahead: int  # requests of its class that arrived before it and still wait
 
 
 class Scheduler:
@@ -61,6 +61,11 @@ class Scheduler:
     the running streams for one chunk's step at a time, not for its whole prefill. A step then holds
     up to `max_prefill_tokens + max_batch_size` tokens. Without it, prefill steps come first and
     decoding waits until no prompt is left to compute.
+
+    Inside a class, a free slot goes to the first-arrived request of the tenant (its `cache_salt`,
+    which the gateway sets to the tenant) running the fewest sequences of that class, not to the
+    head of the queue: one tenant's backlog cannot hold another tenant's request behind all of it.
+    Classes keep their own priority, share and reservations, so this only orders tenants within one.
 
     When hot blocks run out, the lowest-priority running sequence is preempted by recompute: its
     blocks are freed and it waits again at the head of its queue (counted in `num_preemptions`; its
@@ -184,8 +189,12 @@ class Scheduler:
         admitted: list[ScheduledRow] = []
         for cls in self._classes_by_priority:
             queue = self.waiting[cls.name]
+            if not queue:
+                continue
+            running_by_tenant = self._running_by_tenant(cls.name)
             while queue and self._class_may_start(cls):
-                seq = queue[0]
+                position = _next_to_admit(queue, running_by_tenant)
+                seq = queue[position]
                 self._apply_prefix_cache(seq)
                 chunk = self._chunk(seq)
                 if not self._budget_allows(rows + admitted, chunk) or not self._reserve(
@@ -193,10 +202,15 @@ class Scheduler:
                 ):
                     self._undo_prefix_cache(seq)
                     return admitted
-                queue.popleft()
+                del queue[position]
                 self._start(seq)
+                running_by_tenant[seq.cache_salt] += 1
                 admitted.append(ScheduledRow(seq, chunk))
         return admitted
+
+    def _running_by_tenant(self, name: str) -> Counter[str]:
+        """Running sequences of class `name` per tenant (the gateway's tenant is the cache salt)."""
+        return Counter(s.cache_salt for s in self.running if s.intent_class == name)
 
     def _class_may_start(self, cls: IntentClass) -> bool:
         """Room in the batch, in the class's share, and outside other classes' unfilled reservations."""
@@ -407,6 +421,25 @@ class Scheduler:
                 if seq.request_id == request_id:
                     return seq
         return None
+
+
+def _next_to_admit(queue: deque[Sequence], running_by_tenant: Counter[str]) -> int:
+    """Position in a class's queue of the sequence to admit next: a preempted one at the head keeps
+    its place; otherwise the first to arrive of the tenants running the fewest of the class.
+
+    One pass over the queue, cut short by a tenant that runs none: a tenant's backlog costs the scan,
+    never another tenant its turn.
+    """
+    if queue[0].num_preemptions:  # preempted sequences wait at the head, ahead of every new one
+        return 0
+    best, fewest = 0, running_by_tenant[queue[0].cache_salt]
+    for position, seq in enumerate(queue):
+        if fewest == 0:
+            break
+        num_running = running_by_tenant[seq.cache_salt]
+        if num_running < fewest:
+            best, fewest = position, num_running
+    return best
 
 
 def _record_demotion(seq: Sequence, demoted: DemotionResult) -> None:
