@@ -9,6 +9,7 @@ import pytest
 from services.engine.config import EngineConfig
 from services.engine.errors import UnknownIntentClass
 from services.engine.scheduling.intent_class import IntentClass, IntentClasses
+from tests.engine.scheduling.test_scheduler import _chunks, _run, _scheduler, _seq
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "deploy" / "engine" / "intent_classes.toml"
 
@@ -28,14 +29,14 @@ def test_the_example_file_names_the_gateways_priority_classes() -> None:
 
 
 def test_reservations_that_take_every_slot_are_refused_naming_the_classes_and_settings() -> None:
-    """critical and interactive reserve 2 + 2: at a batch of 4, standard and batch could never start
-    (their requests waited out the queue timeout); at 5 one slot is theirs."""
+    """critical, interactive and standard reserve 2 + 1 + 1: at a batch of 4, batch could never start
+    (its requests waited out the queue timeout); at 5 one slot is its."""
     classes = IntentClasses.load(EXAMPLE)
     with pytest.raises(ValueError) as refused:
         classes.check_fits(4)
     message = str(refused.value)
     assert (
-        "reserve all 4 batch slots (critical 2, interactive 2), so batch, standard could never start"
+        "reserve all 4 batch slots (critical 2, interactive 1, standard 1), so batch could never start"
         in message
     )
     assert "THERMOCLINE_ENGINE_MAX_BATCH_SIZE" in message and "THERMOCLINE_ENGINE_INTENT_CLASSES" in message
@@ -79,3 +80,21 @@ def test_engine_config_reads_the_kv_and_class_settings() -> None:
     assert config.intent_classes().get("batch").max_batch_share == 0.5
     with pytest.raises(ValueError, match="multiple of the KV block size 16"):
         EngineConfig.from_env({**environ, "THERMOCLINE_ENGINE_KV_GROUP_SIZE": "24"})
+
+
+@pytest.mark.parametrize("max_batch_size", [EngineConfig.from_env({}).max_batch_size, 5])
+@pytest.mark.parametrize("flood", [("interactive",), ("interactive", "batch")])
+def test_with_the_shipped_table_a_flood_of_open_classes_leaves_standard_a_slot(
+    max_batch_size: int, flood: tuple[str, ...]
+) -> None:
+    """One tenant floods the classes any caller may name (code-completion is `interactive`); another
+    tenant's default-intent request still starts at once, at the default batch size and the smallest
+    the table fits."""
+    scheduler = _scheduler(num_blocks=256, max_batch_size=max_batch_size, classes=IntentClasses.load(EXAMPLE))
+    for i in range(3 * max_batch_size):
+        scheduler.add(_seq(f"flood{i}", 3, flood[i % len(flood)], salt="tenant-a", first=10 * i))
+    for _ in range(3):
+        _run(scheduler)
+    assert scheduler.waiting["interactive"], "the flood outlasts the free slots"
+    scheduler.add(_seq("default-intent", 3, "standard", salt="tenant-b", first=9000))
+    assert ("default-intent", 3) in _chunks(_run(scheduler))
