@@ -62,7 +62,9 @@ from services.gateway.audit_chain import segment_paths  # noqa: E402
 from services.gateway.tokens import mint_token  # noqa: E402
 
 VICTIMS = ("gateway", "engine", "redis", "kvstore", "safety")
-UNLIMITED_TENANT = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
+UNLIMITED_TENANT = {
+    "defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12, "max_streams": 0}
+}
 PROMPT = "Once upon a time"
 REQUEST_TIMEOUT_S = 30.0
 RECOVERY_TIMEOUT_S = 300.0

@@ -62,7 +62,9 @@ from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc  # noqa: E402
 PROMPT = "Once upon a time"
 NUM_WARMUP = 10  # requests per path before the samples that count
 RELEASE_POLICIES = ("strict", "growing", "trailing")
-HIGH_LIMITS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
+HIGH_LIMITS = {
+    "defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12, "max_streams": 0}
+}
 
 
 class FixedRateEngine(engine_pb2_grpc.EngineServiceServicer):

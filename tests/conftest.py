@@ -186,7 +186,9 @@ def rpcs_handled(metrics_url: str, method: str, code: str | None = None) -> floa
 TEST_DENY_PHRASE = "red ball"
 TEST_SAFE_MESSAGE = "[withheld by the output screen]"
 # No limit for the open mesh's tenants: a call refused by the rate limiter never reaches validation.
-UNLIMITED_TENANTS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
+UNLIMITED_TENANTS = {
+    "defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12, "max_streams": 0}
+}
 
 
 @pytest.fixture(scope="session")

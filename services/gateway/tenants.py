@@ -19,6 +19,11 @@ FAIL_OPEN, FAIL_CLOSED = "open", "closed"
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 _CATEGORY = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _SAFETY_KEYS = ("categories_off", "thresholds")
+# A tenant's Generate streams in flight on one gateway unless its entry says otherwise: a quarter of
+# the gateway's default cap of 256, and 4 times the engine's default batch of 16, so a tenant past it
+# is queueing, not streaming. At its default rate (10 requests/s after a burst of 20) a tenant holds
+# 64 only with streams that last over 4 s each while it sends at full rate.
+DEFAULT_MAX_STREAMS = 64
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,8 @@ class TenantLimits:
     `burst_tokens` (default: `tokens_per_min`), from which a call reserves its prompt plus max_tokens
     at admission and gets back, when it ends, what its completion did not use. `max_request_tokens` caps
     prompt plus max_tokens of one request. `max_streams` caps the tenant's Generate streams in
-    flight on one gateway process (0: only the gateway's own cap). `on_redis_down` says whether
+    flight on one gateway process (default `DEFAULT_MAX_STREAMS`; 0: only the gateway's own cap),
+    so one tenant cannot hold every stream slot. `on_redis_down` says whether
     calls pass ("open") or are refused ("closed") while the shared limiter cannot be reached. `safety`: see
     SafetyOverrides; an entry's `safety` replaces the defaults' as a whole.
     """
@@ -113,7 +119,7 @@ class TenantLimits:
     tokens_per_min: int = 100_000
     burst_tokens: int | None = None
     max_request_tokens: int = 8192
-    max_streams: int = 0
+    max_streams: int = DEFAULT_MAX_STREAMS
     on_redis_down: str = FAIL_CLOSED
     intent_classes: Mapping[str, str] = field(default_factory=dict)
     safety: SafetyOverrides = field(default_factory=SafetyOverrides)

@@ -108,6 +108,25 @@ def test_a_tenant_stream_cap_counts_each_tenant_alone_and_gives_slots_back() -> 
     assert (streams.num_in_flight("a"), streams.num_in_flight("b")) == (2, 1)
 
 
+def test_a_tenant_without_its_own_max_streams_is_capped_at_the_default_of_64() -> None:
+    """One tenant cannot take every one of the gateway's 256 slots unless its entry says so (0)."""
+    unset = TenantTable.from_dict(
+        {"defaults": {"requests_per_s": 5}, "tenants": {"acme": {"burst_requests": 9}}}
+    )
+    for table in (TenantTable(), unset, TenantTable.load(DEPLOY / "tenants.json")):  # no file; files
+        streams = TenantStreams(pushback_ms=250)
+        for tenant in ("nobody", "acme"):  # no entry; an entry that sets other limits only
+            cap = table.limits(tenant).max_streams
+            for _ in range(64):
+                streams.take(tenant, cap)
+            with pytest.raises(ResourceExhausted, match=f"tenant '{tenant}' has 64 streams in flight"):
+                streams.take(tenant, cap)
+    lifted = TenantTable.from_dict(
+        {"defaults": {"max_streams": 0}, "tenants": {"a": {}, "b": {"max_streams": 2}}}
+    )
+    assert (lifted.limits("a").max_streams, lifted.limits("b").max_streams) == (0, 2)
+
+
 @pytest.mark.parametrize("tenant", ["acme\n", "", "-acme", "a" * 129, "acme/../x", "acme corp"])
 def test_tenant_ids_must_match_the_pattern_to_their_last_character(tenant: str) -> None:
     assert not is_valid_tenant(tenant)

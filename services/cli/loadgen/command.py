@@ -30,7 +30,9 @@ from services.cli.loadgen.workload import (
 from services.engine.model.registry import DEFAULT_MODEL
 
 # A mesh started for load testing measures the node, not the per-tenant rate limit in front of it.
-UNLIMITED_TENANTS = {"defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12}}
+UNLIMITED_TENANTS = {
+    "defaults": {"requests_per_s": 1e6, "burst_requests": 10**6, "tokens_per_min": 10**12, "max_streams": 0}
+}
 
 
 def add_loadgen_parser(commands: Any) -> None:
