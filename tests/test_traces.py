@@ -83,9 +83,11 @@ def test_one_request_is_one_trace_with_every_hop_linked(
         assert _one(spans, server).parent_span_id == _one(spans, client).span_id, server
     engine = _one(spans, ENGINE_GENERATE)
     assert engine.attributes["gen_ai.usage.input_tokens"] == len(STORIES_PROMPT_IDS)
-    # the audit's request id on both hops: an audit event leads to its trace
+    # the audit's request id (the gateway's own) on both hops: an audit event leads to its trace;
+    # the caller's x-request-id is on the gateway's span beside it
     assert gateway.attributes["thermocline.request_id"] == engine.attributes["thermocline.request_id"]
-    assert engine.attributes["thermocline.request_id"] == "traced-request"
+    assert gateway.attributes["thermocline.request_id"] != "traced-request"
+    assert gateway.attributes["thermocline.client_request_id"] == "traced-request"
     for span in (gateway, engine):
         for key in GEN_AI_REQUEST + GEN_AI_RESPONSE:
             assert span.attributes.get(key) not in (None, "", []), (span.service, key)

@@ -1,9 +1,27 @@
-"""A call's metadata as the gatekeeper reads it: text entries, with repeated keys kept visible."""
+"""A call's metadata as the gatekeeper reads it: text entries, with repeated keys kept visible,
+and the call's ids: the gateway's own request id, and the one the caller sent, kept apart."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+CLIENT_REQUEST_ID_KEY = "x-request-id"
+MAX_CLIENT_REQUEST_ID_CHARS = 128
+
+
+def new_request_id() -> str:
+    """A call's id in the gateway's audit events, its span and its engine request. The gateway
+    makes it: a caller's id could name another caller's request, or repeat one of its own."""
+    return uuid.uuid4().hex
+
+
+def client_request_id_of(value: str) -> str:
+    """The caller's own request id as the audit log records it (`details.client_request_id`): cut
+    to MAX_CLIENT_REQUEST_ID_CHARS, and "" when it holds a non-printable character."""
+    given = value[:MAX_CLIENT_REQUEST_ID_CHARS]
+    return given if given.isprintable() else ""
 
 
 class CallMetadata(Mapping[str, str]):
@@ -23,6 +41,11 @@ class CallMetadata(Mapping[str, str]):
     def of(cls, context: Any) -> CallMetadata:
         """The metadata of a servicer context."""
         return cls(context.invocation_metadata() or ())
+
+    @property
+    def client_request_id(self) -> str:
+        """The caller's `x-request-id`, as the audit log records it ("" when none was sent)."""
+        return client_request_id_of(self.get(CLIENT_REQUEST_ID_KEY, ""))
 
     def get_all(self, key: str) -> list[str]:
         """Every value sent under `key`, in order."""

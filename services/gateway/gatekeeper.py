@@ -21,14 +21,16 @@ count, the token budget and the audit write instead of after them. A refusal is 
 `admit_generate` raises; an allowed call's event is still being written when it returns
 (`Admitted.recorded`), so the engine starts beside the fsync, and the servicer tells the caller
 nothing, neither a message nor an error, before that write is done.
+A call's events carry the gateway's own request id (call_metadata.new_request_id); the caller's
+`x-request-id` goes in their details as `client_request_id`, so no caller can stamp its events
+with another call's id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -45,7 +47,7 @@ from services.gateway.audit import ALLOW, DENY, UNAUTHENTICATED, AuditEvent, Aud
 from services.gateway.audit_sampling import DenialSampler
 from services.gateway.auth import JwtVerifier, Principal
 from services.gateway.budget import PromptCounter, check_request_budget, refuse_reservation
-from services.gateway.call_metadata import CallMetadata
+from services.gateway.call_metadata import CallMetadata, new_request_id
 from services.gateway.completion_charge import CompletionCharge
 from services.gateway.intents import IntentPolicy
 from services.gateway.off_loop import off_loop_when_long
@@ -72,7 +74,6 @@ PromptReady = Callable[[str, "Principal", "TenantLimits"], Awaitable[None]]
 ModelLister = Callable[[], Awaitable[list[str]]]
 # The seconds a call has left before its deadline (None: no deadline), as a context's time_remaining.
 TimeLeft = Callable[[], float | None]
-_MAX_REQUEST_ID_CHARS = 128
 # Prompts up to this length are screened beside the token count (a few ms of screening, hidden
 # behind it); longer ones after the count, budget and token rate passed. A long prompt's screen
 # costs safety hundreds of ms of CPU, which a caller over its budget must not be able to spend.
@@ -101,8 +102,15 @@ class Admission:
     prompt_tokens: int
     max_tokens: int
     limits: TenantLimits
-    request_id: str
+    request_id: str  # the gateway's own id of the call
     charge: CompletionCharge
+    client_request_id: str = ""  # the caller's `x-request-id`, recorded beside it
+
+    def event_details(self, details: dict[str, Any]) -> dict[str, Any]:
+        """An audit event's details about this call, the caller's own request id first."""
+        if not self.client_request_id:
+            return details
+        return {"client_request_id": self.client_request_id} | details
 
 
 class Admitted(NamedTuple):
@@ -150,10 +158,13 @@ def _mark_retrieved(task: asyncio.Future[None]) -> None:
         task.exception()  # awaiting the task still raises it
 
 
-def request_id_of(metadata: Mapping[str, str]) -> str:
-    """The caller's `x-request-id` (bounded), or a fresh one."""
-    given = metadata.get("x-request-id", "")[:_MAX_REQUEST_ID_CHARS]
-    return given if given.isprintable() and given else uuid.uuid4().hex
+def _facts_of(action: str, resource: str, metadata: CallMetadata, request_id: str | None) -> _Facts:
+    """What is known of a call as it arrives: the gateway's id for it (the HTTP front's, which its
+    answer carries, or a fresh one) and, first in its details, the id the caller sent, if any."""
+    facts = _Facts(action, resource, request_id or new_request_id())
+    if client_request_id := metadata.client_request_id:
+        facts.details["client_request_id"] = client_request_id
+    return facts
 
 
 def prompt_text(request: pb.GenerateRequest) -> str:
@@ -246,6 +257,7 @@ class Gatekeeper:
         on_prompt_ready: PromptReady | None = None,
         request_taken: RateDecision | None = None,
         time_left: TimeLeft | None = None,
+        request_id: str | None = None,
     ) -> Admitted:
         """Every check for one Generate call. A refusal is durable when this raises; an allow is
         durable once `recorded` is done, which the caller awaits before it answers. An admitted
@@ -255,8 +267,10 @@ class Gatekeeper:
         token count for a prompt of at most SCREEN_BEFORE_COUNT_MAX_CHARS, where a refusal after it
         (budget, token rate) may follow a screen already started; after it for a longer prompt.
         `request_taken`: the HTTP front's take of this call's request, so none is taken here.
-        `time_left`: the call's seconds left (the context's `time_remaining`), which bound the count."""
-        facts = _Facts("invoke", "model:?", request_id_of(metadata), request_taken=request_taken)
+        `time_left`: the call's seconds left (the context's `time_remaining`), which bound the count.
+        `request_id`: the HTTP front's id of the call; a gRPC call gets a fresh one."""
+        facts = _facts_of("invoke", "model:?", metadata, request_id)
+        facts.request_taken = request_taken
         if time_left is not None:
             facts.time_left = time_left
         checks = self._check_generate(request, metadata, resolve, facts, on_prompt_ready)
@@ -370,6 +384,7 @@ class Gatekeeper:
                 limits,
                 facts.request_id,
                 charge,
+                metadata.client_request_id,
             )
         except BaseException:
             self.tenant_streams.release(principal.tenant)  # refused: the slot was never used
@@ -431,9 +446,12 @@ class Gatekeeper:
         _check_rate(principal.tenant, limits, decision, facts)
         return principal, limits
 
-    async def admit_list_models(self, metadata: CallMetadata, list_models: ModelLister) -> list[str]:
-        """The models the caller may list; PERMISSION_DENIED when it may list none."""
-        facts = _Facts("list_models", "model:*", request_id_of(metadata))
+    async def admit_list_models(
+        self, metadata: CallMetadata, list_models: ModelLister, request_id: str | None = None
+    ) -> list[str]:
+        """The models the caller may list; PERMISSION_DENIED when it may list none. `request_id`:
+        the HTTP front's id of the call; a gRPC call gets a fresh one."""
+        facts = _facts_of("list_models", "model:*", metadata, request_id)
         allowed = await self._audited(facts, self._check_list_models(metadata, list_models, facts))
         await self.audit.record(facts.event(ALLOW, f"{len(allowed)} model(s) listed"))
         return allowed

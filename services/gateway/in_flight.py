@@ -73,4 +73,6 @@ class InFlightStreams:
 def _described(stream: InFlightStream) -> str:
     admission = stream.admission
     assert admission is not None  # tracked streams are admitted
-    return f"{admission.request_id} (tenant {admission.principal.tenant}, {stream.num_tokens} tokens sent)"
+    client = f"client request id {admission.client_request_id}, " if admission.client_request_id else ""
+    tenant = admission.principal.tenant
+    return f"{admission.request_id} ({client}tenant {tenant}, {stream.num_tokens} tokens sent)"

@@ -9,10 +9,10 @@ would refuse is refused here, before it spends a safety check or an engine slot.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
+from services.gateway.call_metadata import CLIENT_REQUEST_ID_KEY, CallMetadata
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 MAX_MODEL_CHARS = 128
@@ -23,7 +23,7 @@ MAX_CHAT_MESSAGES = 1024
 MAX_ROLE_CHARS = 32
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-MAX_METADATA_VALUE_CHARS = 256  # x-intent, x-request-id; the token has its own limit, below
+MAX_METADATA_VALUE_CHARS = 256  # x-intent, x-request-id, x-retrieval-mode; the token: below
 MAX_TOKEN_CHARS = 16 * 1024  # a bearer token (auth.py); the HTTP front's head must hold one
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
 MAX_TOP_K = 1 << 20
@@ -32,8 +32,8 @@ MAX_SEED = 2**63 - 1
 MAX_PROMPT_BYTES_CEILING = 1_000_000
 # What a request may carry besides its prompt: chat roles and framing, stop strings, the model name.
 _ENVELOPE_BYTES = 128 * 1024
-_CHECKED_METADATA = ("x-intent", "x-request-id")
 RETRIEVAL_MODE_HEADER = "x-retrieval-mode"  # passed on to the engine (engine.proto, retrieval_mode)
+_CHECKED_METADATA = ("x-intent", CLIENT_REQUEST_ID_KEY, RETRIEVAL_MODE_HEADER)
 RETRIEVAL_MODES = ("off", "semantic")  # the values engine.proto documents; empty: the class's default
 
 
@@ -80,11 +80,17 @@ def prompt_bytes(request: pb.GenerateRequest) -> int:
     return utf8_bytes(request.prompt)
 
 
-def check_metadata(metadata: Mapping[str, str]) -> None:
-    """INVALID_ARGUMENT when a metadata value the gateway reads is oversized, or a retrieval mode
-    is one the engine does not know (refused here, before the call's allow event and its screen)."""
+def check_metadata(metadata: CallMetadata) -> None:
+    """INVALID_ARGUMENT when a metadata entry the gateway reads is sent twice or oversized, or a
+    retrieval mode is one the engine does not know (refused here, before the call's allow event
+    and its screen). Two entries under one key are refused as two credentials are: readers
+    disagree on which copy counts (this gateway reads the first), so a proxy that read the other
+    would have checked another call than the one served."""
     for key in _CHECKED_METADATA:
-        value = metadata.get(key, "")
+        values = metadata.get_all(key)
+        if len(values) > 1:
+            raise InvalidArgument(f"{len(values)} '{key}' metadata entries sent; send it once")
+        value = values[0] if values else ""
         if len(value) > MAX_METADATA_VALUE_CHARS:
             raise InvalidArgument(
                 f"metadata '{key}' is {len(value)} characters; at most {MAX_METADATA_VALUE_CHARS} are allowed"

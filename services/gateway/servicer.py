@@ -153,7 +153,7 @@ def _stream_event(admission: Admission, action: str, reason: str, num_sent: int)
         reason=reason,
         request_id=admission.request_id,
         trace_id=telemetry.current_trace_id(),
-        details={"tokens_sent": num_sent},
+        details=admission.event_details({"tokens_sent": num_sent}),
     )
 
 
@@ -230,10 +230,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             await let_calls_go_out()
 
         try:
-            # the HTTP front's context carries the request it took for the call; a gRPC one none
-            taken = getattr(context, "request_taken", None)
+            # the HTTP front's context carries the request it took for the call and the call's id
+            # (which its answer names); a gRPC one neither
+            taken, request_id = getattr(context, "request_taken", None), getattr(context, "request_id", None)
             admitted = await self.gatekeeper.admit_generate(
-                request, metadata, resolve, screen_prompt, taken, context.time_remaining
+                request, metadata, resolve, screen_prompt, taken, context.time_remaining, request_id
             )
         except BaseException:
             for screen in screens:
@@ -403,7 +404,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 request_id=admission.request_id,
                 trace_id=telemetry.current_trace_id(),
                 prompt_sha256=prompt_sha256(admission.prompt_text),
-                details=details,
+                details=admission.event_details(details),
             )
         )
 
@@ -437,7 +438,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         async def served() -> list[str]:
             return [(await self.upstreams.model_info(timeout_s)).model]
 
-        allowed = await self.gatekeeper.admit_list_models(CallMetadata.of(context), served)
+        request_id = getattr(context, "request_id", None)  # the HTTP front's id of the call
+        allowed = await self.gatekeeper.admit_list_models(CallMetadata.of(context), served, request_id)
         info = await self.upstreams.model_info(timeout_s)
         return pb.ListModelsResponse(
             models=[
@@ -486,3 +488,5 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         span.set_attribute("thermocline.intent", admission.intent)
         span.set_attribute("thermocline.priority_class", admission.priority_class)
         span.set_attribute("thermocline.request_id", admission.request_id)  # its audit events' id
+        if admission.client_request_id:  # the caller's own, in its audit events' details
+            span.set_attribute("thermocline.client_request_id", admission.client_request_id)

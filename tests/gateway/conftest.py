@@ -90,6 +90,12 @@ def refusal(target: str, bearer: str | None, **kwargs: Any) -> grpc.RpcError:
     raise AssertionError("the call was expected to fail, and it succeeded")
 
 
+def client_request_id(event: dict[str, Any]) -> str:
+    """The `x-request-id` the caller sent with the call an audit event is about ("" for none): the
+    event's own `request_id` is the gateway's."""
+    return str(event["details"].get("client_request_id", ""))
+
+
 # A compact JWS whose header and payload are JSON objects: how every JWT in this project begins.
 JWT_IN_TEXT = re.compile(r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]*")
 

@@ -26,7 +26,7 @@ from services.cli.trace_collector import TraceCollector
 from services.gateway.audit_chain import segment_paths
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_PROMPT, rpcs_handled, start_mesh
-from tests.gateway.conftest import stopped
+from tests.gateway.conftest import client_request_id, stopped
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 GRACE_S = 60
@@ -117,7 +117,7 @@ def request_events(mesh: Mesh, gateway: str, request_id: str) -> list[dict[str, 
         for path in segment_paths(mesh.config.state_dir / f"audit-{gateway}", "decisions")
         for line in path.read_text().splitlines()
     ]
-    return [event for event in events if event["request_id"] == request_id]
+    return [event for event in events if client_request_id(event) == request_id]
 
 
 def audit_events(mesh: Mesh, gateway: str, request_id: str) -> list[tuple[str, str]]:
@@ -206,7 +206,10 @@ def test_a_stream_still_running_when_the_grace_period_ends_is_cut_reported_and_a
     sent = len(first.delta.token_ids) + num_after_first
     assert f"1 s grace period ran out; this stream was cut after {sent} tokens" in (cut.details() or "")
     assert mesh.processes[name].wait(60) == 0
-    assert "cutting 1 stream(s): cut-me (tenant tester" in mesh.log_tail(name, 200)
+    own_id = request_events(mesh, name, "cut-me")[0]["request_id"]
+    assert f"cutting 1 stream(s): {own_id} (client request id cut-me, tenant tester" in mesh.log_tail(
+        name, 200
+    )
     assert audit_events(mesh, name, "cut-me") == [("invoke", "allow"), ("stream.cut", "deny")]
 
 
@@ -269,7 +272,10 @@ def test_an_http_stream_still_running_when_the_grace_period_ends_is_cut_reported
     cut = last["error"]
     assert (cut["type"], cut["code"]) == ("server_error", "unavailable")
     assert "1 s grace period ran out" in cut["message"]
-    assert "cutting 1 stream(s): http-cut (tenant tester" in mesh.log_tail(name, 200)
+    own_id = request_events(mesh, name, "http-cut")[0]["request_id"]
+    assert f"cutting 1 stream(s): {own_id} (client request id http-cut, tenant tester" in mesh.log_tail(
+        name, 200
+    )
     assert audit_events(mesh, name, "http-cut") == [("invoke", "allow"), ("stream.cut", "deny")]
     num_sent = request_events(mesh, name, "http-cut")[-1]["details"]["tokens_sent"]
     assert f"this stream was cut after {num_sent} tokens" in cut["message"]

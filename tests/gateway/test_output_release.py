@@ -17,6 +17,7 @@ from services.gateway.audit_chain import segment_paths
 from services.gateway.output_screen import ENGINE_FINISHED_EVENT
 from services.gateway.tokens import mint_token
 from tests.conftest import STORIES_GOLDEN_TEXT, STORIES_PROMPT, TEST_DENY_PHRASE, TEST_SAFE_MESSAGE
+from tests.gateway.conftest import client_request_id
 from thermocline.engine.v1 import engine_pb2, engine_pb2_grpc
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
@@ -131,7 +132,7 @@ def test_trailing_screens_the_prompt_alongside_prefill_and_sends_nothing_of_a_bl
     _assert_blocked(messages)
     audit = open_mesh.config.state_dir / "audit-gateway-trailing"
     lines = [line for path in segment_paths(audit, "decisions") for line in path.read_text().splitlines()]
-    events = [e for e in map(json.loads, lines) if e["request_id"] == "trailing-blocked-prompt"]
+    events = [e for e in map(json.loads, lines) if client_request_id(e) == "trailing-blocked-prompt"]
     assert [(e["decision"], e["reason"].split(" (")[0]) for e in events] == [
         ("allow", "all checks passed"),
         ("deny", "safety: prompt blocked"),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from services.cli.trace_collector import TraceCollector
 from services.gateway.audit import prompt_sha256
 from services.gateway.audit_chain import segment_paths
 from tests.conftest import STORIES_PROMPT, start_mesh
-from tests.gateway.conftest import call, refusal, send, token, write_policy_files
+from tests.gateway.conftest import call, client_request_id, refusal, send, token, write_policy_files
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -92,9 +94,26 @@ def test_intent_is_required_and_unknown_ones_are_listed(mesh: Mesh) -> None:
 def test_tenant_and_intent_map_to_the_priority_class_in_the_audit(mesh: Mesh) -> None:
     user = token(mesh, subject="classy", tenant="globex", roles=["user"])
     call(mesh.target("gateway"), user, intent="batch", extra_metadata=[("x-request-id", "class-check")])
-    event = next(e for e in _decisions(mesh) if e["request_id"] == "class-check")
+    event = next(e for e in _decisions(mesh) if client_request_id(e) == "class-check")
     assert event["details"]["priority_class"] == "batch"  # type: ignore[index]
     assert event["tenant"] == "globex" and event["decision"] == "allow"
+
+
+def test_the_callers_request_id_is_recorded_beside_the_gateways_own(mesh: Mesh) -> None:
+    user = token(mesh, subject="stamper", tenant="stampers", roles=["user"])
+    for intent in ("chat", "no-such-intent"):  # an allow and a deny, under one caller's id
+        with contextlib.suppress(grpc.RpcError):
+            call(
+                mesh.target("gateway"),
+                user,
+                intent=intent,
+                extra_metadata=[("x-request-id", "someone-elses")],
+            )
+    events = [e for e in _decisions(mesh) if client_request_id(e) == "someone-elses"]
+    assert [e["decision"] for e in events] == ["allow", "deny"]
+    own_ids = [str(e["request_id"]) for e in events]
+    assert len(set(own_ids)) == 2 and all(re.fullmatch("[0-9a-f]{32}", i) for i in own_ids), own_ids
+    assert not [e for e in _decisions(mesh) if e["request_id"] == "someone-elses"]
 
 
 def _metadata(bearer: str, request_id: str, intent: str = "chat") -> list[tuple[str, str]]:
@@ -111,7 +130,7 @@ def test_a_huge_model_name_is_refused_by_size_and_its_audit_record_stays_small(m
         line
         for path in segment_paths(mesh.audit_dir, "decisions")
         for line in path.read_text().splitlines()
-        if '"request_id":"huge-model"' in line
+        if '"client_request_id":"huge-model"' in line
     ]
     assert len(lines) == 1 and len(lines[0]) < 4096, [len(line) for line in lines]
 
@@ -178,7 +197,7 @@ def test_the_prompt_byte_limit_is_checked_before_the_token_and_the_refusal_is_au
     error = send(mesh.target("gateway"), over, _metadata("not-a-jwt", "big-unauthenticated"))
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "prompt is 524289 bytes (UTF-8); this gateway accepts at most 524288" in error.details()
-    refused = [e for e in _decisions(mesh) if e["request_id"] == "big-unauthenticated"]
+    refused = [e for e in _decisions(mesh) if client_request_id(e) == "big-unauthenticated"]
     assert [(e["actor_principal"], e["decision"]) for e in refused] == [("unauthenticated", "deny")]
 
 
@@ -193,8 +212,20 @@ def test_oversized_metadata_and_two_credentials_are_refused(mesh: Mesh) -> None:
     error = send(mesh.target("gateway"), request, two)
     assert error is not None and error.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "2 'authorization' metadata entries sent" in error.details()
-    denied = [e for e in _decisions(mesh) if e["request_id"] == "two-tokens"]
+    denied = [e for e in _decisions(mesh) if client_request_id(e) == "two-tokens"]
     assert [e["decision"] for e in denied] == ["deny"]
+
+
+@pytest.mark.parametrize("key", ["x-intent", "x-retrieval-mode", "x-request-id"])
+def test_a_metadata_entry_the_gateway_reads_sent_twice_is_refused(mesh: Mesh, key: str) -> None:
+    user = token(mesh, subject="twice", tenant="twice", roles=["user"])
+    values = {"x-intent": ("chat", "batch"), "x-retrieval-mode": ("off", "semantic")}.get(key, ("a", "b"))
+    metadata = [*call_metadata(user), *((key, value) for value in values)]
+    if key != "x-intent":
+        metadata.append(("x-intent", "chat"))
+    error = send(mesh.target("gateway"), pb.GenerateRequest(prompt=STORIES_PROMPT), metadata)
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert f"2 '{key}' metadata entries sent; send it once" in error.details()
 
 
 def test_sigkill_after_acknowledged_requests_loses_no_audit_event(mesh: Mesh) -> None:
@@ -210,7 +241,7 @@ def test_sigkill_after_acknowledged_requests_loses_no_audit_event(mesh: Mesh) ->
     mesh.processes["gateway"].send_signal(signal.SIGKILL)
     mesh.processes["gateway"].wait(30)
 
-    events = {e["request_id"]: e for e in _decisions(mesh) if str(e["request_id"]).startswith("kill-")}
+    events = {client_request_id(e): e for e in _decisions(mesh) if client_request_id(e).startswith("kill-")}
     assert sorted(events) == sorted(f"kill-{n}" for n in range(num_requests))
     assert [events[f"kill-{n}"]["decision"] for n in range(3)] == ["deny", "allow", "allow"]
     assert events["kill-1"]["prompt_sha256"] == prompt_sha256(secret_prompt)

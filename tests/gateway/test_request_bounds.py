@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.gateway.call_metadata import CallMetadata
 from services.gateway.request_bounds import RequestBounds, check_metadata, check_prompt_size, prompt_bytes
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
@@ -38,10 +39,17 @@ def test_a_default_completion_length_under_one_token_is_refused_with_its_setting
 
 @pytest.mark.parametrize("mode", ["", "off", "semantic"])
 def test_known_retrieval_modes_pass(mode: str) -> None:
-    check_metadata({"x-retrieval-mode": mode})
+    check_metadata(CallMetadata([("x-retrieval-mode", mode)]))
 
 
 def test_an_unknown_retrieval_mode_is_refused_at_the_gateway_with_the_known_ones() -> None:
     expected = r"unknown retrieval mode 'Semantic'.*known modes: off, semantic"
     with pytest.raises(InvalidArgument, match=expected):
-        check_metadata({"x-retrieval-mode": "Semantic"})
+        check_metadata(CallMetadata([("x-retrieval-mode", "Semantic")]))
+
+
+@pytest.mark.parametrize("key", ["x-intent", "x-request-id", "x-retrieval-mode"])
+def test_a_metadata_entry_the_gateway_reads_is_refused_when_sent_twice(key: str) -> None:
+    check_metadata(CallMetadata([(key, "off"), ("x-other", "a"), ("x-other", "b")]))
+    with pytest.raises(InvalidArgument, match=f"2 '{key}' metadata entries sent; send it once"):
+        check_metadata(CallMetadata([(key, "off"), (key, "off")]))

@@ -16,7 +16,7 @@ from services.cli.mesh import Mesh
 from services.cli.trace_collector import TraceCollector
 from services.gateway.audit_chain import segment_paths
 from tests.conftest import STORIES_PROMPT, start_mesh
-from tests.gateway.conftest import stopped, token
+from tests.gateway.conftest import client_request_id, stopped, token
 
 SAFETY_TIMEOUT_S = 3
 
@@ -67,7 +67,7 @@ def _audited(mesh: Mesh, request_id: str) -> list[dict[str, object]]:
         event
         for path in segment_paths(mesh.audit_dir, "decisions")
         for line in path.read_text().splitlines()
-        if (event := json.loads(line))["request_id"] == request_id
+        if client_request_id(event := json.loads(line)) == request_id
     ]
 
 
@@ -91,5 +91,5 @@ def test_a_stream_that_fails_mid_answer_says_how_much_was_sent_and_is_audited(me
     assert f"{received} tokens of the answer had been sent" in (caught.value.details() or "")
     (allow, failed) = _audited(mesh, "fails-mid-answer")
     assert allow["decision"] == "allow" and failed["action"] == "stream.failed"
-    assert failed["details"] == {"tokens_sent": received}
+    assert failed["details"] == {"client_request_id": "fails-mid-answer", "tokens_sent": received}
     assert "safety did not answer" in str(failed["reason"])

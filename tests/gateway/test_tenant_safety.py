@@ -17,7 +17,7 @@ from services.gateway.tenants import GateCategory, TenantTable
 from services.safety.config import DEFAULT_LANGUAGE_MESSAGE
 from services.safety.language import LANGUAGE_CATEGORY
 from tests.conftest import start_mesh
-from tests.gateway.conftest import call, token, write_policy_files
+from tests.gateway.conftest import call, client_request_id, token, write_policy_files
 from thermocline.gateway.v1 import gateway_pb2 as pb
 from thermocline.safety.v1 import safety_pb2, safety_pb2_grpc
 
@@ -145,7 +145,7 @@ def _generate(
 def _events(mesh: Mesh, request_id: str) -> list[dict[str, Any]]:
     audit = mesh.config.state_dir / f"audit-{GATEWAY}"
     lines = [line for p in segment_paths(audit, "decisions") for line in p.read_text().splitlines()]
-    return [e for e in map(json.loads, lines) if e["request_id"] == request_id]
+    return [e for e in map(json.loads, lines) if client_request_id(e) == request_id]
 
 
 def test_a_tenant_without_overrides_is_blocked(mesh: Mesh, gateway: str, blocking: dict[str, float]) -> None:

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.cli.mesh import Mesh, free_port
 from services.gateway.audit_chain import segment_paths
 from tests.conftest import UNLIMITED_TENANTS
+from tests.gateway.conftest import client_request_id as client_request_id_of_event
 from tests.gateway.conftest import token, write_policy_files
 
 # One request per ~17 minutes after the first: the second call of this tenant is always refused.
@@ -93,15 +94,15 @@ class HttpGateway:
             if sample.name == "thermocline_gateway_http_requests_total" and sample.labels == wanted
         )
 
-    def audit_events(self, request_id: str) -> list[dict[str, Any]]:
-        """This gateway's audit decisions about one request id, oldest first."""
+    def audit_events(self, client_request_id: str) -> list[dict[str, Any]]:
+        """This gateway's audit decisions about the calls that sent one X-Request-Id, oldest first."""
         directory = self.mesh.config.state_dir / f"audit-{self.name}"
         events = [
             json.loads(line)
             for path in segment_paths(directory, "decisions")
             for line in path.read_text().splitlines()
         ]
-        return [event for event in events if event["request_id"] == request_id]
+        return [event for event in events if client_request_id_of_event(event) == client_request_id]
 
     def exchange(self, request: bytes, timeout_s: float = 10.0) -> Exchange:
         """Sends raw bytes on a fresh connection and reads until the server closes it, or until

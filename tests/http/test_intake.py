@@ -45,7 +45,8 @@ def test_a_refusal_before_the_servicer_is_audited(
     assert [(e["action"], e["resource"], e["decision"], e["reason"]) for e in events] == [
         ("invoke", "model:?", "deny", answer.error["message"])
     ]
-    assert events[0]["details"] == {"front": "http"} and events[0]["trace_id"]
+    assert events[0]["details"] == {"client_request_id": request_id, "front": "http"}
+    assert events[0]["trace_id"]
     assert (events[0]["actor_principal"], events[0]["tenant"]) == ("tester", "acme")  # the token came first
 
 
@@ -78,6 +79,29 @@ def test_a_call_the_servicer_refuses_is_audited_once(http_gateway: HttpGateway) 
     assert "front" not in events[0]["details"]
 
 
+@pytest.mark.parametrize("header", ["X-Intent", "X-Retrieval-Mode", "X-Request-Id"])
+def test_a_header_the_gateway_reads_sent_twice_is_refused(http_gateway: HttpGateway, header: str) -> None:
+    values = {"X-Intent": ("chat", "batch"), "X-Retrieval-Mode": ("off", "semantic")}.get(header, ("a", "b"))
+    lines = ["POST /v1/completions HTTP/1.1", "Host: x", f"Authorization: Bearer {http_gateway.user_token}"]
+    lines += [f"Content-Length: {len(VALID)}", "Connection: close"]
+    lines += [f"{header}: {value}" for value in values] + (["X-Intent: chat"] if header != "X-Intent" else [])
+    exchange = http_gateway.exchange("\r\n".join([*lines, "", ""]).encode() + VALID)
+    assert exchange.status_lines == ["HTTP/1.1 400 Bad Request"], exchange.received
+    assert f"2 '{header.lower()}' metadata entries sent; send it once".encode() in exchange.received
+
+
+def test_the_answer_names_the_gateways_request_id_and_the_audit_keeps_the_callers(
+    http_gateway: HttpGateway,
+) -> None:
+    client_id = fresh_request_id()
+    answer = http_gateway.post("/completions", VALID, {"X-Request-Id": client_id})
+    assert answer.status == 200, answer.body
+    own_id = answer.headers["x-request-id"]
+    assert own_id != client_id and answer.body["id"] == f"cmpl-{own_id}"
+    events = http_gateway.audit_events(client_id)
+    assert [(e["request_id"], e["decision"]) for e in events] == [(own_id, "allow")]
+
+
 def head(
     request_id: str, content_length: int, authorization: str = "", path: str = "/v1/completions"
 ) -> bytes:
@@ -101,7 +125,7 @@ def test_a_body_without_a_valid_token_is_refused_before_it_is_read(
     assert exchange.status_lines == ["HTTP/1.1 401 Unauthorized"] and exchange.is_closed, exchange.received
     events = http_gateway.audit_events(request_id)
     assert [(e["decision"], e["actor_principal"], e["details"]) for e in events] == [
-        ("deny", "unauthenticated", {"front": "http"})
+        ("deny", "unauthenticated", {"client_request_id": request_id, "front": "http"})
     ]
 
 
@@ -149,7 +173,7 @@ def test_a_body_refusal_takes_a_request_from_the_tenants_bucket(http_gateway: Ht
     assert int(second.headers["retry-after"]) > 0 and int(second.headers["retry-after-ms"]) > 0
     events = http_gateway.audit_events(request_id)
     assert [(e["decision"], e["tenant"], e["details"]) for e in events] == [
-        ("deny", "tight-bodies", {"front": "http"})
+        ("deny", "tight-bodies", {"client_request_id": request_id, "front": "http"})
     ]
 
 

@@ -26,11 +26,12 @@ from starlette.routing import Route
 from services.common import telemetry
 from services.common.errors import ThermoclineError, Unavailable
 from services.common.interceptors import CallTracker
+from services.gateway.call_metadata import new_request_id
 from services.gateway.http.call import Generation
 from services.gateway.http.errors import HttpError, error_body, from_refusal, internal
 from services.gateway.http.framing import CloseAfterUnreadBody, RefuseAmbiguousFraming
 from services.gateway.http.in_flight import CountInFlight
-from services.gateway.http.intake import GenerateCall, Intake, draining, is_draining, request_id_from
+from services.gateway.http.intake import GenerateCall, Intake, draining, is_draining
 from services.gateway.http.limits import HttpLimits
 from services.gateway.http.metrics import CountRequests
 from services.gateway.http.openai_request import Endpoint, OpenAIRequest
@@ -126,7 +127,7 @@ class OpenAIRoutes:
         span = _server_span(request, "GET /v1/models")
         with trace.use_span(span, end_on_exit=True):
             try:
-                context = await self.intake.list_models(request, request_id_from(request))
+                context = await self.intake.list_models(request, new_request_id())
                 reply = await self.servicer.ListModels(pb.ListModelsRequest(), context)
             except ThermoclineError as error:
                 return _refused(span, from_refusal(error))
@@ -138,7 +139,7 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
         span = _server_span(request, f"POST {request.url.path}")
-        request_id = request_id_from(request)
+        request_id = new_request_id()  # the caller's X-Request-Id is recorded beside it, never as it
         try:
             with trace.use_span(span):
                 call = await self.intake.generate(request, endpoint, request_id)

@@ -36,13 +36,16 @@ class HttpCallContext:
         self,
         metadata: list[tuple[str, str]],
         deadline_at: float | None,
+        request_id: str,
         request_taken: RateDecision | None = None,
     ) -> None:
         self._metadata = tuple(metadata)
         self.deadline_at = deadline_at
-        # The front's take of this call's request from the tenant's bucket (intake.py), which the
-        # gatekeeper then does not repeat. A gRPC context has no such attribute, and no metadata
-        # entry sets it.
+        # The front's id of the call, which its answer names (`x-request-id`, the completion's
+        # id), so the gatekeeper's events carry it too. The front's take of this call's request
+        # from the tenant's bucket (intake.py), which the gatekeeper then does not repeat. A gRPC
+        # context has neither attribute, and no metadata entry sets them.
+        self.request_id = request_id
         self.request_taken = request_taken
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:

@@ -49,8 +49,8 @@ from services.common.metrics import DRAINING
 from services.gateway.admission import StreamSlots
 from services.gateway.audit import DENY, UNAUTHENTICATED, AuditEvent
 from services.gateway.auth import Principal
-from services.gateway.call_metadata import CallMetadata
-from services.gateway.gatekeeper import Gatekeeper, request_id_of
+from services.gateway.call_metadata import CLIENT_REQUEST_ID_KEY, CallMetadata, client_request_id_of
+from services.gateway.gatekeeper import Gatekeeper
 from services.gateway.http.call import HttpCallContext
 from services.gateway.http.errors import RequestTimeout
 from services.gateway.http.limits import HttpLimits
@@ -58,8 +58,9 @@ from services.gateway.http.openai_request import Endpoint, OpenAIRequest, parse
 from services.gateway.rate_limiter import RateDecision, refuse
 from services.gateway.request_bounds import MAX_METADATA_VALUE_CHARS
 
-# Headers passed on as call metadata, as a gRPC client would send them.
-FORWARDED_HEADERS = ("authorization", "x-intent", "x-retrieval-mode")
+# Headers passed on as call metadata, as a gRPC client would send them (every copy: the
+# gatekeeper refuses a repeated one).
+FORWARDED_HEADERS = ("authorization", "x-intent", CLIENT_REQUEST_ID_KEY, "x-retrieval-mode")
 DEFAULT_TIMEOUT_S = 600.0
 MAX_TIMEOUT_S = 3600.0
 
@@ -78,11 +79,19 @@ class _Facts:
 
     action: str
     resource: str
-    request_id: str
+    request_id: str  # the front's own
+    client_request_id: str  # the caller's X-Request-Id ("" when it sent none)
     principal: Principal | None = None  # once the token has verified
     has_paid: bool = False  # once a request was taken from the tenant's bucket
 
+    @classmethod
+    def of(cls, action: str, resource: str, request: Request, request_id: str) -> _Facts:
+        """What the front knows of a call as it arrives."""
+        client_request_id = client_request_id_of(request.headers.get(CLIENT_REQUEST_ID_KEY, ""))
+        return cls(action, resource, request_id, client_request_id)
+
     def denied(self, reason: str) -> AuditEvent:
+        details = {"client_request_id": self.client_request_id} if self.client_request_id else {}
         return AuditEvent(
             actor_principal=self.principal.subject if self.principal else UNAUTHENTICATED,
             tenant=self.principal.tenant if self.principal else "",
@@ -92,7 +101,7 @@ class _Facts:
             reason=reason,
             request_id=self.request_id,
             trace_id=telemetry.current_trace_id(),
-            details={"front": "http"},
+            details=details | {"front": "http"},
         )
 
 
@@ -110,7 +119,7 @@ class Intake:
     async def generate(self, request: Request, endpoint: Endpoint, request_id: str) -> GenerateCall:
         """The call a POST to a generation endpoint asks for; ClientDisconnect if the client goes
         away before its body is in."""
-        facts = _Facts("invoke", "model:?", request_id)
+        facts = _Facts.of("invoke", "model:?", request, request_id)
         if not is_draining():  # the drain's own refusal, audited, comes below
             self._check_room()
         async with self._audited(facts):
@@ -121,17 +130,18 @@ class Intake:
             taken = await self._take_request(facts.principal.tenant)
             facts.has_paid = True
             timeout_s = timeout_s_of(request)  # the headers are checked before the body is read
-            metadata = metadata_of(request, request_id)
+            metadata = metadata_of(request)
             parsed = parse(endpoint, _json(await self._body(request)))
         # X-Timeout-S counts from here, where the Generation's own timeout starts: the body's
         # reading has a deadline of its own, and the engine and safety get the whole budget.
-        context = HttpCallContext(metadata, time.monotonic() + timeout_s, request_taken=taken)
+        context = HttpCallContext(metadata, time.monotonic() + timeout_s, request_id, taken)
         return GenerateCall(parsed, context, timeout_s)
 
     async def list_models(self, request: Request, request_id: str) -> HttpCallContext:
         """The context of a GET /v1/models call."""
-        async with self._audited(_Facts("list_models", "model:*", request_id)):
-            return HttpCallContext(metadata_of(request, request_id), time.monotonic() + timeout_s_of(request))
+        async with self._audited(_Facts.of("list_models", "model:*", request, request_id)):
+            deadline_at = time.monotonic() + timeout_s_of(request)
+            return HttpCallContext(metadata_of(request), deadline_at, request_id)
 
     @contextlib.asynccontextmanager
     async def _audited(self, facts: _Facts) -> AsyncIterator[None]:
@@ -262,11 +272,6 @@ def _first_repeated(pairs: list[tuple[str, Any]]) -> str:
     raise AssertionError("no key repeats")
 
 
-def request_id_from(request: Request) -> str:
-    """The caller's `X-Request-Id` (bounded), or a fresh one."""
-    return request_id_of({"x-request-id": request.headers.get("x-request-id", "")})
-
-
 def is_draining() -> bool:
     """Whether the process's server runner has begun its drain (after SIGTERM); it says so in a gauge."""
     return any(sample.value for metric in DRAINING.collect() for sample in metric.samples)
@@ -277,9 +282,9 @@ def draining() -> Unavailable:
     return Unavailable("the gateway is shutting down; retry on another replica")
 
 
-def metadata_of(request: Request, request_id: str) -> list[tuple[str, str]]:
-    """Headers as call metadata; every Authorization header, so two are refused as on gRPC."""
-    pairs = [("x-request-id", request_id)]
+def metadata_of(request: Request) -> list[tuple[str, str]]:
+    """Headers as call metadata; every copy of each, so two are refused as on gRPC."""
+    pairs: list[tuple[str, str]] = []
     for name in FORWARDED_HEADERS:
         pairs.extend((name, value) for value in request.headers.getlist(name))
     mode = request.headers.get("x-retrieval-mode", "")
