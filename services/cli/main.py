@@ -191,8 +191,8 @@ def _audit_key_file(args: argparse.Namespace) -> Path | None:
 def cmd_audit_verify(args: argparse.Namespace) -> int:
     """Verifies the audit log's hash chains and signed checkpoints; exit status 1 names where trust ends."""
     from services.gateway.audit import STREAMS
-    from services.gateway.audit_chain import verify_directory
     from services.gateway.audit_checkpoint import Signer, load_key
+    from services.gateway.audit_verify import verify_directory
 
     directory = Path(args.directory or local_state_dir(args.state_dir) / "audit")
     if not directory.is_dir():

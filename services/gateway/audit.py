@@ -10,31 +10,51 @@ When a write fails (a full disk, an I/O error), `record` raises UNAVAILABLE, so 
 audits is refused rather than served unaudited; the failed batch is cut from the segment, the
 `thermocline_gateway_audit_unwritable_seconds` gauge counts up from 0, and the next write tries
 again. An event is acknowledged only after its fsync, so a failure loses nothing acknowledged.
+
+The admin chain records the log itself (audit_streams.py): the first write after opening the log
+is preceded by an `audit.start` event naming every stream's tip, and retention records each
+segment it deletes in an `audit.prune` event, on disk before the segment is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
 from services.common.errors import Unavailable
-from services.gateway.audit_chain import ChainWriter, last_line_hash, segment_paths
+from services.gateway.audit_chain import GENESIS_HASH, ChainWriter, last_record, segment_paths
 from services.gateway.audit_checkpoint import Signer, check_key_outside, load_key
+from services.gateway.audit_streams import (
+    ADMIN,
+    DECISIONS,
+    PRUNE_ACTION,
+    START_ACTION,
+    STREAMS,
+    AdminNote,
+    PruneNote,
+    prune_details,
+    start_details,
+    stream_of_segment,
+)
 from services.gateway.metrics import AuditHealth
 
 log = logging.getLogger(__name__)
 
-DECISIONS, ADMIN = "decisions", "admin"
-STREAMS = (DECISIONS, ADMIN)
-ADMIN_ACTIONS = frozenset({"admin", "read_audit", "policy.load", "audit.prune", "audit.start"})
+ADMIN_ACTIONS = frozenset({"admin", "read_audit", "policy.load", PRUNE_ACTION, START_ACTION})
+# Admin first: when the other write of a batch then fails, its callers are refused and none of
+# their events is on disk (an `audit.start` or prune record written alone is harmless).
+_WRITE_ORDER = (ADMIN, *(s for s in STREAMS if s != ADMIN))
 ALLOW, DENY = "allow", "deny"
 UNAUTHENTICATED = "unauthenticated"  # the actor of a call whose token has not verified (yet)
 # Every string in a record is cut to this many characters, so no caller can make a record large:
@@ -149,7 +169,10 @@ class AuditConfig:
 
 
 class AuditLog:
-    """Appends events durably, in order, with one fsync per batch of concurrent events."""
+    """Appends events durably, in order, with one fsync per batch of concurrent events.
+
+    Writes come from the flusher's thread and from retention's (`prune`, which the gateway runs
+    in a thread of its own); one lock keeps them to one at a time, as ChainWriter needs."""
 
     def __init__(self, config: AuditConfig) -> None:
         self.config = config
@@ -165,6 +188,8 @@ class AuditLog:
         self.health = AuditHealth()
         self._pending: list[tuple[AuditEvent, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._write_lock = threading.Lock()
+        self._is_start_recorded = False
 
     async def record(self, event: AuditEvent) -> None:
         """Appends `event`; returns once it is on disk (fsynced)."""
@@ -198,32 +223,50 @@ class AuditLog:
                 future.set_result(None)
 
     def _write(self, events: list[AuditEvent]) -> None:
-        for stream in STREAMS:
+        with self._write_lock:
+            self._append(events)
+
+    def _append(self, events: list[AuditEvent]) -> None:
+        """Writes `events` to their streams, after this log's `audit.start` if not yet written."""
+        if not self._is_start_recorded:
+            tips = {s: (writer.count, writer.last_hash) for s, writer in self._writers.items()}
+            events = [_start_event(tips), *events]
+        for stream in _WRITE_ORDER:
             records = [e.to_record() for e in events if e.stream == stream]
             if records:
                 self._writers[stream].append(records)
+        self._is_start_recorded = True
 
     def prune(self, now_s: float | None = None) -> list[AuditEvent]:
-        """Deletes closed segments past their retention and logs one `audit.prune` event each."""
+        """Deletes closed segments past their retention, each after its `audit.prune` event is on disk."""
         now_s = time.time() if now_s is None else now_s
-        events = []
-        for stream in STREAMS:
-            events += self._prune_stream(stream, now_s)
-        if events:
-            self._write(events)
+        with self._write_lock:
+            expired = self._expired_segments(now_s)
+            events = [_prune_event(path) for path in expired]
+            if events:
+                self._append(events)  # a crash before the deletions leaves segments, never a gap
+            for path in expired:
+                path.unlink()
         return events
 
-    def _prune_stream(self, stream: str, now_s: float) -> list[AuditEvent]:
-        writer = self._writers[stream]
-        current = writer.current_segment()
-        events = []
-        for path in segment_paths(self.config.directory, stream)[:-1]:
-            if path == current or now_s - path.stat().st_mtime < self.config.retention_s(stream):
-                continue
-            last_hash, _ = last_line_hash(path)
-            events.append(_prune_event(stream, path, last_hash or ""))
-            path.unlink()
-        return events
+    def _expired_segments(self, now_s: float) -> list[Path]:
+        """Every stream's oldest closed segments past retention, up to the admin segment that holds
+        the prune record another stream's chain will start from: without it that start is
+        unverifiable, so it and the segments after it wait for that stream's next prune."""
+        expired = {stream: self._past_retention(stream, now_s) for stream in STREAMS}
+        starts = {_start_hash(self._kept(s, expired[s])) for s in STREAMS if s != ADMIN} - {"", GENESIS_HASH}
+        expired[ADMIN] = list(takewhile(lambda path: not _holds_prune_of(path, starts), expired[ADMIN]))
+        return [path for stream in STREAMS for path in expired[stream]]
+
+    def _past_retention(self, stream: str, now_s: float) -> list[Path]:
+        """The stream's oldest closed segments past retention: only ever a prefix, as a chain that
+        lost a segment from its middle would not verify."""
+        current, retention_s = self._writers[stream].current_segment(), self.config.retention_s(stream)
+        closed = segment_paths(self.config.directory, stream)[:-1]
+        return list(takewhile(lambda p: p != current and now_s - p.stat().st_mtime >= retention_s, closed))
+
+    def _kept(self, stream: str, expired: list[Path]) -> list[Path]:
+        return [path for path in segment_paths(self.config.directory, stream) if path not in expired]
 
     def close(self) -> None:
         """Closes the segment files."""
@@ -242,13 +285,52 @@ def _fail(batch: list[tuple[AuditEvent, asyncio.Future[None]]], error: OSError) 
         future.set_exception(Unavailable(message))
 
 
-def _prune_event(stream: str, path: Path, last_hash: str) -> AuditEvent:
+def _start_event(tips: Mapping[str, tuple[int, str]]) -> AuditEvent:
     return AuditEvent(
         actor_principal="thermocline-gateway",
         tenant="",
-        action="audit.prune",
-        resource=f"audit:{stream}/{path.name}",
+        action=START_ACTION,
+        resource="audit:streams",
+        decision=ALLOW,
+        reason="audit log opened",
+        details=start_details(tips),
+    )
+
+
+def _prune_event(path: Path) -> AuditEvent:
+    record = last_record(path) or {}
+    return AuditEvent(
+        actor_principal="thermocline-gateway",
+        tenant="",
+        action=PRUNE_ACTION,
+        resource=f"audit:{stream_of_segment(path.name)}/{path.name}",
         decision=ALLOW,
         reason="retention period over",
-        details={"segment": path.name, "last_hash": last_hash},
+        details=prune_details(path.name, str(record.get("hash", "")), int(record.get("seq", 0))),
     )
+
+
+def _start_hash(segments: list[Path]) -> str:
+    """The hash the oldest of these segments chains from ("" when there is none to read)."""
+    if not segments:
+        return ""
+    with segments[0].open("rb") as file:
+        first = file.readline()
+    try:
+        return str(json.loads(first)["prev_hash"])
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def _holds_prune_of(path: Path, last_hashes: set[str]) -> bool:
+    """Whether the admin segment holds an `audit.prune` event of a segment with one of these last hashes."""
+    if not last_hashes:
+        return False
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            note = PruneNote.from_record(json.loads(line), AdminNote(0, f"{path.name}:{number}", ""))
+        except (ValueError, AttributeError):
+            continue
+        if note is not None and note.last_hash in last_hashes:
+            return True
+    return False

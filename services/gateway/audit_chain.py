@@ -6,7 +6,7 @@ for the first event ever). Editing a line breaks its hash, deleting or reorderin
 the next line's `prev_hash`, and the `<stream>.head` file (count and hash of the last line
 written) catches a truncated tail. Segments are `<stream>-<seq>.jsonl`; the chain runs across
 them. When retention deletes old segments, an `audit.prune` event records each one's last hash,
-so the verifier can tell a pruned start from a cut one.
+so the verifier (audit_verify.py) can tell a pruned start from a cut one.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from services.gateway.audit_checkpoint import ChainEntry, Signer, checkpoints_path, trust_problems
+from services.gateway.audit_checkpoint import Signer, checkpoints_path
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,16 @@ def _sequence(path: Path) -> int:
 
 
 def segment_paths(directory: Path, stream: str) -> list[Path]:
-    """The stream's segment files, oldest first."""
-    return sorted(directory.glob(f"{stream}-*.jsonl"), key=_sequence)
+    """The stream's segment files (`<stream>-<digits>.jsonl`), oldest first."""
+    name = re.compile(rf"{re.escape(stream)}-\d+\.jsonl")
+    return sorted((p for p in directory.glob(f"{stream}-*.jsonl") if name.fullmatch(p.name)), key=_sequence)
+
+
+def last_record(path: Path) -> dict[str, Any] | None:
+    """The segment's last complete line, parsed; None when it has none."""
+    complete = path.read_bytes().rpartition(b"\n")[0]
+    last = complete.rsplit(b"\n", 1)[-1]
+    return json.loads(last) if last else None
 
 
 def last_line_hash(path: Path) -> tuple[str | None, bool]:
@@ -93,6 +101,8 @@ class ChainWriter:
         self.last_hash, self.count = self._recover()
         self._file: IO[bytes] | None = None
         self._last_checkpoint_at: float | None = None
+        if self.count == 0 and not self.head_path.exists():
+            self._write_head()  # a new stream is on disk from the start: deleting it whole then shows
 
     @property
     def head_path(self) -> Path:
@@ -243,9 +253,8 @@ class ChainWriter:
 
 def _last_seq(path: Path) -> int:
     """The `seq` of the segment's last complete line (0 for lines written before events had one)."""
-    complete = path.read_bytes().rpartition(b"\n")[0]
-    last = complete.rsplit(b"\n", 1)[-1]
-    return int(json.loads(last).get("seq", 0)) if last else 0
+    record = last_record(path)
+    return int(record.get("seq", 0)) if record else 0
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -254,86 +263,3 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@dataclass
-class VerifyReport:
-    """The outcome of verifying one directory."""
-
-    num_events: dict[str, int] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def is_ok(self) -> bool:
-        """True when every stream verified."""
-        return not self.problems
-
-
-def _lines(paths: list[Path]) -> Iterator[tuple[Path, int, bytes]]:
-    for path in paths:
-        for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-            yield path, number, line
-
-
-def _pruned_hashes(directory: Path) -> set[str]:
-    """Last hashes of segments that retention deleted, from the `audit.prune` events."""
-    hashes = set()
-    for _, _, line in _lines(sorted(directory.glob("*.jsonl"))):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("action") == "audit.prune":
-            hashes.add(str(record.get("details", {}).get("last_hash")))
-    return hashes
-
-
-def verify_stream(
-    directory: Path, stream: str, pruned: set[str], entries: list[ChainEntry] | None = None
-) -> tuple[int, list[str]]:
-    """Walks one stream's chain: (events checked, problems found); fills `entries` when given."""
-    expected: str | None = None
-    count, seen = 0, set()
-    entries = [] if entries is None else entries
-    for path, number, line in _lines(segment_paths(directory, stream)):
-        where = f"{path.name}:{number}"
-        try:
-            record = json.loads(line)
-            event = {k: v for k, v in record.items() if k not in _CHAIN_FIELDS}
-            prev, stored = record["prev_hash"], record["hash"]
-        except (ValueError, KeyError, AttributeError):
-            return count, [f"{where}: not a chained JSON record"]
-        if expected is None and prev != GENESIS_HASH and prev not in pruned:
-            return count, [f"{where}: the chain starts from an unknown hash; entries before it are missing"]
-        if expected is not None and prev != expected:
-            return count, [f"{where}: prev_hash does not match the entry before; deleted or reordered"]
-        if chain_hash(event, prev) != stored:
-            return count, [f"{where}: hash does not match the content; the entry was edited"]
-        expected, count = stored, count + 1
-        seen.add(stored)
-        entries.append(ChainEntry(int(record.get("seq", 0)), stored, where, str(record.get("event_id", ""))))
-    return count, _check_head(directory, stream, seen, count)
-
-
-def _check_head(directory: Path, stream: str, seen: set[str], count: int) -> list[str]:
-    """The head file's hash must be in the chain (it may lag the log by one crash, never lead it)."""
-    head_path = directory / f"{stream}.head"
-    if not head_path.exists():
-        return [] if count == 0 else [f"{head_path.name} is missing"]
-    if json.loads(head_path.read_text()).get("hash") in seen:
-        return []
-    return [f"{stream}: the last entry that {head_path.name} names is gone; entries were cut from the end"]
-
-
-def verify_directory(directory: Path, streams: Iterable[str], signer: Signer | None = None) -> VerifyReport:
-    """Verifies every stream of an audit directory; with the signing key, its signed checkpoints too."""
-    report = VerifyReport()
-    pruned = _pruned_hashes(directory)
-    for stream in streams:
-        entries: list[ChainEntry] = []
-        count, problems = verify_stream(directory, stream, pruned, entries)
-        if signer is not None and not problems:
-            problems = trust_problems(directory, stream, entries, signer)
-        report.num_events[stream] = count
-        report.problems.extend(problems)
-    return report

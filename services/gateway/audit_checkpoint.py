@@ -87,40 +87,76 @@ class ChainEntry:
     event_id: str
 
 
-def trust_problems(directory: Path, stream: str, entries: list[ChainEntry], signer: Signer) -> list[str]:
+@dataclass(frozen=True)
+class SignedTip:
+    """One validly signed checkpoint or head: the chain had `seq` events, the last with `hash`."""
+
+    seq: int
+    hash: str
+    where: str
+
+
+def trusted_through(directory: Path, stream: str, entries: list[ChainEntry], signer: Signer) -> int:
+    """The last seq up to which every signed checkpoint and head on disk matches the chain."""
+    signed, _ = signed_tips(directory, stream, signer)
+    return _match(stream, entries, _within(signed, entries))[0]
+
+
+def trust_problems(
+    directory: Path, stream: str, entries: list[ChainEntry], signer: Signer, pruned_through: int = 0
+) -> list[str]:
     """Checks the stream's signed checkpoints and head against the chain as it is on disk.
 
     The first problem, if any, names the first event that can no longer be trusted; records
-    whose signature fails follow it (they are forged or edited, and vouch for nothing).
+    whose signature fails follow it (they are forged or edited, and vouch for nothing). A signed
+    checkpoint older than the oldest event on disk is a problem unless retention pruned through it:
+    `pruned_through`, which the verifier takes only from a verified `audit.prune` event.
     """
-    signed, forged = _signed_records(directory, stream, signer)
+    signed, forged = signed_tips(directory, stream, signer)
     if entries and not signed:
         return [
             f"{stream}: no validly signed checkpoint or head; nothing in this stream can be trusted",
             *forged,
         ]
+    problem = _match(stream, entries, _within(signed, entries))[1]
+    problems = [problem] if problem else []
+    deleted = [tip for tip in signed if pruned_through < tip.seq < _first_seq(entries)]
+    if deleted:
+        problems.append(_deleted_before(stream, entries[0], deleted[0]))
+    return [*problems, *forged]
+
+
+def _first_seq(entries: list[ChainEntry]) -> int:
+    return entries[0].seq if entries else 0
+
+
+def _within(signed: list[SignedTip], entries: list[ChainEntry]) -> list[SignedTip]:
+    """The signed tips the chain on disk should hold: none below its oldest event, nor the empty
+    stream's head (seq 0, made when the gateway opened a stream with no event yet)."""
+    return [tip for tip in signed if tip.seq > 0 and tip.seq >= _first_seq(entries)]
+
+
+def _match(stream: str, entries: list[ChainEntry], signed: list[SignedTip]) -> tuple[int, str | None]:
+    """(the last seq that every signed tip up to it vouches for, the first mismatch if any)."""
     by_seq = {entry.seq: entry for entry in entries}
     trusted_seq = 0
-    for record in signed:
-        seq = int(record["count"])
-        entry = by_seq.get(seq)
-        if entry is None and entries and seq < entries[0].seq:
-            continue  # pruned by retention
-        if entry is None or entry.hash != record["hash"]:
-            return [_untrusted(stream, entries, trusted_seq, seq), *forged]
-        trusted_seq = max(trusted_seq, seq)
-    return forged
+    for tip in signed:
+        entry = by_seq.get(tip.seq)
+        if entry is None or entry.hash != tip.hash:
+            return trusted_seq, _untrusted(stream, entries, trusted_seq, tip.seq)
+        trusted_seq = max(trusted_seq, tip.seq)
+    return trusted_seq, None
 
 
-def _signed_records(directory: Path, stream: str, signer: Signer) -> tuple[list[dict[str, Any]], list[str]]:
-    """The checkpoints and head whose signature verifies, in order; and what is wrong with the rest."""
+def signed_tips(directory: Path, stream: str, signer: Signer) -> tuple[list[SignedTip], list[str]]:
+    """The checkpoints and head whose signature verifies, by seq; and what is wrong with the rest."""
     path = checkpoints_path(directory, stream)
     lines = path.read_text().splitlines() if path.exists() else []
     sources = [(f"{path.name}:{n}", line) for n, line in enumerate(lines, start=1)]
     head = directory / f"{stream}.head"
     if head.exists():
         sources.append((head.name, head.read_text()))
-    records, forged = [], []
+    tips, forged = [], []
     for where, text in sources:
         try:
             record = json.loads(text)
@@ -132,8 +168,8 @@ def _signed_records(directory: Path, stream: str, signer: Signer) -> tuple[list[
                 f"{where}: signature does not verify with this key (forged, edited, or another key)"
             )
             continue
-        records.append(record)
-    return sorted(records, key=lambda r: int(r["count"])), forged
+        tips.append(SignedTip(int(record["count"]), str(record["hash"]), where))
+    return sorted(tips, key=lambda tip: tip.seq), forged
 
 
 def _untrusted(stream: str, entries: list[ChainEntry], trusted_seq: int, broken_seq: int) -> str:
@@ -142,4 +178,13 @@ def _untrusted(stream: str, entries: list[ChainEntry], trusted_seq: int, broken_
     return (
         f"{stream}: the chain was rewritten: the signed checkpoint at event #{broken_seq} does not match it; "
         f"the log can no longer be trusted from {start} on (signed checkpoints match up to #{trusted_seq})"
+    )
+
+
+def _deleted_before(stream: str, first: ChainEntry, tip: SignedTip) -> str:
+    return (
+        f"{stream}: the signed checkpoint at event #{tip.seq} ({tip.where}) is older than the oldest "
+        f"event on disk, #{first.seq} ({first.where}, event id {first.event_id}), and no audit.prune "
+        f"event of the admin chain covers it: events #1 to #{first.seq - 1} were deleted, not pruned "
+        "by retention"
     )

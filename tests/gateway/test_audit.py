@@ -17,8 +17,9 @@ import pytest
 
 from services.common.errors import Unavailable
 from services.gateway.audit import ADMIN, DECISIONS, STREAMS, AuditConfig, AuditEvent, AuditLog
-from services.gateway.audit_chain import canonical_json, chain_hash, segment_paths, verify_directory
+from services.gateway.audit_chain import canonical_json, chain_hash, segment_paths
 from services.gateway.audit_checkpoint import Signer, load_key
+from services.gateway.audit_verify import verify_directory
 from services.gateway.metrics import AUDIT_UNWRITABLE, AUDIT_WRITE_FAILURES
 from tests.gateway.conftest import fill
 
@@ -147,7 +148,9 @@ def test_retention_prunes_old_segments_and_the_chain_still_verifies(tmp_path: Pa
     for path in segment_paths(tmp_path, ADMIN):
         path.unlink()
     (tmp_path / f"{ADMIN}.head").unlink()
-    assert "entries before it are missing" in _problems(tmp_path)
+    problems = _problems(tmp_path)
+    assert "the decisions chain starts from an unknown hash; events #1 to #" in problems
+    assert "admin: the whole stream is gone" in problems
 
 
 def test_admin_actions_go_to_the_long_retention_stream(tmp_path: Path) -> None:
@@ -155,7 +158,8 @@ def test_admin_actions_go_to_the_long_retention_stream(tmp_path: Path) -> None:
     asyncio.run(log.record(_event(1, action="admin")))
     asyncio.run(log.record(_event(2)))
     log.close()
-    assert len(_lines(segment_paths(tmp_path, ADMIN)[0])) == 1
+    admin = [json.loads(line)["action"] for line in _lines(segment_paths(tmp_path, ADMIN)[0])]
+    assert admin == ["audit.start", "admin"]  # the log records its streams' tips when it opens
     assert len(_lines(segment_paths(tmp_path, DECISIONS)[0])) == 1
     assert AuditConfig(directory=tmp_path).retention_s(ADMIN) == 365 * 86400
 
@@ -238,7 +242,10 @@ def test_a_removed_audit_directory_refuses_with_unavailable_and_the_break_is_rep
     records = [json.loads(line) for path in segment_paths(directory, DECISIONS) for line in _lines(path)]
     assert [r["request_id"] for r in records] == ["req-3"]  # no refused event was kept
     assert "req-100" not in str(records)
-    assert "the chain starts from an unknown hash; entries before it are missing" in _problems(directory)
+    assert (
+        "decisions-00000001.jsonl:1: the decisions chain starts from an unknown hash; "
+        "events #1 to #3 are missing before event #4"
+    ) in _problems(directory)
 
 
 def _signed_log(directory: Path, key_file: Path, num_events: int) -> None:

@@ -15,13 +15,14 @@ import pytest
 
 from services.cli.trace_collector import TraceCollector
 from services.gateway.audit import STREAMS
-from services.gateway.audit_chain import segment_paths, verify_directory
+from services.gateway.audit_chain import segment_paths
 from services.gateway.audit_sampling import (
     MAX_TRACKED_REASONS,
     SUMMARY_ACTION,
     TENANT_SUMMARY_ACTION,
     DenialSampler,
 )
+from services.gateway.audit_verify import verify_directory
 from tests.conftest import start_mesh
 from tests.gateway.conftest import call, refusal, token
 
