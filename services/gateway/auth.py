@@ -4,14 +4,22 @@ The key is chosen by the token's `kid` from a fixed local key set (jwks.py), and
 is the one that key pins: the token's `alg` must equal it, so `none` and HS256-with-a-public-key
 tricks fail before any signature check. `exp`, `iss`, `aud` and `sub` are required, `nbf` and
 `iat` are honoured, and `typ` must be the configured one (explicit typing). The dates are checked,
-with a small leeway, by one rule (verified_tokens.check_times) that names the claim that failed.
-Header fields that point at other keys (`jku`, `x5u`, `jwk`, `x5c`) are refused, never followed.
+with a small leeway, by one rule (verified_tokens.check_times) that names the claim that failed;
+`exp` may lie at most `THERMOCLINE_GATEWAY_JWT_MAX_LIFETIME_S` from now (and from `iat`), so a
+token minted never to expire is refused. A header or payload that repeats a key is refused: JSON
+readers disagree on which copy wins (PyJWT's reader takes the last, others the first), so one
+signed token would name two tenants. Header fields that point at other keys (`jku`, `x5u`,
+`jwk`, `x5c`) are refused, never followed.
 A token that passed is remembered (verified_tokens.py): its repeats skip the signature check but
 not the clock or the key set.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,14 +79,26 @@ class JwtVerifier:
         token = bearer_token(authorization)
         if (principal := self.verified.get(token, self.keys.find)) is not None:
             return principal
+        _check_unique_keys(token)
         header = self._header(token)
         key = self._key_for(header)
         claims = self._decode(token, key)
         _check_numeric_dates(claims)
-        check_times(claims, self.verified.clock(), self.config.leeway_s)
+        now_s = self.verified.clock()
+        check_times(claims, now_s, self.config.leeway_s)
+        self._check_lifetime(claims, now_s)
         principal = self._principal(claims)
         self.verified.put(token, VerifiedToken(principal, header.get("kid"), key))
         return principal
+
+    def _check_lifetime(self, claims: dict[str, Any], now_s: float) -> None:
+        """Refuses an `exp` further than the maximum lifetime from now (with the clock skew
+        allowed) or, with an `iat`, from it. Checked once: a cached token's time left only shrinks."""
+        max_s, exp = self.config.max_lifetime_s, claims["exp"]
+        if exp - now_s > max_s + self.config.leeway_s:
+            _refuse_lifetime(f"{_seconds(exp - now_s)} s from now", max_s)
+        if "iat" in claims and exp - claims["iat"] > max_s:
+            _refuse_lifetime(f"{_seconds(exp - claims['iat'])} s after its 'iat'", max_s)
 
     def _principal(self, claims: dict[str, Any]) -> Principal:
         """The principal a verified token's claims name, once their types and sizes pass."""
@@ -165,6 +185,44 @@ class JwtVerifier:
 def _bounded(text: str, max_chars: int = 200) -> str:
     """A library's error text, which may quote the token, cut to a size fit for a status message."""
     return text if len(text) <= max_chars else text[:max_chars] + "..."
+
+
+def _refuse_lifetime(how_far: str, max_lifetime_s: float) -> None:
+    raise Unauthenticated(
+        f"token's 'exp' is {how_far}, over the gateway's limit of {max_lifetime_s:g} s on a token's "
+        "lifetime (THERMOCLINE_GATEWAY_JWT_MAX_LIFETIME_S); ask the issuer for one that expires sooner"
+    )
+
+
+def _seconds(value: float) -> str:
+    """A span of seconds for a message: whole below a billion, else in 3 figures (an `exp` of 1e300)."""
+    return f"{value:.0f}" if value < 1e9 else f"{value:.3g}"
+
+
+def _check_unique_keys(token: str) -> None:
+    """Refuses a header or payload whose JSON repeats a key in any object. A segment that is not
+    base64url JSON is left to PyJWT, which refuses it with its own reason."""
+    for part, segment in zip(("header", "payload"), token.split(".")[:2], strict=False):
+        try:
+            text = base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+            json.loads(text, object_pairs_hook=functools.partial(_unique_keys, part))
+        except (binascii.Error, ValueError):
+            return
+        except RecursionError:
+            raise Unauthenticated(f"malformed token: its {part} nests too deeply") from None
+
+
+def _unique_keys(part: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One JSON object of a token's `part`, refused when it repeats a key."""
+    fields: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in fields:
+            raise Unauthenticated(
+                f"token {part} repeats the key {_shown(key)}; readers disagree on which copy counts, "
+                "so the token is refused: ask the issuer for one that names each claim once"
+            )
+        fields[key] = value
+    return fields
 
 
 def _check_numeric_dates(claims: dict[str, Any]) -> None:

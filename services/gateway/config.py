@@ -18,6 +18,7 @@ from services.gateway.request_bounds import RequestBounds
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8080
 ALLOWED_ALGORITHMS = ("RS256", "ES256", "HS256")
+MIN_TOKEN_LIFETIME_S, MAX_TOKEN_LIFETIME_S = 60.0, 366 * 24 * 3600.0
 PREFIX = "THERMOCLINE_GATEWAY_"
 MIB = 1024 * 1024
 T = TypeVar("T")
@@ -32,8 +33,11 @@ class JwtConfig:
     secret (at least 32 bytes) for HS256. The file is re-read when it changes (key rotation).
     `_JWT_ALGORITHM` (pinned for a PEM or secret; a JWKS pins per key), `_JWT_ISSUER`,
     `_JWT_AUDIENCE`, `_JWT_LEEWAY_S` (clock skew allowed on exp and nbf), `_JWT_TYP` (the
-    required `typ` header). `max_cached_tokens`: how many verified tokens are remembered so their
-    repeats skip the signature check (verified_tokens.py); 0 verifies every call in full.
+    required `typ` header), `_JWT_MAX_LIFETIME_S` (the longest a token may be valid: its `exp`
+    at most this far from now, and from its `iat` when it has one; default 24 h, so a leaked
+    token minted with a far `exp` is not a credential for good). `max_cached_tokens`: how many
+    verified tokens are remembered so their repeats skip the signature check
+    (verified_tokens.py); 0 verifies every call in full.
     """
 
     key_file: Path
@@ -42,6 +46,7 @@ class JwtConfig:
     audience: str = "thermocline"
     leeway_s: float = 30.0
     typ: str = "JWT"
+    max_lifetime_s: float = 24 * 3600.0
     max_cached_tokens: int = 4096
 
     def __post_init__(self) -> None:
@@ -54,6 +59,11 @@ class JwtConfig:
             raise ValueError(f"THERMOCLINE_GATEWAY_JWT_LEEWAY_S must lie in 0..300, got {self.leeway_s}")
         if not self.typ:
             raise ValueError("THERMOCLINE_GATEWAY_JWT_TYP must not be empty")
+        if not MIN_TOKEN_LIFETIME_S <= self.max_lifetime_s <= MAX_TOKEN_LIFETIME_S:
+            raise ValueError(
+                f"THERMOCLINE_GATEWAY_JWT_MAX_LIFETIME_S must lie in {MIN_TOKEN_LIFETIME_S:g}.."
+                f"{MAX_TOKEN_LIFETIME_S:g} (one minute to 366 days), got {self.max_lifetime_s}"
+            )
         if self.max_cached_tokens < 0:
             raise ValueError(f"max_cached_tokens must be >= 0, got {self.max_cached_tokens}")
 
@@ -290,6 +300,7 @@ def _jwt_from_env(environ: Mapping[str, str] | None) -> JwtConfig:
         audience=env.get_str(PREFIX + "JWT_AUDIENCE", "thermocline", environ),
         leeway_s=env.get_float(PREFIX + "JWT_LEEWAY_S", 30.0, environ),
         typ=env.get_str(PREFIX + "JWT_TYP", "JWT", environ),
+        max_lifetime_s=env.get_float(PREFIX + "JWT_MAX_LIFETIME_S", JwtConfig.max_lifetime_s, environ),
     )
 
 

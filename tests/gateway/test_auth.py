@@ -282,3 +282,71 @@ def test_dates_must_be_finite(
     token = _forged(keys, {"typ": "JWT", "kid": key_id(keys[0], "RS256")}, _claims(**{claim: value}))
     with pytest.raises(Unauthenticated, match=f"'{claim}' must be a finite JSON number"):
         verifier.verify(_bearer(token))
+
+
+def _forged_text(keys: tuple[bytes, Path], header: str, payload: str) -> str:
+    """A token signed with our key over header and payload JSON exactly as written (repeated keys)."""
+    encode = lambda text: base64.urlsafe_b64encode(text.encode()).rstrip(b"=").decode()  # noqa: E731
+    signing_input = f"{encode(header)}.{encode(payload)}"
+    codec = RSAAlgorithm(RSAAlgorithm.SHA256)
+    signature = codec.sign(signing_input.encode(), codec.prepare_key(keys[0]))
+    return f"{signing_input}.{base64.urlsafe_b64encode(signature).rstrip(b'=').decode()}"
+
+
+@pytest.mark.parametrize("exp", [1e300, 10**30], ids=["1e300", "10**30"])
+def test_a_token_that_never_expires_is_refused_naming_exp(
+    keys: tuple[bytes, Path], verifier: JwtVerifier, exp: float
+) -> None:
+    token = _forged(keys, {"typ": "JWT", "kid": key_id(keys[0], "RS256")}, _claims(exp=exp))
+    with pytest.raises(Unauthenticated, match=r"token's 'exp' is .* the gateway's limit of 86400 s"):
+        verifier.verify(_bearer(token))
+
+
+def test_the_lifetime_counts_from_now_without_iat_and_from_iat_with_it(
+    keys: tuple[bytes, Path], verifier: JwtVerifier
+) -> None:
+    kid, now, hour = key_id(keys[0], "RS256"), int(time.time()), 3600
+    within = _forged(keys, {"typ": "JWT", "kid": kid}, _claims(exp=now + 23 * hour))
+    assert verifier.verify(_bearer(within)).subject == "alice"
+    beyond = _forged(keys, {"typ": "JWT", "kid": kid}, _claims(exp=now + 25 * hour))
+    with pytest.raises(Unauthenticated, match="'exp' is 90000 s from now"):
+        verifier.verify(_bearer(beyond))
+    # 5 h left, but minted for 25 h: a token refused when new stays refused
+    old = _forged(keys, {"typ": "JWT", "kid": kid}, _claims(iat=now - 20 * hour, exp=now + 5 * hour))
+    with pytest.raises(Unauthenticated, match="'exp' is 90000 s after its 'iat'"):
+        verifier.verify(_bearer(old))
+
+
+def test_the_maximum_lifetime_is_a_setting(keys: tuple[bytes, Path]) -> None:
+    strict = JwtVerifier(JwtConfig(key_file=keys[1], max_lifetime_s=600))
+    with pytest.raises(Unauthenticated, match=r"limit of 600 s .*THERMOCLINE_GATEWAY_JWT_MAX_LIFETIME_S"):
+        strict.verify(_bearer(mint_token(keys[0], subject="alice", ttl_s=3600)))
+    assert strict.verify(_bearer(mint_token(keys[0], subject="alice", ttl_s=300))).subject == "alice"
+    with pytest.raises(ValueError, match="THERMOCLINE_GATEWAY_JWT_MAX_LIFETIME_S must lie in"):
+        JwtConfig(key_file=keys[1], max_lifetime_s=0)
+
+
+@pytest.mark.parametrize(
+    ("part", "repeated"),
+    [
+        ("payload", "tenant"),  # a proxy reading the first copy sees tenant 'dev'
+        ("payload", "sub"),
+        ("header", "kid"),
+        ("header", "alg"),
+    ],
+)
+def test_a_repeated_key_in_the_header_or_payload_is_refused(
+    keys: tuple[bytes, Path], verifier: JwtVerifier, part: str, repeated: str
+) -> None:
+    kid, exp = key_id(keys[0], "RS256"), int(time.time()) + 60
+    header = f'{{"alg": "RS256", "typ": "JWT", "kid": "{kid}"}}'
+    payload = (
+        f'{{"sub": "alice", "tenant": "dev", "iss": "thermocline-dev", "aud": "thermocline", "exp": {exp}}}'
+    )
+    copies = {"tenant": '"victim"', "sub": '"mallory"', "kid": f'"{kid}"', "alg": '"RS256"'}
+    if part == "header":
+        header = header[:-1] + f', "{repeated}": {copies[repeated]}}}'
+    else:
+        payload = payload[:-1] + f', "{repeated}": {copies[repeated]}}}'
+    with pytest.raises(Unauthenticated, match=f"token {part} repeats the key '{repeated}'"):
+        verifier.verify(_bearer(_forged_text(keys, header, payload)))

@@ -209,6 +209,22 @@ def test_a_malformed_header_is_unauthenticated_and_audited(
     assert [(e["decision"], e["reason"]) for e in events] == [("deny", error.details())]
 
 
+@pytest.mark.parametrize("exp", [10**30, 1e300, int(time.time()) + 25 * 3600], ids=["10**30", "1e300", "25h"])
+def test_a_token_valid_for_longer_than_a_day_is_refused_naming_exp(stories_mesh: Mesh, exp: float) -> None:
+    # the mesh runs the default THERMOCLINE_GATEWAY_JWT_MAX_LIFETIME_S of 24 h
+    _expect(stories_mesh, _signed(stories_mesh, _claims(exp=exp)), "token's 'exp' is")
+
+
+def test_a_payload_that_names_its_tenant_twice_is_refused(stories_mesh: Mesh) -> None:
+    private = stories_mesh.private_key_path.read_bytes()
+    header = {"alg": "RS256", "typ": "JWT", "kid": key_id(private, "RS256")}
+    payload = json.dumps(_claims(tenant="acme"))[:-1] + ', "tenant": "victim"}'
+    signing_input = f"{_b64(json.dumps(header).encode())}.{_b64(payload.encode())}"
+    codec = RSAAlgorithm(RSAAlgorithm.SHA256)
+    token = f"{signing_input}.{_b64(codec.sign(signing_input.encode(), codec.prepare_key(private)))}"
+    _expect(stories_mesh, token, "token payload repeats the key 'tenant'")
+
+
 @pytest.mark.parametrize("tenant", ["acme\n", 123, "", "a" * 129, "acme/../x"])
 def test_an_invalid_tenant_claim_is_refused(stories_mesh: Mesh, tenant: object) -> None:
     _expect(stories_mesh, _signed(stories_mesh, _claims(tenant=tenant)), "tenant' claim")
