@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import stat
 import threading
 import time
 import uuid
@@ -181,6 +182,7 @@ class AuditLog:
             log.warning("no audit signing key configured: a rewritten audit chain would go unnoticed")
         else:
             signer = Signer(load_key(config.key_file))
+        _make_private(config.directory)
         self._writers = {
             s: ChainWriter(config.directory, s, config.rotate_bytes, signer, config.checkpoint_interval_s)
             for s in STREAMS
@@ -283,6 +285,28 @@ def _fail(batch: list[tuple[AuditEvent, asyncio.Future[None]]], error: OSError) 
     )
     for _, future in batch:
         future.set_exception(Unavailable(message))
+
+
+def _make_private(directory: Path) -> None:
+    """Sets an existing audit directory that others may read to 0700 (one made by an older gateway,
+    or a volume's mount point); files older than the 0600 mode are then out of their reach too."""
+    try:
+        mode = stat.S_IMODE(directory.stat().st_mode)
+    except FileNotFoundError:
+        return  # ChainWriter creates it 0700
+    if not mode & 0o077:
+        return
+    try:
+        directory.chmod(0o700)
+    except PermissionError:
+        log.warning(
+            "audit directory %s has mode %o and is not the gateway's to change: other local users can "
+            "read who called, as which tenant, and prompt hashes; `chmod 700` it",
+            directory,
+            mode,
+        )
+        return
+    log.warning("audit directory %s had mode %o; now 700: only the gateway reads its log", directory, mode)
 
 
 def _start_event(tips: Mapping[str, tuple[int, str]]) -> AuditEvent:

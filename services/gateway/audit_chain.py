@@ -7,6 +7,9 @@ the next line's `prev_hash`, and the `<stream>.head` file (count and hash of the
 written) catches a truncated tail. Segments are `<stream>-<seq>.jsonl`; the chain runs across
 them. When retention deletes old segments, an `audit.prune` event records each one's last hash,
 so the verifier (audit_verify.py) can tell a pruned start from a cut one.
+
+The directory is made 0700 and every file in it 0600: events name subjects and tenants, and
+carry prompt hashes.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ def last_line_hash(path: Path) -> tuple[str | None, bool]:
     return (json.loads(last)["hash"] if last else None), bool(torn)
 
 
+def private_opener(path: str, flags: int) -> int:
+    """`open(..., opener=private_opener)` creates the file 0600: only the gateway reads the log."""
+    return os.open(path, flags, 0o600)
+
+
 class ChainWriter:
     """Appends events to one stream. Not thread-safe: one writer thread at a time."""
 
@@ -97,7 +105,7 @@ class ChainWriter:
         self.rotate_bytes = rotate_bytes
         self.signer = signer
         self.checkpoint_interval_s = checkpoint_interval_s
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # the mode applies to it, not its parents
         self.last_hash, self.count = self._recover()
         self._file: IO[bytes] | None = None
         self._last_checkpoint_at: float | None = None
@@ -138,7 +146,8 @@ class ChainWriter:
         if current is None or current.stat().st_size >= self.rotate_bytes:
             number = _sequence(current) + 1 if current else 1
             current = self.directory / f"{self.stream}-{number:08d}.jsonl"
-        file = current.open("ab", buffering=0)  # unbuffered: a failed write leaves nothing queued
+        # unbuffered: a failed write leaves nothing queued
+        file = open(current, "ab", buffering=0, opener=private_opener)  # noqa: SIM115 (kept open)
         _fsync_directory(self.directory)
         return file
 
@@ -213,7 +222,9 @@ class ChainWriter:
         temporary = self.head_path.with_suffix(".head.tmp")
         head: dict[str, Any] = {"count": self.count, "hash": self.last_hash}
         try:
-            temporary.write_text(json.dumps(self.signer.sign(head) if self.signer else head))
+            temporary.unlink(missing_ok=True)  # one a crash left may predate the 0600 mode
+            with open(temporary, "w", opener=private_opener) as file:
+                file.write(json.dumps(self.signer.sign(head) if self.signer else head))
             temporary.replace(self.head_path)
         except OSError:
             log.exception("could not update %s; it lags the log until the next write", self.head_path.name)
@@ -231,7 +242,7 @@ class ChainWriter:
             {"count": self.count, "hash": self.last_hash, "timestamp_unix_s": time.time()}
         )
         try:
-            with checkpoints_path(self.directory, self.stream).open("ab") as file:
+            with open(checkpoints_path(self.directory, self.stream), "ab", opener=private_opener) as file:
                 file.write(canonical_json(record) + b"\n")
                 file.flush()
                 os.fsync(file.fileno())

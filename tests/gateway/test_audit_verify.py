@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -150,6 +151,22 @@ def test_deleting_the_admin_stream_fails(tmp_path: Path) -> None:
     assert "TAMPERED: admin: the whole stream is gone (no admin-*.jsonl segment, no admin.head)" in (
         done.stderr
     )
+
+
+# Finding: who may read the log.
+
+
+def test_the_audit_directory_and_its_files_are_the_gateways_alone(tmp_path: Path) -> None:
+    directory, key_file = tmp_path / "state" / "audit", _key_file(tmp_path)
+    old_umask = os.umask(0o022)
+    try:
+        _gateway_run(directory, key_file, 0, 10)
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    for path in directory.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path.name
+    assert stat.S_IMODE(directory.parent.stat().st_mode) == 0o755  # only the audit directory itself
 
 
 # Retention: real pruning of whole closed segments still verifies.
@@ -339,3 +356,11 @@ def test_a_signed_checkpoint_older_than_the_log_needs_a_prune_to_cover_it(tmp_pa
         "the admin chain covers it: events #1 to #15 were deleted, not pruned by retention"
     ]
     assert trust_problems(directory, DECISIONS, later, signer, pruned_through=15) == []
+
+
+def test_an_audit_directory_others_could_read_is_made_the_gateways_alone(tmp_path: Path) -> None:
+    directory = tmp_path / "audit"
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o755)  # as an older gateway left it, or a volume's mount point
+    _open(directory, None).close()
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
