@@ -313,12 +313,13 @@ def run_cycle(mesh: Mesh, token: str, victim: str) -> Cycle:
 
 
 def audited_request_ids(mesh: Mesh) -> set[str]:
-    """The request ids of every decision in the gateway's audit log."""
+    """The x-request-ids the callers sent with every decision in the gateway's audit log (the
+    events' own request_id is the gateway's; the caller's is details.client_request_id)."""
     found = set()
     for path in segment_paths(mesh.audit_dir, DECISIONS):
         for line in path.read_text().splitlines():
             try:
-                found.add(json.loads(line).get("request_id", ""))
+                found.add(json.loads(line).get("details", {}).get("client_request_id", ""))
             except json.JSONDecodeError:  # a torn last line; `audit verify` judges it
                 continue
     return found

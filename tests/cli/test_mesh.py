@@ -30,6 +30,7 @@ from tests.conftest import (
     STORIES_PROMPT,
     wait_for_engine_idle,
 )
+from tests.gateway.conftest import client_request_id
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 SERVICE_NAMES = {
@@ -261,7 +262,7 @@ def _audit_reasons(mesh: Mesh, request_id: str) -> list[str]:
         for path in segment_paths(mesh.audit_dir, DECISIONS)
         for line in path.read_text().splitlines()
     ]
-    return [e["reason"] for e in events if e.get("request_id") == request_id]
+    return [e["reason"] for e in events if client_request_id(e) == request_id]
 
 
 def test_held_out_harmful_prompts_are_blocked_before_the_engine_and_benign_ones_pass(
