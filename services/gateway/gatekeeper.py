@@ -2,7 +2,8 @@
 
 Order: the prompt's size in bytes, then the JWT, then one request from the tenant's rate limit,
 then the size of every other caller-supplied field, then RBAC (role → model → operation), then
-the request's content (the model exists, the intent, sampling ranges, the token budget), then
+the request's content (the model exists, the intent, sampling ranges, what the model's engine
+would refuse: its max_tokens limit, its chat template and roles, the token budget), then
 the prompt's tokens plus max_tokens from the rate limit: a reservation of the most the call can
 spend, which the stream's end settles with what it used (`Admission.charge`). The byte limit
 comes first because it is the cheapest check and the one a flood of oversized prompts hits: such
@@ -54,7 +55,9 @@ from services.gateway.off_loop import off_loop_when_long
 from services.gateway.rate_limiter import RateDecision, RateLimiter, refuse
 from services.gateway.rbac import Policy
 from services.gateway.request_bounds import (
+    EngineLimits,
     RequestBounds,
+    check_engine_limits,
     check_metadata,
     check_prompt_size,
     check_sampling,
@@ -65,7 +68,16 @@ from thermocline.gateway.v1 import gateway_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-ModelResolver = Callable[[str], Awaitable[str]]
+
+class ServedModel(NamedTuple):
+    """A model an engine serves, and what that engine refuses."""
+
+    name: str
+    limits: EngineLimits
+
+
+# The model a call asks for ("": the default); NOT_FOUND when it is not served.
+ModelResolver = Callable[[str], Awaitable[ServedModel]]
 # Awaited once a Generate call is authenticated, authorized and validated, with the prompt text:
 # the servicer starts the prompt's safety screen there and returns once its request is sent, so
 # that it runs beside the remaining checks (the engine's token count, the token budget and
@@ -357,17 +369,19 @@ class Gatekeeper:
             text = prompt_text(request)
             facts.prompt_sha256 = await off_loop_when_long(prompt_sha256, text, len(text))
             facts.num_prompt_chars = len(text)
-            model = await self._authorize_model(principal, request.model, resolve, facts)
+            served = await self._authorize_model(principal, request.model, resolve, facts)
+            model = served.name
             intent = self.intents.resolve(metadata.get("x-intent"), principal.roles)
             priority_class = self.intents.priority_class(intent, limits.intent_classes)
             facts.details |= {"intent": intent, "priority_class": priority_class}
             check_sampling(request.sampling)
+            max_tokens = request.sampling.max_tokens or self.bounds.default_max_tokens
+            check_engine_limits(request, max_tokens, model, served.limits)
             # A short prompt's screen starts here, beside the token count and budget; a long one's
             # only once they passed, so a call refused for its budget or rate costs no long screen.
             screens_early = len(text) <= SCREEN_BEFORE_COUNT_MAX_CHARS
             if on_prompt_ready is not None and screens_early:
                 await on_prompt_ready(text, principal, limits)
-            max_tokens = request.sampling.max_tokens or self.bounds.default_max_tokens
             prompt_tokens, charge = await self._reserve_tokens(
                 request, model, principal.tenant, limits, max_tokens, facts
             )
@@ -394,9 +408,9 @@ class Gatekeeper:
 
     async def _authorize_model(
         self, principal: Principal, requested: str, resolve: ModelResolver, facts: _Facts
-    ) -> str:
+    ) -> ServedModel:
         """RBAC on the model asked for (the default when none), then whether it is served."""
-        model = requested or await resolve("")
+        model = requested or (await resolve("")).name
         facts.resource = f"model:{model}"
         try:
             self.policy.authorize(principal.subject, principal.roles, "invoke", model)

@@ -2,7 +2,8 @@
 
 A field's size is checked before it reaches a message, a log line, the audit log, the tokenizer
 or the engine; each refusal is INVALID_ARGUMENT and states the limit. Sampling ranges follow the
-engine's documented ones (services/engine/scheduling/sampling_params.py), so a request the engine
+engine's documented ones (services/engine/scheduling/sampling_params.py), and the limits of the
+engine serving the model come from its GetModelInfo (`EngineLimits`), so a request the engine
 would refuse is refused here, before it spends a safety check or an engine slot.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
 from services.gateway.call_metadata import CLIENT_REQUEST_ID_KEY, CallMetadata
+from thermocline.engine.v1 import engine_pb2
 from thermocline.gateway.v1 import gateway_pb2 as pb
 
 MAX_MODEL_CHARS = 128
@@ -66,6 +68,24 @@ class RequestBounds:
     def max_message_bytes(self) -> int:
         """The largest GenerateRequest the gRPC server accepts: the prompt plus its envelope."""
         return self.max_prompt_bytes + _ENVELOPE_BYTES
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine serving a model refuses, as its GetModelInfo reports it: the gateway refuses
+    the same requests first, in the engine's words, before their allow event, token reservation
+    and screen. A limit the engine does not report (one older than the field: `max_tokens_limit`
+    None, `chat_roles` empty) is not checked here; the engine still refuses, after admission."""
+
+    has_chat_template: bool
+    max_tokens_limit: int | None = None
+    chat_roles: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, info: engine_pb2.GetModelInfoResponse) -> EngineLimits:
+        """The limits a GetModelInfo answer carries."""
+        limit = info.max_tokens_limit if info.HasField("max_tokens_limit") else None
+        return cls(info.has_chat_template, limit, tuple(info.chat_roles))
 
 
 def utf8_bytes(text: str) -> int:
@@ -147,6 +167,37 @@ def _check_stop(stop: list[str]) -> None:
         if not text or len(text) > MAX_STOP_STRING_CHARS:
             raise InvalidArgument(
                 f"a stop string must be 1-{MAX_STOP_STRING_CHARS} characters, got {len(text)}"
+            )
+
+
+def check_engine_limits(
+    request: pb.GenerateRequest, max_tokens: int, model: str, limits: EngineLimits
+) -> None:
+    """INVALID_ARGUMENT, as the engine words it, for what the engine serving `model` would refuse:
+    a chat to a model without a chat template, a chat role it does not accept, or a `max_tokens`
+    (the request's, or the gateway's default) above its limit."""
+    if request.WhichOneof("input") == "chat":
+        if not limits.has_chat_template:
+            raise InvalidArgument(f"model {model} has no chat template; send a plain prompt")
+        _check_roles(request.chat.messages, limits.chat_roles)
+    limit = limits.max_tokens_limit
+    if limit is not None and max_tokens > limit:
+        default = (
+            "" if request.sampling.max_tokens else ", and is the gateway's default: the request gave none"
+        )
+        raise InvalidArgument(
+            f"max_tokens {max_tokens} exceeds this engine's limit of {limit}{default}; "
+            f"ask for at most {limit}"
+        )
+
+
+def _check_roles(messages: list[pb.ChatMessage], roles: tuple[str, ...]) -> None:
+    if not roles:  # not reported: the engine checks
+        return
+    for number, message in enumerate(messages):
+        if message.role not in roles:
+            raise InvalidArgument(
+                f"chat message {number}: role {message.role[:40]!r} is not one of {', '.join(roles)}"
             )
 
 

@@ -19,7 +19,14 @@ from services.gateway.auth import Principal
 from services.gateway.call_metadata import CallMetadata
 from services.gateway.completion_charge import CompletionCharge
 from services.gateway.config import GatewayConfig, ReleasePolicy
-from services.gateway.gatekeeper import Admission, Admitted, Gatekeeper, prompt_roles, prompt_turns
+from services.gateway.gatekeeper import (
+    Admission,
+    Admitted,
+    Gatekeeper,
+    ServedModel,
+    prompt_roles,
+    prompt_turns,
+)
 from services.gateway.in_flight import InFlightStream, InFlightStreams
 from services.gateway.loop import discard, let_calls_go_out
 from services.gateway.output_screen import (
@@ -30,7 +37,7 @@ from services.gateway.output_screen import (
     record_verdict,
 )
 from services.gateway.relay import relay
-from services.gateway.request_bounds import RETRIEVAL_MODE_HEADER
+from services.gateway.request_bounds import RETRIEVAL_MODE_HEADER, EngineLimits
 from services.gateway.router import affinity_key
 from services.gateway.tenants import TenantLimits
 from services.gateway.upstream import Upstreams, tenant_policy_pb
@@ -452,11 +459,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             ]
         )
 
-    async def _resolve_model(self, requested: str, timeout_s: float | None) -> str:
+    async def _resolve_model(self, requested: str, timeout_s: float | None) -> ServedModel:
         info = await self.upstreams.model_info(timeout_s)
         if requested and requested != info.model:  # `requested` is bounded (request_bounds.py)
             raise NotFound(f"model {requested!r} is not served here; available: {info.model}")
-        return info.model
+        return ServedModel(info.model, EngineLimits.of(info))
 
     def _safety_timeout_s(self, deadline_s: float | None) -> float:
         """The safety service's timeout for a call with `deadline_s` left."""

@@ -179,6 +179,36 @@ def test_sampling_values_outside_their_range_are_refused(
     assert reason in error.details()
 
 
+@pytest.mark.parametrize(
+    ("request_", "says"),
+    [
+        (
+            pb.GenerateRequest(prompt=STORIES_PROMPT, sampling=pb.SamplingOptions(max_tokens=5000)),
+            "max_tokens 5000 exceeds this engine's limit of 4096; ask for at most 4096",
+        ),
+        (
+            pb.GenerateRequest(chat=pb.ChatTurns(messages=[pb.ChatMessage(role="user", content="hi")])),
+            "has no chat template; send a plain prompt",
+        ),
+    ],
+    ids=["max-tokens-over-the-engines-limit", "chat-without-a-template"],
+)
+def test_a_request_the_engine_would_refuse_is_refused_before_its_allow_event(
+    mesh: Mesh, request_: pb.GenerateRequest, says: str
+) -> None:
+    """The engine's GetModelInfo says what it refuses; the gateway refuses it first, in the engine's
+    words, so the call costs no allow event, no token reservation and no screen."""
+    user = token(mesh, subject="eager", tenant="eager", roles=["user"])
+    client_id = f"engine-would-refuse-{says[:9]}"
+    error = send(mesh.target("gateway"), request_, _metadata(user, client_id))
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert says in error.details() and not error.details().startswith("engine:")
+    events = [e for e in _decisions(mesh) if client_request_id(e) == client_id]
+    assert [(e["action"], e["decision"], e["reason"]) for e in events] == [
+        ("invoke", "deny", error.details())
+    ]
+
+
 def test_an_oversized_prompt_is_refused_with_its_limit_before_it_is_tokenized(mesh: Mesh) -> None:
     user = token(mesh, subject="verbose", tenant="verbose", roles=["user"])
     over = pb.GenerateRequest(prompt="a" * (512 * 1024 + 1))

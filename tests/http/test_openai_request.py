@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import uuid
 
 import pytest
 
@@ -203,3 +204,16 @@ def test_a_number_beyond_float_range_names_the_field(
     answer = http_gateway.post(path, body.encode())
     assert answer.status == 400, answer.body
     assert answer.error["param"] == param, answer.error
+
+
+def test_a_max_tokens_over_the_engines_limit_is_refused_before_the_allow_event(
+    http_gateway: HttpGateway,
+) -> None:
+    client_id = f"over-the-limit-{uuid.uuid4().hex}"
+    body = json.dumps(COMPLETION | {"max_tokens": 5000}).encode()
+    answer = http_gateway.post("/completions", body, {"X-Request-Id": client_id})
+    assert answer.status == 400, answer.body
+    assert (
+        answer.error["message"] == "max_tokens 5000 exceeds this engine's limit of 4096; ask for at most 4096"
+    )
+    assert [e["decision"] for e in http_gateway.audit_events(client_id)] == ["deny"]

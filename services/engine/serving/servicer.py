@@ -230,6 +230,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             vocab_size=tokenizer.vocab_size,
             safety_gate=gate_info_to_pb(self.engine.gate_report),
             kv_capacity=_capacity_to_pb(self.engine.capacity),
+            # what Generate refuses, so the gateway refuses it before it spends a screen
+            max_tokens_limit=self.config.max_tokens_limit,
+            chat_roles=CHAT_ROLES,
         )
 
     async def CountTokens(self, request: pb.CountTokensRequest, context: Any) -> pb.CountTokensResponse:

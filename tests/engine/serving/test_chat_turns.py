@@ -13,6 +13,7 @@ import pytest
 
 from services.cli.mesh import Mesh
 from services.engine.serving.request_bounds import MAX_CHAT_MESSAGES
+from services.engine.serving.servicer import CHAT_ROLES
 from tests.engine.chatml_stories import MERGING_CHATML_TEMPLATE, TURN_END, TURN_START, make_chatml_stories
 from tests.engine.engine_process import start_engine
 from thermocline.engine.v1 import engine_pb2 as pb
@@ -70,6 +71,18 @@ def test_the_markers_are_parsed_as_tokens_in_any_text(stub: pb_grpc.EngineServic
     assert info.vocab_size == 514 and info.has_chat_template
     marker = stub.CountTokens(pb.CountTokensRequest(prompt=TURN_START), timeout=30)
     assert marker.num_tokens == 2  # BOS and the marker: a raw prompt is tokenized as is
+
+
+def test_model_info_says_what_generate_refuses(stub: pb_grpc.EngineServiceStub) -> None:
+    """The gateway reads these to refuse such a request before it spends a screen on it."""
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.HasField("max_tokens_limit") and tuple(info.chat_roles) == CHAT_ROLES
+    over = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=info.max_tokens_limit + 1))
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(over, timeout=30))
+    assert f"exceeds this engine's limit of {info.max_tokens_limit}" in (refused.value.details() or "")
+    for refusal in _refusals(stub, _chat("developer", "hi")):
+        assert "is not one of " + ", ".join(info.chat_roles) in (refusal.details() or "")
 
 
 @pytest.mark.parametrize(

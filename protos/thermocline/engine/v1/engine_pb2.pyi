@@ -183,20 +183,24 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_context_tokens", "has_chat_template", "vocab_size", "safety_gate", "kv_capacity")
+    __slots__ = ("model", "max_context_tokens", "has_chat_template", "vocab_size", "safety_gate", "kv_capacity", "max_tokens_limit", "chat_roles")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAFETY_GATE_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_ROLES_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_tokens: int
     has_chat_template: bool
     vocab_size: int
     safety_gate: SafetyGateInfo
     kv_capacity: KVCapacity
-    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., safety_gate: _Optional[_Union[SafetyGateInfo, _Mapping]] = ..., kv_capacity: _Optional[_Union[KVCapacity, _Mapping]] = ...) -> None: ...
+    max_tokens_limit: int
+    chat_roles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., safety_gate: _Optional[_Union[SafetyGateInfo, _Mapping]] = ..., kv_capacity: _Optional[_Union[KVCapacity, _Mapping]] = ..., max_tokens_limit: _Optional[int] = ..., chat_roles: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVCapacity(_message.Message):
     __slots__ = ("hot_tokens", "warm_tokens", "concurrent_sequences", "kv_cache_bytes", "budget_bytes")
