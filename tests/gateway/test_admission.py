@@ -23,6 +23,7 @@ LONG_TOKENS = 1500  # about 2 s of decoding on a laptop core
 STREAM_TOKENS = 64  # more than one screening window
 DEFAULT_MAX_TOKENS = 7  # the gateway's completion length for a request that gives none
 SOLO_TENANT = "solo"  # one stream in flight at a time
+FRUGAL_TENANT = "frugal"  # 1000 tokens a request, below the engine's max_tokens limit of 4096
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def mesh(
 ) -> Iterator[Mesh]:
     state = tmp_path_factory.mktemp("admission-mesh")
     tenants_file = state / "tenants.json"
-    tenants_file.write_text(json.dumps({"tenants": {SOLO_TENANT: {"max_streams": 1}}}))
+    tenants = {SOLO_TENANT: {"max_streams": 1}, FRUGAL_TENANT: {"max_request_tokens": 1000}}
+    tenants_file.write_text(json.dumps({"tenants": tenants}))
     started = start_mesh(
         stories_model,
         state,
@@ -111,11 +113,10 @@ def test_a_tenant_at_its_own_stream_cap_is_refused_before_its_screen_and_others_
 
 
 def test_a_request_over_its_token_budget_gets_both_counts(mesh: Mesh) -> None:
-    # the development tenant defaults allow 8192 tokens per request
-    error = refusal(mesh.target("gateway"), token(mesh), max_tokens=9000)
+    error = refusal(mesh.target("gateway"), token(mesh, tenant=FRUGAL_TENANT), max_tokens=2000)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "5 prompt tokens" in error.details() and "9000 max_tokens = 9005" in error.details()
-    assert "allows 8192 per request" in error.details()
+    assert "5 prompt tokens" in error.details() and "2000 max_tokens = 2005" in error.details()
+    assert "allows 1000 per request" in error.details()
 
 
 def test_a_request_without_max_tokens_gets_the_gateway_default(mesh: Mesh) -> None:
