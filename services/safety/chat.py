@@ -16,17 +16,23 @@ from services.safety.normalizer import MAX_CLAUSE_TEXT_CHARS
 MAX_FRAGMENT_WORDS = 4
 
 
-# Consecutive user turns are read joined too, whatever their length (user_windows), so that a
-# request split into pieces longer than fragments is read whole. A window holds JOIN_WINDOW_WORDS
-# words of the user turns and one starts every half window, so any run of consecutive user turns of
-# up to half a window in all (32 words: most requests) lies whole in one. A user turn longer than
-# 2 * JOIN_EDGE_WORDS words gives the windows only its first and last JOIN_EDGE_WORDS, where a
-# piece of a request split between it and its neighbours would be (the turn is screened whole on
-# its own). The bound: a window must hold the boundary between two turns, and each turn gives at
-# most 2 * JOIN_EDGE_WORDS = half a window of words, so a chat's windows are fewer than its user
-# turns, each of at most JOIN_WINDOW_WORDS words (one row, unless its words are unusually long):
-# however long the chat, its windows cost fewer rows than its user turns do alone, and about one
-# per 32 words of user text when the turns are short.
+# Consecutive turns are read joined too, whatever their length, so that a request split into
+# pieces longer than fragments is read whole: the user turns with the other roles' turns left out
+# (user_windows: pieces between which the assistant replied), and all the turns whatever their
+# roles (turn_windows: the model reads every turn, and in an OpenAI-style API the caller writes the
+# system, assistant and tool turns too; a role the screen does not know is a turn like any other).
+# A window holds JOIN_WINDOW_WORDS words of its turns and one starts every half window, so any run
+# of consecutive turns of up to half a window in all (32 words: most requests) lies whole in one. A
+# turn longer than 2 * JOIN_EDGE_WORDS words gives the windows only its first and last
+# JOIN_EDGE_WORDS, where a piece of a request split between it and its neighbours would be (the
+# turn is screened whole on its own). The bound: a window must hold the boundary between two turns,
+# and each turn gives at most 2 * JOIN_EDGE_WORDS = half a window of words, so each set of windows
+# is fewer than the turns it reads, each of at most JOIN_WINDOW_WORDS words (one row, unless its
+# words are unusually long): a chat of user turns alone has one set (the two coincide) and fewer
+# windows than turns; any chat has fewer than its turns and its user turns together, and about one
+# per 32 words of text when the turns are short. With other roles between the user turns that is
+# up to 1.5 windows a turn, not under one: a chat of 32-word turns, user and assistant in turn,
+# needs a window for every two adjacent turns and another for every two user turns.
 JOIN_WINDOW_WORDS = 64
 JOIN_EDGE_WORDS = 16
 # A window across whole turns reads two prompts or more as one, which the thresholds were not
@@ -45,8 +51,8 @@ JOIN_MARGIN_LOGITS = 1.0
 
 class Joins(NamedTuple):
     """What a chat's turns joined are screened as, beside the turns: its fragments joined
-    (fragment_joins), and the windows across its user turns that are not one of those
-    (user_windows), whose harm scores count JOIN_MARGIN_LOGITS lower."""
+    (fragment_joins), and the windows across its user turns and across all its turns that are not
+    one of those (user_windows, turn_windows), whose harm scores count JOIN_MARGIN_LOGITS lower."""
 
     fragments: list[str]
     windows: list[str]
@@ -62,8 +68,8 @@ def joins_of(turns: Sequence[str], roles: Sequence[str] | None = None) -> Joins:
     user's."""
     roles = roles or ["user"] * len(turns)
     fragments = fragment_joins(turns, roles)
-    windows = [window for window in dict.fromkeys(user_windows(turns, roles)) if window not in fragments]
-    return Joins(fragments, windows)
+    windows = dict.fromkeys([*user_windows(turns, roles), *turn_windows(turns)])
+    return Joins(fragments, [window for window in windows if window not in fragments])
 
 
 def joined_turns(turns: Sequence[str], roles: Sequence[str] | None = None) -> list[str]:
@@ -78,7 +84,7 @@ def fragment_joins(turns: Sequence[str], roles: Sequence[str]) -> list[str]:
     fragments is screened as a prompt of its own beside the turns, so a request sent a word or two
     per message is read as one sentence, also between longer turns or in turns of any role. Not a
     leading system prompt, which beside a question moves its scores
-    (bench/results/safety_chat_2026-12-06.md)."""
+    (bench/results/safety_chat_2026-12-06.md): turn_windows read it, at the windows' margin."""
     runs: list[list[str]] = []
     for at, (role, turn) in enumerate(zip(roles, turns, strict=True)):
         if at == 0 or role != roles[at - 1]:
@@ -94,15 +100,29 @@ def fragment_joins(turns: Sequence[str], roles: Sequence[str]) -> list[str]:
 
 
 def user_windows(turns: Sequence[str], roles: Sequence[str]) -> list[str]:
-    """Windows over the words of a chat's user turns in order, the other roles' turns left out,
-    each joined with a space: JOIN_WINDOW_WORDS words, one starting every half window, and only
-    those that hold a boundary between two turns (inside one turn, a window reads nothing the
-    turn alone does not). A turn past 2 * JOIN_EDGE_WORDS words gives its first and last
-    JOIN_EDGE_WORDS, and no window runs across its middle."""
+    """Windows over the words of a chat's user turns in order, the other roles' turns left out
+    (_windows_over), so that a request split across user turns is read whole however long the
+    replies between its pieces."""
+    return _windows_over(
+        [(n, turn) for n, (role, turn) in enumerate(zip(roles, turns, strict=True)) if _is_user(role)]
+    )
+
+
+def turn_windows(turns: Sequence[str]) -> list[str]:
+    """Windows over the words of all a chat's turns in order, whatever their roles (a leading system
+    prompt, the assistant's, a tool's, a role the screen does not know), built as user_windows
+    are: the model reads every turn, and the caller writes every one of them."""
+    return _windows_over(list(enumerate(turns)))
+
+
+def _windows_over(turns: Sequence[tuple[int, str]]) -> list[str]:
+    """Windows over the words of `turns` (turn number, text) in order, each joined with a space:
+    JOIN_WINDOW_WORDS words, one starting every half window, and only those that hold a boundary
+    between two turns (inside one turn, a window reads nothing the turn alone does not). A turn
+    past 2 * JOIN_EDGE_WORDS words gives its first and last JOIN_EDGE_WORDS, and no window runs
+    across its middle."""
     segments: list[list[tuple[int, str]]] = [[]]  # (turn number, word), cut inside long turns
-    for number, (role, turn) in enumerate(zip(roles, turns, strict=True)):
-        if not _is_user(role):
-            continue
+    for number, turn in turns:
         words = [(number, word) for word in turn.split()]
         if len(words) <= 2 * JOIN_EDGE_WORDS:
             segments[-1] += words

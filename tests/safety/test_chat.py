@@ -9,8 +9,10 @@ from services.safety.chat import (
     MAX_TURNS_PER_PACK,
     fragment_joins,
     joined_turns,
+    joins_of,
     packed_turns,
     turn_roles,
+    turn_windows,
     user_windows,
 )
 from services.safety.normalizer import MAX_CLAUSE_TEXT_CHARS
@@ -64,3 +66,45 @@ def test_turns_are_packed_a_line_each_past_a_leading_system_prompt_and_a_long_tu
     assert packed_turns(turns, roles, 2) == ["Be brief.", "a\nb", "c", long_turn, "d\ne"]
     assert packed_turns(turns, roles, MAX_TURNS_PER_PACK) == ["Be brief.", "a\nb\nc", long_turn, "d\ne"]
     assert packed_turns(turns, None, 3) == ["Be brief.\na\nb", "c", long_turn, "d\ne"]  # no roles: all users'
+
+
+def test_turns_of_every_role_are_read_in_windows_too_a_leading_system_prompt_and_unknown_roles() -> None:
+    long_reply = " ".join(f"r{i}" for i in range(100))
+    chat = [("system", "you are to explain how"), ("user", "one makes a thing at home"),
+            ("assistant", long_reply), ("user\u200b", "then seven eight"), ("tool", "nine ten")]  # fmt: skip
+    turns, roles = [c for _, c in chat], [r for r, _ in chat]
+    head, tail = (
+        " ".join(long_reply.split()[:JOIN_EDGE_WORDS]),
+        " ".join(long_reply.split()[-JOIN_EDGE_WORDS:]),
+    )
+    assert turn_windows(turns) == [
+        f"you are to explain how one makes a thing at home {head}",
+        f"{tail} then seven eight nine ten",
+    ]
+    assert user_windows(turns, roles) == []  # one turn has the role "user"
+    assert joins_of(turns, roles).windows == turn_windows(turns)
+    two_users = ["user", "user", "assistant", "user", "user"]  # the user turns alone, then every turn
+    assert joins_of(turns, two_users).windows == [
+        "you are to explain how one makes a thing at home then seven eight nine ten",
+        *turn_windows(turns),
+    ]
+
+
+def test_a_chat_of_user_turns_alone_has_the_same_windows_as_before() -> None:
+    turns = [" ".join(f"t{n}w{i}" for i in range(6 + n % 30)) for n in range(40)]
+    assert turn_windows(turns) == user_windows(turns, ["user"] * len(turns))
+    assert joins_of(turns).windows == user_windows(turns, ["user"] * len(turns))
+
+
+def test_every_two_adjacent_turns_of_any_roles_lie_whole_in_a_window_and_the_windows_are_bounded() -> None:
+    sizes = [3, 40, 16, 32, 33, 1, 100, 20]  # words; past 32 a turn gives its edges
+    turns = [" ".join(f"t{n}w{i}" for i in range(size)) for n, size in enumerate(sizes * 5)]
+    roles = ["system", "user", "assistant", "tool", "user", "developer", "usr", "user"] * 5
+    windows = turn_windows(turns)
+    assert all(len(w.split()) <= JOIN_WINDOW_WORDS for w in windows)
+    assert len(windows) < len(turns)
+    assert len(user_windows(turns, roles)) < roles.count("user")
+    for first in range(len(turns) - 1):
+        end = " ".join(turns[first].split()[-JOIN_EDGE_WORDS:])
+        start = " ".join(turns[first + 1].split()[:JOIN_EDGE_WORDS])
+        assert any(f"{end} {start}" in window for window in windows), first
