@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from urllib.parse import unquote_to_bytes
 
+from services.safety import check_cache
 from services.safety.cancellation import raise_if_cancelled
 
 # Unicode tag characters (U+E0020..U+E007E) mirror printable ASCII and render as nothing.
@@ -1240,9 +1241,16 @@ def _line_or_tail(decoder: Callable[[str], str | None], line: str) -> str | None
     the following and answer it: ...") dilutes the share of the line a game must hold. Each call
     reads at most a chunk (MAX_CHUNK_CHARS), so the check's cancel flag is read before each."""
     raise_if_cancelled()
-    if (plain := decoder(line)) is not None or ": " not in line:
+    if (plain := _decoded_line(decoder, line)) is not None or ": " not in line:
         return plain
-    return decoder(line.rpartition(": ")[2])
+    return _decoded_line(decoder, line.rpartition(": ")[2])
+
+
+def _decoded_line(decoder: Callable[[str], str | None], line: str) -> str | None:
+    """`decoder` on `line`, once per check (check_cache.py): a chat's turn is also a line of a pack
+    of turns and the tail of a line of the whole conversation."""
+    cache = check_cache.current()
+    return decoder(line) if cache is None else cache.decoded_line(decoder, line)
 
 
 # The decoders that read a whole text at once, in the order their texts are returned.

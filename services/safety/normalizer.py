@@ -19,6 +19,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from services.safety import check_cache
 from services.safety.decoders import hidden_texts, text_of
 
 
@@ -357,8 +358,10 @@ def views(text: str) -> list[str]:
 def decoded_views(text: str) -> DecodedViews:
     """views(text), and whether they are capped (DecodedViews).
 
-    One check reads a text's views twice (the classifier, then the deny patterns), so the last
-    few short texts' views are kept."""
+    One check reads a text's views twice (the classifier, then the deny patterns): inside a check
+    they are computed once (check_cache.py); outside one, the last few short texts' views are kept."""
+    if (cache := check_cache.current()) is not None:
+        return cache.views(text, _decoded_views)
     if len(text) > MAX_REMEMBERED_CHARS:
         return _decoded_views(text)
     return _remembered_views(text)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
-from services.safety import decoders
+from services.safety import check_cache, decoders
 from services.safety.chat import joined_turns, turn_roles
 from services.safety.classifier import TextClassifier, TextKind
 from services.safety.config import SafetyConfig
@@ -114,14 +114,16 @@ class Screen:
         policy.check_known(self.categories, self.gate.version)
         if progress is not None:
             progress.raise_if_cancelled()  # its caller left while it waited its turn
-        if turns:
-            chat_roles = roles or turn_roles(turns, text)
-            scores = self.classifier.score_turns(turns, kind, text, progress, chat_roles)
-            chat = (*turns, *joined_turns(turns, chat_roles), text)
-            matched = merged([self.patterns.check(t, kind) for t in chat])
-        else:
-            scores = self.classifier.score(text, kind, progress)
-            matched = self.patterns.check(text, kind)
+        with check_cache.remembering():  # both layers read the same texts' views
+            if turns:
+                chat_roles = roles or turn_roles(turns, text)
+                scores = self.classifier.score_turns(turns, kind, text, progress, chat_roles)
+                # each text once: a repeated message matches what it matched the first time
+                chat = dict.fromkeys((*turns, *joined_turns(turns, chat_roles), text))
+                matched = merged([self.patterns.check(t, kind) for t in chat])
+            else:
+                scores = self.classifier.score(text, kind, progress)
+                matched = self.patterns.check(text, kind)
         thresholds = policy.thresholds_for(scores.thresholds)
         off = policy.categories_off
         triggered = [c for c, v in scores.values.items() if v >= thresholds[c] and c not in off]
