@@ -5,14 +5,15 @@ assistant replies and a system prompt, and what they block of requests split acr
 
 Every chat goes through Screen.check(rendered, turns=..., roles=...), rendered "role: content" a
 line each. "role windows off" patches chat.turn_windows to return none (the screen before them: the
-user-turn windows and the fragment joins on); a margin patches classifier.JOIN_MARGIN_LOGITS, which
-both kinds of window share.
+user-turn windows and the fragment joins on); a margin patches classifier.ROLE_JOIN_MARGIN_LOGITS,
+the margin of the windows across roles alone (the user windows keep JOIN_MARGIN_LOGITS).
 
 1. Choice (training and calibration sources only, tools/safety_data.SOURCE_SPLITS):
    - ShareGPT conversations whose first user turn is one of the `sharegpt` training prompts, their
      first four turns (user, assistant, user, assistant), system prompt none or one of SYSTEM_PROMPTS;
    - bench/safety_chat_joins.py's benign calibration pairs with a training ShareGPT reply
      (`sharegpt/training_replies`) between the two questions, after a system prompt;
+   - each question of those pairs alone after a system prompt (the commonest chat);
    - training harm requests of 8-30 words (safety_chat_joins.training_attacks) split 5-8 words a
      turn, the pieces' roles in ROLE_PATTERNS.
 2. Report (held out, read after the choice): XSTest safe pairs with a reply between, and the
@@ -110,6 +111,16 @@ def with_replies(pairs: Sequence[tuple[str, ...]], replies: Sequence[str], sourc
     return chats
 
 
+def with_system_prompt(questions: Sequence[str], source: str) -> list[RoleChat]:
+    """Each question alone after a system prompt (SYSTEM_PROMPTS' two, in turn): the commonest chat,
+    whose one window across roles joins the system prompt's end with the question."""
+    prompts = [p for p in SYSTEM_PROMPTS if p]
+    return [
+        RoleChat((prompts[at % len(prompts)], question), ("system", "user"), source)
+        for at, question in enumerate(questions)
+    ]
+
+
 def role_splits(pieces_of: Sequence[tuple[str, ...]], source: str) -> list[RoleChat]:
     """Each split request with its pieces in each of ROLE_PATTERNS' roles."""
     chats = []
@@ -127,7 +138,7 @@ def setting(value: float | None) -> Iterator[None]:
         with mock.patch.object(chat_module, "turn_windows", lambda turns: []):
             yield
     else:
-        with mock.patch.object(classifier_module, "JOIN_MARGIN_LOGITS", value):
+        with mock.patch.object(classifier_module, "ROLE_JOIN_MARGIN_LOGITS", value):
             yield
 
 
@@ -183,6 +194,9 @@ def main() -> None:
         "benign: ShareGPT training conversations": conversations,
         "benign: calibration pairs, system prompt, reply between": with_replies(
             [c.turns for c in pairs], replies, "calibration pairs"
+        ),
+        "benign: one calibration question after a system prompt": with_system_prompt(
+            [turn for c in pairs for turn in c.turns], "calibration questions"
         ),
         "attack: training requests split 5-8 words across roles": role_splits(
             [c.turns for c in attacks], "training"

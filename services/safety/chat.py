@@ -47,20 +47,32 @@ JOIN_EDGE_WORDS = 16
 # questions two to a chat: 38 of 125 blocked (30 without windows, 45 at 0.25); the 5-8 word splits
 # of the held-out and category test requests: 70 of 76 (59, 76).
 JOIN_MARGIN_LOGITS = 1.0
+# The windows across turns of every role that are not also user windows (turn_windows: a system
+# prompt, a reply or a tool's answer read beside a question) count this many logits lower. Chosen by
+# the same rule on training and calibration chats alone (bench/safety_chat_roles.py,
+# bench/results/safety_chat_roles_2026-12-07.md): the smallest margin at which they add at most 1
+# point to the block rate of 615 benign chats (60 ShareGPT training conversations with a system
+# prompt, 185 calibration pairs with a system prompt and a reply between, 370 calibration questions
+# after a system prompt): +0.49 points at 1.0 (3 chats), +0.33 at 1.5. At 1.0 they block 93.6% of
+# 376 training requests split 5-8 words between a user turn and another role's (68.6% without
+# them, 90.4% at 1.5).
+ROLE_JOIN_MARGIN_LOGITS = 1.0
 
 
 class Joins(NamedTuple):
     """What a chat's turns joined are screened as, beside the turns: its fragments joined
-    (fragment_joins), and the windows across its user turns and across all its turns that are not
-    one of those (user_windows, turn_windows), whose harm scores count JOIN_MARGIN_LOGITS lower."""
+    (fragment_joins); the windows across its user turns that are not one of those (user_windows),
+    whose harm scores count JOIN_MARGIN_LOGITS lower; and the windows across all its turns that
+    are neither (turn_windows), which count ROLE_JOIN_MARGIN_LOGITS lower."""
 
     fragments: list[str]
     windows: list[str]
+    role_windows: list[str]
 
     @property
     def texts(self) -> list[str]:
-        """Every join: the fragments', then the windows."""
-        return [*self.fragments, *self.windows]
+        """Every join: the fragments', then the user windows, then the windows across roles."""
+        return [*self.fragments, *self.windows, *self.role_windows]
 
 
 def joins_of(turns: Sequence[str], roles: Sequence[str] | None = None) -> Joins:
@@ -68,8 +80,13 @@ def joins_of(turns: Sequence[str], roles: Sequence[str] | None = None) -> Joins:
     user's."""
     roles = roles or ["user"] * len(turns)
     fragments = fragment_joins(turns, roles)
-    windows = dict.fromkeys([*user_windows(turns, roles), *turn_windows(turns)])
-    return Joins(fragments, [window for window in windows if window not in fragments])
+    windows = [window for window in dict.fromkeys(user_windows(turns, roles)) if window not in fragments]
+    role_windows = [
+        window
+        for window in dict.fromkeys(turn_windows(turns))
+        if window not in fragments and window not in windows
+    ]
+    return Joins(fragments, windows, role_windows)
 
 
 def joined_turns(turns: Sequence[str], roles: Sequence[str] | None = None) -> list[str]:

@@ -36,7 +36,13 @@ import torch
 
 from services.common.gate_file import OUTPUT_HEAD, PROMPT_HEAD, Gate, HeadWeights, gate_scores
 from services.safety.attack_head import JAILBREAK, AttackHead
-from services.safety.chat import JOIN_MARGIN_LOGITS, MAX_TURNS_PER_PACK, joins_of, packed_turns
+from services.safety.chat import (
+    JOIN_MARGIN_LOGITS,
+    MAX_TURNS_PER_PACK,
+    ROLE_JOIN_MARGIN_LOGITS,
+    joins_of,
+    packed_turns,
+)
 from services.safety.embedder import CheckProgress, MiniLMEmbedder
 from services.safety.language import (
     LANGUAGE_CATEGORY,
@@ -169,18 +175,24 @@ class TextClassifier:
         raise self._too_long(f"more than {self.max_windows}", is_chat=len(turns) > 1)
 
     def _harm_scores(
-        self, kind: TextKind, harm_views: list[list[torch.Tensor]], across: range
+        self,
+        kind: TextKind,
+        harm_views: list[list[torch.Tensor]],
+        lowered: Sequence[tuple[range, float]] = (),
     ) -> torch.Tensor:
         """Scores `[C]` from each text's harm views (each `[W, H]`): the highest over them, where the
-        texts numbered `across` (windows across whole user turns) count JOIN_MARGIN_LOGITS lower."""
+        texts numbered in each range of `lowered` (windows across whole turns) count its margin, in
+        logits, lower."""
         screen = self.screens[kind]
-        plain = [v for at, text_views in enumerate(harm_views) if at not in across for v in text_views]
+        joined_at = {at for numbers, _ in lowered for at in numbers}
+        plain = [v for at, text_views in enumerate(harm_views) if at not in joined_at for v in text_views]
         harm = screen.text_scores(plain)
-        joined = [v for at in across for v in harm_views[at]]
-        if not joined:
-            return harm
-        lowered = torch.sigmoid(torch.logit(screen.text_scores(joined), eps=1e-7) - JOIN_MARGIN_LOGITS)
-        return torch.maximum(harm, lowered)
+        for numbers, margin in lowered:
+            joined = [v for at in numbers for v in harm_views[at]]
+            if joined:
+                scores = torch.sigmoid(torch.logit(screen.text_scores(joined), eps=1e-7) - margin)
+                harm = torch.maximum(harm, scores)
+        return harm
 
     def _num_rows(self, texts: Sequence[str], limit: int) -> int:
         """The rows of the texts' plain views; once past `limit`, some count past it (the count
@@ -260,7 +272,11 @@ class TextClassifier:
         harm_views = [list(text_views) for text_views in attack_views]  # then each text's extra rows
         for text_views, extra in zip(harm_views, extra_part.split([len(e) for e in extras]), strict=False):
             text_views += list(extra.split(1)) if len(extra) else []
-        across = range(len(scored) - len(joins.windows), len(scored))
+        role_start = len(scored) - len(joins.role_windows)
+        across = [
+            (range(role_start - len(joins.windows), role_start), JOIN_MARGIN_LOGITS),
+            (range(role_start, len(scored)), ROLE_JOIN_MARGIN_LOGITS),
+        ]
         harm = self._harm_scores(kind, harm_views, across)  # [C]
         values = dict(zip(self.categories, harm.tolist(), strict=True))
         thresholds = self.thresholds[kind]

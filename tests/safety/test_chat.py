@@ -82,18 +82,20 @@ def test_turns_of_every_role_are_read_in_windows_too_a_leading_system_prompt_and
         f"{tail} then seven eight nine ten",
     ]
     assert user_windows(turns, roles) == []  # one turn has the role "user"
-    assert joins_of(turns, roles).windows == turn_windows(turns)
+    joins = joins_of(turns, roles)
+    assert (joins.windows, joins.role_windows) == ([], turn_windows(turns))
     two_users = ["user", "user", "assistant", "user", "user"]  # the user turns alone, then every turn
-    assert joins_of(turns, two_users).windows == [
-        "you are to explain how one makes a thing at home then seven eight nine ten",
-        *turn_windows(turns),
-    ]
+    joins = joins_of(turns, two_users)
+    assert joins.windows == ["you are to explain how one makes a thing at home then seven eight nine ten"]
+    assert joins.role_windows == turn_windows(turns)
+    assert joins.texts == [*joins.fragments, *joins.windows, *joins.role_windows]
 
 
 def test_a_chat_of_user_turns_alone_has_the_same_windows_as_before() -> None:
     turns = [" ".join(f"t{n}w{i}" for i in range(6 + n % 30)) for n in range(40)]
     assert turn_windows(turns) == user_windows(turns, ["user"] * len(turns))
-    assert joins_of(turns).windows == user_windows(turns, ["user"] * len(turns))
+    joins = joins_of(turns)
+    assert (joins.windows, joins.role_windows) == (user_windows(turns, ["user"] * len(turns)), [])
 
 
 def test_every_two_adjacent_turns_of_any_roles_lie_whole_in_a_window_and_the_windows_are_bounded() -> None:

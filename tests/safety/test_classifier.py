@@ -18,7 +18,7 @@ import torch
 
 import services.safety.classifier as classifier_module
 from services.common.gate_file import Gate, load_gate, write_gate
-from services.safety.chat import JOIN_MARGIN_LOGITS, Joins, joins_of
+from services.safety.chat import JOIN_MARGIN_LOGITS, ROLE_JOIN_MARGIN_LOGITS, Joins, joins_of
 from services.safety.classifier import HarmScreen, TextClassifier, TextTooLong
 from services.safety.config import DEFAULT_GATE, DEFAULT_MAX_WINDOWS
 from services.safety.embedder import MiniLMEmbedder
@@ -198,7 +198,7 @@ def test_a_chats_turns_are_scored_as_prompts_of_their_own(classifier: TextClassi
     """The thresholds were calibrated on plain prompts; a system prompt or a role label beside a
     question moves its scores. Each turn is scored alone, so a chat's question gets the scores the
     same question gets as a prompt (the highest over the turns), and its verdict with them; the
-    two turns joined count only as a window, JOIN_MARGIN_LOGITS lower."""
+    two turns joined count only as a window across roles, ROLE_JOIN_MARGIN_LOGITS lower."""
     system = classifier.score(SYSTEM_TURN)
     assert not system.triggered
     for prompt in HELDOUT["harmful"][:6] + HELDOUT["benign"][:6]:
@@ -208,7 +208,7 @@ def test_a_chats_turns_are_scored_as_prompts_of_their_own(classifier: TextClassi
         chat = classifier.score_turns(turns, whole=_rendered(turns), roles=_roles(turns))
         for name in classifier.categories:
             joined = torch.sigmoid(
-                torch.logit(torch.tensor(window.values[name]), eps=1e-7) - JOIN_MARGIN_LOGITS
+                torch.logit(torch.tensor(window.values[name]), eps=1e-7) - ROLE_JOIN_MARGIN_LOGITS
             )
             expected = max(alone.values[name], system.values[name], joined.item())
             assert chat.values[name] == pytest.approx(expected, abs=1e-5), name
@@ -221,7 +221,7 @@ def test_a_request_split_across_turns_is_read_whole(
 ) -> None:
     """Named pieces in two turns are joined by the whole conversation's decoded view, which the
     turns alone do not have (the joins, which read them side by side, are off here)."""
-    monkeypatch.setattr(classifier_module, "joins_of", lambda turns, roles: Joins([], []))
+    monkeypatch.setattr(classifier_module, "joins_of", lambda turns, roles: Joins([], [], []))
     split = []
     for request in HELDOUT["harmful"]:
         words = request.split()

@@ -16,7 +16,7 @@ import pytest
 
 from services.cli.mesh import Mesh, MeshConfig, Ports, ServiceFailed
 from services.common.gate_file import PROMPT_HEAD, load_gate, manifest_path_for, parse_gate, sha256_hex
-from services.safety.chat import JOIN_MARGIN_LOGITS
+from services.safety.chat import JOIN_MARGIN_LOGITS, ROLE_JOIN_MARGIN_LOGITS
 from services.safety.classifier import HarmScreen
 from services.safety.config import DEFAULT_GATE
 from services.safety.embedder import MiniLMEmbedder
@@ -108,7 +108,7 @@ def test_a_chats_turns_are_screened_as_prompts_and_its_limits_are_enforced(
             for s in stub.CheckPrompt(pb.CheckPromptRequest(text=system), timeout=30).scores
         }
         joined = stub.CheckPrompt(pb.CheckPromptRequest(text=f"{system} {question}"), timeout=30)
-        window_scores = {s.category: _join_lowered(s.score) for s in joined.scores}
+        window_scores = {s.category: _join_lowered(s.score, ROLE_JOIN_MARGIN_LOGITS) for s in joined.scores}
         chat_scores = {s.category: s.score for s in chat.scores}
         harm = load_gate(DEFAULT_GATE).manifest.head(PROMPT_HEAD).thresholds
         for score in alone.scores:  # each category: its highest over the two turns (harm: and their window)
@@ -146,10 +146,11 @@ def test_a_chats_roles_decide_which_turns_are_joined_and_must_match_its_turns(
     assert "1 roles for 4 turns; send one role per turn, in the order of turns" in caught.value.details()
 
 
-def _join_lowered(score: float) -> float:
-    """A window's harm score as a chat counts it: JOIN_MARGIN_LOGITS lower (classifier._harm_scores)."""
+def _join_lowered(score: float, margin: float = JOIN_MARGIN_LOGITS) -> float:
+    """A window's harm score as a chat counts it: `margin` logits lower (classifier._harm_scores;
+    JOIN_MARGIN_LOGITS for a window across user turns, ROLE_JOIN_MARGIN_LOGITS across roles)."""
     clamped = min(max(score, 1e-7), 1 - 1e-7)
-    return 1 / (1 + math.exp(JOIN_MARGIN_LOGITS - math.log(clamped / (1 - clamped))))
+    return 1 / (1 + math.exp(margin - math.log(clamped / (1 - clamped))))
 
 
 def _chat_request(contents: list[str]) -> pb.CheckPromptRequest:
