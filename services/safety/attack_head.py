@@ -68,6 +68,9 @@ class AttackHead:
 
     def view_score(self, rows: torch.Tensor) -> float:
         """One view's risk from its window embeddings `[W, H]`: max(whole, top-k window mean)."""
+        if len(rows) == 1:  # one window is its mean and its top-k: fewer reductions (window_aggregation.py)
+            whole = F.normalize(rows, dim=-1)
+            return float(torch.maximum(self.row_scores(whole)[0], self.row_scores(rows)[0]))
         whole = F.normalize(rows.mean(0, keepdim=True), dim=-1)  # [1, H]
         per_window = self.row_scores(rows)  # [W]
         top = per_window.topk(min(self.top_k, len(per_window))).values.mean()

@@ -193,3 +193,13 @@ def test_an_attack_head_of_another_width_than_the_embeddings_is_refused(tmp_path
     write_gate(tmp_path / "gate.safetensors", tensors, manifest)
     with pytest.raises(GateFileError, match="100-wide"):
         AttackHead.from_gate(load_gate(tmp_path / "gate.safetensors"))
+
+
+def test_a_one_window_view_scores_as_its_mean_and_top_k_would_bit_for_bit() -> None:
+    """A check scores thousands of one-window views; view_score reads them without the mean and top-k."""
+    g = torch.Generator().manual_seed(0)
+    head = AttackHead("test", torch.randn(384, generator=g), 0.1, 0.5, top_k=2)
+    for rows in torch.nn.functional.normalize(torch.randn(50, 1, 384, generator=g), dim=-1):  # [1, H] each
+        whole = torch.nn.functional.normalize(rows.mean(0, keepdim=True), dim=-1)
+        top = head.row_scores(rows).topk(1).values.mean()
+        assert head.view_score(rows) == float(torch.maximum(head.row_scores(whole)[0], top))
