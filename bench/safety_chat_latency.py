@@ -10,12 +10,19 @@ Screen.check(rendered, turns=..., roles=...), the service's entry (gate, attack 
 patterns, language), with the embedder's window cache emptied first: a new chat, not a stream
 re-checked. Each round screens a chat of each size, a new chat per round. Rows are what the check
 embeds (Scores.num_windows: every view's windows, clauses and restatements), then how many of
-them differ and their tokens: the encoder's work.
+them differ and their tokens: the encoder's work. A chat past the screen's limit of rows is
+refused (TextTooLong: the service answers INVALID_ARGUMENT): the table counts those apart and
+times the rest (a size whose chats were all refused: the refusals).
+
+With `--grown N`, each chat is first screened without its last N messages, untimed, and the check
+of the whole chat that follows is timed: a conversation screened again as it grows, whose earlier
+rows the embedder's cache still holds (rows are still the whole check's).
 
 With `--baseline DIR` (a checkout of another commit: `git worktree add /tmp/base <commit>`), a
 second process screens the same chats with DIR's services/, and the two take turns check by check
 (which goes first alternates each round), so load from other work on the machine falls on both
-alike; every chat's verdicts and scores are compared between the two. The gateway refuses a check
+alike; every chat's verdicts and scores are compared between the two. Worker processes inherit the
+environment (OMP_WAIT_POLICY, OMP_NUM_THREADS: see the results page). The gateway refuses a check
 that takes longer than its THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S (5 s by default).
 """
 
@@ -108,12 +115,15 @@ def chat_of(num_messages: int, seed: int) -> tuple[list[str], list[str]]:
 class Worker:
     """The screen of one tree, checking chats one at a time."""
 
-    def __init__(self, tree: Path) -> None:
+    def __init__(self, tree: Path, num_grown: int = 0) -> None:
         sys.path.insert(0, str(tree))
+        self.num_grown = num_grown
+        from services.safety.classifier import TextTooLong
         from services.safety.config import SafetyConfig
         from services.safety.screen import Screen
 
         self.screen = Screen.load(SafetyConfig.from_env({}))
+        self.too_long = TextTooLong
         self.num_rows = 0
         self.unique_rows: set[tuple[int, ...]] = set()
         classifier = self.screen.classifier
@@ -135,11 +145,12 @@ class Worker:
     def check(self, num_messages: int, seed: int) -> dict[str, Any]:
         """Screens one chat; its wall and CPU seconds, rows, verdict and scores."""
         turns, roles = chat_of(num_messages, seed)
-        text = "\n".join(f"{role}: {turn}" for role, turn in zip(roles, turns, strict=True))
         self.screen.classifier.embedder._cache.clear()  # a new chat: nothing embedded before
+        if self.num_grown:  # the chat so far, screened the turn before (the cache keeps its rows)
+            self._screen(turns[: -self.num_grown], roles[: -self.num_grown])
         self.unique_rows = set()
         start, start_cpu = time.perf_counter(), time.process_time()
-        verdict = self.screen.check(text, "prompt", turns=turns, roles=roles)
+        reasons, scores = self._screen(turns, roles)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
         return {
             "seconds": seconds,
@@ -147,15 +158,25 @@ class Worker:
             "rows": self.num_rows,
             "unique_rows": len(self.unique_rows),
             "tokens": sum(map(len, self.unique_rows)),
-            "blocked": verdict.is_blocked,
-            "reasons": list(verdict.reasons),
-            "scores": verdict.scores,
+            "blocked": bool(reasons),
+            "reasons": reasons,
+            "scores": scores,
         }
 
+    def _screen(self, turns: list[str], roles: list[str]) -> tuple[list[str], dict[str, float]]:
+        """Screen.check on the chat as the gateway sends it: the verdict's reasons and scores."""
+        text = "\n".join(f"{role}: {turn}" for role, turn in zip(roles, turns, strict=True))
+        try:
+            verdict = self.screen.check(text, "prompt", turns=turns, roles=roles)
+        except self.too_long as refusal:  # the service answers INVALID_ARGUMENT
+            self.num_rows = 0
+            return [f"refused: {refusal}"], {}
+        return list(verdict.reasons), verdict.scores
 
-def serve(tree: Path) -> None:
+
+def serve(tree: Path, num_grown: int) -> None:
     """A worker process: one JSON request a line on stdin, one JSON answer a line on stdout."""
-    worker = Worker(tree)
+    worker = Worker(tree, num_grown)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -165,8 +186,8 @@ def serve(tree: Path) -> None:
 class Remote:
     """A worker in a process of its own, for another tree's services/."""
 
-    def __init__(self, tree: Path) -> None:
-        command = [sys.executable, __file__, "--serve", str(tree)]
+    def __init__(self, tree: Path, num_grown: int) -> None:
+        command = [sys.executable, __file__, "--serve", str(tree), "--grown", str(num_grown)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._read()
 
@@ -195,25 +216,34 @@ def max_score_gap(a: dict[str, float], b: dict[str, float]) -> float:
     """The largest difference between two checks' scores (inf when they score other categories)."""
     if a.keys() != b.keys():
         return float("inf")
-    return max(abs(a[c] - b[c]) for c in a)
+    return max((abs(a[c] - b[c]) for c in a), default=0.0)
+
+
+def is_refused(check: dict[str, Any]) -> bool:
+    """Whether the screen refused the chat as too long (TextTooLong)."""
+    return any(reason.startswith("refused") for reason in check["reasons"])
 
 
 def table(results: dict[str, dict[int, list[dict[str, Any]]]], sizes: list[int]) -> list[str]:
-    """A markdown table: for each chat size, its rows and each tree's p50 and max seconds (wall)
-    and p50 CPU seconds (all threads)."""
+    """A markdown table: for each chat size, its rows (the first screened chat's) and each tree's
+    p50 and max wall seconds and p50 CPU seconds (all threads) over the chats it screened; chats
+    refused as too long are counted apart."""
     names = list(results)
     columns = [f"{name} {what}" for name in names for what in ("p50 s", "max s", "p50 CPU s")]
     lines = [
-        "| messages | rows (unique, tokens) | " + " | ".join(columns) + " |",
-        "| ---: | ---: |" + " ---: |" * len(columns),
+        "| messages | rows (unique, tokens) | refused | " + " | ".join(columns) + " |",
+        "| ---: | ---: | ---: |" + " ---: |" * len(columns),
     ]
     for size in sizes:
-        first = results[names[0]][size][0]
-        cells = [f"{first['rows']} ({first['unique_rows']}, {first['tokens']})"]
+        checks = results[names[0]][size]
+        screened = [check for check in checks if not is_refused(check)]
+        first = screened[0] if screened else None
+        cells = [f"{first['rows']} ({first['unique_rows']}, {first['tokens']})" if first else "-"]
+        cells.append(f"{len(checks) - len(screened)} of {len(checks)}")
         for name in names:
-            checks = results[name][size]
-            seconds = [r["seconds"] for r in checks]
-            cpu = statistics.median(r["cpu_seconds"] for r in checks)
+            timed = [check for check in results[name][size] if not is_refused(check)] or results[name][size]
+            seconds = [check["seconds"] for check in timed]
+            cpu = statistics.median(check["cpu_seconds"] for check in timed)
             cells += [f"{statistics.median(seconds):.2f}", f"{max(seconds):.2f}", f"{cpu:.2f}"]
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
     return lines
@@ -229,9 +259,11 @@ def comparison(results: dict[str, dict[int, list[dict[str, Any]]]], sizes: list[
         for a, b in pairs
     )
     gap = max(max_score_gap(a["scores"], b["scores"]) for a, b in pairs)
-    num_blocked = sum(a["blocked"] for a, _ in pairs)
+    num_refused = sum(is_refused(a) for a, _ in pairs)
+    num_blocked = sum(a["blocked"] for a, _ in pairs) - num_refused
     return [
-        f"- same verdict and reasons: {num_same_verdicts} of {len(pairs)} chats ({num_blocked} blocked)",
+        f"- same verdict and reasons: {num_same_verdicts} of {len(pairs)} chats ({num_blocked} blocked, "
+        f"{num_refused} refused as too long)",
         f"- same rows: {num_same_rows} of {len(pairs)}",
         f"- largest score difference: {gap:.3g}",
     ]
@@ -240,17 +272,18 @@ def comparison(results: dict[str, dict[int, list[dict[str, Any]]]], sizes: list[
 def main() -> None:
     """Times the screen on chats of each size, round after round; one tree, or two in turns."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[50, 200, 600, 1000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[50, 200, 400, 600])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", type=Path, help="another checkout, timed in turns with this one")
+    parser.add_argument("--grown", type=int, default=0, help="time only the last N messages' check")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        return serve(args.serve)
-    workers: dict[str, Any] = {"this tree": Worker(REPO)}
+        return serve(args.serve, args.grown)
+    workers: dict[str, Any] = {"this tree": Worker(REPO, args.grown)}
     if args.baseline:
-        workers = {"baseline": Remote(args.baseline), "this tree": Remote(REPO)}
+        workers = {"baseline": Remote(args.baseline, args.grown), "this tree": Remote(REPO, args.grown)}
     results: dict[str, dict[int, list[dict[str, Any]]]] = {n: {s: [] for s in args.sizes} for n in workers}
     load_before = os.getloadavg()
     for seed in range(args.rounds):
