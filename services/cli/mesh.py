@@ -411,7 +411,14 @@ class Mesh:
                         if reply.status == health_pb2.HealthCheckResponse.SERVING:
                             return
                 except grpc.RpcError as error:
-                    if error.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    # CANCELLED: the server went away mid-Watch (a service that refuses its settings
+                    # shuts down after its port opened); the next turn's _check_alive says why
+                    transient = (
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.CANCELLED,
+                    )
+                    if error.code() not in transient:
                         raise
         raise ServiceFailed(f"{service} was not healthy after {self.config.startup_timeout_s:.0f} s")
 
