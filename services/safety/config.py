@@ -20,6 +20,7 @@ DEFAULT_LANGUAGE_MESSAGE = (
 )
 DEFAULT_MAX_WINDOWS = 256
 DEFAULT_HEAP_TRIM_INTERVAL_S = 1.0
+DEFAULT_MAX_CONCURRENT_CHECKS = 8
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class SafetyConfig:
     `THERMOCLINE_SAFETY_HEAP_TRIM_INTERVAL_S`: the most often freed heap memory goes back to the OS
     after a check (services/common/heap.py); 0 trims after every check (lowest memory, each check
     about 2 ms slower), a negative value never.
+    `THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS`: checks run at once, their rows embedded together
+    (row_batcher.py); more wait their turn in the order they came. 1 runs one check at a time.
     """
 
     server: ServerConfig
@@ -48,6 +51,7 @@ class SafetyConfig:
     embedder_dir: Path | None = None
     max_windows: int = DEFAULT_MAX_WINDOWS
     heap_trim_interval_s: float = DEFAULT_HEAP_TRIM_INTERVAL_S
+    max_concurrent_checks: int = DEFAULT_MAX_CONCURRENT_CHECKS
 
     def __post_init__(self) -> None:
         if not self.safe_message:
@@ -56,6 +60,10 @@ class SafetyConfig:
             raise ValueError("THERMOCLINE_SAFETY_LANGUAGE_MESSAGE must not be empty")
         if not 1 <= self.max_windows <= 4096:
             raise ValueError(f"THERMOCLINE_SAFETY_MAX_WINDOWS must be 1..4096, got {self.max_windows}")
+        if not 1 <= self.max_concurrent_checks <= 64:
+            raise ValueError(
+                f"THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS must be 1..64, got {self.max_concurrent_checks}"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SafetyConfig:
@@ -75,5 +83,8 @@ class SafetyConfig:
             max_windows=env.get_int("THERMOCLINE_SAFETY_MAX_WINDOWS", DEFAULT_MAX_WINDOWS, environ),
             heap_trim_interval_s=env.get_float(
                 "THERMOCLINE_SAFETY_HEAP_TRIM_INTERVAL_S", DEFAULT_HEAP_TRIM_INTERVAL_S, environ
+            ),
+            max_concurrent_checks=env.get_int(
+                "THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS", DEFAULT_MAX_CONCURRENT_CHECKS, environ
             ),
         )

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from tokenizers import Tokenizer
 
 from services.common.gate_file import Gate
 from services.safety.encoder_adapters import EncoderAdapters
+
+if TYPE_CHECKING:
+    from services.safety.row_batcher import RowBatcher
 
 CLS_ID, SEP_ID, PAD_ID = 101, 102, 0
 NUM_LAYERS, NUM_HEADS, HIDDEN = 6, 12, 384
@@ -114,6 +118,7 @@ class CheckProgress:
 # Windows whose embeddings are kept (1.5 KB each): the output screen re-checks a stream's whole
 # text every few tokens, and every window but the last few comes back unchanged.
 MAX_CACHED_WINDOWS = 4096
+DEFAULT_BATCH_SIZE = 32  # rows in one encoder pass at most
 PIECE_CHARS = 4096  # count_windows tokenizes a long sentence this much at a time, cut at a space
 
 
@@ -139,6 +144,9 @@ class MiniLMEmbedder:
         self._cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # least recent first
         self._cache_weights = self.w  # the weights the cached embeddings were computed with
         self._cache_lock = threading.Lock()
+        # Set by the safety service when it runs checks at once: their rows are embedded together
+        # (row_batcher.py). Unset, each caller embeds its own rows on its own thread.
+        self.batcher: RowBatcher | None = None
 
     @classmethod
     def load(
@@ -211,7 +219,10 @@ class MiniLMEmbedder:
 
     @torch.inference_mode()
     def embed_windows(
-        self, rows: list[list[int]], batch_size: int = 32, progress: CheckProgress | None = None
+        self,
+        rows: list[list[int]],
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        progress: CheckProgress | None = None,
     ) -> torch.Tensor:
         """Windows -> embeddings `[N, 384]`, in order. A window embedded before (one of the last
         MAX_CACHED_WINDOWS) is not computed again, and a row that repeats is computed once. The
@@ -234,7 +245,11 @@ class MiniLMEmbedder:
             dict.fromkeys(k for k, hit in zip(keys, cached, strict=True) if hit is None), key=len
         )
         if missing:
-            computed = self._embed_rows([list(key) for key in missing], batch_size, progress)
+            rows_missing = [list(key) for key in missing]
+            if self.batcher is not None:  # with other checks' rows, on the batcher's thread
+                computed = self.batcher.embed(rows_missing, progress)
+            else:
+                computed = self._embed_rows(rows_missing, batch_size, progress)
             fresh = dict(zip(missing, computed, strict=True))
             with self._cache_lock:
                 for key, embedding in fresh.items():
@@ -243,6 +258,11 @@ class MiniLMEmbedder:
                     self._cache.popitem(last=False)
             cached = [hit if hit is not None else fresh[key] for key, hit in zip(keys, cached, strict=True)]
         return torch.stack(cached)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def embed_rows_now(self, rows: list[list[int]]) -> torch.Tensor:
+        """Every row computed, on this thread, with no cache: the forward of row_batcher.RowBatcher."""
+        return self._embed_rows(rows, DEFAULT_BATCH_SIZE, None)
 
     def _embed_rows(
         self, rows: list[list[int]], batch_size: int, progress: CheckProgress | None

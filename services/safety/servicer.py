@@ -21,6 +21,7 @@ from services.safety.cancellation import observing
 from services.safety.classifier import TextKind, TextTooLong
 from services.safety.config import SafetyConfig
 from services.safety.embedder import CheckCancelled, CheckProgress
+from services.safety.row_batcher import RowBatcher
 from services.safety.screen import Screen, ScreenVerdict
 from services.safety.tenant_policy import TenantPolicy
 from thermocline.safety.v1 import safety_pb2 as pb
@@ -48,6 +49,16 @@ WINDOWS_EMBEDDED = Counter(
     "deadline) stops adding to it at its next batch.",
     ["layer"],
 )
+ROUND_CHECKS = Histogram(
+    "thermocline_safety_round_checks",
+    "Checks whose rows one encoder round embedded together (row_batcher.py).",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
+ROUND_ROWS = Histogram(
+    "thermocline_safety_round_rows",
+    "Rows one encoder round embedded, over every check in it (row_batcher.py).",
+    buckets=(1, 2, 4, 8, 16, 32),
+)
 GATE_INFO = Gauge(
     "thermocline_safety_gate_info",
     "1 for the gate this service serves and screens with (sha256: its weights'; manifest_sha256: "
@@ -65,12 +76,16 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
     def __init__(self, config: SafetyConfig, screen: Screen) -> None:
         self.config = config
         self.screen = screen
-        # One check at a time: torch already uses every core for one batch of windows. The checks
-        # run on one thread of their own, so their buffers come from one malloc arena, and now and then
-        # the heap's free memory goes back to the OS (services/common/heap.py): a process
-        # that ran its checks on the default executor's rotating threads grew to about 1 GiB.
-        self._lock = asyncio.Lock()
-        self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safety-check")
+        # Up to `max_concurrent_checks` checks at once, each on a thread of a fixed pool, their
+        # rows embedded together on the batcher's thread (`register`, row_batcher.py): one encoder
+        # pass serves many stream screens, and a short check does not wait behind a long chat.
+        # Every encoder pass runs on that one thread, so its large buffers come from one malloc
+        # arena, and now and then the heap's free memory goes back to the OS
+        # (services/common/heap.py): a process that ran its checks on the default executor's
+        # rotating threads grew to about 1 GiB. With 1, one check at a time embeds its own rows.
+        num_checks = config.max_concurrent_checks
+        self._slots = asyncio.Semaphore(num_checks)
+        self._checker = ThreadPoolExecutor(max_workers=num_checks, thread_name_prefix="safety-check")
         self._last_trim_s = -math.inf
 
     async def CheckPrompt(self, request: pb.CheckPromptRequest, context: Any) -> pb.CheckResponse:
@@ -120,7 +135,7 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         # flag stops it once its call is done, and a caller gone while it queued skips it whole.
         context.add_done_callback(lambda _: progress.is_cancelled.set())
         loop = asyncio.get_running_loop()
-        async with self._lock:
+        async with self._slots:
             with CHECK_SECONDS.labels(layer).time():
                 try:
                     check = functools.partial(self._screen, progress, layer, text, policy, turns, roles)
@@ -211,6 +226,11 @@ def _call_done(context: Any) -> BaseException:
     return asyncio.CancelledError()
 
 
+def _observe_round(num_checks: int, num_rows: int) -> None:
+    ROUND_CHECKS.observe(num_checks)
+    ROUND_ROWS.observe(num_rows)
+
+
 def tenant_policy_from_pb(policy: pb.TenantPolicy) -> TenantPolicy:
     """The domain policy of a check request (an unset one leaves the gate as it is)."""
     return TenantPolicy(frozenset(policy.categories_off), dict(policy.thresholds))
@@ -219,6 +239,9 @@ def tenant_policy_from_pb(policy: pb.TenantPolicy) -> TenantPolicy:
 def register(server: grpc.aio.Server, config: SafetyConfig) -> list[str]:
     """Loads and verifies the gate and the deny patterns, adds the servicer; returns its service name."""
     screen = Screen.load(config)
+    if config.max_concurrent_checks > 1:  # the checks' rows, embedded together
+        embedder = screen.classifier.embedder
+        embedder.batcher = RowBatcher(embedder.embed_rows_now, on_round=_observe_round)
     GATE_INFO.labels(screen.gate.version, screen.gate.sha256, screen.gate.manifest_sha256).set(1)
     pb_grpc.add_SafetyServiceServicer_to_server(SafetyServicer(config, screen), server)
     return [pb.DESCRIPTOR.services_by_name["SafetyService"].full_name]
