@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from services.common.tenancy import WARM_UP_SALT
 from services.engine.attention.backend import prefix_page_bytes
 from services.engine.attention.dense_prefill import dense_prefill_bytes
 from services.engine.attention.probe import probe_layer
@@ -92,7 +93,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PREFILL_TOKENS = 4096  # padded prompt tokens per prefill step
-WARM_UP_SALT = "thermocline-warm-up"  # the warm-up requests' prefix-cache salt: no real prompt shares it
 # With tiers on, every 64th decode step samples the hot attention mass of one row. That step runs eagerly
 # (outside the decode graphs), so the period keeps its cost near 1% of decode time.
 PROBE_EVERY_DECODE_STEPS = 64

@@ -43,6 +43,7 @@ from services.common.errors import (
     ThermoclineError,
     Unauthenticated,
 )
+from services.common.tenancy import RESERVED_TENANTS
 from services.gateway.admission import TenantStreams
 from services.gateway.audit import ALLOW, DENY, UNAUTHENTICATED, AuditEvent, AuditLog, prompt_sha256
 from services.gateway.audit_sampling import DenialSampler
@@ -259,6 +260,11 @@ class Gatekeeper:
         principal = self.verifier.verify(credentials[0] if credentials else None)
         if not is_valid_tenant(principal.tenant):
             raise Unauthenticated("token's 'tenant' claim must be 1-128 characters of [A-Za-z0-9._@-]")
+        if principal.tenant in RESERVED_TENANTS:
+            raise Unauthenticated(
+                f"token's 'tenant' claim {principal.tenant!r} is a name the services keep for their own "
+                "requests (their cache would be shared); ask the issuer for a token with another tenant"
+            )
         return replace(principal, roles=self.policy.roles_of(principal.claims))
 
     async def admit_generate(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from services.common.tenancy import RESERVED_TENANTS
 from services.gateway.config import load_policy_file
 
 FAIL_OPEN, FAIL_CLOSED = "open", "closed"
@@ -176,6 +177,12 @@ class TenantTable:
     def from_dict(cls, document: Mapping[str, Any]) -> TenantTable:
         """A table from its parsed JSON."""
         defaults = _limits(TenantLimits(), dict(document.get("defaults", {})), "defaults")
+        reserved = sorted(RESERVED_TENANTS & set(dict(document.get("tenants", {}))))
+        if reserved:
+            raise ValueError(
+                f"tenants {reserved} are names the services keep for their own requests (the gateway "
+                "refuses tokens of such a tenant); rename them"
+            )
         tenants = {
             name: _limits(defaults, dict(entry), f"tenant {name!r}")
             for name, entry in dict(document.get("tenants", {})).items()

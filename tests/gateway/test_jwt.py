@@ -230,6 +230,15 @@ def test_an_invalid_tenant_claim_is_refused(stories_mesh: Mesh, tenant: object) 
     _expect(stories_mesh, _signed(stories_mesh, _claims(tenant=tenant)), "tenant' claim")
 
 
+@pytest.mark.parametrize("tenant", ["default", "thermocline-warm-up"])
+def test_a_tenant_claim_that_names_the_engines_own_cache_salt_is_refused(
+    stories_mesh: Mesh, tenant: str
+) -> None:
+    _expect(
+        stories_mesh, _signed(stories_mesh, _claims(tenant=tenant)), f"'tenant' claim '{tenant}' is a name"
+    )
+
+
 def _token_of_length(mesh: Mesh, length: int) -> str:
     """A valid token padded with a filler claim to exactly `length` characters."""
     pad = length - len(_signed(mesh, _claims(pad="")))

@@ -92,6 +92,9 @@ def test_bad_tenant_settings_are_refused() -> None:
         TenantTable.from_dict({"defaults": {"requests_per_minute": 5}})
     with pytest.raises(ValueError, match=r"tenant 'a': max_streams must be >= 0"):
         TenantTable.from_dict({"tenants": {"a": {"max_streams": -1}}})
+    for reserved in ("default", "thermocline-warm-up"):  # the engine's own cache salts
+        with pytest.raises(ValueError, match=f"tenants \\['{reserved}'\\] are names the services keep"):
+            TenantTable.from_dict({"tenants": {reserved: {}, "acme": {}}})
 
 
 def test_a_tenant_stream_cap_counts_each_tenant_alone_and_gives_slots_back() -> None:

@@ -73,13 +73,14 @@ from services.common.kvstore_api import (
     MissReason,
     Namespace,
 )
+from services.common.tenancy import UNSALTED_TENANT
 from services.engine.kv.deadline_watch import DeadlineWatch, WatchId
 from services.engine.kv.prefix_fetch import PrefixFetcher, PrefixLayout, PrefixSink
 from services.engine.kv.write_buffer import WriteBuffer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TENANT = "default"  # the kvstore namespace of requests with no cache salt
+DEFAULT_TENANT = UNSALTED_TENANT  # the kvstore namespace of requests with no cache salt
 MAX_QUEUED_JOBS = 1024  # per thread; beyond it the store is treated as down for that job
 
 
