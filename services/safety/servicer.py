@@ -131,7 +131,7 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidArgument(f"text of {len(text)} characters exceeds the {MAX_TEXT_CHARS} limit")
         progress = CheckProgress(on_rows_embedded=WINDOWS_EMBEDDED.labels(layer).inc)
-        # The check runs on the checker thread, where cancelling this task cannot reach it: the
+        # The check runs on a checker thread, where cancelling this task cannot reach it: the
         # flag stops it once its call is done, and a caller gone while it queued skips it whole.
         context.add_done_callback(lambda _: progress.is_cancelled.set())
         loop = asyncio.get_running_loop()
@@ -161,7 +161,7 @@ class SafetyServicer(pb_grpc.SafetyServiceServicer):
         turns: tuple[str, ...],
         roles: tuple[str, ...] = (),
     ) -> ScreenVerdict:
-        """Screen.check on the checker thread; a check whose call is done says in the log how far it got."""
+        """Screen.check on a checker thread; a check whose call is done says in the log how far it got."""
         try:
             with observing(progress):  # the decoders and the language screen read it there
                 return self.screen.check(text, layer, policy, turns, progress, roles)

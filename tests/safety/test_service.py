@@ -315,14 +315,20 @@ def _varied_sentences(num_sentences: int) -> str:
     return " ".join(" ".join(words[s : s + n]).rstrip(".!?") + "." for s, n in starts_and_lengths)
 
 
+@pytest.mark.parametrize("checks_at_once", ["1", "8"])
 def test_a_cancelled_check_stops_at_its_next_batch_and_the_check_behind_it_is_answered(
-    tmp_path: Path,
+    tmp_path: Path, checks_at_once: str
 ) -> None:
-    # Checks run one at a time on one thread: a cancelled check that ran to its end (seconds for
-    # this text) held every check queued behind it for a verdict nobody would read.
+    # With one check at a time, a cancelled check that ran to its end (seconds for this text) held
+    # every check queued behind it for a verdict nobody would read; with several, it held a thread
+    # and a share of every encoder round.
     large = _varied_sentences(2500)  # about 290 KB
     num_plain_windows = len(MiniLMEmbedder.load().text_windows(large))  # fewer than the check embeds
-    mesh = _safety_only(tmp_path, THERMOCLINE_SAFETY_MAX_WINDOWS="4096")
+    mesh = _safety_only(
+        tmp_path,
+        THERMOCLINE_SAFETY_MAX_WINDOWS="4096",
+        THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS=checks_at_once,
+    )
     try:
         with mesh.channel("safety") as channel:
             stub = pb_grpc.SafetyServiceStub(channel)
@@ -332,7 +338,7 @@ def test_a_cancelled_check_stops_at_its_next_batch_and_the_check_behind_it_is_an
             _wait_for_windows_past(mesh, before)  # its first batch is embedded: it is running
             call.cancel()
             small = stub.CheckPrompt(pb.CheckPromptRequest(text=BENIGN), timeout=300)
-            # the small check ran on the checker thread after the large one returned
+            # the small check ran after the large one returned (1), or beside it (8)
             num_large_windows = _prompt_windows_embedded(mesh) - before - num_small_windows
     finally:
         mesh.stop()
