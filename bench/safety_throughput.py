@@ -1,10 +1,11 @@
 """Throughput and latency of the safety service under many streams' output screens, by how many
 checks it runs at once (THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS).
 
-    .venv/bin/python bench/safety_throughput.py [--settings 1 8] [--concurrency 1 4 16 64]
+    .venv/bin/python bench/safety_throughput.py [--settings 1 8 8@cuda] [--concurrency 1 4 16 64]
         [--out bench/results/safety_throughput_<date>.md]
 
-The safety service runs as its own process over real gRPC, once per setting. A stream is what the
+The safety service runs as its own process over real gRPC, once per setting: `N` runs N checks at
+once with the encoder on the CPU, `N@cuda` on the GPU (THERMOCLINE_SAFETY_DEVICE). A stream is what the
 gateway sends for one completion under the `strict` release: a CheckPrompt of its prompt, then a
 CheckOutput of the whole text so far after every `--window-words` words (about 16 tokens), for
 `--checks-per-stream` windows. The texts are runs of words from docs/*.md, chosen by a generator
@@ -94,10 +95,14 @@ def streams(num_streams: int, checks_per_stream: int, window_words: int, seed: i
 
 
 @contextmanager
-def safety_service(max_concurrent_checks: int) -> Iterator[Mesh]:
-    """The safety service alone, as the tests start it, with the given setting."""
+def safety_service(setting: str) -> Iterator[Mesh]:
+    """The safety service alone, as the tests start it, with the given setting (N or N@device)."""
+    max_concurrent_checks, _, device = setting.partition("@")
     with tempfile.TemporaryDirectory(prefix="safety-throughput-") as state:
-        env = {"THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS": str(max_concurrent_checks)}
+        env = {
+            "THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS": max_concurrent_checks,
+            "THERMOCLINE_SAFETY_DEVICE": device or "cpu",
+        }
         mesh = Mesh(MeshConfig(model="unused", state_dir=Path(state), ports=Ports.free(), env=env))
         mesh.logs_dir.mkdir(parents=True, exist_ok=True)
         mesh.start_service("safety")
@@ -105,6 +110,13 @@ def safety_service(max_concurrent_checks: int) -> Iterator[Mesh]:
             yield mesh
         finally:
             mesh.stop()
+
+
+def gpu_name() -> str:
+    """The GPU the `@cuda` settings ran on, or that there was none."""
+    import torch
+
+    return f"GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
 
 
 def resident_mib(pid: int) -> float:
@@ -200,7 +212,7 @@ def cells(seconds: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--settings", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--settings", nargs="+", default=["1", "8"], help="N or N@device, e.g. 8@cuda")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument(
         "--streams", type=int, default=64, help="streams per level (at least the concurrency)"
@@ -215,9 +227,9 @@ def main() -> None:
     args = parser.parse_args()
 
     started_at = datetime.datetime.now(datetime.UTC)
-    results: dict[int, list[LevelResult]] = {}
-    hol: dict[int, tuple[list[float], int]] = {}
-    memory: dict[int, float] = {}
+    results: dict[str, list[LevelResult]] = {}
+    hol: dict[str, tuple[list[float], int]] = {}
+    memory: dict[str, float] = {}
     for setting in args.settings:
         with safety_service(setting) as mesh:
             address, token = mesh.target("safety"), read_token(mesh.service_token_path)
@@ -248,7 +260,7 @@ def main() -> None:
         f"# Safety service throughput by checks at once, {started_at:%Y-%m-%d}",
         "",
         f"- date: {started_at:%Y-%m-%d %H:%M} UTC; commit `{git_commit('services', 'bench')}`",
-        f"- hardware: {cpu_name()}, {os.cpu_count()} logical CPUs, {platform.machine()}, CPU only; "
+        f"- hardware: {cpu_name()}, {os.cpu_count()} logical CPUs, {platform.machine()}; {gpu_name()}; "
         f"load average at the end {os.getloadavg()[0]:.1f}",
         "- command: `.venv/bin/python bench/safety_throughput.py "
         f"--settings {' '.join(map(str, args.settings))} "
@@ -260,7 +272,7 @@ def main() -> None:
         "",
         "## Checks per second and latency at the client",
         "",
-        "| checks at once (setting) | clients | checks | checks/s | p50 ms | p99 ms "
+        "| checks at once @ encoder device (setting) | clients | checks | checks/s | p50 ms | p99 ms "
         f"| verdicts differing from setting {first} | largest score difference |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -283,7 +295,8 @@ def main() -> None:
             "",
             f"## Short prompt checks beside {args.long_chat}-message chats screened back to back",
             "",
-            "| checks at once (setting) | short checks | p50 ms | p99 ms | long chats screened meanwhile |",
+            "| checks at once @ encoder device (setting) | short checks | p50 ms | p99 ms "
+            "| long chats screened meanwhile |",
             "| ---: | ---: | ---: | ---: | ---: |",
         ]
         for setting, (latencies, num_long) in hol.items():

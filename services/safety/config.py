@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ class SafetyConfig:
     about 2 ms slower), a negative value never.
     `THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS`: checks run at once, their rows embedded together
     (row_batcher.py); more wait their turn in the order they came. 1 runs one check at a time.
+    `THERMOCLINE_SAFETY_DEVICE`: where the encoder runs, `cpu` (the default) or `cuda` / `cuda:N`;
+    the heads, decoders and deny patterns stay on the CPU.
     """
 
     server: ServerConfig
@@ -52,6 +55,7 @@ class SafetyConfig:
     max_windows: int = DEFAULT_MAX_WINDOWS
     heap_trim_interval_s: float = DEFAULT_HEAP_TRIM_INTERVAL_S
     max_concurrent_checks: int = DEFAULT_MAX_CONCURRENT_CHECKS
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not self.safe_message:
@@ -60,6 +64,8 @@ class SafetyConfig:
             raise ValueError("THERMOCLINE_SAFETY_LANGUAGE_MESSAGE must not be empty")
         if not 1 <= self.max_windows <= 4096:
             raise ValueError(f"THERMOCLINE_SAFETY_MAX_WINDOWS must be 1..4096, got {self.max_windows}")
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise ValueError(f"THERMOCLINE_SAFETY_DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
         if not 1 <= self.max_concurrent_checks <= 64:
             raise ValueError(
                 f"THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS must be 1..64, got {self.max_concurrent_checks}"
@@ -84,6 +90,7 @@ class SafetyConfig:
             heap_trim_interval_s=env.get_float(
                 "THERMOCLINE_SAFETY_HEAP_TRIM_INTERVAL_S", DEFAULT_HEAP_TRIM_INTERVAL_S, environ
             ),
+            device=env.get_str("THERMOCLINE_SAFETY_DEVICE", "cpu", environ),
             max_concurrent_checks=env.get_int(
                 "THERMOCLINE_SAFETY_MAX_CONCURRENT_CHECKS", DEFAULT_MAX_CONCURRENT_CHECKS, environ
             ),

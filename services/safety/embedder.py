@@ -173,6 +173,18 @@ class MiniLMEmbedder:
         encoder adapters when it was fine-tuned."""
         return cls.load(model_dir, adapters=EncoderAdapters.from_gate(gate))
 
+    @property
+    def device(self) -> torch.device:
+        """Where the encoder runs: its weights' device (the CPU unless `to` moved them)."""
+        return self.w["embeddings.word_embeddings.weight"].device
+
+    def to(self, device: str | torch.device) -> MiniLMEmbedder:
+        """Runs the encoder on `device` from now on (its weights move there, in fp32, so its
+        embeddings match the CPU's to rounding); embeddings still come back on the CPU, where the
+        heads read them. The window cache starts over."""
+        self.w = {k: v.to(device) for k, v in self.w.items()}
+        return self
+
     def token_ids(self, text: str) -> list[int]:
         """The text's word-piece ids, without [CLS]/[SEP]."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -276,7 +288,7 @@ class MiniLMEmbedder:
                 batches.append(batch := [])
             batch.append(i)
         out = torch.cat([self._embed_counted([rows[i] for i in batch], progress) for batch in batches])
-        return out[torch.tensor(order).argsort()]  # back in the rows' order
+        return out[torch.tensor(order, device=out.device).argsort()].cpu()  # back in the rows' order
 
     def _embed_counted(self, rows: list[list[int]], progress: CheckProgress | None) -> torch.Tensor:
         """`_embed_batch`, counted in `progress` when there is one."""
@@ -292,10 +304,13 @@ class MiniLMEmbedder:
     def _embed_batch(self, rows: list[list[int]]) -> torch.Tensor:
         """Windows -> embeddings `[B, 384]` (differentiable in `self.w` outside inference mode)."""
         width = max(len(r) for r in rows)
-        ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])  # [B, S]
+        device = self.device
+        ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows]).to(device)  # [B, S]
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.bool)
+        mask = mask.to(device)
         x = self._embeddings(ids)  # [B, S, E]
-        bias = torch.zeros(mask.shape, dtype=x.dtype).masked_fill(~mask, -1e9)[:, None, None, :]  # [B,1,1,S]
+        bias = torch.zeros(mask.shape, dtype=x.dtype, device=device).masked_fill(~mask, -1e9)
+        bias = bias[:, None, None, :]  # [B, 1, 1, S]
         for layer in range(NUM_LAYERS):
             x = self._layer(x, bias, f"encoder.layer.{layer}.")
         pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)  # [B, E] mean over real tokens
@@ -303,7 +318,7 @@ class MiniLMEmbedder:
 
     def _embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.w
-        positions = torch.arange(ids.shape[1])
+        positions = torch.arange(ids.shape[1], device=ids.device)
         x = (
             w["embeddings.word_embeddings.weight"][ids]
             + w["embeddings.position_embeddings.weight"][positions]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from services.common.gate_file import PROMPT_HEAD, Gate, GateFileError, load_gate
 from services.safety import check_cache, decoders
 from services.safety.chat import joined_turns, turn_roles
@@ -73,7 +75,8 @@ class Screen:
         gate = load_gate(config.gate_path)
         model_dir = config.embedder_dir or default_model_dir()
         check_embedder(gate, model_dir)
-        classifier = TextClassifier(gate, MiniLMEmbedder.for_gate(gate, model_dir), config.max_windows)
+        embedder = MiniLMEmbedder.for_gate(gate, model_dir).to(_device(config.device))
+        classifier = TextClassifier(gate, embedder, config.max_windows)
         decoders.warm_up()
         return cls(gate, classifier, DenyPatternPolicy.load(config.deny_patterns_path))
 
@@ -149,6 +152,22 @@ def _waiver(category: str, score: float, gate_threshold: float, policy: TenantPo
     """Why the tenant's policy let a category through, for the audit log."""
     rule = "off" if category in policy.categories_off else f"tenant threshold {policy.thresholds[category]:g}"
     return f"{category} {score:.3f} >= gate {gate_threshold:.3f} ({rule})"
+
+
+def _device(name: str) -> torch.device:
+    """The encoder's device; ValueError naming the setting when this machine has no such GPU."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"THERMOCLINE_SAFETY_DEVICE={name}, but torch sees no GPU on this machine (torch "
+                f"{torch.__version__}); set it to cpu or install a CUDA build of torch"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"THERMOCLINE_SAFETY_DEVICE={name}, but this machine has {torch.cuda.device_count()} GPU(s)"
+            )
+    return device
 
 
 def check_embedder(gate: Gate, model_dir: Path) -> None:

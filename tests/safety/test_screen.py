@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.common.config import ServerConfig
 from services.safety import check_cache, classifier, normalizer
@@ -152,3 +153,34 @@ def test_a_request_among_more_encoded_texts_than_the_screen_reads_alone_is_block
     assert screen.check(harmless).is_blocked  # a tenant whose users send such texts turns it off:
     assert not screen.check(harmless, policy=TenantPolicy(frozenset({ENCODINGS_CATEGORY}), {})).is_blocked
     assert ENCODINGS_CATEGORY in screen.categories  # GetGate lists it, so a tenants file may name it
+
+
+def test_the_encoder_device_setting_is_checked() -> None:
+    config = SafetyConfig.from_env({"THERMOCLINE_SAFETY_DEVICE": "cuda:1"})
+    assert config.device == "cuda:1"
+    with pytest.raises(ValueError, match="THERMOCLINE_SAFETY_DEVICE must be cpu, cuda or cuda:N, got 'gpu'"):
+        SafetyConfig.from_env({"THERMOCLINE_SAFETY_DEVICE": "gpu"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_encoder_on_a_machine_without_a_gpu_stops_the_start_with_the_setting() -> None:
+    config = SafetyConfig.from_env({"THERMOCLINE_SAFETY_DEVICE": "cuda"})
+    with pytest.raises(ValueError, match="THERMOCLINE_SAFETY_DEVICE=cuda, but torch sees no GPU"):
+        Screen.load(config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_encoder_gives_the_cpu_verdicts_and_scores(screen: Screen) -> None:
+    on_gpu = Screen.load(SafetyConfig.from_env({"THERMOCLINE_SAFETY_DEVICE": "cuda"}))
+    assert on_gpu.classifier.embedder.device.type == "cuda"
+    benign = [
+        "How do I repot a fern without hurting its roots?",
+        "Write a short poem about the sea at night.",
+        "What is the difference between a list and a tuple in Python?",
+    ]
+    texts = [*HELDOUT["harmful"], *benign, " ".join(benign * 40)]
+    for text in texts:
+        for kind in ("prompt", "output"):
+            cpu, gpu = screen.check(text, kind), on_gpu.check(text, kind)  # type: ignore[arg-type]
+            assert gpu.is_blocked == cpu.is_blocked, text
+            assert all(abs(gpu.scores[c] - cpu.scores[c]) < 1e-3 for c in cpu.scores), text
