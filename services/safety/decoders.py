@@ -1160,6 +1160,10 @@ def _swapped(word: str) -> Iterator[str]:
         yield word[:at] + word[at + 1] + word[at] + word[at + 2 :]
 
 
+# Words _unnoised answered lately: a stream's output screen decodes its whole text again at every
+# window, and a word the dictionary lacks (a name, an identifier) costs 2 x its length lookups and
+# sorts each time. A function of its arguments and the fixed tables alone.
+@functools.lru_cache(maxsize=16_384)
 def _unnoised(word: str, before_mark: bool = False, moves: bool = True) -> str | None:
     """The dictionary word a lower-case word the dictionary lacks was before Best-of-N's noise or a
     swap, or None: the commonest word of the first of these that gives one, in turn:

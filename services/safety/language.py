@@ -33,6 +33,7 @@ past this rule; what the model answers is screened as output, where a foreign an
 from __future__ import annotations
 
 import re
+import string
 import unicodedata
 from collections import defaultdict
 from collections.abc import Iterable
@@ -272,7 +273,8 @@ def _word_evidence(word: str, is_first: bool, weight: float, evidence: _Evidence
     half: "What does 'je ne sais quoi' mean?")."""
     if len(word) < 2 or word.isupper() or (word[0].isupper() and not is_first):
         return  # a letter, an acronym or a name
-    other = [c for c in word if not _is_latin(c) and unicodedata.category(c) in _LETTERS]
+    is_ascii = word.isascii()  # most words: no letter of another script, no accent (no per-letter loop)
+    other = [] if is_ascii else [c for c in word if not _is_latin(c) and unicodedata.category(c) in _LETTERS]
     if other:
         if len(other) < 2:
             return  # a lone Greek or other letter: a symbol in an English text
@@ -289,9 +291,11 @@ def _word_evidence(word: str, is_first: bool, weight: float, evidence: _Evidence
     elif _ELISION.match(lower):
         evidence.add_foreign(weight, "fr")
         evidence.listed.add(lower)
+    elif is_ascii:
+        return
     elif any(c in _VIETNAMESE_LETTERS or "\u1ea0" <= c <= "\u1ef9" for c in word):
         evidence.add_foreign(weight, "vi")
-    elif not word.isascii() and lower not in _ENGLISH_LOANS:
+    elif lower not in _ENGLISH_LOANS:
         evidence.accents += weight * _ACCENT_WEIGHT
 
 
@@ -322,9 +326,8 @@ def _unglued_evidence(sentence: str) -> _Evidence | None:
 
 def _cased_evidence(sentence: str) -> _Evidence:
     """The evidence of `sentence`, read in lower case when it is shouted or in Title Case."""
-    letters = [c for c in sentence if c.isalpha()]
-    upper = sum(c.isupper() for c in letters)
-    if len(letters) >= _SHOUTED_MIN_LETTERS and upper >= _SHOUTED_SHARE * len(letters):
+    num_letters, upper = _letters_and_capitals(sentence)
+    if num_letters >= _SHOUTED_MIN_LETTERS and upper >= _SHOUTED_SHARE * num_letters:
         sentence = sentence.lower()
     words = list(_WORD.finditer(sentence))
     evidence = _words_evidence(sentence, words)
@@ -338,6 +341,22 @@ def _cased_evidence(sentence: str) -> _Evidence:
         if len(lowered.listed) >= _TITLE_MIN_LISTED and lowered.foreign > lowered.english:
             return lowered
     return evidence
+
+
+_NOT_ASCII_LETTERS = str.maketrans(dict.fromkeys(string.ascii_letters))
+_NOT_ASCII_CAPITALS = str.maketrans(dict.fromkeys(string.ascii_uppercase))
+
+
+def _letters_and_capitals(sentence: str) -> tuple[int, int]:
+    """How many of `sentence`'s characters are letters, and how many of those are capitals. An
+    ASCII sentence is counted by deleting A-Z and a-z (C loops, no Python per character)."""
+    if sentence.isascii():
+        length = len(sentence)
+        return length - len(sentence.translate(_NOT_ASCII_LETTERS)), length - len(
+            sentence.translate(_NOT_ASCII_CAPITALS)
+        )
+    letters = [c for c in sentence if c.isalpha()]
+    return len(letters), sum(c.isupper() for c in letters)
 
 
 def _lower_if_title(word: re.Match[str]) -> str:
