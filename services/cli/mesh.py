@@ -214,6 +214,7 @@ class Mesh:
             f"engine-{n}": free_port() for n in range(2, config.num_engines + 1)
         }
         self.extra_http_ports: dict[str, int] = {}  # HTTP fronts of extra gateways
+        self.extra_metrics_ports: dict[str, int] = {}  # /metrics of extra services (not gateways)
 
     @property
     def engine_names(self) -> list[str]:
@@ -239,6 +240,11 @@ class Mesh:
         own calls to each other do (the engine, kvstore and safety refuse calls without it)."""
         token = read_token(self.service_token_path)
         return authenticated(grpc.insecure_channel(self.target(service)), token)
+
+    def metrics_url(self, service: str) -> str:
+        """The /metrics URL of a service, an extra one (engine-2, a second safety) included."""
+        port = self.extra_metrics_ports.get(service) or self.config.ports.metrics[service]
+        return f"http://127.0.0.1:{port}/metrics"
 
     def http_url(self, gateway: str = "gateway") -> str:
         """Base URL of a gateway's OpenAI-compatible front, e.g. http://127.0.0.1:8080/v1."""
@@ -281,7 +287,9 @@ class Mesh:
         env = self._service_env()
         if service in self.extra_ports:
             env[f"THERMOCLINE_{module.upper()}_PORT"] = str(self.extra_ports[service])
-            env[f"THERMOCLINE_{module.upper()}_METRICS_PORT"] = "0"
+            # a port of its own, kept across restarts (metrics_url)
+            metrics_port = self.extra_metrics_ports.setdefault(service, free_port())
+            env[f"THERMOCLINE_{module.upper()}_METRICS_PORT"] = str(metrics_port)
         self._spawn(service, module, env)
 
     def start_gateway_replica(self, name: str, **env: str) -> str:

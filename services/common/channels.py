@@ -28,14 +28,16 @@ def open_channel(
     *,
     trace_calls: bool = True,
     service_token: ServiceToken | None = None,
+    extra_options: list[tuple[str, str | int]] | None = None,
 ) -> grpc.aio.Channel:
     """An insecure aio channel to `target` whose calls carry the current trace context and the
     service token (`service_token`, or by default this process's, from THERMOCLINE_SERVICE_TOKEN_FILE;
     none when that is unset). With `trace_calls=False` it has no interceptors, and its stubs are
-    traced by telemetry.traced_stub."""
+    traced by telemetry.traced_stub. `extra_options`: more gRPC channel arguments (a load-balancing
+    policy, say)."""
     channel = grpc.aio.insecure_channel(
         target,
-        options=channel_options(max_message_bytes) + RECONNECT_BACKOFF_OPTIONS,
+        options=channel_options(max_message_bytes) + RECONNECT_BACKOFF_OPTIONS + (extra_options or []),
         interceptors=telemetry.client_interceptors() if trace_calls else None,
     )
     return authenticated_aio(channel, service_token or token_from_env())

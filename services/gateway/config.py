@@ -210,7 +210,8 @@ def _release_policy(value: str) -> ReleasePolicy:
 class GatewayConfig:
     """Where the gateway forwards requests and how it screens them.
 
-    `THERMOCLINE_GATEWAY_SAFETY_TARGET` (host:port);
+    `THERMOCLINE_GATEWAY_SAFETY_TARGET` (host:port, or several addresses in gRPC's target syntax,
+    taken in turn: upstream.py);
     `output`: how output is screened and released (OutputScreening: `_OUTPUT_RELEASE`, ...);
     `_SAFETY_TIMEOUT_S`: the longest a safety check may take before the request fails UNAVAILABLE;
     `_HTTP_PORT`: the OpenAI-compatible HTTP front's port, on the gRPC server's host; 0 turns it off;

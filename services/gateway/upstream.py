@@ -107,7 +107,12 @@ class Upstreams:
         # The gateway's own bound on a safety check (THERMOCLINE_GATEWAY_SAFETY_TIMEOUT_S): a check
         # that runs out of it is the safety service failing (UNAVAILABLE), not the caller's deadline.
         self.safety_timeout_s = safety_timeout_s
-        self._safety_channel = open_channel(safety_target, trace_calls=False)  # the stub traces its calls
+        # A target of several addresses ("ipv4:10.0.0.5:50053,10.0.0.6:50053", or a DNS name with
+        # several records, as compose's replicas have) spreads the checks over them, one call each in
+        # turn, skipping any that is down: one safety process screens a few hundred checks a second.
+        self._safety_channel = open_channel(
+            safety_target, trace_calls=False, extra_options=[("grpc.lb_policy_name", "round_robin")]
+        )  # the stub traces its calls
         self.safety = telemetry.traced_stub(
             safety_pb2_grpc.SafetyServiceStub(self._safety_channel),
             safety_pb2.DESCRIPTOR.services_by_name["SafetyService"],
