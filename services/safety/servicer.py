@@ -49,15 +49,11 @@ WINDOWS_EMBEDDED = Counter(
     "deadline) stops adding to it at its next batch.",
     ["layer"],
 )
+# Rows per round: rate(thermocline_safety_windows_embedded_total) over this one's _count rate.
 ROUND_CHECKS = Histogram(
-    "thermocline_safety_round_checks",
+    "thermocline_safety_round_requests",
     "Checks whose rows one encoder round embedded together (row_batcher.py).",
     buckets=(1, 2, 4, 8, 16, 32, 64),
-)
-ROUND_ROWS = Histogram(
-    "thermocline_safety_round_rows",
-    "Rows one encoder round embedded, over every check in it (row_batcher.py).",
-    buckets=(1, 2, 4, 8, 16, 32),
 )
 GATE_INFO = Gauge(
     "thermocline_safety_gate_info",
@@ -228,7 +224,6 @@ def _call_done(context: Any) -> BaseException:
 
 def _observe_round(num_checks: int, num_rows: int) -> None:
     ROUND_CHECKS.observe(num_checks)
-    ROUND_ROWS.observe(num_rows)
 
 
 def tenant_policy_from_pb(policy: pb.TenantPolicy) -> TenantPolicy:
