@@ -112,11 +112,15 @@ def _socket_owners(inodes: set[str]) -> dict[str, str]:
         if not proc.name.isdigit():
             continue
         try:
-            for fd in (proc / "fd").iterdir():
+            fds = list((proc / "fd").iterdir())
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        for fd in fds:
+            try:  # each fd alone: a busy process (this one, say) closes some while they are read
                 target = fd.readlink().name
                 if target.startswith("socket:[") and target[8:-1] in inodes:
                     command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                     owners.setdefault(target[8:-1], f"pid {proc.name}: {command.strip()[:200]}")
-        except OSError:  # the process ended, or is not ours to read
-            continue
+            except OSError:
+                continue
     return owners
