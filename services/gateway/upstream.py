@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -99,6 +100,30 @@ def _count_error(error: grpc.aio.AioRpcError, timeout_s: float, waited_s: float)
     return upstream_error("engine", error)
 
 
+# The safety channel's gRPC service config: calls in turn over the target's addresses (round_robin),
+# and a check that a safety process could not take (UNAVAILABLE: it is stopping, or its connection
+# just broke) sent again, to the next address where there are several. Checks only read, so a second
+# attempt is safe; gRPC retries only requests of up to 256 KiB (its per-call retry buffer), and never
+# past the call's deadline.
+SAFETY_SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [
+            {
+                "name": [{"service": safety_pb2.DESCRIPTOR.services_by_name["SafetyService"].full_name}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.02s",
+                    "maxBackoff": "0.2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ],
+    }
+)
+
+
 class Upstreams:
     """The engine replicas (through the router) and the safety service."""
 
@@ -111,7 +136,7 @@ class Upstreams:
         # several records, as compose's replicas have) spreads the checks over them, one call each in
         # turn, skipping any that is down: one safety process screens a few hundred checks a second.
         self._safety_channel = open_channel(
-            safety_target, trace_calls=False, extra_options=[("grpc.lb_policy_name", "round_robin")]
+            safety_target, trace_calls=False, extra_options=[("grpc.service_config", SAFETY_SERVICE_CONFIG)]
         )  # the stub traces its calls
         self.safety = telemetry.traced_stub(
             safety_pb2_grpc.SafetyServiceStub(self._safety_channel),
