@@ -225,6 +225,16 @@ def test_a_refusing_engine_is_live_and_reachable_but_not_ready(
     assert find(objects, "StatefulSet", "engine")["spec"]["serviceName"] == "engine"
 
 
+def test_the_safety_service_names_every_ready_replica(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """The gateway sends checks to the addresses of its safety target in turn: headless, `safety`
+    resolves to each ready replica; a ClusterIP would give it one address, so one replica."""
+    _, objects = rendered
+    spec = find(objects, "Service", "safety")["spec"]
+    assert spec["clusterIP"] == "None" and not spec.get("publishNotReadyAddresses", False)
+    gateway = env_of(find(objects, "Deployment", "gateway"))
+    assert gateway["THERMOCLINE_GATEWAY_SAFETY_TARGET"] == "safety:50053"
+
+
 def test_the_gpu_overlay_asks_for_gpus_and_scales_on_golden_metrics() -> None:
     objects = render("gpu")
     engine = find(objects, "StatefulSet", "engine")
