@@ -52,6 +52,19 @@ def test_promtool_accepts_the_rules(promtool: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_promtool_accepts_the_scrape_config(promtool: str) -> None:
+    result = _run(promtool, "check", "config", str(REPO_ROOT / "deploy" / "prometheus.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    # every replica the safety name resolves to is labelled as the alert rules expect
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "thermocline"]
+    assert {"names": ["safety"], "type": "A", "port": 9103} in job["dns_sd_configs"]
+    service_label = {"target_label": "service", "replacement": "safety"}
+    assert {"source_labels": ["__meta_dns_name"], "regex": "safety", **service_label} in job[
+        "relabel_configs"
+    ]
+
+
 def test_rules_fire_on_crafted_series_and_stay_quiet_otherwise(promtool: str) -> None:
     result = _run(promtool, "test", "rules", str(RULES_TEST_FILE))
     assert result.returncode == 0, result.stdout + result.stderr

@@ -233,12 +233,20 @@ def test_prometheus_mounts_the_scrape_config(compose: dict[str, Any]) -> None:
 
 
 def test_prometheus_scrapes_every_metrics_port(compose: dict[str, Any]) -> None:
+    # safety is found by DNS, each replica labelled as the static targets are (job and service)
     config = yaml.safe_load(PROMETHEUS_FILE.read_text())
     targets = {
         target
         for job in config["scrape_configs"]
         for static in job.get("static_configs", [])
         for target in static["targets"]
+    }
+    # a service that may run as several replicas is found by its DNS records, each on its port
+    targets |= {
+        f"{name}:{dns['port']}"
+        for job in config["scrape_configs"]
+        for dns in job.get("dns_sd_configs", [])
+        for name in dns["names"]
     }
     for name in THERMOCLINE_SERVICES:
         metrics_port = env_of(service(compose, name))[env_var(name, "METRICS_PORT")]
