@@ -23,11 +23,7 @@ from concurrent.futures import Future
 
 import torch
 
-from services.safety.embedder import CheckCancelled, CheckProgress
-
-# One round's rows: the embedder's batch (embedder.embed_windows' batch_size), so a long check
-# alone runs as it would without the batcher, and a short check waits for at most one such batch.
-DEFAULT_ROWS_PER_ROUND = 32
+from services.safety.embedder import DEFAULT_BATCH_SIZE, CheckCancelled, CheckProgress
 
 
 class _Request:
@@ -67,19 +63,20 @@ class RowBatcher:
     def __init__(
         self,
         forward: Callable[[list[list[int]]], torch.Tensor],
-        rows_per_round: int = DEFAULT_ROWS_PER_ROUND,
-        on_round: Callable[[int, int], None] = lambda num_checks, num_rows: None,
+        # the embedder's batch: a long check alone runs as it would without the batcher, and a
+        # short check waits for at most one such batch
+        rows_per_round: int = DEFAULT_BATCH_SIZE,
+        on_round: Callable[[int], None] = lambda num_checks: None,
     ) -> None:
         if rows_per_round < 1:
             raise ValueError(f"rows_per_round must be at least 1, got {rows_per_round}")
         self._forward = forward
-        self._on_round = on_round  # told each round's checks and rows (the service's metrics)
+        self._on_round = on_round  # told each round's checks (the service's metrics)
         self.rows_per_round = rows_per_round
         self._waiting: list[_Request] = []
         self._changed = threading.Condition()
         self._is_closed = False
-        self.num_rounds = 0  # rounds run, for the tests and the bench
-        self.max_checks_in_a_round = 0
+        self.max_checks_in_a_round = 0  # for the tests
         self._thread = threading.Thread(target=self._run, name="safety-embed", daemon=True)
         self._thread.start()
 
@@ -87,9 +84,9 @@ class RowBatcher:
         """Embeddings of `rows`, in order, once the batcher's rounds have reached them all.
         CheckCancelled when `progress` says the check's call is done before they have; the
         forward's own error when a round with these rows failed."""
-        request = _Request(rows, progress)
         if not rows:
             raise ValueError("no rows to embed")
+        request = _Request(rows, progress)
         with self._changed:
             if self._is_closed:
                 raise RuntimeError("the safety service's row batcher is closed")
@@ -146,9 +143,8 @@ class RowBatcher:
             for request, _ in shares:
                 request.future.set_exception(error)
             return [request for request, _ in shares]
-        self.num_rounds += 1
         self.max_checks_in_a_round = max(self.max_checks_in_a_round, len(shares))
-        self._on_round(len(shares), len(rows))
+        self._on_round(len(shares))
         embeddings = embedded[[unique[tuple(row)] for row in rows]]
         finished, start = [], 0
         for request, num_rows in shares:

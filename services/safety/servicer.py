@@ -222,10 +222,6 @@ def _call_done(context: Any) -> BaseException:
     return asyncio.CancelledError()
 
 
-def _observe_round(num_checks: int, num_rows: int) -> None:
-    ROUND_CHECKS.observe(num_checks)
-
-
 def tenant_policy_from_pb(policy: pb.TenantPolicy) -> TenantPolicy:
     """The domain policy of a check request (an unset one leaves the gate as it is)."""
     return TenantPolicy(frozenset(policy.categories_off), dict(policy.thresholds))
@@ -236,7 +232,7 @@ def register(server: grpc.aio.Server, config: SafetyConfig) -> list[str]:
     screen = Screen.load(config)
     if config.max_concurrent_checks > 1:  # the checks' rows, embedded together
         embedder = screen.classifier.embedder
-        embedder.batcher = RowBatcher(embedder.embed_rows_now, on_round=_observe_round)
+        embedder.batcher = RowBatcher(embedder.embed_rows_now, on_round=ROUND_CHECKS.observe)
     GATE_INFO.labels(screen.gate.version, screen.gate.sha256, screen.gate.manifest_sha256).set(1)
     pb_grpc.add_SafetyServiceServicer_to_server(SafetyServicer(config, screen), server)
     return [pb.DESCRIPTOR.services_by_name["SafetyService"].full_name]
